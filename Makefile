@@ -1,0 +1,32 @@
+# Two commands do all the set-up: `make demo` and `make test`. Both (re)create .venv as needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+COLOSSALAI := colossalai==0.5.0
+DEMO_DIR ?= outputs/demo
+
+.PHONY: venv demo test test-fast clean-venv
+
+venv: $(STAMP)
+
+# Re-run only when the dependency lists change: seconds when nothing changed.
+$(STAMP): requirements.txt setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	# torch first, pinned to the CPU build on disk when it is there; otherwise keep any torch>=2.6 already present
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.6"
+	$(PY) -m pip install -q -r requirements.txt
+	# colossalai pins torch<=2.5.1 / transformers==4.51.3 / diffusers==0.29.0 in its metadata: skip its deps
+	$(PY) -m pip install -q --no-deps --no-build-isolation $(COLOSSALAI)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: venv
+	$(PY) tools/run_demo.py --out $(DEMO_DIR)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean-venv:
+	rm -rf $(VENV)
