@@ -1,0 +1,51 @@
+"""Read and write videos with PyAV. Frames are uint8 numpy arrays shaped [T, H, W, 3] (RGB)."""
+
+from pathlib import Path
+from typing import Optional
+
+import av
+import numpy as np
+
+
+def write_video(path, frames: np.ndarray, fps: float = 8.0, crf: int = 18) -> None:
+    """Write ``frames`` [T, H, W, 3] uint8 as an H.264 mp4 (a png when T == 1 and the suffix is .png)."""
+    frames = np.asarray(frames)
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"expected uint8 frames [T, H, W, 3], got {frames.dtype} {frames.shape}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() in (".png", ".jpg", ".jpeg"):
+        from PIL import Image
+
+        Image.fromarray(frames[0]).save(path)
+        return
+    height, width = frames.shape[1:3]
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=int(round(fps)))
+        stream.width, stream.height = width, height
+        # yuv420p needs even sizes; fall back to yuv444p for odd ones
+        stream.pix_fmt = "yuv420p" if width % 2 == 0 and height % 2 == 0 else "yuv444p"
+        stream.options = {"crf": str(crf)}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def read_video(path, max_frames: Optional[int] = None) -> np.ndarray:
+    """Decode all frames (or the first ``max_frames``) of a video or image into [T, H, W, 3] uint8."""
+    path = Path(path)
+    if path.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp", ".bmp"):
+        from PIL import Image
+
+        return np.asarray(Image.open(path).convert("RGB"))[None]
+    frames = []
+    with av.open(str(path)) as container:
+        for frame in container.decode(video=0):
+            frames.append(frame.to_ndarray(format="rgb24"))
+            if max_frames is not None and len(frames) >= max_frames:
+                break
+    if not frames:
+        raise ValueError(f"no decodable frames in {path}")
+    return np.stack(frames)
