@@ -1,0 +1,602 @@
+"""Load mmengine python configs and apply typed command-line overrides.
+
+One loader for every script. A config is an mmengine python file; ``_base_ = ["../base.py"]`` inherits (dicts
+merge key by key, everything else is replaced). On top of the file, command-line overrides set any key::
+
+    --model.hidden_size 512        --model.hidden_size=512      (both forms)
+    --max-steps 10                 --max_steps 10               (dashes and underscores in keys are equal)
+    --use-ema / --no-use-ema       True / False for a bool key
+    --bucket_config.256px.1 "(1.0, 16)"   --model.blocks.0.depth 2   (dict keys and list indices alike)
+
+Values are cast to the type of the value they replace, at any depth (Open-Sora 2.0 only cast top-level keys):
+bool ("true/false/1/0/yes/no"), int, float, str; list/tuple take a Python literal or "1,2,3" with elements cast
+like the existing ones; dict takes a Python literal and replaces the whole dict; a key holding None takes a
+Python literal or, failing that, the text as a string. The bare word ``None`` sets None for every type.
+
+A key that does not exist is an error naming the key and the nearest valid ones, because a typo that silently
+adds a new key is the classic way to train the wrong model. A config opens a subtree to new keys by listing its
+dotted prefix in the top-level ``_allow_new_keys_`` list, e.g. ``_allow_new_keys_ = ["model.extra", "wandb"]``
+lets ``--wandb.project demo`` create ``wandb`` and ``wandb.project``.
+
+Overrides never mutate the loaded config: ``apply_overrides`` returns a new ``Config``. ``save_config`` writes
+the resolved config next to a run's outputs (temporary file + rename, so a crash never leaves half a file).
+
+Scripts use ``load_config_from_cli``::
+
+    cfg, args = load_config_from_cli(sys.argv[1:], script_flags={"outputs": "outputs", "max_steps": None})
+
+The script's own flags are config keys too (``--max-steps`` sets ``cfg.max_steps``); a flag the config lacks is
+created with the script's default, so ``cfg.max_steps`` always exists after loading.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import difflib
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from mmengine.config import Config
+
+__all__ = [
+    "ALLOW_NEW_KEYS",
+    "BARE_FLAG",
+    "ConfigKeyError",
+    "ConfigValueError",
+    "apply_overrides",
+    "cli_usage",
+    "dotted_keys",
+    "load_config",
+    "load_config_from_cli",
+    "parse_overrides",
+    "save_config",
+    "split_cli",
+]
+
+# Top-level config key listing the dotted prefixes under which overrides may create keys.
+ALLOW_NEW_KEYS = "_allow_new_keys_"
+
+_TRUE_WORDS = frozenset({"true", "1", "yes"})
+_FALSE_WORDS = frozenset({"false", "0", "no"})
+_MISSING = object()
+
+
+class _BareFlag:
+    """Marks an override given without a value (``--flag``): True for a bool key."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "BARE_FLAG"
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+BARE_FLAG = _BareFlag()
+
+
+class ConfigKeyError(KeyError):
+    """A config key that does not exist (and may not be created); the message names the nearest valid keys."""
+
+    def __str__(self) -> str:  # KeyError would print the message inside quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class ConfigValueError(ValueError):
+    """An override whose value cannot be cast to the type of the key it sets, or a malformed command line."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading and saving
+
+
+def load_config(path: str | os.PathLike, overrides: Any = None) -> Config:
+    """Parse the mmengine config at ``path`` (``_base_`` inheritance included) and apply ``overrides``.
+
+    ``overrides`` may be command-line tokens (``["--a.b", "1", "--c=2"]``), ``(dotted_key, value)`` pairs or a
+    mapping ``{dotted_key: value}``; string values are cast to the existing key's type, other values are used as
+    Python objects. Returns a new ``Config``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    # lazy_import=False: always plain execution, so a config that imports a third-party module still yields
+    # plain values instead of mmengine's LazyObject placeholders.
+    cfg = Config.fromfile(str(path), lazy_import=False)
+    if not overrides:
+        return cfg
+    return apply_overrides(cfg, overrides)
+
+
+def save_config(cfg: Config | Mapping, out_dir: str | os.PathLike, name: str = "config.py") -> Path:
+    """Write the resolved ``cfg`` to ``out_dir/name`` atomically and return that path.
+
+    Loading the file back with ``load_config`` gives an equal dict.
+    """
+    if not isinstance(cfg, Config):
+        cfg = Config(copy.deepcopy(dict(cfg)))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / name
+    # The temporary file keeps the suffix because Config.dump picks the format (py/json/yaml) from it.
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=target.suffix or ".py", dir=out_dir)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        cfg.dump(str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command-line parsing
+
+
+def parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
+    """Turn ``["--a.b", "1", "--c=x", "--flag"]`` into ``[("a.b", "1"), ("c", "x"), ("flag", BARE_FLAG)]``.
+
+    A token after ``--key`` is its value unless it starts with ``--`` (so ``--lr -1e-4`` works); a value that
+    itself starts with ``--`` needs the ``--key=value`` form. Keys are returned as typed: dashes/underscores are
+    matched against the config's own spelling when the overrides are applied.
+    """
+    pairs: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--") or token == "--":
+            raise ConfigValueError(
+                f"unexpected argument {token!r}: config overrides look like --key value or --key=value")
+        body = token[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            key, raw = body, argv[i + 1]
+            i += 2
+        else:
+            key, raw = body, BARE_FLAG
+            i += 1
+        if not key or any(part == "" for part in key.split(".")):
+            raise ConfigValueError(f"malformed config key in {token!r}")
+        pairs.append((key, raw))
+    return pairs
+
+
+def split_cli(argv: Sequence[str]) -> tuple[str, list[tuple[str, Any]]]:
+    """Split ``CONFIG [--key value ...]`` into the config path and parsed overrides."""
+    argv = list(argv)
+    if not argv or argv[0].startswith("-"):
+        raise ConfigValueError("usage: SCRIPT CONFIG.py [--key value ...]: the config file must come first")
+    return argv[0], parse_overrides(argv[1:])
+
+
+def cli_usage(prog: str, script_flags: Mapping[str, Any], description: str | None = None) -> str:
+    lines = [f"usage: {prog} CONFIG.py [--key value | --key=value | --flag | --no-flag ...]"]
+    if description:
+        lines += ["", description]
+    if script_flags:
+        lines += ["", "script options (also config keys):"]
+        lines += [f"  --{name.replace('_', '-'):<24} default: {default!r}" for name, default in script_flags.items()]
+    lines += ["", "Any other --dotted.key overrides the config; values are cast to the existing key's type."]
+    return "\n".join(lines)
+
+
+def load_config_from_cli(
+    argv: Sequence[str] | None = None,
+    script_flags: Mapping[str, Any] | None = None,
+    *,
+    prog: str | None = None,
+    description: str | None = None,
+) -> tuple[Config, SimpleNamespace]:
+    """Load ``CONFIG`` from ``argv`` with overrides; return ``(cfg, args)``.
+
+    ``script_flags`` maps the script's own top-level keys to defaults, e.g. ``{"outputs": "outputs",
+    "max_steps": None, "resume": None}``. They are ordinary config keys: the config's value wins over the
+    default, the command line wins over both, and a key absent from the config is created with the default
+    (values given on the command line are cast to the default's type, or parsed as a literal when it is None).
+    ``args`` holds ``config`` (the path) and the final value of every script flag. ``-h``/``--help`` prints
+    usage and exits.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    flags = {_normalise(name): default for name, default in (script_flags or {}).items()}
+    for name in flags:
+        if not name.isidentifier():
+            raise ValueError(f"script flag {name!r} must be a top-level identifier-like config key")
+    if "-h" in argv or "--help" in argv:
+        print(cli_usage(prog or Path(sys.argv[0]).name, flags, description))
+        raise SystemExit(0)
+    config_path, overrides = split_cli(argv)
+    cfg = load_config(config_path)
+    tree = cfg.to_dict()
+    for name, default in flags.items():
+        if _find_key(tree, name) is _MISSING:
+            tree[name] = copy.deepcopy(default)
+    cfg = apply_overrides(_rebuild(cfg, tree), overrides)
+    args = SimpleNamespace(config=config_path, **{name: cfg[_find_key(cfg.to_dict(), name)] for name in flags})
+    return cfg, args
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Applying overrides
+
+
+def apply_overrides(cfg: Config | Mapping, overrides: Any, *, allow_new: Iterable[str] = ()) -> Config:
+    """Return a new ``Config`` with ``overrides`` applied; ``cfg`` itself is left untouched.
+
+    ``overrides``: command-line tokens, ``(dotted_key, value)`` pairs or a mapping (see ``load_config``).
+    ``allow_new``: extra dotted prefixes under which new keys may be created, on top of the config's
+    ``_allow_new_keys_``.
+    """
+    tree = copy.deepcopy(cfg.to_dict() if isinstance(cfg, Config) else _plain(cfg))
+    open_prefixes = _open_prefixes(tree) + [_normalise(p) for p in allow_new]
+    for key, value in _as_pairs(overrides):
+        _set_dotted(tree, key, value, open_prefixes)
+    return _rebuild(cfg, tree)
+
+
+def dotted_keys(tree: Config | Mapping, into_lists: bool = True) -> list[str]:
+    """Every key of ``tree`` as a dotted path, including intermediate mappings and (optionally) list indices."""
+    if isinstance(tree, Config):
+        tree = tree.to_dict()
+    return list(_iter_dotted(tree, "", into_lists))
+
+
+def _iter_dotted(node: Any, prefix: str, into_lists: bool) -> Iterator[str]:
+    if isinstance(node, Mapping):
+        children = ((str(k), v) for k, v in node.items())
+    elif into_lists and isinstance(node, (list, tuple)):
+        children = ((str(i), v) for i, v in enumerate(node))
+    else:
+        return
+    for name, child in children:
+        path = f"{prefix}.{name}" if prefix else name
+        yield path
+        yield from _iter_dotted(child, path, into_lists)
+
+
+def _set_dotted(tree: dict, key: str, value: Any, open_prefixes: list[str]) -> None:
+    parts = key.split(".")
+    node: Any = tree
+    canonical: list[str] = []  # the path spelled as the config spells it
+    tuples_to_restore: list[tuple[Any, Any]] = []  # tuples turned into lists so an element can be replaced
+    for depth, part in enumerate(parts):
+        is_last = depth == len(parts) - 1
+        if isinstance(node, list):
+            index = _list_index(node, part, key, canonical)
+            if is_last:
+                node[index] = _cast(value, node[index], ".".join(canonical + [str(index)]))
+                break
+            child_key = index
+        elif isinstance(node, dict):
+            child_key = _find_key(node, part)
+            if child_key is _MISSING and is_last and value is BARE_FLAG:
+                negated = _negated_bool_key(node, part)
+                if negated is not _MISSING:
+                    node[negated] = False
+                    break
+            if child_key is _MISSING:
+                new_path = canonical + [_normalise(p) for p in parts[depth:]]
+                if not _is_open(".".join(new_path), open_prefixes):
+                    raise _unknown_key_error(tree, key, canonical, node, open_prefixes)
+                child_key = _normalise(part)
+                if is_last:
+                    node[child_key] = _parse_new_value(value)
+                    break
+                node[child_key] = {}
+            elif is_last:
+                node[child_key] = _cast(value, node[child_key], ".".join(canonical + [str(child_key)]))
+                break
+        else:
+            where = ".".join(canonical)
+            raise ConfigValueError(
+                f"cannot set config key '{key}': '{where}' holds {_a_type(node)}, not a dict or list")
+        child = node[child_key]
+        if isinstance(child, tuple):
+            child = list(child)
+            node[child_key] = child
+            tuples_to_restore.append((node, child_key))
+        canonical.append(str(child_key))
+        node = child
+    for container, child_key in reversed(tuples_to_restore):
+        container[child_key] = tuple(container[child_key])
+
+
+def _find_key(node: Mapping, part: str) -> Any:
+    """The key of ``node`` that ``part`` names: exact, else equal up to dashes/underscores (int keys by str)."""
+    for k in node:
+        if str(k) == part:
+            return k
+    wanted = _normalise(part)
+    for k in node:
+        if _normalise(str(k)) == wanted:
+            return k
+    return _MISSING
+
+
+def _negated_bool_key(node: Mapping, part: str) -> Any:
+    """For ``--no-flag``: the bool key ``flag`` of ``node``, or _MISSING."""
+    normalised = _normalise(part)
+    if not normalised.startswith("no_"):
+        return _MISSING
+    k = _find_key(node, normalised[3:])
+    if k is not _MISSING and isinstance(node[k], bool):
+        return k
+    return _MISSING
+
+
+def _list_index(node: list, part: str, key: str, canonical: list[str]) -> int:
+    where = ".".join(canonical)
+    try:
+        index = int(part)
+    except ValueError:
+        raise ConfigValueError(
+            f"cannot set config key '{key}': '{where}' is a list; index it with a number "
+            f"0..{len(node) - 1}, not {part!r}") from None
+    if not -len(node) <= index < len(node):
+        raise ConfigKeyError(
+            f"config key '{key}': index {index} is out of range for '{where}' (length {len(node)})")
+    return index
+
+
+def _is_open(path: str, open_prefixes: list[str]) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in open_prefixes)
+
+
+def _open_prefixes(tree: Mapping) -> list[str]:
+    prefixes = tree.get(ALLOW_NEW_KEYS, [])
+    if isinstance(prefixes, str) or not isinstance(prefixes, (list, tuple)) or \
+            not all(isinstance(p, str) for p in prefixes):
+        raise ConfigValueError(f"{ALLOW_NEW_KEYS} must be a list of dotted key prefixes, got {prefixes!r}")
+    return [_normalise(p) for p in prefixes]
+
+
+def _unknown_key_error(tree: Mapping, key: str, canonical: list[str], parent: Mapping,
+                       open_prefixes: list[str]) -> ConfigKeyError:
+    typed = [_normalise(p) for p in key.split(".")]
+    wanted = ".".join(canonical + typed[len(canonical):])
+    candidates = dotted_keys(tree, into_lists=False)
+    close = _closest(wanted, candidates)
+    if not close:  # a short or misplaced key is far from every full path: compare leaf names instead
+        by_leaf: dict[str, list[str]] = {}
+        for path in candidates:
+            by_leaf.setdefault(path.rsplit(".", 1)[-1], []).append(path)
+        leaves = _closest(typed[-1], list(by_leaf))
+        close = [path for leaf in leaves for path in by_leaf[leaf]][:3]
+    message = f"unknown config key '{key}'"
+    if len(close) == 1:
+        message += f"; did you mean '{close[0]}'?"
+    elif close:
+        message += "; did you mean one of " + ", ".join(f"'{c}'" for c in close) + "?"
+    else:
+        prefix = ".".join(canonical)
+        known = sorted(str(k) for k in parent)
+        shown = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "")
+        message += f"; keys under '{prefix or '<top level>'}': {shown}"
+    where = ", ".join(open_prefixes) if open_prefixes else "none"
+    message += f" (new keys may only be created under the prefixes listed in {ALLOW_NEW_KEYS}: {where})"
+    return ConfigKeyError(message)
+
+
+def _closest(word: str, candidates: list[str], cutoff: float = 0.6, margin: float = 0.08) -> list[str]:
+    """Up to three candidates most similar to ``word``, dropping those clearly worse than the best."""
+    scored = difflib.get_close_matches(word, candidates, n=3, cutoff=cutoff)
+    if not scored:
+        return []
+    ratio = {c: difflib.SequenceMatcher(None, word, c).ratio() for c in scored}
+    best = max(ratio.values())
+    return [c for c in scored if ratio[c] >= best - margin]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Casting
+
+
+def _cast(value: Any, existing: Any, key: str) -> Any:
+    """Cast an override to the type of ``existing``: strings are parsed, Python values checked."""
+    if value is BARE_FLAG:
+        if isinstance(existing, bool):
+            return True
+        raise ConfigValueError(
+            f"--{key} needs a value (it holds {_a_type(existing)}): use --{key} VALUE or --{key}=VALUE")
+    if not isinstance(value, str):
+        return _coerce(value, existing, key)
+    if value.strip() == "None":
+        return None
+    if existing is None:
+        return _parse_literal(value)
+    if isinstance(existing, bool):  # before int: bool is an int subclass
+        return _parse_bool(value, key)
+    if isinstance(existing, int):
+        return _parse_int(value, key)
+    if isinstance(existing, float):
+        return _parse_float(value, key)
+    if isinstance(existing, str):
+        return value
+    if isinstance(existing, (list, tuple)):
+        return _parse_sequence(value, existing, key)
+    if isinstance(existing, dict):
+        parsed = _literal_eval(value)
+        if not isinstance(parsed, dict):
+            raise ConfigValueError(f"config key '{key}' holds a dict; give a Python dict literal, got {value!r}")
+        return parsed
+    raise ConfigValueError(
+        f"config key '{key}' holds {_a_type(existing)}, which cannot be set from the command line")
+
+
+def _parse_bool(text: str, key: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ConfigValueError(f"config key '{key}' is a bool; expected true/false/1/0/yes/no, got {text!r}")
+
+
+def _parse_int(text: str, key: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        pass
+    try:  # "1e3" is a fine way to type a step count
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None and number.is_integer():
+        return int(number)
+    raise ConfigValueError(f"config key '{key}' is an int; got {text!r}")
+
+
+def _parse_float(text: str, key: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ConfigValueError(f"config key '{key}' is a float; got {text!r}") from None
+
+
+def _parse_sequence(text: str, existing: list | tuple, key: str) -> list | tuple:
+    stripped = text.strip()
+    if stripped.startswith(("[", "(")):
+        parsed = _literal_eval(stripped)
+        if not isinstance(parsed, (list, tuple)):
+            raise ConfigValueError(f"config key '{key}' holds {_a_type(existing)}; got {text!r}")
+        templates = _element_templates(existing, len(parsed))
+        items = [_coerce(item, like, f"{key}[{i}]") for i, (item, like) in enumerate(zip(parsed, templates))]
+    else:
+        if any(isinstance(item, (list, tuple, dict)) for item in existing):
+            raise ConfigValueError(
+                f"config key '{key}' holds nested containers; give a Python literal such as [[1, 2], [3, 4]]")
+        pieces = [piece.strip() for piece in stripped.split(",")] if stripped else []
+        if pieces and pieces[-1] == "":  # tolerate a trailing comma: "1,"
+            pieces.pop()
+        templates = _element_templates(existing, len(pieces))
+        items = [_cast(piece, like, f"{key}[{i}]") for i, (piece, like) in enumerate(zip(pieces, templates))]
+    return type(existing)(items)
+
+
+def _element_templates(existing: list | tuple, count: int) -> list:
+    """Values whose types ``count`` new elements take: the common type of the existing elements, position by
+    position for a mixed sequence of the same length (``(1.0, 16)``), else None (parse as a literal)."""
+    if existing and len({type(item) for item in existing}) == 1:
+        return [existing[0]] * count
+    if len(existing) == count:
+        return list(existing)
+    return [None] * count
+
+
+def _coerce(value: Any, existing: Any, key: str) -> Any:
+    """Check a Python value against the type of ``existing``; ints widen to floats, nothing else converts."""
+    if value is None or existing is None:
+        return value
+    if isinstance(existing, bool):
+        if isinstance(value, bool):
+            return value
+    elif isinstance(existing, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(existing, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif isinstance(existing, (list, tuple)):
+        if isinstance(value, (list, tuple)):
+            templates = _element_templates(existing, len(value))
+            return type(existing)(
+                _coerce(item, like, f"{key}[{i}]") for i, (item, like) in enumerate(zip(value, templates)))
+    elif isinstance(existing, dict):
+        if isinstance(value, Mapping):
+            return _plain(value)
+    elif isinstance(value, type(existing)):
+        return value
+    raise ConfigValueError(
+        f"config key '{key}' holds {_a_type(existing)}; got {value!r} ({type(value).__name__})")
+
+
+def _parse_new_value(value: Any) -> Any:
+    if value is BARE_FLAG:
+        return True
+    if isinstance(value, str):
+        return _parse_literal(value)
+    return _plain(value) if isinstance(value, Mapping) else value
+
+
+def _parse_literal(text: str) -> Any:
+    """A Python literal if ``text`` is one (true/false too), else the text itself."""
+    word = text.strip().lower()
+    if word in ("true", "false"):
+        return word == "true"
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+def _literal_eval(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as error:
+        raise ConfigValueError(f"not a Python literal: {text!r} ({error})") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _a_type(value: Any) -> str:
+    name = type(value).__name__
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
+def _normalise(name: str) -> str:
+    return name.replace("-", "_")
+
+
+def _as_pairs(overrides: Any) -> list[tuple[str, Any]]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        return [(str(k), v) for k, v in overrides.items()]
+    overrides = list(overrides)
+    if all(isinstance(item, str) for item in overrides):
+        return parse_overrides(overrides)
+    pairs = []
+    for item in overrides:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"an override must be a (dotted_key, value) pair, got {item!r}")
+        key = item[0][2:] if item[0].startswith("--") else item[0]
+        pairs.append((key, item[1]))
+    return pairs
+
+
+def _plain(mapping: Mapping) -> dict:
+    """A plain nested dict (ConfigDicts converted) so overrides never touch the caller's objects."""
+    if isinstance(mapping, Config):
+        return mapping.to_dict()
+    to_dict = getattr(mapping, "to_dict", None)
+    return copy.deepcopy(to_dict() if callable(to_dict) else dict(mapping))
+
+
+def _rebuild(original: Config | Mapping, tree: dict) -> Config:
+    """A new Config holding ``tree`` that keeps the original's file name and source text."""
+    if isinstance(original, Config) and original.text:
+        return Config(tree, cfg_text=original.text, filename=original.filename)
+    return Config(tree)

@@ -1,0 +1,24 @@
+"""Shared pytest set-up: skip ``@pytest.mark.gpu`` tests without CUDA; a per-test outputs directory."""
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch  # only when GPU tests were collected: keeps CPU-only collection fast
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def tmp_outputs(tmp_path):
+    """A fresh outputs directory for one test (what scripts get as --outputs)."""
+    path = tmp_path / "outputs"
+    path.mkdir()
+    return path
