@@ -1,0 +1,22 @@
+"""Video-text data: the dataset (csv/parquet + PyAV), buckets, the resumable bucket sampler, the loader."""
+
+from .buckets import ASPECT_RATIOS, RESOLUTION_AREAS, BucketTable, parse_resolution
+from .dataloader import ResumableDataLoader, build_dataloader, collate_samples
+from .dataset import BadSampleError, VideoTextDataset, format_sample_key, parse_sample_key
+from .sampler import BucketBatchSampler, KeyBatch
+
+__all__ = [
+    "ASPECT_RATIOS",
+    "RESOLUTION_AREAS",
+    "BadSampleError",
+    "BucketBatchSampler",
+    "BucketTable",
+    "KeyBatch",
+    "ResumableDataLoader",
+    "VideoTextDataset",
+    "build_dataloader",
+    "collate_samples",
+    "format_sample_key",
+    "parse_resolution",
+    "parse_sample_key",
+]
