@@ -1,0 +1,306 @@
+"""MovingShapes: a synthetic text-to-video dataset small enough for a CPU demo.
+
+Each clip shows one anti-aliased coloured shape (circle, square or triangle) moving in a straight line at
+constant speed (left, right, up or down) over a plain dark-gray background, captioned in words:
+``"a red circle moving left"``. Because the caption fully describes the clip, a trained model can be scored
+by reading the attributes back from its samples (see ``opensora.eval.moving_shapes``).
+
+Everything here is a pure function of its arguments (a seed included) except ``write_dataset``, which
+renders a whole dataset to disk:
+
+    DIR/meta.csv         path,text,num_frames,height,width,fps,color,shape,direction,size,x0,y0,dx,dy
+    DIR/attributes.json  palette, shapes, directions, generation settings and one record per clip
+    DIR/prompts.txt      every caption once (a prompt file for sampling)
+    DIR/videos/NNNNNN.mp4  (or .png for single-frame image samples)
+
+``path`` in meta.csv is relative to the directory holding meta.csv (portable: the folder can be moved).
+Image samples (``image_fraction > 0``) are single png frames captioned without a direction
+(``"a red circle"``) and have ``direction == "none"``.
+"""
+
+import csv
+import itertools
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+# Six colours, 60 degrees apart in hue, so they stay distinguishable after blur, noise and chroma
+# subsampling. RGB in 0..255.
+PALETTE: Dict[str, Tuple[int, int, int]] = {
+    "red": (230, 40, 40),
+    "yellow": (230, 220, 40),
+    "green": (40, 210, 60),
+    "cyan": (40, 210, 220),
+    "blue": (50, 70, 240),
+    "magenta": (220, 50, 220),
+}
+COLORS: Tuple[str, ...] = tuple(PALETTE)
+SHAPES: Tuple[str, ...] = ("circle", "square", "triangle")
+DIRECTIONS: Tuple[str, ...] = ("left", "right", "up", "down")
+BACKGROUND: Tuple[int, int, int] = (24, 24, 24)
+NO_DIRECTION = "none"  # direction attribute of single-frame image samples
+
+# Unit vectors in image coordinates (x to the right, y downwards).
+DIRECTION_VECTORS: Dict[str, Tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+
+# Geometry ranges as fractions of the frame: shape size of min(H, W), travel of the frame extent along the
+# motion axis. size + travel <= 0.85 keeps the whole shape in frame for the whole clip.
+SIZE_RANGE = (0.28, 0.38)
+TRAVEL_RANGE = (0.30, 0.45)
+SUPERSAMPLE = 4  # anti-aliasing: samples per pixel along each axis
+
+META_COLUMNS = (
+    "path", "text", "num_frames", "height", "width", "fps",
+    "color", "shape", "direction", "size", "x0", "y0", "dx", "dy",
+)
+
+
+# ----------------------------------------------------------------------------------------------- captions
+def caption(color: str, shape: str, direction: Optional[str] = None) -> str:
+    """The caption of a clip; without a direction (images) it is just ``"a red circle"``."""
+    _check_attributes(color, shape, direction)
+    if direction is None or direction == NO_DIRECTION:
+        return f"a {color} {shape}"
+    return f"a {color} {shape} moving {direction}"
+
+
+def all_combinations() -> List[Tuple[str, str, str]]:
+    """Every (color, shape, direction) triple, in a fixed order (6 x 3 x 4 = 72)."""
+    return list(itertools.product(COLORS, SHAPES, DIRECTIONS))
+
+
+def all_captions() -> List[str]:
+    """Every video caption once, in the order of ``all_combinations`` (a prompt list for evaluation)."""
+    return [caption(*combo) for combo in all_combinations()]
+
+
+_WORD = re.compile(r"[a-z]+")
+
+
+def parse_caption(text: str) -> Tuple[Optional[str], Optional[str], Optional[str]]:
+    """Read (color, shape, direction) back from a caption; an attribute the text does not name is None.
+
+    Tolerant of wording ("A Red circle, moving left.") but not of ambiguity: two different colour words
+    (or shapes, or directions) give None for that attribute.
+    """
+    words = _WORD.findall(str(text).lower())
+
+    def the_one(vocabulary):
+        found = {w for w in words if w in vocabulary}
+        return found.pop() if len(found) == 1 else None
+
+    return the_one(COLORS), the_one(SHAPES), the_one(DIRECTIONS)
+
+
+def _check_attributes(color, shape, direction=None):
+    if color not in PALETTE:
+        raise ValueError(f"unknown color {color!r}; choose one of {list(COLORS)}")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {list(SHAPES)}")
+    if direction not in (None, NO_DIRECTION) and direction not in DIRECTIONS:
+        raise ValueError(f"unknown direction {direction!r}; choose one of {list(DIRECTIONS)}")
+
+
+# ----------------------------------------------------------------------------------------------- geometry
+@dataclass(frozen=True)
+class ShapeMotion:
+    """One clip's content. Positions are the shape centre in pixels (x right, y down) at frame 0; the
+    centre moves by (dx, dy) pixels over the whole clip (frame 0 to frame T-1)."""
+
+    color: str
+    shape: str
+    direction: str
+    size: float
+    x0: float
+    y0: float
+    dx: float
+    dy: float
+
+    def centre(self, frame_index: int, num_frames: int) -> Tuple[float, float]:
+        progress = frame_index / (num_frames - 1) if num_frames > 1 else 0.0
+        return self.x0 + progress * self.dx, self.y0 + progress * self.dy
+
+
+def sample_motion(
+    rng: np.random.Generator, color: str, shape: str, direction: str, height: int, width: int, moving: bool = True
+) -> ShapeMotion:
+    """Draw size, start and travel so the motion is clearly visible and the shape stays in frame.
+
+    ``direction == "none"`` or ``moving=False`` gives a static shape anywhere in frame.
+    """
+    _check_attributes(color, shape, direction)
+    size = float(rng.uniform(*SIZE_RANGE) * min(height, width))
+    half = size / 2
+    if direction == NO_DIRECTION or not moving:
+        x0 = float(rng.uniform(half, width - half))
+        y0 = float(rng.uniform(half, height - half))
+        return ShapeMotion(color, shape, direction, size, x0, y0, 0.0, 0.0)
+    ux, uy = DIRECTION_VECTORS[direction]
+    along_extent = width if ux else height
+    across_extent = height if ux else width
+    travel = float(rng.uniform(*TRAVEL_RANGE) * along_extent)
+    # leftmost possible start of the interval swept by the centre, then flip for negative directions
+    slack = along_extent - size - travel
+    sweep_start = half + float(rng.uniform(0.0, max(slack, 0.0)))
+    sign = ux + uy
+    along0 = sweep_start if sign > 0 else sweep_start + travel
+    across0 = float(rng.uniform(half, across_extent - half))
+    x0, y0 = (along0, across0) if ux else (across0, along0)
+    return ShapeMotion(color, shape, direction, size, x0, y0, ux * travel, uy * travel)
+
+
+def shape_coverage(shape: str, centre_x: float, centre_y: float, size: float, height: int, width: int) -> np.ndarray:
+    """Fraction of each pixel [H, W] covered by the shape (supersampled, so edges are anti-aliased).
+
+    The shape fills a ``size`` x ``size`` box centred on the centre: a disc, the full square, or an upright
+    isosceles triangle with its apex at the top middle and its base along the bottom edge.
+    """
+    offsets = (np.arange(SUPERSAMPLE) + 0.5) / SUPERSAMPLE
+    ys = (np.arange(height)[:, None] + offsets[None, :]).reshape(-1)[:, None] - centre_y  # [H*S, 1]
+    xs = (np.arange(width)[:, None] + offsets[None, :]).reshape(-1)[None, :] - centre_x  # [1, W*S]
+    half = size / 2
+    if shape == "circle":
+        inside = xs**2 + ys**2 <= half**2
+    elif shape == "square":
+        inside = (np.abs(xs) <= half) & (np.abs(ys) <= half)
+    elif shape == "triangle":
+        depth = ys + half  # distance below the apex
+        inside = (depth >= 0) & (ys <= half) & (np.abs(xs) <= depth / 2)
+    else:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {list(SHAPES)}")
+    return inside.reshape(height, SUPERSAMPLE, width, SUPERSAMPLE).mean(axis=(1, 3))
+
+
+def render_video(motion: ShapeMotion, height: int, width: int, num_frames: int) -> np.ndarray:
+    """Render a clip as uint8 frames [T, H, W, 3]."""
+    background = np.asarray(BACKGROUND, dtype=np.float64)
+    foreground = np.asarray(PALETTE[motion.color], dtype=np.float64)
+    frames = np.empty((num_frames, height, width, 3), dtype=np.uint8)
+    for t in range(num_frames):
+        cx, cy = motion.centre(t, num_frames)
+        alpha = shape_coverage(motion.shape, cx, cy, motion.size, height, width)[..., None]
+        frames[t] = np.round(background + alpha * (foreground - background)).astype(np.uint8)
+    return frames
+
+
+def render_from_attributes(
+    color: str, shape: str, direction: str, height: int = 32, width: int = 32, num_frames: int = 16,
+    seed: int = 0, moving: bool = True,
+) -> np.ndarray:
+    """Convenience: sample a motion for these attributes with ``seed`` and render it [T, H, W, 3] uint8."""
+    rng = np.random.default_rng(seed)
+    return render_video(sample_motion(rng, color, shape, direction, height, width, moving), height, width, num_frames)
+
+
+# ----------------------------------------------------------------------------------------------- dataset
+def dataset_attributes(num: int, seed: int) -> List[Tuple[str, str, str]]:
+    """Balanced attributes for clips 0..num-1: every block of 72 clips is a seeded shuffle of all combos,
+    so num >= 72 covers every combination and each colour/shape/direction is equally frequent."""
+    combos = all_combinations()
+    rng = np.random.default_rng([seed, 0x5EED])
+    out: List[Tuple[str, str, str]] = []
+    while len(out) < num:
+        out.extend(combos[i] for i in rng.permutation(len(combos)))
+    return out[:num]
+
+
+def image_indices(num: int, image_fraction: float) -> set:
+    """Which clips are single-frame images: round(num * image_fraction) indices spread evenly."""
+    num_images = int(round(num * image_fraction))
+    if num_images <= 0:
+        return set()
+    return set(np.linspace(0, num - 1, num_images).round().astype(int).tolist())
+
+
+def clip_motion(index: int, combo: Tuple[str, str, str], seed: int, height: int, width: int, image: bool):
+    """The motion of clip ``index``: its own random stream, so clip i does not depend on ``num``."""
+    rng = np.random.default_rng([seed, index])
+    color, shape, direction = combo
+    return sample_motion(rng, color, shape, NO_DIRECTION if image else direction, height, width)
+
+
+def write_dataset(
+    out_dir, num: int, seed: int = 0, height: int = 32, width: int = 32, num_frames: int = 16, fps: float = 8.0,
+    image_fraction: float = 0.0, crf: int = 18, progress: bool = True,
+) -> Path:
+    """Render ``num`` clips to ``out_dir`` (see the module docstring for the layout); returns meta.csv's path.
+
+    Deterministic: the same arguments give identical csv/json files and identical decoded frames.
+    """
+    from opensora.datasets.video_io import write_video
+
+    if num < 1 or height < 8 or width < 8 or num_frames < 2:
+        raise ValueError(f"need num >= 1, height/width >= 8, num_frames >= 2; got {num}, {height}x{width}, {num_frames}")
+    if not 0.0 <= image_fraction <= 1.0:
+        raise ValueError(f"image_fraction must be in [0, 1], got {image_fraction}")
+    fps = float(fps)
+    out_dir = Path(out_dir)
+    (out_dir / "videos").mkdir(parents=True, exist_ok=True)
+    combos = dataset_attributes(num, seed)
+    images = image_indices(num, image_fraction)
+    indices = range(num)
+    if progress:
+        from tqdm import tqdm
+
+        indices = tqdm(indices, desc="MovingShapes", unit="clip")
+    rows = []
+    for index in indices:
+        image = index in images
+        motion = clip_motion(index, combos[index], seed, height, width, image)
+        frames = render_video(motion, height, width, 1 if image else num_frames)
+        rel_path = f"videos/{index:06d}.{'png' if image else 'mp4'}"
+        write_video(out_dir / rel_path, frames, fps=fps, crf=crf)
+        record = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(motion).items()}
+        row = {
+            "path": rel_path,
+            "text": caption(motion.color, motion.shape, motion.direction),
+            "num_frames": len(frames),
+            "height": height,
+            "width": width,
+            "fps": fps,
+            **record,
+        }
+        rows.append(row)
+    meta_path = out_dir / "meta.csv"
+    with open(meta_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(META_COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+    settings = dict(num=num, seed=seed, height=height, width=width, num_frames=num_frames, fps=fps,
+                    image_fraction=image_fraction, crf=crf)
+    attributes = {
+        "palette": {name: list(rgb) for name, rgb in PALETTE.items()},
+        "shapes": list(SHAPES),
+        "directions": list(DIRECTIONS),
+        "background": list(BACKGROUND),
+        "caption_template": "a {color} {shape} moving {direction}",
+        "paths_relative_to": "the directory containing meta.csv",
+        "settings": settings,
+        "clips": rows,
+    }
+    (out_dir / "attributes.json").write_text(json.dumps(attributes, indent=1) + "\n")
+    (out_dir / "prompts.txt").write_text("\n".join(all_captions()) + "\n")
+    return meta_path
+
+
+def read_meta(csv_path) -> List[dict]:
+    """Rows of a meta.csv as dicts of strings (no pandas needed)."""
+    with open(csv_path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def resolve_path(csv_path, path: str) -> Path:
+    """A meta.csv ``path``: absolute as is, otherwise relative to the csv's directory (as write_dataset writes)."""
+    p = Path(path)
+    return p if p.is_absolute() else Path(csv_path).resolve().parent / p
+
+
+__all__: Sequence[str] = (
+    "PALETTE", "COLORS", "SHAPES", "DIRECTIONS", "BACKGROUND", "NO_DIRECTION", "ShapeMotion",
+    "caption", "all_captions", "all_combinations", "parse_caption", "sample_motion", "shape_coverage",
+    "render_video", "render_from_attributes", "dataset_attributes", "write_dataset", "read_meta", "resolve_path",
+)

@@ -1,0 +1,1 @@
+"""Evaluation metrics. ``opensora.eval.moving_shapes`` scores videos against MovingShapes captions."""
