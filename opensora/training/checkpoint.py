@@ -1,0 +1,276 @@
+"""Atomic, resumable step checkpoints written through the Booster.
+
+Layout of one checkpoint, ``{outputs}/checkpoints/step-{step:07d}/``::
+
+    model/                 booster.save_model(shard=True, safetensors)       all ranks take part
+    optimizer/             booster.save_optimizer(shard=True)                all ranks take part
+    lr_scheduler.pt        booster.save_lr_scheduler                         (if a scheduler is given)
+    ema.safetensors        EMA weights, written by rank 0                    (if an EMA is given)
+    extra_state.pt         caller's dict (sampler state, {step, epoch, ...}), rank 0, tensors/plain types
+    rng/rank{r}.pt         python/numpy/torch(/cuda) RNG state of every rank r
+    master/rank{r}.pt      fp32 master weights held by rank r's optimizer    (bf16/fp16 training only)
+    config.py              the resolved config text                          (if given)
+    meta.json              step, world size, time
+    COMPLETE               completion marker, written last
+
+Every rank writes into a hidden sibling ``.tmp-step-{step:07d}``; after a barrier rank 0 writes the marker and
+renames the directory into place (``os.replace`` is atomic on one filesystem), so a crash mid-save leaves the
+previous checkpoint untouched and only a tmp directory behind, which the next save removes.
+Everything is loadable with ``torch.load(weights_only=True)``.
+
+Why ``master/``: ColossalAI's checkpoint IO rebuilds the optimizer's fp32 master weights from the saved
+bf16/fp16 model weights on load, which rounds them, so a resumed bf16 run drifts from the uninterrupted one.
+Saving each rank's master shards and copying them back makes the resume exact (same world size only; with a
+different world size the rounded masters are kept and a warning says so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .distributed import barrier, broadcast_object, get_rank, get_world_size
+from .rng import get_rng_state, set_rng_state
+
+COMPLETE_MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_PREFIX = ".tmp-"
+
+
+def checkpoint_root(outputs: str | Path) -> Path:
+    return Path(outputs) / "checkpoints"
+
+
+def checkpoint_dir(outputs: str | Path, step: int) -> Path:
+    return checkpoint_root(outputs) / f"step-{step:07d}"
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def list_checkpoints(outputs: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``outputs`` as (step, path), oldest first; tmp/incomplete dirs are ignored."""
+    root = checkpoint_root(outputs)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def find_latest_checkpoint(outputs: str | Path) -> Path | None:
+    """The newest complete checkpoint directory, or None."""
+    found = list_checkpoints(outputs)
+    return found[-1][1] if found else None
+
+
+def _remove_leftover_tmp_dirs(root: Path) -> None:
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith(_TMP_PREFIX) and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def prune_checkpoints(outputs: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints; returns the deleted paths."""
+    if keep_last is None or keep_last <= 0:
+        return []
+    doomed = [path for _, path in list_checkpoints(outputs)[:-keep_last]]
+    for path in doomed:
+        # Rename first so a crash mid-delete never leaves a half-deleted dir that still looks complete.
+        trash = path.with_name(f"{_TMP_PREFIX}delete-{path.name}")
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+def _master_params(model, optimizer) -> list[torch.Tensor]:
+    """The optimizer's own (master) parameters, when training keeps them apart from low-precision weights."""
+    from .ema import unwrap_model
+
+    inner = getattr(optimizer, "optim", None)
+    low_precision = any(p.is_floating_point() and p.dtype != torch.float32
+                        for p in unwrap_model(model).parameters())
+    if inner is None or not low_precision:
+        return []
+    return [p for group in inner.param_groups for p in group["params"]]
+
+
+def _save_master_params(model, optimizer, directory: Path, rank: int) -> None:
+    masters = _master_params(model, optimizer)
+    if masters:
+        torch.save([p.detach().cpu() for p in masters], directory / f"rank{rank}.pt")
+
+
+def _load_master_params(model, optimizer, directory: Path, rank: int, saved_world_size: int) -> None:
+    masters = _master_params(model, optimizer)
+    path = directory / f"rank{rank}.pt"
+    if not masters or not directory.is_dir():
+        return
+    if saved_world_size != get_world_size() or not path.is_file():
+        warnings.warn(f"fp32 master weights were saved with world size {saved_world_size}, now "
+                      f"{get_world_size()}: rebuilding them from the low-precision model weights")
+        return
+    saved = torch.load(path, weights_only=True)
+    if len(saved) != len(masters) or any(a.shape != b.shape for a, b in zip(saved, masters)):
+        raise RuntimeError(f"{path} does not match this optimizer's master parameters (model or plugin changed?)")
+    with torch.no_grad():
+        for master, value in zip(masters, saved):
+            master.copy_(value)
+
+
+def _publish(tmp: Path, final: Path, meta: dict) -> None:
+    """Rank 0: mark ``tmp`` complete and move it to ``final`` (replacing an older save of the same step)."""
+    (tmp / COMPLETE_MARKER).write_text(json.dumps(meta) + "\n")
+    if final.exists():
+        old = final.with_name(f"{_TMP_PREFIX}old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def save_checkpoint(
+    outputs: str | Path,
+    step: int,
+    booster,
+    model,
+    optimizer=None,
+    lr_scheduler=None,
+    ema=None,
+    extra_state: dict[str, Any] | None = None,
+    config_text: str | None = None,
+    keep_last: int | None = None,
+    size_per_shard_mb: int = 1024,
+) -> Path:
+    """Write checkpoint ``step`` atomically; every rank must call it. Returns the final directory.
+
+    ``extra_state`` (rank 0's copy is saved) holds tensors and plain python types only, e.g.
+    ``{"trainer": {"step": 6, "epoch": 0}, "sampler": sampler.state_dict()}``.
+    ``ema`` is an ``opensora.training.ema.EMA`` (saved by rank 0, where it lives).
+    ``keep_last`` > 0 deletes older complete checkpoints afterwards.
+    """
+    rank, world_size = get_rank(), get_world_size()
+    root = checkpoint_root(outputs)
+    final = checkpoint_dir(outputs, step)
+    tmp = root / f"{_TMP_PREFIX}{final.name}"
+
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_leftover_tmp_dirs(root)  # debris of a crashed save (ours or an earlier run's)
+        tmp.mkdir()
+        (tmp / "rng").mkdir()
+        (tmp / "master").mkdir()
+    barrier()
+
+    booster.save_model(model, str(tmp / "model"), shard=True, use_safetensors=True,
+                       size_per_shard=size_per_shard_mb)
+    if optimizer is not None:
+        booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True, size_per_shard=size_per_shard_mb)
+    if lr_scheduler is not None:
+        booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
+    torch.save(get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    if optimizer is not None:
+        _save_master_params(model, optimizer, tmp / "master", rank)
+    if rank == 0:
+        if ema is not None:
+            ema.save(tmp / "ema.safetensors")
+        torch.save(dict(extra_state or {}), tmp / "extra_state.pt")
+        if config_text is not None:
+            (tmp / "config.py").write_text(config_text)
+    barrier()
+
+    if rank == 0:
+        meta = {"step": int(step), "world_size": world_size, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _publish(tmp, final, meta)
+        prune_checkpoints(outputs, keep_last)
+    barrier()
+    return final
+
+
+@dataclass
+class LoadedState:
+    """What ``load_checkpoint`` hands back besides the restored model/optimizer/scheduler."""
+
+    path: Path
+    step: int
+    extra_state: dict[str, Any] = field(default_factory=dict)
+    ema_path: Path | None = None  # None when the checkpoint has no EMA
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def load_checkpoint(
+    path: str | Path,
+    booster,
+    model,
+    optimizer=None,
+    lr_scheduler=None,
+    ema=None,
+    restore_rng: bool = True,
+) -> LoadedState:
+    """Restore a complete checkpoint into boosted objects; every rank must call it.
+
+    Model/optimizer/scheduler go through ``booster.load_*``; ``ema`` (if given) is filled on rank 0; this
+    rank's RNG state is restored (``restore_rng``). Optimizer/scheduler left as None are not loaded, so a
+    fine-tune can start from weights only.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if not is_complete(path):
+        raise RuntimeError(f"checkpoint {path} has no {COMPLETE_MARKER} marker: it is an interrupted save")
+    meta = json.loads((path / "meta.json").read_text())
+
+    booster.load_model(model, str(path / "model"))
+    if optimizer is not None:
+        booster.load_optimizer(optimizer, str(path / "optimizer"))
+        _load_master_params(model, optimizer, path / "master", get_rank(), int(meta.get("world_size", 0)))
+    if lr_scheduler is not None:
+        scheduler_file = path / "lr_scheduler.pt"
+        if not scheduler_file.is_file():
+            raise FileNotFoundError(f"{scheduler_file} missing: the checkpoint was saved without a scheduler")
+        booster.load_lr_scheduler(lr_scheduler, str(scheduler_file))
+
+    ema_file = path / "ema.safetensors"
+    if ema is not None and ema_file.is_file():
+        ema.load(ema_file)
+    elif ema is not None and get_rank() == 0:
+        warnings.warn(f"{path} has no EMA weights; the EMA keeps its current (freshly copied) values")
+
+    extra_state = torch.load(path / "extra_state.pt", weights_only=True)
+    if restore_rng:
+        rng_file = path / "rng" / f"rank{get_rank()}.pt"
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=True))
+        else:
+            warnings.warn(f"{rng_file} missing (saved with world size {meta.get('world_size')}); "
+                          "this rank's RNG is not restored")
+    barrier()
+    return LoadedState(path=path, step=int(meta["step"]), extra_state=extra_state,
+                       ema_path=ema_file if ema_file.is_file() else None, meta=meta)
+
+
+def resolve_resume_path(outputs: str | Path, load: str | Path | None = None, resume_auto: bool = False) -> Path | None:
+    """``--load DIR`` wins; ``--resume auto`` picks rank 0's view of the newest complete checkpoint."""
+    if load is not None:
+        return Path(load)
+    if not resume_auto:
+        return None
+    latest = find_latest_checkpoint(outputs) if get_rank() == 0 else None
+    return broadcast_object(latest)

@@ -1,0 +1,145 @@
+"""Exponential moving average of the model weights, kept on rank 0 only.
+
+    shadow <- decay * shadow + (1 - decay) * param        (step >= start_step)
+    shadow <- param                                       (step <  start_step: plain copy)
+
+The shadow starts as a copy of the weights at construction. Which weights it sees: the *unwrapped* model's
+trainable parameters (``requires_grad``), keyed by their ``named_parameters()`` names, so an EMA state dict
+loads straight into the bare model. Under the plugins we use those are the full working weights on every rank:
+
+* TorchDDP and LowLevelZero stage 1/2: parameters are replicated; ZeRO shards only gradients/optimizer
+  state (the fp32 master copy), and after ``optimizer.step()`` the updated working params are all-gathered.
+  With ``precision="bf16"`` the working params are the **bf16** copies, so the EMA averages bf16-rounded
+  weights (accumulated in fp32 here).
+* HybridParallelPlugin with tp_size=1 (our no-op policy): parameters are whole on every rank.
+* Gemini / FSDP / tensor parallel shard the parameters themselves: this class does NOT gather them.
+
+With ``world_size > 1`` only rank 0 allocates the shadow; on other ranks every method is a cheap no-op.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from .distributed import get_rank
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside Booster / DDP / ZeRO wrappers."""
+    while True:
+        if hasattr(model, "unwrap") and callable(model.unwrap):
+            inner = model.unwrap()
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
+
+
+def ema_step(shadow: torch.Tensor, value: torch.Tensor, decay: float) -> None:
+    """In place: shadow <- decay * shadow + (1 - decay) * value (value cast to the shadow's dtype/device)."""
+    shadow.lerp_(value.to(device=shadow.device, dtype=shadow.dtype), 1.0 - decay)
+
+
+class EMA:
+    """EMA of a model's trainable weights.
+
+    Args:
+        model: the (possibly booster-wrapped) model; only names/shapes and initial values are read.
+        decay: EMA decay (config key ``ema_decay``; 0.9999 in our configs).
+        start_step: updates with ``step < start_step`` copy the weights instead of averaging.
+        device: where the shadow lives; ``None`` = same device as each parameter; ``"cpu"`` saves GPU memory.
+        dtype: shadow dtype, fp32 by default (averaging in bf16 loses the (1 - decay) increments).
+        enabled: override the rank-0-only rule (default: enabled only on rank 0).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float = 0.9999,
+        start_step: int = 0,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        enabled: bool | None = None,
+    ):
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
+        self.decay = float(decay)
+        self.start_step = int(start_step)
+        self.device = torch.device(device) if device is not None else None
+        self.dtype = dtype
+        self.enabled = (get_rank() == 0) if enabled is None else bool(enabled)
+        self.num_updates = 0
+        self.shadow: dict[str, torch.Tensor] = {}
+        if self.enabled:
+            with torch.no_grad():
+                for name, param in self._tracked(model):
+                    self.shadow[name] = param.detach().to(
+                        device=self.device or param.device, dtype=self.dtype, copy=True)
+
+    @staticmethod
+    def _tracked(model: nn.Module):
+        return [(n, p) for n, p in unwrap_model(model).named_parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: int) -> None:
+        """Fold the model's current weights in; ``step`` is the trainer's global step (after the update)."""
+        if not self.enabled:
+            return
+        copy_only = step < self.start_step
+        for name, param in self._tracked(model):
+            if name not in self.shadow:
+                raise KeyError(f"EMA has no weight {name!r}: was the model changed after the EMA was built?")
+            if copy_only:
+                self.shadow[name].copy_(param.detach())
+            else:
+                ema_step(self.shadow[name], param.detach(), self.decay)
+        self.num_updates += 1
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module) -> None:
+        """Write the EMA weights into ``model`` (e.g. for sampling); only meaningful where enabled."""
+        params = dict(unwrap_model(model).named_parameters())
+        for name, value in self.shadow.items():
+            params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Weight name -> EMA tensor (the same keys as the bare model's state dict). Empty where disabled."""
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        if not self.enabled:
+            return
+        missing = sorted(set(self.shadow) - set(state))
+        unexpected = sorted(set(state) - set(self.shadow))
+        if strict and (missing or unexpected):
+            raise KeyError(f"EMA state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, value in state.items():
+                if name in self.shadow:
+                    self.shadow[name].copy_(value)
+
+    def save(self, path: str | Path) -> None:
+        """Write a safetensors file (fp32 tensors on CPU + decay/start_step/num_updates metadata)."""
+        if not self.enabled:
+            return
+        tensors = {name: t.detach().cpu().contiguous() for name, t in self.shadow.items()}
+        metadata = {"decay": repr(self.decay), "start_step": str(self.start_step),
+                    "num_updates": str(self.num_updates)}
+        save_file(tensors, str(path), metadata=metadata)
+
+    def load(self, path: str | Path, strict: bool = True) -> None:
+        if not self.enabled:
+            return
+        from safetensors import safe_open
+
+        self.load_state_dict(load_file(str(path)), strict=strict)
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        self.num_updates = int(metadata.get("num_updates", self.num_updates))

@@ -1,0 +1,183 @@
+"""Atomic step checkpoints: exact resume under ZeRO-2 on 2 gloo ranks, crash safety, keep_last, RNG, EMA."""
+
+import json
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+SEED = 7
+
+
+def _boosted(precision, init_seed):
+    from opensora.training.booster import build_booster
+
+    with torch.random.fork_rng():  # init from its own seed without touching the data RNG stream
+        torch.manual_seed(init_seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-15, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    booster = build_booster(dict(type="LowLevelZeroPlugin", stage=2), precision)
+    model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    return booster, model, optimizer, scheduler
+
+
+def _train(booster, model, optimizer, scheduler, ema, steps, first_step, precision):
+    """Steps draw their data from the *global* RNGs, so an exact resume needs the RNG state restored too."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    losses = []
+    for step in range(first_step, first_step + steps):
+        x = torch.randn(4, 8) + float(np.random.rand()) + random.random()
+        y = torch.randn(4, 4)
+        loss = ((model(x.to(dtype)).float() - y) ** 2).mean()
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        ema.update(model, step=step + 1)
+        losses.append(loss.item())
+    return losses
+
+
+def _checkpoint_scenarios(rank, world_size, outputs, precision):
+    warnings.filterwarnings("ignore")
+    from opensora.training import checkpoint as ckpt
+    from opensora.training.distributed import init_distributed
+    from opensora.training.ema import EMA
+    from opensora.training.rng import seed_everything
+
+    init_distributed()
+    out = {}
+
+    # Uninterrupted reference: 6 steps. Seed after boosting (colossalai's lazy imports draw from `random`).
+    parts = _boosted(precision, init_seed=0)
+    seed_everything(SEED + rank)
+    ema = EMA(parts[1], decay=0.9)
+    out["reference"] = _train(*parts, ema, steps=6, first_step=0, precision=precision)
+    out["reference_ema"] = ema.state_dict()
+
+    # Interrupted: 3 steps, save, then a save that crashes halfway.
+    parts = _boosted(precision, init_seed=0)
+    seed_everything(SEED + rank)
+    booster, model, optimizer, scheduler = parts
+    ema = EMA(model, decay=0.9)
+    out["first_half"] = _train(*parts, ema, steps=3, first_step=0, precision=precision)
+    saved = ckpt.save_checkpoint(outputs, 3, booster, model, optimizer, scheduler, ema=ema,
+                                 extra_state={"trainer": {"step": 3, "epoch": 0}, "sampler": {"index": 12}},
+                                 config_text="lr = 1e-2\n", keep_last=2)
+    out["saved"] = str(saved)
+    out["rng_after_save"] = (torch.rand(3), float(np.random.rand()), random.random())
+
+    def crash(*args, **kwargs):  # model + optimizer are already in the tmp dir when this runs
+        raise OSError("disk full (simulated)")
+
+    booster.save_lr_scheduler = crash
+    try:
+        ckpt.save_checkpoint(outputs, 4, booster, model, optimizer, scheduler, ema=ema)
+    except OSError as err:
+        out["crash"] = str(err)
+    out["latest_after_crash"] = str(ckpt.find_latest_checkpoint(outputs))
+
+    # Resume into a fresh model/optimizer/scheduler with different init weights and scrambled RNGs.
+    seed_everything(1234)
+    parts = _boosted(precision, init_seed=99)
+    booster, model, optimizer, scheduler = parts
+    ema = EMA(model, decay=0.9)
+    loaded = ckpt.load_checkpoint(ckpt.find_latest_checkpoint(outputs), booster, model, optimizer, scheduler, ema=ema)
+    out["loaded_step"], out["extra_state"] = loaded.step, loaded.extra_state
+    out["rng_after_load"] = (torch.rand(3), float(np.random.rand()), random.random())
+    ckpt_rng = torch.load(loaded.path / "rng" / f"rank{rank}.pt", weights_only=True)
+    from opensora.training.rng import set_rng_state
+
+    set_rng_state(ckpt_rng)
+    out["second_half"] = _train(*parts, ema, steps=3, first_step=3, precision=precision)
+    out["resumed_ema"] = ema.state_dict()
+
+    # More saves: the crashed tmp dir is cleaned, keep_last=2 drops step 3.
+    for step in (4, 5):
+        ckpt.save_checkpoint(outputs, step, booster, model, optimizer, scheduler, ema=ema,
+                             extra_state={"trainer": {"step": step}}, keep_last=2)
+    out["final_listing"] = sorted(p.name for p in (ckpt.checkpoint_root(outputs)).iterdir())
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{precision: (outputs dir, [rank0 result, rank1 result])}; both precisions share one pair of processes
+    so the colossalai import is paid once."""
+    outputs = {p: tmp_path_factory.mktemp(f"ckpt_{p}") for p in ("fp32", "bf16")}
+    per_rank = run_distributed(_run_both, world_size=2, args=({p: str(o) for p, o in outputs.items()},),
+                               timeout=240)
+    return {p: (outputs[p], [r[p] for r in per_rank]) for p in outputs}
+
+
+def _run_both(rank, world_size, outputs_by_precision):
+    return {p: _checkpoint_scenarios(rank, world_size, out, p) for p, out in outputs_by_precision.items()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_bit_identical(runs, precision):
+    _, per_rank = runs[precision]
+    for r in per_rank:
+        assert r["first_half"] == r["reference"][:3]
+        assert r["second_half"] == r["reference"][3:], "resumed losses must equal the uninterrupted run exactly"
+        assert r["loaded_step"] == 3
+        assert r["extra_state"] == {"trainer": {"step": 3, "epoch": 0}, "sampler": {"index": 12}}
+    # rank 0 holds the EMA; the resumed EMA equals the uninterrupted one exactly.
+    ref, resumed = per_rank[0]["reference_ema"], per_rank[0]["resumed_ema"]
+    assert ref.keys() == resumed.keys() and len(ref) == 4
+    for key in ref:
+        assert torch.equal(ref[key], resumed[key]), key
+    assert per_rank[1]["resumed_ema"] == {}, "only rank 0 keeps EMA weights"
+
+
+def test_rng_state_restored_per_rank(runs):
+    _, per_rank = runs["fp32"]
+    for r in per_rank:
+        after_save, after_load = r["rng_after_save"], r["rng_after_load"]
+        assert torch.equal(after_save[0], after_load[0]) and after_save[1:] == after_load[1:]
+    assert not torch.equal(per_rank[0]["rng_after_load"][0], per_rank[1]["rng_after_load"][0])
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(runs):
+    _, per_rank = runs["fp32"]
+    for r in per_rank:
+        assert r["crash"] == "disk full (simulated)"
+        assert r["latest_after_crash"] == r["saved"]
+        assert r["latest_after_crash"].endswith("step-0000003")
+
+
+def test_keep_last_and_tmp_cleanup(runs):
+    outputs, per_rank = runs["fp32"]
+    assert per_rank[0]["final_listing"] == ["step-0000004", "step-0000005"]
+    from opensora.training.checkpoint import find_latest_checkpoint, list_checkpoints
+
+    assert [s for s, _ in list_checkpoints(outputs)] == [4, 5]
+    latest = find_latest_checkpoint(outputs)
+    assert latest.name == "step-0000005"
+    files = {p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file()}
+    for expected in ("COMPLETE", "meta.json", "ema.safetensors", "extra_state.pt", "lr_scheduler.pt",
+                     "rng/rank0.pt", "rng/rank1.pt"):
+        assert expected in files
+    assert any(f.startswith("model/") for f in files) and any(f.startswith("optimizer/") for f in files)
+    assert json.loads((latest / "meta.json").read_text())["step"] == 5
+    # Every payload we write loads with weights_only=True.
+    for name in ("extra_state.pt", "rng/rank0.pt", "lr_scheduler.pt"):
+        torch.load(latest / name, weights_only=True)
+
+
+def test_find_latest_ignores_incomplete_dirs(tmp_path):
+    from opensora.training.checkpoint import COMPLETE_MARKER, find_latest_checkpoint
+
+    root = tmp_path / "checkpoints"
+    assert find_latest_checkpoint(tmp_path) is None
+    (root / "step-0000002").mkdir(parents=True)
+    (root / "step-0000002" / COMPLETE_MARKER).write_text("{}")
+    (root / "step-0000009").mkdir()  # no marker: an interrupted save that was somehow renamed
+    (root / ".tmp-step-0000010").mkdir()
+    (root / ".tmp-step-0000010" / COMPLETE_MARKER).write_text("{}")
+    assert find_latest_checkpoint(tmp_path) == root / "step-0000002"

@@ -1,0 +1,95 @@
+"""EMA against the closed form  ema_k = d^k w_0 + (1 - d) * sum_{i=1..k} d^(k-i) w_i."""
+
+import pytest
+import torch
+
+from opensora.training.ema import EMA, unwrap_model
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+    model[1].bias.requires_grad_(False)  # frozen weights are not tracked
+    return model
+
+
+def _set_weights(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+
+
+def test_matches_closed_form():
+    decay, steps = 0.9, 5
+    model = _model()
+    history = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    ema = EMA(model, decay=decay, enabled=True)
+    assert set(ema.state_dict()) == {"0.weight", "0.bias", "1.weight"}
+    for k in range(1, steps + 1):
+        _set_weights(model, seed=k)
+        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        ema.update(model, step=k)
+    for name, value in ema.state_dict().items():
+        expected = decay**steps * history[0][name].double()
+        for i in range(1, steps + 1):
+            expected += (1 - decay) * decay ** (steps - i) * history[i][name].double()
+        assert value.dtype == torch.float32
+        torch.testing.assert_close(value.double(), expected, rtol=1e-6, atol=1e-6)
+    assert ema.num_updates == steps
+
+
+def test_copies_before_start_step_and_keeps_fp32_from_bf16():
+    model = _model().to(torch.bfloat16)
+    ema = EMA(model, decay=0.99, start_step=3, enabled=True)
+    _set_weights(model, seed=1)
+    ema.update(model, step=2)  # before start: plain copy
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(ema.state_dict()[name], p.float())
+    before = {n: t.clone() for n, t in ema.state_dict().items()}
+    _set_weights(model, seed=2)
+    ema.update(model, step=3)  # from start on: averaging
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(ema.state_dict()[name], 0.99 * before[name] + 0.01 * p.float())
+
+
+def test_disabled_rank_allocates_nothing():
+    model = _model()
+    ema = EMA(model, enabled=False)
+    ema.update(model, step=1)
+    assert ema.state_dict() == {}
+
+
+def test_safetensors_roundtrip_and_copy_to(tmp_path):
+    model = _model()
+    ema = EMA(model, decay=0.5, enabled=True)
+    _set_weights(model, seed=3)
+    ema.update(model, step=1)
+    ema.save(tmp_path / "ema.safetensors")
+    other = EMA(_model(), decay=0.5, enabled=True)
+    other.load(tmp_path / "ema.safetensors")
+    assert other.num_updates == 1
+    for name in ema.state_dict():
+        assert torch.equal(ema.state_dict()[name], other.state_dict()[name])
+    target = _model()
+    other.copy_to(target)
+    assert torch.equal(target[0].weight, ema.state_dict()["0.weight"])
+    with pytest.raises(KeyError, match="mismatch"):
+        other.load_state_dict({"0.weight": torch.zeros(5, 3)})
+
+
+def test_unwrap_model_sees_through_wrappers():
+    inner = _model()
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def unwrap(self):
+            return self.module
+
+    assert unwrap_model(Wrapper(Wrapper(inner))) is inner
+    assert unwrap_model(inner) is inner
