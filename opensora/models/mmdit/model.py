@@ -1,0 +1,200 @@
+"""MMDiT: Flux-style video transformer (double-stream then single-stream blocks) for flow matching.
+
+Data path: x [B,C,T,H,W] -> patchify -> img tokens (+ zero-initialised projection of the condition input)
+-> text tokens first, video tokens after -> double blocks (two streams, joint attention) -> single blocks
+(one stream) -> final adaLN layer on video tokens -> unpatchify -> [B,C_out,T,H,W].
+"""
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from opensora.registry import MODELS
+
+from .attention import check_backend
+from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
+from .rope import rope_cos_sin, video_position_ids
+
+TIMESTEP_FEATURES = 256
+
+
+def patchify(x: torch.Tensor, patch_size: Sequence[int]) -> torch.Tensor:
+    """[B, C, T, H, W] -> [B, (T/pt)(H/ph)(W/pw), C*pt*ph*pw]; features ordered (c, pt, ph, pw)."""
+    b, c, t, h, w = x.shape
+    pt, ph, pw = patch_size
+    if t % pt or h % ph or w % pw:
+        raise ValueError(f"latent size (T,H,W)=({t},{h},{w}) is not divisible by patch_size {tuple(patch_size)}")
+    x = x.reshape(b, c, t // pt, pt, h // ph, ph, w // pw, pw)
+    return x.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, (t // pt) * (h // ph) * (w // pw), c * pt * ph * pw)
+
+
+def unpatchify(tokens: torch.Tensor, grid: Sequence[int], patch_size: Sequence[int]) -> torch.Tensor:
+    """Inverse of ``patchify``: [B, t*h*w, C*pt*ph*pw] with grid (t, h, w) -> [B, C, t*pt, h*ph, w*pw]."""
+    b = tokens.shape[0]
+    gt, gh, gw = grid
+    pt, ph, pw = patch_size
+    x = tokens.reshape(b, gt, gh, gw, -1, pt, ph, pw)
+    return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, -1, gt * pt, gh * ph, gw * pw)
+
+
+@MODELS.register_module()
+class MMDiT(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: Optional[int] = None,
+        cond_channels: Optional[int] = None,
+        patch_size: Sequence[int] = (1, 2, 2),
+        hidden_size: int = 3072,
+        num_heads: int = 24,
+        depth_double: int = 19,
+        depth_single: int = 38,
+        mlp_ratio: float = 4.0,
+        text_dim: int = 4096,
+        pooled_dim: int = 768,
+        qk_norm: bool = True,
+        qkv_bias: bool = True,
+        guidance_embed: bool = False,
+        axes_dims: Sequence[int] = (16, 56, 56),
+        theta: float = 10000.0,
+        attn_backend: str = "auto",
+        grad_ckpt_double: int = 0,
+        grad_ckpt_single: int = 0,
+    ):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+        head_dim = hidden_size // num_heads
+        if sum(axes_dims) != head_dim:
+            raise ValueError(f"sum(axes_dims)={sum(axes_dims)} must equal head_dim={head_dim} ({tuple(axes_dims)})")
+        if len(patch_size) != 3:
+            raise ValueError(f"patch_size must be (pt, ph, pw), got {patch_size}")
+        if not 0 <= grad_ckpt_double <= depth_double or not 0 <= grad_ckpt_single <= depth_single:
+            raise ValueError(
+                f"grad_ckpt_double={grad_ckpt_double} / grad_ckpt_single={grad_ckpt_single} must lie in "
+                f"[0, depth_double={depth_double}] / [0, depth_single={depth_single}]"
+            )
+        check_backend(attn_backend)
+        out_channels = in_channels if out_channels is None else out_channels
+        # Everything needed to rebuild the model or count its FLOPs (see flops.py).
+        self.arch = dict(
+            in_channels=in_channels, out_channels=out_channels, cond_channels=cond_channels,
+            patch_size=tuple(patch_size), hidden_size=hidden_size, num_heads=num_heads,
+            depth_double=depth_double, depth_single=depth_single, mlp_ratio=mlp_ratio, text_dim=text_dim,
+            pooled_dim=pooled_dim, qk_norm=qk_norm, qkv_bias=qkv_bias, guidance_embed=guidance_embed,
+            axes_dims=tuple(axes_dims), theta=theta, attn_backend=attn_backend,
+            grad_ckpt_double=grad_ckpt_double, grad_ckpt_single=grad_ckpt_single,
+        )  # fmt: skip
+        self.in_channels, self.out_channels, self.cond_channels = in_channels, out_channels, cond_channels
+        self.patch_size = tuple(patch_size)
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.axes_dims, self.theta = tuple(axes_dims), theta
+        self.grad_ckpt_double, self.grad_ckpt_single = grad_ckpt_double, grad_ckpt_single
+        patch_volume = self.patch_size[0] * self.patch_size[1] * self.patch_size[2]
+
+        self.img_in = nn.Linear(in_channels * patch_volume, hidden_size)
+        self.cond_in = None
+        if cond_channels is not None:
+            # Zero-initialised: a fresh (or converted text-to-video) model ignores the condition input.
+            self.cond_in = nn.Linear(cond_channels * patch_volume, hidden_size)
+            nn.init.zeros_(self.cond_in.weight)
+            nn.init.zeros_(self.cond_in.bias)
+        self.txt_in = nn.Linear(text_dim, hidden_size)
+        self.time_in = MLPEmbedder(TIMESTEP_FEATURES, hidden_size)
+        self.vector_in = MLPEmbedder(pooled_dim, hidden_size)
+        self.guidance_in = MLPEmbedder(TIMESTEP_FEATURES, hidden_size) if guidance_embed else None
+
+        block_args = dict(
+            hidden_size=hidden_size, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+            qk_norm=qk_norm, attn_backend=attn_backend,
+        )  # fmt: skip
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(**block_args) for _ in range(depth_double))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(**block_args) for _ in range(depth_single))
+        self.final_layer = FinalLayer(hidden_size, out_channels * patch_volume)
+
+    def set_attn_backend(self, backend: str) -> None:
+        check_backend(backend)
+        self.arch["attn_backend"] = backend
+        for block in [*self.double_blocks, *self.single_blocks]:
+            block.attn_backend = backend
+
+    def set_grad_ckpt(self, double: int, single: int) -> None:
+        """Checkpoint the first ``double`` double blocks and first ``single`` single blocks (0 = none)."""
+        if not 0 <= double <= len(self.double_blocks) or not 0 <= single <= len(self.single_blocks):
+            raise ValueError(f"grad ckpt counts ({double}, {single}) exceed the block counts")
+        self.grad_ckpt_double, self.grad_ckpt_single = double, single
+        self.arch.update(grad_ckpt_double=double, grad_ckpt_single=single)
+
+    def conditioning_vector(self, timestep, pooled, guidance):
+        dtype = self.time_in.in_layer.weight.dtype
+        vec = self.time_in(timestep_embedding(timestep, TIMESTEP_FEATURES).to(dtype))
+        vec = vec + self.vector_in(pooled.to(dtype))
+        if self.guidance_in is not None:
+            if guidance is None:
+                raise ValueError("this MMDiT was built with guidance_embed=True: pass guidance [B]")
+            vec = vec + self.guidance_in(timestep_embedding(guidance, TIMESTEP_FEATURES).to(dtype))
+        return vec
+
+    @staticmethod
+    def key_mask(text_mask: Optional[torch.Tensor], num_video_tokens: int) -> Optional[torch.Tensor]:
+        """Boolean key mask [B, 1, 1, L+N] hiding padded text tokens; ``None`` when every token is valid."""
+        if text_mask is None:
+            return None
+        text_mask = text_mask.bool()
+        if bool(text_mask.all()):
+            return None
+        video = text_mask.new_ones(text_mask.shape[0], num_video_tokens)
+        return torch.cat((text_mask, video), dim=1)[:, None, None, :]
+
+    def rope(self, grid, num_text_tokens: int, device):
+        video_ids = video_position_ids(*grid, device=device)
+        ids = torch.cat((video_ids.new_zeros(num_text_tokens, 3), video_ids))
+        return rope_cos_sin(ids, self.axes_dims, self.theta)
+
+    def run_block(self, block, checkpointed: bool, *args):
+        if checkpointed and self.training and torch.is_grad_enabled():
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        text_emb: torch.Tensor,
+        text_mask: Optional[torch.Tensor] = None,
+        pooled: Optional[torch.Tensor] = None,
+        cond: Optional[torch.Tensor] = None,
+        guidance: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if x.dim() != 5 or x.shape[1] != self.in_channels:
+            raise ValueError(f"x must be [B, {self.in_channels}, T, H, W], got {tuple(x.shape)}")
+        if pooled is None:
+            raise ValueError("pooled text vector [B, pooled_dim] is required")
+        b, _, t, h, w = x.shape
+        pt, ph, pw = self.patch_size
+        grid = (t // pt, h // ph, w // pw)
+
+        img = self.img_in(patchify(x, self.patch_size))
+        if cond is not None:
+            if self.cond_in is None:
+                raise ValueError("cond was given but this MMDiT was built with cond_channels=None")
+            if cond.shape[1] != self.cond_channels or cond.shape[2:] != x.shape[2:]:
+                raise ValueError(
+                    f"cond must be [B, {self.cond_channels}, {t}, {h}, {w}] (mask channel + masked latents), "
+                    f"got {tuple(cond.shape)}"
+                )
+            img = img + self.cond_in(patchify(cond, self.patch_size))
+        txt = self.txt_in(text_emb)
+        vec = self.conditioning_vector(timestep, pooled, guidance)
+        rope = self.rope(grid, txt.shape[1], x.device)
+        mask = self.key_mask(text_mask, img.shape[1])
+
+        for i, block in enumerate(self.double_blocks):
+            img, txt = self.run_block(block, i < self.grad_ckpt_double, img, txt, vec, rope, mask)
+        tokens = torch.cat((txt, img), dim=1)
+        for i, block in enumerate(self.single_blocks):
+            tokens = self.run_block(block, i < self.grad_ckpt_single, tokens, vec, rope, mask)
+        img = tokens[:, txt.shape[1] :]
+        return unpatchify(self.final_layer(img, vec), grid, self.patch_size)

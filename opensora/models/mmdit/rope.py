@@ -1,0 +1,40 @@
+"""3D rotary position embedding over (t, h, w) token ids.
+
+Each attention head's channels are split into three groups of ``axes_dims`` channels; group ``i`` rotates
+pairs of adjacent channels (2j, 2j+1) by ``pos_i * theta ** (-2j / axes_dims[i])``. Text tokens use id
+(0, 0, 0), which is the identity rotation. cos/sin are built once per forward and shared by all blocks.
+"""
+
+from typing import Sequence, Tuple
+
+import torch
+
+
+def video_position_ids(t: int, h: int, w: int, device=None) -> torch.Tensor:
+    """Integer (t, h, w) ids of a patch grid in the token order of patchify: [t*h*w, 3]."""
+    grids = torch.meshgrid(
+        torch.arange(t, device=device), torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij"
+    )
+    return torch.stack(grids, dim=-1).reshape(-1, 3)
+
+
+def rope_cos_sin(ids: torch.Tensor, axes_dims: Sequence[int], theta: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles for ``ids`` [N, len(axes_dims)]: each [N, sum(axes_dims) // 2], fp32."""
+    if ids.shape[-1] != len(axes_dims):
+        raise ValueError(f"ids have {ids.shape[-1]} axes but axes_dims has {len(axes_dims)}: {tuple(axes_dims)}")
+    angles = []
+    for axis, dim in enumerate(axes_dims):
+        if dim % 2:
+            raise ValueError(f"every RoPE axis needs an even number of channels, got axes_dims={tuple(axes_dims)}")
+        inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=ids.device) / dim)
+        angles.append(ids[:, axis, None].to(torch.float64) * inv_freq[None, :])
+    angle = torch.cat(angles, dim=-1)
+    return angle.cos().float(), angle.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs of ``x`` [..., N, D] by angles with ``cos``/``sin`` [N, D/2]; fp32 math, x's dtype out."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
