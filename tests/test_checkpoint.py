@@ -13,6 +13,13 @@ from dist_utils import run_distributed
 SEED = 7
 
 
+def _roles(booster, model, optimizer, scheduler, ema):
+    from opensora.training.roles import Role
+
+    return {"model": Role(name="model", model=model, trainable=True, optimizer=optimizer, lr_scheduler=scheduler,
+                          booster=booster, ema=ema)}
+
+
 def _boosted(precision, init_seed):
     from opensora.training.booster import build_booster
 
@@ -66,7 +73,7 @@ def _checkpoint_scenarios(rank, world_size, outputs, precision):
     booster, model, optimizer, scheduler = parts
     ema = EMA(model, decay=0.9)
     out["first_half"] = _train(*parts, ema, steps=3, first_step=0, precision=precision)
-    saved = ckpt.save_checkpoint(outputs, 3, booster, model, optimizer, scheduler, ema=ema,
+    saved = ckpt.save_checkpoint(outputs, 3, _roles(booster, model, optimizer, scheduler, ema),
                                  extra_state={"trainer": {"step": 3, "epoch": 0}, "sampler": {"index": 12}},
                                  config_text="lr = 1e-2\n", keep_last=2)
     out["saved"] = str(saved)
@@ -77,7 +84,7 @@ def _checkpoint_scenarios(rank, world_size, outputs, precision):
 
     booster.save_lr_scheduler = crash
     try:
-        ckpt.save_checkpoint(outputs, 4, booster, model, optimizer, scheduler, ema=ema)
+        ckpt.save_checkpoint(outputs, 4, _roles(booster, model, optimizer, scheduler, ema))
     except OSError as err:
         out["crash"] = str(err)
     out["latest_after_crash"] = str(ckpt.find_latest_checkpoint(outputs))
@@ -87,7 +94,7 @@ def _checkpoint_scenarios(rank, world_size, outputs, precision):
     parts = _boosted(precision, init_seed=99)
     booster, model, optimizer, scheduler = parts
     ema = EMA(model, decay=0.9)
-    loaded = ckpt.load_checkpoint(ckpt.find_latest_checkpoint(outputs), booster, model, optimizer, scheduler, ema=ema)
+    loaded = ckpt.load_checkpoint(ckpt.find_latest_checkpoint(outputs), _roles(booster, model, optimizer, scheduler, ema))
     out["loaded_step"], out["extra_state"] = loaded.step, loaded.extra_state
     out["rng_after_load"] = (torch.rand(3), float(np.random.rand()), random.random())
     ckpt_rng = torch.load(loaded.path / "rng" / f"rank{rank}.pt", weights_only=True)
@@ -99,7 +106,7 @@ def _checkpoint_scenarios(rank, world_size, outputs, precision):
 
     # More saves: the crashed tmp dir is cleaned, keep_last=2 drops step 3.
     for step in (4, 5):
-        ckpt.save_checkpoint(outputs, step, booster, model, optimizer, scheduler, ema=ema,
+        ckpt.save_checkpoint(outputs, step, _roles(booster, model, optimizer, scheduler, ema),
                              extra_state={"trainer": {"step": step}}, keep_last=2)
     out["final_listing"] = sorted(p.name for p in (ckpt.checkpoint_root(outputs)).iterdir())
     return out
@@ -160,13 +167,13 @@ def test_keep_last_and_tmp_cleanup(runs):
     latest = find_latest_checkpoint(outputs)
     assert latest.name == "step-0000005"
     files = {p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file()}
-    for expected in ("COMPLETE", "meta.json", "ema.safetensors", "extra_state.pt", "lr_scheduler.pt",
+    for expected in ("COMPLETE", "meta.json", "model/ema.safetensors", "extra_state.pt", "model/lr_scheduler.pt",
                      "rng/rank0.pt", "rng/rank1.pt"):
         assert expected in files
-    assert any(f.startswith("model/") for f in files) and any(f.startswith("optimizer/") for f in files)
+    assert any(f.startswith("model/model/") for f in files) and any(f.startswith("model/optimizer/") for f in files)
     assert json.loads((latest / "meta.json").read_text())["step"] == 5
     # Every payload we write loads with weights_only=True.
-    for name in ("extra_state.pt", "rng/rank0.pt", "lr_scheduler.pt"):
+    for name in ("extra_state.pt", "rng/rank0.pt", "model/lr_scheduler.pt"):
         torch.load(latest / name, weights_only=True)
 
 

@@ -1,0 +1,3 @@
+"""Training-step strategies. Importing this package registers every method in ``METHODS``."""
+
+from . import flow_matching  # noqa: F401

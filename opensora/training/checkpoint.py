@@ -1,14 +1,15 @@
 """Atomic, resumable step checkpoints written through the Booster.
 
-Layout of one checkpoint, ``{outputs}/checkpoints/step-{step:07d}/``::
+One directory per trainable role (``model`` for plain training; ``student``, ``critic``... for
+distillation). Layout of one checkpoint, ``{outputs}/checkpoints/step-{step:07d}/``::
 
-    model/                 booster.save_model(shard=True, safetensors)       all ranks take part
-    optimizer/             booster.save_optimizer(shard=True)                all ranks take part
-    lr_scheduler.pt        booster.save_lr_scheduler                         (if a scheduler is given)
-    ema.safetensors        EMA weights, written by rank 0                    (if an EMA is given)
+    {role}/model/          booster.save_model(shard=True, safetensors)       all ranks take part
+    {role}/optimizer/      booster.save_optimizer(shard=True)                all ranks take part
+    {role}/lr_scheduler.pt booster.save_lr_scheduler                         (if a scheduler is given)
+    {role}/ema.safetensors EMA weights, written by rank 0                    (if an EMA is given)
+    {role}/master/rank{r}.pt fp32 master weights held by rank r's optimizer  (bf16/fp16 training only)
     extra_state.pt         caller's dict (sampler state, {step, epoch, ...}), rank 0, tensors/plain types
     rng/rank{r}.pt         python/numpy/torch(/cuda) RNG state of every rank r
-    master/rank{r}.pt      fp32 master weights held by rank r's optimizer    (bf16/fp16 training only)
     config.py              the resolved config text                          (if given)
     meta.json              step, world size, time
     COMPLETE               completion marker, written last
@@ -34,7 +35,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -145,14 +146,28 @@ def _publish(tmp: Path, final: Path, meta: dict) -> None:
         os.replace(tmp, final)
 
 
+def _trained_roles(roles: Mapping[str, Any]) -> dict[str, Any]:
+    """Roles with a booster (the trainable ones); frozen roles are rebuilt from their config, never saved."""
+    return {name: role for name, role in roles.items() if getattr(role, "booster", None) is not None}
+
+
+def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int) -> None:
+    booster, model, optimizer = role.booster, role.model, role.optimizer
+    booster.save_model(model, str(directory / "model"), shard=True, use_safetensors=True,
+                       size_per_shard=size_per_shard_mb)
+    if optimizer is not None:
+        booster.save_optimizer(optimizer, str(directory / "optimizer"), shard=True, size_per_shard=size_per_shard_mb)
+        _save_master_params(model, optimizer, directory / "master", rank)
+    if role.lr_scheduler is not None:
+        booster.save_lr_scheduler(role.lr_scheduler, str(directory / "lr_scheduler.pt"))
+    if rank == 0 and role.ema is not None:
+        role.ema.save(directory / "ema.safetensors")
+
+
 def save_checkpoint(
     outputs: str | Path,
     step: int,
-    booster,
-    model,
-    optimizer=None,
-    lr_scheduler=None,
-    ema=None,
+    roles: Mapping[str, Any],
     extra_state: dict[str, Any] | None = None,
     config_text: str | None = None,
     keep_last: int | None = None,
@@ -160,43 +175,39 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint ``step`` atomically; every rank must call it. Returns the final directory.
 
-    ``extra_state`` (rank 0's copy is saved) holds tensors and plain python types only, e.g.
-    ``{"trainer": {"step": 6, "epoch": 0}, "sampler": sampler.state_dict()}``.
-    ``ema`` is an ``opensora.training.ema.EMA`` (saved by rank 0, where it lives).
-    ``keep_last`` > 0 deletes older complete checkpoints afterwards.
+    ``roles`` maps role names to objects with ``booster, model, optimizer, lr_scheduler, ema`` attributes
+    (``opensora.training.roles.Role``); each trainable role is saved under its own sub-directory, frozen roles
+    (no booster) are skipped. ``extra_state`` (rank 0's copy is saved) holds tensors and plain python types only,
+    e.g. ``{"trainer": {"step": 6}, "data": loader.state_dict()}``. ``keep_last`` > 0 deletes older complete
+    checkpoints afterwards.
     """
     rank, world_size = get_rank(), get_world_size()
     root = checkpoint_root(outputs)
     final = checkpoint_dir(outputs, step)
     tmp = root / f"{_TMP_PREFIX}{final.name}"
+    trained = _trained_roles(roles)
 
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         _remove_leftover_tmp_dirs(root)  # debris of a crashed save (ours or an earlier run's)
         tmp.mkdir()
         (tmp / "rng").mkdir()
-        (tmp / "master").mkdir()
+        for name in trained:
+            (tmp / name / "master").mkdir(parents=True)
     barrier()
 
-    booster.save_model(model, str(tmp / "model"), shard=True, use_safetensors=True,
-                       size_per_shard=size_per_shard_mb)
-    if optimizer is not None:
-        booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True, size_per_shard=size_per_shard_mb)
-    if lr_scheduler is not None:
-        booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
+    for name, role in trained.items():
+        _save_role(role, tmp / name, rank, size_per_shard_mb)
     torch.save(get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    if optimizer is not None:
-        _save_master_params(model, optimizer, tmp / "master", rank)
     if rank == 0:
-        if ema is not None:
-            ema.save(tmp / "ema.safetensors")
         torch.save(dict(extra_state or {}), tmp / "extra_state.pt")
         if config_text is not None:
             (tmp / "config.py").write_text(config_text)
     barrier()
 
     if rank == 0:
-        meta = {"step": int(step), "world_size": world_size, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        meta = {"step": int(step), "world_size": world_size, "roles": sorted(trained),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         _publish(tmp, final, meta)
         prune_checkpoints(outputs, keep_last)
@@ -206,29 +217,45 @@ def save_checkpoint(
 
 @dataclass
 class LoadedState:
-    """What ``load_checkpoint`` hands back besides the restored model/optimizer/scheduler."""
+    """What ``load_checkpoint`` hands back besides the restored roles."""
 
     path: Path
     step: int
     extra_state: dict[str, Any] = field(default_factory=dict)
-    ema_path: Path | None = None  # None when the checkpoint has no EMA
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_role(name: str, role, directory: Path, saved_world_size: int, load_optimizer: bool) -> None:
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint has no role '{name}' (expected {directory})")
+    booster, model, optimizer = role.booster, role.model, role.optimizer
+    booster.load_model(model, str(directory / "model"))
+    if load_optimizer and optimizer is not None:
+        booster.load_optimizer(optimizer, str(directory / "optimizer"))
+        _load_master_params(model, optimizer, directory / "master", get_rank(), saved_world_size)
+    if load_optimizer and role.lr_scheduler is not None:
+        scheduler_file = directory / "lr_scheduler.pt"
+        if not scheduler_file.is_file():
+            raise FileNotFoundError(f"{scheduler_file} missing: role '{name}' was saved without a scheduler")
+        booster.load_lr_scheduler(role.lr_scheduler, str(scheduler_file))
+    ema_file = directory / "ema.safetensors"
+    if role.ema is not None and ema_file.is_file():
+        role.ema.load(ema_file)
+    elif role.ema is not None and get_rank() == 0:
+        warnings.warn(f"{directory} has no EMA weights; role '{name}' keeps its freshly copied EMA")
 
 
 def load_checkpoint(
     path: str | Path,
-    booster,
-    model,
-    optimizer=None,
-    lr_scheduler=None,
-    ema=None,
+    roles: Mapping[str, Any],
     restore_rng: bool = True,
+    load_optimizer: bool = True,
 ) -> LoadedState:
-    """Restore a complete checkpoint into boosted objects; every rank must call it.
+    """Restore a complete checkpoint into boosted roles; every rank must call it.
 
-    Model/optimizer/scheduler go through ``booster.load_*``; ``ema`` (if given) is filled on rank 0; this
-    rank's RNG state is restored (``restore_rng``). Optimizer/scheduler left as None are not loaded, so a
-    fine-tune can start from weights only.
+    Each trainable role's model/optimizer/scheduler go through its ``booster.load_*``; its EMA (if any) is filled
+    on rank 0; this rank's RNG state is restored (``restore_rng``). ``load_optimizer=False`` loads weights only
+    (fine-tuning from a checkpoint).
     """
     path = Path(path)
     if not path.is_dir():
@@ -236,22 +263,8 @@ def load_checkpoint(
     if not is_complete(path):
         raise RuntimeError(f"checkpoint {path} has no {COMPLETE_MARKER} marker: it is an interrupted save")
     meta = json.loads((path / "meta.json").read_text())
-
-    booster.load_model(model, str(path / "model"))
-    if optimizer is not None:
-        booster.load_optimizer(optimizer, str(path / "optimizer"))
-        _load_master_params(model, optimizer, path / "master", get_rank(), int(meta.get("world_size", 0)))
-    if lr_scheduler is not None:
-        scheduler_file = path / "lr_scheduler.pt"
-        if not scheduler_file.is_file():
-            raise FileNotFoundError(f"{scheduler_file} missing: the checkpoint was saved without a scheduler")
-        booster.load_lr_scheduler(lr_scheduler, str(scheduler_file))
-
-    ema_file = path / "ema.safetensors"
-    if ema is not None and ema_file.is_file():
-        ema.load(ema_file)
-    elif ema is not None and get_rank() == 0:
-        warnings.warn(f"{path} has no EMA weights; the EMA keeps its current (freshly copied) values")
+    for name, role in _trained_roles(roles).items():
+        _load_role(name, role, path / name, int(meta.get("world_size", 0)), load_optimizer)
 
     extra_state = torch.load(path / "extra_state.pt", weights_only=True)
     if restore_rng:
@@ -262,8 +275,7 @@ def load_checkpoint(
             warnings.warn(f"{rng_file} missing (saved with world size {meta.get('world_size')}); "
                           "this rank's RNG is not restored")
     barrier()
-    return LoadedState(path=path, step=int(meta["step"]), extra_state=extra_state,
-                       ema_path=ema_file if ema_file.is_file() else None, meta=meta)
+    return LoadedState(path=path, step=int(meta["step"]), extra_state=extra_state, meta=meta)
 
 
 def resolve_resume_path(outputs: str | Path, load: str | Path | None = None, resume_auto: bool = False) -> Path | None:

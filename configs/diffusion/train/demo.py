@@ -1,0 +1,55 @@
+# Tiny MovingShapes demo: trains on a 2-core CPU in minutes (`make demo`). Single process or
+# `colossalai run --nproc_per_node 2` (gloo + the CPU shim) both work.
+outputs = "outputs/demo/train"
+seed = 42
+max_steps = 1500
+ckpt_every = 500
+keep_last = 2
+grad_accum = 1
+precision = "fp32"  # bf16 matmuls are slow on most CPUs; GPU configs use bf16
+
+# ---- data ---------------------------------------------------------------------------------------------------
+dataset = dict(type="VideoTextDataset", data_path="outputs/demo/data/meta.csv", frame_interval=1)
+# resolution -> num_frames -> (keep probability, batch size); "32x32" means exactly 32x32 pixels
+bucket_config = {"32x32": {16: (1.0, 8)}}
+num_workers = 2
+
+# ---- frozen components --------------------------------------------------------------------------------------
+vae = dict(type="PatchVAE", patch_size=4, temporal_patch_size=1)  # lossless: [3,16,32,32] -> [48,16,8,8]
+text_encoder = dict(type="TextConditioner", seed=0)  # tiny random T5 + CLIP over a byte tokenizer
+
+# ---- the trained network ------------------------------------------------------------------------------------
+model = dict(
+    type="MMDiT",
+    in_channels=48,
+    cond_channels=49,  # mask + masked condition latents (I2V / V2V)
+    patch_size=(1, 2, 2),
+    hidden_size=128,
+    num_heads=4,
+    depth_double=2,
+    depth_single=2,
+    mlp_ratio=4.0,
+    text_dim=64,
+    pooled_dim=64,
+    axes_dims=(8, 12, 12),
+    attn_backend="auto",
+)
+
+# ---- optimisation (Open-Sora key names) ----------------------------------------------------------------------
+lr = 1e-3
+warmup_steps = 50
+grad_clip = 1.0
+ema_decay = 0.99
+ema_start_step = 0
+plugin = dict(type="LowLevelZeroPlugin", stage=2)
+
+method = dict(
+    type="FlowMatching",
+    timestep_kind="logit_normal",
+    shift=dict(base_tokens=256, base_shift=1.0),
+    text_dropout=0.1,
+    condition_probs=dict(t2v=0.7, i2v_head=0.2, v2v_head=0.1),
+)
+
+tensorboard = True
+wandb = dict(enable=False, mode="offline", project="opensora-demo")

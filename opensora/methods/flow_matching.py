@@ -1,0 +1,99 @@
+"""Flow-matching training (pretraining / finetuning) of one role, ``model``: the first method.
+
+One micro-step: encode video and text (frozen components) -> drop text for CFG -> draw t (logit-normal,
+resolution-shifted) and noise -> build the I2V/V2V condition per sample -> predict the velocity -> masked MSE
+that ignores condition frames.
+"""
+
+from typing import Mapping, Optional
+
+import torch
+
+from opensora.diffusion.conditions import build_training_condition
+from opensora.diffusion.flow_matching import (
+    add_noise,
+    drop_text,
+    masked_mse,
+    sample_training_timesteps,
+    shift_alpha_for,
+    velocity_target,
+)
+from opensora.methods.base import TrainingMethod
+from opensora.models.mmdit.flops import mmdit_train_flops
+from opensora.registry import METHODS
+
+
+@METHODS.register_module()
+class FlowMatching(TrainingMethod):
+    required_roles = ("model",)
+    trainable_roles = ("model",)
+
+    def __init__(
+        self,
+        roles,
+        components,
+        timestep_kind: str = "logit_normal",
+        timestep_mean: float = 0.0,
+        timestep_std: float = 1.0,
+        shift: Optional[Mapping] = None,
+        text_dropout: float = 0.1,
+        condition_probs: Optional[Mapping[str, float]] = None,
+        condition_kwargs: Optional[Mapping] = None,
+    ):
+        super().__init__(roles, components)
+        self.timestep = dict(kind=timestep_kind, mean=timestep_mean, std=timestep_std)
+        self.shift = dict(shift or {})
+        self.text_dropout = text_dropout
+        self.condition_probs = dict(condition_probs or {"t2v": 1.0})
+        self.condition_kwargs = dict(condition_kwargs or {})
+        model = self.roles["model"].unwrap()
+        self.patch_size = tuple(model.patch_size)
+        self.uses_condition = getattr(model, "cond_channels", None) is not None
+        self.model_dtype = next(model.parameters()).dtype
+
+    @torch.no_grad()
+    def encode_batch(self, batch: Mapping) -> tuple:
+        comp = self.components
+        video = batch["video"].to(comp.device, comp.dtype, non_blocking=True)
+        x0 = comp.vae.encode(video).float()
+        text = comp.text_encoder.encode(list(batch["text"]))
+        text = {k: v.to(comp.device) for k, v in text.items()}
+        return x0, text
+
+    def single_train_step(self, batch: Mapping, iteration: int):
+        comp = self.components
+        x0, text = self.encode_batch(batch)
+        batch_size = x0.shape[0]
+        text, _ = drop_text(text, comp.null_text, self.text_dropout)
+
+        alpha = shift_alpha_for(tuple(x0.shape[2:]), self.patch_size, **self.shift)
+        t = sample_training_timesteps(batch_size, shift_alpha=alpha, device=comp.device, **self.timestep)
+        noise = torch.randn_like(x0)
+        x_t = add_noise(x0, noise, t)
+        target = velocity_target(x0, noise)
+
+        cond, loss_mask = None, None
+        if self.uses_condition:
+            condition = build_training_condition(x0, self.condition_probs, **self.condition_kwargs)
+            cond, loss_mask = condition.cond, condition.loss_mask
+
+        dtype = self.model_dtype
+        pred = self.roles["model"].model(
+            x_t.to(dtype),
+            t.to(dtype),
+            text["text_emb"].to(dtype),
+            text["text_mask"],
+            text["pooled"].to(dtype),
+            cond=None if cond is None else cond.to(dtype),
+        )
+        loss = masked_mse(pred, target, loss_mask)
+
+        num_video_tokens = x0[0, 0].numel() // (self.patch_size[0] * self.patch_size[1] * self.patch_size[2])
+        num_text_tokens = text["text_emb"].shape[1]
+        model = self.roles["model"].unwrap()
+        outputs = dict(
+            num_samples=batch_size,
+            num_tokens=batch_size * num_video_tokens,
+            flops=mmdit_train_flops(model, num_video_tokens, num_text_tokens, batch_size),
+        )
+        return {"total_loss": loss}, outputs

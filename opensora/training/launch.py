@@ -1,0 +1,33 @@
+"""``scripts/diffusion/train.py``'s logic, importable: parse the config and flags, build the trainer, run."""
+
+import logging
+import sys
+
+from opensora.config import load_config_from_cli
+
+TRAIN_FLAGS = {
+    "outputs": "outputs/run",
+    "max_steps": 1000,
+    "ckpt_every": 0,
+    "load": None,  # a checkpoint directory to resume from
+    "resume": None,  # "auto": the newest complete checkpoint under outputs
+}
+
+
+def main(argv=None) -> None:
+    cfg, args = load_config_from_cli(argv, script_flags=TRAIN_FLAGS, prog="train.py",
+                                     description="Train a video diffusion model (flow matching or a distillation method).")
+    if args.load is not None and args.resume is not None:
+        raise SystemExit("give either --load DIR or --resume auto, not both")
+    if args.resume not in (None, "auto"):
+        raise SystemExit(f"--resume only takes 'auto' (got {args.resume!r}); use --load DIR for a given checkpoint")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from opensora.training.trainer import Trainer  # heavy imports after argument errors are reported
+
+    trainer = Trainer(cfg)
+    trainer.resume(load=args.load, auto=args.resume == "auto")
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

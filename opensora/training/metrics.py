@@ -1,0 +1,67 @@
+"""Metrics sinks on rank 0: ``metrics.jsonl`` (one JSON object per optimizer step), tensorboard, optional wandb.
+
+wandb runs offline unless the config says otherwise, so a machine without network never blocks on it.
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Mapping, Optional
+
+
+class MetricsLogger:
+    def __init__(self, outputs, enabled: bool, tensorboard: bool = True, wandb_cfg: Optional[Mapping] = None,
+                 run_config: Optional[dict] = None):
+        self.enabled = enabled
+        self.path = Path(outputs) / "metrics.jsonl"
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(outputs) / "tensorboard"))
+        wandb_cfg = dict(wandb_cfg or {})
+        if wandb_cfg.pop("enable", False):
+            import wandb
+
+            wandb_cfg.setdefault("mode", "offline")
+            wandb_cfg.setdefault("dir", str(outputs))
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(config=run_config, **wandb_cfg)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop the records of steps after ``step`` that a crashed run wrote past its checkpoint."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: v for k, v in values.items() if v is not None}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                if self._tb is not None:
+                    self._tb.add_scalar(f"train/{key}", value, step)
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(outputs) -> list:
+    path = Path(outputs) / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]

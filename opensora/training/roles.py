@@ -1,0 +1,124 @@
+"""Roles: the networks a method trains or queries, each with its own optimizer, scheduler, booster and EMA.
+
+A config declares ``models = dict(student=dict(model=..., trainable=True, optimizer=..., ...), teacher=...)``.
+Trainable roles get their own plugin instance and booster; frozen roles are cast, set to eval,
+``requires_grad_(False)`` and never boosted. Methods reach roles by name; the trainer only iterates over them.
+"""
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from opensora.registry import MODELS, build_module
+from opensora.training.booster import PLUGIN_REGISTRY, build_booster
+from opensora.training.ema import EMA
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Components:
+    """Frozen helpers shared by every role: autoencoder, text conditioner, device and compute dtype."""
+
+    vae: Optional[nn.Module]
+    text_encoder: Optional[nn.Module]
+    device: torch.device
+    dtype: torch.dtype
+    null_text: Optional[Dict[str, torch.Tensor]] = None  # encode([""]), computed once at start-up
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Role:
+    name: str
+    model: nn.Module  # the boosted wrapper when trainable
+    trainable: bool
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    booster: Any = None
+    ema: Optional[EMA] = None
+    max_grad_norm: Optional[float] = None
+    plugin_clips: bool = False  # ZeRO/Hybrid/Gemini plugins clip inside optimizer.step()
+
+    def unwrap(self) -> nn.Module:
+        return self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
+
+    def clip_and_step(self) -> Optional[float]:
+        """Clip gradients to ``max_grad_norm`` and step; returns the pre-clip global grad norm."""
+        if self.plugin_clips:
+            self.optimizer.step()
+            norm = self.optimizer.get_grad_norm()
+        else:
+            max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+            norm = self.optimizer.clip_grad_by_norm(max_norm)
+            self.optimizer.step()
+        return None if norm is None else float(norm)
+
+
+def warmup_lambda(warmup_steps: int):
+    """constant_with_warmup: linear ramp over ``warmup_steps`` optimizer steps, the first step already > 0."""
+
+    def factor(step: int) -> float:
+        return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+    return factor
+
+
+def build_optimizer(params, cfg: Mapping) -> torch.optim.Optimizer:
+    cfg = dict(cfg)
+    kind = cfg.pop("type", "AdamW")
+    defaults = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-15, weight_decay=0.01)
+    defaults.update(cfg)
+    defaults["betas"] = tuple(defaults["betas"])
+    if kind == "AdamW":
+        return torch.optim.AdamW(params, **defaults)
+    if kind == "HybridAdam":  # colossalai's fused CPU/GPU Adam (JIT-compiles kernels on first use)
+        from colossalai.nn.optimizer import HybridAdam
+
+        return HybridAdam(params, adamw_mode=True, **defaults)
+    raise ValueError(f"unknown optimizer type '{kind}' (expected 'AdamW' or 'HybridAdam')")
+
+
+def _plugin_takes_max_norm(plugin_cfg: Mapping) -> bool:
+    spec = PLUGIN_REGISTRY.get(plugin_cfg.get("type"))
+    return spec is not None and "max_norm" in inspect.signature(spec.cls.__init__).parameters
+
+
+def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapping, is_main: bool) -> Role:
+    """Build one role from its config; boost it when trainable."""
+    cfg = dict(cfg)
+    model = build_module(cfg["model"], MODELS)
+    trainable = bool(cfg.get("trainable", True))
+    precision = cfg.get("precision", "bf16")
+    if not trainable:
+        model = model.to(components.device, DTYPES[precision]).eval().requires_grad_(False)
+        return Role(name=name, model=model, trainable=False)
+
+    model = model.to(components.device)
+    max_norm = cfg.get("grad_clip")
+    plugin_cfg = dict(plugin_cfg)
+    plugin_clips = _plugin_takes_max_norm(plugin_cfg)
+    if plugin_clips and max_norm is not None:
+        plugin_cfg.setdefault("max_norm", max_norm)
+    ema = None
+    ema_cfg = cfg.get("ema")
+    if ema_cfg is not None and is_main:
+        ema = EMA(model, **ema_cfg)  # built from the fp32 weights before the booster casts them
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.get("optimizer", {}))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(int(cfg.get("warmup_steps", 0))))
+    booster = build_booster(plugin_cfg, mixed_precision=precision)
+    model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    return Role(
+        name=name,
+        model=model,
+        trainable=True,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        booster=booster,
+        ema=ema,
+        max_grad_norm=max_norm,
+        plugin_clips=plugin_clips,
+    )

@@ -1,0 +1,51 @@
+"""Per-step throughput: samples/s, tokens/s and model FLOP utilisation (MFU) on GPU.
+
+Methods report what a micro-step processed in their ``outputs`` dict (``num_samples``, ``num_tokens``,
+``flops``: training FLOPs of the micro-step on this rank, from the model's FLOP counter). Rates are global
+(summed over ranks, assuming equal work per rank); MFU is per GPU against the measured bf16 matmul ceiling.
+"""
+
+import time
+from typing import Mapping
+
+import torch
+
+# Measured bf16 dense matmul ceilings in TFLOP/s (DESIGN.md section 3); unknown devices report no MFU.
+PEAK_TFLOPS = {"H200": 752.0, "H100": 752.0}
+
+
+def peak_tflops(device: torch.device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+class ThroughputMeter:
+    def __init__(self, device: torch.device, world_size: int = 1):
+        self.device = device
+        self.world_size = world_size
+        self.peak = peak_tflops(device)
+        self._t0 = None
+        self._totals = {}
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._totals = {"num_samples": 0.0, "num_tokens": 0.0, "flops": 0.0}
+
+    def add(self, outputs: Mapping) -> None:
+        for key in self._totals:
+            self._totals[key] += float(outputs.get(key, 0.0))
+
+    def stop(self) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = max(time.perf_counter() - self._t0, 1e-9)
+        record = {
+            "step_time": seconds,
+            "samples_per_s": self._totals["num_samples"] * self.world_size / seconds,
+            "tokens_per_s": self._totals["num_tokens"] * self.world_size / seconds,
+        }
+        if self.peak is not None and self._totals["flops"] > 0:
+            record["mfu"] = self._totals["flops"] / seconds / (self.peak * 1e12)
+        return record
