@@ -87,10 +87,25 @@ def _plugin_takes_max_norm(plugin_cfg: Mapping) -> bool:
     return spec is not None and "max_norm" in inspect.signature(spec.cls.__init__).parameters
 
 
+def load_initial_weights(model: nn.Module, init_from) -> None:
+    """``init_from``: a checkpoint directory / safetensors path, or ``dict(path=..., role="model", ema=True)``.
+
+    Distillation starts student, critic and teacher from a trained model this way; loading is strict, so an
+    architecture mismatch fails here with the offending keys, not later as a silent partial load.
+    """
+    from opensora.convert.weights import load_role_weights
+
+    spec = dict(init_from) if isinstance(init_from, Mapping) else {"path": init_from}
+    weights = load_role_weights(spec.pop("path"), **spec)
+    model.load_state_dict(weights.state_dict, strict=True)
+
+
 def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapping, is_main: bool) -> Role:
     """Build one role from its config; boost it when trainable."""
     cfg = dict(cfg)
     model = build_module(cfg["model"], MODELS)
+    if cfg.get("init_from"):
+        load_initial_weights(model, cfg["init_from"])
     trainable = bool(cfg.get("trainable", True))
     precision = cfg.get("precision", "bf16")
     if not trainable:
