@@ -20,3 +20,5 @@ __all__ = [
     "parse_resolution",
     "parse_sample_key",
 ]
+
+from . import moving_shapes_dataset  # noqa: E402,F401  (registers MovingShapesDataset)

@@ -19,7 +19,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-import av
+try:
+    import av
+except ImportError:  # rendered datasets (MovingShapesDataset) need no PyAV; decoding files does
+    av = None
 import numpy as np
 import pandas as pd
 import torch
@@ -294,6 +297,21 @@ class VideoTextDataset(torch.utils.data.Dataset):
     def load_sample(self, key: SampleKey) -> dict:
         """Decode one sample; raises ``BadSampleError`` for bad data."""
         index, num_frames, height, width, epoch = self._resolve_key(key)
+        frames, fps = self.read_frames(index, num_frames, epoch)
+        video = resize_center_crop(frames, (height, width), self.interpolation)
+        return dict(
+            video=video,
+            text=self.texts[index],
+            fps=fps,
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            path=self.paths[index],
+            index=index,
+        )
+
+    def read_frames(self, index: int, num_frames: int, epoch: int) -> Tuple[np.ndarray, float]:
+        """The clip's uint8 frames [T, H, W, 3] at source resolution and its fps; ``BadSampleError`` for bad data."""
         path = self.paths[index]
         if not os.path.exists(path):
             raise BadSampleError(path, "file is missing")
@@ -306,17 +324,7 @@ class VideoTextDataset(torch.utils.data.Dataset):
         else:
             frames = decode_frames(path, self.frame_indices(index, num_frames, epoch))
             fps = float(self.fps[index]) / float(self.frame_intervals[index]) if self.fps[index] > 0 else 0.0
-        video = resize_center_crop(frames, (height, width), self.interpolation)
-        return dict(
-            video=video,
-            text=self.texts[index],
-            fps=fps,
-            num_frames=num_frames,
-            height=height,
-            width=width,
-            path=path,
-            index=index,
-        )
+        return frames, fps
 
     def _resolve_key(self, key: SampleKey) -> Tuple[int, int, int, int, int]:
         if isinstance(key, (int, np.integer)):
