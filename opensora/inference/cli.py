@@ -1,0 +1,142 @@
+"""``scripts/diffusion/inference.py``'s logic, importable: parse config + flags, build a ``VideoSampler``, write samples.
+
+    python scripts/diffusion/inference.py configs/diffusion/inference/demo.py --ckpt outputs/demo/train \
+        --prompt-file outputs/demo/data/meta.csv --save-dir outputs/demo/samples --num-steps 30 --seed 0
+
+Every flag is a config key (``--num-steps`` sets ``num_steps``); any other ``--dotted.key`` overrides the config.
+Outputs: ``{save_dir}/{index:04d}_{slug}.mp4`` (``.png`` for one frame) with a ``.json`` sidecar each,
+``{save_dir}/samples.csv`` (``path,text``: the input of ``tools/eval_moving_shapes.py``) and the resolved
+``{save_dir}/config.py``.
+"""
+
+import logging
+import sys
+from pathlib import Path
+
+from opensora.config import load_config_from_cli, save_config
+
+logger = logging.getLogger(__name__)
+
+INFERENCE_FLAGS = {
+    "ckpt": None,  # checkpoint directory (step-XXXXXXX), a training outputs dir (newest checkpoint) or a .safetensors
+    "role": "model",  # which network of the checkpoint ("student" for a distilled one)
+    "ema": True,  # --no-ema: the raw (non-EMA) weights
+    "prompt": None,  # one prompt, or several separated by '|'
+    "prompt_file": None,  # .txt (one per line) or .csv with a 'text' column
+    "save_dir": "samples",
+    "num_steps": 30,
+    "step_list": None,  # explicit t values (e.g. "1.0,0.75,0.5,0.25"); replaces num_steps
+    "seed": 0,  # sample i uses seed + i
+    "num_frames": 16,
+    "resolution": "256px",  # bucket-style name: "256px", "720p" or an exact "HxW"
+    "aspect_ratio": "1:1",  # height:width, for area resolutions
+    "fps": 8,
+    "batch_size": 1,
+    "guidance_scale": 7.5,  # text CFG scale w_txt
+    "image_guidance_scale": 3.0,  # image CFG scale w_img (reference conditions only; 1 = 2 passes)
+    "cond_type": "t2v",  # t2v | i2v_head | i2v_tail | i2v_loop | v2v_head | v2v_tail
+    "ref": None,  # reference image (i2v_*) or video (v2v_*)
+    "dtype": "auto",  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
+    "device": "auto",
+    "offload": False,  # keep text encoder and autoencoder on the CPU except while they run
+    "progress": True,
+}
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint directory or file as given, or the newest complete checkpoint of a training outputs dir."""
+    from opensora.training.checkpoint import find_latest_checkpoint
+
+    if path is None:
+        raise SystemExit("--ckpt PATH is required (a checkpoint directory or a .safetensors file)")
+    path = Path(path)
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        latest = find_latest_checkpoint(path)
+        if latest is None:
+            raise SystemExit(f"{path} holds no complete checkpoint under checkpoints/")
+        return Path(latest)
+    if not path.exists():
+        raise SystemExit(f"checkpoint {path} does not exist")
+    return path
+
+
+def parse_step_list(value):
+    """``--step-list`` as floats: a list/tuple (``1.0,0.5`` parses to one), a single number, or None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, str):
+        value = value.replace(",", " ").split()
+    return [float(t) for t in value]
+
+
+def _steps_record(args) -> dict:
+    if args.step_list is not None:
+        return dict(num_steps=len(args.step_list) - 1 if float(args.step_list[-1]) == 0.0 else len(args.step_list),
+                    step_list=[float(t) for t in args.step_list])
+    return dict(num_steps=int(args.num_steps), step_list=None)
+
+
+def main(argv=None) -> list:
+    """Run the sampling CLI; returns the written sample paths."""
+    cfg, args = load_config_from_cli(argv, script_flags=INFERENCE_FLAGS, prog="inference.py",
+                                     description="Sample videos from a trained (or distilled) model.")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
+    from opensora.inference.pipeline import VideoSampler, video_size_for
+    from opensora.inference.prompts import per_sample_seeds, resolve_prompts, sample_stem
+
+    try:
+        prompts = resolve_prompts(None if args.prompt is None else str(args.prompt), args.prompt_file)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(str(error)) from None
+    ckpt = resolve_checkpoint(args.ckpt)
+    step_list = parse_step_list(args.step_list)
+    args.step_list = step_list
+    height, width = video_size_for(str(args.resolution), args.aspect_ratio)
+    num_frames = int(args.num_frames)
+    batch_size = max(1, int(args.batch_size))
+    save_dir = Path(args.save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, save_dir)
+
+    sampler = VideoSampler.from_config(cfg, ckpt, role=args.role, ema=bool(args.ema), device=args.device,
+                                       dtype=args.dtype, offload=bool(args.offload), progress=bool(args.progress))
+    weights = sampler.weights
+    latent_size = sampler.latent_size(num_frames, height, width)
+    logger.info("sampling %d prompt(s) at %dx%dx%d (latent %s) from %s [%s] on %s/%s", len(prompts), num_frames,
+                height, width, latent_size, weights.path, weights.source, sampler.device, sampler.dtype)
+    seeds = per_sample_seeds(args.seed, len(prompts))
+    common = dict(
+        config=str(args.config), checkpoint=str(ckpt), weights=str(weights.path), weights_source=weights.source,
+        checkpoint_step=weights.step, role=args.role, **_steps_record(args),
+        shift_alpha=None if step_list is not None else sampler.shift_alpha(latent_size),  # a step_list is unshifted
+        guidance_scale=float(args.guidance_scale), image_guidance_scale=float(args.image_guidance_scale),
+        cond_type=args.cond_type, ref=None if args.ref is None else str(args.ref), num_frames=num_frames,
+        height=height, width=width, fps=float(args.fps), dtype=str(sampler.dtype).replace("torch.", ""),
+        device=str(sampler.device),
+    )
+    written, rows = [], []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        videos = sampler.generate(
+            chunk, seeds[start : start + batch_size], num_frames, height, width,
+            num_steps=int(args.num_steps), step_list=step_list, guidance_scale=float(args.guidance_scale),
+            image_guidance_scale=float(args.image_guidance_scale), cond_type=args.cond_type, ref=args.ref,
+        )
+        for offset, (prompt, frames) in enumerate(zip(chunk, videos.numpy())):
+            index = start + offset
+            stem = save_dir / sample_stem(index, prompt)
+            path = save_sample(stem, frames, fps=float(args.fps))
+            write_sidecar(stem.with_suffix(".json"),
+                          dict(index=index, prompt=prompt, seed=seeds[index], path=path.name, **common))
+            written.append(path)
+            rows.append(dict(path=path.name, text=prompt))
+        write_samples_csv(save_dir, rows)  # rewritten after each batch: usable even if the run stops early
+    logger.info("wrote %d sample(s) and samples.csv to %s", len(written), save_dir)
+    return written
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
