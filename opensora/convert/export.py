@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import diffusers_flux, opensora2
-from .weights import LoadedWeights, _read_metadata as read_metadata, load_role_weights
+from .weights import LoadedWeights, load_role_weights, read_metadata
 
 OUR_LAYOUT = "opensora"
 LAYOUTS = (OUR_LAYOUT, opensora2.LAYOUT, diffusers_flux.LAYOUT)

@@ -44,7 +44,7 @@ def load_sharded_safetensors(directory: Path) -> Dict[str, torch.Tensor]:
     return state
 
 
-def _read_metadata(path: Path) -> Dict[str, str]:
+def read_metadata(path: Path) -> Dict[str, str]:
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata() or {})
 
@@ -53,7 +53,7 @@ def load_role_weights(path, role: str = "model", ema: bool = True) -> LoadedWeig
     """Weights of ``role`` from checkpoint directory ``path`` (EMA unless ``ema=False``) or from a file."""
     path = Path(path)
     if path.is_file():
-        metadata = _read_metadata(path)
+        metadata = read_metadata(path)
         step = int(metadata["step"]) if "step" in metadata else None
         return LoadedWeights(load_file(str(path)), "file", path, step, metadata.get("config"), metadata)
     if not path.is_dir():
@@ -68,7 +68,7 @@ def load_role_weights(path, role: str = "model", ema: bool = True) -> LoadedWeig
     config_text = config_file.read_text() if config_file.is_file() else None
     ema_file = role_dir / "ema.safetensors"
     if ema and ema_file.is_file():
-        return LoadedWeights(load_file(str(ema_file)), "ema", ema_file, step, config_text, _read_metadata(ema_file))
+        return LoadedWeights(load_file(str(ema_file)), "ema", ema_file, step, config_text, read_metadata(ema_file))
     if ema:
         raise FileNotFoundError(f"{ema_file} missing (trained without EMA?); pass ema=False / --no-ema for raw weights")
     return LoadedWeights(load_sharded_safetensors(role_dir / "model"), "model", role_dir / "model", step, config_text)
