@@ -14,6 +14,7 @@ from mmengine.registry import Registry
 MODELS = Registry("model", scope="opensora")
 DATASETS = Registry("dataset", scope="opensora")
 METHODS = Registry("method", scope="opensora")
+ADAPTERS = Registry("adapter", scope="opensora")  # per-model-family runtime ops that distillation methods call
 
 # Packages whose import registers the modules configs may name.
 _REGISTERING_PACKAGES = (

@@ -1,0 +1,146 @@
+"""Model-family adapters: the runtime operations distillation methods need, with no algorithm in them.
+
+A method (a distillation algorithm) orchestrates *which* network to query *when*; an adapter knows *how* to query one model
+family: prepare a raw batch once (text embeddings, the explicit null text, latent shape), add noise, call a
+network and turn its output into a velocity or an x0 prediction, and convert a sampled discrete timestep into
+the family's continuous, shifted time. Adapters receive role *handles* (``opensora.training.roles.Role``),
+never role names, so what a role *means* stays in the method. Adding a model family means adding an
+adapter (registered in ``ADAPTERS``); adding a method means adding a method: N + M, not N x M.
+
+``MMDiTAdapter`` covers our flow-matching MMDiT (t in [0, 1], t = 1 is noise, the network predicts the velocity
+``eps - x0``). Text-to-video only: a model with condition channels gets the all-zero (no frames given) condition.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+from opensora.diffusion import flow_matching as fm
+from opensora.registry import ADAPTERS
+
+
+@dataclass
+class PreparedBatch:
+    """What every network call of one training step shares; built once by ``MMDiTAdapter.prepare_batch``."""
+
+    latent_shape: Tuple[int, ...]  # [B, C, T, H, W]
+    text: Dict[str, torch.Tensor]  # prompt embeddings (text_emb, text_mask, pooled)
+    null_text: Dict[str, torch.Tensor]  # the start-up null-text embeddings broadcast to the batch
+    shift_alpha: float  # resolution/length time shift for this latent size
+
+    @property
+    def batch_size(self) -> int:
+        return self.latent_shape[0]
+
+
+def _broadcast_text(text: Mapping[str, torch.Tensor], batch_size: int) -> Dict[str, torch.Tensor]:
+    """Expand a batch-1 embedding dict (the null text) to ``batch_size`` rows without copying."""
+    return {key: value.expand(batch_size, *value.shape[1:]) for key, value in text.items()}
+
+
+@ADAPTERS.register_module()
+class MMDiTAdapter:
+    """Operations on an MMDiT role handle (velocity-predicting flow-matching transformer)."""
+
+    capabilities = frozenset({"cfg", "predict_x0", "predict_velocity"})
+
+    def __init__(
+        self,
+        components,
+        num_train_timesteps: int = 1000,
+        shift: Optional[Mapping] = None,
+        patch_size: Tuple[int, int, int] = (1, 2, 2),
+        min_time: float = 1e-3,
+    ):
+        if components.text_encoder is None or components.null_text is None:
+            raise ValueError("MMDiTAdapter needs components.text_encoder and components.null_text (computed once at "
+                             "start-up from text_encoder.null_embeddings(1)); the config has no text_encoder")
+        if components.vae is None:
+            raise ValueError("MMDiTAdapter needs components.vae to know the latent size; the config has no vae")
+        self.components = components
+        self.num_train_timesteps = int(num_train_timesteps)
+        self.shift = dict(shift or {})
+        self.patch_size = tuple(patch_size)
+        self.min_time = float(min_time)
+
+    # ---- batch ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_batch(self, batch: Mapping) -> PreparedBatch:
+        """Encode prompts and fix the latent shape. The video itself is not encoded: the methods here are
+        data-free (the generator makes its own samples), only the prompts and the size come from the data."""
+        comp = self.components
+        video = batch["video"]
+        if video.dim() != 5:
+            raise ValueError(f"batch['video'] must be [B, C, T, H, W], got {tuple(video.shape)}")
+        latent_thw = tuple(comp.vae.get_latent_size(video.shape[2:]))
+        batch_size = video.shape[0]
+        latent_shape = (batch_size, comp.vae.latent_channels, *latent_thw)
+        text = comp.text_encoder.encode(list(batch["text"]))
+        text = {key: value.to(comp.device) for key, value in text.items()}
+        null_text = _broadcast_text({k: v.to(comp.device) for k, v in comp.null_text.items()}, batch_size)
+        alpha = fm.shift_alpha_for(latent_thw, self.patch_size, **self.shift)
+        return PreparedBatch(latent_shape=latent_shape, text=text, null_text=null_text, shift_alpha=alpha)
+
+    def noise(self, batch: PreparedBatch) -> torch.Tensor:
+        return torch.randn(batch.latent_shape, device=self.components.device, dtype=torch.float32)
+
+    # ---- timestep mechanics (the sampling policy lives in the method) ---------------------------------------
+    def shift_and_clamp_timestep(self, timestep_index: torch.Tensor, batch: PreparedBatch) -> torch.Tensor:
+        """Discrete index in [0, num_train_timesteps] -> continuous float32 t in [min_time, 1], shifted for
+        the batch's latent size with the same ``time_shift`` training and inference use."""
+        t = timestep_index.float() / self.num_train_timesteps
+        return fm.time_shift(t, batch.shift_alpha).clamp(self.min_time, 1.0)
+
+    @staticmethod
+    def add_noise(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return fm.add_noise(x0, noise, t)
+
+    @staticmethod
+    def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return fm.velocity_target(x0, noise)
+
+    # ---- network calls ------------------------------------------------------------------------------------
+    def predict_velocity(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
+                         conditional: bool = True) -> torch.Tensor:
+        """The network's velocity for ``noisy`` at time ``t`` [B] with the prompt (or the null text); float32.
+
+        Gradients flow when the caller has grad enabled and the handle's parameters require grad.
+        """
+        network = handle.unwrap()
+        dtype = next(network.parameters()).dtype
+        text = batch.text if conditional else batch.null_text
+        cond = None
+        cond_channels = getattr(network, "cond_channels", None)
+        if cond_channels:  # text-to-video: mask 0 everywhere, no condition frames
+            cond = torch.zeros((noisy.shape[0], cond_channels, *noisy.shape[2:]), device=noisy.device, dtype=dtype)
+        t = t.expand(noisy.shape[0]) if t.dim() == 0 else t
+        velocity = handle.model(
+            noisy.to(dtype),
+            t.to(dtype),
+            text["text_emb"].to(dtype),
+            text["text_mask"],
+            text["pooled"].to(dtype),
+            cond=cond,
+        )
+        return velocity.float()
+
+    def predict_x0(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
+                   conditional: bool = True) -> torch.Tensor:
+        """x0 implied by the velocity: ``x_t - t * v`` (float32)."""
+        t = t.expand(noisy.shape[0]) if t.dim() == 0 else t
+        velocity = self.predict_velocity(handle, noisy, t, batch, conditional=conditional)
+        return fm.predict_x0(noisy.float(), velocity, t.float())
+
+    # ---- accounting ---------------------------------------------------------------------------------------
+    def forward_flops(self, handle, batch: PreparedBatch) -> float:
+        """FLOPs of one forward pass of ``handle`` on ``batch`` (for MFU logging)."""
+        from opensora.models.mmdit.flops import mmdit_forward_flops
+
+        network = handle.unwrap()
+        tokens = fm.num_latent_tokens(batch.latent_shape[2:], tuple(network.patch_size))
+        flops = mmdit_forward_flops(network, tokens, batch.text["text_emb"].shape[1], batch.batch_size)
+        return float(flops["total"] if isinstance(flops, Mapping) else flops)
+
+    def num_tokens(self, handle, batch: PreparedBatch) -> int:
+        return batch.batch_size * fm.num_latent_tokens(batch.latent_shape[2:], tuple(handle.unwrap().patch_size))
