@@ -9,7 +9,7 @@ ckpt_every = 2000
 precision = "bf16"
 
 dataset = dict(_delete_=True, type="MovingShapesDataset", num=7200, seed=0, height=64, width=64, num_frames=16)
-bucket_config = {"64x64": {16: (1.0, 32)}}
+bucket_config = dict(_delete_=True, **{"64x64": {16: (1.0, 32)}})
 num_workers = 12
 
 model = dict(
