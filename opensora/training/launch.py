@@ -3,7 +3,7 @@
 import logging
 import sys
 
-from opensora.config import load_config_from_cli
+from opensora.config import ConfigKeyError, ConfigValueError, load_config_from_cli
 
 TRAIN_FLAGS = {
     "outputs": "outputs/run",
@@ -15,8 +15,13 @@ TRAIN_FLAGS = {
 
 
 def main(argv=None) -> None:
-    cfg, args = load_config_from_cli(argv, script_flags=TRAIN_FLAGS, prog="train.py",
-                                     description="Train a video diffusion model (flow matching or a distillation method).")
+    try:
+        cfg, args = load_config_from_cli(
+            argv, script_flags=TRAIN_FLAGS, prog="train.py",
+            description="Train a video diffusion model (flow matching or a distillation method).")
+    except (ConfigKeyError, ConfigValueError) as error:
+        # a typo on the command line: one line naming the key (and its nearest match), not a traceback
+        raise SystemExit(f"train.py: error: {error}") from None
     if args.load is not None and args.resume is not None:
         raise SystemExit("give either --load DIR or --resume auto, not both")
     if args.resume not in (None, "auto"):

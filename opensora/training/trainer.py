@@ -111,6 +111,8 @@ class Trainer:
         if path is None:
             if auto and self.is_main:
                 logger.info("--resume auto: no complete checkpoint in %s, starting fresh", self.outputs)
+            # a fresh start must not append to the records of an earlier run (e.g. one that died before saving)
+            self.metrics.truncate_after(self.step)
             return
         loaded = ckpt.load_checkpoint(path, self.roles)
         state = loaded.extra_state
