@@ -135,26 +135,6 @@ method = dict(student_update_every=2, step_list=[1.0, 0.6, 0.3])
     return path
 
 
-def _ensure_multi_optimizer_backward():
-    """TEMPORARY, remove once the trainer lands it: one backward per optimizer of the iteration, restricted to
-    that role's parameters (the contract the trainer is adopting). Applied only if the trainer lacks it."""
-    import inspect
-
-    from opensora.training.trainer import Trainer
-
-    if "inputs" in inspect.getsource(Trainer._backward):
-        return
-
-    def _backward(self, loss, iteration):
-        optimizers = self.method.get_optimizers(iteration)
-        for i, optimizer in enumerate(optimizers):
-            owner = next(role for role in self.roles.values() if role.optimizer is optimizer)
-            params = [p for p in owner.model.parameters() if p.requires_grad]
-            optimizer.backward(loss / self.grad_accum, inputs=params, retain_graph=i + 1 < len(optimizers))
-
-    Trainer._backward = _backward
-
-
 def _train_three_ways(rank, world_size, config, root):
     """6 steps straight; 3 steps then 3 more resumed from the checkpoint (each run a fresh Trainer)."""
     import warnings
@@ -163,7 +143,6 @@ def _train_three_ways(rank, world_size, config, root):
     torch.set_num_threads(1)
     from opensora.training.launch import main
 
-    _ensure_multi_optimizer_backward()
 
     main([config, "--outputs", f"{root}/full", "--max-steps", "6"])
     main([config, "--outputs", f"{root}/split", "--max-steps", "3"])

@@ -11,6 +11,7 @@ TRAIN_FLAGS = {
     "ckpt_every": 0,
     "load": None,  # a checkpoint directory to resume from
     "resume": None,  # "auto": the newest complete checkpoint under outputs
+    "max_minutes": None,  # wall-clock budget: stop (and save) at the first step past it
 }
 
 

@@ -66,6 +66,8 @@ class Trainer:
         self.grad_accum = int(cfg.get("grad_accum", 1))
         self.ckpt_every = int(cfg.get("ckpt_every", 0))
         self.max_consecutive_nonfinite = int(cfg.get("max_consecutive_nonfinite", 5))
+        # wall-clock budget (job time limits, fixed-time benchmarks): stop and save at the first step past it
+        self.max_minutes = cfg.get("max_minutes")
         seed_everything(int(cfg.seed))  # same initial weights on every rank
         if self.is_main:
             save_config(cfg, self.outputs)
@@ -132,10 +134,25 @@ class Trainer:
         )
 
     # ---- the loop -------------------------------------------------------------------------------------------
+    def _updating_roles(self, iteration: int) -> list:
+        optimizers = self.method.get_optimizers(iteration)
+        return [next(r for r in self.roles.values() if r.optimizer is opt) for opt in optimizers]
+
     def _backward(self, loss: torch.Tensor, iteration: int) -> None:
-        optimizer = self.method.get_optimizers(iteration)[0]
-        owner = next(role for role in self.roles.values() if role.optimizer is optimizer)
-        owner.booster.backward(loss / self.grad_accum, optimizer)
+        """Backward ``loss`` into every role whose optimizer steps this iteration.
+
+        One role: through its booster. Several (a sum of per-role losses): through each role's
+        optimizer with ``inputs`` restricted to that role's parameters, so every ZeRO optimizer reduces exactly
+        its own gradients (a single ``loss.backward()`` would leave the others' buckets unreduced).
+        """
+        scaled = loss / self.grad_accum
+        roles = self._updating_roles(iteration)
+        if len(roles) == 1:
+            roles[0].booster.backward(scaled, roles[0].optimizer)
+            return
+        for position, role in enumerate(roles):
+            params = [p for p in role.model.parameters() if p.requires_grad]
+            role.optimizer.backward(scaled, inputs=params, retain_graph=position < len(roles) - 1)
 
     def _all_finite(self, loss: torch.Tensor) -> bool:
         # every rank must agree, or ranks would disagree about stepping and deadlock
@@ -152,9 +169,10 @@ class Trainer:
         progress = tqdm(total=self.max_steps, initial=self.step, disable=not self.is_main, desc="train",
                         dynamic_ncols=True)
         batches = self._batches()
-        while self.step < self.max_steps:
+        started = time.monotonic()
+        while self.step < self.max_steps and not self._out_of_time(started):
             iteration = self.step
-            losses, stats, skipped = [], {}, False
+            loss_maps, skipped = [], False
             self.throughput.start()
             for _ in range(self.grad_accum):
                 batch = next(batches)
@@ -164,7 +182,7 @@ class Trainer:
                     skipped = True
                     break
                 self._backward(loss, iteration)
-                losses.append(loss.detach().float())
+                loss_maps.append({k: v.detach().float() for k, v in loss_map.items()})
                 self.throughput.add(outputs)
             if skipped:
                 self._handle_nonfinite(iteration)
@@ -174,7 +192,7 @@ class Trainer:
             self.method.optimizers_zero_grad(iteration)
             self.step += 1
             self._update_emas(iteration)
-            record = self._record(losses, grad_norms, iteration)
+            record = self._record(loss_maps, grad_norms)
             self.metrics.log(self.step, record)
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.4f}")
@@ -184,6 +202,17 @@ class Trainer:
         self.save()
         self.metrics.close()
         barrier()
+
+    def _out_of_time(self, started: float) -> bool:
+        if self.max_minutes is None:
+            return False
+        # rank 0's clock decides, so every rank stops at the same step
+        late = float(time.monotonic() - started > 60.0 * float(self.max_minutes)) if self.is_main else 0.0
+        if all_reduce_mean(torch.tensor(late, device=self.device)).item() > 0:
+            if self.is_main:
+                logger.info("max_minutes=%s reached at step %d: saving and stopping", self.max_minutes, self.step)
+            return True
+        return False
 
     def _batches(self):
         """Endless iterator over epochs; the sampler knows where a resumed run left off."""
@@ -202,15 +231,20 @@ class Trainer:
                 f"{self.nonfinite_in_a_row} non-finite losses in a row at step {self.step}; stopping"
             )
 
-    def _record(self, losses, grad_norms, iteration) -> dict:
-        loss = all_reduce_mean(torch.stack(losses).mean()).item()
-        record = {"loss": loss}
-        schedulers = self.method.get_lr_schedulers(iteration)
-        if schedulers:
-            record["lr"] = schedulers[0].get_last_lr()[0]
-        for name, norm in grad_norms.items():
-            key = "grad_norm" if len(grad_norms) == 1 else f"grad_norm/{name}"
-            record[key] = norm
+    def _record(self, loss_maps, grad_norms) -> dict:
+        """One metrics record: losses averaged over micro-steps and ranks, lr and grad norm per trainable role
+        (plain ``lr`` / ``grad_norm`` when only one role trains, so single-model runs keep Open-Sora's names)."""
+        record = {}
+        for key in loss_maps[0]:
+            value = all_reduce_mean(torch.stack([m[key] for m in loss_maps]).mean()).item()
+            record["loss" if key == "total_loss" else key] = value
+        trainable = [role for role in self.roles.values() if role.trainable]
+        for role in trainable:
+            suffix = "" if len(trainable) == 1 else f"/{role.name}"
+            if role.lr_scheduler is not None:
+                record["lr" + suffix] = role.lr_scheduler.get_last_lr()[0]
+            if role.name in grad_norms:
+                record["grad_norm" + suffix] = grad_norms[role.name]
         record.update(self.throughput.stop())
         record["nonfinite_total"] = self.nonfinite_total
         record["skipped_samples"] = self.loader.num_skipped
