@@ -29,11 +29,21 @@ def check_backend(backend: str) -> str:
     return backend
 
 
+_CAPABILITY = {}  # device index -> compute capability major; a dict hit is free inside torch.compile regions
+
+
+def device_major(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
+    return _CAPABILITY[index]
+
+
 def auto_backends(device: torch.device, has_mask: bool) -> Optional[list]:
     """Backends, best first, that ``"auto"`` allows on ``device``; ``None`` means PyTorch's own choice."""
     if device.type != "cuda":
         return None
-    major, _ = torch.cuda.get_device_capability(device)
+    major = device_major(device)
     order = []
     if major >= 9:
         order.append(SDPBackend.CUDNN_ATTENTION)
@@ -86,6 +96,19 @@ def attention(
     """
     if q.dim() != 4:
         raise ValueError(f"attention expects q/k/v as [B, heads, N, head_dim], got q of shape {tuple(q.shape)}")
+    return _dense_sdpa(q, k, v, mask, backend)
+
+
+@torch.compiler.disable
+def _dense_sdpa(q, k, v, mask, backend):
+    """SDPA on dense [B, heads, N, head_dim] inputs with a dense grad_out, always run eagerly.
+
+    Inside compiled blocks Inductor chooses the strides of intermediates itself and may hand SDPA (and its
+    backward) other layouts than eager does; measured on H100/torch 2.11 the 1B MMDiT then trained to NaN with
+    cuDNN attention while eager was fine. Keeping the attention call out of the graph pins the layouts we
+    test (tests/test_mmdit.py, tests/test_mmdit_gpu.py); everything around it still fuses.
+    """
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with backend_context(backend, q.device, mask is not None):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     batch, heads, tokens, head_dim = out.shape

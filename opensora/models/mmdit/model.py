@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from opensora.registry import MODELS
 
-from .attention import check_backend
+from .attention import check_backend, device_major
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .rope import rope_cos_sin, video_position_ids
 
@@ -62,6 +62,7 @@ class MMDiT(nn.Module):
         attn_backend: str = "auto",
         grad_ckpt_double: int = 0,
         grad_ckpt_single: int = 0,
+        compile_blocks: bool = False,
     ):
         super().__init__()
         if hidden_size % num_heads:
@@ -85,7 +86,7 @@ class MMDiT(nn.Module):
             depth_double=depth_double, depth_single=depth_single, mlp_ratio=mlp_ratio, text_dim=text_dim,
             pooled_dim=pooled_dim, qk_norm=qk_norm, qkv_bias=qkv_bias, guidance_embed=guidance_embed,
             axes_dims=tuple(axes_dims), theta=theta, attn_backend=attn_backend,
-            grad_ckpt_double=grad_ckpt_double, grad_ckpt_single=grad_ckpt_single,
+            grad_ckpt_double=grad_ckpt_double, grad_ckpt_single=grad_ckpt_single, compile_blocks=compile_blocks,
         )  # fmt: skip
         self.in_channels, self.out_channels, self.cond_channels = in_channels, out_channels, cond_channels
         self.patch_size = tuple(patch_size)
@@ -113,6 +114,8 @@ class MMDiT(nn.Module):
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(**block_args) for _ in range(depth_double))
         self.single_blocks = nn.ModuleList(SingleStreamBlock(**block_args) for _ in range(depth_single))
         self.final_layer = FinalLayer(hidden_size, out_channels * patch_volume)
+        self.compile_blocks = False
+        self.set_compile_blocks(compile_blocks)
 
     def set_attn_backend(self, backend: str) -> None:
         check_backend(backend)
@@ -127,6 +130,22 @@ class MMDiT(nn.Module):
         self.grad_ckpt_double, self.grad_ckpt_single = double, single
         self.arch.update(grad_ckpt_double=double, grad_ckpt_single=single)
 
+    def set_compile_blocks(self, enabled: bool) -> None:
+        """Compile each block with torch.compile (regional compilation), or go back to eager.
+
+        Blocks of one kind share code, so Dynamo compiles one double and one single block graph and reuses
+        them; this fuses the small ops (norms, RoPE, modulation, gating) around the matmuls. ``nn.Module.compile``
+        compiles in place, so parameter names and state dicts are unchanged. Off by default: compiling costs
+        tens of seconds and gains little on CPU.
+        """
+        for block in [*self.double_blocks, *self.single_blocks]:
+            if enabled:
+                block.compile()
+            else:
+                block._compiled_call_impl = None  # what nn.Module.compile sets; None restores eager calls
+        self.compile_blocks = bool(enabled)
+        self.arch["compile_blocks"] = self.compile_blocks
+
     def conditioning_vector(self, timestep, pooled, guidance):
         dtype = self.time_in.in_layer.weight.dtype
         vec = self.time_in(timestep_embedding(timestep, TIMESTEP_FEATURES).to(dtype))
@@ -138,12 +157,18 @@ class MMDiT(nn.Module):
         return vec
 
     @staticmethod
-    def key_mask(text_mask: Optional[torch.Tensor], num_video_tokens: int) -> Optional[torch.Tensor]:
-        """Boolean key mask [B, 1, 1, L+N] hiding padded text tokens; ``None`` when every token is valid."""
-        if text_mask is None:
+    def key_mask(
+        text_mask: Optional[torch.Tensor], num_video_tokens: int, has_padding: Optional[bool] = None
+    ) -> Optional[torch.Tensor]:
+        """Boolean key mask [B, 1, 1, L+N] hiding padded text tokens; ``None`` when every token is valid.
+
+        ``has_padding=None`` inspects the mask, which is a host sync when it lives on the GPU; callers that know
+        (False: no padding, so no mask and the mask-free kernels; True: build the mask) skip that sync.
+        """
+        if text_mask is None or has_padding is False:
             return None
         text_mask = text_mask.bool()
-        if bool(text_mask.all()):
+        if has_padding is None and bool(text_mask.all()):
             return None
         video = text_mask.new_ones(text_mask.shape[0], num_video_tokens)
         return torch.cat((text_mask, video), dim=1)[:, None, None, :]
@@ -167,7 +192,10 @@ class MMDiT(nn.Module):
         pooled: Optional[torch.Tensor] = None,
         cond: Optional[torch.Tensor] = None,
         guidance: Optional[torch.Tensor] = None,
+        text_mask_has_padding: Optional[bool] = None,
     ) -> torch.Tensor:
+        """Velocity prediction for ``x``; ``text_mask_has_padding`` (optional) lets a caller that knows whether
+        ``text_mask`` has padded tokens skip inspecting it (a GPU->host sync per step), see ``key_mask``."""
         if x.dim() != 5 or x.shape[1] != self.in_channels:
             raise ValueError(f"x must be [B, {self.in_channels}, T, H, W], got {tuple(x.shape)}")
         if pooled is None:
@@ -189,7 +217,9 @@ class MMDiT(nn.Module):
         txt = self.txt_in(text_emb)
         vec = self.conditioning_vector(timestep, pooled, guidance)
         rope = self.rope(grid, txt.shape[1], x.device)
-        mask = self.key_mask(text_mask, img.shape[1])
+        mask = self.key_mask(text_mask, img.shape[1], text_mask_has_padding)
+        if x.is_cuda:
+            device_major(x.device)  # fill the capability cache eagerly, outside the compiled blocks
 
         for i, block in enumerate(self.double_blocks):
             img, txt = self.run_block(block, i < self.grad_ckpt_double, img, txt, vec, rope, mask)

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Scaling of the real trainer: tokens/s per GPU, scaling efficiency vs 1 GPU and peak memory, for ZeRO-2 (bf16)
+# and DDP, at any GPU counts. Inputs are synthetic (configs/diffusion/train/mmdit_1b_synthetic.py: rendered clips,
+# tiny VAE/text encoders with the real shapes), so the data loader is not what is measured.
+#
+#   benchmarks/train_scaling.sh                      # GPUs "1 2", plugins "zero2 ddp", 30 steps each
+#   benchmarks/train_scaling.sh --gpus "1 2 4 8" --steps 50 --skip 10
+#   benchmarks/train_scaling.sh --tiny               # CPU smoke test: demo config, 1 and 2 gloo processes
+#
+# Launcher: torchrun (python -m torch.distributed.run); `--launcher colossalai` uses `colossalai run` (needs
+# fabric, absent on the GPU machines). Results: {out}/scaling.json and a table; each run's metrics.jsonl stays in
+# {out}/{plugin}_{n}gpu/.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && python=.venv/bin/python
+gpus="1 2"; plugins="zero2 ddp"; steps=30; skip=10; tiny=0; launcher=torchrun
+config=configs/diffusion/train/mmdit_1b_synthetic.py; out=outputs/bench_scaling; extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --gpus) gpus=$2; shift 2 ;;
+    --plugins) plugins=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    --skip) skip=$2; shift 2 ;;
+    --config) config=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --launcher) launcher=$2; shift 2 ;;
+    --tiny) tiny=1; shift ;;
+    --) shift; extra=("$@"); break ;;
+    -h|--help) sed -n 2,13p "$0"; exit 0 ;;
+    *) echo "unknown argument $1 (see --help)"; exit 2 ;;
+  esac
+done
+if [ $tiny = 1 ]; then
+  config=configs/diffusion/train/demo.py; out=${out%/}_tiny; steps=8; skip=3
+  [ -f outputs/demo/data/meta.csv ] || $python tools/make_demo_dataset.py --out outputs/demo/data --num 72 --seed 0
+  extra+=(--num-workers 0 --tensorboard False)
+fi
+plugin_cfg() {  # bf16 ZeRO-2 on GPU; the demo config's precision (fp32) on CPU
+  case "$1" in
+    zero2) echo "{'type': 'LowLevelZeroPlugin', 'stage': 2}" ;;
+    ddp) echo "{'type': 'TorchDDPPlugin'}" ;;
+    *) echo "unknown plugin $1 (zero2|ddp)" >&2; exit 2 ;;
+  esac
+}
+mkdir -p "$out"
+for plugin in $plugins; do
+  for n in $gpus; do
+    dir=$out/${plugin}_${n}gpu
+    rm -rf "$dir"
+    echo "== $plugin on $n process(es) -> $dir"
+    if [ "$launcher" = colossalai ]; then
+      launch=(colossalai run --nproc_per_node "$n")
+    else
+      launch=("$python" -m torch.distributed.run --standalone --nproc_per_node "$n")
+    fi
+    sampler=""
+    if command -v nvidia-smi > /dev/null; then  # the trainer logs no memory: sample used memory per GPU (includes
+      nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/${plugin}_${n}gpu.mem" &
+      sampler=$!                              # the CUDA context and allocator cache, so it is an upper bound)
+    fi
+    "${launch[@]}" scripts/diffusion/train.py "$config" --outputs "$dir" --max-steps "$steps" \
+      --ckpt-every 0 --plugin "$(plugin_cfg "$plugin")" "${extra[@]}" > "$out/${plugin}_${n}gpu.log" 2>&1 \
+      || { echo "   FAILED (see $out/${plugin}_${n}gpu.log)"; tail -5 "$out/${plugin}_${n}gpu.log"; }
+    [ -n "$sampler" ] && kill "$sampler" 2> /dev/null || true
+  done
+done
+$python - "$out" "$skip" "$plugins" "$gpus" <<'EOF'
+import datetime, json, statistics, sys
+from pathlib import Path
+out, skip, plugins, gpus = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(), [int(g) for g in sys.argv[4].split()]
+rows = []
+for plugin in plugins:
+    base = None
+    for n in gpus:
+        path = out / f"{plugin}_{n}gpu" / "metrics.jsonl"
+        recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+        recs = [r for r in recs if "tokens_per_s" in r and r.get("step", 0) > skip]
+        if not recs:
+            rows.append(dict(plugin=plugin, gpus=n, error=f"no metrics after step {skip} in {path}"))
+            continue
+        per_gpu = statistics.median(r["tokens_per_s"] for r in recs) / n  # tokens_per_s is over all ranks
+        mem_file = out / f"{plugin}_{n}gpu.mem"
+        mem = [float(l.split(",")[1]) / 1024 for l in mem_file.read_text().splitlines()[:] if "," in l] \
+            if mem_file.exists() else []
+        base = base or (per_gpu if n == gpus[0] else None)
+        rows.append(dict(plugin=plugin, gpus=n, tokens_per_s_per_gpu=per_gpu,
+                         step_time=statistics.median(r["step_time"] for r in recs),
+                         scaling_efficiency=per_gpu / base if base else None,
+                         peak_mem_gib=max(mem) if mem else None, mfu=recs[-1].get("mfu"), steps=len(recs)))
+report = dict(date=datetime.date.today().isoformat(), rows=rows)
+(out / "scaling.json").write_text(json.dumps(report, indent=1))
+print(f"{'plugin':7s} {'gpus':>4s} {'tokens/s/gpu':>13s} {'step s':>7s} {'eff':>6s} {'used GiB':>9s} {'mfu':>6s}")
+for r in rows:
+    if "error" in r:
+        print(f"{r['plugin']:7s} {r['gpus']:4d} {r['error']}"); continue
+    f = lambda v, fmt: format(v, fmt) if v is not None else "-"
+    print(f"{r['plugin']:7s} {r['gpus']:4d} {r['tokens_per_s_per_gpu']:13.1f} {r['step_time']:7.3f} "
+          f"{f(r['scaling_efficiency'], '6.2f')} {f(r['peak_mem_gib'], '9.1f')} {f(r['mfu'], '6.3f')}")
+print(f"wrote {out / 'scaling.json'}")
+EOF

@@ -1,0 +1,375 @@
+"""One training step (forward, backward, AdamW) of our MMDiT next to diffusers' FluxTransformer2DModel.
+
+Same shape for both: 8 double + 16 single blocks, 12 heads x 128, 64-wide input tokens (16 latent channels x
+2x2 patches for ours, Flux's packed 64 channels for diffusers), 4096-dim text features, 8448 video + 512 text
+tokens, batch 1, parameters and activations in bf16, fused AdamW. Every variant runs in its own subprocess (a
+crashed kernel must not take the others down, and memory peaks stay separate); the driver collects one JSON
+under benchmarks/results/ and prints a table.
+
+Timing: CUDA events around each step after warm-up (compilation happens there), median of the timed steps.
+MFU = model FLOPs (3x the forward matmuls, recompute not counted, the same number for both models) / time /
+the bf16 ceiling (752 TFLOP/s measured on H200, see DESIGN.md; pass --peak-tflops for another device).
+
+  python benchmarks/train_step.py                       # all default variants on the GPU
+  python benchmarks/train_step.py --variants ours-compile,diffusers --iters 20
+  python benchmarks/train_step.py --tiny                # CPU smoke test of the script itself
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name -> how to build it; ckpt: "none" | "full" | "D,S" (first D double and S single blocks checkpointed)
+VARIANTS = {
+    "diffusers": dict(model="diffusers", backend="default"),
+    "diffusers-flash": dict(model="diffusers", backend="flash"),
+    "ours-eager": dict(model="ours", backend="auto", compile=False),
+    "ours-eager-flash": dict(model="ours", backend="flash", compile=False),
+    "ours-compile": dict(model="ours", backend="auto", compile=True),
+    "ours-compile-flash": dict(model="ours", backend="flash", compile=True),
+    "ours-compile-masked": dict(model="ours", backend="auto", compile=True, padded_text=True),
+}
+DEFAULT_RUNS = [
+    ("diffusers-flash", "none"), ("diffusers-flash", "full"), ("ours-compile", "none"), ("ours-compile", "full"),
+    ("ours-eager", "none"), ("ours-eager", "full"), ("ours-compile", "0,16"), ("ours-compile-masked", "none"),
+    ("ours-compile-flash", "none"), ("diffusers", "none"),
+]  # fmt: skip
+
+FULL = dict(grid=(11, 24, 32), text_tokens=512, depth_double=8, depth_single=16, hidden=1536, heads=12,
+            text_dim=4096, pooled_dim=768, axes=(16, 56, 56))  # fmt: skip
+TINY = dict(grid=(2, 4, 4), text_tokens=8, depth_double=1, depth_single=2, hidden=64, heads=2, text_dim=32,
+            pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
+LATENT_CHANNELS = 16
+
+
+def shape_tokens(shape):
+    t, h, w = shape["grid"]
+    return t * h * w, shape["text_tokens"]
+
+
+def randomize_(model, std=0.02, seed=0):
+    """Random weights everywhere (zero-initialised gates too): zeros would make kernels unrealistically fast."""
+    import torch
+
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * std)
+
+
+def build_ours(shape, spec, ckpt, device, dtype):
+    import torch
+
+    from opensora.models.mmdit import MMDiT, mmdit_config
+
+    cfg = mmdit_config("1b", hidden_size=shape["hidden"], num_heads=shape["heads"],
+                       depth_double=shape["depth_double"], depth_single=shape["depth_single"],
+                       text_dim=shape["text_dim"], pooled_dim=shape["pooled_dim"], axes_dims=shape["axes"],
+                       attn_backend=spec["backend"])  # fmt: skip
+    cfg.pop("type")
+    with torch.device(device):  # build on the GPU: initialising 1.3B parameters on the CPU takes ~25 s
+        model = MMDiT(**cfg)
+    randomize_(model)
+    model.to(device=device, dtype=dtype).train()
+    model.set_grad_ckpt(*ckpt_counts(ckpt, shape))
+    if spec.get("compile"):
+        model.set_compile_blocks(True)
+    t, h, w = shape["grid"]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
+    n_txt = shape["text_tokens"]
+    inputs = dict(x=rnd(1, LATENT_CHANNELS, t, 2 * h, 2 * w), timestep=torch.rand(1, generator=gen).to(device),
+                  text_emb=rnd(1, n_txt, shape["text_dim"]), pooled=rnd(1, shape["pooled_dim"]))  # fmt: skip
+    if spec.get("padded_text"):
+        mask = torch.ones(1, n_txt, dtype=torch.bool)
+        mask[:, n_txt // 4 :] = False  # a short prompt padded to the max length, as T5 pads
+        inputs.update(text_mask=mask.to(device), text_mask_has_padding=True)
+    target = rnd(*inputs["x"].shape)
+    return model, (lambda: model(**inputs)), target
+
+
+def build_diffusers(shape, spec, ckpt, device, dtype):
+    import torch
+
+    from opensora.models.mmdit.rope import video_position_ids
+
+    if ckpt not in ("none", "full"):
+        raise ValueError("diffusers checkpoints all blocks or none: use ckpt none|full")
+    with torch.device(device):
+        model = flux_model(shape)
+    randomize_(model)
+    model.to(device=device, dtype=dtype).train()
+    if ckpt == "full":
+        model.enable_gradient_checkpointing()
+    n_img, n_txt = shape_tokens(shape)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
+    inputs = dict(
+        hidden_states=rnd(1, n_img, 4 * LATENT_CHANNELS), encoder_hidden_states=rnd(1, n_txt, shape["text_dim"]),
+        pooled_projections=rnd(1, shape["pooled_dim"]), timestep=torch.rand(1, generator=gen).to(device, dtype),
+        img_ids=video_position_ids(*shape["grid"]).to(device, dtype), txt_ids=torch.zeros(n_txt, 3).to(device, dtype),
+        return_dict=False,
+    )  # fmt: skip
+    target = rnd(*inputs["hidden_states"].shape)
+    return model, (lambda: model(**inputs)[0]), target
+
+
+def flux_model(shape):
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=shape["depth_double"],
+        num_single_layers=shape["depth_single"], attention_head_dim=shape["hidden"] // shape["heads"],
+        num_attention_heads=shape["heads"], joint_attention_dim=shape["text_dim"],
+        pooled_projection_dim=shape["pooled_dim"], guidance_embeds=False, axes_dims_rope=shape["axes"],
+    )  # fmt: skip
+
+
+def ckpt_counts(ckpt, shape):
+    if ckpt == "none":
+        return 0, 0
+    if ckpt == "full":
+        return shape["depth_double"], shape["depth_single"]
+    d, s = (int(v) for v in ckpt.split(","))
+    return d, s
+
+
+def model_flops(shape):
+    """Model FLOPs of one step: 3x forward matmuls (no recompute), from our closed-form counter."""
+    from opensora.models.mmdit import mmdit_config, mmdit_train_flops
+
+    cfg = mmdit_config("1b", hidden_size=shape["hidden"], num_heads=shape["heads"],
+                       depth_double=shape["depth_double"], depth_single=shape["depth_single"],
+                       text_dim=shape["text_dim"], pooled_dim=shape["pooled_dim"], axes_dims=shape["axes"])  # fmt: skip
+    return mmdit_train_flops(cfg, *shape_tokens(shape))
+
+
+def count_host_syncs(step):
+    """Run one step under CUDA sync debug mode and count the synchronising calls it reports."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    messages = [str(w.message).splitlines()[0][:160] for w in caught]
+    return [m for m in messages if "synchroniz" in m.lower() and "prototype" not in m]
+
+
+def run_variant(name, ckpt, args):
+    """Build, warm up and time one variant in this process; returns its result dict."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    spec = VARIANTS[name]
+    shape = TINY if args.tiny else FULL
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    torch.manual_seed(0)
+    build = build_ours if spec["model"] == "ours" else build_diffusers
+    t0 = time.perf_counter()
+    model, forward, target = build(shape, spec, ckpt, device, dtype)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    context = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if spec["backend"] == "flash" and spec["model"] == "diffusers" \
+        else None  # fmt: skip
+
+    first = [True]
+
+    def step():
+        out = forward()
+        loss = torch.nn.functional.mse_loss(out.float(), target.float())
+        loss.backward()
+        if first[0]:  # where does a non-finite value first show up? (one-off host syncs, before timing)
+            first[0] = False
+            bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+            if not torch.isfinite(loss) or bad:
+                raise RuntimeError(f"{name}/{ckpt}: first step loss {loss.item()}, non-finite grads in "
+                                   f"{len(bad)} tensors, e.g. {bad[:4]}")  # fmt: skip
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def guarded_step():
+        if context is None:
+            return step()
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return step()
+
+    cuda = device.type == "cuda"
+    compile_error = None
+    if spec.get("compile") and ckpt == "none":
+        compile_error = compiled_vs_eager_error(model, forward)
+    warm_times = []
+    for _ in range(args.warmup):
+        w0 = time.perf_counter()
+        loss = guarded_step()
+        if cuda:
+            torch.cuda.synchronize()
+        warm_times.append(time.perf_counter() - w0)
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"{name}/{ckpt}: non-finite loss {loss.item()}")
+    syncs = count_host_syncs(guarded_step) if cuda else []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            guarded_step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            s0 = time.perf_counter()
+            guarded_step()
+            times.append(time.perf_counter() - s0)
+    flops = model_flops(shape)
+    median = statistics.median(times)
+    result = dict(
+        variant=name, ckpt=ckpt, params=params, step_s=median, step_ms=median * 1e3,
+        min_ms=min(times) * 1e3, max_ms=max(times) * 1e3, times_ms=[round(t * 1e3, 3) for t in times],
+        warmup_s=[round(t, 2) for t in warm_times], build_s=round(time.perf_counter() - t0, 1),
+        model_tflops=flops / median / 1e12, mfu=flops / median / 1e12 / args.peak_tflops, model_flops=flops,
+        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, host_syncs=syncs,
+        loss=float(loss), compiled_vs_eager_rel_err=compile_error,
+    )  # fmt: skip
+    if args.profile and cuda:
+        result["profile"] = profile_table(guarded_step)
+    return result
+
+
+def compiled_vs_eager_error(model, forward):
+    """||compiled - eager|| / ||eager|| of the forward output on the same weights and inputs."""
+    import torch
+
+    with torch.no_grad():
+        model.set_compile_blocks(False)
+        ref = forward().float()
+        model.set_compile_blocks(True)
+        got = forward().float()
+    err = ((got - ref).norm() / ref.norm()).item()
+    if not err < 2e-2:
+        raise RuntimeError(f"compiled blocks disagree with eager: relative error {err:.3g}")
+    return err
+
+
+def profile_table(step, rows=30):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def environment(args):
+    import torch
+
+    env = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, python=sys.version.split()[0],
+               shape="tiny" if args.tiny else "full", peak_tflops=args.peak_tflops)  # fmt: skip
+    if torch.cuda.is_available() and not args.tiny:
+        env.update(device=torch.cuda.get_device_name(), cudnn=torch.backends.cudnn.version())
+    else:
+        env.update(device="cpu")
+    try:
+        import diffusers
+
+        env["diffusers"] = diffusers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def format_table(results):
+    lines = [f"{'variant':22s} {'ckpt':6s} {'step ms':>8s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'syncs':>5s}"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['variant']:22s} {r['ckpt']:6s} FAILED: {r['error'][:90]}")
+            continue
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        lines.append(f"{r['variant']:22s} {r['ckpt']:6s} {r['step_ms']:8.1f} {r['model_tflops']:8.1f} "
+                     f"{100 * r['mfu']:5.1f}% {mem:>9s} {len(r['host_syncs']):5d}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def parse_runs(text):
+    if not text:
+        return DEFAULT_RUNS
+    runs = []
+    for item in text.split(";"):
+        name, _, ckpt = item.partition("@")
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant '{name}'; choose from {sorted(VARIANTS)}")
+        runs.append((name, ckpt or "none"))
+    return runs
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default="", help="'variant@ckpt;...' (ckpt none|full|D,S); default: all")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--peak-tflops", type=float, default=752.0, help="bf16 ceiling for MFU (H200: 752)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU in fp32 (smoke test)")
+    parser.add_argument("--profile", default="", help="comma list of variant@ckpt to profile one step of")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_step_<date>.json)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per variant subprocess")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:  # one variant in this process, result as JSON on the last stdout line
+        name, _, ckpt = args.child.partition("@")
+        args.profile = args.child in args.profile.split(",")
+        print("RESULT " + json.dumps(run_variant(name, ckpt, args)), flush=True)
+        return 0
+
+    runs = parse_runs(args.runs)
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"train_step_{datetime.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = dict(environment=environment(args), runs=[])
+    passthrough = ["--warmup", str(args.warmup), "--iters", str(args.iters), "--peak-tflops", str(args.peak_tflops),
+                   "--profile", args.profile] + (["--tiny"] if args.tiny else [])  # fmt: skip
+    for name, ckpt in runs:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f"{name}@{ckpt}", *passthrough]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT,
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                result = dict(variant=name, ckpt=ckpt, error=f"rc={proc.returncode}: " + " | ".join(tail))
+            else:
+                result = json.loads(lines[-1][len("RESULT ") :])
+        except subprocess.TimeoutExpired:
+            result = dict(variant=name, ckpt=ckpt, error=f"timed out after {args.timeout:.0f} s")
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        report["runs"].append(result)
+        out.write_text(json.dumps(report, indent=1))  # after every variant: partial results survive a kill
+        summary = result.get("error") or f"{result['step_ms']:.1f} ms, {100 * result['mfu']:.1f}% MFU"
+        print(f"[{result['wall_s']:6.1f}s] {name}@{ckpt}: {summary}", flush=True)
+    print(f"\n{report['environment']}\n" + format_table(report["runs"]))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
