@@ -48,4 +48,6 @@ class ThroughputMeter:
         }
         if self.peak is not None and self._totals["flops"] > 0:
             record["mfu"] = self._totals["flops"] / seconds / (self.peak * 1e12)
+        if self.device.type == "cuda":  # this rank's high-water mark since the start of training
+            record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return record
