@@ -39,6 +39,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--guidance-scale", type=float, default=None, help="default: the config's guidance_scale")
     parser.add_argument("--seed", type=int, default=1000, help="sample i uses seed + i (never a training seed)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations of the whole batch")
+    parser.add_argument("--num-prompts", type=int, default=None, help="first N held captions (smoke tests)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -50,7 +51,7 @@ def main(argv=None) -> dict:
     size = next(iter(cfg.bucket_config))  # "HxW"
     height, width = (int(v) for v in size.split("x"))
     num_frames = int(next(iter(cfg.bucket_config[size])))
-    prompts = all_captions()
+    prompts = all_captions()[: args.num_prompts]
     seeds = [args.seed + i for i in range(len(prompts))]
 
     def generate():

@@ -60,8 +60,10 @@ for plugin in $plugins; do
       nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/${plugin}_${n}gpu.mem" &
       sampler=$!                              # the CUDA context and allocator cache, so it is an upper bound)
     fi
+    precision=()  # ColossalAI 0.5.0's TorchDDPPlugin has no bf16 mode: DDP runs fp32 (on GPU)
+    [ "$plugin" = ddp ] && [ $tiny = 0 ] && precision=(--precision fp32)
     "${launch[@]}" scripts/diffusion/train.py "$config" --outputs "$dir" --max-steps "$steps" \
-      --ckpt-every 0 --plugin "$(plugin_cfg "$plugin")" "${extra[@]}" > "$out/${plugin}_${n}gpu.log" 2>&1 \
+      --ckpt-every 0 --save-at-end False --plugin "$(plugin_cfg "$plugin")" "${precision[@]}" "${extra[@]}" > "$out/${plugin}_${n}gpu.log" 2>&1 \
       || { echo "   FAILED (see $out/${plugin}_${n}gpu.log)"; tail -5 "$out/${plugin}_${n}gpu.log"; }
     [ -n "$sampler" ] && kill "$sampler" 2> /dev/null || true
   done
@@ -82,8 +84,10 @@ for plugin in plugins:
             continue
         per_gpu = statistics.median(r["tokens_per_s"] for r in recs) / n  # tokens_per_s is over all ranks
         mem_file = out / f"{plugin}_{n}gpu.mem"
-        mem = [float(l.split(",")[1]) / 1024 for l in mem_file.read_text().splitlines()[:] if "," in l] \
-            if mem_file.exists() else []
+        # the trainer's allocator high-water mark (rank 0) when logged, else nvidia-smi's used memory (upper bound)
+        mem = [r["peak_memory_gib"] for r in recs if "peak_memory_gib" in r] or (
+            [float(l.split(",")[1]) / 1024 for l in mem_file.read_text().splitlines() if "," in l]
+            if mem_file.exists() else [])
         base = base or (per_gpu if n == gpus[0] else None)
         rows.append(dict(plugin=plugin, gpus=n, tokens_per_s_per_gpu=per_gpu,
                          step_time=statistics.median(r["step_time"] for r in recs),

@@ -11,7 +11,8 @@ TRAIN_FLAGS = {
     "ckpt_every": 0,
     "load": None,  # a checkpoint directory to resume from
     "resume": None,  # "auto": the newest complete checkpoint under outputs
-    "max_minutes": None,  # wall-clock budget: stop (and save) at the first step past it
+    "max_minutes": None,
+    "save_at_end": True,  # False for throwaway runs (benchmarks): no final checkpoint  # wall-clock budget: stop (and save) at the first step past it
 }
 
 

@@ -199,7 +199,8 @@ class Trainer:
             if self.ckpt_every and self.step % self.ckpt_every == 0 and self.step < self.max_steps:
                 self.save()
         progress.close()
-        self.save()
+        if self.cfg.get("save_at_end", True):
+            self.save()
         self.metrics.close()
         barrier()
 
