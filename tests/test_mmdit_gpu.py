@@ -24,16 +24,16 @@ def small_model(**overrides):
     return model.cuda().to(torch.bfloat16).train()
 
 
-def batch(text_len=20, pad_from=None):
+def batch(text_len=20, pad_from=None, size=2):
     gen = torch.Generator().manual_seed(1)
-    out = dict(x=torch.randn(2, 4, 3, 16, 16, generator=gen), timestep=torch.rand(2, generator=gen),
-               text_emb=torch.randn(2, text_len, TEXT_DIM, generator=gen),
-               pooled=torch.randn(2, POOLED_DIM, generator=gen))  # fmt: skip
+    out = dict(x=torch.randn(size, 4, 3, 16, 16, generator=gen), timestep=torch.rand(size, generator=gen),
+               text_emb=torch.randn(size, text_len, TEXT_DIM, generator=gen),
+               pooled=torch.randn(size, POOLED_DIM, generator=gen))  # fmt: skip
     out = {k: v.cuda().to(torch.bfloat16) if v.is_floating_point() and k != "timestep" else v.cuda()
            for k, v in out.items()}  # fmt: skip
-    mask = torch.ones(2, text_len, dtype=torch.bool, device="cuda")
+    mask = torch.ones(size, text_len, dtype=torch.bool, device="cuda")
     if pad_from is not None:
-        mask[1, pad_from:] = False
+        mask[-1, pad_from:] = False
     out["text_mask"] = mask
     return out
 
@@ -52,17 +52,21 @@ def rel(a, b):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("ckpt", [(0, 0), (2, 2)])
-def test_compiled_blocks_match_eager_on_gpu(ckpt):
+@pytest.mark.parametrize("size", [1, 2])  # batch 1 once failed in the compiled backward (size-1 broadcast grads)
+@pytest.mark.parametrize("padded", [False, True])  # no mask lets cuDNN/flash run; a mask takes another kernel
+def test_compiled_blocks_match_eager_on_gpu(ckpt, size, padded):
+    torch._dynamo.reset()
     eager = small_model(grad_ckpt_double=ckpt[0], grad_ckpt_single=ckpt[1])
     compiled = copy.deepcopy(eager)
     compiled.set_compile_blocks(True)
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
-    inputs = batch(pad_from=7)
+    inputs = batch(pad_from=7 if padded else None, size=size)
     ref_loss, ref_grads = loss_and_grads(eager, inputs)
     loss, grads = loss_and_grads(compiled, inputs)
     assert rel(loss, ref_loss) < 2e-2
     assert set(grads) == set(ref_grads)
     for name in ref_grads:
+        assert torch.isfinite(grads[name]).all(), name
         assert rel(grads[name], ref_grads[name]) < 5e-2, name
     compiled.set_compile_blocks(False)
     assert not compiled.compile_blocks

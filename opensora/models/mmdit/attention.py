@@ -5,10 +5,12 @@ is not always the one it picks; it has also crashed in other projects' layouts. 
 backends it may use. ``"auto"`` resolves once per device: cuDNN first on sm90+ without a mask, flash next,
 then mem-efficient, then math; with a mask flash is left out (it takes none). On CPU ``"auto"`` lets PyTorch
 choose. The GPU test in tests/test_mmdit.py checks every backend against math for the layouts we use.
+Inside ``torch.compile`` (``MMDiT(compile_blocks=True)``) the same SDPA call runs inside a custom op, so the
+compiled graph cannot change its backend or layouts; see the section at the end.
 """
 
 from contextlib import nullcontext
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -92,25 +94,111 @@ def attention(
     """Attention over ``q, k, v`` of shape [B, heads, N, head_dim]; returns [B, N, heads * head_dim].
 
     ``mask`` is boolean (True = may attend), broadcastable to [B, heads, Nq, Nk], or ``None`` for full
-    attention (what lets flash/cuDNN run).
+    attention (what lets flash/cuDNN run). Eager calls run SDPA directly; inside ``torch.compile`` the call
+    goes through the opaque ``opensora::attention`` op, so a compiled block stays one graph (see below).
     """
     if q.dim() != 4:
         raise ValueError(f"attention expects q/k/v as [B, heads, N, head_dim], got q of shape {tuple(q.shape)}")
+    if torch.compiler.is_compiling():
+        q, k, v = _same_dtype(q, k, v)
+        return torch.ops.opensora.attention(q, k, v, mask, check_backend(backend))
     return _dense_sdpa(q, k, v, mask, backend)
 
 
-@torch.compiler.disable
-def _dense_sdpa(q, k, v, mask, backend):
-    """SDPA on dense [B, heads, N, head_dim] inputs with a dense grad_out, always run eagerly.
+def _same_dtype(q, k, v):
+    """What SDPA's autocast rule does for us in eager mode: one dtype for q, k, v (the custom op has no rule)."""
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+    elif q.dtype == k.dtype == v.dtype:
+        return q, k, v
+    else:
+        raise ValueError(f"attention got q/k/v of different dtypes {q.dtype}/{k.dtype}/{v.dtype}")
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
-    Inside compiled blocks Inductor chooses the strides of intermediates itself and may hand SDPA (and its
-    backward) other layouts than eager does; measured on H100/torch 2.11 the 1B MMDiT then trained to NaN with
-    cuDNN attention while eager was fine. Keeping the attention call out of the graph pins the layouts we
-    test (tests/test_mmdit.py, tests/test_mmdit_gpu.py); everything around it still fuses.
-    """
+
+def _sdpa_heads_first(q, k, v, mask, backend):
+    """SDPA on dense copies of q, k, v under the chosen backend: [B, heads, N, head_dim]."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with backend_context(backend, q.device, mask is not None):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _merge_heads(out):
     batch, heads, tokens, head_dim = out.shape
-    out = out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+    return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+
+
+def _dense_sdpa(q, k, v, mask, backend):
+    """Eager SDPA on dense [B, heads, N, head_dim] inputs with a dense grad_out (see ``_DenseGrad``)."""
+    out = _merge_heads(_sdpa_heads_first(q, k, v, mask, backend))
     return _DenseGrad.apply(out) if out.requires_grad else out
+
+
+# --- Attention as one opaque op for compiled blocks ------------------------------------------------------------
+#
+# History (H100, torch 2.11): with SDPA traced into a compiled block, Inductor chose the strides of SDPA's
+# inputs and grad_out itself and the 1B MMDiT trained to NaN with cuDNN attention; with SDPA kept eager through
+# ``torch.compiler.disable`` each block split in two graphs, and at batch 1 the backward of the second graph
+# returned the gradient of a [1, 1, H] modulation chunk as [H] ("CompiledFunctionBackward returned an invalid
+# gradient"). As a custom op, attention is a single node Dynamo/Inductor cannot look into: the block is one graph
+# (no tensors cross a graph break), and the op's own code fixes the layouts, the backend, and a dense grad_out
+# exactly as the eager path does. The backward recomputes the attention forward under the same backend and
+# differentiates it (one extra attention forward per block in the backward pass; the version-specific
+# per-backend backward ops with a saved logsumexp would avoid that).
+
+
+@torch.library.custom_op("opensora::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], backend: str
+) -> torch.Tensor:
+    return _merge_heads(_sdpa_heads_first(q, k, v, mask, backend)).contiguous()
+
+
+@_attention_op.register_fake
+def _(q, k, v, mask, backend):
+    batch, heads, tokens, _ = q.shape
+    return q.new_empty(batch, tokens, heads * v.shape[-1])
+
+
+def _autograd_reenabled():
+    """Undo, for this scope, the exclusion of the autograd dispatch keys under which a custom op's kernel runs
+    (``torch.func.vjp`` would do it too, but fails when a TorchDispatchMode such as FlopCounterMode is active)."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set()
+    for key in (C.DispatchKey.AutogradCPU, C.DispatchKey.AutogradCUDA):
+        exclude = exclude.remove(key)
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
+
+
+@torch.library.custom_op("opensora::attention_backward", mutates_args=())
+def _attention_backward_op(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], backend: str
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, heads, tokens = q.shape[0], q.shape[1], q.shape[2]
+    # grad_out in the layout the eager path gives SDPA: a transposed view of a dense [B, N, heads, head_dim].
+    grad_out = grad.contiguous().view(batch, tokens, heads, v.shape[-1]).transpose(1, 2)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with _autograd_reenabled(), torch.enable_grad():
+        out = _sdpa_heads_first(*leaves, mask, backend)
+        grads = torch.autograd.grad(out, leaves, grad_out)
+    return tuple(g.contiguous() for g in grads)
+
+
+@_attention_backward_op.register_fake
+def _(grad, q, k, v, mask, backend):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, mask, backend = inputs
+    ctx.save_for_backward(q, k, v, mask)
+    ctx.backend = backend
+
+
+def _attention_backward(ctx, grad):
+    q, k, v, mask = ctx.saved_tensors
+    dq, dk, dv = torch.ops.opensora.attention_backward(grad, q, k, v, mask, ctx.backend)
+    return dq, dk, dv, None, None
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)

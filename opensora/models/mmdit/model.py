@@ -134,9 +134,10 @@ class MMDiT(nn.Module):
         """Compile each block with torch.compile (regional compilation), or go back to eager.
 
         Blocks of one kind share code, so Dynamo compiles one double and one single block graph and reuses
-        them; this fuses the small ops (norms, RoPE, modulation, gating) around the matmuls. ``nn.Module.compile``
-        compiles in place, so parameter names and state dicts are unchanged. Off by default: compiling costs
-        tens of seconds and gains little on CPU.
+        them; this fuses the small ops (norms, RoPE, modulation, gating) around the matmuls. Attention is the
+        opaque ``opensora::attention`` op there (attention.py), so each block is one graph with no graph break,
+        at any batch size. ``nn.Module.compile`` compiles in place, so parameter names and state dicts are
+        unchanged. Off by default: compiling costs tens of seconds and gains little on CPU.
         """
         for block in [*self.double_blocks, *self.single_blocks]:
             if enabled:
