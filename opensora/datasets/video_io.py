@@ -3,7 +3,6 @@
 from pathlib import Path
 from typing import Optional
 
-import av
 import numpy as np
 
 
@@ -19,6 +18,8 @@ def write_video(path, frames: np.ndarray, fps: float = 8.0, crf: int = 18) -> No
 
         Image.fromarray(frames[0]).save(path)
         return
+    import av  # imported where used: rendered data and in-memory scoring work without PyAV
+
     height, width = frames.shape[1:3]
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream("libx264", rate=int(round(fps)))
@@ -40,6 +41,8 @@ def read_video(path, max_frames: Optional[int] = None) -> np.ndarray:
         from PIL import Image
 
         return np.asarray(Image.open(path).convert("RGB"))[None]
+    import av
+
     frames = []
     with av.open(str(path)) as container:
         for frame in container.decode(video=0):
