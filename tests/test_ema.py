@@ -93,3 +93,24 @@ def test_unwrap_model_sees_through_wrappers():
 
     assert unwrap_model(Wrapper(Wrapper(inner))) is inner
     assert unwrap_model(inner) is inner
+
+
+def test_warmup_decay_schedule_and_average():
+    """With warmup the decay ramps as (1 + n) / (10 + n) up to ``decay``, n counted from start_step."""
+    import torch.nn as nn
+
+    from opensora.training.ema import EMA
+
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    ema = EMA(model, decay=0.9, start_step=0, enabled=True, warmup=True)
+    assert [ema.decay_at(n) for n in (0, 1, 10, 1000)] == pytest.approx([0.1, 2 / 11, 11 / 20, 0.9])
+    expected = 0.0
+    for step in range(1, 30):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        ema.update(model, step=step)
+        d = min(0.9, (1 + step) / (10 + step))
+        expected = d * expected + (1 - d) * step
+    assert ema.shadow["weight"].item() == pytest.approx(expected, rel=1e-6)

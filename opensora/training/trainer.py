@@ -42,7 +42,7 @@ def role_configs(cfg: Config) -> Dict[str, dict]:
     optimizer.setdefault("lr", cfg.lr)
     ema = None
     if cfg.get("ema_decay") is not None:
-        ema = dict(decay=cfg.ema_decay, start_step=cfg.get("ema_start_step", 0))
+        ema = dict(decay=cfg.ema_decay, start_step=cfg.get("ema_start_step", 0), warmup=cfg.get("ema_warmup", True))
     return {
         "model": dict(
             model=cfg.model,
