@@ -121,7 +121,8 @@ def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapp
     ema = None
     ema_cfg = cfg.get("ema")
     if ema_cfg is not None and is_main:
-        ema = EMA(model, **ema_cfg)  # built from the fp32 weights before the booster casts them
+        # built from the fp32 weights before the booster casts them; warmup unless the config turns it off
+        ema = EMA(model, **{"warmup": True, **dict(ema_cfg)})
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.get("optimizer", {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(int(cfg.get("warmup_steps", 0))))
     booster = build_booster(plugin_cfg, mixed_precision=precision)
