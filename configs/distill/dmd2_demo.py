@@ -11,7 +11,7 @@ outputs = "outputs/demo/dmd2"
 max_steps = 400
 ckpt_every = 200
 
-teacher_ckpt = "outputs/demo/train/checkpoints/step-0001500"  # the demo teacher's final checkpoint (EMA weights)
+teacher_ckpt = "outputs/demo/train/checkpoints/step-0001000"  # the demo teacher's final checkpoint (EMA weights)
 # resolved when the file loads: on the command line override --models.{student,teacher,critic}.init_from.path
 _teacher_weights = dict(path=teacher_ckpt, role="model", ema=True)
 

@@ -2,7 +2,7 @@
 # `colossalai run --nproc_per_node 2` (gloo + the CPU shim) both work.
 outputs = "outputs/demo/train"
 seed = 42
-max_steps = 1500
+max_steps = 1000
 ckpt_every = 500
 keep_last = 2
 grad_accum = 1
