@@ -20,8 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opensora.convert.export import (  # noqa: E402
-    DTYPES, export_weights, format_summary, import_weights, inspect_weights,
+    export_weights, format_summary, import_weights, inspect_weights,
 )
+from opensora.dtypes import SHORT_NAMES  # noqa: E402
 
 
 def _inspect_parser() -> argparse.ArgumentParser:
@@ -41,7 +42,7 @@ def _convert_parser() -> argparse.ArgumentParser:
     parser.add_argument("--role", default="model", help="trained role to export (default: model; 'student' for distillation)")
     parser.add_argument("--ema", dest="ema", action="store_true", default=True, help="export the EMA weights (default)")
     parser.add_argument("--no-ema", dest="ema", action="store_false", help="export the raw model weights")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
+    parser.add_argument("--dtype", choices=sorted(SHORT_NAMES.values()), default=None, help="cast floating tensors (default: keep)")
     parser.add_argument("--to", default="opensora", choices=["opensora", "opensora2", "diffusers"],
                         help="key layout of the output (default: ours)")
     parser.add_argument("--from", dest="from_", default=None, choices=["diffusers", "opensora"],

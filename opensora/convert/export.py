@@ -13,21 +13,17 @@ from typing import Dict, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from opensora import dtypes
+from opensora.dtypes import SHORT_NAMES
+
 from . import diffusers_flux, opensora2
 from .weights import LoadedWeights, load_role_weights, read_metadata
 
 OUR_LAYOUT = "opensora"
 LAYOUTS = (OUR_LAYOUT, opensora2.LAYOUT, diffusers_flux.LAYOUT)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
 def resolve_dtype(name: Optional[str]) -> Optional[torch.dtype]:
-    if name is None:
-        return None
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype '{name}'; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    """``None`` keeps the source dtypes; otherwise a dtype name (see ``opensora.dtypes``)."""
+    return None if name is None else dtypes.resolve_dtype(name)
 
 
 def cast_state_dict(state: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
@@ -46,7 +42,7 @@ def dtype_label(state: Dict[str, torch.Tensor]) -> str:
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
     if len(dtypes) == 1:
         only = dtypes.pop()
-        return DTYPE_NAMES.get(only, str(only).replace("torch.", ""))
+        return SHORT_NAMES.get(only, str(only).replace("torch.", ""))
     return "mixed" if dtypes else "none"
 
 
@@ -215,7 +211,7 @@ def inspect_weights(src, role: str = "model", ema: bool = True) -> dict:
     loaded = load_role_weights(src, role=role, ema=ema)
     dtypes: Dict[str, int] = {}
     for tensor in loaded.state_dict.values():
-        name = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).replace("torch.", ""))
+        name = SHORT_NAMES.get(tensor.dtype, str(tensor.dtype).replace("torch.", ""))
         dtypes[name] = dtypes.get(name, 0) + tensor.numel()
     summary = dict(
         path=str(loaded.path),

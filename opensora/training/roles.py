@@ -12,11 +12,11 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from opensora.dtypes import resolve_dtype
 from opensora.registry import MODELS, build_module
 from opensora.training.booster import PLUGIN_REGISTRY, build_booster
 from opensora.training.ema import EMA
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -109,7 +109,7 @@ def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapp
     trainable = bool(cfg.get("trainable", True))
     precision = cfg.get("precision", "bf16")
     if not trainable:
-        model = model.to(components.device, DTYPES[precision]).eval().requires_grad_(False)
+        model = model.to(components.device, resolve_dtype(precision)).eval().requires_grad_(False)
         return Role(name=name, model=model, trainable=False)
 
     model = model.to(components.device)

@@ -24,7 +24,8 @@ from opensora.training import checkpoint as ckpt
 from opensora.training.distributed import all_reduce_mean, barrier, init_distributed
 from opensora.training.metrics import MetricsLogger
 from opensora.training.rng import seed_everything
-from opensora.training.roles import DTYPES, Components, Role, build_role
+from opensora.dtypes import resolve_dtype
+from opensora.training.roles import Components, Role, build_role
 from opensora.training.throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Trainer:
         if self.is_main:
             save_config(cfg, self.outputs)
 
-        dtype = DTYPES[cfg.get("precision", "bf16")]
+        dtype = resolve_dtype(cfg.get("precision", "bf16"))
         vae = build_module(cfg.get("vae"), MODELS)
         text_encoder = build_module(cfg.get("text_encoder"), MODELS)
         vae = vae.to(self.device, dtype).eval().requires_grad_(False) if vae is not None else None

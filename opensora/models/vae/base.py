@@ -11,26 +11,7 @@ from typing import Sequence, Tuple, Union
 import torch
 from torch import nn
 
-_DTYPE_NAMES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
-
-
-def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
-    """Config-friendly dtype: a ``torch.dtype``, a short name ("fp32", "bf16", "fp16") or None (fp32)."""
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype.lower()]
-    raise ValueError(f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(_DTYPE_NAMES)}")
-
+from opensora.dtypes import resolve_dtype  # noqa: F401  (re-exported: opensora.models.vae.resolve_dtype)
 
 def latent_num_frames(num_frames: int, compression: int, causal: bool) -> int:
     """Latent frames for ``num_frames`` video frames.
