@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from opensora.datasets.moving_shapes import (
-    COLORS, DIRECTIONS, SHAPES, all_captions, all_combinations, caption, parse_caption, read_meta, render_video,
+    COLORS, DIRECTIONS, SHAPES, all_captions, all_combinations, caption, clip_motion, parse_caption, read_meta,
+    render_video,
     render_from_attributes, resolve_path, sample_motion, shape_coverage, write_dataset,
 )
 from opensora.datasets.video_io import read_video, write_video
@@ -79,8 +80,15 @@ def test_same_seed_gives_identical_clips_and_csv(dataset, tmp_path):
     # clip i depends only on (seed, i), so a shorter run reproduces the first clips exactly
     again = write_dataset(tmp_path / "a", num=6, seed=3, height=SIZE, width=SIZE, num_frames=FRAMES, progress=False)
     assert again.read_text().splitlines() == dataset.read_text().splitlines()[:7]
-    for row in read_meta(again):
-        np.testing.assert_array_equal(read_video(again.parent / row["path"]), read_video(dataset.parent / row["path"]))
+    for index, row in enumerate(read_meta(again)):
+        # both files encode the clip that (seed, index) renders; libx264 (PyAV 18) does not always emit the same bitstream for identical frames (seen: mean
+        # |difference| 0.7 levels, up to 24 at edges, under load), so decoded files agree within codec noise
+        a = read_video(again.parent / row["path"]).astype(np.int16)
+        b = read_video(dataset.parent / row["path"]).astype(np.int16)
+        combo = (row["color"], row["shape"], row["direction"])
+        rendered = render_video(clip_motion(index, combo, 3, SIZE, SIZE, image=False), SIZE, SIZE, FRAMES)
+        assert a.shape == b.shape == rendered.shape and np.abs(a - b).mean() < 2.0
+        assert np.abs(a - rendered).mean() < 3.0 and np.abs(b - rendered).mean() < 3.0
     other = write_dataset(tmp_path / "b", num=6, seed=4, height=SIZE, width=SIZE, num_frames=FRAMES, progress=False)
     assert other.read_text() != again.read_text()
 

@@ -27,8 +27,10 @@ def write_video(path, frames: np.ndarray, fps: float = 8.0, crf: int = 18) -> No
         # yuv420p needs even sizes; fall back to yuv444p for odd ones
         stream.pix_fmt = "yuv420p" if width % 2 == 0 and height % 2 == 0 else "yuv444p"
         stream.options = {"crf": str(crf)}
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+        for index, frame in enumerate(frames):
+            video_frame = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            video_frame.pts = index  # explicit timestamps: frame i is shown at i / fps
+            for packet in stream.encode(video_frame):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
