@@ -190,3 +190,26 @@ def test_checkpoints_are_namespaced_by_role_and_restore_exactly(distill_runs):
     for role in ("student", "critic"):
         trained = load_role_weights(ckpt_full, role=role, ema=False).state_dict
         assert any(not torch.equal(trained[k].float(), teacher[k].float()) for k in teacher), role
+
+
+def test_student_exports_alone_and_samples_with_its_step_list(distill_runs, tmp_path):
+    """tools/convert_checkpoint.py --role student: one safetensors file that the sampler loads like a checkpoint."""
+    from opensora.config import load_config
+    from opensora.convert.export import export_weights
+    from opensora.convert.weights import load_role_weights
+    from opensora.inference.pipeline import VideoSampler
+
+    ckpt = distill_runs / "full/checkpoints/step-0000006"
+    exported = tmp_path / "student.safetensors"
+    export_weights(ckpt, exported, role="student", ema=True)
+    a, b = load_role_weights(exported).state_dict, load_role_weights(ckpt, role="student").state_dict
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert load_role_weights(exported).metadata["role"] == "student"
+
+    cfg = load_config(str(distill_runs / "dmd2_tiny.py"))
+    videos = []
+    for source in (ckpt, exported):
+        sampler = VideoSampler.from_config(cfg, source, role="student", device="cpu", dtype="fp32", progress=False)
+        videos.append(sampler.generate(["a red circle moving left"], [7], num_frames=4, height=16, width=16,
+                                       num_steps=None, step_list=list(cfg.method.step_list), guidance_scale=1.0))
+    assert torch.equal(videos[0], videos[1])
