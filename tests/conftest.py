@@ -22,3 +22,14 @@ def tmp_outputs(tmp_path):
     path = tmp_path / "outputs"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny networks: thread start-up costs more than it saves, and CI has 2 cores shared with other work."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

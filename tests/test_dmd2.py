@@ -16,13 +16,7 @@ from opensora.registry import METHODS, build_module
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny networks: thread start-up costs more than it saves, and CI has 2 cores shared with other work
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
 # ---- the math ----------------------------------------------------------------------------------------------------

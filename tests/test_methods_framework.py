@@ -21,13 +21,7 @@ TINY_MMDIT = dict(type="MMDiT", in_channels=48, cond_channels=49, patch_size=(1,
                   attn_backend="auto")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny networks: thread start-up costs more than it saves, and CI has 2 cores shared with other work
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
 def make_components() -> Components:
