@@ -188,3 +188,49 @@ def test_find_latest_ignores_incomplete_dirs(tmp_path):
     (root / ".tmp-step-0000010").mkdir()
     (root / ".tmp-step-0000010" / COMPLETE_MARKER).write_text("{}")
     assert find_latest_checkpoint(tmp_path) == root / "step-0000002"
+
+
+def _partially_used_model_resume(rank, world_size, outputs):
+    """ZeRO-2: a layer gets no gradient in the first steps (and nothing has stepped at the first save)."""
+    from opensora.training import checkpoint as ckpt
+    from opensora.training.booster import build_booster
+    from opensora.training.distributed import init_distributed
+    from opensora.training.roles import Role
+
+    init_distributed()
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        booster = build_booster(dict(type="LowLevelZeroPlugin", stage=2), mixed_precision="fp32")
+        model, optimizer, *_ = booster.boost(model, optimizer)
+        return {"model": Role(name="model", model=model, trainable=True, optimizer=optimizer, booster=booster)}
+
+    def train(roles, steps):
+        role = roles["model"]
+        layers = role.unwrap()
+        losses = []
+        for step in steps:
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+            out = layers[0](x) if step < 2 else layers[1](layers[0](x))  # layer 1 unused in steps 0-1
+            loss = out.pow(2).mean()
+            role.booster.backward(loss, role.optimizer)
+            role.optimizer.step()
+            role.optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    reference = train(build(), range(4))
+    roles = build()
+    ckpt.save_checkpoint(outputs, 0, roles)  # before any optimizer step
+    first = train(roles, range(2))
+    ckpt.save_checkpoint(outputs, 2, roles)
+    roles = build()
+    ckpt.load_checkpoint(ckpt.checkpoint_dir(outputs, 2), roles, restore_rng=False)
+    return reference, first + train(roles, range(2, 4))
+
+
+def test_zero_checkpoint_with_parameters_that_never_had_a_gradient(tmp_path):
+    for reference, resumed in run_distributed(_partially_used_model_resume, world_size=2, args=(str(tmp_path),)):
+        assert resumed == reference

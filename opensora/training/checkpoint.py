@@ -151,11 +151,37 @@ def _trained_roles(roles: Mapping[str, Any]) -> dict[str, Any]:
     return {name: role for name, role in roles.items() if getattr(role, "booster", None) is not None}
 
 
+def _materialise_adam_state(optimizer) -> None:
+    """Give every parameter of a torch Adam/AdamW the state its first step would create (zeros, step 0).
+
+    ColossalAI's ZeRO checkpoint IO indexes the optimizer state by parameter and raises ``KeyError`` for a
+    parameter that has none: one that never received a gradient, or any parameter before the first step. The
+    zeros are exactly what Adam creates lazily, so training is unchanged and resume stays exact.
+    """
+    inner = getattr(optimizer, "optim", optimizer)
+    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in inner.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for param in group["params"]:
+            if inner.state.get(param):
+                continue
+            state = {
+                "step": torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu"),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            inner.state[param] = state
+
+
 def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int) -> None:
     booster, model, optimizer = role.booster, role.model, role.optimizer
     booster.save_model(model, str(directory / "model"), shard=True, use_safetensors=True,
                        size_per_shard=size_per_shard_mb)
     if optimizer is not None:
+        _materialise_adam_state(optimizer)
         booster.save_optimizer(optimizer, str(directory / "optimizer"), shard=True, size_per_shard=size_per_shard_mb)
         _save_master_params(model, optimizer, directory / "master", rank)
     if role.lr_scheduler is not None:
