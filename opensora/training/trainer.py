@@ -8,7 +8,6 @@ looks at which method it runs.
 """
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Dict, Optional
@@ -91,7 +90,7 @@ class Trainer:
         seed_everything(int(cfg.seed) + self.rank)
 
         dataset = build_module(cfg.dataset, DATASETS)
-        self.loader, self.sampler = build_dataloader(
+        self.loader, _ = build_dataloader(  # the loader owns its sampler and its resumable state
             dataset,
             bucket_config=cfg.bucket_config,
             seed=int(cfg.seed),
@@ -217,7 +216,7 @@ class Trainer:
         return False
 
     def _batches(self):
-        """Endless iterator over epochs; the sampler knows where a resumed run left off."""
+        """Endless iterator over epochs; the loader knows where a resumed run left off."""
         while True:
             yield from self.loader
             self.loader.set_epoch(self.loader.epoch + 1)

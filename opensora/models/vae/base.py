@@ -6,7 +6,7 @@ so callers only ever see normalised latents. Autoencoders are frozen: they run w
 eval mode even when a parent module calls ``.train()``.
 """
 
-from typing import Sequence, Tuple, Union
+from typing import Sequence, Tuple
 
 import torch
 from torch import nn
