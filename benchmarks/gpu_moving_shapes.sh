@@ -2,7 +2,7 @@
 # Issue 4 + 5 on one GPU: train the MovingShapes teacher for a fixed wall-clock budget, score its samples
 # (30 Euler steps + CFG), distil it with DMD2 into a 4-step student, score the student, and time both samplers on
 # the same device and batch. Results: JSON under ${RESULTS:-benchmarks/results}/.
-#   bash benchmarks/gpu_moving_shapes.sh [TEACHER_MINUTES] [DISTILL_MINUTES]
+#   bash benchmarks/gpu_moving_shapes.sh [TEACHER_MINUTES] [DISTILL_MINUTES]   (DISTILL_MINUTES 0: teacher only)
 set -euo pipefail
 teacher_minutes=${1:-4}
 distill_minutes=${2:-2.5}
@@ -20,6 +20,7 @@ teacher=$(ls -d "$runs"/teacher/checkpoints/step-* | tail -n 1)
 python benchmarks/moving_shapes_quality.py "$teacher_cfg" --ckpt "$teacher" --num-steps "${TEACHER_STEPS:-30}" --guidance-scale 4 --repeats "${REPEATS:-3}" ${PROMPTS:+--num-prompts $PROMPTS} \
     --json "$results/moving_shapes_teacher.json" | tail -n 14
 
+if [ "$distill_minutes" = 0 ]; then exit 0; fi
 distill_cfg=configs/distill/dmd2_gpu.py
 "${launch[@]}" "$distill_cfg" --outputs "$runs/dmd2" --max-steps 1000000 --ckpt-every 0 \
     --max-minutes "$distill_minutes" --models.student.init_from.path "$teacher" \

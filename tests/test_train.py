@@ -467,7 +467,8 @@ def test_mmdit_1b_synthetic_step_time_and_mfu(tmp_path):
     """bf16 + LowLevelZero on one GPU; prints step time and MFU (steps after the first two, which compile/warm up)."""
     outputs = tmp_path / "mmdit_1b"
     config = ROOT / "configs" / "diffusion" / "train" / "mmdit_1b_synthetic.py"
-    command = [str(BIN / "torchrun"), "--nproc_per_node", os.environ.get("OPENSORA_TEST_GPUS", "1"),
+    gpus = os.environ.get("OPENSORA_TEST_GPUS", "1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", gpus,
                "--master_port", str(find_free_port()), str(TRAIN_SCRIPT), str(config),
                "--outputs", str(outputs), "--max-steps", "8",
                "--save-at-end", "False"]  # a 1B final checkpoint is ~23 GB (model, optimizer, fp32 masters, EMA)
