@@ -119,6 +119,30 @@ def test_rope_matches_complex_reference_and_is_relative():
     torch.testing.assert_close(apply_rope(q[:, :5], cos0, sin0), q[:, :5])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_eager_complex_form_matches_real_form_and_its_gradient(dtype):
+    """The eager complex-multiply RoPE and the real-arithmetic form compiled code uses: same values and grads, also
+    on a strided [B, heads, N, D] view like the ones split_heads returns."""
+    from opensora.models.mmdit.rope import _apply_rope_real
+
+    torch.manual_seed(0)
+    cos, sin = rope_cos_sin(video_position_ids(2, 3, 4), (4, 6, 6), 10000.0)
+    qkv = torch.randn(2, 24, 3, 2, 16).to(dtype)  # [B, N, 3, heads, D] like a fused qkv projection
+    x1 = qkv.clone().requires_grad_()
+    x2 = qkv.clone().requires_grad_()
+    q1, q2 = x1.permute(2, 0, 3, 1, 4)[0], x2.permute(2, 0, 3, 1, 4)[0]
+    out1, out2 = apply_rope(q1, cos, sin), _apply_rope_real(q2, cos, sin)
+    assert out1.dtype == out2.dtype == dtype and out1.shape == out2.shape == (2, 2, 24, 16)
+    # bf16: both round the same fp32 result, so they differ by at most one bf16 rounding step
+    torch.testing.assert_close(out1, out2, **(dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else {}))
+    weight = torch.randn(out1.shape).to(dtype)
+    (out1.float() * weight).sum().backward()
+    (out2.float() * weight).sum().backward()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x1.grad, x2.grad, **tol)
+    assert x1.grad[:, :, 1:].abs().sum() == 0  # only the q slice of the fused tensor gets a gradient
+
+
 def test_gradient_checkpointing_is_exact():
     torch.manual_seed(0)
     plain = MMDiT(**tiny_kwargs())

@@ -71,6 +71,11 @@ def modulate(x, shift, scale):
     return torch.addcmul(shift, F.layer_norm(x, x.shape[-1:], eps=LN_EPS), 1 + scale)
 
 
+def gated_residual(x, gate, update):
+    """``x + gate * update`` in one kernel."""
+    return torch.addcmul(x, gate, update)
+
+
 def split_heads(qkv: torch.Tensor, num_heads: int):
     """[B, N, 3*hidden] -> q, k, v each [B, heads, N, head_dim]."""
     b, n, _ = qkv.shape
@@ -130,10 +135,10 @@ class DoubleStreamBlock(nn.Module):
         txt_len = txt.shape[1]
         txt_out, img_out = out[:, :txt_len], out[:, txt_len:]
 
-        img = img + i_gate1 * self.img_attn.proj(img_out)
-        img = img + i_gate2 * self.img_mlp(modulate(img, i_shift2, i_scale2))
-        txt = txt + t_gate1 * self.txt_attn.proj(txt_out)
-        txt = txt + t_gate2 * self.txt_mlp(modulate(txt, t_shift2, t_scale2))
+        img = gated_residual(img, i_gate1, self.img_attn.proj(img_out))
+        img = gated_residual(img, i_gate2, self.img_mlp(modulate(img, i_shift2, i_scale2)))
+        txt = gated_residual(txt, t_gate1, self.txt_attn.proj(txt_out))
+        txt = gated_residual(txt, t_gate2, self.txt_mlp(modulate(txt, t_shift2, t_scale2)))
         return img, txt
 
 
@@ -160,7 +165,7 @@ class SingleStreamBlock(nn.Module):
         if self.norm is not None:
             q, k = self.norm(q, k)
         out = joint_attention(q.contiguous(), k.contiguous(), v, rope, mask, self.attn_backend)
-        return x + gate * self.linear2(torch.cat((out, self.mlp_act(mlp_in)), dim=-1))
+        return gated_residual(x, gate, self.linear2(torch.cat((out, self.mlp_act(mlp_in)), dim=-1)))
 
 
 class FinalLayer(nn.Module):
