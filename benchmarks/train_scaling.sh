@@ -38,10 +38,16 @@ if [ $tiny = 1 ]; then
   extra+=(--num-workers 0 --tensorboard False)
 fi
 plugin_cfg() {  # bf16 ZeRO-2 on GPU; the demo config's precision (fp32) on CPU
+  # zero2: the 1B configs' settings (128M-element reduce buckets, reduce-scatter overlapped with the backward);
+  # zero2-default: colossalai's defaults (12M buckets); zero2-ag: zero2 + the parameter all-gather after the step
+  # overlapped with the next forward (overlap_allgather).
+  local zero="'type': 'LowLevelZeroPlugin', 'stage': 2"
   case "$1" in
-    zero2) echo "{'type': 'LowLevelZeroPlugin', 'stage': 2}" ;;
+    zero2) echo "{$zero, 'reduce_bucket_size_in_m': 128}" ;;
+    zero2-default) echo "{$zero}" ;;
+    zero2-ag) echo "{$zero, 'reduce_bucket_size_in_m': 128, 'overlap_allgather': True}" ;;
     ddp) echo "{'type': 'TorchDDPPlugin'}" ;;
-    *) echo "unknown plugin $1 (zero2|ddp)" >&2; exit 2 ;;
+    *) echo "unknown plugin $1 (zero2|zero2-default|zero2-ag|ddp)" >&2; exit 2 ;;
   esac
 }
 mkdir -p "$out"
@@ -93,7 +99,9 @@ for plugin in plugins:
                          step_time=statistics.median(r["step_time"] for r in recs),
                          scaling_efficiency=per_gpu / base if base else None,
                          peak_mem_gib=max(mem) if mem else None, mfu=recs[-1].get("mfu"), steps=len(recs)))
-report = dict(date=datetime.date.today().isoformat(), rows=rows)
+import torch
+device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
+report = dict(date=datetime.date.today().isoformat(), device=device, torch=torch.__version__, rows=rows)
 (out / "scaling.json").write_text(json.dumps(report, indent=1))
 print(f"{'plugin':7s} {'gpus':>4s} {'tokens/s/gpu':>13s} {'step s':>7s} {'eff':>6s} {'used GiB':>9s} {'mfu':>6s}")
 for r in rows:

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,22 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
     # same shape, same FLOP count for both models: the MFU comparison is apples to apples
     assert runs[("ours-eager", "none")]["model_flops"] == runs[("diffusers", "none")]["model_flops"]
     assert runs[("ours-eager", "none")]["params"] == runs[("diffusers", "none")]["params"]
+
+
+def test_train_scaling_script_runs_the_trainer_at_one_and_two_processes(tmp_path):
+    """The scaling benchmark on CPU (gloo, demo config): both process counts train and the report is filled."""
+    out = tmp_path / "scaling"
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    cmd = ["bash", str(ROOT / "benchmarks" / "train_scaling.sh"), "--tiny", "--plugins", "zero2", "--gpus", "1 2",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads((tmp_path / "scaling_tiny" / "scaling.json").read_text())
+    assert report["device"] == "cpu"
+    rows = {r["gpus"]: r for r in report["rows"]}
+    assert set(rows) == {1, 2} and all("error" not in r for r in rows.values()), report
+    assert rows[1]["scaling_efficiency"] == 1.0 and rows[2]["scaling_efficiency"] > 0
+    for n, r in rows.items():
+        assert r["tokens_per_s_per_gpu"] > 0 and r["steps"] == 5  # 8 steps, the first 3 skipped as warm-up
+        metrics = [json.loads(l) for l in (tmp_path / "scaling_tiny" / f"zero2_{n}gpu" / "metrics.jsonl").open()]
+        assert [m["step"] for m in metrics] == list(range(1, 9))

@@ -46,6 +46,14 @@ class Role:
     def unwrap(self) -> nn.Module:
         return self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
 
+    def wait_for_params(self) -> None:
+        """Block until this rank's parameters hold the last step's values. With LowLevelZero's
+        ``overlap_allgather`` the updated shards are gathered asynchronously and waited for by the next forward;
+        readers outside a forward (the EMA) must wait first."""
+        wait = getattr(self.model, "_force_wait_all_gather", None)
+        if wait is not None:
+            wait()
+
     def clip_and_step(self) -> Optional[float]:
         """Clip gradients to ``max_grad_norm`` and step; returns the pre-clip global grad norm."""
         if self.plugin_clips:

@@ -163,6 +163,7 @@ class Trainer:
         for name in self.method.roles_to_update(iteration):
             role = self.roles[name]
             if role.ema is not None:
+                role.wait_for_params()
                 role.ema.update(role.unwrap(), step=self.step)
 
     def train(self) -> None:
