@@ -6,6 +6,7 @@
 #   benchmarks/train_scaling.sh                      # GPUs "1 2", plugins "zero2 ddp", 30 steps each
 #   benchmarks/train_scaling.sh --gpus "1 2 4 8" --steps 50 --skip 10
 #   benchmarks/train_scaling.sh --tiny               # CPU smoke test: demo config, 1 and 2 gloo processes
+#   benchmarks/train_scaling.sh --profile 15         # also split GPU time of steps 16-18 (compute / exposed / NCCL)
 #
 # Launcher: torchrun (python -m torch.distributed.run); `--launcher colossalai` uses `colossalai run` (needs
 # fabric, absent on the GPU machines). Results: {out}/scaling.json and a table; each run's metrics.jsonl stays in
@@ -27,8 +28,9 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift 2 ;;
     --launcher) launcher=$2; shift 2 ;;
     --tiny) tiny=1; shift ;;
+    --profile) extra+=(--profile-steps "{'start': $2, 'steps': 3}"); shift 2 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n 2,13p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)"; exit 2 ;;
   esac
 done
@@ -95,10 +97,13 @@ for plugin in plugins:
             [float(l.split(",")[1]) / 1024 for l in mem_file.read_text().splitlines() if "," in l]
             if mem_file.exists() else [])
         base = base or (per_gpu if n == gpus[0] else None)
+        profiles = [json.loads(p.read_text()) for p in sorted((out / f"{plugin}_{n}gpu" / "profile").glob("rank*.json"))]
+        profile = {k: [round(p[f"{k}_ms_per_step"], 1) for p in profiles] for k in ("wall", "compute", "exposed", "communication")}
         rows.append(dict(plugin=plugin, gpus=n, tokens_per_s_per_gpu=per_gpu,
                          step_time=statistics.median(r["step_time"] for r in recs),
                          scaling_efficiency=per_gpu / base if base else None,
-                         peak_mem_gib=max(mem) if mem else None, mfu=recs[-1].get("mfu"), steps=len(recs)))
+                         peak_mem_gib=max(mem) if mem else None, mfu=recs[-1].get("mfu"), steps=len(recs),
+                         profile_ms_per_rank=profile if profiles else None))
 import torch
 device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
 report = dict(date=datetime.date.today().isoformat(), device=device, torch=torch.__version__, rows=rows)
@@ -110,5 +115,7 @@ for r in rows:
     f = lambda v, fmt: format(v, fmt) if v is not None else "-"
     print(f"{r['plugin']:7s} {r['gpus']:4d} {r['tokens_per_s_per_gpu']:13.1f} {r['step_time']:7.3f} "
           f"{f(r['scaling_efficiency'], '6.2f')} {f(r['peak_mem_gib'], '9.1f')} {f(r['mfu'], '6.3f')}")
+    if r.get("profile_ms_per_rank"):
+        print("        ms/step per rank: " + ", ".join(f"{k} {v}" for k, v in r["profile_ms_per_rank"].items()))
 print(f"wrote {out / 'scaling.json'}")
 EOF

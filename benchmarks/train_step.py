@@ -271,50 +271,12 @@ def compiled_vs_eager_error(model, forward):
     return err
 
 
-# GPU kernel name fragments -> category, checked in this order (flash kernels carry "cutlass" in their names, so
-# attention comes before matmul).
-KERNEL_CATEGORIES = (
-    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
-    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "wgmma")),
-    ("optimizer", ("multi_tensor_apply", "adam")),
-    ("norm/reduction", ("reduce", "norm", "welford", "softmax")),
-    ("copy/layout", ("copy", "memcpy", "memset", "cat", "transpose", "index", "fill")),
-    ("elementwise", ("elementwise", "vectorized", "triton", "unrolled")),
-)
-
-
-def kernel_category(name):
-    low = name.lower()
-    for category, fragments in KERNEL_CATEGORIES:
-        if any(f in low for f in fragments):
-            return category
-    return "other"
-
-
-def summarize_kernels(kernels, steps, wall_ms, top=12):
-    """``kernels``: (name, total GPU us, calls) over ``steps`` profiled steps -> per-step ms by category, the
-    top kernels, and the share of the step's wall time in which no kernel ran (launch/host gaps)."""
-    per_step = lambda us: us / steps / 1e3
-    by_category = {}
-    for name, us, _ in kernels:
-        by_category[kernel_category(name)] = by_category.get(kernel_category(name), 0.0) + per_step(us)
-    busy = sum(by_category.values())
-    ranked = sorted(kernels, key=lambda k: -k[1])[:top]
-    return dict(
-        steps=steps, wall_ms_per_step=wall_ms, kernel_ms_per_step=busy,
-        gpu_idle_ms_per_step=max(wall_ms - busy, 0.0),
-        ms_by_category={k: round(v, 2) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
-        launches_per_step=sum(k[2] for k in kernels) / steps,
-        top_kernels=[dict(name=n[:140], ms_per_step=round(per_step(us), 2), calls_per_step=c / steps,
-                          category=kernel_category(n)) for n, us, c in ranked],
-    )  # fmt: skip
-
-
 def profile_breakdown(step, steps=3):
     """Profile ``steps`` steps; GPU kernel time per step by category (see ``summarize_kernels``)."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from opensora.training.profiling import cuda_kernels, summarize_kernels
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -324,9 +286,7 @@ def profile_breakdown(step, steps=3):
             step()
         end.record()
         torch.cuda.synchronize()
-    kernels = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
-               if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]  # fmt: skip
-    return summarize_kernels(kernels, steps, start.elapsed_time(end) / steps)
+    return summarize_kernels(cuda_kernels(prof), steps, start.elapsed_time(end) / steps)
 
 
 def environment(args):
@@ -357,15 +317,6 @@ def format_table(results):
         lines.append(f"{r['variant']:22s} {r['ckpt']:6s} {r['step_ms']:8.1f} {r['model_tflops']:8.1f} "
                      f"{100 * r['mfu']:5.1f}% {mem:>9s} {len(r['host_syncs']):5d}")  # fmt: skip
     return "\n".join(lines)
-
-
-def format_profile(p):
-    head = (f"profile: {p['wall_ms_per_step']:.1f} ms/step wall, {p['kernel_ms_per_step']:.1f} ms in kernels, "
-            f"{p['gpu_idle_ms_per_step']:.1f} ms idle, {p['launches_per_step']:.0f} launches/step")  # fmt: skip
-    rows = [f"  {c:16s} {ms:8.2f} ms" for c, ms in p["ms_by_category"].items()]
-    rows += [f"  top: {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:.0f} [{k['category']}] {k['name'][:90]}"
-             for k in p["top_kernels"]]  # fmt: skip
-    return "\n".join([head] + rows)
 
 
 def parse_runs(text):
@@ -424,6 +375,8 @@ def main(argv=None):
         out.write_text(json.dumps(report, indent=1))  # after every variant: partial results survive a kill
         summary = result.get("error") or f"{result['step_ms']:.1f} ms, {100 * result['mfu']:.1f}% MFU"
         print(f"[{result['wall_s']:6.1f}s] {name}@{ckpt}: {summary}", flush=True)
+    from opensora.training.profiling import format_profile
+
     print(f"\n{report['environment']}\n" + format_table(report["runs"]))
     for r in report["runs"]:
         if "profile" in r:

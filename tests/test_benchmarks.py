@@ -1,6 +1,5 @@
 """The benchmark scripts run (CPU smoke shapes) and their profile summary sorts real kernel names correctly."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,15 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from opensora.training.profiling import StepProfiler, format_profile, kernel_category, summarize_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_train_step():
-    spec = importlib.util.spec_from_file_location("train_step_bench", ROOT / "benchmarks" / "train_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(
@@ -37,22 +32,37 @@ def load_train_step():
          "elementwise"),
         ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>(...)", "copy/layout"),
         ("Memcpy DtoD (Device -> Device)", "copy/layout"),
+        ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
         ("some_unknown_kernel", "other"),
     ],
 )
 def test_kernel_category(name, category):
-    assert load_train_step().kernel_category(name) == category
+    assert kernel_category(name) == category
 
 
 def test_summarize_kernels_per_step_totals():
-    bench = load_train_step()
-    kernels = [("nvjet_a", 3000.0, 6), ("flash_fwd_kernel", 1500.0, 3), ("vectorized_elementwise_kernel", 600.0, 30)]
-    summary = bench.summarize_kernels(kernels, steps=3, wall_ms=2.0)
-    assert summary["ms_by_category"] == {"matmul": 1.0, "attention": 0.5, "elementwise": 0.2}
-    assert summary["kernel_ms_per_step"] == pytest.approx(1.7)
-    assert summary["gpu_idle_ms_per_step"] == pytest.approx(0.3)
-    assert summary["launches_per_step"] == 13
-    assert [k["name"] for k in summary["top_kernels"]] == ["nvjet_a", "flash_fwd_kernel", "vectorized_elementwise_kernel"]
+    kernels = [("nvjet_a", 3000.0, 6), ("flash_fwd_kernel", 1500.0, 3), ("vectorized_elementwise_kernel", 600.0, 30),
+               ("ncclDevKernel_AllGather_RING_LL", 900.0, 3)]  # fmt: skip
+    summary = summarize_kernels(kernels, steps=3, wall_ms=2.0)
+    assert summary["ms_by_category"] == {"matmul": 1.0, "attention": 0.5, "communication": 0.3, "elementwise": 0.2}
+    assert summary["kernel_ms_per_step"] == pytest.approx(2.0)
+    # NCCL kernels may overlap compute: the exposed time is wall minus compute kernels only
+    assert summary["compute_ms_per_step"] == pytest.approx(1.7)
+    assert summary["exposed_ms_per_step"] == pytest.approx(0.3)
+    assert summary["communication_ms_per_step"] == pytest.approx(0.3)
+    assert summary["launches_per_step"] == 14
+    assert [k["name"] for k in summary["top_kernels"]][:2] == ["nvjet_a", "flash_fwd_kernel"]
+    assert "profile:" in format_profile(summary)
+
+
+def test_step_profiler_is_a_no_op_on_cpu_and_checks_its_config(tmp_path):
+    profiler = StepProfiler(dict(start=1, steps=2), tmp_path, rank=0, device=torch.device("cpu"))
+    for step in range(4):
+        profiler.begin(step)
+        profiler.end(step + 1)
+    assert not profiler.enabled and not (tmp_path / "profile").exists()
+    with pytest.raises(ValueError, match="start"):
+        StepProfiler(dict(steps=2), tmp_path, rank=0, device=torch.device("cpu"))
 
 
 def test_train_step_benchmark_tiny_runs_both_models(tmp_path):

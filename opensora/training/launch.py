@@ -11,8 +11,9 @@ TRAIN_FLAGS = {
     "ckpt_every": 0,
     "load": None,  # a checkpoint directory to resume from
     "resume": None,  # "auto": the newest complete checkpoint under outputs
-    "max_minutes": None,
-    "save_at_end": True,  # False for throwaway runs (benchmarks): no final checkpoint  # wall-clock budget: stop (and save) at the first step past it
+    "max_minutes": None,  # wall-clock budget: stop (and save) at the first step past it
+    "save_at_end": True,  # False for throwaway runs (benchmarks): no final checkpoint
+    "profile_steps": None,  # e.g. "{'start': 15, 'steps': 3}": GPU kernel time split, {outputs}/profile/rank{r}.json
 }
 
 

@@ -22,6 +22,7 @@ from opensora.registry import DATASETS, METHODS, MODELS, build_module
 from opensora.training import checkpoint as ckpt
 from opensora.training.distributed import all_reduce_mean, barrier, init_distributed
 from opensora.training.metrics import MetricsLogger
+from opensora.training.profiling import StepProfiler
 from opensora.training.rng import seed_everything
 from opensora.dtypes import resolve_dtype
 from opensora.training.roles import Components, Role, build_role
@@ -102,6 +103,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.outputs, enabled=self.is_main, tensorboard=cfg.get("tensorboard", True),
                                      wandb_cfg=cfg.get("wandb"), run_config=cfg.to_dict())
         self.throughput = ThroughputMeter(self.device, world_size=self.world_size)
+        self.profiler = StepProfiler(cfg.get("profile_steps"), self.outputs, self.rank, self.device)
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
@@ -174,6 +176,7 @@ class Trainer:
         while self.step < self.max_steps and not self._out_of_time(started):
             iteration = self.step
             loss_maps, skipped = [], False
+            self.profiler.begin(self.step)
             self.throughput.start()
             for _ in range(self.grad_accum):
                 batch = next(batches)
@@ -193,6 +196,7 @@ class Trainer:
             self.method.optimizers_zero_grad(iteration)
             self.step += 1
             self._update_emas(iteration)
+            self.profiler.end(self.step)
             record = self._record(loss_maps, grad_norms)
             self.metrics.log(self.step, record)
             progress.update(1)
