@@ -99,3 +99,28 @@ def test_train_scaling_script_runs_the_trainer_at_one_and_two_processes(tmp_path
         assert r["tokens_per_s_per_gpu"] > 0 and r["steps"] == 5  # 8 steps, the first 3 skipped as warm-up
         metrics = [json.loads(l) for l in (tmp_path / "scaling_tiny" / f"zero2_{n}gpu" / "metrics.jsonl").open()]
         assert [m["step"] for m in metrics] == list(range(1, 9))
+
+
+def test_cuda_kernels_skips_cpu_events_and_user_annotations():
+    """Annotations (optimizer step, NCCL op ranges) carry the device time of the kernels inside them."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from opensora.training.profiling import cuda_kernels
+
+    def event(key, device, us, annotation=False):
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us, count=1,
+                               is_user_annotation=annotation)  # fmt: skip
+
+    events = [event("aten::mm", DeviceType.CPU, 0), event("nvjet_tst_1", DeviceType.CUDA, 500.0),
+              event("Optimizer.step#AdamW.step", DeviceType.CUDA, 80.0, annotation=True),
+              event("multi_tensor_apply_kernel", DeviceType.CUDA, 79.0),
+              event("nccl:all_reduce", DeviceType.CUDA, 40.0, annotation=True),
+              event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", DeviceType.CUDA, 40.0)]  # fmt: skip
+    prof = SimpleNamespace(key_averages=lambda: events)
+    names = [k[0] for k in cuda_kernels(prof)]
+    assert names == ["nvjet_tst_1", "multi_tensor_apply_kernel", "ncclDevKernel_AllReduce_Sum_f32_RING_LL"]
+    summary = summarize_kernels(cuda_kernels(prof), steps=1, wall_ms=1.0)
+    assert summary["communication_ms_per_step"] == pytest.approx(0.04)
+    assert summary["ms_by_category"]["optimizer"] == pytest.approx(0.08)

@@ -59,11 +59,15 @@ def summarize_kernels(kernels: Iterable[Tuple[str, float, int]], steps: int, wal
 
 
 def cuda_kernels(prof) -> list:
-    """(name, total device us, calls) of the GPU kernels a finished ``torch.profiler.profile`` recorded."""
+    """(name, total device us, calls) of the GPU kernels a finished ``torch.profiler.profile`` recorded.
+
+    User annotations (``Optimizer.step#AdamW.step``, ``nccl:all_reduce``, ``record_function`` ranges) also carry
+    device time, spanning the kernels they enclose: counting them too would count those kernels twice."""
     from torch.autograd import DeviceType
 
     return [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
-            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]  # fmt: skip
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+            and not getattr(e, "is_user_annotation", False)]  # fmt: skip
 
 
 def format_profile(p: dict) -> str:
