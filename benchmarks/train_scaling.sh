@@ -7,6 +7,8 @@
 #   benchmarks/train_scaling.sh --gpus "1 2 4 8" --steps 50 --skip 10
 #   benchmarks/train_scaling.sh --tiny               # CPU smoke test: demo config, 1 and 2 gloo processes
 #   benchmarks/train_scaling.sh --profile 15         # also split GPU time of steps 16-18 (compute / exposed / NCCL)
+#   benchmarks/train_scaling.sh --config configs/diffusion/train/mmdit_1b_long_synthetic.py --sp 4 --gpus "4 8"
+#                                                    # 33.8k-token videos, each sample split over 4 GPUs
 #
 # Launcher: torchrun (python -m torch.distributed.run); `--launcher colossalai` uses `colossalai run` (needs
 # fabric, absent on the GPU machines). Results: {out}/scaling.json and a table; each run's metrics.jsonl stays in
@@ -29,8 +31,9 @@ while [ $# -gt 0 ]; do
     --launcher) launcher=$2; shift 2 ;;
     --tiny) tiny=1; shift ;;
     --profile) extra+=(--profile-steps "{'start': $2, 'steps': 3}"); shift 2 ;;
+    --sp) extra+=(--sequence-parallel-size "$2"); shift 2 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)"; exit 2 ;;
   esac
 done

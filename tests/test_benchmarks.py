@@ -124,3 +124,16 @@ def test_cuda_kernels_skips_cpu_events_and_user_annotations():
     summary = summarize_kernels(cuda_kernels(prof), steps=1, wall_ms=1.0)
     assert summary["communication_ms_per_step"] == pytest.approx(0.04)
     assert summary["ms_by_category"]["optimizer"] == pytest.approx(0.08)
+
+
+def test_train_scaling_script_runs_sequence_parallel(tmp_path):
+    out = tmp_path / "sp"
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    cmd = ["bash", str(ROOT / "benchmarks" / "train_scaling.sh"), "--tiny", "--plugins", "zero2", "--gpus", "2",
+           "--sp", "2", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    (row,) = json.loads((tmp_path / "sp_tiny" / "scaling.json").read_text())["rows"]
+    assert "error" not in row and row["tokens_per_s_per_gpu"] > 0, row
+    log = (tmp_path / "sp_tiny" / "zero2_2gpu.log").read_text()
+    assert "sequence parallel: 2 ranks per sample" in log

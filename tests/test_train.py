@@ -223,6 +223,20 @@ def test_ddp_and_zero2_give_the_same_losses_in_fp32(zero2_run, workdir):
         assert ddp[step]["lr"] == zero[step]["lr"]
 
 
+def test_sequence_parallel_over_two_ranks_trains_like_one_rank(inprocess_run, workdir):
+    """--sequence-parallel-size 2 on 2 ranks: one data-parallel rank whose samples are split over 2 processes, so
+    the same batches, noise and (up to float summation order) losses and gradients as the 1-rank run."""
+    outputs = workdir["root"] / "sp2"
+    result = launch("torchrun", workdir["tiny"], outputs, "--max-steps", "6", "--sequence-parallel-size", "2")
+    assert "sequence parallel: 2 ranks per sample (roles model), 1 data-parallel ranks" in result.stdout + result.stderr
+    sp, one = by_step(read_metrics(outputs)), by_step(read_metrics(inprocess_run))
+    assert sorted(sp) == list(range(1, 7))
+    for step in range(1, 7):
+        assert sp[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5, abs=1e-6), step
+        assert sp[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-4), step
+        assert sp[step]["lr"] == one[step]["lr"]
+
+
 # ---- 1 rank in this process: crash mid-save, --resume auto, NaN guard, accumulation -------------------------------
 class InjectedSaveFailure(RuntimeError):
     pass
@@ -487,3 +501,20 @@ def test_mmdit_1b_synthetic_step_time_and_mfu(tmp_path):
           f"MFU {(sum(mfu) / len(mfu)) if mfu else float('nan'):.3f}")
     if "H100" in torch.cuda.get_device_name() or "H200" in torch.cuda.get_device_name():
         assert mfu and all(0 < value < 1 for value in mfu)
+
+
+def test_long_video_config_is_sequence_parallel_ready():
+    """The >= 32k-token config: its VAE's latent grid, token counts and heads divide by its sequence-parallel size."""
+    from opensora.config import load_config
+    from opensora.registry import MODELS, build_module, import_all_modules
+
+    import_all_modules()
+    cfg = load_config(ROOT / "configs" / "diffusion" / "train" / "mmdit_1b_long_synthetic.py")
+    sp = cfg.sequence_parallel_size
+    vae = build_module(cfg.vae, MODELS)
+    t, h, w = vae.get_latent_size((cfg.dataset.num_frames, cfg.dataset.height, cfg.dataset.width))
+    pt, ph, pw = cfg.model.patch_size
+    video_tokens = (t // pt) * (h // ph) * (w // pw)
+    assert video_tokens >= 32_000
+    assert video_tokens % sp == 0 and cfg.text_encoder.t5.max_length % sp == 0 and cfg.model.num_heads % sp == 0
+    assert list(cfg.bucket_config) == ["512x512"] and cfg.bucket_config["512x512"][cfg.dataset.num_frames]

@@ -1,8 +1,10 @@
 """Per-step throughput: samples/s, tokens/s and model FLOP utilisation (MFU) on GPU.
 
 Methods report what a micro-step processed in their ``outputs`` dict (``num_samples``, ``num_tokens``,
-``flops``: training FLOPs of the micro-step on this rank, from the model's FLOP counter). Rates are global
-(summed over ranks, assuming equal work per rank); MFU is per GPU against the measured bf16 matmul ceiling.
+``flops``: training FLOPs of the micro-step's samples, from the model's FLOP counter). Rates are global (summed
+over data-parallel ranks, assuming equal work per rank); MFU is per GPU against the measured bf16 matmul ceiling.
+With sequence parallelism ``ranks_per_sample`` ranks share each sample: they count it once, and each does
+1/ranks_per_sample of its FLOPs.
 """
 
 import time
@@ -22,9 +24,10 @@ def peak_tflops(device: torch.device):
 
 
 class ThroughputMeter:
-    def __init__(self, device: torch.device, world_size: int = 1):
+    def __init__(self, device: torch.device, world_size: int = 1, ranks_per_sample: int = 1):
         self.device = device
         self.world_size = world_size
+        self.ranks_per_sample = ranks_per_sample
         self.peak = peak_tflops(device)
         self._t0 = None
         self._totals = {}
@@ -47,7 +50,7 @@ class ThroughputMeter:
             "tokens_per_s": self._totals["num_tokens"] * self.world_size / seconds,
         }
         if self.peak is not None and self._totals["flops"] > 0:
-            record["mfu"] = self._totals["flops"] / seconds / (self.peak * 1e12)
+            record["mfu"] = self._totals["flops"] / self.ranks_per_sample / seconds / (self.peak * 1e12)
         if self.device.type == "cuda":  # this rank's high-water mark since the start of training
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return record

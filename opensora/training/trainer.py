@@ -23,6 +23,7 @@ from opensora.training import checkpoint as ckpt
 from opensora.training.distributed import all_reduce_mean, barrier, init_distributed
 from opensora.training.metrics import MetricsLogger
 from opensora.training.profiling import StepProfiler
+from opensora.models.mmdit.sequence_parallel import build_sequence_groups
 from opensora.training.rng import seed_everything
 from opensora.dtypes import resolve_dtype
 from opensora.training.roles import Components, Role, build_role
@@ -62,6 +63,10 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.world_size, _, self.device = init_distributed()
         self.is_main = self.rank == 0
+        # sequence parallelism: groups of `sp_size` consecutive ranks share each sample (same data, same noise)
+        sp_size = int(cfg.get("sequence_parallel_size", 1))
+        self.sp = build_sequence_groups(sp_size) if sp_size != 1 else None
+        self.dp_rank, self.dp_size = self.rank // sp_size, self.world_size // sp_size
         self.outputs = Path(cfg.outputs)
         self.max_steps = int(cfg.max_steps)
         self.grad_accum = int(cfg.get("grad_accum", 1))
@@ -87,26 +92,39 @@ class Trainer:
             for name, role_cfg in role_configs(cfg).items()
         }
         self.method = build_module(cfg.method, METHODS, roles=self.roles, components=self.components)
-        # after boosting (colossalai's lazy imports draw from `random`): different noise on every rank
-        seed_everything(int(cfg.seed) + self.rank)
+        if self.sp is not None:
+            self._split_sequences()
+        # after boosting (colossalai's lazy imports draw from `random`): different noise on every data-parallel rank
+        seed_everything(int(cfg.seed) + self.dp_rank)
 
         dataset = build_module(cfg.dataset, DATASETS)
         self.loader, _ = build_dataloader(  # the loader owns its sampler and its resumable state
             dataset,
             bucket_config=cfg.bucket_config,
             seed=int(cfg.seed),
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=self.dp_rank,
+            world_size=self.dp_size,
             num_workers=int(cfg.get("num_workers", 2)),
             pin_memory=self.device.type == "cuda",
         )
         self.metrics = MetricsLogger(self.outputs, enabled=self.is_main, tensorboard=cfg.get("tensorboard", True),
                                      wandb_cfg=cfg.get("wandb"), run_config=cfg.to_dict())
-        self.throughput = ThroughputMeter(self.device, world_size=self.world_size)
+        self.throughput = ThroughputMeter(self.device, world_size=self.dp_size, ranks_per_sample=sp_size)
         self.profiler = StepProfiler(cfg.get("profile_steps"), self.outputs, self.rank, self.device)
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
+
+    def _split_sequences(self) -> None:
+        for name, role in self.roles.items():
+            module = role.unwrap()
+            if not hasattr(module, "set_sequence_parallel"):
+                raise ValueError(f"sequence_parallel_size={self.sp.size}: role '{name}' ({type(module).__name__}) "
+                                 "has no set_sequence_parallel")  # fmt: skip
+            module.set_sequence_parallel(self.sp)
+        if self.is_main:
+            logger.info("sequence parallel: %d ranks per sample (roles %s), %d data-parallel ranks", self.sp.size,
+                        ", ".join(self.roles), self.dp_size)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def resume(self, load: Optional[str] = None, auto: bool = False) -> None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .attention import attention
 from .rope import apply_rope
+from .sequence_parallel import heads_to_tokens, tokens_to_heads
 
 LN_EPS = 1e-6
 
@@ -106,10 +107,16 @@ def mlp(hidden_size: int, mlp_ratio: float) -> nn.Sequential:
     )
 
 
-def joint_attention(q, k, v, rope, mask, backend):
+def joint_attention(q, k, v, rope, mask, backend, sp=None):
+    """RoPE on this rank's q/k, then attention over the joint sequence -> [B, N_local, hidden]. With sequence
+    parallelism (``sp``, see sequence_parallel.py) q/k/v hold this rank's tokens and are exchanged for a head split
+    around the attention."""
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return attention(q, k, v.contiguous(), mask=mask, backend=backend)
+    if sp is None:
+        return attention(q, k, v.contiguous(), mask=mask, backend=backend)
+    q, k, v = (tokens_to_heads(t, sp) for t in (q, k, v))
+    return heads_to_tokens(attention(q, k, v, mask=mask, backend=backend), sp)
 
 
 class DoubleStreamBlock(nn.Module):
@@ -118,6 +125,7 @@ class DoubleStreamBlock(nn.Module):
     def __init__(self, hidden_size, num_heads, mlp_ratio, qkv_bias=True, qk_norm=True, attn_backend="auto"):
         super().__init__()
         self.attn_backend = attn_backend
+        self.sp = None  # a SequenceGroup when sequence parallel (MMDiT.set_sequence_parallel)
         self.img_mod = Modulation(hidden_size, 2)
         self.img_attn = StreamAttention(hidden_size, num_heads, qkv_bias, qk_norm)
         self.img_mlp = mlp(hidden_size, mlp_ratio)
@@ -131,7 +139,7 @@ class DoubleStreamBlock(nn.Module):
         img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(img, i_shift1, i_scale1))
         txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(txt, t_shift1, t_scale1))
         q, k, v = (torch.cat(pair, dim=2) for pair in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
-        out = joint_attention(q, k, v, rope, mask, self.attn_backend)
+        out = joint_attention(q, k, v, rope, mask, self.attn_backend, self.sp)
         txt_len = txt.shape[1]
         txt_out, img_out = out[:, :txt_len], out[:, txt_len:]
 
@@ -148,6 +156,7 @@ class SingleStreamBlock(nn.Module):
     def __init__(self, hidden_size, num_heads, mlp_ratio, qkv_bias=True, qk_norm=True, attn_backend="auto"):
         super().__init__()
         self.attn_backend = attn_backend
+        self.sp = None  # a SequenceGroup when sequence parallel (MMDiT.set_sequence_parallel)
         self.num_heads = num_heads
         self.hidden_size = hidden_size
         self.mlp_hidden = int(hidden_size * mlp_ratio)
@@ -164,7 +173,7 @@ class SingleStreamBlock(nn.Module):
         q, k, v = split_heads(qkv, self.num_heads)
         if self.norm is not None:
             q, k = self.norm(q, k)
-        out = joint_attention(q.contiguous(), k.contiguous(), v, rope, mask, self.attn_backend)
+        out = joint_attention(q.contiguous(), k.contiguous(), v, rope, mask, self.attn_backend, self.sp)
         return gated_residual(x, gate, self.linear2(torch.cat((out, self.mlp_act(mlp_in)), dim=-1)))
 
 

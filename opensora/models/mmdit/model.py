@@ -16,6 +16,7 @@ from opensora.registry import MODELS
 from .attention import check_backend, device_major
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .rope import rope_cos_sin, video_position_ids
+from .sequence_parallel import SequenceGroup, gather_tokens
 
 TIMESTEP_FEATURES = 256
 
@@ -116,6 +117,19 @@ class MMDiT(nn.Module):
         self.final_layer = FinalLayer(hidden_size, out_channels * patch_volume)
         self.compile_blocks = False
         self.set_compile_blocks(compile_blocks)
+        self.sp = None
+
+    def set_sequence_parallel(self, sp: Optional[SequenceGroup]) -> None:
+        """Split every sample's tokens over the ranks of ``sp`` (sequence_parallel.py); ``None`` turns it off.
+        All ranks of the group must get the same inputs; each returns the whole output."""
+        if sp is not None and sp.size == 1:
+            sp = None
+        if sp is not None and self.arch["num_heads"] % sp.size:
+            raise ValueError(f"sequence parallelism over {sp.size} ranks needs num_heads ({self.arch['num_heads']}) "
+                             f"divisible by it")  # fmt: skip
+        self.sp = sp
+        for block in [*self.double_blocks, *self.single_blocks]:
+            block.sp = sp
 
     def set_attn_backend(self, backend: str) -> None:
         check_backend(backend)
@@ -222,10 +236,31 @@ class MMDiT(nn.Module):
         if x.is_cuda:
             device_major(x.device)  # fill the capability cache eagerly, outside the compiled blocks
 
+        if self.sp is not None:
+            img, txt, rope, mask = self.shard_sequence(img, txt, rope, mask)
+
         for i, block in enumerate(self.double_blocks):
             img, txt = self.run_block(block, i < self.grad_ckpt_double, img, txt, vec, rope, mask)
         tokens = torch.cat((txt, img), dim=1)
         for i, block in enumerate(self.single_blocks):
             tokens = self.run_block(block, i < self.grad_ckpt_single, tokens, vec, rope, mask)
-        img = tokens[:, txt.shape[1] :]
-        return unpatchify(self.final_layer(img, vec), grid, self.patch_size)
+        img = self.final_layer(tokens[:, txt.shape[1] :], vec)
+        if self.sp is not None:
+            img = gather_tokens(img, self.sp)
+        return unpatchify(img, grid, self.patch_size)
+
+    def shard_sequence(self, img, txt, rope, mask):
+        """This rank's slices of the text and video tokens, their RoPE angles, and the key mask in the rank-major
+        order the attention sees after the all-to-all (sequence_parallel.py)."""
+        sp = self.sp
+        n_txt, n_img = txt.shape[1], img.shape[1]
+        txt_part = sp.local_slice(n_txt, "the text token count")
+        img_part = sp.local_slice(n_img, "the video token count")
+        mine = torch.cat((torch.arange(n_txt)[txt_part], n_txt + torch.arange(n_img)[img_part])).to(img.device)
+        rope = tuple(table.index_select(0, mine) for table in rope)
+        if mask is not None:
+            chunks = [(torch.arange(n_txt).chunk(sp.size)[r], n_txt + torch.arange(n_img).chunk(sp.size)[r])
+                      for r in range(sp.size)]  # fmt: skip
+            order = torch.cat([torch.cat(pair) for pair in chunks]).to(mask.device)
+            mask = mask.index_select(-1, order)
+        return img[:, img_part], txt[:, txt_part], rope, mask

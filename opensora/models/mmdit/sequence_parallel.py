@@ -1,0 +1,102 @@
+"""Sequence parallelism for the MMDiT (all-to-all, "Ulysses" style).
+
+The ranks of one sequence-parallel group work on the same sample. Each holds a contiguous 1/S slice of the text
+tokens and a 1/S slice of the video tokens, and runs every linear layer on its slice only. Attention needs all
+tokens, so around it an all-to-all trades the token split for a head split (each rank attends over every token
+with H/S heads) and a second one trades it back. The joint sequence the attention sees is therefore rank-major,
+(text_0, video_0, text_1, video_1, ...); RoPE angles and the key mask are permuted the same way, and attention
+does not depend on the order of its tokens.
+
+At the end the video tokens are gathered, so the loss is computed on the whole sample, identically on every rank
+of the group. The gather's backward hands each rank S times its own slice of the gradient: summed over ranks, the
+gradient of every replicated parameter is then S times the single-process one, and the world-wide gradient
+averaging of DDP / ZeRO (over data-parallel x sequence-parallel ranks) divides it back. No plugin changes are
+needed.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class SequenceGroup:
+    """One sequence-parallel group: the process group, its size and this rank's index in it."""
+
+    group: Optional[dist.ProcessGroup]
+    size: int
+    rank: int
+
+    def local_slice(self, length: int, what: str) -> slice:
+        if length % self.size:
+            raise ValueError(f"sequence parallelism over {self.size} ranks needs {what} divisible by "
+                             f"{self.size}, got {length}")  # fmt: skip
+        chunk = length // self.size
+        return slice(self.rank * chunk, (self.rank + 1) * chunk)
+
+
+def build_sequence_groups(size: int) -> SequenceGroup:
+    """Split the world into consecutive groups of ``size`` ranks; return this rank's. Every rank must call it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"sequence_parallel_size={size} must divide the world size {world}")
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)))  # collective: all ranks create every group
+        if start <= rank < start + size:
+            mine = group
+    return SequenceGroup(group=mine, size=size, rank=rank % size)
+
+
+def _all_to_all(x: torch.Tensor, sp: SequenceGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    inputs = [chunk.contiguous() for chunk in x.chunk(sp.size, dim=scatter_dim)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(sp.size)]
+    dist.all_to_all(outputs, inputs, group=sp.group)
+    return torch.cat(outputs, dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp, scatter_dim, gather_dim):
+        ctx.sp, ctx.dims = sp, (scatter_dim, gather_dim)
+        return _all_to_all(x, sp, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.sp, gather_dim, scatter_dim), None, None, None
+
+
+def tokens_to_heads(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    """[B, H, N/S, D] (all heads, my tokens) -> [B, H/S, N, D] (my heads, all tokens in rank-major order)."""
+    if x.shape[1] % sp.size:
+        raise ValueError(f"sequence parallelism over {sp.size} ranks needs the head count divisible by it, "
+                         f"got {x.shape[1]} heads")  # fmt: skip
+    return _AllToAll.apply(x, sp, 1, 2)
+
+
+def heads_to_tokens(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    """[B, N, (H/S)*D] (attention output: all tokens, my heads) -> [B, N/S, H*D] (my tokens, all heads)."""
+    return _AllToAll.apply(x, sp, 1, 2)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 1; backward keeps this rank's slice, times S (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, sp):
+        ctx.sp = sp
+        parts = [torch.empty_like(x) for _ in range(sp.size)]
+        dist.all_gather(parts, x.contiguous(), group=sp.group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sp = ctx.sp
+        return grad.chunk(sp.size, dim=1)[sp.rank] * sp.size, None
+
+
+def gather_tokens(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    return _GatherTokens.apply(x, sp)

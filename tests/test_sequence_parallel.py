@@ -1,0 +1,91 @@
+"""Sequence parallelism (all-to-all) on 2 and 4 gloo processes: the same output and, after the world-wide gradient
+average DDP/ZeRO apply, the same gradients as one process running the whole sample."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from opensora.models.mmdit import MMDiT, mmdit_config
+from opensora.models.mmdit.sequence_parallel import SequenceGroup, build_sequence_groups
+
+TEXT_DIM, POOLED_DIM = 24, 16
+
+
+def model_and_inputs(padded_text: bool, cond: bool, grad_ckpt: int):
+    cfg = mmdit_config("tiny", text_dim=TEXT_DIM, pooled_dim=POOLED_DIM, in_channels=4, cond_channels=5,
+                       hidden_size=64, num_heads=4, axes_dims=(4, 6, 6), depth_double=2, depth_single=2,
+                       grad_ckpt_double=grad_ckpt, grad_ckpt_single=grad_ckpt)  # fmt: skip
+    cfg.pop("type")
+    torch.manual_seed(0)
+    model = MMDiT(**cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():  # zero-initialised layers too, so every parameter gets a gradient
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    batch, text_len = 2, 8
+    mask = torch.ones(batch, text_len, dtype=torch.bool)
+    if padded_text:
+        mask[0, 5:] = False
+        mask[1, 3:] = False
+    inputs = dict(x=torch.randn(batch, 4, 2, 8, 8, generator=gen), timestep=torch.rand(batch, generator=gen),
+                  text_emb=torch.randn(batch, text_len, TEXT_DIM, generator=gen), text_mask=mask,
+                  pooled=torch.randn(batch, POOLED_DIM, generator=gen))  # fmt: skip
+    if cond:
+        inputs["cond"] = torch.randn(batch, 5, 2, 8, 8, generator=gen)
+    target = torch.randn(inputs["x"].shape, generator=gen)
+    return model.train(), inputs, target
+
+
+def loss_and_grads(model, inputs, target):
+    out = model(**inputs)
+    loss = (out - target).square().mean()
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), loss.detach(), grads
+
+
+def _sp_body(rank, world_size, padded_text, cond, grad_ckpt):
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    model, inputs, target = model_and_inputs(padded_text, cond, grad_ckpt)
+    ref_out, ref_loss, ref_grads = loss_and_grads(model, inputs, target)  # whole sample, this process alone
+    model.set_sequence_parallel(build_sequence_groups(world_size))
+    assert model.sp.size == world_size and all(b.sp is model.sp for b in model.double_blocks)
+    out, loss, grads = loss_and_grads(model, inputs, target)
+    # each rank saw only its tokens: its own gradients are partial until averaged over the ranks
+    partial = max(((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()).item() for n in ("img_in.weight",
+                                                                                            "txt_in.weight"))
+    assert set(grads) == set(ref_grads) and len(grads) >= len(list(model.parameters())) - 2  # cond_in unused w/o cond
+    for g in grads.values():  # what DDP / ZeRO do with the gradients of replicated parameters
+        dist.all_reduce(g)
+        g /= world_size
+    errors = {n: ((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12)).item() for n in grads}
+    return dict(out_err=(out - ref_out).abs().max().item(), loss=loss.item(), ref_loss=ref_loss.item(), partial=partial,
+                worst_grad=max(errors.items(), key=lambda kv: kv[1]))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "world_size, padded_text, cond, grad_ckpt",
+    [(2, False, False, 0), (2, True, True, 1), (4, True, False, 0)],
+)
+def test_sequence_parallel_matches_one_process(world_size, padded_text, cond, grad_ckpt):
+    results = run_distributed(_sp_body, world_size=world_size, args=(padded_text, cond, grad_ckpt))
+    for r in results:
+        assert r["out_err"] < 1e-5, r
+        assert r["partial"] > 0.1, r
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6), r
+        name, error = r["worst_grad"]
+        assert error < 1e-5, f"{name}: relative gradient error {error:.2e}"
+
+
+def test_sequence_group_slices_and_rejects_uneven_splits():
+    sp = SequenceGroup(group=None, size=4, rank=2)
+    assert sp.local_slice(16, "tokens") == slice(8, 12)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        sp.local_slice(10, "the video token count")
+    model = MMDiT(**{k: v for k, v in mmdit_config("tiny", num_heads=2, hidden_size=32, axes_dims=(4, 6, 6)).items()
+                     if k != "type"})  # fmt: skip
+    with pytest.raises(ValueError, match="num_heads"):
+        model.set_sequence_parallel(SequenceGroup(group=None, size=4, rank=0))
