@@ -46,10 +46,17 @@ def loss_and_grads(model, inputs, target):
     return out.detach(), loss.detach(), grads
 
 
-def _sp_body(rank, world_size, padded_text, cond, grad_ckpt):
-    dist.init_process_group("gloo")
+def _sp_body(rank, world_size, padded_text, cond, grad_ckpt, cuda=False):
+    if cuda:
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group("nccl" if cuda else "gloo")
     torch.set_num_threads(1)
     model, inputs, target = model_and_inputs(padded_text, cond, grad_ckpt)
+    if cuda:
+        model = model.cuda()
+        inputs = {k: v.cuda() for k, v in inputs.items()}
+        target = target.cuda()
     ref_out, ref_loss, ref_grads = loss_and_grads(model, inputs, target)  # whole sample, this process alone
     model.set_sequence_parallel(build_sequence_groups(world_size))
     assert model.sp.size == world_size and all(b.sp is model.sp for b in model.double_blocks)
@@ -78,6 +85,16 @@ def test_sequence_parallel_matches_one_process(world_size, padded_text, cond, gr
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6), r
         name, error = r["worst_grad"]
         assert error < 1e-5, f"{name}: relative gradient error {error:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_sequence_parallel_matches_one_process_on_two_gpus_with_nccl():
+    results = run_distributed(_sp_body, world_size=2, args=(True, True, 1), kwargs=dict(cuda=True))
+    for r in results:
+        assert r["out_err"] < 1e-4 and r["partial"] > 0.1, r
+        name, error = r["worst_grad"]
+        assert error < 1e-4, f"{name}: relative gradient error {error:.2e}"
 
 
 def test_sequence_group_slices_and_rejects_uneven_splits():
