@@ -106,3 +106,6 @@ def test_sequence_group_slices_and_rejects_uneven_splits():
                      if k != "type"})  # fmt: skip
     with pytest.raises(ValueError, match="num_heads"):
         model.set_sequence_parallel(SequenceGroup(group=None, size=4, rank=0))
+    model.set_sequence_parallel(SequenceGroup(group=None, size=2, rank=0))
+    with pytest.raises(ValueError, match="compile_blocks"):
+        model.set_compile_blocks(True)

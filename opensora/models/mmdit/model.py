@@ -124,6 +124,9 @@ class MMDiT(nn.Module):
         All ranks of the group must get the same inputs; each returns the whole output."""
         if sp is not None and sp.size == 1:
             sp = None
+        if sp is not None and self.compile_blocks:
+            raise ValueError("sequence parallelism with compile_blocks=True is not supported (the all-to-all would "
+                             "split every compiled block); turn one off")  # fmt: skip
         if sp is not None and self.arch["num_heads"] % sp.size:
             raise ValueError(f"sequence parallelism over {sp.size} ranks needs num_heads ({self.arch['num_heads']}) "
                              f"divisible by it")  # fmt: skip
@@ -153,6 +156,8 @@ class MMDiT(nn.Module):
         at any batch size. ``nn.Module.compile`` compiles in place, so parameter names and state dicts are
         unchanged. Off by default: compiling costs tens of seconds and gains little on CPU.
         """
+        if enabled and getattr(self, "sp", None) is not None:
+            raise ValueError("compile_blocks=True with sequence parallelism is not supported; turn one off")
         for block in [*self.double_blocks, *self.single_blocks]:
             if enabled:
                 block.compile()
