@@ -88,8 +88,9 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, sp):
         ctx.sp = sp
+        x = x.contiguous()  # collectives need dense buffers, and empty_like keeps a strided input's layout
         parts = [torch.empty_like(x) for _ in range(sp.size)]
-        dist.all_gather(parts, x.contiguous(), group=sp.group)
+        dist.all_gather(parts, x, group=sp.group)
         return torch.cat(parts, dim=1)
 
     @staticmethod
