@@ -12,7 +12,7 @@ from opensora.models.mmdit.sequence_parallel import SequenceGroup, build_sequenc
 TEXT_DIM, POOLED_DIM = 24, 16
 
 
-def model_and_inputs(padded_text: bool, cond: bool, grad_ckpt: int):
+def model_and_inputs(padded_text: bool, cond: bool, grad_ckpt: int, uneven: bool = False):
     cfg = mmdit_config("tiny", text_dim=TEXT_DIM, pooled_dim=POOLED_DIM, in_channels=4, cond_channels=5,
                        hidden_size=64, num_heads=4, axes_dims=(4, 6, 6), depth_double=2, depth_single=2,
                        grad_ckpt_double=grad_ckpt, grad_ckpt_single=grad_ckpt)  # fmt: skip
@@ -23,16 +23,17 @@ def model_and_inputs(padded_text: bool, cond: bool, grad_ckpt: int):
     with torch.no_grad():
         for p in model.parameters():  # zero-initialised layers too, so every parameter gets a gradient
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    batch, text_len = 2, 8
+    batch, text_len = 2, (7 if uneven else 8)
+    frames, size = (3, 6) if uneven else (2, 8)  # uneven: 7 text and 3x3x3 = 27 video tokens, padded per rank
     mask = torch.ones(batch, text_len, dtype=torch.bool)
     if padded_text:
         mask[0, 5:] = False
         mask[1, 3:] = False
-    inputs = dict(x=torch.randn(batch, 4, 2, 8, 8, generator=gen), timestep=torch.rand(batch, generator=gen),
+    inputs = dict(x=torch.randn(batch, 4, frames, size, size, generator=gen), timestep=torch.rand(batch, generator=gen),
                   text_emb=torch.randn(batch, text_len, TEXT_DIM, generator=gen), text_mask=mask,
                   pooled=torch.randn(batch, POOLED_DIM, generator=gen))  # fmt: skip
     if cond:
-        inputs["cond"] = torch.randn(batch, 5, 2, 8, 8, generator=gen)
+        inputs["cond"] = torch.randn(batch, 5, frames, size, size, generator=gen)
     target = torch.randn(inputs["x"].shape, generator=gen)
     return model.train(), inputs, target
 
@@ -46,13 +47,13 @@ def loss_and_grads(model, inputs, target):
     return out.detach(), loss.detach(), grads
 
 
-def _sp_body(rank, world_size, padded_text, cond, grad_ckpt, cuda=False):
+def _sp_body(rank, world_size, padded_text, cond, grad_ckpt, uneven=False, cuda=False):
     if cuda:
         torch.cuda.set_device(rank)
         torch.backends.cuda.matmul.allow_tf32 = False
     dist.init_process_group("nccl" if cuda else "gloo")
     torch.set_num_threads(1)
-    model, inputs, target = model_and_inputs(padded_text, cond, grad_ckpt)
+    model, inputs, target = model_and_inputs(padded_text, cond, grad_ckpt, uneven)
     if cuda:
         model = model.cuda()
         inputs = {k: v.cuda() for k, v in inputs.items()}
@@ -74,11 +75,13 @@ def _sp_body(rank, world_size, padded_text, cond, grad_ckpt, cuda=False):
 
 
 @pytest.mark.parametrize(
-    "world_size, padded_text, cond, grad_ckpt",
-    [(2, False, False, 0), (2, True, True, 1), (4, True, False, 0)],
+    "world_size, padded_text, cond, grad_ckpt, uneven",
+    [(2, False, False, 0, False), (2, True, True, 1, False), (4, True, False, 0, False), (4, False, True, 1, True),
+     (2, True, False, 0, True)],
 )
-def test_sequence_parallel_matches_one_process(world_size, padded_text, cond, grad_ckpt):
-    results = run_distributed(_sp_body, world_size=world_size, args=(padded_text, cond, grad_ckpt))
+def test_sequence_parallel_matches_one_process(world_size, padded_text, cond, grad_ckpt, uneven):
+    """uneven: token counts the group does not divide (7 text, 27 video tokens) are padded and masked."""
+    results = run_distributed(_sp_body, world_size=world_size, args=(padded_text, cond, grad_ckpt, uneven))
     for r in results:
         assert r["out_err"] < 1e-5, r
         assert r["partial"] > 0.1, r
@@ -90,7 +93,7 @@ def test_sequence_parallel_matches_one_process(world_size, padded_text, cond, gr
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_sequence_parallel_matches_one_process_on_two_gpus_with_nccl():
-    results = run_distributed(_sp_body, world_size=2, args=(True, True, 1), kwargs=dict(cuda=True))
+    results = run_distributed(_sp_body, world_size=2, args=(True, True, 1, True), kwargs=dict(cuda=True))
     for r in results:
         assert r["out_err"] < 1e-4 and r["partial"] > 0.1, r
         name, error = r["worst_grad"]
@@ -99,7 +102,7 @@ def test_sequence_parallel_matches_one_process_on_two_gpus_with_nccl():
 
 def test_sequence_group_slices_and_rejects_uneven_splits():
     sp = SequenceGroup(group=None, size=4, rank=2)
-    assert sp.local_slice(16, "tokens") == slice(8, 12)
+    assert sp.local_slice(16, "tokens") == slice(8, 12)  # the model pads to a multiple first
     with pytest.raises(ValueError, match="divisible by 4"):
         sp.local_slice(10, "the video token count")
     model = MMDiT(**{k: v for k, v in mmdit_config("tiny", num_heads=2, hidden_size=32, axes_dims=(4, 6, 6)).items()

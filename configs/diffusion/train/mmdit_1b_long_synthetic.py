@@ -5,7 +5,9 @@
 #   torchrun --nproc_per_node 8 scripts/diffusion/train.py configs/diffusion/train/mmdit_1b_long_synthetic.py \
 #       --outputs /tmp/long --max-steps 20
 #   benchmarks/train_scaling.sh --config configs/diffusion/train/mmdit_1b_long_synthetic.py --sp 4 --gpus "4 8"
-# The sequence-parallel size must divide the GPU count, the 12 heads, and both token counts (33,792 and 512): 2, 4.
+# The sequence-parallel size must divide the GPU count and the 12 heads (2, 4 or 6; at 8 GPUs use 4 x 2 data
+# parallel). It also divides both token counts here (33,792 and 512); other shapes are padded and masked per rank,
+# which costs the mask-free attention kernels.
 _base_ = ["mmdit_1b_synthetic.py"]
 
 outputs = "outputs/mmdit_1b_long_synthetic"

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from opensora.registry import MODELS
@@ -251,14 +252,32 @@ class MMDiT(nn.Module):
             tokens = self.run_block(block, i < self.grad_ckpt_single, tokens, vec, rope, mask)
         img = self.final_layer(tokens[:, txt.shape[1] :], vec)
         if self.sp is not None:
-            img = gather_tokens(img, self.sp)
+            img = gather_tokens(img, self.sp)[:, : grid[0] * grid[1] * grid[2]]  # drop padding tokens, if any
         return unpatchify(img, grid, self.patch_size)
 
     def shard_sequence(self, img, txt, rope, mask):
         """This rank's slices of the text and video tokens, their RoPE angles, and the key mask in the rank-major
-        order the attention sees after the all-to-all (sequence_parallel.py)."""
+        order the attention sees after the all-to-all (sequence_parallel.py).
+
+        Token counts that the group size does not divide are padded at the end of each stream with zero tokens that
+        no query may attend to (the key mask hides them; identity RoPE); their outputs are dropped after the
+        gather. Padding turns the mask on, which rules out the mask-free attention kernels for that shape."""
         sp = self.sp
         n_txt, n_img = txt.shape[1], img.shape[1]
+        pad_txt, pad_img = -n_txt % sp.size, -n_img % sp.size
+        if pad_txt or pad_img:
+            valid = torch.cat((torch.ones(n_txt, dtype=torch.bool), torch.zeros(pad_txt, dtype=torch.bool),
+                               torch.ones(n_img, dtype=torch.bool), torch.zeros(pad_img, dtype=torch.bool)))
+            valid = valid.to(img.device)[None, None, None, :]
+            if mask is None:
+                mask = valid.expand(img.shape[0], 1, 1, -1)
+            else:
+                mask = torch.cat((F.pad(mask[..., :n_txt], (0, pad_txt)), F.pad(mask[..., n_txt:], (0, pad_img))), -1)
+            rope = tuple(torch.cat((table[:n_txt], table.new_full((pad_txt, table.shape[1]), fill), table[n_txt:],
+                                    table.new_full((pad_img, table.shape[1]), fill)))
+                         for table, fill in zip(rope, (1.0, 0.0)))  # cos 1, sin 0: no rotation  # fmt: skip
+            txt, img = F.pad(txt, (0, 0, 0, pad_txt)), F.pad(img, (0, 0, 0, pad_img))
+            n_txt, n_img = n_txt + pad_txt, n_img + pad_img
         txt_part = sp.local_slice(n_txt, "the text token count")
         img_part = sp.local_slice(n_img, "the video token count")
         mine = torch.cat((torch.arange(n_txt)[txt_part], n_txt + torch.arange(n_img)[img_part])).to(img.device)
