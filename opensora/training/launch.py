@@ -13,8 +13,8 @@ TRAIN_FLAGS = {
     "resume": None,  # "auto": the newest complete checkpoint under outputs
     "max_minutes": None,  # wall-clock budget: stop (and save) at the first step past it
     "save_at_end": True,  # False for throwaway runs (benchmarks): no final checkpoint
-    "profile_steps": None,
-    "sequence_parallel_size": 1,  # ranks that share each sample (MMDiT all-to-all sequence parallelism)  # e.g. "{'start': 15, 'steps': 3}": GPU kernel time split, {outputs}/profile/rank{r}.json
+    "profile_steps": None,  # e.g. "{'start': 15, 'steps': 3}": GPU kernel time split, {outputs}/profile/rank{r}.json
+    "sequence_parallel_size": 1,  # ranks that share each sample (MMDiT all-to-all sequence parallelism)
 }
 
 
