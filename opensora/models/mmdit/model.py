@@ -266,13 +266,9 @@ class MMDiT(nn.Module):
         n_txt, n_img = txt.shape[1], img.shape[1]
         pad_txt, pad_img = -n_txt % sp.size, -n_img % sp.size
         if pad_txt or pad_img:
-            valid = torch.cat((torch.ones(n_txt, dtype=torch.bool), torch.zeros(pad_txt, dtype=torch.bool),
-                               torch.ones(n_img, dtype=torch.bool), torch.zeros(pad_img, dtype=torch.bool)))
-            valid = valid.to(img.device)[None, None, None, :]
             if mask is None:
-                mask = valid.expand(img.shape[0], 1, 1, -1)
-            else:
-                mask = torch.cat((F.pad(mask[..., :n_txt], (0, pad_txt)), F.pad(mask[..., n_txt:], (0, pad_img))), -1)
+                mask = torch.ones(img.shape[0], 1, 1, n_txt + n_img, dtype=torch.bool, device=img.device)
+            mask = torch.cat((F.pad(mask[..., :n_txt], (0, pad_txt)), F.pad(mask[..., n_txt:], (0, pad_img))), -1)
             rope = tuple(torch.cat((table[:n_txt], table.new_full((pad_txt, table.shape[1]), fill), table[n_txt:],
                                     table.new_full((pad_img, table.shape[1]), fill)))
                          for table, fill in zip(rope, (1.0, 0.0)))  # cos 1, sin 0: no rotation  # fmt: skip
@@ -280,11 +276,10 @@ class MMDiT(nn.Module):
             n_txt, n_img = n_txt + pad_txt, n_img + pad_img
         txt_part = sp.local_slice(n_txt, "the text token count")
         img_part = sp.local_slice(n_img, "the video token count")
-        mine = torch.cat((torch.arange(n_txt)[txt_part], n_txt + torch.arange(n_img)[img_part])).to(img.device)
-        rope = tuple(table.index_select(0, mine) for table in rope)
+        # joint-sequence positions (text first, then video) of each rank's tokens, in rank order
+        per_rank = [torch.cat((t, n_txt + i)) for t, i in zip(torch.arange(n_txt).chunk(sp.size),
+                                                               torch.arange(n_img).chunk(sp.size))]  # fmt: skip
+        rope = tuple(table.index_select(0, per_rank[sp.rank].to(table.device)) for table in rope)
         if mask is not None:
-            chunks = [(torch.arange(n_txt).chunk(sp.size)[r], n_txt + torch.arange(n_img).chunk(sp.size)[r])
-                      for r in range(sp.size)]  # fmt: skip
-            order = torch.cat([torch.cat(pair) for pair in chunks]).to(mask.device)
-            mask = mask.index_select(-1, order)
+            mask = mask.index_select(-1, torch.cat(per_rank).to(mask.device))
         return img[:, img_part], txt[:, txt_part], rope, mask
