@@ -272,21 +272,17 @@ def compiled_vs_eager_error(model, forward):
 
 
 def profile_breakdown(step, steps=3):
-    """Profile ``steps`` steps; GPU kernel time per step by category (see ``summarize_kernels``)."""
+    """Profile ``steps`` steps; GPU kernel time per step by category (the trainer's ``StepProfiler``)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    from opensora.training.profiling import cuda_kernels, summarize_kernels
+    from opensora.training.profiling import StepProfiler
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-    return summarize_kernels(cuda_kernels(prof), steps, start.elapsed_time(end) / steps)
+    profiler = StepProfiler(dict(start=0, steps=steps), None, rank=0, device=torch.device("cuda"))
+    profiler.begin(0)
+    for done in range(1, steps + 1):
+        step()
+        summary = profiler.end(done)
+    return summary
 
 
 def environment(args):

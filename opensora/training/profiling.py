@@ -83,15 +83,16 @@ def format_profile(p: dict) -> str:
 class StepProfiler:
     """Profiles optimizer steps ``start + 1 .. start + steps`` of a training loop (GPU only; a no-op on CPU or
     when not configured). The loop calls ``begin(step)`` before and ``end(step)`` after each optimizer step,
-    ``step`` being the number of steps done before it."""
+    ``step`` being the number of steps done before it; the last ``end`` returns the summary and, with ``outputs``,
+    writes it to ``{outputs}/profile/rank{rank}.json``."""
 
-    def __init__(self, spec: Optional[dict], outputs: Path, rank: int, device: torch.device):
+    def __init__(self, spec: Optional[dict], outputs: Optional[Path], rank: int, device: torch.device):
         self.enabled = bool(spec) and device.type == "cuda"
         if spec and not {"start", "steps"} <= set(spec):
             raise ValueError(f"profile_steps needs keys 'start' and 'steps', got {dict(spec)}")
         self.start = int(spec["start"]) if spec else 0
         self.steps = int(spec["steps"]) if spec else 0
-        self.path = Path(outputs) / "profile" / f"rank{rank}.json"
+        self.path = Path(outputs) / "profile" / f"rank{rank}.json" if outputs is not None else None
         self._prof = self._events = None
 
     def begin(self, step: int) -> None:
@@ -105,17 +106,19 @@ class StepProfiler:
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         self._events[0].record()
 
-    def end(self, step_done: int) -> None:
+    def end(self, step_done: int) -> Optional[dict]:
         if self._prof is None or step_done != self.start + self.steps:
-            return
+            return None
         self._events[1].record()
         torch.cuda.synchronize()
         self._prof.__exit__(None, None, None)
         wall_ms = self._events[0].elapsed_time(self._events[1]) / self.steps
         summary = summarize_kernels(cuda_kernels(self._prof), self.steps, wall_ms)
         summary.update(first_step=self.start + 1, last_step=step_done)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, self.path)
         self._prof = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(summary, indent=1))
+            os.replace(tmp, self.path)
+        return summary
