@@ -3,6 +3,11 @@
 Shapes: token streams are [B, N, hidden]; ``vec`` (timestep + pooled text [+ guidance]) is [B, hidden];
 ``rope`` is the (cos, sin) pair for the joint sequence (text first, then video); ``mask`` is a boolean key
 mask broadcastable to [B, heads, N, N] or ``None``.
+
+``kv_hook`` (optional, every block): a callable ``(k, v, mask) -> (k, v, mask)`` applied to the joint sequence's
+keys and values after RoPE, before attention. It is the one seam through which inference accelerations see
+attention: a streaming KV cache prepends the keys/values of earlier chunks, a region cache adds those of tokens it
+did not recompute. Queries are never touched, so the block's output keeps the shape of its input.
 """
 
 import math
@@ -107,12 +112,16 @@ def mlp(hidden_size: int, mlp_ratio: float) -> nn.Sequential:
     )
 
 
-def joint_attention(q, k, v, rope, mask, backend, sp=None):
+def joint_attention(q, k, v, rope, mask, backend, sp=None, kv_hook=None):
     """RoPE on this rank's q/k, then attention over the joint sequence -> [B, N_local, hidden]. With sequence
     parallelism (``sp``, see sequence_parallel.py) q/k/v hold this rank's tokens and are exchanged for a head split
-    around the attention."""
+    around the attention. ``kv_hook`` (see the module docstring) may extend keys, values and the mask."""
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if kv_hook is not None:
+        if sp is not None:
+            raise ValueError("a kv_hook (KV cache / region cache) cannot be combined with sequence parallelism")
+        k, v, mask = kv_hook(k, v, mask)
     if sp is None:
         return attention(q, k, v.contiguous(), mask=mask, backend=backend)
     q, k, v = (tokens_to_heads(t, sp) for t in (q, k, v))
@@ -133,13 +142,15 @@ class DoubleStreamBlock(nn.Module):
         self.txt_attn = StreamAttention(hidden_size, num_heads, qkv_bias, qk_norm)
         self.txt_mlp = mlp(hidden_size, mlp_ratio)
 
-    def forward(self, img, txt, vec, rope, mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, img, txt, vec, rope, mask: Optional[torch.Tensor], kv_hook=None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(vec)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
         img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(img, i_shift1, i_scale1))
         txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(txt, t_shift1, t_scale1))
         q, k, v = (torch.cat(pair, dim=2) for pair in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
-        out = joint_attention(q, k, v, rope, mask, self.attn_backend, self.sp)
+        out = joint_attention(q, k, v, rope, mask, self.attn_backend, self.sp, kv_hook)
         txt_len = txt.shape[1]
         txt_out, img_out = out[:, :txt_len], out[:, txt_len:]
 
@@ -167,13 +178,13 @@ class SingleStreamBlock(nn.Module):
         self.norm = QKNorm(hidden_size // num_heads) if qk_norm else None
         self.mlp_act = nn.GELU(approximate="tanh")
 
-    def forward(self, x, vec, rope, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x, vec, rope, mask: Optional[torch.Tensor], kv_hook=None) -> torch.Tensor:
         shift, scale, gate = self.modulation(vec)
         qkv, mlp_in = self.linear1(modulate(x, shift, scale)).split([3 * self.hidden_size, self.mlp_hidden], -1)
         q, k, v = split_heads(qkv, self.num_heads)
         if self.norm is not None:
             q, k = self.norm(q, k)
-        out = joint_attention(q.contiguous(), k.contiguous(), v, rope, mask, self.attn_backend, self.sp)
+        out = joint_attention(q.contiguous(), k.contiguous(), v, rope, mask, self.attn_backend, self.sp, kv_hook)
         return gated_residual(x, gate, self.linear2(torch.cat((out, self.mlp_act(mlp_in)), dim=-1)))
 
 
