@@ -73,7 +73,7 @@ class Trainer:
         self.ckpt_every = int(cfg.get("ckpt_every", 0))
         self.max_consecutive_nonfinite = int(cfg.get("max_consecutive_nonfinite", 5))
         # wall-clock budget (job time limits, fixed-time benchmarks): stop and save at the first step past it
-        self.max_minutes = cfg.get("max_minutes")
+        self.max_minutes = None if cfg.get("max_minutes") is None else float(cfg.max_minutes)
         seed_everything(int(cfg.seed))  # same initial weights on every rank
         if self.is_main:
             save_config(cfg, self.outputs)
@@ -174,10 +174,17 @@ class Trainer:
             params = [p for p in role.model.parameters() if p.requires_grad]
             role.optimizer.backward(scaled, inputs=params, retain_graph=position < len(roles) - 1)
 
-    def _all_finite(self, loss: torch.Tensor) -> bool:
-        # every rank must agree, or ranks would disagree about stepping and deadlock
-        bad = all_reduce_mean(torch.tensor(0.0 if torch.isfinite(loss).all() else 1.0, device=self.device))
-        return bad.item() == 0.0
+    def _step_verdict(self, losses, started: float) -> tuple:
+        """(every rank's losses finite, time budget spent): one all-reduce and one host sync per step, after the
+        backward kernels are queued. Every rank must agree on both, or ranks would disagree about stepping or
+        stopping and deadlock; rank 0's clock decides the budget."""
+        nonfinite = torch.stack([~torch.isfinite(loss.detach()).all() for loss in losses]).any().float()
+        late = self.is_main and self.max_minutes is not None and time.monotonic() - started > 60.0 * self.max_minutes
+        flags = torch.stack((nonfinite, nonfinite.new_tensor(float(late))))
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.SUM)
+        nonfinite, late = flags.tolist()
+        return nonfinite == 0, late > 0
 
     def _update_emas(self, iteration: int) -> None:
         for name in self.method.roles_to_update(iteration):
@@ -187,26 +194,30 @@ class Trainer:
                 role.ema.update(role.unwrap(), step=self.step)
 
     def train(self) -> None:
+        """The loop. Per optimizer step the host waits for the GPU once (``_step_verdict``); the step's metrics are
+        all-reduced on the device and read one step later (``_flush``), so no ``.item()`` stalls the next step."""
         progress = tqdm(total=self.max_steps, initial=self.step, disable=not self.is_main, desc="train",
                         dynamic_ncols=True)
         batches = self._batches()
         started = time.monotonic()
-        while self.step < self.max_steps and not self._out_of_time(started):
+        pending = None  # the previous step's metrics, still on the device
+        out_of_time = False
+        while self.step < self.max_steps and not out_of_time:
             iteration = self.step
-            loss_maps, skipped = [], False
+            losses, loss_maps = [], []
             self.profiler.begin(self.step)
             self.throughput.start()
             for _ in range(self.grad_accum):
                 batch = next(batches)
                 loss_map, outputs = self.method.single_train_step(batch, iteration)
-                loss = loss_map["total_loss"]
-                if not self._all_finite(loss):
-                    skipped = True
-                    break
-                self._backward(loss, iteration)
+                # a non-finite loss is backwarded too and its window's gradients discarded below: no sync before
+                # the backward
+                self._backward(loss_map["total_loss"], iteration)
+                losses.append(loss_map["total_loss"])
                 loss_maps.append({k: v.detach().float() for k, v in loss_map.items()})
                 self.throughput.add(outputs)
-            if skipped:
+            finite, out_of_time = self._step_verdict(losses, started)
+            if not finite:
                 self._handle_nonfinite(iteration)
                 continue
             self.nonfinite_in_a_row = 0
@@ -214,29 +225,22 @@ class Trainer:
             self.method.optimizers_zero_grad(iteration)
             self.step += 1
             self._update_emas(iteration)
+            timing = self.throughput.stop()
             self.profiler.end(self.step)
-            record = self._record(loss_maps, grad_norms)
-            self.metrics.log(self.step, record)
-            progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.4f}")
+            self._flush(pending, progress)
+            pending = self._pending_record(loss_maps, grad_norms, timing)
             if self.ckpt_every and self.step % self.ckpt_every == 0 and self.step < self.max_steps:
+                pending = self._flush(pending, progress)  # records reach the disk before the checkpoint covering them
                 self.save()
+                self.throughput.restart()
+        if out_of_time and self.is_main:
+            logger.info("max_minutes=%s reached at step %d: saving and stopping", self.max_minutes, self.step)
+        self._flush(pending, progress)
         progress.close()
         if self.cfg.get("save_at_end", True):
             self.save()
         self.metrics.close()
         barrier()
-
-    def _out_of_time(self, started: float) -> bool:
-        if self.max_minutes is None:
-            return False
-        # rank 0's clock decides, so every rank stops at the same step
-        late = float(time.monotonic() - started > 60.0 * float(self.max_minutes)) if self.is_main else 0.0
-        if all_reduce_mean(torch.tensor(late, device=self.device)).item() > 0:
-            if self.is_main:
-                logger.info("max_minutes=%s reached at step %d: saving and stopping", self.max_minutes, self.step)
-            return True
-        return False
 
     def _batches(self):
         """Endless iterator over epochs; the loader knows where a resumed run left off."""
@@ -255,13 +259,13 @@ class Trainer:
                 f"{self.nonfinite_in_a_row} non-finite losses in a row at step {self.step}; stopping"
             )
 
-    def _record(self, loss_maps, grad_norms) -> dict:
-        """One metrics record: losses averaged over micro-steps and ranks, lr and grad norm per trainable role
-        (plain ``lr`` / ``grad_norm`` when only one role trains, so single-model runs keep Open-Sora's names)."""
+    def _pending_record(self, loss_maps, grad_norms, timing) -> tuple:
+        """This step's metrics with the losses averaged over micro-steps and ranks on the device (the all-reduce is
+        queued now and read by ``_flush`` one step later); lr and grad norm per trainable role (plain ``lr`` /
+        ``grad_norm`` when only one role trains, so single-model runs keep Open-Sora's names)."""
+        keys = list(loss_maps[0])
+        means = torch.stack([torch.stack([m[key] for m in loss_maps]).mean() for key in keys])
         record = {}
-        for key in loss_maps[0]:
-            value = all_reduce_mean(torch.stack([m[key] for m in loss_maps]).mean()).item()
-            record["loss" if key == "total_loss" else key] = value
         trainable = [role for role in self.roles.values() if role.trainable]
         for role in trainable:
             suffix = "" if len(trainable) == 1 else f"/{role.name}"
@@ -269,8 +273,20 @@ class Trainer:
                 record["lr" + suffix] = role.lr_scheduler.get_last_lr()[0]
             if role.name in grad_norms:
                 record["grad_norm" + suffix] = grad_norms[role.name]
-        record.update(self.throughput.stop())
         record["nonfinite_total"] = self.nonfinite_total
         record["skipped_samples"] = self.loader.num_skipped
         record["bad_files"] = len(self.loader.bad_paths)
-        return record
+        return self.step, keys, all_reduce_mean(means), record, timing
+
+    def _flush(self, pending, progress=None) -> None:
+        """Write a pending record (``_pending_record``) to the metrics; returns ``None`` (nothing left pending)."""
+        if pending is None:
+            return None
+        step, keys, losses, record, timing = pending
+        values = dict(zip(("loss" if key == "total_loss" else key for key in keys), losses.tolist()))
+        record = {**values, **record, **timing.record()}
+        self.metrics.log(step, record)
+        if progress is not None:
+            progress.update(step - progress.n)
+            progress.set_postfix(loss=f"{record['loss']:.4f}")
+        return None
