@@ -1,0 +1,291 @@
+"""Cache stores for inference caches (Jano region cache): on the device, a naive synchronous CPU offload, and the
+dual-stream prefetching ``OffloadManager`` (spec: seeds/jano_offload_manager.md).
+
+All three answer the same verbs, keyed by strings, so a cache policy never knows where its tensors live:
+
+* ``reserve(key, shape, dtype)``: announce an entry before sampling (the offload manager allocates its pinned CPU
+  buffer here, once; a later ``reserve`` with the same shape and dtype reuses it).
+* ``store_async(tensor, key)``: keep ``tensor`` (a fresh tensor the caller will not modify) as entry ``key``.
+* ``begin_fetch_step(keys)``: the entries the next forward will read, in the order it reads them.
+* ``fetch(key)``: the entry on the device; ``release(key)``: the caller is done reading the fetched tensor.
+
+``OffloadManager`` keeps every entry in one pinned CPU buffer. ``store_async`` copies device -> pinned on a data
+stream (after waiting for the compute stream that produced the tensor) and holds a reference to the source until an
+event recorded *on the data stream* after the copy has completed, so the caching allocator cannot hand the source's
+memory to a new tensor while the DMA still reads it (diffusers' group offload once recorded the wrong stream here).
+``begin_fetch_step`` issues the host -> device copies of a step on the data stream, each into a slot of a small GPU
+staging ring, with one event per key; ``fetch`` makes the compute stream wait on that key's event (or, when the key
+was never prefetched, copies it synchronously). A slot is refilled only after the compute stream has passed the
+``release`` of the entry it held, so the ring can be far smaller than the cache: GPU memory held by the cache is
+the ring (``ring_size`` slots of the largest entry), the copies run ``ring_size`` entries ahead of the compute.
+
+The CUDA calls live behind ``CudaBackend``; tests drive the same bookkeeping with a recording CPU backend.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+
+class DeviceStore:
+    """Entries stay where they were produced (the on-GPU cache every offload is measured against)."""
+
+    def __init__(self):
+        self._entries: Dict[str, torch.Tensor] = {}
+
+    def reserve(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> None:
+        pass
+
+    def store_async(self, tensor: torch.Tensor, key: str) -> None:
+        self._entries[key] = tensor
+
+    def begin_fetch_step(self, keys: Iterable[str]) -> None:
+        pass
+
+    def fetch(self, key: str) -> torch.Tensor:
+        return self._entries[key]
+
+    def release(self, key: str) -> None:
+        pass
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def device_bytes(self) -> int:
+        """Bytes of device memory held for the cache."""
+        return sum(t.numel() * t.element_size() for t in self._entries.values() if t.device.type != "cpu")
+
+
+class NaiveOffload(DeviceStore):
+    """Synchronous ``.cpu()`` on store and ``.to(device)`` on fetch: the baseline the prefetching manager must beat."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = torch.device(device)
+
+    def store_async(self, tensor: torch.Tensor, key: str) -> None:
+        self._entries[key] = tensor.cpu()
+
+    def fetch(self, key: str) -> torch.Tensor:
+        return self._entries[key].to(self.device)
+
+
+class CudaBackend:
+    """The CUDA calls of ``OffloadManager`` (streams, events, pinned and device buffers, copies)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def new_event(self):
+        return torch.cuda.Event()
+
+    def record(self, event, stream) -> None:
+        event.record(stream)
+
+    def wait(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def done(self, event) -> bool:
+        return event.query()
+
+    def pinned_empty(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+
+    def device_empty(self, numel: int, dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def synchronize(self, stream) -> None:
+        stream.synchronize()
+
+
+class OffloadManager:
+    """Cache entries in pinned CPU memory, prefetched to a GPU staging ring on a separate data stream.
+
+    Args:
+        device: the compute device. backend: ``CudaBackend(device)`` by default (tests pass a fake).
+        ring_size: staging slots (each as large as the largest entry); entries of one layer are read together, so
+            keep it at least the number of entries one layer reads (the Jano cache reads 2), more to prefetch ahead.
+    """
+
+    def __init__(self, device="cuda", ring_size: int = 8, backend=None):
+        if ring_size < 1:
+            raise ValueError(f"ring_size must be >= 1, got {ring_size}")
+        self.backend = backend if backend is not None else CudaBackend(device)
+        self.data_stream = self.backend.new_stream()
+        self.ring_size = ring_size
+        self._pinned: Dict[str, torch.Tensor] = {}
+        self._stored: set = set()  # keys whose pinned buffer holds a stored value
+        self._inflight: List[Tuple[object, torch.Tensor]] = []  # (copy-done event on data_stream, source) pairs
+        self._ring: Optional[torch.Tensor] = None  # flat byte buffer: ring_size slots of _slot_bytes
+        self._slot_bytes = 0
+        self._free_slots: deque = deque()
+        self._slot_released: Dict[int, object] = {}  # slot -> event recorded on the compute stream at release
+        self._pending: deque = deque()  # prefetch keys not yet issued (waiting for a free slot)
+        self._issued: Dict[str, Tuple[int, object]] = {}  # key -> (slot, H2D-done event)
+        self._held: Dict[str, int] = {}  # fetched, not yet released: key -> slot
+        self.stats = dict(pinned_allocations=0, stores=0, prefetches=0, sync_fetches=0)
+
+    # ---- storage --------------------------------------------------------------------------------------------
+    def reserve(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> None:
+        """Allocate the pinned buffer of ``key`` (once: kept while shape and dtype stay the same)."""
+        buffer = self._pinned.get(key)
+        if buffer is not None and tuple(buffer.shape) == tuple(shape) and buffer.dtype == dtype:
+            return
+        self._pinned[key] = self.backend.pinned_empty(shape, dtype)
+        self._stored.discard(key)
+        self.stats["pinned_allocations"] += 1
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self._slot_bytes:
+            self._drop_ring()  # re-made at the next prefetch with the larger slot size
+            self._slot_bytes = nbytes
+
+    def store_async(self, tensor: torch.Tensor, key: str) -> None:
+        """Copy ``tensor`` to the pinned buffer of ``key`` on the data stream; returns at once."""
+        self.reserve(key, tensor.shape, tensor.dtype)
+        backend = self.backend
+        produced = backend.new_event()
+        backend.record(produced, backend.current_stream())  # the tensor is written by the compute stream
+        backend.wait(self.data_stream, produced)
+        with backend.use_stream(self.data_stream):
+            backend.copy(self._pinned[key], tensor)
+        copied = backend.new_event()
+        backend.record(copied, self.data_stream)  # on the stream that reads the source: the right one to wait for
+        self._inflight.append((copied, tensor))  # the source stays alive until the DMA has read it
+        self._stored.add(key)
+        self.stats["stores"] += 1
+        self._prune()
+
+    def _prune(self) -> None:
+        self._inflight = [(event, source) for event, source in self._inflight if not self.backend.done(event)]
+
+    def inflight(self) -> int:
+        """Stores whose source tensor is still referenced (copy not known to be complete)."""
+        self._prune()
+        return len(self._inflight)
+
+    # ---- prefetch -------------------------------------------------------------------------------------------
+    def _drop_ring(self) -> None:
+        if self._issued or self._held:
+            raise RuntimeError("cannot resize the staging ring while prefetched entries are outstanding")
+        self._ring = None
+        self._free_slots.clear()
+        self._slot_released.clear()
+
+    def _ensure_ring(self) -> None:
+        if self._ring is None and self._slot_bytes:
+            self._ring = self.backend.device_empty(self.ring_size * self._slot_bytes, torch.uint8)
+            self._free_slots = deque(range(self.ring_size))
+
+    def _slot_view(self, slot: int, key: str) -> torch.Tensor:
+        pinned = self._pinned[key]
+        nbytes = pinned.numel() * pinned.element_size()
+        start = slot * self._slot_bytes
+        return self._ring[start : start + nbytes].view(pinned.dtype).view(pinned.shape)
+
+    def _issue(self, key: str) -> None:
+        backend = self.backend
+        slot = self._free_slots.popleft()
+        released = self._slot_released.pop(slot, None)
+        if released is not None:
+            backend.wait(self.data_stream, released)  # the compute stream is done with the slot's last entry
+        with backend.use_stream(self.data_stream):
+            backend.copy(self._slot_view(slot, key), self._pinned[key])
+        ready = backend.new_event()
+        backend.record(ready, self.data_stream)
+        self._issued[key] = (slot, ready)
+        self.stats["prefetches"] += 1
+
+    def _issue_pending(self) -> None:
+        while self._pending and self._free_slots:
+            self._issue(self._pending.popleft())
+
+    def begin_fetch_step(self, keys: Iterable[str]) -> None:
+        """Queue host -> device copies of ``keys`` (in the order the step reads them) on the data stream."""
+        keys = [k for k in keys if k not in self._issued and k not in self._held]
+        missing = [k for k in keys if k not in self._stored]
+        if missing:
+            raise KeyError(f"prefetch of entries never stored: {missing[:4]}")
+        self._ensure_ring()
+        self._pending.extend(keys)
+        self._issue_pending()
+
+    def fetch(self, key: str) -> torch.Tensor:
+        """The entry on the device (a staging slot: read it, then ``release`` it; do not write it)."""
+        if key in self._held:
+            return self._slot_view(self._held[key], key)
+        if key not in self._stored:
+            raise KeyError(f"cache entry '{key}' was never stored")
+        if key not in self._issued:
+            # Not prefetched (or still queued behind a full ring): issue it now, out of order, and wait below.
+            if key in self._pending:
+                self._pending.remove(key)
+            self._ensure_ring()
+            if not self._free_slots:
+                raise RuntimeError(
+                    f"staging ring ({self.ring_size} slots) is full of fetched entries that were not released: "
+                    f"{sorted(self._held)[:4]}; release entries after reading them, or raise ring_size")
+            self._issue(key)
+            self.stats["sync_fetches"] += 1
+        slot, ready = self._issued.pop(key)
+        self.backend.wait(self.backend.current_stream(), ready)
+        self._held[key] = slot
+        return self._slot_view(slot, key)
+
+    def release(self, key: str) -> None:
+        """The compute stream has queued its last read of ``key``'s slot: let the next prefetch reuse it."""
+        slot = self._held.pop(key)
+        released = self.backend.new_event()
+        self.backend.record(released, self.backend.current_stream())
+        self._slot_released[slot] = released
+        self._free_slots.append(slot)
+        self._issue_pending()
+
+    # ---- housekeeping ---------------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        self.backend.synchronize(self.data_stream)
+        self._prune()
+
+    def clear(self) -> None:
+        """Forget outstanding prefetches and stored values (pinned buffers and the ring are kept for reuse)."""
+        self.synchronize()
+        for key in list(self._held):
+            self.release(key)
+        for key, (slot, _) in list(self._issued.items()):
+            self._free_slots.append(slot)
+        self._issued.clear()
+        self._pending.clear()
+        self._stored.clear()
+
+    def device_bytes(self) -> int:
+        return 0 if self._ring is None else self._ring.numel()
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._pinned.values())
+
+
+def make_store(kind: str, device) -> object:
+    """``"device"`` (caches on the GPU), ``"offload"`` (OffloadManager), ``"naive"`` (sync .cpu()/.to())."""
+    device = torch.device(device)
+    if kind == "device" or device.type == "cpu":
+        return DeviceStore()
+    if kind == "offload":
+        return OffloadManager(device)
+    if kind == "naive":
+        return NaiveOffload(device)
+    raise ValueError(f"unknown cache store '{kind}'; choose device, offload or naive")
