@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from opensora.inference.offload import DeviceStore, NaiveOffload, OffloadManager
+from opensora.inference.offload import DeviceStore, NaiveOffload, OffloadManager, SplitStore
 
 
 class FakeStream:
@@ -154,7 +154,8 @@ def test_full_ring_of_unreleased_entries_is_a_clear_error():
 
 def test_stores_agree():
     value = torch.randn(2, 3)
-    for store in (DeviceStore(), NaiveOffload("cpu"), manager()[0]):
+    split = [SplitStore(DeviceStore(), manager()[0], resident=lambda key, r=r: r) for r in (True, False)]
+    for store in (DeviceStore(), NaiveOffload("cpu"), manager()[0], *split):
         store.reserve("k", value.shape, value.dtype)
         store.store_async(value, "k")
         store.begin_fetch_step(["k"])

@@ -67,7 +67,7 @@ class JanoConfig:
     medium_threshold: float = 0.6
     analysis_steps: int = 3  # warm-up output changes averaged into the score
     dilation: int = 1  # grow dynamic regions by this many tokens in (t, h, w)
-    store: str = "device"  # device | offload (OffloadManager) | naive (sync .cpu()/.to())
+    store: str = "device"  # device | offload (OffloadManager) | offload_static | naive (sync .cpu()/.to())
 
     def __post_init__(self):
         if self.warmup_steps < 2:

@@ -280,7 +280,8 @@ class OffloadManager:
 
 
 def make_store(kind: str, device) -> object:
-    """``"device"`` (caches on the GPU), ``"offload"`` (OffloadManager), ``"naive"`` (sync .cpu()/.to())."""
+    """``"device"`` (caches on the GPU), ``"offload"`` (OffloadManager), ``"offload_static"`` (static entries
+    offloaded, medium ones on the GPU), ``"naive"`` (sync .cpu()/.to())."""
     device = torch.device(device)
     if kind == "device" or device.type == "cpu":
         return DeviceStore()
@@ -288,4 +289,40 @@ def make_store(kind: str, device) -> object:
         return OffloadManager(device)
     if kind == "naive":
         return NaiveOffload(device)
-    raise ValueError(f"unknown cache store '{kind}'; choose device, offload or naive")
+    if kind == "offload_static":
+        return SplitStore(DeviceStore(), OffloadManager(device), resident=lambda key: not key.startswith("s_"))
+    raise ValueError(f"unknown cache store '{kind}'; choose device, offload, offload_static or naive")
+
+
+class SplitStore:
+    """Route entries by key: those ``resident(key)`` says yes to stay in ``device`` (a DeviceStore), the rest go to
+    ``offload`` (e.g. an OffloadManager). Static entries change only at refreshes while medium ones change every
+    level-2 step, so offloading only the static ones trades some memory for copies that hide behind smaller steps."""
+
+    def __init__(self, device_store, offload_store, resident):
+        self.device, self.offload, self.resident = device_store, offload_store, resident
+
+    def _route(self, key: str):
+        return self.device if self.resident(key) else self.offload
+
+    def reserve(self, key, shape, dtype) -> None:
+        self._route(key).reserve(key, shape, dtype)
+
+    def store_async(self, tensor, key) -> None:
+        self._route(key).store_async(tensor, key)
+
+    def begin_fetch_step(self, keys) -> None:
+        self.offload.begin_fetch_step([k for k in keys if not self.resident(k)])
+
+    def fetch(self, key):
+        return self._route(key).fetch(key)
+
+    def release(self, key) -> None:
+        self._route(key).release(key)
+
+    def clear(self) -> None:
+        self.device.clear()
+        self.offload.clear()
+
+    def device_bytes(self) -> int:
+        return self.device.device_bytes() + self.offload.device_bytes()
