@@ -120,7 +120,7 @@ def test_region_classes_thresholds_dilation_and_condition_frames():
     classes = region_classes(score, GRID, cfg)
     assert classes[0, 21] == 3 and classes[0, 0] == 2 and (classes == 1).sum() == 30
     dilated = region_classes(score, GRID, JanoConfig(dilation=1))
-    assert (dilated == 3).sum() == 2 * 3 * 3  # 3x3x3 neighbourhood clipped to 2 frames
+    assert (dilated == 3).sum() == 3 * 3 and dilated[0, 16] == 3 and dilated[0, 5] != 3  # 3x3 in frame 1 only
     fixed = torch.zeros(1, 32, dtype=torch.bool)
     fixed[0, :16] = True  # the condition frame
     forced = region_classes(score, GRID, cfg, fixed)

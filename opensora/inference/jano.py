@@ -12,7 +12,7 @@ static; 1 = compute active tokens only, reuse medium + static. After warm-up the
 
 Region analysis (``region_classes``), once, at the first cached step: per row (sample x CFG branch), the mean
 absolute change of the model output per token over the last ``analysis_steps`` warm-up steps, divided by the row's
-largest change (so it lies in [0, 1]), grown by ``dilation`` tokens in (t, h, w) (a moving object enters its
+largest change (so it lies in [0, 1]), grown by ``dilation`` tokens in (h, w) (a moving object enters its
 neighbours next); static <= ``static_threshold`` < medium <= ``medium_threshold`` < active (Jano's defaults
 0.2 / 0.6). Condition frames (i2v / v2v: tokens whose condition mask is set) are static: their outputs are
 overwritten by the reference after sampling, so only their keys/values matter, and those follow the fixed
@@ -66,7 +66,7 @@ class JanoConfig:
     static_threshold: float = 0.2
     medium_threshold: float = 0.6
     analysis_steps: int = 3  # warm-up output changes averaged into the score
-    dilation: int = 1  # grow dynamic regions by this many tokens in (t, h, w)
+    dilation: int = 1  # grow dynamic regions by this many tokens in (h, w)
     store: str = "device"  # device | offload (OffloadManager) | offload_static | naive (sync .cpu()/.to())
 
     def __post_init__(self):
@@ -104,7 +104,8 @@ def region_classes(score: torch.Tensor, grid, config: JanoConfig, fixed: Optiona
     score = score / score.amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     if config.dilation > 0:
         d = config.dilation
-        score = F.max_pool3d(score.view(rows, 1, *grid), 2 * d + 1, stride=1, padding=d).view(rows, -1)
+        kernel, pad = (1, 2 * d + 1, 2 * d + 1), (0, d, d)  # in space only: a frame's motion is its own
+        score = F.max_pool3d(score.view(rows, 1, *grid), kernel, stride=1, padding=pad).view(rows, -1)
     classes = torch.full_like(score, STATIC_CLASS, dtype=torch.int8)
     classes[score > config.static_threshold] = MEDIUM_CLASS
     classes[score > config.medium_threshold] = ACTIVE_CLASS

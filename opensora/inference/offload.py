@@ -151,6 +151,7 @@ class OffloadManager:
         self._stored.discard(key)
         self.stats["pinned_allocations"] += 1
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = -(-nbytes // 256) * 256  # slots aligned for any dtype view
         if nbytes > self._slot_bytes:
             self._drop_ring()  # re-made at the next prefetch with the larger slot size
             self._slot_bytes = nbytes
