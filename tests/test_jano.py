@@ -222,3 +222,21 @@ def test_cli_jano_settings_are_the_config_fields():
     names = {f.name for f in fields(JanoConfig)} - {"store"}
     assert set(cli.INFERENCE_FLAGS["jano_settings"]) == names
     assert JanoConfig(**cli.INFERENCE_FLAGS["jano_settings"]) == JanoConfig()
+
+
+@pytest.mark.slow
+def test_benchmark_script_smoke(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "jano.json"
+    cmd = [sys.executable, str(root / "benchmarks/jano.py"), "--smoke", "--parts", "levels,offload", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["levels"]["levels"]) >= {"L0 full", "L1 active", "L2 active+medium", "L3 full+refresh"}
+    assert all(row["output_equal_to_device"] for row in data["offload"]["stores"].values())
+    assert "goals:" in result.stdout
