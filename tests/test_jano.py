@@ -145,12 +145,13 @@ def sampler_for(model):
     return VideoSampler(model, vae=None, text_encoder=None, progress=False)
 
 
-def denoise(sampler, batch, steps=8, guidance=3.0):
+def denoise(sampler, batch, steps=8, guidance=3.0, image_guidance=1.0):
     text = dict(text_emb=batch["text_emb"], text_mask=batch["text_mask"], pooled=batch["pooled"])
     null = dict(text_emb=torch.zeros_like(batch["text_emb"]), text_mask=batch["text_mask"],
                 pooled=torch.zeros_like(batch["pooled"]))  # fmt: skip
     condition = PreparedCondition(batch["cond"], torch.zeros_like(batch["cond"]), True)
-    return sampler.denoise(batch["x"], text, null, condition, num_steps=steps, guidance_scale=guidance)
+    return sampler.denoise(batch["x"], text, null, condition, num_steps=steps, guidance_scale=guidance,
+                           image_guidance_scale=image_guidance)
 
 
 def test_sampler_without_jano_is_unchanged_and_all_active_jano_is_bit_identical():
@@ -240,3 +241,53 @@ def test_benchmark_script_smoke(tmp_path):
     assert set(data["levels"]["levels"]) >= {"L0 full", "L1 active", "L2 active+medium", "L3 full+refresh"}
     assert all(row["output_equal_to_device"] for row in data["offload"]["stores"].values())
     assert "goals:" in result.stdout
+
+
+def test_cli_jano_flag_samples_and_records_its_settings(tmp_path):
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from opensora.config import load_config
+    from opensora.inference import cli
+    from opensora.registry import MODELS, build_module
+
+    root = Path(__file__).resolve().parents[1]
+    config = root / "configs/diffusion/inference/demo.py"
+    file = tmp_path / "random.safetensors"
+    save_file(build_module(load_config(config).model, MODELS).state_dict(), str(file))
+    written = cli.main([str(config), "--ckpt", str(file), "--prompt", "a red circle moving left|a blue square",
+                        "--save-dir", str(tmp_path / "jano"), "--num-frames", "4", "--num-steps", "5",
+                        "--batch-size", "2", "--no-progress", "--jano", "--jano-offload",
+                        "--jano-settings.warmup_steps", "2", "--jano-settings.cooldown_steps", "1"])  # fmt: skip
+    assert len(written) == 2
+    side = json.loads(written[0].with_suffix(".json").read_text())
+    assert side["jano"]["warmup_steps"] == 2 and side["jano"]["store"] == "offload"  # a CPU run keeps it on the CPU
+
+
+def test_jano_with_three_guidance_passes_keeps_a_region_set_per_row():
+    model, batch = tiny_model(), inputs()
+    sampler = sampler_for(model)
+    config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)
+    cache = JanoCache(config)
+    sampler.accelerator = cache
+    denoise(sampler, batch, steps=10, image_guidance=1.5)
+    assert len(cache.region_counts["active"]) == 6  # 2 samples x (cond, null text, null text and image)
+    # the no-image rows have no static condition frame: with this random network one of them is all active, and
+    # the largest count over rows (batch_quantile=1) then means full compute for the whole batch
+    assert max(cache.region_counts["active"]) == 32 and set(cache.stats.levels) == {0, 3}
+    cache = JanoCache(JanoConfig(**{**vars(config), "batch_quantile": 0.5}))
+    sampler.accelerator = cache
+    out = denoise(sampler, batch, steps=10, image_guidance=1.5)
+    assert torch.isfinite(out).all() and {1, 3} <= set(cache.stats.levels)
+    assert cache.plan.k_active <= sorted(cache.region_counts["active"])[3]
+
+
+def test_plan_orders_by_score_inside_a_class_and_takes_a_quantile_of_the_counts():
+    classes = torch.tensor([[3, 3, 3, 1], [3, 1, 1, 1], [3, 2, 1, 1]], dtype=torch.int8)
+    score = torch.tensor([[0.1, 0.9, 0.5, 0.0], [1.0, 0.0, 0.2, 0.1], [1.0, 0.5, 0.3, 0.0]])
+    plan = RegionPlan.from_classes(classes, score, batch_quantile=0.5)
+    assert plan.order.tolist() == [[1, 2, 0, 3], [0, 2, 3, 1], [0, 1, 2, 3]]
+    assert plan.k_active == 1 and plan.k_medium == 2
+    assert RegionPlan.from_classes(classes, score).k_active == 3

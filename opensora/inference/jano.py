@@ -22,8 +22,11 @@ Batch and CFG: the sampler batches samples and CFG branches along dim 0 ("rows")
 and its own cache rows, so branches never share cached values. Rows differ in how many tokens are active, and one
 batched forward needs one count: each row computes its ``K`` first tokens in the order (active, medium, static;
 token index inside a class), with ``K`` the largest active (level 1) or active + medium (level 2) count over the
-rows. A row with fewer dynamic tokens recomputes a few of its medium (static) tokens too, which only makes it more
-exact; unlike a per-batch union, the cost does not grow with the batch (rows move in different places).
+rows (inside a class, the most changing tokens first). A row with fewer dynamic tokens recomputes a few of its
+medium (static) tokens too, which only makes it more exact; unlike a per-batch union, the cost does not grow with
+the number of rows that move in different places. One row whose every token is active still forces full compute
+for the batch; ``batch_quantile`` < 1 takes that quantile of the counts instead (the rows above it reuse their
+least changing dynamic tokens: cheaper, approximate).
 
 Exactness: levels 0 and 3 run exactly the model's forward (same ops, same order; the level-3 hook only reads), and
 a step whose computed set would be every token runs as level 3; so all-active regions, or ``--jano`` off, give the
@@ -67,6 +70,7 @@ class JanoConfig:
     medium_threshold: float = 0.6
     analysis_steps: int = 3  # warm-up output changes averaged into the score
     dilation: int = 1  # grow dynamic regions by this many tokens in (h, w)
+    batch_quantile: float = 1.0  # token counts over rows: 1 = the largest (exact superset); see RegionPlan
     store: str = "device"  # device | offload (OffloadManager) | offload_static | naive (sync .cpu()/.to())
 
     def __post_init__(self):
@@ -74,6 +78,8 @@ class JanoConfig:
             raise ValueError(f"jano warmup_steps must be >= 2 (the analysis needs two outputs), got {self.warmup_steps}")
         if self.refresh_interval < 1 or self.medium_interval < 1:
             raise ValueError("jano refresh_interval and medium_interval must be >= 1")
+        if not 0 < self.batch_quantile <= 1:
+            raise ValueError(f"jano batch_quantile must lie in (0, 1], got {self.batch_quantile}")
         if not 0 <= self.static_threshold <= self.medium_threshold <= 1:
             raise ValueError(f"jano thresholds must satisfy 0 <= static ({self.static_threshold}) <= medium "
                              f"({self.medium_threshold}) <= 1")  # fmt: skip
@@ -124,10 +130,23 @@ class RegionPlan:
     k_medium: int
 
     @classmethod
-    def from_classes(cls, classes: torch.Tensor) -> "RegionPlan":
-        order = torch.sort((ACTIVE_CLASS - classes).long(), dim=1, stable=True).indices
-        k_active = max(1, int((classes == ACTIVE_CLASS).sum(1).max()))
-        k_medium = max(k_active, int((classes >= MEDIUM_CLASS).sum(1).max()))
+    def from_classes(cls, classes: torch.Tensor, score: Optional[torch.Tensor] = None,
+                     batch_quantile: float = 1.0) -> "RegionPlan":  # fmt: skip
+        """``score`` [R, N] (optional) orders tokens inside a class, most changing first. ``batch_quantile`` picks
+        the counts over rows: 1 = the largest (every row computes all its dynamic tokens); below 1, rows above it
+        leave their least changing dynamic tokens to the cache (an approximation that bounds the cost)."""
+        key = (ACTIVE_CLASS - classes).float()
+        if score is not None:
+            score = score.float()
+            key = key - 0.5 * score / score.amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        order = torch.sort(key, dim=1, stable=True).indices
+
+        def count(selected):
+            counts = selected.sum(1).float()
+            return int(torch.quantile(counts, float(batch_quantile), interpolation="higher"))
+
+        k_active = max(1, count(classes == ACTIVE_CLASS))
+        k_medium = max(k_active, count(classes >= MEDIUM_CLASS))
         return cls(order, k_active, k_medium)
 
     @property
@@ -174,6 +193,9 @@ class RegionForward:
     def __init__(self, model):
         if getattr(model, "sp", None) is not None:
             raise ValueError("region caching cannot be combined with sequence parallelism")
+        if getattr(model, "compile_blocks", False):
+            raise ValueError("region caching runs Python cache hooks inside every block; build the model with "
+                             "compile_blocks=False (or call model.set_compile_blocks(False))")
         self.model = model
         self.num_layers = len(model.double_blocks) + len(model.single_blocks)
 
@@ -396,6 +418,7 @@ class JanoCache(_Accelerator):
         self._previous = tokens
 
     def _make_plan(self, model, x, cond, grid) -> RegionPlan:
+        score = None
         if self.forced_classes is not None:
             classes = self.forced_classes.to(x.device)
         else:
@@ -407,8 +430,9 @@ class JanoCache(_Accelerator):
             classes = region_classes(self._score, grid, self.config, fixed)
         self.region_counts = {name: (classes == c).sum(1).tolist()
                               for name, c in (("static", 1), ("medium", 2), ("active", 3))}  # fmt: skip
+        score = self._score
         self._previous = self._score = None
-        plan = RegionPlan.from_classes(classes)
+        plan = RegionPlan.from_classes(classes, score, self.config.batch_quantile)
         self._reserve(model, x, plan)
         return plan
 
