@@ -28,7 +28,8 @@ class FakeBackend:
         self.log, self.events, self.pinned_allocations = [], [], 0
 
     def new_stream(self):
-        return FakeStream("data")
+        self.streams = getattr(self, "streams", 0) + 1
+        return FakeStream("data" if self.streams == 1 else "store")
 
     def current_stream(self):
         return self.active
@@ -83,8 +84,8 @@ def test_store_waits_for_compute_copies_on_data_stream_and_keeps_source_alive():
     source = torch.randn(3, 4)
     alive = weakref.ref(source)
     om.store_async(source, "s_kv_0")
-    # compute-stream event recorded, data stream waits on it, copy on the data stream, done-event on the data stream
-    assert fake.log == [("record", 0, "compute"), ("wait", "data", 0), ("copy", "data"), ("record", 1, "data")]
+    # compute-stream event recorded, store stream waits on it, copy on the store stream, done-event on the store stream
+    assert fake.log == [("record", 0, "compute"), ("wait", "store", 0), ("copy", "store"), ("record", 1, "store")]
     del source
     assert alive() is not None and om.inflight() == 1  # copy not complete: the manager still holds the source
     fake.events[1].complete = True
@@ -108,10 +109,12 @@ def test_prefetch_ring_events_and_release_order():
     values = {k: torch.randn(2, 3) for k in ("k0", "k1", "k2")}
     for key, value in values.items():
         om.store_async(value, key)
+    stored_k0 = om._stored_event["k0"]
     fake.log.clear()
     om.begin_fetch_step(["k0", "k1", "k2"])
     # two slots: k0 and k1 issued (one event each, on the data stream), k2 waits for a free slot
     assert [e for e in fake.log if e[0] == "copy"] == [("copy", "data")] * 2
+    assert fake.log[0] == ("wait", "data", stored_k0.number)  # the prefetch follows the key's store
     assert om.stats["prefetches"] == 2
     ready_k0 = om._issued["k0"][1]
     assert ready_k0.stream.name == "data"
@@ -124,7 +127,7 @@ def test_prefetch_ring_events_and_release_order():
     # release: event on the compute stream, then k2's copy into the freed slot waits for it on the data stream
     release_event = fake.log[0][1]
     assert fake.log[0] == ("record", release_event, "compute")
-    assert fake.log[1] == ("wait", "data", release_event) and fake.log[2] == ("copy", "data")
+    assert fake.log[1] == ("wait", "data", release_event) and fake.log[3] == ("copy", "data")
     torch.testing.assert_close(om.fetch("k1"), values["k1"])
     torch.testing.assert_close(om.fetch("k2"), values["k2"])
     om.release("k1")
@@ -179,3 +182,16 @@ def test_offload_manager_round_trip_on_gpu_under_concurrent_compute():
         om.release(key)
     om.synchronize()
     assert om.stats["sync_fetches"] == 0 and om.inflight() == 0
+
+
+def test_a_store_after_a_prefetch_of_the_same_key_waits_for_that_read():
+    om, fake = manager()
+    om.store_async(torch.randn(3), "k")
+    om.begin_fetch_step(["k"])
+    ready = om._issued["k"][1]
+    om.fetch("k")
+    om.release("k")
+    fake.log.clear()
+    om.store_async(torch.randn(3), "k")  # e.g. a level-2 step refreshing a medium entry read by the step before
+    assert ("wait", "store", ready.number) in fake.log
+    assert fake.log.index(("wait", "store", ready.number)) < fake.log.index(("copy", "store"))

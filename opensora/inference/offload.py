@@ -9,9 +9,10 @@ All three answer the same verbs, keyed by strings, so a cache policy never knows
 * ``begin_fetch_step(keys)``: the entries the next forward will read, in the order it reads them.
 * ``fetch(key)``: the entry on the device; ``release(key)``: the caller is done reading the fetched tensor.
 
-``OffloadManager`` keeps every entry in one pinned CPU buffer. ``store_async`` copies device -> pinned on a data
-stream (after waiting for the compute stream that produced the tensor) and holds a reference to the source until an
-event recorded *on the data stream* after the copy has completed, so the caching allocator cannot hand the source's
+``OffloadManager`` keeps every entry in one pinned CPU buffer. ``store_async`` copies device -> pinned on a side
+stream (after waiting for the compute stream that produced the tensor; by default a store stream apart from the
+prefetch data stream, so both copy engines work, with per-key events ordering a key's store and prefetches) and
+holds a reference to the source until an event recorded *on that copy's stream* after the copy has completed, so the caching allocator cannot hand the source's
 memory to a new tensor while the DMA still reads it (diffusers' group offload once recorded the wrong stream here).
 ``begin_fetch_step`` issues the host -> device copies of a step on the data stream, each into a slot of a small GPU
 staging ring, with one event per key; ``fetch`` makes the compute stream wait on that key's event (or, when the key
@@ -123,11 +124,16 @@ class OffloadManager:
             keep it at least the number of entries one layer reads (the Jano cache reads 2), more to prefetch ahead.
     """
 
-    def __init__(self, device="cuda", ring_size: int = 8, backend=None):
+    def __init__(self, device="cuda", ring_size: int = 8, backend=None, separate_store_stream: bool = True):
         if ring_size < 1:
             raise ValueError(f"ring_size must be >= 1, got {ring_size}")
         self.backend = backend if backend is not None else CudaBackend(device)
         self.data_stream = self.backend.new_stream()
+        # Stores (device -> host) on their own stream use the other copy engine, so a step that refreshes some
+        # entries while prefetching others moves both at once; per-key events keep each key's copies in order.
+        self.store_stream = self.backend.new_stream() if separate_store_stream else self.data_stream
+        self._stored_event: Dict[str, object] = {}  # key -> its last store's done event (store_stream)
+        self._read_event: Dict[str, object] = {}  # key -> its last prefetch's done event (data_stream)
         self.ring_size = ring_size
         self._pinned: Dict[str, torch.Tensor] = {}
         self._stored: set = set()  # keys whose pinned buffer holds a stored value
@@ -162,12 +168,16 @@ class OffloadManager:
         backend = self.backend
         produced = backend.new_event()
         backend.record(produced, backend.current_stream())  # the tensor is written by the compute stream
-        backend.wait(self.data_stream, produced)
-        with backend.use_stream(self.data_stream):
+        backend.wait(self.store_stream, produced)
+        last_read = self._read_event.pop(key, None)
+        if last_read is not None and self.store_stream is not self.data_stream:
+            backend.wait(self.store_stream, last_read)  # the previous prefetch of this key has read the buffer
+        with backend.use_stream(self.store_stream):
             backend.copy(self._pinned[key], tensor)
         copied = backend.new_event()
-        backend.record(copied, self.data_stream)  # on the stream that reads the source: the right one to wait for
+        backend.record(copied, self.store_stream)  # on the stream that reads the source: the right one to wait for
         self._inflight.append((copied, tensor))  # the source stays alive until the DMA has read it
+        self._stored_event[key] = copied
         self._stored.add(key)
         self.stats["stores"] += 1
         self._prune()
@@ -205,11 +215,15 @@ class OffloadManager:
         released = self._slot_released.pop(slot, None)
         if released is not None:
             backend.wait(self.data_stream, released)  # the compute stream is done with the slot's last entry
+        stored = self._stored_event.pop(key, None)
+        if stored is not None and self.store_stream is not self.data_stream:
+            backend.wait(self.data_stream, stored)  # the key's last store has landed in its pinned buffer
         with backend.use_stream(self.data_stream):
             backend.copy(self._slot_view(slot, key), self._pinned[key])
         ready = backend.new_event()
         backend.record(ready, self.data_stream)
         self._issued[key] = (slot, ready)
+        self._read_event[key] = ready
         self.stats["prefetches"] += 1
 
     def _issue_pending(self) -> None:
@@ -259,7 +273,10 @@ class OffloadManager:
 
     # ---- housekeeping ---------------------------------------------------------------------------------------
     def synchronize(self) -> None:
+        self.backend.synchronize(self.store_stream)
         self.backend.synchronize(self.data_stream)
+        self._stored_event.clear()
+        self._read_event.clear()
         self._prune()
 
     def clear(self) -> None:
