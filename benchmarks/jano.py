@@ -298,8 +298,20 @@ def part_offload(model, inputs, plan, args) -> dict:
             store = make_store(kind, inputs["x"].device)
             reserve(forward, store, plan, model, inputs)
 
+            marks = []  # CUDA events between the steps of the last trajectory: per-level times
+
             def trajectory():
-                return [run_level(forward, store, plan, inputs, level) for level in schedule]
+                marks.clear()
+                outs = []
+                for level in schedule:
+                    if CUDA:
+                        marks.append(torch.cuda.Event(enable_timing=True))
+                        marks[-1].record()
+                    outs.append(run_level(forward, store, plan, inputs, level))
+                if CUDA:
+                    marks.append(torch.cuda.Event(enable_timing=True))
+                    marks[-1].record()
+                return outs
 
             if CUDA:
                 torch.cuda.reset_peak_memory_stats()
@@ -308,6 +320,12 @@ def part_offload(model, inputs, plan, args) -> dict:
             results[kind] = dict(ms_per_step=seconds * 1000 / len(schedule), ms_all=[s * 1000 for s in all_seconds],
                                  cache_device_bytes=store.device_bytes(),
                                  peak_allocated_bytes=torch.cuda.max_memory_allocated() if CUDA else None)  # fmt: skip
+            if CUDA:
+                torch.cuda.synchronize()
+                per_level = {}
+                for level, start, end in zip(schedule, marks[:-1], marks[1:]):
+                    per_level.setdefault(LEVEL_NAMES[level], []).append(start.elapsed_time(end))
+                results[kind]["ms_per_level"] = {k: statistics.median(v) for k, v in per_level.items()}
             if isinstance(store, OffloadManager):
                 results[kind]["host_bytes"] = store.host_bytes()
                 results[kind]["stats"] = dict(store.stats)
@@ -364,6 +382,8 @@ def summary(result: dict) -> list:
             lines.append(f"  {kind:15s} {row['ms_per_step']:8.2f} ms/step  {row['slowdown_vs_device']:+7.1%}  "
                          f"cache on GPU {row['cache_device_bytes'] / 2**20:9.1f} MiB  equal {row['output_equal_to_device']}"
                          + (f"  copy overlapped {overlap:.0%}" if overlap is not None else ""))  # fmt: skip
+            if row.get("ms_per_level"):
+                lines.append("    per level (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in row["ms_per_level"].items()))
         if "offload" in offload["stores"]:
             slow = offload["stores"]["offload"]["slowdown_vs_device"]
             checks.append(f"offload <= 3% slower than on-GPU caches: {'PASS' if slow <= 0.03 else 'FAIL'} ({slow:+.1%})")
