@@ -160,10 +160,11 @@ class RegionPlan:
         """Entries a level-1/2 step reads, in reading order (``begin_fetch_step``'s argument)."""
         keys = []
         for layer in range(layers):
-            keys += self._read(level, f"kv_{layer}")
-        return keys + self._read(level, "x")
+            keys += self.reads(level, f"kv_{layer}")
+        return keys + self.reads(level, "x")
 
-    def _read(self, level: int, name: str) -> List[str]:
+    def reads(self, level: int, name: str) -> List[str]:
+        """Entries of cache ``name`` (``kv_{layer}`` or ``x``) a level-1/2 step reads: medium (level 1), static."""
         keys = []
         if level == ACTIVE and self.k_medium > self.k_active:
             keys.append(f"m_{name}")
@@ -265,7 +266,7 @@ class RegionForward:
             if level == MEDIUM and k1 < k2:  # the medium tokens were computed: they refresh the medium cache
                 store.store_async(torch.stack((k[:, :, n_txt + k1 : n_txt + k2], v[:, :, n_txt + k1 : n_txt + k2])),
                                   m_key)  # fmt: skip
-            keys = plan._read(level, f"kv_{layer}")
+            keys = plan.reads(level, f"kv_{layer}")
             cached = [store.fetch(key) for key in keys]
             k = torch.cat([k] + [entry[0] for entry in cached], dim=2)
             v = torch.cat([v] + [entry[1] for entry in cached], dim=2)
@@ -287,7 +288,7 @@ class RegionForward:
             return out
         if level == MEDIUM and k1 < k2:
             store.store_async(out[:, k1:k2].contiguous(), "m_x")
-        keys = plan._read(level, "x")
+        keys = plan.reads(level, "x")
         permuted = torch.cat([out] + [store.fetch(key) for key in keys], dim=1)
         for key in keys:
             store.release(key)
