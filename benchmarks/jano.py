@@ -149,6 +149,7 @@ def part_quality(args) -> dict:
         per_video = [psnr(videos[i], reference[i]) for i in range(len(prompts))]
         row = dict(
             seconds=seconds, seconds_all=all_seconds, flops=stats["flops"], full_flops=stats["full_flops"],
+            flops_per_sample=stats["flops"] / len(prompts),
             flops_ratio=stats["flops_ratio"], levels=stats["levels"], psnr_mean=statistics.mean(per_video),
             psnr_min=min(per_video), color_acc=report.color_acc, shape_acc=report.shape_acc,
             direction_acc=report.direction_acc, all_acc=report.all_acc, n=report.n,
