@@ -151,7 +151,7 @@ def test_full_ring_of_unreleased_entries_is_a_clear_error():
     om.store_async(torch.randn(2), "a")
     om.store_async(torch.randn(2), "b")
     om.fetch("a")
-    with pytest.raises(RuntimeError, match="not released"):
+    with pytest.raises(RuntimeError, match="no free staging slot"):
         om.fetch("b")
 
 
@@ -195,3 +195,20 @@ def test_a_store_after_a_prefetch_of_the_same_key_waits_for_that_read():
     om.store_async(torch.randn(3), "k")  # e.g. a level-2 step refreshing a medium entry read by the step before
     assert ("wait", "store", ready.number) in fake.log
     assert fake.log.index(("wait", "store", ready.number)) < fake.log.index(("copy", "store"))
+
+
+def test_ring_size_none_gives_every_entry_a_slot_and_issues_all_copies_at_once():
+    backend = FakeBackend()
+    om = OffloadManager(ring_size=None, backend=backend)
+    values = {f"k{i}": torch.randn(4) for i in range(5)}
+    for key, value in values.items():
+        om.store_async(value, key)
+    om.begin_fetch_step(list(values))
+    assert om.stats["prefetches"] == 5 and not om._pending
+    for key, value in values.items():
+        torch.testing.assert_close(om.fetch(key), value)
+    om.store_async(torch.randn(4), "k5")  # a new entry while slots are held: the ring cannot grow now
+    for key in values:
+        om.release(key)
+    om.begin_fetch_step(["k5"])
+    assert om.device_bytes() == 6 * 256

@@ -122,11 +122,14 @@ class OffloadManager:
         device: the compute device. backend: ``CudaBackend(device)`` by default (tests pass a fake).
         ring_size: staging slots (each as large as the largest entry); entries of one layer are read together, so
             keep it at least the number of entries one layer reads (the Jano cache reads 2), more to prefetch ahead.
+            ``None``: one slot per entry (the spec's literal design: every copy of a step in flight at once, but
+            the staging then holds as much GPU memory as the cache it offloads).
+        separate_store_stream: stores on a stream of their own (see the module docstring); False = one data stream.
     """
 
-    def __init__(self, device="cuda", ring_size: int = 8, backend=None, separate_store_stream: bool = True):
-        if ring_size < 1:
-            raise ValueError(f"ring_size must be >= 1, got {ring_size}")
+    def __init__(self, device="cuda", ring_size: Optional[int] = 8, backend=None, separate_store_stream: bool = True):
+        if ring_size is not None and ring_size < 1:
+            raise ValueError(f"ring_size must be >= 1 or None, got {ring_size}")
         self.backend = backend if backend is not None else CudaBackend(device)
         self.data_stream = self.backend.new_stream()
         # Stores (device -> host) on their own stream use the other copy engine, so a step that refreshes some
@@ -140,6 +143,8 @@ class OffloadManager:
         self._inflight: List[Tuple[object, torch.Tensor]] = []  # (copy-done event on data_stream, source) pairs
         self._ring: Optional[torch.Tensor] = None  # flat byte buffer: ring_size slots of _slot_bytes
         self._slot_bytes = 0
+        self._ring_slot_bytes = 0
+        self._resize = False  # the ring must be re-made (an entry grew, or a new one needs a slot) before use
         self._free_slots: deque = deque()
         self._slot_released: Dict[int, object] = {}  # slot -> event recorded on the compute stream at release
         self._pending: deque = deque()  # prefetch keys not yet issued (waiting for a free slot)
@@ -153,13 +158,15 @@ class OffloadManager:
         buffer = self._pinned.get(key)
         if buffer is not None and tuple(buffer.shape) == tuple(shape) and buffer.dtype == dtype:
             return
+        if buffer is None and self.ring_size is None:
+            self._resize = True  # one slot per entry: a new entry needs a larger ring
         self._pinned[key] = self.backend.pinned_empty(shape, dtype)
         self._stored.discard(key)
         self.stats["pinned_allocations"] += 1
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         nbytes = -(-nbytes // 256) * 256  # slots aligned for any dtype view
         if nbytes > self._slot_bytes:
-            self._drop_ring()  # re-made at the next prefetch with the larger slot size
+            self._resize = True  # re-made at the next prefetch with the larger slot size
             self._slot_bytes = nbytes
 
     def store_async(self, tensor: torch.Tensor, key: str) -> None:
@@ -191,22 +198,27 @@ class OffloadManager:
         return len(self._inflight)
 
     # ---- prefetch -------------------------------------------------------------------------------------------
-    def _drop_ring(self) -> None:
-        if self._issued or self._held:
-            raise RuntimeError("cannot resize the staging ring while prefetched entries are outstanding")
-        self._ring = None
-        self._free_slots.clear()
-        self._slot_released.clear()
-
     def _ensure_ring(self) -> None:
+        if self._resize and self._ring is not None:
+            if self._issued or self._held:
+                raise RuntimeError("entries grew while prefetched ones are outstanding: release them (or reserve "
+                                   "every entry before sampling) so the staging ring can be re-made")  # fmt: skip
+            self._ring = None
+            self._free_slots.clear()
+            self._slot_released.clear()
+        self._resize = False
         if self._ring is None and self._slot_bytes:
-            self._ring = self.backend.device_empty(self.ring_size * self._slot_bytes, torch.uint8)
-            self._free_slots = deque(range(self.ring_size))
+            slots = self.ring_size or len(self._pinned)
+            self._ring = self.backend.device_empty(slots * self._slot_bytes, torch.uint8)
+            self._ring_slot_bytes = self._slot_bytes
+            self._free_slots = deque(range(slots))
 
     def _slot_view(self, slot: int, key: str) -> torch.Tensor:
         pinned = self._pinned[key]
         nbytes = pinned.numel() * pinned.element_size()
-        start = slot * self._slot_bytes
+        if nbytes > self._ring_slot_bytes:
+            raise RuntimeError(f"entry '{key}' ({nbytes} bytes) outgrew the staging slots ({self._ring_slot_bytes})")
+        start = slot * self._ring_slot_bytes
         return self._ring[start : start + nbytes].view(pinned.dtype).view(pinned.shape)
 
     def _issue(self, key: str) -> None:
@@ -227,7 +239,7 @@ class OffloadManager:
         self.stats["prefetches"] += 1
 
     def _issue_pending(self) -> None:
-        while self._pending and self._free_slots:
+        while self._pending and self._free_slots and not self._resize:  # a pending resize waits for the next step
             self._issue(self._pending.popleft())
 
     def begin_fetch_step(self, keys: Iterable[str]) -> None:
@@ -253,8 +265,9 @@ class OffloadManager:
             self._ensure_ring()
             if not self._free_slots:
                 raise RuntimeError(
-                    f"staging ring ({self.ring_size} slots) is full of fetched entries that were not released: "
-                    f"{sorted(self._held)[:4]}; release entries after reading them, or raise ring_size")
+                    f"no free staging slot for '{key}': held (fetched, not released) {sorted(self._held)[:4]}, "
+                    f"prefetched ahead {list(self._issued)[:4]}; release entries after reading them, fetch in the "
+                    f"order given to begin_fetch_step, or raise ring_size")
             self._issue(key)
             self.stats["sync_fetches"] += 1
         slot, ready = self._issued.pop(key)
