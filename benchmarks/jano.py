@@ -291,12 +291,20 @@ def copy_overlap(trace_path: str) -> dict:
 
 def part_offload(model, inputs, plan, args) -> dict:
     schedule = [REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM, REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM]
-    kinds = ["device", "naive"] + (["offload", "offload_static"] if CUDA else [])
+    device = inputs["x"].device
+    stores = {kind: (lambda kind=kind: make_store(kind, device)) for kind in ("device", "naive")}
+    if CUDA:
+        stores.update({
+            "offload": lambda: make_store("offload", device),  # the default: 8-slot staging ring
+            "offload_static": lambda: make_store("offload_static", device),  # medium entries stay on the GPU
+            "offload_slot_per_entry": lambda: OffloadManager(device, ring_size=None),  # every copy at once
+            "offload_one_stream": lambda: OffloadManager(device, separate_store_stream=False),  # the spec's stream
+        })  # fmt: skip
     results, outputs = {}, {}
     forward = jano.RegionForward(model)
     with torch.no_grad():
-        for kind in kinds:
-            store = make_store(kind, inputs["x"].device)
+        for kind, make in stores.items():
+            store = make()
             reserve(forward, store, plan, model, inputs)
 
             marks = []  # CUDA events between the steps of the last trajectory: per-level times
