@@ -85,6 +85,7 @@ def quality_methods(num_steps: int) -> dict:
         "jano_r12_m4_d0": dict(refresh_interval=12, medium_interval=4, dilation=0),
         "jano_r8_m3_d0_t.3": dict(refresh_interval=8, medium_interval=3, dilation=0, static_threshold=0.3,
                                   medium_threshold=0.7),
+        "jano_r8_m3_d0_per_row": dict(refresh_interval=8, medium_interval=3, dilation=0, share_branches=False),
         "jano_r8_m3_d0_q.9": dict(refresh_interval=8, medium_interval=3, dilation=0, batch_quantile=0.9),
         "jano_r8_m3_d0_offload": dict(refresh_interval=8, medium_interval=3, dilation=0, store="offload"),
     }

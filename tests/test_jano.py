@@ -176,8 +176,10 @@ def test_jano_sampler_with_cfg_condition_and_batch_caches_and_saves_flops():
     out = denoise(sampler, batch, steps=12)
     assert cache.stats.levels[:3] == [0, 0, 0] and {1, 2, 3} <= set(cache.stats.levels)
     assert cache.stats.flops < cache.stats.full_flops
-    assert len(cache.region_counts["static"]) == 4  # one region set per row (sample x CFG branch)
-    assert min(cache.region_counts["static"]) >= 16  # the condition frame's 16 tokens are static
+    counts = cache.region_counts["static"]
+    assert len(counts) == 4 and counts[:2] == counts[2:]  # the 2 CFG branches of a sample share its regions
+    assert torch.equal(cache.plan.order[:2], cache.plan.order[2:])
+    assert min(counts) >= 16  # the condition frame's 16 tokens are static
     assert torch.isfinite(out).all() and (out - plain).abs().mean() < (plain.abs().mean())
     # the same trajectory through the naive offload store gives the same numbers
     sampler.accelerator = JanoCache(cache.config, store=NaiveOffload("cpu"))
@@ -269,7 +271,7 @@ def test_cli_jano_flag_samples_and_records_its_settings(tmp_path):
 def test_jano_with_three_guidance_passes_keeps_a_region_set_per_row():
     model, batch = tiny_model(), inputs()
     sampler = sampler_for(model)
-    config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)
+    config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0, share_branches=False)
     cache = JanoCache(config)
     sampler.accelerator = cache
     denoise(sampler, batch, steps=10, image_guidance=1.5)

@@ -45,7 +45,7 @@ INFERENCE_FLAGS = {
     # JanoConfig's fields; override one with e.g. --jano-settings.warmup_steps 4
     "jano_settings": dict(warmup_steps=6, cooldown_steps=2, refresh_interval=5, medium_interval=2,
                           static_threshold=0.2, medium_threshold=0.6, analysis_steps=3, dilation=1,
-                          batch_quantile=1.0),
+                          batch_quantile=1.0, share_branches=True),
 }
 
 

@@ -18,8 +18,11 @@ neighbours next); static <= ``static_threshold`` < medium <= ``medium_threshold`
 overwritten by the reference after sampling, so only their keys/values matter, and those follow the fixed
 reference.
 
-Batch and CFG: the sampler batches samples and CFG branches along dim 0 ("rows"); every row has its own regions
-and its own cache rows, so branches never share cached values. Rows differ in how many tokens are active, and one
+Batch and CFG: the sampler batches samples and CFG branches along dim 0 ("rows"); every row has its own cache
+rows, so branches never share cached values. By default (``share_branches``) the branches of one sample share one
+region set, from the mean of their normalised scores (as Jano uses one mask for both conditions): cond and uncond
+then reuse the same tokens, and their difference, which CFG amplifies, stays consistent; a condition frame of any
+branch is static for all. ``share_branches=False`` (or an unknown batch size) gives every row its own regions. Rows differ in how many tokens are active, and one
 batched forward needs one count: each row computes its ``K`` first tokens in the order (active, medium, static;
 token index inside a class), with ``K`` the largest active (level 1) or active + medium (level 2) count over the
 rows (inside a class, the most changing tokens first). A row with fewer dynamic tokens recomputes a few of its
@@ -71,6 +74,7 @@ class JanoConfig:
     analysis_steps: int = 3  # warm-up output changes averaged into the score
     dilation: int = 1  # grow dynamic regions by this many tokens in (h, w)
     batch_quantile: float = 1.0  # token counts over rows: 1 = the largest (exact superset); see RegionPlan
+    share_branches: bool = True  # the guidance branches of a sample share its regions (Jano: one mask)
     store: str = "device"  # device | offload (OffloadManager) | offload_static | naive (sync .cpu()/.to())
 
     def __post_init__(self):
@@ -329,8 +333,10 @@ class _Accelerator:
         self.step = 0
         self.stats = AccelStats()
 
-    def begin(self, num_steps: int) -> None:
-        self.num_steps, self.step = int(num_steps), 0
+    def begin(self, num_steps: int, batch: Optional[int] = None) -> None:
+        """Before a trajectory of ``num_steps`` model calls on ``batch`` samples (the rows of a call are the guidance
+        branches of those samples, branch-major, as ``opensora.diffusion.sampling`` batches them)."""
+        self.num_steps, self.step, self.batch = int(num_steps), 0, batch
 
     def reset_stats(self) -> None:
         self.stats = AccelStats()
@@ -379,8 +385,8 @@ class JanoCache(_Accelerator):
         self._previous = None
         self._score = None
 
-    def begin(self, num_steps: int) -> None:
-        super().begin(num_steps)
+    def begin(self, num_steps: int, batch: Optional[int] = None) -> None:
+        super().begin(num_steps, batch)
         self.levels = list(self.forced_levels) if self.forced_levels is not None else step_levels(num_steps, self.config)
         self._reset_trajectory()
         if self.store is not None:
@@ -425,17 +431,29 @@ class JanoCache(_Accelerator):
         else:
             if self._score is None:
                 raise RuntimeError("the region analysis needs at least two full warm-up steps before a cached step")
-            fixed = None
+            score, fixed = self._score, None
             if cond is not None:  # channel 0 of the condition input is the frame mask
                 fixed = patchify(cond[:, :1].float(), model.patch_size).amax(-1) > 0
-            classes = region_classes(self._score, grid, self.config, fixed)
+            rows, branches = score.shape[0], self._branches(score.shape[0])
+            if branches > 1:  # one region set per sample: the mean of its branches' normalised scores
+                score = score / score.amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+                score = score.view(branches, rows // branches, -1).mean(0)
+                fixed = None if fixed is None else fixed.view(branches, rows // branches, -1).any(0)
+            classes = region_classes(score, grid, self.config, fixed)
+            if branches > 1:
+                classes, score = classes.repeat(branches, 1), score.repeat(branches, 1)
         self.region_counts = {name: (classes == c).sum(1).tolist()
                               for name, c in (("static", 1), ("medium", 2), ("active", 3))}  # fmt: skip
-        score = self._score
         self._previous = self._score = None
         plan = RegionPlan.from_classes(classes, score, self.config.batch_quantile)
         self._reserve(model, x, plan)
         return plan
+
+    def _branches(self, rows: int) -> int:
+        """Guidance branches sharing one region set per sample (1: every row its own, see ``share_branches``)."""
+        if not self.config.share_branches or not self.batch or rows % self.batch:
+            return 1
+        return rows // self.batch
 
     def _reserve(self, model, x, plan: RegionPlan) -> None:
         """Announce every entry to the store (the offload manager allocates its pinned buffers here, once)."""
@@ -467,8 +485,8 @@ class StepCache(_Accelerator):
         self._previous_input = self._previous_output = None
         self._accumulated = 0.0
 
-    def begin(self, num_steps: int) -> None:
-        super().begin(num_steps)
+    def begin(self, num_steps: int, batch: Optional[int] = None) -> None:
+        super().begin(num_steps, batch)
         self._reset_trajectory()
 
     def __call__(self, model, x, timestep, text_emb, text_mask=None, pooled=None, cond=None, guidance=None,

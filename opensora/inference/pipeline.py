@@ -332,7 +332,7 @@ class VideoSampler:
             uncond_all = kwargs(null_text, condition.null)  # neither
         if self.accelerator is not None:  # one model call per step: the cache needs the step count
             self.accelerator.begin(num_steps if step_list is None
-                                   else len(step_list) - (1 if float(step_list[-1]) == 0.0 else 0))
+                                   else len(step_list) - (1 if float(step_list[-1]) == 0.0 else 0), noise.shape[0])
         latents = sample(
             self._model_fn, noise,
             num_steps=None if step_list is not None else num_steps,
