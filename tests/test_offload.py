@@ -212,3 +212,16 @@ def test_ring_size_none_gives_every_entry_a_slot_and_issues_all_copies_at_once()
         om.release(key)
     om.begin_fetch_step(["k5"])
     assert om.device_bytes() == 6 * 256
+
+
+def test_clear_frees_every_slot_and_forgets_values_but_keeps_pinned_buffers():
+    om, fake = manager(ring_size=2)
+    for key in ("a", "b", "c"):
+        om.store_async(torch.randn(2), key)
+    om.begin_fetch_step(["a", "b", "c"])
+    om.fetch("a")  # held; b issued; c pending
+    om.clear()
+    assert len(om._free_slots) == 2 and not om._issued and not om._held and not om._pending
+    assert om.inflight() == 0 and fake.pinned_allocations == 3
+    with pytest.raises(KeyError, match="never stored"):
+        om.begin_fetch_step(["a"])

@@ -411,7 +411,7 @@ class JanoCache(_Accelerator):
                             plan=self.plan, store=self.store)  # fmt: skip
         self.stats.flops += full if level in (FULL, REFRESH) else region_forward_flops(
             model, n, text_emb.shape[1], x.shape[0], self.plan.computed(level), cond is not None)
-        if self.plan is None and self.forced_classes is None:
+        if self.plan is None and self.forced_classes is None and self.step < self.config.warmup_steps:
             self._observe(out, model.patch_size)
         self.step += 1
         return out

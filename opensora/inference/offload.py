@@ -294,13 +294,13 @@ class OffloadManager:
 
     def clear(self) -> None:
         """Forget outstanding prefetches and stored values (pinned buffers and the ring are kept for reuse)."""
-        self.synchronize()
+        self._pending.clear()
         for key in list(self._held):
             self.release(key)
-        for key, (slot, _) in list(self._issued.items()):
+        self.synchronize()
+        for slot, _ in self._issued.values():
             self._free_slots.append(slot)
         self._issued.clear()
-        self._pending.clear()
         self._stored.clear()
 
     def device_bytes(self) -> int:
