@@ -13,7 +13,7 @@ mkdir -p "$results"
 export PYTHONUNBUFFERED=1
 ckpt=${1:-}
 if [ "${TESTS:-1}" != 0 ]; then
-    python3 -m pytest -q -m gpu tests/test_jano.py tests/test_offload.py 2>&1 | tail -n 3
+    python3 -m pytest -q -m gpu tests/test_jano.py tests/test_offload.py 2>&1 | tail -n 3 || echo "GPU TESTS FAILED"
 fi
 if [ -z "$ckpt" ] && [[ "$parts" == *quality* ]]; then
     torchrun --standalone --nproc_per_node 1 scripts/diffusion/train.py configs/diffusion/train/moving_shapes_gpu.py \
