@@ -21,6 +21,7 @@ dB and accuracy within 2 points; offload <= 3% slower than on-GPU caches) are pr
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import statistics
@@ -269,6 +270,7 @@ def copy_overlap(trace_path: str) -> dict:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
+    starts = [start for start, _ in merged]
     out = {}
     for kind in ("HtoD", "DtoH"):
         total = overlapped = 0.0
@@ -276,12 +278,11 @@ def copy_overlap(trace_path: str) -> dict:
             if k != kind:
                 continue
             total += end - start
-            for ks, ke in merged:  # few thousand intervals: fine
-                if ke <= start:
-                    continue
+            for ks, ke in merged[max(0, bisect.bisect_right(starts, start) - 1) :]:
                 if ks >= end:
                     break
-                overlapped += min(end, ke) - max(start, ks)
+                if ke > start:
+                    overlapped += min(end, ke) - max(start, ks)
         out[kind] = dict(copy_us=total, overlapped_fraction=overlapped / total if total else None)
     total = sum(v["copy_us"] for v in out.values())
     out["all_overlapped_fraction"] = (sum(v["copy_us"] * (v["overlapped_fraction"] or 0) for v in out.values()) / total

@@ -293,3 +293,23 @@ def test_plan_orders_by_score_inside_a_class_and_takes_a_quantile_of_the_counts(
     assert plan.order.tolist() == [[1, 2, 0, 3], [0, 2, 3, 1], [0, 1, 2, 3]]
     assert plan.k_active == 1 and plan.k_medium == 2
     assert RegionPlan.from_classes(classes, score).k_active == 3
+
+
+def test_benchmark_copy_overlap_summary(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/jano.py"
+    spec = importlib.util.spec_from_file_location("jano_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    kernel = lambda ts, dur: dict(ph="X", cat="kernel", name="gemm", ts=ts, dur=dur, args=dict(stream=7))  # noqa
+    copy = lambda ts, name: dict(ph="X", cat="gpu_memcpy", name=name, ts=ts, dur=10, args=dict(stream=9))  # noqa
+    events = [kernel(0, 10), kernel(5, 10), kernel(30, 10), copy(10, "Memcpy HtoD (Pinned -> Device)"),
+              copy(35, "Memcpy DtoH (Device -> Pinned)"), copy(50, "Memcpy HtoD (Pinned -> Device)")]  # fmt: skip
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(dict(traceEvents=events)))
+    summary = bench.copy_overlap(str(trace))
+    assert summary["HtoD"] == dict(copy_us=20.0, overlapped_fraction=0.25)  # 5 of [10, 20], none of [50, 60]
+    assert summary["DtoH"]["overlapped_fraction"] == 0.5 and summary["copies"] == 3
