@@ -313,3 +313,17 @@ def test_benchmark_copy_overlap_summary(tmp_path):
     summary = bench.copy_overlap(str(trace))
     assert summary["HtoD"] == dict(copy_us=20.0, overlapped_fraction=0.25)  # 5 of [10, 20], none of [50, 60]
     assert summary["DtoH"]["overlapped_fraction"] == 0.5 and summary["copies"] == 3
+
+
+@pytest.mark.parametrize("level", [ACTIVE, MEDIUM, REFRESH])
+def test_counted_flops_are_the_flops_the_region_forward_spends(level):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, batch = tiny_model(), inputs(padded=False)
+    model.set_attn_backend("math")  # the backend whose attention FlopCounterMode counts (as tests/test_mmdit.py)
+    plan, _ = random_plan()
+    forward, store = RegionForward(model), DeviceStore()
+    forward(REFRESH, **batch, plan=plan, store=store)
+    with FlopCounterMode(display=False) as counter:
+        forward(level, **batch, plan=plan, store=store)
+    assert counter.get_total_flops() == region_forward_flops(model, 32, 6, 2, plan.computed(level), True)
