@@ -216,10 +216,14 @@ def build_big(args):
     return model, inputs, jano.RegionPlan.from_classes(classes.to(device))
 
 
-def run_level(forward, store, plan, inputs, level):
+def run_level(forward, store, plan, inputs, level, following=None):
+    """One forward at ``level``; like JanoCache, queue the ``following`` step's prefetches right after it."""
     if level in (ACTIVE, MEDIUM):
         store.begin_fetch_step(plan.entry_keys(forward.num_layers, level))
-    return forward(level, **inputs, plan=plan, store=store)
+    out = forward(level, **inputs, plan=plan, store=store)
+    if following in (ACTIVE, MEDIUM):
+        store.begin_fetch_step(plan.entry_keys(forward.num_layers, following))
+    return out
 
 
 def reserve(forward, store, plan, model, inputs):
@@ -314,11 +318,12 @@ def part_offload(model, inputs, plan, args) -> dict:
             def trajectory():
                 marks.clear()
                 outs = []
-                for level in schedule:
+                for i, level in enumerate(schedule):
                     if CUDA:
                         marks.append(torch.cuda.Event(enable_timing=True))
                         marks[-1].record()
-                    outs.append(run_level(forward, store, plan, inputs, level))
+                    following = schedule[i + 1] if i + 1 < len(schedule) else None
+                    outs.append(run_level(forward, store, plan, inputs, level, following))
                 if CUDA:
                     marks.append(torch.cuda.Event(enable_timing=True))
                     marks[-1].record()

@@ -225,3 +225,16 @@ def test_clear_frees_every_slot_and_forgets_values_but_keeps_pinned_buffers():
     assert om.inflight() == 0 and fake.pinned_allocations == 3
     with pytest.raises(KeyError, match="never stored"):
         om.begin_fetch_step(["a"])
+
+
+def test_begin_fetch_step_twice_queues_each_key_once():
+    om, _ = manager(ring_size=1)
+    for key in ("a", "b"):
+        om.store_async(torch.randn(2), key)
+    om.begin_fetch_step(["a", "b"])  # a issued, b pending
+    om.begin_fetch_step(["a", "b"])  # e.g. the step itself after the previous step queued its prefetches
+    assert list(om._pending) == ["b"] and om.stats["prefetches"] == 1
+    for key in ("a", "b"):
+        om.fetch(key)
+        om.release(key)
+    assert om.stats["prefetches"] == 2 and om.stats["sync_fetches"] == 0

@@ -398,13 +398,11 @@ class JanoCache(_Accelerator):
             self._forward = RegionForward(model)
         if self.store is None:
             self.store = make_store(self.config.store, x.device)
-        level = self.levels[self.step] if self.step < len(self.levels) else FULL
         grid = tuple(s // p for s, p in zip(x.shape[2:], model.patch_size))
-        if level != FULL and self.plan is None:
+        if self._level(self.step) != FULL and self.plan is None:
             self.plan = self._make_plan(model, x, cond, grid)
-        if level in (ACTIVE, MEDIUM) and self.plan.computed(level) == self.plan.num_tokens:
-            level = REFRESH  # nothing to skip: compute everything, keep the caches fresh
-        if level in (ACTIVE, MEDIUM):
+        level = self._level(self.step)
+        if level in (ACTIVE, MEDIUM):  # a no-op for the entries the previous step already queued
             self.store.begin_fetch_step(self.plan.entry_keys(self._forward.num_layers, level))
         n, full = self._count(model, x, text_emb, cond, level, None if self.plan is None else self.plan.computed(level))
         out = self._forward(level, x, timestep, text_emb, text_mask, pooled, cond, guidance, text_mask_has_padding,
@@ -414,7 +412,19 @@ class JanoCache(_Accelerator):
         if self.plan is None and self.forced_classes is None and self.step < self.config.warmup_steps:
             self._observe(out, model.patch_size)
         self.step += 1
+        following = self._level(self.step) if self.plan is not None else FULL
+        if following in (ACTIVE, MEDIUM):
+            # Queue the next step's prefetches now: the first ring slots fill while this step's tail still computes
+            # (this step's stores were queued before them, and each key's prefetch waits for its store).
+            self.store.begin_fetch_step(self.plan.entry_keys(self._forward.num_layers, following))
         return out
+
+    def _level(self, step: int) -> int:
+        """The level step ``step`` runs at: the schedule's, or 3 when a cached level would compute every token."""
+        level = self.levels[step] if step < len(self.levels) else FULL
+        if level in (ACTIVE, MEDIUM) and self.plan is not None and self.plan.computed(level) == self.plan.num_tokens:
+            return REFRESH  # nothing to skip: compute everything, keep the caches fresh
+        return level
 
     def _observe(self, out: torch.Tensor, patch_size) -> None:
         """Accumulate the per-token output change of the last ``analysis_steps`` warm-up steps."""

@@ -244,7 +244,8 @@ class OffloadManager:
 
     def begin_fetch_step(self, keys: Iterable[str]) -> None:
         """Queue host -> device copies of ``keys`` (in the order the step reads them) on the data stream."""
-        keys = [k for k in keys if k not in self._issued and k not in self._held]
+        queued = set(self._pending)
+        keys = [k for k in keys if k not in self._issued and k not in self._held and k not in queued]
         missing = [k for k in keys if k not in self._stored]
         if missing:
             raise KeyError(f"prefetch of entries never stored: {missing[:4]}")
