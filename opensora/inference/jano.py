@@ -358,7 +358,7 @@ class FullCompute(_Accelerator):
         _, full = self._count(model, x, text_emb, cond, FULL)
         self.stats.flops += full
         self.step += 1
-        return model(x, timestep, text_emb, text_mask, pooled, cond=cond, **kwargs)
+        return model(x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled, cond=cond, **kwargs)
 
 
 class JanoCache(_Accelerator):
@@ -526,8 +526,8 @@ class StepCache(_Accelerator):
         else:
             self._accumulated = 0.0
             self.stats.flops += full + linear_flops(x.shape[0], h, 6 * h)
-            out = model(x, timestep, text_emb, text_mask, pooled, cond=cond, guidance=guidance,
-                        text_mask_has_padding=text_mask_has_padding)
+            out = model(x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled, cond=cond,
+                        guidance=guidance, text_mask_has_padding=text_mask_has_padding)
             self._previous_output = out
         self.step += 1
         return out
