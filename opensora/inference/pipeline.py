@@ -23,6 +23,7 @@ Choices that matter for reproducing training:
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
@@ -301,11 +302,9 @@ class VideoSampler:
 
     def _model_fn(self, x, t, text_emb, text_mask, pooled, cond=None):
         dtype = self.dtype
-        if self.accelerator is not None:
-            return self.accelerator(self.model, x.to(dtype), t.to(dtype), text_emb.to(dtype), text_mask,
-                                    pooled.to(dtype), cond=None if cond is None else cond.to(dtype))
-        return self.model(x.to(dtype), t.to(dtype), text_emb.to(dtype), text_mask, pooled.to(dtype),
-                          cond=None if cond is None else cond.to(dtype))
+        network = self.model if self.accelerator is None else functools.partial(self.accelerator, self.model)
+        return network(x.to(dtype), t.to(dtype), text_emb.to(dtype), text_mask, pooled.to(dtype),
+                       cond=None if cond is None else cond.to(dtype))
 
     def denoise(
         self,
