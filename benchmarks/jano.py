@@ -371,13 +371,17 @@ def summary(result: dict) -> list:
     quality = result.get("quality")
     if quality:
         lines.append(f"(a) quality: MovingShapes teacher, {quality['batch']} captions, {quality['num_steps']} steps")
-        lines.append(f"{'method':22s} {'FLOPs x':>8s} {'wall x':>7s} {'PSNR':>7s} {'min':>6s} "
-                     f"{'colour':>7s} {'shape':>6s} {'dir':>6s}")  # fmt: skip
+        lines.append(f"{'method':24s} {'FLOPs x':>8s} {'wall x':>7s} {'PSNR':>7s} {'min':>6s} "
+                     f"{'colour':>7s} {'shape':>6s} {'dir':>6s}  L1/L2 computed")  # fmt: skip
         full = quality["methods"]["full"]
         for name, row in quality["methods"].items():
-            lines.append(f"{name:22s} {row['flops_ratio']:8.2f} {row['speedup']:7.2f} {row['psnr_mean']:7.2f} "
+            computed = row.get("computed_fraction_l1_l2")
+            extra = "" if computed is None else f"  {computed[0]:.2f}/{computed[1]:.2f}"
+            if "equal_to_on_gpu_jano" in row:
+                extra += f"  equal to on-GPU caches: {row['equal_to_on_gpu_jano']}"
+            lines.append(f"{name:24s} {row['flops_ratio']:8.2f} {row['speedup']:7.2f} {row['psnr_mean']:7.2f} "
                          f"{row['psnr_min']:6.2f} {row['color_acc']:7.3f} {row['shape_acc']:6.3f} "
-                         f"{row['direction_acc']:6.3f}")  # fmt: skip
+                         f"{row['direction_acc']:6.3f}{extra}")  # fmt: skip
             if name.startswith("jano") and "offload" not in name:
                 drop = max(full[k] - row[k] for k in ("color_acc", "shape_acc", "direction_acc"))
                 ok = row["flops_ratio"] >= 2 and row["speedup"] >= 1.8 and row["psnr_mean"] >= 25 and drop <= 0.02
