@@ -93,7 +93,7 @@ def quality_methods(num_steps: int) -> dict:
     methods = {"full": lambda: jano.FullCompute()}
     for name, extra in settings.items():
         methods[name] = lambda extra=extra: JanoCache(JanoConfig(**base, **extra))
-    for threshold in (0.1, 0.25):
+    for threshold in (0.05, 0.1, 0.25):
         methods[f"teacache_{threshold}"] = lambda threshold=threshold: jano.StepCache(threshold, warmup, 1)
     return methods
 
