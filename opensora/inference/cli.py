@@ -40,6 +40,12 @@ INFERENCE_FLAGS = {
     "device": "auto",
     "offload": False,  # keep text encoder and autoencoder on the CPU except while they run
     "progress": True,
+    "jano": False,  # Jano region-aware caching (opensora/inference/jano.py); settings under jano_settings
+    "jano_offload": False,  # with --jano: keep its caches in pinned CPU memory, prefetched on a side stream
+    # JanoConfig's fields; override one with e.g. --jano-settings.warmup_steps 4
+    "jano_settings": dict(warmup_steps=6, cooldown_steps=2, refresh_interval=5, medium_interval=2,
+                          static_threshold=0.2, medium_threshold=0.6, analysis_steps=3, dilation=1,
+                          batch_quantile=1.0, share_branches=True),
 }
 
 
@@ -103,6 +109,11 @@ def main(argv=None) -> list:
 
     sampler = VideoSampler.from_config(cfg, ckpt, role=args.role, ema=bool(args.ema), device=args.device,
                                        dtype=args.dtype, offload=bool(args.offload), progress=bool(args.progress))
+    if args.jano or args.jano_offload:
+        from opensora.inference.jano import JanoCache, JanoConfig
+
+        store = "offload" if args.jano_offload else "device"
+        sampler.accelerator = JanoCache(JanoConfig(**dict(args.jano_settings or {}), store=store))
     weights = sampler.weights
     latent_size = sampler.latent_size(num_frames, height, width)
     logger.info("sampling %d prompt(s) at %dx%dx%d (latent %s) from %s [%s] on %s/%s", len(prompts), num_frames,
@@ -116,6 +127,7 @@ def main(argv=None) -> list:
         cond_type=args.cond_type, ref=None if args.ref is None else str(args.ref), num_frames=num_frames,
         height=height, width=width, fps=float(args.fps), dtype=str(sampler.dtype).replace("torch.", ""),
         device=str(sampler.device),
+        **({} if sampler.accelerator is None else dict(jano=dict(vars(sampler.accelerator.config)))),
     )
     written, rows = [], []
     for start in range(0, len(prompts), batch_size):

@@ -23,6 +23,7 @@ Choices that matter for reproducing training:
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
@@ -180,6 +181,8 @@ class VideoSampler:
         self.weights = weights  # where the network's weights came from (for sidecars)
         self.patch_size = tuple(getattr(model, "patch_size", (1, 1, 1)))
         self.uses_condition = getattr(model, "cond_channels", None) is not None
+        # Optional inference cache (opensora.inference.jano: JanoCache, StepCache, FullCompute); None = plain model.
+        self.accelerator = None
 
     @classmethod
     def from_config(
@@ -299,8 +302,9 @@ class VideoSampler:
 
     def _model_fn(self, x, t, text_emb, text_mask, pooled, cond=None):
         dtype = self.dtype
-        return self.model(x.to(dtype), t.to(dtype), text_emb.to(dtype), text_mask, pooled.to(dtype),
-                          cond=None if cond is None else cond.to(dtype))
+        network = self.model if self.accelerator is None else functools.partial(self.accelerator, self.model)
+        return network(x.to(dtype), t.to(dtype), text_emb.to(dtype), text_mask, pooled.to(dtype),
+                       cond=None if cond is None else cond.to(dtype))
 
     def denoise(
         self,
@@ -325,6 +329,9 @@ class VideoSampler:
         uncond_all = None
         if condition.has_reference and image_guidance_scale != 1.0:
             uncond_all = kwargs(null_text, condition.null)  # neither
+        if self.accelerator is not None:  # one model call per step: the cache needs the step count
+            self.accelerator.begin(num_steps if step_list is None
+                                   else len(step_list) - (1 if float(step_list[-1]) == 0.0 else 0), noise.shape[0])
         latents = sample(
             self._model_fn, noise,
             num_steps=None if step_list is not None else num_steps,
