@@ -12,7 +12,8 @@ from colossalai.interface import OptimizerWrapper
 
 from opensora.methods.base import MissingRoleError
 from opensora.registry import ADAPTERS, METHODS, MODELS, build_module
-from opensora.training.roles import Components, Role, build_optimizer, warmup_lambda
+from opensora.roles import Components, Role
+from opensora.training.role_builder import build_optimizer, warmup_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def make_role(name, network, trainable, lr=1e-3, warmup=0) -> Role:
     optimizer = build_optimizer(network.parameters(), dict(lr=lr))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(warmup))
     return Role(name=name, model=network, trainable=True, optimizer=OptimizerWrapper(optimizer),
-                lr_scheduler=scheduler, max_grad_norm=1.0)
+                lr_scheduler=scheduler, grad_clip=1.0)
 
 
 def make_dmd2_roles(student_warmup=4, critic_warmup=20, seed=0):

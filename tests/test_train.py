@@ -451,9 +451,8 @@ def test_unknown_cli_key_names_the_nearest_key():
 # ---- the 1B GPU configs (checked on CPU: loadable, shapes consistent, 1B parameters) --------------------------------
 def test_mmdit_1b_configs_are_consistent():
     from opensora.config import load_config
-    from opensora.registry import MODELS, build_module, import_all_modules
+    from opensora.registry import MODELS, build_module
 
-    import_all_modules()
     real = load_config(ROOT / "configs" / "diffusion" / "train" / "mmdit_1b_256px.py")
     synthetic = load_config(ROOT / "configs" / "diffusion" / "train" / "mmdit_1b_synthetic.py")
     assert real.vae.type == "HunyuanVideoVAE" and real.vae.from_pretrained
@@ -506,9 +505,8 @@ def test_mmdit_1b_synthetic_step_time_and_mfu(tmp_path):
 def test_long_video_config_is_sequence_parallel_ready():
     """The >= 32k-token config: its VAE's latent grid, token counts and heads divide by its sequence-parallel size."""
     from opensora.config import load_config
-    from opensora.registry import MODELS, build_module, import_all_modules
+    from opensora.registry import MODELS, build_module
 
-    import_all_modules()
     cfg = load_config(ROOT / "configs" / "diffusion" / "train" / "mmdit_1b_long_synthetic.py")
     sp = cfg.sequence_parallel_size
     vae = build_module(cfg.vae, MODELS)

@@ -1,5 +1,1 @@
 """Sampling: ``VideoSampler`` (pipeline.py), prompt files (prompts.py), outputs (io.py), the CLI (cli.py)."""
-
-from opensora.inference.pipeline import VideoSampler, video_size_for
-
-__all__ = ["VideoSampler", "video_size_for"]

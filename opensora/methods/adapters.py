@@ -3,7 +3,7 @@
 A method (a distillation algorithm) orchestrates *which* network to query *when*; an adapter knows *how* to query one model
 family: prepare a raw batch once (text embeddings, the explicit null text, latent shape), add noise, call a
 network and turn its output into a velocity or an x0 prediction, and convert a sampled discrete timestep into
-the family's continuous, shifted time. Adapters receive role *handles* (``opensora.training.roles.Role``),
+the family's continuous, shifted time. Adapters receive role *handles* (``opensora.roles.Role``),
 never role names, so what a role *means* stays in the method. Adding a model family means adding an
 adapter (registered in ``ADAPTERS``); adding a method means adding a method: N + M, not N x M.
 

@@ -11,7 +11,7 @@ from typing import Dict, List, Mapping, Tuple
 
 import torch
 
-from opensora.training.roles import Components, Role
+from opensora.roles import Components, Role
 
 
 class MissingRoleError(ValueError):

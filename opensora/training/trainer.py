@@ -26,7 +26,8 @@ from opensora.training.profiling import StepProfiler
 from opensora.models.mmdit.sequence_parallel import build_sequence_groups
 from opensora.training.rng import seed_everything
 from opensora.dtypes import resolve_dtype
-from opensora.training.roles import Components, Role, build_role
+from opensora.roles import Components, Role
+from opensora.training.role_builder import build_role
 from opensora.training.throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)

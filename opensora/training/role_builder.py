@@ -1,4 +1,4 @@
-"""Roles: the networks a method trains or queries, each with its own optimizer, scheduler, booster and EMA.
+"""Build roles (``opensora.roles.Role``): each trainable network gets its own optimizer, scheduler, booster and EMA.
 
 A config declares ``models = dict(student=dict(model=..., trainable=True, optimizer=..., ...), teacher=...)``.
 Trainable roles get their own plugin instance and booster; frozen roles are cast, set to eval,
@@ -6,64 +6,16 @@ Trainable roles get their own plugin instance and booster; frozen roles are cast
 """
 
 import inspect
-from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional
+from typing import Mapping
 
 import torch
 import torch.nn as nn
 
 from opensora.dtypes import resolve_dtype
 from opensora.registry import MODELS, build_module
+from opensora.roles import Components, Role
 from opensora.training.booster import PLUGIN_REGISTRY, build_booster
 from opensora.training.ema import EMA
-
-
-
-@dataclass
-class Components:
-    """Frozen helpers shared by every role: autoencoder, text conditioner, device and compute dtype."""
-
-    vae: Optional[nn.Module]
-    text_encoder: Optional[nn.Module]
-    device: torch.device
-    dtype: torch.dtype
-    null_text: Optional[Dict[str, torch.Tensor]] = None  # encode([""]), computed once at start-up
-    extra: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Role:
-    name: str
-    model: nn.Module  # the boosted wrapper when trainable
-    trainable: bool
-    optimizer: Any = None
-    lr_scheduler: Any = None
-    booster: Any = None
-    ema: Optional[EMA] = None
-    max_grad_norm: Optional[float] = None
-    plugin_clips: bool = False  # ZeRO/Hybrid/Gemini plugins clip inside optimizer.step()
-
-    def unwrap(self) -> nn.Module:
-        return self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
-
-    def wait_for_params(self) -> None:
-        """Block until this rank's parameters hold the last step's values. With LowLevelZero's
-        ``overlap_allgather`` the updated shards are gathered asynchronously and waited for by the next forward;
-        readers outside a forward (the EMA) must wait first."""
-        wait = getattr(self.model, "_force_wait_all_gather", None)
-        if wait is not None:
-            wait()
-
-    def clip_and_step(self) -> Optional[float]:
-        """Clip gradients to ``max_grad_norm`` and step; returns the pre-clip global grad norm."""
-        if self.plugin_clips:
-            self.optimizer.step()
-            norm = self.optimizer.get_grad_norm()
-        else:
-            max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
-            norm = self.optimizer.clip_grad_by_norm(max_norm)
-            self.optimizer.step()
-        return None if norm is None else float(norm)
 
 
 def warmup_lambda(warmup_steps: int):
@@ -121,11 +73,11 @@ def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapp
         return Role(name=name, model=model, trainable=False)
 
     model = model.to(components.device)
-    max_norm = cfg.get("grad_clip")
+    grad_clip = cfg.get("grad_clip")
     plugin_cfg = dict(plugin_cfg)
     plugin_clips = _plugin_takes_max_norm(plugin_cfg)
-    if plugin_clips and max_norm is not None:
-        plugin_cfg.setdefault("max_norm", max_norm)
+    if plugin_clips and grad_clip is not None:
+        plugin_cfg.setdefault("max_norm", grad_clip)  # colossalai's name for it
     ema = None
     ema_cfg = cfg.get("ema")
     if ema_cfg is not None and is_main:
@@ -143,6 +95,6 @@ def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapp
         lr_scheduler=scheduler,
         booster=booster,
         ema=ema,
-        max_grad_norm=max_norm,
+        grad_clip=grad_clip,
         plugin_clips=plugin_clips,
     )
