@@ -18,15 +18,15 @@ from tqdm import tqdm
 
 from opensora.config import save_config
 from opensora.datasets.dataloader import build_dataloader
+from opensora.dtypes import resolve_dtype
+from opensora.parallel.sequence_parallel import SequenceParallelModel, build_sequence_groups
 from opensora.registry import DATASETS, METHODS, MODELS, build_module
+from opensora.roles import Components, Role
 from opensora.training import checkpoint as ckpt
 from opensora.training.distributed import all_reduce_mean, barrier, init_distributed
 from opensora.training.metrics import MetricsLogger
 from opensora.training.profiling import StepProfiler
-from opensora.models.mmdit.sequence_parallel import build_sequence_groups
 from opensora.training.rng import seed_everything
-from opensora.dtypes import resolve_dtype
-from opensora.roles import Components, Role
 from opensora.training.role_builder import build_role
 from opensora.training.throughput import ThroughputMeter
 
@@ -119,9 +119,9 @@ class Trainer:
     def _split_sequences(self) -> None:
         for name, role in self.roles.items():
             module = role.unwrap()
-            if not hasattr(module, "set_sequence_parallel"):
+            if not isinstance(module, SequenceParallelModel):
                 raise ValueError(f"sequence_parallel_size={self.sp.size}: role '{name}' ({type(module).__name__}) "
-                                 "has no set_sequence_parallel")  # fmt: skip
+                                 "is not a SequenceParallelModel")  # fmt: skip
             module.set_sequence_parallel(self.sp)
         if self.is_main:
             logger.info("sequence parallel: %d ranks per sample (roles %s), %d data-parallel ranks", self.sp.size,

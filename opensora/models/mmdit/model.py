@@ -12,12 +12,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from opensora.parallel.sequence_parallel import SequenceGroup, SequenceParallelModel, gather_tokens
 from opensora.registry import MODELS
 
 from .attention import check_backend, device_major
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .rope import rope_cos_sin, video_position_ids
-from .sequence_parallel import SequenceGroup, gather_tokens
 
 TIMESTEP_FEATURES = 256
 
@@ -42,7 +42,7 @@ def unpatchify(tokens: torch.Tensor, grid: Sequence[int], patch_size: Sequence[i
 
 
 @MODELS.register_module()
-class MMDiT(nn.Module):
+class MMDiT(nn.Module, SequenceParallelModel):
     def __init__(
         self,
         in_channels: int,
@@ -121,8 +121,8 @@ class MMDiT(nn.Module):
         self.sp = None
 
     def set_sequence_parallel(self, sp: Optional[SequenceGroup]) -> None:
-        """Split every sample's tokens over the ranks of ``sp`` (sequence_parallel.py); ``None`` turns it off.
-        All ranks of the group must get the same inputs; each returns the whole output."""
+        """Split every sample's tokens over the ranks of ``sp`` (opensora.parallel.sequence_parallel); ``None`` turns
+        it off. All ranks of the group must get the same inputs; each returns the whole output."""
         if sp is not None and sp.size == 1:
             sp = None
         if sp is not None and self.compile_blocks:
@@ -257,7 +257,7 @@ class MMDiT(nn.Module):
 
     def shard_sequence(self, img, txt, rope, mask):
         """This rank's slices of the text and video tokens, their RoPE angles, and the key mask in the rank-major
-        order the attention sees after the all-to-all (sequence_parallel.py).
+        order the attention sees after the all-to-all (opensora.parallel.sequence_parallel).
 
         Token counts that the group size does not divide are padded at the end of each stream with zero tokens that
         no query may attend to (the key mask hides them; identity RoPE); their outputs are dropped after the
