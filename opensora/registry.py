@@ -15,7 +15,7 @@ from mmengine.registry import Registry
 MODELS = Registry("model", scope="opensora", locations=["opensora.models"])
 DATASETS = Registry("dataset", scope="opensora", locations=["opensora.datasets"])
 METHODS = Registry("method", scope="opensora", locations=["opensora.methods"])
-ADAPTERS = Registry("adapter", scope="opensora", locations=["opensora.methods"])
+ADAPTERS = Registry("adapter", scope="opensora", locations=["opensora.adapters"])
 
 
 def build_module(cfg: Any, registry: Registry, **overrides) -> Any:

@@ -160,9 +160,9 @@ def test_each_loss_reaches_only_its_role():
 
 # ---- adapters see handles, never role names; trainer never sees methods --------------------------------------
 def test_adapter_source_has_no_role_names():
-    source = (REPO / "opensora/methods/adapters.py").read_text().lower()
+    source = (REPO / "opensora/adapters/mmdit.py").read_text().lower()
     for word in ("teacher", "critic", "student", "dmd"):
-        assert word not in source, f"opensora/methods/adapters.py mentions '{word}'"
+        assert word not in source, f"opensora/adapters/mmdit.py mentions '{word}'"
 
 
 def test_trainer_has_no_method_specific_branches():
@@ -188,7 +188,8 @@ def test_adapter_predictions_match_flow_matching_identities():
         v_null = adapter.predict_velocity(handle, noisy, t, batch, conditional=False)
         text = batch.text
         cond = torch.zeros(2, 49, 4, 4, 4)
-        v_direct = network(noisy, t, text["text_emb"], text["text_mask"], text["pooled"], cond=cond)
+        v_direct = network(noisy, timestep=t, text_emb=text["text_emb"], text_mask=text["text_mask"],
+                           pooled=text["pooled"], cond=cond)
     torch.testing.assert_close(v, v_direct)
     torch.testing.assert_close(pred_x0, noisy - t.view(-1, 1, 1, 1, 1) * v)
     assert not torch.allclose(v, v_null)  # the null text is really a different condition

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from opensora.adapters.mmdit import MMDiTAdapter
 from opensora.convert.weights import LoadedWeights, load_role_weights
 from opensora.datasets.buckets import ASPECT_RATIOS, bucket_size, parse_resolution
 from opensora.diffusion.conditions import (
@@ -297,10 +298,8 @@ class VideoSampler:
         cond, _ = reference_condition(ref_latent.expand(batch, -1, -1, -1, -1), latent_size[0], cond_type)
         return PreparedCondition(cond, zeros, True)
 
-    def _model_fn(self, x, t, text_emb, text_mask, pooled, cond=None):
-        dtype = self.dtype
-        return self.model(x.to(dtype), t.to(dtype), text_emb.to(dtype), text_mask, pooled.to(dtype),
-                          cond=None if cond is None else cond.to(dtype))
+    def _model_fn(self, x, t, cond=None, **text):
+        return MMDiTAdapter.call_network(self.model, x, t, text, cond, self.dtype)
 
     def denoise(
         self,
