@@ -7,19 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 from colossalai.interface import OptimizerWrapper
 
 from opensora.methods.base import MissingRoleError
+from opensora.models.mmdit import mmdit_config
 from opensora.registry import ADAPTERS, METHODS, MODELS, build_module
 from opensora.roles import Components, Role
 from opensora.training.role_builder import build_optimizer, warmup_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 
-TINY_MMDIT = dict(type="MMDiT", in_channels=48, cond_channels=49, patch_size=(1, 2, 2), hidden_size=32, num_heads=2,
-                  depth_double=1, depth_single=1, mlp_ratio=2.0, text_dim=64, pooled_dim=64, axes_dims=(4, 6, 6),
-                  attn_backend="auto")
+TINY_MMDIT = mmdit_config("tiny", in_channels=48, cond_channels=49, hidden_size=32, num_heads=2, depth_double=1,
+                          depth_single=1, mlp_ratio=2.0, axes_dims=(4, 6, 6))  # PatchVAE(4) latents, a smaller net
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py

@@ -1,7 +1,6 @@
 """Build roles (``opensora.roles.Role``): each trainable network gets its own optimizer, scheduler, booster and EMA.
 
-A config declares ``models = dict(student=dict(model=..., trainable=True, optimizer=..., ...), teacher=...)``.
-Trainable roles get their own plugin instance and booster; frozen roles are cast, set to eval,
+``role_configs`` (``opensora.role_config``) gives each role's config with every key set. Trainable roles get their own plugin instance and booster; frozen roles are cast, set to eval,
 ``requires_grad_(False)`` and never boosted. Methods reach roles by name; the trainer only iterates over them.
 """
 
@@ -13,6 +12,7 @@ import torch.nn as nn
 
 from opensora.dtypes import resolve_dtype
 from opensora.registry import MODELS, build_module
+from opensora.role_config import optimizer_settings
 from opensora.roles import Components, Role
 from opensora.training.booster import PLUGIN_REGISTRY, build_booster
 from opensora.training.ema import EMA
@@ -28,17 +28,16 @@ def warmup_lambda(warmup_steps: int):
 
 
 def build_optimizer(params, cfg: Mapping) -> torch.optim.Optimizer:
-    cfg = dict(cfg)
-    kind = cfg.pop("type", "AdamW")
-    defaults = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-15, weight_decay=0.01)
-    defaults.update(cfg)
-    defaults["betas"] = tuple(defaults["betas"])
+    """The optimizer a role's ``optimizer`` config names; unset settings from ``ROLE_DEFAULTS``."""
+    settings = optimizer_settings(cfg)
+    kind = settings.pop("type")
+    settings["betas"] = tuple(settings["betas"])
     if kind == "AdamW":
-        return torch.optim.AdamW(params, **defaults)
+        return torch.optim.AdamW(params, **settings)
     if kind == "HybridAdam":  # colossalai's fused CPU/GPU Adam (JIT-compiles kernels on first use)
         from colossalai.nn.optimizer import HybridAdam
 
-        return HybridAdam(params, adamw_mode=True, **defaults)
+        return HybridAdam(params, adamw_mode=True, **settings)
     raise ValueError(f"unknown optimizer type '{kind}' (expected 'AdamW' or 'HybridAdam')")
 
 
@@ -61,30 +60,29 @@ def load_initial_weights(model: nn.Module, init_from) -> None:
 
 
 def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapping, is_main: bool) -> Role:
-    """Build one role from its config; boost it when trainable."""
-    cfg = dict(cfg)
+    """Build one role from its resolved config (``role_configs``); boost it when trainable."""
     model = build_module(cfg["model"], MODELS)
-    if cfg.get("init_from"):
+    if cfg["init_from"]:
         load_initial_weights(model, cfg["init_from"])
-    trainable = bool(cfg.get("trainable", True))
-    precision = cfg.get("precision", "bf16")
+    trainable = bool(cfg["trainable"])
+    precision = cfg["precision"]
     if not trainable:
         model = model.to(components.device, resolve_dtype(precision)).eval().requires_grad_(False)
         return Role(name=name, model=model, trainable=False)
 
     model = model.to(components.device)
-    grad_clip = cfg.get("grad_clip")
+    grad_clip = cfg["grad_clip"]
     plugin_cfg = dict(plugin_cfg)
     plugin_clips = _plugin_takes_max_norm(plugin_cfg)
     if plugin_clips and grad_clip is not None:
         plugin_cfg.setdefault("max_norm", grad_clip)  # colossalai's name for it
     ema = None
-    ema_cfg = cfg.get("ema")
+    ema_cfg = cfg["ema"]
     if ema_cfg is not None and is_main:
         # built from the fp32 weights before the booster casts them; warmup unless the config turns it off
         ema = EMA(model, **{"warmup": True, **dict(ema_cfg)})
-    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.get("optimizer", {}))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(int(cfg.get("warmup_steps", 0))))
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg["optimizer"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(int(cfg["warmup_steps"])))
     booster = build_booster(plugin_cfg, mixed_precision=precision)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     return Role(
