@@ -3,4 +3,4 @@
 A new model family is one new module here; importing this package registers every adapter.
 """
 
-from . import mmdit  # noqa: F401
+from . import mmdit
