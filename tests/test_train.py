@@ -358,7 +358,8 @@ def _fixed_input_step(method, nan_on_call=None):
         batch_size, channels, *grid = x0.shape
         cond = x0.new_zeros(batch_size, channels + 1, *grid) if method.uses_condition else None
         prediction = method.roles["model"].model(
-            add_noise(x0, noise, t), t, text["text_emb"], text["text_mask"], text["pooled"], cond=cond)
+            add_noise(x0, noise, t), timestep=t, text_emb=text["text_emb"], text_mask=text["text_mask"],
+            pooled=text["pooled"], cond=cond)
         loss = torch.mean((prediction - velocity_target(x0, noise)) ** 2)
         if counter["calls"] == nan_on_call:
             loss = loss * float("nan")
@@ -398,7 +399,8 @@ def _deterministic_flow_matching_step(method):
         batch_size, channels, *grid = x0.shape
         cond = x0.new_zeros(batch_size, channels + 1, *grid) if method.uses_condition else None
         prediction = method.roles["model"].model(
-            add_noise(x0, noise, t), t, text["text_emb"], text["text_mask"], text["pooled"], cond=cond)
+            add_noise(x0, noise, t), timestep=t, text_emb=text["text_emb"], text_mask=text["text_mask"],
+            pooled=text["pooled"], cond=cond)
         loss = torch.mean((prediction.float() - velocity_target(x0, noise)) ** 2)
         return {"total_loss": loss}, dict(num_samples=x0.shape[0], num_tokens=0)
 
