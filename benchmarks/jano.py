@@ -99,8 +99,7 @@ def quality_methods(num_steps: int) -> dict:
 
 
 def build_sampler(cfg, ckpt):
-    from opensora.inference.pipeline import VideoSampler, resolve_device, resolve_sampling_dtype
-    from opensora.inference.pipeline import role_model_config
+    from opensora.inference.pipeline import VideoSampler, resolve_device, resolve_sampling_dtype, role_model_config
     from opensora.registry import MODELS, build_module
 
     if ckpt is not None:
@@ -315,7 +314,7 @@ def part_offload(model, inputs, plan, args) -> dict:
 
             marks = []  # CUDA events between the steps of the last trajectory: per-level times
 
-            def trajectory():
+            def trajectory(store=store):
                 marks.clear()
                 outs = []
                 for i, level in enumerate(schedule):

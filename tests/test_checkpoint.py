@@ -14,7 +14,7 @@ SEED = 7
 
 
 def _roles(booster, model, optimizer, scheduler, ema):
-    from opensora.training.roles import Role
+    from opensora.roles import Role
 
     return {"model": Role(name="model", model=model, trainable=True, optimizer=optimizer, lr_scheduler=scheduler,
                           booster=booster, ema=ema)}
@@ -192,10 +192,10 @@ def test_find_latest_ignores_incomplete_dirs(tmp_path):
 
 def _partially_used_model_resume(rank, world_size, outputs):
     """ZeRO-2: a layer gets no gradient in the first steps (and nothing has stepped at the first save)."""
+    from opensora.roles import Role
     from opensora.training import checkpoint as ckpt
     from opensora.training.booster import build_booster
     from opensora.training.distributed import init_distributed
-    from opensora.training.roles import Role
 
     init_distributed()
 

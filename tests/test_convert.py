@@ -179,7 +179,7 @@ def _inputs(batch=2, text_len=5, grid=(1, 4, 5), seed=1):
 @torch.no_grad()
 def _ours(model, x, t, text, pooled, guidance):
     mask = torch.ones(text.shape[:2], dtype=torch.bool)
-    return model(x, t, text, mask, pooled, guidance=guidance)
+    return model(x, timestep=t, text_emb=text, text_mask=mask, pooled=pooled, guidance=guidance)
 
 
 @torch.no_grad()

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_train import DEMO_CONFIG, TRAIN_SCRIPT, by_step, launcher_env, read_metrics, write_config
 
 from dist_utils import find_free_port
-from test_train import DEMO_CONFIG, TRAIN_SCRIPT, by_step, launcher_env, read_metrics, write_config
 
 TIMEOUT_S = 300
 

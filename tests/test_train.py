@@ -358,7 +358,8 @@ def _fixed_input_step(method, nan_on_call=None):
         batch_size, channels, *grid = x0.shape
         cond = x0.new_zeros(batch_size, channels + 1, *grid) if method.uses_condition else None
         prediction = method.roles["model"].model(
-            add_noise(x0, noise, t), t, text["text_emb"], text["text_mask"], text["pooled"], cond=cond)
+            add_noise(x0, noise, t), timestep=t, text_emb=text["text_emb"], text_mask=text["text_mask"],
+            pooled=text["pooled"], cond=cond)
         loss = torch.mean((prediction - velocity_target(x0, noise)) ** 2)
         if counter["calls"] == nan_on_call:
             loss = loss * float("nan")
@@ -398,7 +399,8 @@ def _deterministic_flow_matching_step(method):
         batch_size, channels, *grid = x0.shape
         cond = x0.new_zeros(batch_size, channels + 1, *grid) if method.uses_condition else None
         prediction = method.roles["model"].model(
-            add_noise(x0, noise, t), t, text["text_emb"], text["text_mask"], text["pooled"], cond=cond)
+            add_noise(x0, noise, t), timestep=t, text_emb=text["text_emb"], text_mask=text["text_mask"],
+            pooled=text["pooled"], cond=cond)
         loss = torch.mean((prediction.float() - velocity_target(x0, noise)) ** 2)
         return {"total_loss": loss}, dict(num_samples=x0.shape[0], num_tokens=0)
 
@@ -451,9 +453,8 @@ def test_unknown_cli_key_names_the_nearest_key():
 # ---- the 1B GPU configs (checked on CPU: loadable, shapes consistent, 1B parameters) --------------------------------
 def test_mmdit_1b_configs_are_consistent():
     from opensora.config import load_config
-    from opensora.registry import MODELS, build_module, import_all_modules
+    from opensora.registry import MODELS, build_module
 
-    import_all_modules()
     real = load_config(ROOT / "configs" / "diffusion" / "train" / "mmdit_1b_256px.py")
     synthetic = load_config(ROOT / "configs" / "diffusion" / "train" / "mmdit_1b_synthetic.py")
     assert real.vae.type == "HunyuanVideoVAE" and real.vae.from_pretrained
@@ -506,9 +507,8 @@ def test_mmdit_1b_synthetic_step_time_and_mfu(tmp_path):
 def test_long_video_config_is_sequence_parallel_ready():
     """The >= 32k-token config: its VAE's latent grid, token counts and heads divide by its sequence-parallel size."""
     from opensora.config import load_config
-    from opensora.registry import MODELS, build_module, import_all_modules
+    from opensora.registry import MODELS, build_module
 
-    import_all_modules()
     cfg = load_config(ROOT / "configs" / "diffusion" / "train" / "mmdit_1b_long_synthetic.py")
     sp = cfg.sequence_parallel_size
     vae = build_module(cfg.vae, MODELS)

@@ -1,9 +1,8 @@
 """Read a role's weights from a training checkpoint directory or a single safetensors file.
 
-A training checkpoint (``{outputs}/checkpoints/step-{step:07d}/``) holds one sub-directory per trained role
-(``model`` for plain training, ``student``/``critic`` for distillation) with ``ema.safetensors`` (rank 0's EMA)
-and ``model/`` (the booster's sharded safetensors with ``model.safetensors.index.json``). Exported files are one
-``.safetensors`` with the resolved config in the metadata (key ``config``).
+A training checkpoint (layout: ``opensora.checkpoint_layout``) holds one sub-directory per trained role with its
+EMA weights and the booster's sharded safetensors. Exported files are one ``.safetensors`` with the resolved
+config in the metadata (key ``config``).
 """
 
 import json
@@ -14,6 +13,8 @@ from typing import Dict, Optional
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+from opensora.checkpoint_layout import CONFIG_FILE, EMA_FILE, META_FILE, MODEL_DIR
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -60,15 +61,16 @@ def load_role_weights(path, role: str = "model", ema: bool = True) -> LoadedWeig
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     role_dir = path / role
     if not role_dir.is_dir():
-        roles = sorted(p.name for p in path.iterdir() if (p / "model").is_dir())
+        roles = sorted(p.name for p in path.iterdir() if (p / MODEL_DIR).is_dir())
         raise FileNotFoundError(f"checkpoint {path} has no role '{role}'; it has {roles}")
-    meta_file = path / "meta.json"
+    meta_file = path / META_FILE
     step = json.loads(meta_file.read_text()).get("step") if meta_file.is_file() else None
-    config_file = path / "config.py"
+    config_file = path / CONFIG_FILE
     config_text = config_file.read_text() if config_file.is_file() else None
-    ema_file = role_dir / "ema.safetensors"
+    ema_file = role_dir / EMA_FILE
     if ema and ema_file.is_file():
         return LoadedWeights(load_file(str(ema_file)), "ema", ema_file, step, config_text, read_metadata(ema_file))
     if ema:
         raise FileNotFoundError(f"{ema_file} missing (trained without EMA?); pass ema=False / --no-ema for raw weights")
-    return LoadedWeights(load_sharded_safetensors(role_dir / "model"), "model", role_dir / "model", step, config_text)
+    model_dir = role_dir / MODEL_DIR
+    return LoadedWeights(load_sharded_safetensors(model_dir), "model", model_dir, step, config_text)

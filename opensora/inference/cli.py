@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from opensora.checkpoint_layout import checkpoint_root, find_latest_checkpoint
 from opensora.config import load_config_from_cli, save_config
 
 logger = logging.getLogger(__name__)
@@ -51,12 +52,10 @@ INFERENCE_FLAGS = {
 
 def resolve_checkpoint(path) -> Path:
     """A checkpoint directory or file as given, or the newest complete checkpoint of a training outputs dir."""
-    from opensora.training.checkpoint import find_latest_checkpoint
-
     if path is None:
         raise SystemExit("--ckpt PATH is required (a checkpoint directory or a .safetensors file)")
     path = Path(path)
-    if path.is_dir() and (path / "checkpoints").is_dir():
+    if path.is_dir() and checkpoint_root(path).is_dir():
         latest = find_latest_checkpoint(path)
         if latest is None:
             raise SystemExit(f"{path} holds no complete checkpoint under checkpoints/")

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from opensora.adapters.mmdit import MMDiTAdapter
 from opensora.convert.weights import LoadedWeights, load_role_weights
 from opensora.datasets.buckets import ASPECT_RATIOS, bucket_size, parse_resolution
 from opensora.diffusion.conditions import (
@@ -44,6 +45,7 @@ from opensora.diffusion.sampling import sample
 from opensora.inference.io import load_reference, to_uint8_frames
 from opensora.models.vae.base import resolve_dtype
 from opensora.registry import MODELS, build_module
+from opensora.role_config import role_configs
 
 REFERENCE_TYPES = CONDITION_TYPES[1:]  # i2v_head, i2v_tail, i2v_loop, v2v_head, v2v_tail
 
@@ -99,17 +101,11 @@ def video_size_for(resolution: str, aspect_ratio=None, size_multiple: int = 16) 
 
 
 def role_model_config(cfg: Mapping, role: str = "model") -> Mapping:
-    """The network config of ``role``: ``cfg.models[role].model`` for multi-role configs, else ``cfg.model``."""
-    models = cfg.get("models")
-    if models:
-        if role not in models:
-            raise KeyError(f"config has no role '{role}' under 'models'; roles: {sorted(models)}")
-        return models[role]["model"]
-    if role != "model":
-        raise KeyError(f"config has a single 'model' (no 'models' dict), so role '{role}' does not exist")
-    if cfg.get("model") is None:
-        raise KeyError("config has neither 'model' nor 'models': nothing to sample with")
-    return cfg["model"]
+    """The network config of ``role`` (``opensora.role_config``: ``models[role]``, or plain training's ``model``)."""
+    roles = role_configs(cfg)
+    if role not in roles:
+        raise KeyError(f"config has no role '{role}'; roles: {sorted(roles)}")
+    return roles[role]["model"]
 
 
 def seeded_noise(seeds: Sequence[int], shape: Sequence[int], device=None) -> torch.Tensor:
@@ -300,11 +296,9 @@ class VideoSampler:
         cond, _ = reference_condition(ref_latent.expand(batch, -1, -1, -1, -1), latent_size[0], cond_type)
         return PreparedCondition(cond, zeros, True)
 
-    def _model_fn(self, x, t, text_emb, text_mask, pooled, cond=None):
-        dtype = self.dtype
+    def _model_fn(self, x, t, cond=None, **text):
         network = self.model if self.accelerator is None else functools.partial(self.accelerator, self.model)
-        return network(x.to(dtype), t.to(dtype), text_emb.to(dtype), text_mask, pooled.to(dtype),
-                       cond=None if cond is None else cond.to(dtype))
+        return MMDiTAdapter.call_network(network, x, t, text, cond, self.dtype)
 
     def denoise(
         self,

@@ -4,17 +4,15 @@ import logging
 import sys
 
 from opensora.config import ConfigKeyError, ConfigValueError, load_config_from_cli
+from opensora.role_config import role_configs
+from opensora.training.defaults import TRAINER_DEFAULTS
 
+_FLAG_SETTINGS = ("outputs", "max_steps", "ckpt_every", "max_minutes", "save_at_end", "profile_steps",
+                  "sequence_parallel_size")
 TRAIN_FLAGS = {
-    "outputs": "outputs/run",
-    "max_steps": 1000,
-    "ckpt_every": 0,
+    **{name: TRAINER_DEFAULTS[name] for name in _FLAG_SETTINGS},
     "load": None,  # a checkpoint directory to resume from
     "resume": None,  # "auto": the newest complete checkpoint under outputs
-    "max_minutes": None,  # wall-clock budget: stop (and save) at the first step past it
-    "save_at_end": True,  # False for throwaway runs (benchmarks): no final checkpoint
-    "profile_steps": None,  # e.g. "{'start': 15, 'steps': 3}": GPU kernel time split, {outputs}/profile/rank{r}.json
-    "sequence_parallel_size": 1,  # ranks that share each sample (MMDiT all-to-all sequence parallelism)
 }
 
 
@@ -23,8 +21,9 @@ def main(argv=None) -> None:
         cfg, args = load_config_from_cli(
             argv, script_flags=TRAIN_FLAGS, prog="train.py",
             description="Train a video diffusion model (flow matching or a distillation method).")
+        role_configs(cfg)  # a role key that would be ignored is reported here, before anything heavy loads
     except (ConfigKeyError, ConfigValueError) as error:
-        # a typo on the command line: one line naming the key (and its nearest match), not a traceback
+        # a typo in the config or on the command line: one line naming the key (and its nearest match)
         raise SystemExit(f"train.py: error: {error}") from None
     if args.load is not None and args.resume is not None:
         raise SystemExit("give either --load DIR or --resume auto, not both")

@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 
 import torch
 
-# Measured bf16 dense matmul ceilings in TFLOP/s (DESIGN.md section 3); unknown devices report no MFU.
+# Measured bf16 dense matmul ceilings in TFLOP/s (README "Notes for GPU users"); unknown devices report no MFU.
 PEAK_TFLOPS = {"H200": 752.0, "H100": 752.0}
 
 

@@ -2,7 +2,7 @@
 
 config -> components (VAE, text conditioner) -> roles (boosted models, optimizers, schedulers, EMAs) -> method
 -> data -> loop. Each micro-step the loop calls ``method.single_train_step(batch, iteration)`` and backwards
-``loss_map["total_loss"]`` through the booster owning the first optimizer of the iteration; at the end of an
+``loss_map["total_loss"]`` into every role whose optimizer steps this iteration (``_backward``); at the end of an
 accumulation window it calls ``method.optimizers_schedulers_step`` and ``method.optimizers_zero_grad``. It never
 looks at which method it runs.
 """
@@ -18,15 +18,18 @@ from tqdm import tqdm
 
 from opensora.config import save_config
 from opensora.datasets.dataloader import build_dataloader
+from opensora.dtypes import resolve_dtype
+from opensora.parallel.sequence_parallel import SequenceParallelModel, build_sequence_groups
 from opensora.registry import DATASETS, METHODS, MODELS, build_module
+from opensora.role_config import role_configs
+from opensora.roles import Components, Role
 from opensora.training import checkpoint as ckpt
+from opensora.training.defaults import TRAINER_DEFAULTS
 from opensora.training.distributed import all_reduce_mean, barrier, init_distributed
 from opensora.training.metrics import MetricsLogger
 from opensora.training.profiling import StepProfiler
-from opensora.models.mmdit.sequence_parallel import build_sequence_groups
 from opensora.training.rng import seed_everything
-from opensora.dtypes import resolve_dtype
-from opensora.training.roles import Components, Role, build_role
+from opensora.training.role_builder import build_role
 from opensora.training.throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
@@ -36,49 +39,29 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-def role_configs(cfg: Config) -> Dict[str, dict]:
-    """``cfg.models`` (distillation), or the single Open-Sora-style ``model`` role built from top-level keys."""
-    if cfg.get("models"):
-        return {name: dict(role) for name, role in cfg.models.items()}
-    optimizer = dict(cfg.get("optimizer", {}))
-    optimizer.setdefault("lr", cfg.lr)
-    ema = None
-    if cfg.get("ema_decay") is not None:
-        ema = dict(decay=cfg.ema_decay, start_step=cfg.get("ema_start_step", 0), warmup=cfg.get("ema_warmup", True))
-    return {
-        "model": dict(
-            model=cfg.model,
-            trainable=True,
-            precision=cfg.get("precision", "bf16"),
-            optimizer=optimizer,
-            warmup_steps=cfg.get("warmup_steps", 0),
-            grad_clip=cfg.get("grad_clip"),
-            ema=ema,
-        )
-    }
-
-
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        role_cfgs = role_configs(cfg)  # config mistakes surface before anything is built
         self.rank, self.world_size, _, self.device = init_distributed()
         self.is_main = self.rank == 0
         # sequence parallelism: groups of `sp_size` consecutive ranks share each sample (same data, same noise)
-        sp_size = int(cfg.get("sequence_parallel_size", 1))
+        sp_size = int(self.setting("sequence_parallel_size"))
         self.sp = build_sequence_groups(sp_size) if sp_size != 1 else None
         self.dp_rank, self.dp_size = self.rank // sp_size, self.world_size // sp_size
-        self.outputs = Path(cfg.outputs)
-        self.max_steps = int(cfg.max_steps)
-        self.grad_accum = int(cfg.get("grad_accum", 1))
-        self.ckpt_every = int(cfg.get("ckpt_every", 0))
-        self.max_consecutive_nonfinite = int(cfg.get("max_consecutive_nonfinite", 5))
+        self.outputs = Path(self.setting("outputs"))
+        self.max_steps = int(self.setting("max_steps"))
+        self.grad_accum = int(self.setting("grad_accum"))
+        self.ckpt_every = int(self.setting("ckpt_every"))
+        self.max_consecutive_nonfinite = int(self.setting("max_consecutive_nonfinite"))
         # wall-clock budget (job time limits, fixed-time benchmarks): stop and save at the first step past it
-        self.max_minutes = None if cfg.get("max_minutes") is None else float(cfg.max_minutes)
+        max_minutes = self.setting("max_minutes")
+        self.max_minutes = None if max_minutes is None else float(max_minutes)
         seed_everything(int(cfg.seed))  # same initial weights on every rank
         if self.is_main:
             save_config(cfg, self.outputs)
 
-        dtype = resolve_dtype(cfg.get("precision", "bf16"))
+        dtype = resolve_dtype(self.setting("precision"))
         vae = build_module(cfg.get("vae"), MODELS)
         text_encoder = build_module(cfg.get("text_encoder"), MODELS)
         vae = vae.to(self.device, dtype).eval().requires_grad_(False) if vae is not None else None
@@ -89,7 +72,7 @@ class Trainer:
 
         self.roles: Dict[str, Role] = {
             name: build_role(name, role_cfg, self.components, cfg.plugin, self.is_main)
-            for name, role_cfg in role_configs(cfg).items()
+            for name, role_cfg in role_cfgs.items()
         }
         self.method = build_module(cfg.method, METHODS, roles=self.roles, components=self.components)
         if self.sp is not None:
@@ -104,23 +87,27 @@ class Trainer:
             seed=int(cfg.seed),
             rank=self.dp_rank,
             world_size=self.dp_size,
-            num_workers=int(cfg.get("num_workers", 2)),
+            num_workers=int(self.setting("num_workers")),
             pin_memory=self.device.type == "cuda",
         )
-        self.metrics = MetricsLogger(self.outputs, enabled=self.is_main, tensorboard=cfg.get("tensorboard", True),
-                                     wandb_cfg=cfg.get("wandb"), run_config=cfg.to_dict())
+        self.metrics = MetricsLogger(self.outputs, enabled=self.is_main, tensorboard=self.setting("tensorboard"),
+                                     wandb_cfg=self.setting("wandb"), run_config=cfg.to_dict())
         self.throughput = ThroughputMeter(self.device, world_size=self.dp_size, ranks_per_sample=sp_size)
-        self.profiler = StepProfiler(cfg.get("profile_steps"), self.outputs, self.rank, self.device)
+        self.profiler = StepProfiler(self.setting("profile_steps"), self.outputs, self.rank, self.device)
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
 
+    def setting(self, name: str):
+        """Top-level config key ``name``, or its default from ``TRAINER_DEFAULTS``."""
+        return self.cfg.get(name, TRAINER_DEFAULTS[name])
+
     def _split_sequences(self) -> None:
         for name, role in self.roles.items():
             module = role.unwrap()
-            if not hasattr(module, "set_sequence_parallel"):
+            if not isinstance(module, SequenceParallelModel):
                 raise ValueError(f"sequence_parallel_size={self.sp.size}: role '{name}' ({type(module).__name__}) "
-                                 "has no set_sequence_parallel")  # fmt: skip
+                                 "is not a SequenceParallelModel")  # fmt: skip
             module.set_sequence_parallel(self.sp)
         if self.is_main:
             logger.info("sequence parallel: %d ranks per sample (roles %s), %d data-parallel ranks", self.sp.size,
@@ -150,7 +137,7 @@ class Trainer:
         return ckpt.save_checkpoint(
             self.outputs, self.step, self.roles,
             extra_state=dict(trainer=trainer_state, data=self.loader.state_dict()),
-            config_text=self.cfg.pretty_text, keep_last=int(self.cfg.get("keep_last", 3)),
+            config_text=self.cfg.pretty_text, keep_last=int(self.setting("keep_last")),
         )
 
     # ---- the loop -------------------------------------------------------------------------------------------
@@ -237,7 +224,7 @@ class Trainer:
             logger.info("max_minutes=%s reached at step %d: saving and stopping", self.max_minutes, self.step)
         self._flush(pending, progress)
         progress.close()
-        if self.cfg.get("save_at_end", True):
+        if self.setting("save_at_end"):
             self.save()
         self.metrics.close()
         barrier()

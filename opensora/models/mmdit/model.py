@@ -12,12 +12,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from opensora.parallel.sequence_parallel import SequenceGroup, SequenceParallelModel, gather_tokens
 from opensora.registry import MODELS
 
+from ..arch import records_arch
 from .attention import check_backend, device_major
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .rope import rope_cos_sin, video_position_ids
-from .sequence_parallel import SequenceGroup, gather_tokens
 
 TIMESTEP_FEATURES = 256
 
@@ -42,7 +43,8 @@ def unpatchify(tokens: torch.Tensor, grid: Sequence[int], patch_size: Sequence[i
 
 
 @MODELS.register_module()
-class MMDiT(nn.Module):
+class MMDiT(nn.Module, SequenceParallelModel):
+    @records_arch  # self.arch: every argument below, to rebuild the model or count its FLOPs (flops.py)
     def __init__(
         self,
         in_channels: int,
@@ -81,15 +83,7 @@ class MMDiT(nn.Module):
             )
         check_backend(attn_backend)
         out_channels = in_channels if out_channels is None else out_channels
-        # Everything needed to rebuild the model or count its FLOPs (see flops.py).
-        self.arch = dict(
-            in_channels=in_channels, out_channels=out_channels, cond_channels=cond_channels,
-            patch_size=tuple(patch_size), hidden_size=hidden_size, num_heads=num_heads,
-            depth_double=depth_double, depth_single=depth_single, mlp_ratio=mlp_ratio, text_dim=text_dim,
-            pooled_dim=pooled_dim, qk_norm=qk_norm, qkv_bias=qkv_bias, guidance_embed=guidance_embed,
-            axes_dims=tuple(axes_dims), theta=theta, attn_backend=attn_backend,
-            grad_ckpt_double=grad_ckpt_double, grad_ckpt_single=grad_ckpt_single, compile_blocks=compile_blocks,
-        )  # fmt: skip
+        self.arch["out_channels"] = out_channels
         self.in_channels, self.out_channels, self.cond_channels = in_channels, out_channels, cond_channels
         self.patch_size = tuple(patch_size)
         self.hidden_size, self.num_heads = hidden_size, num_heads
@@ -121,8 +115,8 @@ class MMDiT(nn.Module):
         self.sp = None
 
     def set_sequence_parallel(self, sp: Optional[SequenceGroup]) -> None:
-        """Split every sample's tokens over the ranks of ``sp`` (sequence_parallel.py); ``None`` turns it off.
-        All ranks of the group must get the same inputs; each returns the whole output."""
+        """Split every sample's tokens over the ranks of ``sp`` (opensora.parallel.sequence_parallel); ``None`` turns
+        it off. All ranks of the group must get the same inputs; each returns the whole output."""
         if sp is not None and sp.size == 1:
             sp = None
         if sp is not None and self.compile_blocks:
@@ -207,6 +201,7 @@ class MMDiT(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        *,
         timestep: torch.Tensor,
         text_emb: torch.Tensor,
         text_mask: Optional[torch.Tensor] = None,
@@ -215,8 +210,20 @@ class MMDiT(nn.Module):
         guidance: Optional[torch.Tensor] = None,
         text_mask_has_padding: Optional[bool] = None,
     ) -> torch.Tensor:
-        """Velocity prediction for ``x``; ``text_mask_has_padding`` (optional) lets a caller that knows whether
-        ``text_mask`` has padded tokens skip inspecting it (a GPU->host sync per step), see ``key_mask``."""
+        """Velocity prediction for ``x``; everything but ``x`` is passed by keyword.
+
+        Args:
+            x: noisy latents ``[B, in_channels, T, H, W]``.
+            timestep: flow-matching time ``[B]`` in [0, 1], 1 is noise.
+            text_emb: text token features ``[B, L, text_dim]``.
+            text_mask: ``[B, L]``, true for real text tokens (None: all real).
+            pooled: pooled text vector ``[B, pooled_dim]`` (required).
+            cond: condition input ``[B, cond_channels, T, H, W]`` (mask channel + masked latents), for a model
+                built with ``cond_channels``.
+            guidance: distilled guidance scale ``[B]``, for a model built with ``guidance_embed``.
+            text_mask_has_padding: lets a caller that knows whether ``text_mask`` has padded tokens skip
+                inspecting it (a GPU->host sync per step), see ``key_mask``.
+        """
         if x.dim() != 5 or x.shape[1] != self.in_channels:
             raise ValueError(f"x must be [B, {self.in_channels}, T, H, W], got {tuple(x.shape)}")
         if pooled is None:
@@ -257,7 +264,7 @@ class MMDiT(nn.Module):
 
     def shard_sequence(self, img, txt, rope, mask):
         """This rank's slices of the text and video tokens, their RoPE angles, and the key mask in the rank-major
-        order the attention sees after the all-to-all (sequence_parallel.py).
+        order the attention sees after the all-to-all (opensora.parallel.sequence_parallel).
 
         Token counts that the group size does not divide are padded at the end of each stream with zero tokens that
         no query may attend to (the key mask hides them; identity RoPE); their outputs are dropped after the
