@@ -2,8 +2,10 @@
 
 A training checkpoint (``{outputs}/checkpoints/step-{step:07d}/``) holds one sub-directory per trained role
 (``model`` for plain training, ``student``/``critic`` for distillation) with ``ema.safetensors`` (rank 0's EMA)
-and ``model/`` (the booster's sharded safetensors with ``model.safetensors.index.json``). Exported files are one
-``.safetensors`` with the resolved config in the metadata (key ``config``).
+and ``model/`` (the booster's sharded safetensors with ``model.safetensors.index.json``) and ``arch.json``
+(the network's keyword arguments, see ``arch.py``). Exported files are one ``.safetensors`` with the architecture in
+the metadata (key ``arch``) and, for the record only, the training config text (key ``config``). Config text is never
+executed here.
 """
 
 import json
@@ -14,6 +16,10 @@ from typing import Dict, Optional
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+from opensora.cli_errors import UserInputError
+
+from .arch import ARCH_FILE, ARCH_KEY, arch_from_json
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -26,16 +32,22 @@ class LoadedWeights:
     step: Optional[int] = None
     config_text: Optional[str] = None  # the training config, when the checkpoint carries one
     metadata: Dict[str, str] = field(default_factory=dict)
+    arch: Optional[dict] = None  # the network's keyword arguments, when the checkpoint records them as JSON
+
+
+def shard_names(directory: Path) -> list:
+    """File names of a sharded safetensors directory's shards (from the index json), or its ``*.safetensors``."""
+    directory = Path(directory)
+    index = directory / INDEX_NAME
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return sorted(p.name for p in directory.glob("*.safetensors"))
 
 
 def load_sharded_safetensors(directory: Path) -> Dict[str, torch.Tensor]:
     """All tensors of a sharded safetensors directory (index json + shards), or a lone ``*.safetensors``."""
     directory = Path(directory)
-    index = directory / INDEX_NAME
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        shards = sorted(p.name for p in directory.glob("*.safetensors"))
+    shards = shard_names(directory)
     if not shards:
         raise FileNotFoundError(f"no safetensors weights in {directory}")
     state = {}
@@ -45,8 +57,15 @@ def load_sharded_safetensors(directory: Path) -> Dict[str, torch.Tensor]:
 
 
 def read_metadata(path: Path) -> Dict[str, str]:
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+    """A safetensors file's string metadata; a ``UserInputError`` when the file is not safetensors at all."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # safetensors raises its own error types for a file of another format
+        raise UserInputError(f"{path} is not a safetensors file ({type(error).__name__}: {error}); give a "
+                             ".safetensors file or a checkpoint directory (.../checkpoints/step-XXXXXXX)") from None
 
 
 def load_role_weights(path, role: str = "model", ema: bool = True) -> LoadedWeights:
@@ -55,7 +74,8 @@ def load_role_weights(path, role: str = "model", ema: bool = True) -> LoadedWeig
     if path.is_file():
         metadata = read_metadata(path)
         step = int(metadata["step"]) if "step" in metadata else None
-        return LoadedWeights(load_file(str(path)), "file", path, step, metadata.get("config"), metadata)
+        arch = arch_from_json(metadata[ARCH_KEY], str(path)) if ARCH_KEY in metadata else None
+        return LoadedWeights(load_file(str(path)), "file", path, step, metadata.get("config"), metadata, arch)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     role_dir = path / role
@@ -66,9 +86,13 @@ def load_role_weights(path, role: str = "model", ema: bool = True) -> LoadedWeig
     step = json.loads(meta_file.read_text()).get("step") if meta_file.is_file() else None
     config_file = path / "config.py"
     config_text = config_file.read_text() if config_file.is_file() else None
+    arch_file = role_dir / ARCH_FILE
+    arch = arch_from_json(arch_file.read_text(), str(arch_file)) if arch_file.is_file() else None
     ema_file = role_dir / "ema.safetensors"
     if ema and ema_file.is_file():
-        return LoadedWeights(load_file(str(ema_file)), "ema", ema_file, step, config_text, read_metadata(ema_file))
+        return LoadedWeights(load_file(str(ema_file)), "ema", ema_file, step, config_text, read_metadata(ema_file),
+                             arch)
     if ema:
         raise FileNotFoundError(f"{ema_file} missing (trained without EMA?); pass ema=False / --no-ema for raw weights")
-    return LoadedWeights(load_sharded_safetensors(role_dir / "model"), "model", role_dir / "model", step, config_text)
+    return LoadedWeights(load_sharded_safetensors(role_dir / "model"), "model", role_dir / "model", step, config_text,
+                         arch=arch)
