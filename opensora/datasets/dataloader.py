@@ -97,10 +97,10 @@ class ResumableDataLoader:
                 yielded = True
                 yield batch
             if fresh and not yielded:
-                examples = "; ".join(f"{path}: {reason}" for path, reason in list(self.bad_paths.items())[:3])
+                example = next(iter(self.bad_paths.items()), None)
                 raise UserInputError(
-                    f"epoch {self.epoch} yielded no batch: every sample planned for it was bad "
-                    f"({len(self.bad_paths)} bad file(s), e.g. {examples or 'none recorded'}); fix or remove them")
+                    f"epoch {self.epoch} yielded no batch: every sample planned for it was bad ({len(self.bad_paths)} "
+                    f"bad file(s), e.g. {': '.join(example) if example else 'none recorded'}); fix or remove them")
             self.set_epoch(self.epoch + 1)
 
     def _record_skips(self, skipped: Sequence[Tuple[str, str]]) -> None:
