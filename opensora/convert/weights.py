@@ -56,6 +56,26 @@ def load_sharded_safetensors(directory: Path) -> Dict[str, torch.Tensor]:
     return state
 
 
+def check_shapes_fit(saved: Dict[str, tuple], module: torch.nn.Module, where, what: str = "model") -> None:
+    """Raise ``UserInputError`` naming the first tensor whose saved shape differs from ``module``'s (with both shapes
+    and how many differ), or the tensors one side lacks. ``saved``: key -> shape (``module.`` prefixes ignored)."""
+    strip = lambda key: key[len("module."):] if key.startswith("module.") else key  # noqa: E731
+    saved = {strip(k): tuple(v) for k, v in saved.items()}
+    ours = {strip(k): tuple(v.shape) for k, v in module.state_dict().items()}
+    differ = [k for k in ours if k in saved and saved[k] != ours[k]]
+    advice = "load it with the config it was trained with"
+    if differ:
+        first = differ[0]
+        raise UserInputError(
+            f"{where} does not fit this {what}: {first} has shape {list(saved[first])} in the checkpoint but "
+            f"{list(ours[first])} in the model built from the config ({len(differ)} tensor(s) differ); {advice}")
+    missing, unexpected = [k for k in ours if k not in saved], [k for k in saved if k not in ours]
+    if missing or unexpected:
+        more = lambda keys: f"{keys[:3]}{' ...' if len(keys) > 3 else ''}"  # noqa: E731
+        raise UserInputError(f"{where} does not fit this {what}: missing {more(missing)}, unexpected "
+                             f"{more(unexpected)}; {advice}")
+
+
 def read_metadata(path: Path) -> Dict[str, str]:
     """A safetensors file's string metadata; a ``UserInputError`` when the file is not safetensors at all."""
     try:

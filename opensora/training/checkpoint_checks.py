@@ -16,12 +16,9 @@ import torch
 
 from opensora.cli_errors import UserInputError
 
-class CheckpointSaveError(UserInputError):
-    """A checkpoint could not be written; the message names the path and the free space there."""
-
-
-def _strip(key: str) -> str:
-    return key[len("module."):] if key.startswith("module.") else key
+class CheckpointSaveError(UserInputError, OSError):
+    """A checkpoint could not be written; the message names the path and the free space there. An ``OSError`` for
+    callers that handle IO failures, and reported by the CLIs like bad input (one line, exit code 2)."""
 
 
 def saved_shapes(model_dir) -> Dict[str, Tuple[int, ...]]:
@@ -35,30 +32,18 @@ def saved_shapes(model_dir) -> Dict[str, Tuple[int, ...]]:
     for shard in shard_names(model_dir):
         with safe_open(str(model_dir / shard), framework="pt") as f:
             for key in f.keys():
-                shapes[_strip(key)] = tuple(f.get_slice(key).get_shape())
+                shapes[key] = tuple(f.get_slice(key).get_shape())
     return shapes
 
 
 def check_model_fits(model_dir, module: torch.nn.Module, what: str = "model") -> None:
     """Raise ``UserInputError`` naming the first tensor whose saved shape differs from ``module``'s (and how
     many differ), or the tensors one side lacks."""
+    from opensora.convert.weights import check_shapes_fit
+
     saved = saved_shapes(model_dir)
-    if not saved:
-        return  # not a safetensors checkpoint: leave it to the booster
-    ours = {_strip(k): tuple(v.shape) for k, v in module.state_dict().items()}
-    differ = [k for k in ours if k in saved and saved[k] != ours[k]]
-    if differ:
-        first = differ[0]
-        raise UserInputError(
-            f"checkpoint {model_dir} does not fit this {what}: {first} has shape {list(saved[first])} in the "
-            f"checkpoint but {list(ours[first])} in the model built from the config ({len(differ)} tensor(s) "
-            "differ); load it with the config it was trained with")
-    missing, unexpected = [k for k in ours if k not in saved], [k for k in saved if k not in ours]
-    if missing or unexpected:
-        raise UserInputError(
-            f"checkpoint {model_dir} does not fit this {what}: missing {missing[:3]}{' ...' if len(missing) > 3 else ''}"
-            f", unexpected {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}; load it with the config it "
-            "was trained with")
+    if saved:  # not a safetensors checkpoint: leave it to the booster
+        check_shapes_fit(saved, module, f"checkpoint {model_dir}", what)
 
 
 def free_bytes(path) -> int:
