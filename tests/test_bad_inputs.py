@@ -38,6 +38,25 @@ def run(script: str, *args, timeout: float = 120) -> subprocess.CompletedProcess
         pytest.fail(f"{script} {args} hung: no result within {timeout} s\n{(expired.stderr or b'')[-3000:]}")
 
 
+@pytest.fixture
+def convert(capsys):
+    """``convert_checkpoint.py ARGS`` called in this process (its ``main``: the same parsing and error handling as the
+    script, without paying a Python start-up per call); returns what ``run`` returns."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / CONVERT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def call(*args):
+        capsys.readouterr()
+        code = module.main([str(a) for a in args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess([sys.executable, CONVERT, *args], code, out.out, out.err)
+
+    return call
+
+
 def assert_refused(result: subprocess.CompletedProcess, *phrases: str) -> str:
     """Exit code 2, no traceback, and one ``prog: error:`` line on stderr holding every phrase."""
     log = result.stderr[-4000:]
@@ -236,6 +255,14 @@ def test_inference_bad_flags_are_one_line(tmp_path, flags, phrases):
     assert file.read_bytes() == b"not a directory"
 
 
+def test_inference_with_other_shapes_names_the_first_mismatching_tensor(work, tmp_path):
+    before = snapshot(work["run"])
+    assert_refused(run(SAMPLE, SAMPLE_CONFIG, "--ckpt", work["run"], "--prompt", "a red circle", "--save-dir",
+                       tmp_path / "samples", "--model.mlp_ratio", "2.0", timeout=180),
+                   "does not fit", "has shape [512, 128] in the checkpoint but [256, 128] in the model")
+    assert snapshot(work["run"]) == before
+
+
 def test_inference_missing_config(tmp_path):
     assert_refused(run(SAMPLE, tmp_path / "missing.py", "--prompt", "x"), "config file not found", "missing.py")
 
@@ -264,20 +291,20 @@ def _tiny_model(seed=0, **overrides):
     return model
 
 
-def test_converter_refuses_files_that_are_not_safetensors_and_keeps_dst(tmp_path):
+def test_converter_refuses_files_that_are_not_safetensors_and_keeps_dst(tmp_path, convert):
     bogus = tmp_path / "model.pt"
     bogus.write_bytes(b"\x80\x02not safetensors at all")
     assert_refused(run(CONVERT, bogus, tmp_path / "out.safetensors"), "model.pt is not a safetensors file")
-    assert_refused(run(CONVERT, "inspect", bogus), "is not a safetensors file")
-    assert_refused(run(CONVERT, tmp_path / "missing", tmp_path / "out.safetensors"), "does not exist")
+    assert_refused(convert("inspect", bogus), "is not a safetensors file")
+    assert_refused(convert(tmp_path / "missing", tmp_path / "out.safetensors"), "does not exist")
     src, dst = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     save_file(_tiny_model().state_dict(), str(src))
     dst.write_bytes(b"precious")
-    assert_refused(run(CONVERT, src, dst), "already exists", "--overwrite")
+    assert_refused(convert(src, dst), "already exists", "--overwrite")
     assert dst.read_bytes() == b"precious"
 
 
-def test_a_checkpoint_cannot_run_code(tmp_path):
+def test_a_checkpoint_cannot_run_code(tmp_path, convert):
     from opensora.convert.arch import arch_to_json
 
     marker = tmp_path / "PWNED"
@@ -289,21 +316,21 @@ def test_a_checkpoint_cannot_run_code(tmp_path):
     assert run(CONVERT, "inspect", crafted).returncode == 0
     assert_refused(run(CONVERT, crafted, tmp_path / "flux", "--to", "diffusers"),
                    "only config text", "never run", "--config")
-    assert run(CONVERT, crafted, tmp_path / "os2.safetensors", "--to", "opensora2").returncode == 0
-    assert_refused(run(CONVERT, tmp_path / "os2.safetensors", tmp_path / "back.safetensors", "--from", "opensora"),
+    assert convert(crafted, tmp_path / "os2.safetensors", "--to", "opensora2").returncode == 0
+    assert_refused(convert(tmp_path / "os2.safetensors", tmp_path / "back.safetensors", "--from", "opensora"),
                    "--axes-dims")  # no arch record: the RoPE split must be given, never guessed
     assert not marker.exists()
 
     # the same file with a JSON architecture converts, and still never runs its config text
     with_arch = tmp_path / "with_arch.safetensors"
     save_file(model.state_dict(), str(with_arch), metadata={"config": payload, "arch": arch_to_json(model.arch)})
-    assert run(CONVERT, with_arch, tmp_path / "flux2", "--to", "diffusers").returncode == 0
+    assert convert(with_arch, tmp_path / "flux2", "--to", "diffusers").returncode == 0
     assert (tmp_path / "flux2" / "config.json").is_file() and not marker.exists()
 
     # --config: the user's own config file gives the architecture for an old file
     own = tmp_path / "own.py"
     own.write_text(f"model = dict(type='MMDiT', **{TINY!r})\n")
-    assert run(CONVERT, crafted, tmp_path / "flux3", "--to", "diffusers", "--config", own).returncode == 0
+    assert convert(crafted, tmp_path / "flux3", "--to", "diffusers", "--config", own).returncode == 0
     assert not marker.exists()
 
 
@@ -388,3 +415,25 @@ def test_opensora2_export_computes_upstreams_attention(tmp_path, pairing):
                           rope_pairing=pairing)
     restored = load_file(str(back.path))
     assert set(restored) == set(ours) and all(torch.equal(restored[k], ours[k]) for k in ours)
+
+
+# ---- README launch lines work after `make venv` -------------------------------------------------------------------
+def test_readme_activates_the_venv_before_colossalai_run(tmp_path):
+    """The README's first command block activates .venv before any launch line; with only the activation on PATH,
+    ``colossalai run`` finds torchrun and reaches our script (which then reports its own one-line error)."""
+    from dist_utils import find_free_port
+
+    block = (ROOT / "README.md").read_text().split("## Everyday commands", 1)[1].split("```bash", 1)[1].split("```")[0]
+    lines = [line for line in block.splitlines() if line and not line.startswith("#")]
+    assert lines[0].startswith(". .venv/bin/activate"), lines[0]
+    venv_bin = Path(sys.executable).parent
+    if not (venv_bin / "activate").is_file() or not (venv_bin / "colossalai").is_file():
+        pytest.skip("not running from a venv with the colossalai CLI")
+    command = (f". {venv_bin / 'activate'} && cd {ROOT} && colossalai run --nproc_per_node 1 --master_port "
+               f"{find_free_port()} {TRAIN} {tmp_path / 'missing.py'}")
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", str(tmp_path)), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=180)
+    output = result.stdout + result.stderr
+    assert "command not found" not in output, output[-3000:]
+    assert "train.py: error: config file not found" in output, output[-3000:]
