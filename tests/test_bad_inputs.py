@@ -417,6 +417,14 @@ def test_opensora2_export_computes_upstreams_attention(tmp_path, pairing):
     assert set(restored) == set(ours) and all(torch.equal(restored[k], ours[k]) for k in ours)
 
 
+# ---- the other tools take bad input the same way ------------------------------------------------------------------
+def test_dataset_and_eval_tools_refuse_in_one_line(work, tmp_path):
+    assert_refused(run("tools/make_demo_dataset.py", "--out", tmp_path / "d", "--num", "0"), "need num >= 1")
+    assert_refused(run("tools/eval_moving_shapes.py", tmp_path / "samples.csv"), "samples.csv")
+    assert_refused(run("tools/eval_moving_shapes.py", work["data"] / "header_only.csv", "--no-progress"),
+                   "header_only.csv lists no videos")
+
+
 # ---- README launch lines work after `make venv` -------------------------------------------------------------------
 def test_readme_activates_the_venv_before_colossalai_run(tmp_path):
     """The README's first command block activates .venv before any launch line; with only the activation on PATH,
