@@ -16,9 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from opensora import dtypes
-from opensora.dtypes import SHORT_NAMES
-
 from opensora.cli_errors import UserInputError
+from opensora.dtypes import SHORT_NAMES
 
 from . import diffusers_flux, opensora2
 from .arch import ARCH_KEY, arch_from_config_file, arch_from_json, arch_to_json, no_arch_error
