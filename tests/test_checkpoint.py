@@ -153,7 +153,7 @@ def test_rng_state_restored_per_rank(runs):
 def test_crash_mid_save_keeps_previous_checkpoint(runs):
     _, per_rank = runs["fp32"]
     for r in per_rank:
-        assert r["crash"] == "disk full (simulated)"
+        assert "disk full (simulated)" in r["crash"] and "bytes free" in r["crash"]
         assert r["latest_after_crash"] == r["saved"]
         assert r["latest_after_crash"].endswith("step-0000003")
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from opensora.checkpoint_layout import checkpoint_root, find_latest_checkpoint
+from opensora.cli_errors import UserInputError, check_range, run_cli
 from opensora.config import load_config_from_cli, save_config
 
 logger = logging.getLogger(__name__)
@@ -83,10 +84,31 @@ def _steps_record(args) -> dict:
     return dict(num_steps=int(args.num_steps), step_list=None)
 
 
+def check_inference_flags(args) -> None:
+    """Range and choice checks of the flags, before any model is built."""
+    from opensora.diffusion.conditions import CONDITION_TYPES
+
+    check_range("num_steps", args.num_steps, 1, integer=True)
+    check_range("seed", args.seed, 0, 2**32 - 1, integer=True)
+    check_range("batch_size", args.batch_size, 1, integer=True)
+    check_range("num_frames", args.num_frames, 1, integer=True)
+    check_range("fps", args.fps, 0.001)
+    check_range("guidance_scale", args.guidance_scale, 0)
+    check_range("image_guidance_scale", args.image_guidance_scale, 0)
+    if args.cond_type not in CONDITION_TYPES:
+        raise UserInputError(f"--cond-type {args.cond_type!r} is not one of {', '.join(CONDITION_TYPES)}")
+    if args.ref is not None and not Path(str(args.ref)).is_file():
+        raise UserInputError(f"--ref {args.ref}: no such file")
+    save_dir = Path(str(args.save_dir))
+    if save_dir.exists() and not save_dir.is_dir():
+        raise UserInputError(f"--save-dir {save_dir} is a file; give a directory (it is created if missing)")
+
+
 def main(argv=None) -> list:
     """Run the sampling CLI; returns the written sample paths."""
     cfg, args = load_config_from_cli(argv, script_flags=INFERENCE_FLAGS, prog="inference.py",
                                      description="Sample videos from a trained (or distilled) model.")
+    check_inference_flags(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
     from opensora.inference.pipeline import VideoSampler, video_size_for
@@ -97,9 +119,12 @@ def main(argv=None) -> list:
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(str(error)) from None
     ckpt = resolve_checkpoint(args.ckpt)
-    step_list = parse_step_list(args.step_list)
+    try:
+        step_list = parse_step_list(args.step_list)
+        height, width = video_size_for(str(args.resolution), args.aspect_ratio)
+    except ValueError as error:
+        raise UserInputError(f"--step-list / --resolution / --aspect-ratio: {error}") from None
     args.step_list = step_list
-    height, width = video_size_for(str(args.resolution), args.aspect_ratio)
     num_frames = int(args.num_frames)
     batch_size = max(1, int(args.batch_size))
     save_dir = Path(args.save_dir)
@@ -150,4 +175,4 @@ def main(argv=None) -> list:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_cli(main, sys.argv[1:], prog="inference.py"))

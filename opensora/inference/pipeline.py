@@ -32,7 +32,7 @@ from torch import nn
 from tqdm import tqdm
 
 from opensora.adapters.mmdit import MMDiTAdapter
-from opensora.convert.weights import LoadedWeights, load_role_weights
+from opensora.convert.weights import LoadedWeights, check_shapes_fit, load_role_weights
 from opensora.datasets.buckets import ASPECT_RATIOS, bucket_size, parse_resolution
 from opensora.diffusion.conditions import (
     CONDITION_TYPES,
@@ -196,11 +196,9 @@ class VideoSampler:
         ``ema=False``; or one safetensors file), strictly loaded; autoencoder and text conditioner from ``cfg``."""
         model = build_module(role_model_config(cfg, role), MODELS)
         weights = load_role_weights(ckpt, role=role, ema=ema)
-        try:
-            model.load_state_dict(weights.state_dict, strict=True)
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"weights in {weights.path} do not fit the '{role}' network of this config: {error}") from None
+        check_shapes_fit({k: v.shape for k, v in weights.state_dict.items()}, model, f"weights in {weights.path}",
+                         f"'{role}' network of this config")  # names the first mismatching tensor, one line
+        model.load_state_dict(weights.state_dict, strict=True)
         device = resolve_device(device)
         dtype = resolve_sampling_dtype(dtype, device)
         home = torch.device("cpu") if offload and device.type != "cpu" else device  # of the frozen helpers

@@ -1,7 +1,20 @@
 """Atomic, resumable step checkpoints written through the Booster.
 
-One directory per trainable role; the layout (names, marker, newest-checkpoint lookup) is
-``opensora.checkpoint_layout``, shared with inference and the converter.
+One directory per trainable role (``model`` for plain training; ``student``, ``critic``... for
+distillation). Layout of one checkpoint, ``{outputs}/checkpoints/step-{step:07d}/`` (names, marker and
+newest-checkpoint lookup: ``opensora.checkpoint_layout``, shared with inference and the converter)::
+
+    {role}/model/          booster.save_model(shard=True, safetensors)       all ranks take part
+    {role}/optimizer/      booster.save_optimizer(shard=True)                all ranks take part
+    {role}/lr_scheduler.pt booster.save_lr_scheduler                         (if a scheduler is given)
+    {role}/ema.safetensors EMA weights, written by rank 0                    (if an EMA is given)
+    {role}/arch.json       the network's keyword arguments as JSON, rank 0   (if the model records ``arch``)
+    {role}/master/rank{r}.pt fp32 master weights held by rank r's optimizer  (bf16/fp16 training only)
+    extra_state.pt         caller's dict (sampler state, {step, epoch, ...}), rank 0, tensors/plain types
+    rng/rank{r}.pt         python/numpy/torch(/cuda) RNG state of every rank r
+    config.py              the resolved config text, for people to read      (if given; never executed on load)
+    meta.json              step, world size, time
+    COMPLETE               completion marker, written last
 
 Every rank writes into a hidden sibling ``.tmp-step-{step:07d}``; after a barrier rank 0 writes the marker and
 renames the directory into place (``os.replace`` is atomic on one filesystem), so a crash mid-save leaves the
@@ -41,6 +54,7 @@ from opensora.checkpoint_layout import (
     list_checkpoints,
 )
 
+from .checkpoint_checks import any_rank_failed, check_model_fits, save_failure
 from .distributed import barrier, broadcast_object, get_rank, get_world_size
 from .rng import get_rng_state, set_rng_state
 
@@ -155,6 +169,11 @@ def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int) -> None
         booster.save_lr_scheduler(role.lr_scheduler, str(directory / "lr_scheduler.pt"))
     if rank == 0 and role.ema is not None:
         role.ema.save(directory / EMA_FILE)
+    arch = getattr(role.unwrap(), "arch", None) if hasattr(role, "unwrap") else None
+    if rank == 0 and isinstance(arch, dict):  # the architecture as JSON: reading a checkpoint never runs its config
+        from opensora.convert.arch import ARCH_FILE, arch_to_json
+
+        (directory / ARCH_FILE).write_text(arch_to_json(arch) + "\n")
 
 
 def save_checkpoint(
@@ -189,14 +208,22 @@ def save_checkpoint(
             (tmp / name / "master").mkdir(parents=True)
     barrier()
 
-    for name, role in trained.items():
-        _save_role(role, tmp / name, rank, size_per_shard_mb)
-    torch.save(get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    if rank == 0:
-        torch.save(dict(extra_state or {}), tmp / "extra_state.pt")
-        if config_text is not None:
-            (tmp / CONFIG_FILE).write_text(config_text)
-    barrier()
+    error = None
+    try:
+        for name, role in trained.items():
+            _save_role(role, tmp / name, rank, size_per_shard_mb)
+        torch.save(get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        if rank == 0:
+            torch.save(dict(extra_state or {}), tmp / "extra_state.pt")
+            if config_text is not None:
+                (tmp / CONFIG_FILE).write_text(config_text)
+    except Exception as failed:  # disk full, quota, permissions...: every rank stops, the tmp dir goes at once
+        error = failed
+    if any_rank_failed(error):  # a collective: also the barrier that ends the writing phase
+        failure = save_failure(tmp, final, error or OSError("another rank failed to write its part"))
+        if error is not None and not isinstance(error, OSError):
+            raise error  # not an IO problem: keep the original error (the tmp dir is gone already)
+        raise failure from error
 
     if rank == 0:
         meta = {"step": int(step), "world_size": world_size, "roles": sorted(trained),
@@ -222,6 +249,7 @@ def _load_role(name: str, role, directory: Path, saved_world_size: int, load_opt
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint has no role '{name}' (expected {directory})")
     booster, model, optimizer = role.booster, role.model, role.optimizer
+    check_model_fits(directory / MODEL_DIR, role.unwrap() if hasattr(role, "unwrap") else model, f"'{name}' network")
     booster.load_model(model, str(directory / MODEL_DIR))
     if load_optimizer and optimizer is not None:
         booster.load_optimizer(optimizer, str(directory / "optimizer"))

@@ -52,10 +52,11 @@ def load_initial_weights(model: nn.Module, init_from) -> None:
     Distillation starts student, critic and teacher from a trained model this way; loading is strict, so an
     architecture mismatch fails here with the offending keys, not later as a silent partial load.
     """
-    from opensora.convert.weights import load_role_weights
+    from opensora.convert.weights import check_shapes_fit, load_role_weights
 
     spec = dict(init_from) if isinstance(init_from, Mapping) else {"path": init_from}
     weights = load_role_weights(spec.pop("path"), **spec)
+    check_shapes_fit({k: v.shape for k, v in weights.state_dict.items()}, model, f"init_from {weights.path}")
     model.load_state_dict(weights.state_dict, strict=True)
 
 

@@ -230,10 +230,8 @@ class Trainer:
         barrier()
 
     def _batches(self):
-        """Endless iterator over epochs; the loader knows where a resumed run left off."""
-        while True:
-            yield from self.loader
-            self.loader.set_epoch(self.loader.epoch + 1)
+        """Endless iterator over epochs; the loader knows where a resumed run left off (and stops on an empty one)."""
+        return self.loader.batches_forever()
 
     def _handle_nonfinite(self, iteration: int) -> None:
         self.method.optimizers_zero_grad(iteration)
