@@ -8,7 +8,7 @@ import torch
 from dist_utils import run_distributed
 from opensora.diffusion.guidance import text_cfg
 from opensora.methods.causal import cfg_scale_to_dmd_guidance, dmd_guidance_to_cfg_scale, shared_randint
-from opensora.registry import METHODS, build_module
+from opensora.registry import METHODS, MODELS, build_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
@@ -32,8 +32,11 @@ def test_methods_refuse_the_ambiguous_guidance_key():
             build_module(dict(type=name, guidance_scale=4.0), METHODS, roles=make_dmd2_roles(),
                          components=make_components())
         method = build_module(dict(type=name, real_guidance_scale=4.0, num_frames_per_chunk=2), METHODS,
-                              roles=make_dmd2_roles(), components=make_components())
+                              roles=causal_student(make_dmd2_roles(), 2), components=make_components())
         assert method.real_guidance_scale == 4.0 == method.guidance_scale  # DMD2 applies it with text_cfg
+        with pytest.raises(ValueError, match="causal_chunk_frames=2"):  # the student must be built causal
+            build_module(dict(type=name, num_frames_per_chunk=2), METHODS, roles=make_dmd2_roles(),
+                         components=make_components())
 
 
 # ---- exit step: drawn on rank 0, broadcast, RNG streams advance alike -------------------------------------------
@@ -71,9 +74,9 @@ class SpyCache:
 
 
 class StreamingSpy:
-    """Wraps an adapter's streaming calls and records each one. Without a real streaming network
-    (``fake=True``) a chunk is predicted by the full forward on the chunk alone (context ignored): enough to
-    check the policy, which never looks at the network."""
+    """Wraps an adapter's streaming calls and records each one. With ``fake=True`` a chunk is predicted by the
+    full forward on the chunk alone and the cache only records what is stored (context ignored): enough to check
+    the policy, which never looks at the network; ``fake=False`` runs the real KV cache."""
 
     def __init__(self, adapter, fake):
         self.adapter, self.fake, self.calls, self.caches = adapter, fake, [], []
@@ -101,21 +104,32 @@ class StreamingSpy:
         return out
 
 
+def causal_student(roles, chunk):
+    """Replace the student by a causal network with the teacher's weights (same parameters, causal attention)."""
+    from test_methods_framework import TINY_MMDIT, make_role
+
+    network = build_module(dict(TINY_MMDIT, causal_chunk_frames=chunk), MODELS)
+    network.load_state_dict(roles["teacher"].unwrap().state_dict())
+    roles["student"] = make_role("student", network, True)
+    return roles
+
+
 def make_self_forcing(fake=True, **kwargs):
     from test_methods_framework import make_components, make_dmd2_roles
 
-    roles = make_dmd2_roles()
     cfg = dict(type="SelfForcing", step_list=[1.0, 0.75, 0.5, 0.25], num_frames_per_chunk=1, real_guidance_scale=2.0)
     cfg.update(kwargs)
+    roles = causal_student(make_dmd2_roles(), cfg["num_frames_per_chunk"])
     method = build_module(cfg, METHODS, roles=roles, components=make_components())
     return method, roles, StreamingSpy(method.adapter, fake)
 
 
+@pytest.mark.parametrize("fake", [True, False], ids=["spy", "kv_cache"])
 @pytest.mark.parametrize("exit_index", [0, 2, 3])
-def test_only_the_exit_step_keeps_a_graph_and_the_cache_is_refilled_with_clean_x0(exit_index):
+def test_only_the_exit_step_keeps_a_graph_and_the_cache_is_refilled_with_clean_x0(exit_index, fake):
     from test_methods_framework import tiny_batch
 
-    method, _, spy = make_self_forcing()
+    method, _, spy = make_self_forcing(fake=fake)
     batch = method.adapter.prepare_batch(tiny_batch(2))
     torch.manual_seed(0)
     video = method.rollout_chunks(method.adapter.noise(batch), batch, exit_index, with_grad=True)
@@ -138,7 +152,8 @@ def test_only_the_exit_step_keeps_a_graph_and_the_cache_is_refilled_with_clean_x
             refill = calls[exit_index + 1]
             assert refill["store"] and not refill["grad"] and not refill["graph"] and refill["t"] == 0.0
             torch.testing.assert_close(refill["input"], exit_call["output"])
-    assert len(spy.caches) == 1 and spy.caches[0].cleared
+    cache = spy.caches[0]
+    assert len(spy.caches) == 1 and (cache.cleared if fake else cache.num_frames == 0)  # emptied after the rollout
     # the whole video's DMD gradient reaches the student through the exit steps only
     video.sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in method.student.unwrap().parameters())
@@ -202,3 +217,28 @@ def test_generate_draws_one_exit_step_and_trains_through_the_dmd2_step():
         assert ("generator_loss" in loss_map) == (iteration % 2 == 0)
         assert set(grad_norms) == ({"critic", "student"} if iteration % 2 == 0 else {"critic"})
         assert torch.isfinite(loss_map["total_loss"])
+
+
+def test_rollout_context_is_the_cache_of_earlier_clean_chunks():
+    """Real KV cache: a chunk's prediction depends on the chunks before it (through the cache), and the cache
+    holds exactly the chunks stored so far when the next chunk is predicted."""
+    from test_methods_framework import tiny_batch
+
+    method, _, spy = make_self_forcing(fake=False)
+    seen = []
+    predict = spy.predict
+
+    def recording(handle, noisy, t, batch, cache, start_frame, store_kv, conditional=True):
+        seen.append((start_frame, store_kv, cache.num_frames))
+        return predict(handle, noisy, t, batch, cache, start_frame, store_kv, conditional)
+
+    method.adapter.predict_x0_streaming = recording
+    batch = method.adapter.prepare_batch(tiny_batch(1))
+    noise = method.adapter.noise(batch)
+    video = method.rollout_chunks(noise, batch, 1, with_grad=False)
+    # before chunk c (its steps and its refill) the cache holds frames 0 .. c-1
+    assert all(held == start for start, _, held in seen)
+    # the same last-chunk noise after different earlier chunks gives a different last chunk
+    other = noise.clone()
+    other[:, :, :3] = torch.randn_like(other[:, :, :3])
+    assert not torch.allclose(method.rollout_chunks(other, batch, 1, with_grad=False)[:, :, 3], video[:, :, 3])
