@@ -13,11 +13,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 STEPS = [1.0, 0.75, 0.5, 0.25]
 
 
-def make_ode_init(**kwargs):
-    from test_methods_framework import make_components, make_dmd2_roles
+def make_ode_init(causal_chunk_frames=0, **kwargs):
+    from test_methods_framework import TINY_MMDIT, make_components, make_dmd2_roles, make_role
+
+    from opensora.registry import MODELS
 
     roles = make_dmd2_roles()
     del roles["critic"]
+    if causal_chunk_frames:  # a causal student with the teacher's weights
+        network = build_module(dict(TINY_MMDIT, causal_chunk_frames=causal_chunk_frames), MODELS)
+        network.load_state_dict(roles["teacher"].unwrap().state_dict())
+        roles["student"] = make_role("student", network, True)
     cfg = dict(type="CausalODEInit", step_list=STEPS, teacher_num_steps=6, teacher_guidance_scale=3.0)
     cfg.update(kwargs)
     return build_module(cfg, METHODS, roles=roles, components=make_components()), roles
@@ -102,3 +108,27 @@ def test_pair_cache_is_rebuilt_identically_whatever_the_global_rng():
         assert caches[0][key].shape[0] == 5 and torch.equal(caches[0][key], caches[1][key])
     with pytest.raises(ValueError, match="prompts"):
         make_ode_init(pairs="cache")
+
+
+def test_independent_chunk_times_take_each_chunk_from_its_own_trajectory_state():
+    """Causal student, chunks of 2 of the 4 latent frames: every chunk's frames come from the ODE state at its own
+    step, the network gets t [B, num_chunks], and the x0 loss is computed frame by frame."""
+    from test_methods_framework import tiny_batch, trainer_like_step
+
+    method, roles = make_ode_init(causal_chunk_frames=2, num_frames_per_chunk=2)
+    batch = method.adapter.prepare_batch(tiny_batch(2))
+    torch.manual_seed(3)
+    states, final = method.teacher_trajectory(method.adapter.noise(batch), batch)
+    torch.manual_seed(3)
+    x_t, t, x0, _, index = method.ode_pairs(batch)
+    assert index.shape == t.shape == (2, 2) and torch.equal(x0, final)
+    for b in range(2):
+        for c in range(2):
+            frames = slice(2 * c, 2 * c + 2)
+            torch.testing.assert_close(x_t[b, :, frames], states[int(index[b, c])][b, :, frames])
+            assert float(t[b, c]) == STEPS[int(index[b, c])]
+    assert method.frame_times(t, x_t).shape == (2, 1, 4, 1, 1)
+    with pytest.raises(ValueError, match="causal_chunk_frames"):
+        make_ode_init(num_frames_per_chunk=2)  # a bidirectional student
+    loss_map, _, grad_norms = trainer_like_step(method, roles, tiny_batch(2), 0)
+    assert torch.isfinite(loss_map["total_loss"]) and grad_norms["student"] > 0

@@ -13,11 +13,17 @@ One iteration:
    ``teacher_num_steps`` steps *merged with the student's step times*, so the trajectory passes exactly through
    every time ``t_k`` of ``step_list``. It records ``x_{t_k}`` (``t_0 = 1``: the noise itself) and the final
    sample ``x0_T``.
-2. Regression. Each sample draws a step index ``k`` (global torch RNG); the student's *full causal forward*
-   (every chunk at ``t_k``, chunk ``c`` attending to chunks ``<= c``) on ``x_{t_k}`` predicts ``x0`` (or the
-   velocity); the loss is the float32 MSE against the teacher's ``x0_T`` (``target="x0"``) or against the
-   velocity that lands on it, ``(x_{t_k} - x0_T) / t_k`` (``target="velocity"``). Both have the same minimiser;
-   the x0 loss weights all steps equally in x0 space.
+2. Regression. Step indices ``k`` are drawn from the global torch RNG: with a causal student
+   (``num_frames_per_chunk`` set) and ``chunk_timesteps="independent"`` (default, CausVid) one per sample *and
+   chunk*, chunk ``c``'s frames taken from the trajectory at ``t_{k_c}``; with ``"shared"`` (or a bidirectional
+   student) one per sample. One *full causal forward* of the student (chunk ``c`` attends to the text and chunks
+   ``<= c``, each chunk at its own time: the network takes ``t`` [B, num_chunks]) predicts the velocity, turned
+   into ``x0 = x_t - t v`` frame by frame; the loss is the float32 MSE against the teacher's ``x0_T``
+   (``target="x0"``) or of the velocity against the one that lands on it, ``(x_t - x0_T) / t``
+   (``target="velocity"``). Both have the same minimiser; the x0 loss weights all steps equally in x0 space.
+   Independent chunk times teach the student to denoise a chunk whatever the noise level of its context
+   (CausVid's recipe); the clean (t = 0) context that streaming inference puts in the KV cache never appears
+   here -- that train/test gap is what Self-Forcing closes.
 
 Pairs: ``pairs="regenerate"`` (default) integrates a fresh trajectory per micro-step from the global torch RNG
 (seeded per data-parallel rank by the trainer and restored on resume, so resuming is exact). ``pairs="cache"``
@@ -36,11 +42,12 @@ import torch.nn.functional as F
 from opensora.diffusion.guidance import text_cfg
 from opensora.diffusion.sampling import euler_step, timesteps_for_sampling, timesteps_from_list
 from opensora.methods.base import MissingRoleError, TrainingMethod
-from opensora.methods.causal import check_causal_student
+from opensora.methods.causal import check_causal_student, num_chunks
 from opensora.registry import ADAPTERS, METHODS, build_module
 
 TARGETS = ("x0", "velocity")
 PAIR_MODES = ("regenerate", "cache")
+CHUNK_TIMESTEPS = ("independent", "shared")
 
 
 def merged_schedule(teacher_times: torch.Tensor, student_times: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
@@ -70,6 +77,7 @@ class CausalODEInit(TrainingMethod):
         prompts: Optional[Sequence[str]] = None,
         num_cached_pairs: int = 64,
         pair_seed: int = 1234,
+        chunk_timesteps: str = "independent",
         adapter: Optional[Mapping] = None,
     ):
         super().__init__(roles, components)
@@ -89,6 +97,10 @@ class CausalODEInit(TrainingMethod):
             None if num_frames_per_chunk is None
             else check_causal_student("CausalODEInit", self.student, num_frames_per_chunk)
         )
+        if chunk_timesteps not in CHUNK_TIMESTEPS:
+            raise ValueError(f"CausalODEInit: chunk_timesteps must be one of {CHUNK_TIMESTEPS}, got {chunk_timesteps!r}")
+        # a bidirectional student (no num_frames_per_chunk) has no chunks: one time per sample
+        self.chunk_timesteps = "shared" if self.num_frames_per_chunk is None else chunk_timesteps
         self.step_times = timesteps_from_list(step_list)  # with the final 0
         self.num_student_steps = len(self.step_times) - 1
         self.teacher_num_steps = int(teacher_num_steps)
@@ -155,12 +167,21 @@ class CausalODEInit(TrainingMethod):
         return cache
 
     # ---- one micro-step -------------------------------------------------------------------------------------
+    def draw_step_indices(self, batch_size: int, num_frames: int) -> torch.Tensor:
+        """Student step index per sample ``[B]`` or, with ``chunk_timesteps="independent"``, per sample and chunk
+        ``[B, num_chunks]`` (global torch RNG)."""
+        if self.chunk_timesteps == "shared":
+            return torch.randint(0, self.num_student_steps, (batch_size,))
+        return torch.randint(0, self.num_student_steps, (batch_size, num_chunks(num_frames, self.num_frames_per_chunk)))
+
     def ode_pairs(self, prepared):
-        """``(x_t, t, x0_teacher, batch, index)`` for this micro-step: per sample a random student step index."""
+        """``(x_t, t, x0_teacher, batch, index)`` for this micro-step: ``x_t`` is the teacher's ODE state at the
+        student time ``t = step_times[index]`` (per sample ``[B]``, or per chunk ``[B, num_chunks]`` with each
+        chunk's frames taken from the trajectory at its own time)."""
         b = prepared.batch_size
         if self.pairs == "regenerate":
             states, final = self.teacher_trajectory(self.adapter.noise(prepared), prepared)
-            stacked = torch.stack(states, dim=1)
+            stacked = torch.stack(states, dim=1)  # [B, K, C, T, H, W]
             batch = prepared
         else:
             cache = self._cached_pairs(prepared)
@@ -168,21 +189,38 @@ class CausalODEInit(TrainingMethod):
             stacked = cache["states"][rows.to(cache["states"].device)]
             final = cache["final"][rows.to(cache["final"].device)]
             batch = dataclasses.replace(prepared, text={k: v[rows.to(v.device)] for k, v in cache["text"].items()})
-        index = torch.randint(0, self.num_student_steps, (b,))
-        x_t = stacked[torch.arange(b), index.to(stacked.device)]
-        t = self.step_times[index].to(x_t.device)
+        num_frames = stacked.shape[3]
+        index = self.draw_step_indices(b, num_frames)
+        device = stacked.device
+        if index.dim() == 1:
+            x_t = stacked[torch.arange(b, device=device), index.to(device)]
+        else:  # per frame: the step index of its chunk
+            frame_index = index.repeat_interleave(self.num_frames_per_chunk, dim=1).to(device)  # [B, T]
+            per_frame = stacked.permute(0, 3, 1, 2, 4, 5)  # [B, T, K, C, H, W]
+            rows = torch.arange(b, device=device)[:, None]
+            frames = torch.arange(num_frames, device=device)[None, :]
+            x_t = per_frame[rows, frames, frame_index].permute(0, 2, 1, 3, 4)  # [B, C, T, H, W]
+        t = self.step_times[index].to(device)
         return x_t, t, final, batch, index
+
+    def frame_times(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``t`` [B] or [B, num_chunks] as a tensor broadcasting over ``like`` [B, C, T, H, W] frame by frame."""
+        if t.dim() == 1:
+            return t.view(-1, 1, 1, 1, 1)
+        return t.repeat_interleave(self.num_frames_per_chunk, dim=1)[:, None, :, None, None]
 
     def single_train_step(self, batch: Mapping, iteration: int):
         prepared = self.adapter.prepare_batch(batch)
         x_t, t, x0_teacher, batch_used, index = self.ode_pairs(prepared)
+        x_t, x0_teacher = x_t.float(), x0_teacher.float()
+        # one network call; per-chunk times [B, num_chunks] go to the causal network as they are (each chunk at
+        # its own time). The flow-matching relations, frame by frame: x0 = x_t - t v, v = (x_t - x0) / t
+        velocity = self.adapter.predict_velocity(self.student, x_t, t, batch_used)
+        t_frames = self.frame_times(t.float(), x_t)
         if self.target == "x0":
-            pred = self.adapter.predict_x0(self.student, x_t, t, batch_used)
-            loss = F.mse_loss(pred.float(), x0_teacher.float())
+            loss = F.mse_loss(x_t - t_frames * velocity, x0_teacher)
         else:
-            pred = self.adapter.predict_velocity(self.student, x_t, t, batch_used)
-            target = (x_t.float() - x0_teacher.float()) / t.float().view(-1, *([1] * (x_t.dim() - 1)))
-            loss = F.mse_loss(pred.float(), target)
+            loss = F.mse_loss(velocity, (x_t - x0_teacher) / t_frames)
 
         teacher_passes = self.last_teacher_passes if self.pairs == "regenerate" else 0
         pass_flops = self.adapter.forward_flops(self.student, prepared)
