@@ -96,3 +96,41 @@ def test_chunk_decoder_keeps_frame_counts_of_a_causal_temporal_autoencoder():
 def test_bidirectional_model_is_refused():
     with pytest.raises(ValueError, match="causal"):
         StreamingGenerator(tiny_sampler(causal_chunk_frames=0))
+
+
+def test_cli_streaming_appends_each_chunk_to_the_mp4_before_the_next_is_made(tmp_path):
+    """A 4x-long video (64 frames, the demo trains on 16) from a random causal checkpoint: after every chunk, the
+    mp4 already decodes what was generated so far but the newest frame (see stream_writer.py)."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from opensora.config import load_config
+    from opensora.datasets.video_io import read_video
+    from opensora.inference import cli
+    from opensora.inference.pipeline import role_model_config
+
+    root = Path(__file__).resolve().parents[1]
+    config = tmp_path / "causal_demo.py"
+    config.write_text(f"_base_ = [{str(root / 'configs/diffusion/inference/demo.py')!r}]\n"
+                      "model = dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6),"
+                      " causal_chunk_frames=4)\n")  # fmt: skip
+    model = build_module(role_model_config(load_config(str(config))), MODELS)
+    torch.manual_seed(0)
+    save_file({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}, tmp_path / "causal.safetensors")
+    seen = []
+
+    def on_chunk(chunk, paths):
+        frames_so_far = 4 * (chunk.index + 1)
+        readable = read_video(paths[0]).shape[0]
+        assert readable == frames_so_far - 1
+        seen.append((chunk.index, readable, chunk.cached_frames))
+
+    written = cli.main([str(config), "--ckpt", str(tmp_path / "causal.safetensors"), "--prompt", "a red circle moving left",
+                        "--streaming", "--num-frames", "64", "--resolution", "32x32", "--step-list", "1.0",
+                        "--guidance-scale", "2.0", "--window-frames", "12", "--sink-frames", "4", "--device", "cpu",
+                        "--save-dir", str(tmp_path / "out"), "--progress", "false"], on_chunk=on_chunk)  # fmt: skip
+    assert len(seen) == 16 and seen[0][1] >= 3  # the first frames were on disk 15 chunks before the end
+    assert max(cached for _, _, cached in seen) == 12
+    assert read_video(written[0]).shape == (64, 32, 32, 3)
+    assert (tmp_path / "out" / "samples.csv").is_file()
