@@ -242,3 +242,29 @@ def test_rollout_context_is_the_cache_of_earlier_clean_chunks():
     other = noise.clone()
     other[:, :, :3] = torch.randn_like(other[:, :, :3])
     assert not torch.allclose(method.rollout_chunks(other, batch, 1, with_grad=False)[:, :, 3], video[:, :, 3])
+
+
+def test_rollout_exiting_at_the_last_step_is_what_the_streaming_sampler_generates():
+    """Train/test consistency: with the last exit step, the training rollout (through the adapter) and the
+    streaming sampler (opensora.inference.streaming) produce the same latents from the same noise."""
+    from test_methods_framework import tiny_batch
+
+    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.streaming import StreamingGenerator
+
+    method, roles, _ = make_self_forcing(fake=False, rollout="euler", num_frames_per_chunk=2)
+    batch = tiny_batch(2)
+    prepared = method.adapter.prepare_batch(batch)
+    comp = method.components
+    sampler = VideoSampler(roles["student"].unwrap(), comp.vae, comp.text_encoder, progress=False)
+    stream = StreamingGenerator(sampler, step_list=[1.0, 0.75, 0.5, 0.25], rollout="euler")
+    seeds = [3, 4]
+    with torch.no_grad():
+        chunks = list(stream.stream(batch["text"], seeds, num_frames=4, height=16, width=16, decode=False))
+    streamed = torch.cat([chunk.latents for chunk in chunks], dim=2)
+    # the sampler's noise: per sample its own generator, one draw per chunk in order
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    noise = torch.cat([torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators]) for _ in range(2)],
+                      dim=2)
+    rolled = method.rollout_chunks(noise, prepared, exit_index=3, with_grad=False)
+    torch.testing.assert_close(rolled, streamed, rtol=1e-4, atol=1e-5)

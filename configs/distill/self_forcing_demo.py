@@ -22,7 +22,7 @@ method = dict(
     type="SelfForcing",
     step_list={{_base_.step_list}},
     num_frames_per_chunk=num_frames_per_chunk,
-    rollout="euler",  # between steps of a chunk: the inference sampler's Euler step ("renoise": fresh noise)
+    rollout="renoise",  # between steps of a chunk: x0 re-noised with fresh noise ("euler": Euler step); sample alike
     student_update_every=5,  # critic every iteration, student every 5th (Self-Forcing's ratio)
     real_guidance_scale=3.0,  # standard CFG s of the teacher's real score, u + s (c - u); DMD's w = s - 1
     grad_frames=None,  # latent frames at the end of the clip whose exit step keeps gradients (None: all)

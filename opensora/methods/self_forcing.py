@@ -10,9 +10,10 @@ For one iteration, on the latent noise ``[B, C, T, H, W]`` split into chunks of 
    draws too, so all RNG streams advance alike and resume stays exact); the same ``j`` for every chunk.
 2. A fresh KV cache (``adapter.new_kv_cache``; its lifetime is this one rollout). For each chunk ``c``:
    steps ``0 .. j-1`` denoise it under ``no_grad`` with the cache as context (``predict_x0_streaming`` with
-   ``store_kv=False``), moving from ``t_i`` to ``t_{i+1}`` with the rule ``rollout`` (``"euler"``: the inference
-   sampler's Euler step from the predicted x0; ``"renoise"``: predicted x0 re-noised with fresh noise, as the
-   Self-Forcing reference does); step ``j`` predicts the chunk's ``x0`` -- the only forward that keeps a graph,
+   ``store_kv=False``), moving from ``t_i`` to ``t_{i+1}`` with the rule ``rollout`` -- the same two rules as the
+   streaming sampler (``opensora.inference.streaming``): ``"renoise"`` (default, as Self-Forcing and CausVid
+   sample) re-noises the predicted x0 with fresh noise, ``"euler"`` takes the Euler step; train with the rule
+   you will sample with. Step ``j`` predicts the chunk's ``x0`` -- the only forward that keeps a graph,
    and only on student iterations and when the chunk lies inside the last ``grad_frames`` latent frames
    (``None``: all). Then the cache refill: the chunk's detached ``x0`` (noised to ``context_noise``, default 0
    = clean) runs once more under ``no_grad`` with ``store_kv=True``, so later chunks attend to the clean
@@ -36,9 +37,10 @@ from opensora.registry import METHODS
 
 @METHODS.register_module()
 class SelfForcing(CausVid):
-    def __init__(self, roles, components, grad_frames: Optional[int] = None, context_noise: float = 0.0,
-                 kv_window_frames: Optional[int] = None, kv_sink_frames: int = 0, **causvid_kwargs):
-        super().__init__(roles, components, **causvid_kwargs)
+    def __init__(self, roles, components, rollout: str = "renoise", grad_frames: Optional[int] = None,
+                 context_noise: float = 0.0, kv_window_frames: Optional[int] = None, kv_sink_frames: int = 0,
+                 **causvid_kwargs):
+        super().__init__(roles, components, rollout=rollout, **causvid_kwargs)
         if grad_frames is not None and int(grad_frames) < 1:
             raise ValueError(f"SelfForcing: grad_frames must be >= 1 latent frame or None (all), got {grad_frames}")
         if not 0.0 <= float(context_noise) < 1.0:
@@ -68,7 +70,8 @@ class SelfForcing(CausVid):
         return self.adapter.add_noise(x0, torch.randn_like(x0), t_next.to(x.device).expand(x.shape[0]))
 
     def rollout_chunks(self, noise: torch.Tensor, batch, exit_index: int, with_grad: bool) -> torch.Tensor:
-        """The autoregressive rollout described in the module docstring; returns the video's x0 [B, C, T, H, W]."""
+        """The autoregressive rollout described in the module docstring; returns the video's x0 [B, C, T, H, W].
+        With ``exit_index`` the last step it is exactly what the streaming sampler generates from ``noise``."""
         chunk = self.num_frames_per_chunk
         frames = noise.shape[2]
         count = num_chunks(frames, chunk)
