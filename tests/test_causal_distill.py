@@ -1,6 +1,6 @@
 """Causal ODE init and Self-Forcing through the real trainer CLI on 2 gloo ranks, with tiny causal students:
 losses bit-identical after a checkpoint/resume, checkpoints namespaced by role, the student exported alone and
-sampled (full causal forward and chunk-by-chunk streaming give the same video)."""
+sampled with the full causal forward and with the streaming sampler (chunk by chunk through the KV cache)."""
 
 import json
 import math
@@ -126,6 +126,7 @@ def test_student_exports_alone_and_samples_causally(run, tmp_path):
     from opensora.convert.export import export_weights
     from opensora.convert.weights import load_role_weights
     from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.streaming import StreamingGenerator
 
     _, tmp, config = run
     ckpt = tmp / "full/checkpoints/step-0000006"
@@ -135,10 +136,17 @@ def test_student_exports_alone_and_samples_causally(run, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     cfg = load_config(str(config))
-    videos = []
+    rollout = cfg.method.get("rollout", "renoise")
+    videos, streamed = [], []
     for source in (ckpt, exported):
         sampler = VideoSampler.from_config(cfg, source, role="student", device="cpu", dtype="fp32", progress=False)
         assert sampler.model.causal_chunk_frames == cfg.method.num_frames_per_chunk
         videos.append(sampler.generate(["a red circle moving left"], [7], num_frames=4, height=16, width=16,
                                        num_steps=None, step_list=list(cfg.method.step_list), guidance_scale=1.0))
-    assert torch.equal(videos[0], videos[1])
+        # chunk by chunk with the KV cache, as the student is meant to run (and as Self-Forcing trains it)
+        stream = StreamingGenerator(sampler, step_list=list(cfg.method.step_list), rollout=rollout)
+        chunks = list(stream.stream(["a red circle moving left"], [7], num_frames=4, height=16, width=16))
+        assert [chunk.start_frame for chunk in chunks] == [0, 2] and chunks[-1].cached_frames == 4
+        streamed.append(torch.cat([chunk.frames for chunk in chunks], dim=1))
+    assert torch.equal(videos[0], videos[1]) and torch.equal(streamed[0], streamed[1])
+    assert streamed[0].shape == videos[0].shape == (1, 4, 16, 16, 3) and streamed[0].dtype == torch.uint8
