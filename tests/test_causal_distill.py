@@ -1,8 +1,7 @@
-"""Causal ODE init and Self-Forcing through the real trainer CLI on 2 gloo ranks, with tiny causal students:
+"""Causal ODE init, CausVid and Self-Forcing through the real trainer CLI on 2 gloo ranks, with tiny causal students:
 losses bit-identical after a checkpoint/resume, checkpoints namespaced by role, the student exported alone and
 sampled with the full causal forward and with the streaming sampler (chunk by chunk through the KV cache)."""
 
-import json
 import math
 from pathlib import Path
 
@@ -10,16 +9,18 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from test_dmd2 import _metrics, _train_three_ways  # 6 steps straight vs 3 + 3 resumed; metrics without timings
 
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 TINY = dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, mlp_ratio=2.0, axes_dims=[4, 6, 6])
-TIMING_KEYS = {"step_time", "samples_per_s", "tokens_per_s", "mfu"}
 RUNS = {
     # config, roles, method overrides (tiny clips: 4 latent frames -> 2 chunks of 2)
     "causal_ode": ("configs/distill/causal_ode_demo.py", ("student", "teacher"), "dict(teacher_num_steps=4)"),
+    "causvid": ("configs/distill/causvid_demo.py", ("student", "teacher", "critic"),
+                "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3])"),
     "self_forcing": ("configs/distill/self_forcing_demo.py", ("student", "teacher", "critic"),
                      "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3])"),
 }
@@ -60,25 +61,6 @@ method = {method}
     return path
 
 
-def _train_three_ways(rank, world_size, config, root):
-    """6 steps straight; 3 steps then 3 more resumed from the checkpoint (each run a fresh Trainer)."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    from opensora.training.launch import main
-
-    main([config, "--outputs", f"{root}/full", "--max-steps", "6"])
-    main([config, "--outputs", f"{root}/split", "--max-steps", "3"])
-    main([config, "--outputs", f"{root}/split", "--max-steps", "6", "--resume", "auto"])
-    return rank
-
-
-def _metrics(run: Path):
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
-
-
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def run(request, tmp_path_factory):
     name = request.param
@@ -94,7 +76,7 @@ def test_resume_is_bit_identical_on_two_ranks(run):
     assert [row["step"] for row in full] == list(range(1, 7))
     assert full == split
     assert all(math.isfinite(row["loss"]) for row in full)
-    if name == "self_forcing":  # two-time-scale rule inside the real trainer: the student steps at 0, 2, 4
+    if name in ("causvid", "self_forcing"):  # two-time-scale rule inside the real trainer: the student steps at 0, 2, 4
         assert [("grad_norm/student" in row) for row in full] == [True, False] * 3
         assert all("critic_loss" in row for row in full)
         assert [("generator_loss" in row) for row in full] == [True, False] * 3
@@ -108,7 +90,7 @@ def test_checkpoints_are_namespaced_by_role_and_restore_exactly(run):
     name, tmp, _ = run
     ckpt_full, ckpt_split = tmp / "full/checkpoints/step-0000006", tmp / "split/checkpoints/step-0000006"
     roles = sorted(p.name for p in ckpt_full.iterdir() if (p / "model").is_dir())
-    trained = ["critic", "student"] if name == "self_forcing" else ["student"]
+    trained = ["student"] if name == "causal_ode" else ["critic", "student"]
     assert roles == trained  # the frozen teacher is rebuilt from its config, never saved
     for role in trained:
         for ema in ((True, False) if role == "student" else (False,)):
