@@ -45,4 +45,5 @@ echo "== stage 2: Self-Forcing (${sf_minutes} min) from $student"
     --models.teacher.init_from.path "$teacher" --models.critic.init_from.path "$teacher" 2>&1 \
     | grep -v -i "warn" | tail -n 5
 last_losses "$out/self_forcing"
-echo "student: $(ls -d "$out"/self_forcing/checkpoints/step-* | tail -n 1) (role student, sample with configs/distill/self_forcing_gpu.py)"
+student=$(ls -d "$out"/self_forcing/checkpoints/step-* | tail -n 1)
+echo "student: $student (role student; its config: configs/distill/self_forcing_gpu.py)"

@@ -98,7 +98,8 @@ class CausalODEInit(TrainingMethod):
             else check_causal_student("CausalODEInit", self.student, num_frames_per_chunk)
         )
         if chunk_timesteps not in CHUNK_TIMESTEPS:
-            raise ValueError(f"CausalODEInit: chunk_timesteps must be one of {CHUNK_TIMESTEPS}, got {chunk_timesteps!r}")
+            raise ValueError(f"CausalODEInit: chunk_timesteps must be one of {CHUNK_TIMESTEPS}, "
+                             f"got {chunk_timesteps!r}")
         # a bidirectional student (no num_frames_per_chunk) has no chunks: one time per sample
         self.chunk_timesteps = "shared" if self.num_frames_per_chunk is None else chunk_timesteps
         self.step_times = timesteps_from_list(step_list)  # with the final 0
