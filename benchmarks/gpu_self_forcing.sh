@@ -47,3 +47,8 @@ echo "== stage 2: Self-Forcing (${sf_minutes} min) from $student"
 last_losses "$out/self_forcing"
 student=$(ls -d "$out"/self_forcing/checkpoints/step-* | tail -n 1)
 echo "student: $student (role student; its config: configs/distill/self_forcing_gpu.py)"
+
+echo "== streaming sample (chunk by chunk through the KV cache) -> $out/samples"
+python scripts/diffusion/inference.py configs/distill/self_forcing_gpu.py --ckpt "$student" --role student \
+    --prompt "a red circle moving left" --resolution 64x64 --num-frames 16 --save-dir "$out/samples" \
+    --no-progress 2>&1 | grep -v -i "warn" | tail -n 3 || echo "streaming sample failed (training results above stand)"

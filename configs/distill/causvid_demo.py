@@ -10,6 +10,12 @@ outputs = "outputs/demo/causvid"
 ode_ckpt = "outputs/demo/causal_ode/checkpoints/step-0000300"  # the causal ODE-init student (EMA weights)
 num_frames_per_chunk = 2  # latent frames per chunk: 16-frame clips -> 8 chunks (see causal_ode_demo.py)
 
+# ---- streaming sampling, read by scripts/diffusion/inference.py (step_list, role, guidance_scale come from the base):
+# chunk by chunk with the KV cache, with the rollout rule the student was trained with
+streaming = True
+rollout = "euler"
+context_time = 0.0
+
 models = dict(
     student=dict(
         model=dict(causal_chunk_frames=num_frames_per_chunk),
@@ -22,7 +28,7 @@ method = dict(
     type="CausVid",
     step_list={{_base_.step_list}},
     num_frames_per_chunk=num_frames_per_chunk,
-    rollout="euler",  # DMD2's backward simulation through the full causal forward
+    rollout=rollout,  # DMD2's backward simulation (Euler) through the full causal forward
     student_update_every=5,
     real_guidance_scale=3.0,  # standard CFG s of the teacher's real score, u + s (c - u); DMD's w = s - 1
     min_timestep=20,

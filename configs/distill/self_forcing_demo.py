@@ -7,11 +7,12 @@
 _base_ = ["causvid_demo.py"]
 
 outputs = "outputs/demo/self_forcing"
+rollout = "renoise"  # between steps of a chunk: x0 re-noised with fresh noise ("euler": Euler step); also the sampler's
 
 method = dict(
     type="SelfForcing",  # CausVid's keys (step_list, num_frames_per_chunk, real_guidance_scale, ...) carry over
-    rollout="renoise",  # between steps of a chunk: x0 re-noised with fresh noise ("euler": Euler step); sample alike
+    rollout=rollout,
     student_update_every=5,  # critic every iteration, student every 5th (Self-Forcing's ratio)
     grad_frames=None,  # latent frames at the end of the clip whose exit step keeps gradients (None: all)
-    context_noise=0.0,  # the cache is refilled with each chunk's x0 at this noise level (0: clean)
+    context_noise=0.0,  # the cache is refilled with each chunk's x0 at this noise level (0: clean; = context_time)
 )

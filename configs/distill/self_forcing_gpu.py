@@ -9,6 +9,11 @@ outputs = "outputs/moving_shapes_gpu/self_forcing"
 ode_ckpt = "outputs/moving_shapes_gpu/causal_ode/checkpoints/step-0001000"
 num_frames_per_chunk = 2  # 8 chunks per 16-frame clip
 
+# streaming sampling, read by scripts/diffusion/inference.py: chunk by chunk with the KV cache, the training rollout
+streaming = True
+rollout = "renoise"
+context_time = 0.0
+
 models = dict(
     student=dict(
         model=dict(causal_chunk_frames=num_frames_per_chunk),
@@ -21,6 +26,7 @@ method = dict(  # the keys are documented in self_forcing_demo.py; the rest keep
     type="SelfForcing",
     step_list={{_base_.step_list}},
     num_frames_per_chunk=num_frames_per_chunk,
+    rollout=rollout,
     real_guidance_scale=4.0,  # standard CFG s of the real score (DMD's w = 3), as dmd2_gpu.py's guidance_scale
     adapter={{_base_.method.adapter}},
 )
