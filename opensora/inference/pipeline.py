@@ -115,7 +115,12 @@ def role_model_config(cfg: Mapping, role: str = "model") -> Mapping:
 
 def seeded_noise(seeds: Sequence[int], shape: Sequence[int], device=None) -> torch.Tensor:
     """``[len(seeds), *shape]`` float32 standard normal; row ``i`` comes from ``torch.Generator().manual_seed(seeds[i])``
-    on the CPU, so it depends on nothing but its seed.
+    on the CPU, so it depends on nothing but its seed."""
+    return noise_from_generators([torch.Generator("cpu").manual_seed(int(s)) for s in seeds], shape, device)
+
+
+def noise_from_generators(generators: Sequence[torch.Generator], shape: Sequence[int], device=None) -> torch.Tensor:
+    """``[len(generators), *shape]`` float32 standard normal, row ``i`` drawn next from CPU generator ``i``.
 
     CPU normal sampling is single-threaded per call and was the largest fixed cost of few-step sampling (72 clips of
     MovingShapes latents: 14M values, ~0.1-0.4 s), so rows are drawn in parallel threads straight into one (pinned,
@@ -123,17 +128,17 @@ def seeded_noise(seeds: Sequence[int], shape: Sequence[int], device=None) -> tor
     """
     shape = tuple(shape)
     pinned = device is not None and torch.device(device).type == "cuda"
-    noise = torch.empty((len(seeds), *shape), pin_memory=pinned)
+    noise = torch.empty((len(generators), *shape), pin_memory=pinned)
 
     def fill(i):
-        torch.randn(shape, generator=torch.Generator("cpu").manual_seed(int(seeds[i])), out=noise[i])
+        torch.randn(shape, generator=generators[i], out=noise[i])
 
-    workers = min(len(seeds), os.cpu_count() or 1, 16)
+    workers = min(len(generators), os.cpu_count() or 1, 16)
     if workers > 1 and noise.numel() >= 1 << 20:
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(fill, range(len(seeds))))
+            list(pool.map(fill, range(len(generators))))
     else:
-        for i in range(len(seeds)):
+        for i in range(len(generators)):
             fill(i)
     return noise.to(device, non_blocking=pinned) if device is not None else noise
 
