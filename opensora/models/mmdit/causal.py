@@ -123,6 +123,8 @@ class KVCache:
         if self.frame_ids and (per_group, frames_per_group) != (self.tokens_per_frame_group, self.frames_per_group):
             raise ValueError("chunks of different spatial sizes or temporal patch sizes cannot share a cache")
         self.tokens_per_frame_group, self.frames_per_group = per_group, frames_per_group
+        if self.window_frames is not None:  # make room first, so the cache never holds more than the window
+            self.trim(max(self.window_frames - num_frames, self.sink_frames))
         for i in range(self.num_blocks):
             k, v = (t.detach() for t in new[i])
             past_k, past_v = self.keys[i], self.values[i]
