@@ -52,11 +52,10 @@ def random_sampler(cfg, causal_chunk_frames: int, device, dtype, seed: int = 0) 
     torch.manual_seed(seed)
     model_cfg = dict(role_model_config(cfg), causal_chunk_frames=causal_chunk_frames)
     model_cfg.update(grad_ckpt_double=0, grad_ckpt_single=0)
-    model = build_module(model_cfg, MODELS)
-    with torch.no_grad():
+    model = build_module(model_cfg, MODELS).to(device, dtype).eval().requires_grad_(False)
+    with torch.no_grad():  # on the device: perturbing 1B parameters on the CPU takes a while
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    model = model.to(device, dtype).eval().requires_grad_(False)
     vae = build_module(cfg["vae"], MODELS).to(device, dtype).eval().requires_grad_(False)
     text = build_module(cfg["text_encoder"], MODELS).to(device).eval()
     shift = (cfg.get("method") or {}).get("shift") or {}
