@@ -137,7 +137,8 @@ def run_speed(args) -> dict:
     prompts = ["a red circle moving left"] * args.batch
     seeds = list(range(args.batch))
     vae = sampler.vae
-    result = dict(mode="speed", device=device_name(), config=args.config, batch=args.batch, chunk_frames=args.chunk_frames,
+    result = dict(mode="speed", device=device_name(), config=args.config, batch=args.batch,
+                  chunk_frames=args.chunk_frames,
                   steps=args.step_list, window_frames=window, sink_frames=args.sink_frames,
                   training_clip=[frames, height, width], training_latent_frames=train_latent, lengths={})  # fmt: skip
     rows = []
@@ -247,20 +248,22 @@ def run_quality(args) -> dict:
     teacher = VideoSampler.from_config(teacher_cfg, args.teacher_ckpt, role=args.teacher_role, progress=False)
     student = VideoSampler.from_config(student_cfg, args.student_ckpt, role=args.student_role or
                                        student_cfg.get("role", "student"), progress=False)  # fmt: skip
-    streaming = dict(student_cfg.get("streaming") or {})
-    step_list = args.step_list or streaming.get("step_list") or student_cfg.get("step_list")
+    # the student config's sampling keys (those of scripts/diffusion/inference.py), unless given here
+    step_list = args.step_list or student_cfg.get("step_list")
     chunk = student.model.causal_chunk_frames
     train_latent = student.latent_size(frames, height, width)[0]
-    window = args.window_frames if args.window_frames is not None else streaming.get("window_frames",
-                                                                                   train_latent - chunk)  # fmt: skip
-    sinks = args.sink_frames if args.sink_frames is not None else streaming.get("sink_frames", 0)
-    gen = StreamingGenerator(student, step_list=step_list, rollout=args.rollout or streaming.get("rollout", "renoise"),
+    window = next(w for w in (args.window_frames, student_cfg.get("window_frames"), train_latent - chunk)
+                  if w is not None)  # fmt: skip
+    sinks = args.sink_frames if args.sink_frames is not None else int(student_cfg.get("sink_frames") or 0)
+    rollout = args.rollout or student_cfg.get("rollout", "renoise")
+    gen = StreamingGenerator(student, step_list=step_list, rollout=rollout,
                              guidance_scale=float(student_cfg.get("guidance_scale", 1.0)), window_frames=window,
-                             sink_frames=sinks)  # fmt: skip
+                             sink_frames=sinks, context_time=float(student_cfg.get("context_time") or 0.0))  # fmt: skip
     result = dict(mode="quality", device=device_name(), prompts=len(prompts), size=[frames, height, width],
                   teacher=dict(ckpt=str(args.teacher_ckpt), steps=args.teacher_steps, guidance=args.teacher_guidance),
                   student=dict(ckpt=str(args.student_ckpt), step_list=step_list, chunk_frames=chunk,
-                               window_frames=window, sink_frames=sinks, rollout=gen.rollout))  # fmt: skip
+                               window_frames=window, sink_frames=sinks, rollout=gen.rollout,
+                               context_time=gen.context_time))  # fmt: skip
 
     def score(videos):
         report = score_rows([(f"s{i}", t, videos[i], None) for i, t in enumerate(prompts)])
@@ -301,10 +304,12 @@ def run_quality(args) -> dict:
     result["long"]["min_shape_vs_first"] = min(w["shape_vs_first"] or 0 for w in windows)
     result["long"]["min_stats_in_range"] = min(w["stats_in_training_range"] for w in windows)
 
-    print_table(f"MovingShapes quality on {result['device']} ({len(prompts)} held captions, {frames}x{height}x{width})", [
+    title = f"MovingShapes quality on {result['device']} ({len(prompts)} held captions, {frames}x{height}x{width})"
+    print_table(title, [
         dict(sampler=f"teacher {args.teacher_steps}x2", seconds=teacher_s, first_chunk_s=None,
              **{k: result["teacher"][k] for k in ("color_acc", "shape_acc", "direction_acc")}),
-        dict(sampler=f"student {len(step_list)}+1/chunk", seconds=student_s, first_chunk_s=result["student"]["first_chunk_s"],
+        dict(sampler=f"student {len(step_list)}+1/chunk", seconds=student_s,
+             first_chunk_s=result["student"]["first_chunk_s"],
              **{k: result["student"][k] for k in ("color_acc", "shape_acc", "direction_acc")}),
     ])  # fmt: skip
     print_table(f"long clips ({long_frames} frames = {args.long_multiple}x), windows of {frames}", [
@@ -395,7 +400,8 @@ def run_costs(args) -> dict:
             syncs = len(sync_sites)
         per_pass = phases["denoise"] / len(passes)
         outside = instrumented - phases["denoise"]  # both from the same (synchronised) generation
-        run = dict(total_s=total, instrumented_s=instrumented, phases_s=phases, model_passes=len(passes), pass_batch=passes[0],
+        run = dict(total_s=total, instrumented_s=instrumented, phases_s=phases, model_passes=len(passes),
+                   pass_batch=passes[0],
                    seconds_per_pass=per_pass, outside_passes_s=outside, outside_fraction=outside / instrumented,
                    host_syncs=syncs, host_sync_sites=sync_sites)  # fmt: skip
         result["runs"][name] = run

@@ -79,7 +79,8 @@ def test_per_chunk_timesteps_match_streaming_in_bf16():
     times = torch.rand(2, FRAMES // CHUNK, device="cuda").bfloat16().float()  # the same times for the fp32 reference
     with torch.no_grad():
         full = model(**dict(data, timestep=times.bfloat16()))
-        full_fp32 = reference(**{k: v.float() if v.is_floating_point() else v for k, v in dict(data, timestep=times).items()})
+        fp32_inputs = {k: v.float() if v.is_floating_point() else v for k, v in dict(data, timestep=times).items()}
+        full_fp32 = reference(**fp32_inputs)
         stream = streamed(model, data, timesteps=times.bfloat16())
     check_against_fp32("per-chunk t bf16", stream, full, full_fp32)
 

@@ -192,7 +192,8 @@ def fold_chunks(tensor: torch.Tensor, num_chunks: int) -> torch.Tensor:
 def unfold_chunks(tensor: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """Inverse of ``fold_chunks``."""
     bn, c, tc, h, w = tensor.shape
-    return tensor.reshape(bn // num_chunks, num_chunks, c, tc, h, w).transpose(1, 2).reshape(-1, c, num_chunks * tc, h, w)
+    tensor = tensor.reshape(bn // num_chunks, num_chunks, c, tc, h, w).transpose(1, 2)
+    return tensor.reshape(-1, c, num_chunks * tc, h, w)
 
 
 def sibling_kv_hook(num_chunks: int, num_text: int, mask: torch.Tensor):
