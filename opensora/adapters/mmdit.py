@@ -11,6 +11,8 @@ adapter (registered in ``ADAPTERS``); adding a method means adding a method: N +
 ``eps - x0``). ``call_network`` is the one place that runs an MMDiT: the flow-matching method, the distillation
 methods (through ``predict_velocity``) and the sampler all go through it. The distillation operations are
 text-to-video only: a model with condition channels gets the all-zero (no frames given) condition.
+A causal MMDiT (``causal_chunk_frames > 0``) can also be queried chunk by chunk with a KV cache
+(``new_kv_cache`` / ``predict_x0_streaming``; ``capabilities_for(handle)`` then lists ``"streaming"``).
 """
 
 from dataclasses import dataclass
@@ -45,7 +47,8 @@ def _broadcast_text(text: Mapping[str, torch.Tensor], batch_size: int) -> Dict[s
 class MMDiTAdapter:
     """Operations on an MMDiT role handle (velocity-predicting flow-matching transformer)."""
 
-    capabilities = frozenset({"cfg", "predict_x0", "predict_velocity"})
+    # What the adapter can do for a network that supports it; ``capabilities_for(handle)`` answers for one network.
+    capabilities = frozenset({"cfg", "predict_x0", "predict_velocity", "streaming"})
 
     def __init__(
         self,
@@ -105,10 +108,12 @@ class MMDiTAdapter:
     # ---- network calls ------------------------------------------------------------------------------------
     @staticmethod
     def call_network(network, x: torch.Tensor, t: torch.Tensor, text: Mapping[str, torch.Tensor],
-                     cond: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                     cond: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
+                     **network_kwargs) -> torch.Tensor:
         """One forward of an MMDiT (plain or boosted): floating inputs cast to its compute ``dtype`` (default:
         its parameters'), text features from ``text`` (``text_emb``, ``text_mask``, ``pooled``); returns the
-        network's output as it comes (the velocity, in ``dtype``)."""
+        network's output as it comes (the velocity, in ``dtype``). ``network_kwargs`` go to the network as they are
+        (``text_mask_has_padding``; a causal network's ``kv_cache``, ``start_frame``, ``store_kv``)."""
         dtype = dtype or next(network.parameters()).dtype
         return network(
             x=x.to(dtype),
@@ -117,6 +122,7 @@ class MMDiTAdapter:
             text_mask=text["text_mask"],
             pooled=text["pooled"].to(dtype),
             cond=None if cond is None else cond.to(dtype),
+            **network_kwargs,
         )
 
     def predict_velocity(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
@@ -125,6 +131,13 @@ class MMDiTAdapter:
 
         Gradients flow when the caller has grad enabled and the handle's parameters require grad.
         """
+        text, cond, t, dtype = self._network_inputs(handle, noisy, t, batch, conditional)
+        return self.call_network(handle.model, noisy, t, text, cond, dtype).float()
+
+    @staticmethod
+    def _network_inputs(handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, conditional: bool):
+        """The text features (prompt or null text), the all-zero t2v condition (or None), ``t`` as [B] and the
+        network's dtype."""
         network = handle.unwrap()
         dtype = next(network.parameters()).dtype
         text = batch.text if conditional else batch.null_text
@@ -133,7 +146,7 @@ class MMDiTAdapter:
         if cond_channels:  # text-to-video: mask 0 everywhere, no condition frames
             cond = torch.zeros((noisy.shape[0], cond_channels, *noisy.shape[2:]), device=noisy.device, dtype=dtype)
         t = t.expand(noisy.shape[0]) if t.dim() == 0 else t
-        return self.call_network(handle.model, noisy, t, text, cond, dtype).float()
+        return text, cond, t, dtype
 
     def predict_x0(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
                    conditional: bool = True) -> torch.Tensor:
@@ -141,6 +154,31 @@ class MMDiTAdapter:
         t = t.expand(noisy.shape[0]) if t.dim() == 0 else t
         velocity = self.predict_velocity(handle, noisy, t, batch, conditional=conditional)
         return fm.predict_x0(noisy.float(), velocity, t.float())
+
+    # ---- streaming (causal networks) ------------------------------------------------------------------------
+    def capabilities_for(self, handle) -> frozenset:
+        """``capabilities`` that hold for this handle's network: ``"streaming"`` only for a causal MMDiT."""
+        causal = getattr(handle.unwrap(), "causal_chunk_frames", 0) > 0
+        return self.capabilities if causal else self.capabilities - {"streaming"}
+
+    def new_kv_cache(self, handle, batch: PreparedBatch, window_frames: Optional[int] = None, sink_frames: int = 0):
+        """An empty ``KVCache`` for ``handle``'s causal network (one per network and guidance branch)."""
+        network = handle.unwrap()
+        if "streaming" not in self.capabilities_for(handle):
+            raise ValueError("new_kv_cache needs a causal MMDiT (built with causal_chunk_frames > 0)")
+        return network.new_kv_cache(window_frames=window_frames, sink_frames=sink_frames)
+
+    def predict_x0_streaming(self, handle, noisy_chunk: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, cache,
+                             start_frame: int, store_kv: bool, conditional: bool = True) -> torch.Tensor:
+        """x0 (float32) of one chunk ``noisy_chunk`` [B, C, Tc, H, W] at time ``t`` and absolute latent frame
+        ``start_frame``, attending to the frames in ``cache`` (``MMDiT.forward_chunk``); ``store_kv=True`` appends
+        the chunk to the cache. Gradients flow through the chunk (not the cache) when grad is enabled."""
+        text, cond, t_rows, dtype = self._network_inputs(handle, noisy_chunk, t, batch, conditional)
+        # through handle.model (not unwrap()), so a booster wrapper's forward hooks run as for any forward
+        velocity = self.call_network(handle.model, noisy_chunk, t_rows, text, cond, dtype, kv_cache=cache,
+                                     start_frame=int(start_frame), store_kv=bool(store_kv)).float()
+        t = t.expand(noisy_chunk.shape[0]) if t.dim() == 0 else t
+        return fm.predict_x0(noisy_chunk.float(), velocity, t.float())
 
     # ---- accounting ---------------------------------------------------------------------------------------
     def forward_flops(self, handle, batch: PreparedBatch) -> float:

@@ -48,6 +48,12 @@ INFERENCE_FLAGS = {
     "jano_settings": dict(warmup_steps=6, cooldown_steps=2, refresh_interval=5, medium_interval=2,
                           static_threshold=0.2, medium_threshold=0.6, analysis_steps=3, dilation=1,
                           batch_quantile=1.0, share_branches=True),
+    # streaming (causal models): chunk by chunk with a KV cache, each chunk appended to the mp4 as it finishes
+    "streaming": False,
+    "window_frames": None,  # latent frames the KV cache keeps (sinks included); None: all (memory grows)
+    "sink_frames": 0,  # first latent frames kept for good when the window rolls
+    "rollout": "renoise",  # renoise (x0 + fresh noise at the next time, Self-Forcing) | euler
+    "context_time": 0.0,  # time at which a finished chunk re-runs to fill the cache
 }
 
 
@@ -102,10 +108,13 @@ def check_inference_flags(args) -> None:
     save_dir = Path(str(args.save_dir))
     if save_dir.exists() and not save_dir.is_dir():
         raise UserInputError(f"--save-dir {save_dir} is a file; give a directory (it is created if missing)")
+    if args.streaming and args.jano:
+        raise UserInputError("--jano caches a bidirectional sampler's steps; --streaming has its own KV cache: pick one")
 
 
-def main(argv=None) -> list:
-    """Run the sampling CLI; returns the written sample paths."""
+def main(argv=None, on_chunk=None) -> list:
+    """Run the sampling CLI; returns the written sample paths. ``on_chunk(chunk, paths)`` (streaming only) is
+    called after each chunk's frames are in the files."""
     cfg, args = load_config_from_cli(argv, script_flags=INFERENCE_FLAGS, prog="inference.py",
                                      description="Sample videos from a trained (or distilled) model.")
     check_inference_flags(args)
@@ -153,6 +162,8 @@ def main(argv=None) -> list:
         device=str(sampler.device),
         **({} if sampler.accelerator is None else dict(jano=dict(vars(sampler.accelerator.config)))),
     )
+    if args.streaming:
+        return stream_samples(sampler, args, prompts, seeds, (num_frames, height, width), common, save_dir, on_chunk)
     written, rows = [], []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
@@ -171,6 +182,56 @@ def main(argv=None) -> list:
             rows.append(dict(path=path.name, text=prompt))
         write_samples_csv(save_dir, rows)  # rewritten after each batch: usable even if the run stops early
     logger.info("wrote %d sample(s) and samples.csv to %s", len(written), save_dir)
+    return written
+
+
+def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chunk=None) -> list:
+    """``--streaming``: each batch of prompts is generated chunk by chunk (``StreamingGenerator``) and every chunk is
+    appended to the samples' mp4 files as soon as it is decoded."""
+    from opensora.inference.io import write_samples_csv, write_sidecar
+    from opensora.inference.prompts import sample_stem
+    from opensora.inference.stream_writer import StreamingVideoWriter
+    from opensora.inference.streaming import StreamingGenerator
+
+    num_frames, height, width = size
+    if args.cond_type != "t2v" or args.ref is not None:
+        raise SystemExit("--streaming generates text-to-video only (no --cond-type / --ref)")
+    generator = StreamingGenerator(
+        sampler, step_list=args.step_list, num_steps=int(args.num_steps), rollout=str(args.rollout),
+        guidance_scale=float(args.guidance_scale), sink_frames=int(args.sink_frames),
+        window_frames=None if args.window_frames is None else int(args.window_frames),
+        context_time=float(args.context_time),
+    )  # fmt: skip
+    record = dict(common, streaming=True, window_frames=args.window_frames, sink_frames=int(args.sink_frames),
+                  rollout=str(args.rollout), chunk_frames=generator.chunk_frames)  # fmt: skip
+    batch_size = max(1, int(args.batch_size))
+    written, rows = [], []
+    for start in range(0, len(prompts), batch_size):
+        batch = list(range(start, min(start + batch_size, len(prompts))))
+        stems = [save_dir / sample_stem(i, prompts[i]) for i in batch]
+        writers, seconds = [], []
+        try:
+            for chunk in generator.stream([prompts[i] for i in batch], [seeds[i] for i in batch], num_frames,
+                                          height, width):  # fmt: skip
+                if not writers:  # sized by the first chunk: every chunk but a causal VAE's first has this count
+                    writers = [StreamingVideoWriter(stem.with_suffix(".mp4"), height, width, fps=float(args.fps),
+                                                    keyframe_interval=chunk.frames.shape[1]) for stem in stems]
+                for writer, frames in zip(writers, chunk.frames.numpy()):
+                    writer.write(frames)
+                seconds.append(round(chunk.seconds, 4))
+                if on_chunk is not None:
+                    on_chunk(chunk, [w.path for w in writers])
+        finally:
+            for writer in writers:
+                writer.close()
+        for i, stem in zip(batch, stems):
+            write_sidecar(stem.with_suffix(".json"), dict(index=i, prompt=prompts[i], seed=seeds[i],
+                                                         path=stem.with_suffix(".mp4").name, chunk_seconds=seconds,
+                                                         **record))  # fmt: skip
+            written.append(stem.with_suffix(".mp4"))
+            rows.append(dict(path=stem.with_suffix(".mp4").name, text=prompts[i]))
+        write_samples_csv(save_dir, rows)
+    logger.info("streamed %d sample(s) and samples.csv to %s", len(written), save_dir)
     return written
 
 

@@ -1,0 +1,10 @@
+# Causal ODE init on GPU: configs/distill/ode_init_gpu.py with a block-causal student (stage 1 of Self-Forcing,
+# benchmarks/gpu_self_forcing.sh). 16-frame clips -> 16 latent frames; chunks of 2 latent frames (128 video tokens)
+# give 8 chunks per clip.
+_base_ = ["ode_init_gpu.py"]
+
+outputs = "outputs/moving_shapes_gpu/causal_ode"
+num_frames_per_chunk = 2
+
+models = dict(student=dict(model=dict(causal_chunk_frames=num_frames_per_chunk)))
+method = dict(num_frames_per_chunk=num_frames_per_chunk)

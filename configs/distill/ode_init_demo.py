@@ -1,0 +1,45 @@
+# ODE-pair (KD) initialisation of a 4-step student from the MovingShapes demo teacher (configs/diffusion/train/demo.py),
+# on CPU in minutes: the student regresses the teacher's guided ODE trajectory at its step list. This student is
+# bidirectional; configs/distill/causal_ode_demo.py makes it causal (the first stage of Self-Forcing). Train the
+# teacher first (`make demo`), then:
+#   python scripts/diffusion/train.py configs/distill/ode_init_demo.py
+# Data-free: the clips only fix the latent size [48, 16, 8, 8]; the prompts are the dataset's captions.
+_base_ = ["../diffusion/train/demo.py"]
+
+outputs = "outputs/demo/ode_init"
+max_steps = 300
+ckpt_every = 150
+
+teacher_ckpt = "outputs/demo/train/checkpoints/step-0001000"  # the demo teacher's final checkpoint (EMA weights)
+_teacher_weights = dict(path=teacher_ckpt, role="model", ema=True)
+
+# ---- the few-step student ------------------------------------------------------------------------------------
+step_list = [1.0, 0.75, 0.5, 0.25]  # the student's times (t = 1 noise), read by the inference script too
+role = "student"
+guidance_scale = 1.0  # the teacher's CFG is distilled into the student: sample it without guidance
+
+_mmdit = {{_base_.model}}
+models = dict(
+    student=dict(
+        model=_mmdit,
+        trainable=True,
+        precision="fp32",
+        init_from=_teacher_weights,
+        optimizer=dict(lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01),
+        warmup_steps=10,
+        grad_clip=1.0,
+        ema=dict(decay=0.95, start_step=0),
+    ),
+    teacher=dict(model=_mmdit, trainable=False, precision="fp32", init_from=_teacher_weights),
+)
+
+method = dict(
+    _delete_=True,
+    type="CausalODEInit",
+    step_list=step_list,
+    teacher_num_steps=30,  # the teacher's shifted Euler schedule, merged with step_list
+    teacher_guidance_scale=3.0,  # standard CFG scale s of the teacher: v = u + s (c - u)
+    target="x0",  # regress the student's x0 on the teacher's final sample (fp32 MSE); or "velocity"
+    pairs="regenerate",  # a fresh teacher ODE per micro-step; "cache" + prompts=[...] reuses num_cached_pairs
+    adapter=dict(type="MMDiTAdapter", num_train_timesteps=1000, shift=dict(base_tokens=256, base_shift=1.0)),
+)
