@@ -357,9 +357,9 @@ def timed_phases(sampler, phases):
             super().__init__()
             self.inner = model
 
-        def forward(self, *a, **k):
-            passes.append(a[0].shape[0])
-            return self.inner(*a, **k)
+        def forward(self, x, **k):
+            passes.append(x.shape[0])
+            return self.inner(x, **k)
 
     sampler.model = Counter()
     try:

@@ -208,7 +208,7 @@ class _Handle:
 def test_adapter_streaming_x0_matches_its_full_video_x0_and_reports_the_capability():
     from types import SimpleNamespace
 
-    from opensora.methods.adapters import MMDiTAdapter
+    from opensora.adapters.mmdit import MMDiTAdapter
     from opensora.registry import MODELS, build_module
 
     vae = build_module(dict(type="PatchVAE", patch_size=4, temporal_patch_size=1), MODELS).eval()
