@@ -19,6 +19,8 @@ role = "student"
 guidance_scale = 1.0  # the teacher's CFG is distilled into the student: sample it without guidance
 
 _mmdit = {{_base_.model}}
+# the teacher config's single-role keys do not apply here (each role sets its own): unset, or they are an error
+model = lr = warmup_steps = grad_clip = ema_decay = ema_start_step = None
 models = dict(
     student=dict(
         model=_mmdit,

@@ -30,7 +30,7 @@ def check_train_flags(cfg, args) -> None:
     check_range("grad_accum", cfg.get("grad_accum", 1), 1, integer=True)
     check_range("keep_last", cfg.get("keep_last", 3), 0, integer=True)
     check_range("num_workers", cfg.get("num_workers", 2), 0, integer=True)
-    check_range("warmup_steps", cfg.get("warmup_steps", 0), 0, integer=True)
+    check_range("warmup_steps", cfg.get("warmup_steps"), 0, integer=True, allow_none=True)  # None: per role
     if cfg.get("lr") is not None:
         check_range("lr", cfg.lr, 0)
 
