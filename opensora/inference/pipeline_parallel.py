@@ -562,7 +562,10 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False) -> Ru
                 values[("act", g, c, k, b)] = _Value(act, 0, lanes.event(0))
             elif task.kind == "stage1":
                 act = values.pop(("act", g, c, k, b)).on(lanes, 1)
-                outputs[(g, c, k, b)] = stages.stage1(ctxs[(g, c)], b, k, act, plan.store_kv(k))
+                out = stages.stage1(ctxs[(g, c)], b, k, act, plan.store_kv(k))
+                if k < plan.num_steps:  # the refill's output is never read
+                    outputs[(g, c, k, b)] = out
+                del out
                 del act
             elif task.kind == "update":
                 outs = [outputs.pop((g, c, k, i)) for i in range(plan.num_branches)]

@@ -15,7 +15,7 @@ forward, since a batch of 2 runs other GEMM shapes than two batches of 1 and so 
 
 from __future__ import annotations
 
-from typing import Callable, List, Mapping, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -190,3 +190,193 @@ def sample_microbatched(model, group: Mapping, latent_shape, times: Sequence[flo
         v = outs[0] if len(outs) == 1 else text_cfg(outs[0], outs[1], guidance_scale)
         x = euler_step(x, v, times[k], times[k + 1])
     return x, (decode(x) if decode is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Streaming (causal MMDiT with KV caches), chunk by chunk
+# ----------------------------------------------------------------------------------------------------------
+STEP_RULES = ("renoise", "euler")
+
+
+def chunk_update(x: torch.Tensor, v: torch.Tensor, t: float, t_next: Optional[float], rule: str,
+                 noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One step of the per-chunk few-step sampler (fp32): ``x0 = x - t v``; ``t_next=None`` returns x0; otherwise
+    ``renoise`` (DMD / Self-Forcing students): ``(1 - t_next) x0 + t_next noise``; ``euler``: ``x + (t_next - t) v``."""
+    if t_next is None:
+        return x - t * v
+    if rule == "renoise":
+        return (1.0 - t_next) * (x - t * v) + t_next * noise
+    if rule == "euler":
+        return euler_step(x, v, t, t_next)
+    raise ValueError(f"unknown step rule '{rule}'; choose one of {STEP_RULES}")
+
+
+class StreamNoise:
+    """Host noise of one group in the single-device order: per chunk the initial latent, then (``renoise``) one
+    draw per later step; one CPU generator per sample, so the batch never changes which noise a sample gets."""
+
+    def __init__(self, seeds: Sequence[int], chunk_shape: Sequence[int], num_steps: int, rule: str):
+        self.gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
+        self.shape, self.num_steps, self.rule = tuple(chunk_shape), num_steps, rule
+
+    def draw(self) -> torch.Tensor:
+        return torch.stack([torch.randn(self.shape, generator=g) for g in self.gens])
+
+    def chunk(self) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
+        x = self.draw()
+        later = [self.draw() if self.rule == "renoise" else None for _ in range(1, self.num_steps)]
+        return x, later
+
+
+class CausalStreamingStages:
+    """Streaming generation with a block-causal MMDiT (``causal_chunk_frames > 0``) split over two devices.
+
+    Per (group, branch) two ``KVCache``s: one over blocks[0..split] on lane 0, one over blocks[split+1..] on
+    lane 1; each stage appends its own blocks' keys/values, so the caches hold exactly what one cache over all
+    blocks holds after ``forward_chunk`` (same frames, same rolling window). Every forward runs the operations of
+    ``MMDiT.forward_chunk`` in its order, so outputs are bit-identical to ``stream_reference``.
+
+    Args:
+        model: a causal MMDiT placed by ``place_model`` (or on one device). lanes / split: as ``BidirectionalStages``.
+        groups: per group ``seeds`` (one per sample) and ``branches`` (text dicts per CFG branch, cond first).
+        chunk_shape: (C, frames per chunk, H, W) of the latent chunk. num_chunks: chunks per video.
+        steps: the per-chunk step list (descending t, without the final 0). refill: re-run the final x0 at
+            ``context_t`` with ``store_kv`` (else the last denoising step stores). rule: ``renoise`` or ``euler``.
+        guidance_scale: CFG scale with 2 branches. decode: x0 chunk (lane 1) -> frames, or None.
+        window_frames / sink_frames: the caches' rolling window (see ``KVCache``).
+    """
+
+    def __init__(self, model, lanes: Lanes, split: int, groups: Sequence[Mapping], chunk_shape: Sequence[int],
+                 num_chunks: int, steps: Sequence[float], refill: bool = True, rule: str = "renoise",
+                 guidance_scale: float = 1.0, decode: Optional[Callable] = None, context_t: float = 0.0,
+                 window_frames: Optional[int] = None, sink_frames: int = 0):
+        from opensora.models.mmdit.causal import KVCache
+
+        if not getattr(model, "causal_chunk_frames", 0):
+            raise ValueError("streaming stages need a causal MMDiT (causal_chunk_frames > 0)")
+        if rule not in STEP_RULES:
+            raise ValueError(f"unknown step rule '{rule}'; choose one of {STEP_RULES}")
+        self.model, self.lanes, self.split = model, lanes, split
+        self.num_blocks = len(all_blocks(model))
+        self.chunk_shape, self.steps = tuple(chunk_shape), [float(t) for t in steps]
+        self.rule, self.guidance_scale, self.decode_fn = rule, float(guidance_scale), decode
+        self.context_t = float(context_t)
+        self.dtype = model.img_in.weight.dtype
+        self.groups = list(groups)
+        num_branches = len(self.groups[0]["branches"])
+        self.plan = Plan(num_groups=len(self.groups), num_branches=num_branches, num_chunks=num_chunks,
+                         num_steps=len(self.steps), refill=refill, cached=True, decode=decode is not None)
+        dev0 = lanes.devices[0]
+        self.text = [[dict(text_emb=t["text_emb"].to(dev0, self.dtype), pooled=t["pooled"].to(dev0, self.dtype),
+                           text_mask=None if t.get("text_mask") is None else t["text_mask"].to(dev0))
+                      for t in g["branches"]] for g in self.groups]
+        self.text_mask1 = [[lanes.pull(t["text_mask"], None, 1) for t in g] for g in self.text]
+        self.caches = [[(KVCache(split + 1, window_frames, sink_frames),
+                         KVCache(self.num_blocks - split - 1, window_frames, sink_frames))
+                        for _ in g["branches"]] for g in self.groups]
+        self.noise = [StreamNoise(g["seeds"], chunk_shape, len(self.steps), rule) for g in self.groups]
+
+    def times(self, k: int) -> float:
+        return self.steps[k] if k < len(self.steps) else self.context_t
+
+    def prepare(self, group: int, chunk: int) -> dict:
+        model, lanes = self.model, self.lanes
+        dev0 = lanes.devices[0]
+        x, later = self.noise[group].chunk()
+        x = to_device_async(x, dev0)
+        later = [None if n is None else to_device_async(n, lanes.devices[1]) for n in later]
+        start = chunk * self.chunk_shape[1]
+        grid = latent_grid(model, self.chunk_shape)
+        rope = model.rope(grid, self.text[group][0]["text_emb"].shape[1], dev0, time_offset=start // model.patch_size[0])
+        batch = x.shape[0]
+        t = [torch.full((batch,), self.times(k), device=dev0).to(self.dtype) for k in range(self.plan.forwards_per_chunk)]
+        rope1 = lanes.pull(rope, lanes.event(0), 1)
+        return dict(x=x, later=later, start=start, grid=grid, rope=rope, rope1=rope1, t=t, group=group)
+
+    def _mask(self, cache, text_mask, num_text, num_video, device):
+        from opensora.models.mmdit.causal import joint_attention_mask
+
+        past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
+        video = torch.ones(num_video, past + num_video, dtype=torch.bool, device=device)
+        return joint_attention_mask(text_mask, num_text, video)
+
+    def _blocks(self, ctx, cache, state, lo, hi, vec, rope, text_mask, store_kv, device):
+        from opensora.models.mmdit.causal import streaming_kv_hooks
+
+        num_text = state["txt"].shape[1] if "txt" in state else state["num_text"]
+        num_video = state["img"].shape[1] if "img" in state else state["tokens"].shape[1] - num_text
+        mask = self._mask(cache, text_mask, num_text, num_video, device)
+        pending = {} if store_kv else None
+        hooks = streaming_kv_hooks(cache, num_text, mask, pending)
+        state = run_blocks(self.model, state, lo, hi, vec, rope, mask, lambda i: hooks[i - lo])
+        if store_kv:
+            cache.append(pending, ctx["start"], self.chunk_shape[1], frames_per_group=self.model.patch_size[0])
+        return state
+
+    def stage0(self, ctx, branch: int, step: int, x, store_kv: bool) -> dict:
+        text = self.text[ctx["group"]][branch]
+        img, txt, vec, _ = self.model.embed(x.to(self.dtype), ctx["t"][step], text["text_emb"], text["pooled"])
+        cache = self.caches[ctx["group"]][branch][0]
+        state = self._blocks(ctx, cache, dict(img=img, txt=txt), 0, self.split + 1, vec, ctx["rope"],
+                             text["text_mask"], store_kv, self.lanes.devices[0])
+        return dict(state=state, vec=vec)
+
+    def stage1(self, ctx, branch: int, step: int, act, store_kv: bool) -> torch.Tensor:
+        cache = self.caches[ctx["group"]][branch][1]
+        state = self._blocks(ctx, cache, act["state"], self.split + 1, self.num_blocks, act["vec"], ctx["rope1"],
+                             self.text_mask1[ctx["group"]][branch], store_kv, self.lanes.devices[1])
+        if step >= self.plan.num_steps:
+            return None  # the refill's output is never read: only its cache writes matter
+        return finish(self.model, state, act["vec"], ctx["grid"])
+
+    def update(self, ctx, step: int, outputs: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        outs = [o.float() for o in outputs]
+        v = outs[0] if len(outs) == 1 else text_cfg(outs[0], outs[1], self.guidance_scale)
+        last = step == self.plan.num_steps - 1
+        t_next = None if last else self.steps[step + 1]
+        return chunk_update(x, v, self.steps[step], t_next, self.rule, None if last else ctx["later"][step])
+
+    def decode(self, ctx, x0: torch.Tensor) -> torch.Tensor:
+        return self.decode_fn(x0)
+
+
+@torch.no_grad()
+def stream_reference(model, group: Mapping, chunk_shape: Sequence[int], num_chunks: int, steps: Sequence[float],
+                     refill: bool = True, rule: str = "renoise", guidance_scale: float = 1.0,
+                     decode: Optional[Callable] = None, context_t: float = 0.0, window_frames: Optional[int] = None,
+                     sink_frames: int = 0, device="cpu"):
+    """The single-device streaming loop the pipeline must reproduce: per chunk, ``forward_chunk`` once per branch
+    per step (``store_kv`` on the last step without refill), CFG, ``chunk_update``; with refill the final x0 re-run
+    at ``context_t`` with ``store_kv``; decode. Returns (list of x0 per chunk, list of frames per chunk)."""
+    dtype = model.img_in.weight.dtype
+    steps = [float(t) for t in steps]
+    caches = [model.new_kv_cache(window_frames, sink_frames) for _ in group["branches"]]
+    texts = [dict(text_emb=t["text_emb"].to(device, dtype), pooled=t["pooled"].to(device, dtype),
+                  text_mask=None if t.get("text_mask") is None else t["text_mask"].to(device))
+             for t in group["branches"]]
+    noise = StreamNoise(group["seeds"], chunk_shape, len(steps), rule)
+    latents, frames = [], []
+    for c in range(num_chunks):
+        start = c * chunk_shape[1]
+        x, later = noise.chunk()
+        x = x.to(device)
+        later = [None if n is None else n.to(device) for n in later]
+
+        def forward(x_in, t, store):
+            outs = []
+            for text, cache in zip(texts, caches):
+                t_vec = torch.full((x_in.shape[0],), t, device=device).to(dtype)
+                outs.append(model.forward_chunk(x_in.to(dtype), t_vec, text["text_emb"], text["text_mask"],
+                                                text["pooled"], cache=cache, start_frame=start, store_kv=store))
+            return outs
+
+        for k, t in enumerate(steps):
+            last = k == len(steps) - 1
+            outs = [o.float() for o in forward(x, t, store=last and not refill)]
+            v = outs[0] if len(outs) == 1 else text_cfg(outs[0], outs[1], guidance_scale)
+            x = chunk_update(x, v, t, None if last else steps[k + 1], rule, None if last else later[k])
+        if refill:
+            forward(x, context_t, store=True)
+        latents.append(x)
+        frames.append(decode(x) if decode is not None else None)
+    return latents, frames
