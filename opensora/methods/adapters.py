@@ -9,6 +9,8 @@ adapter (registered in ``ADAPTERS``); adding a method means adding a method: N +
 
 ``MMDiTAdapter`` covers our flow-matching MMDiT (t in [0, 1], t = 1 is noise, the network predicts the velocity
 ``eps - x0``). Text-to-video only: a model with condition channels gets the all-zero (no frames given) condition.
+A causal MMDiT (``causal_chunk_frames > 0``) can also be queried chunk by chunk with a KV cache
+(``new_kv_cache`` / ``predict_x0_streaming``; ``capabilities_for(handle)`` then lists ``"streaming"``).
 """
 
 from dataclasses import dataclass
@@ -43,7 +45,8 @@ def _broadcast_text(text: Mapping[str, torch.Tensor], batch_size: int) -> Dict[s
 class MMDiTAdapter:
     """Operations on an MMDiT role handle (velocity-predicting flow-matching transformer)."""
 
-    capabilities = frozenset({"cfg", "predict_x0", "predict_velocity"})
+    # What the adapter can do for a network that supports it; ``capabilities_for(handle)`` answers for one network.
+    capabilities = frozenset({"cfg", "predict_x0", "predict_velocity", "streaming"})
 
     def __init__(
         self,
@@ -107,6 +110,12 @@ class MMDiTAdapter:
 
         Gradients flow when the caller has grad enabled and the handle's parameters require grad.
         """
+        args, cond = self._network_inputs(handle, noisy, t, batch, conditional)
+        return handle.model(*args, cond=cond).float()
+
+    @staticmethod
+    def _network_inputs(handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, conditional: bool):
+        """(x, t, text_emb, text_mask, pooled) in the network's dtype, and the all-zero t2v condition (or None)."""
         network = handle.unwrap()
         dtype = next(network.parameters()).dtype
         text = batch.text if conditional else batch.null_text
@@ -115,15 +124,8 @@ class MMDiTAdapter:
         if cond_channels:  # text-to-video: mask 0 everywhere, no condition frames
             cond = torch.zeros((noisy.shape[0], cond_channels, *noisy.shape[2:]), device=noisy.device, dtype=dtype)
         t = t.expand(noisy.shape[0]) if t.dim() == 0 else t
-        velocity = handle.model(
-            noisy.to(dtype),
-            t.to(dtype),
-            text["text_emb"].to(dtype),
-            text["text_mask"],
-            text["pooled"].to(dtype),
-            cond=cond,
-        )
-        return velocity.float()
+        args = (noisy.to(dtype), t.to(dtype), text["text_emb"].to(dtype), text["text_mask"], text["pooled"].to(dtype))
+        return args, cond
 
     def predict_x0(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
                    conditional: bool = True) -> torch.Tensor:
@@ -131,6 +133,31 @@ class MMDiTAdapter:
         t = t.expand(noisy.shape[0]) if t.dim() == 0 else t
         velocity = self.predict_velocity(handle, noisy, t, batch, conditional=conditional)
         return fm.predict_x0(noisy.float(), velocity, t.float())
+
+    # ---- streaming (causal networks) ------------------------------------------------------------------------
+    def capabilities_for(self, handle) -> frozenset:
+        """``capabilities`` that hold for this handle's network: ``"streaming"`` only for a causal MMDiT."""
+        causal = getattr(handle.unwrap(), "causal_chunk_frames", 0) > 0
+        return self.capabilities if causal else self.capabilities - {"streaming"}
+
+    def new_kv_cache(self, handle, batch: PreparedBatch, window_frames: Optional[int] = None, sink_frames: int = 0):
+        """An empty ``KVCache`` for ``handle``'s causal network (one per network and guidance branch)."""
+        network = handle.unwrap()
+        if "streaming" not in self.capabilities_for(handle):
+            raise ValueError("new_kv_cache needs a causal MMDiT (built with causal_chunk_frames > 0)")
+        return network.new_kv_cache(window_frames=window_frames, sink_frames=sink_frames)
+
+    def predict_x0_streaming(self, handle, noisy_chunk: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, cache,
+                             start_frame: int, store_kv: bool, conditional: bool = True) -> torch.Tensor:
+        """x0 (float32) of one chunk ``noisy_chunk`` [B, C, Tc, H, W] at time ``t`` and absolute latent frame
+        ``start_frame``, attending to the frames in ``cache`` (``MMDiT.forward_chunk``); ``store_kv=True`` appends
+        the chunk to the cache. Gradients flow through the chunk (not the cache) when grad is enabled."""
+        args, cond = self._network_inputs(handle, noisy_chunk, t, batch, conditional)
+        # through handle.model (not unwrap()), so a booster wrapper's forward hooks run as for any forward
+        velocity = handle.model(*args, cond=cond, kv_cache=cache, start_frame=int(start_frame),
+                                store_kv=bool(store_kv)).float()
+        t = t.expand(noisy_chunk.shape[0]) if t.dim() == 0 else t
+        return fm.predict_x0(noisy_chunk.float(), velocity, t.float())
 
     # ---- accounting ---------------------------------------------------------------------------------------
     def forward_flops(self, handle, batch: PreparedBatch) -> float:

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from opensora.registry import MODELS
 
 from .attention import check_backend, device_major
+from .causal import KVCache, block_causal_video_mask, joint_attention_mask, streaming_kv_hooks
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .rope import rope_cos_sin, video_position_ids
 from .sequence_parallel import SequenceGroup, gather_tokens
@@ -65,7 +66,10 @@ class MMDiT(nn.Module):
         grad_ckpt_double: int = 0,
         grad_ckpt_single: int = 0,
         compile_blocks: bool = False,
+        causal_chunk_frames: int = 0,
     ):
+        """``causal_chunk_frames``: 0 = bidirectional attention; K > 0 = block-causal over chunks of K latent frames
+        (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``)."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -80,6 +84,9 @@ class MMDiT(nn.Module):
                 f"[0, depth_double={depth_double}] / [0, depth_single={depth_single}]"
             )
         check_backend(attn_backend)
+        if causal_chunk_frames < 0 or causal_chunk_frames % patch_size[0]:
+            raise ValueError(f"causal_chunk_frames={causal_chunk_frames} must be 0 or a positive multiple of the "
+                             f"temporal patch size {patch_size[0]}")  # fmt: skip
         out_channels = in_channels if out_channels is None else out_channels
         # Everything needed to rebuild the model or count its FLOPs (see flops.py).
         self.arch = dict(
@@ -89,7 +96,9 @@ class MMDiT(nn.Module):
             pooled_dim=pooled_dim, qk_norm=qk_norm, qkv_bias=qkv_bias, guidance_embed=guidance_embed,
             axes_dims=tuple(axes_dims), theta=theta, attn_backend=attn_backend,
             grad_ckpt_double=grad_ckpt_double, grad_ckpt_single=grad_ckpt_single, compile_blocks=compile_blocks,
+            causal_chunk_frames=causal_chunk_frames,
         )  # fmt: skip
+        self.causal_chunk_frames = int(causal_chunk_frames)
         self.in_channels, self.out_channels, self.cond_channels = in_channels, out_channels, cond_channels
         self.patch_size = tuple(patch_size)
         self.hidden_size, self.num_heads = hidden_size, num_heads
@@ -194,8 +203,11 @@ class MMDiT(nn.Module):
         video = text_mask.new_ones(text_mask.shape[0], num_video_tokens)
         return torch.cat((text_mask, video), dim=1)[:, None, None, :]
 
-    def rope(self, grid, num_text_tokens: int, device):
+    def rope(self, grid, num_text_tokens: int, device, time_offset: int = 0):
+        """RoPE tables of [text, video]; ``time_offset`` (in time patches) shifts the video's time ids."""
         video_ids = video_position_ids(*grid, device=device)
+        if time_offset:
+            video_ids[:, 0] += time_offset
         ids = torch.cat((video_ids.new_zeros(num_text_tokens, 3), video_ids))
         return rope_cos_sin(ids, self.axes_dims, self.theta)
 
@@ -214,9 +226,37 @@ class MMDiT(nn.Module):
         cond: Optional[torch.Tensor] = None,
         guidance: Optional[torch.Tensor] = None,
         text_mask_has_padding: Optional[bool] = None,
+        kv_cache: Optional[KVCache] = None,
+        start_frame: int = 0,
+        store_kv: bool = False,
     ) -> torch.Tensor:
         """Velocity prediction for ``x``; ``text_mask_has_padding`` (optional) lets a caller that knows whether
-        ``text_mask`` has padded tokens skip inspecting it (a GPU->host sync per step), see ``key_mask``."""
+        ``text_mask`` has padded tokens skip inspecting it (a GPU->host sync per step), see ``key_mask``.
+        A causal model (``causal_chunk_frames > 0``) runs the full block-causal forward (causal.py); given a
+        ``kv_cache`` it runs ``forward_chunk`` instead (this path lets a training wrapper's forward hooks run)."""
+        if kv_cache is not None:
+            return self.forward_chunk(x, timestep, text_emb, text_mask, pooled, cond, guidance, cache=kv_cache,
+                                      start_frame=start_frame, store_kv=store_kv)  # fmt: skip
+        img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
+        rope = self.rope(grid, txt.shape[1], x.device)
+        if self.causal_chunk_frames:
+            if self.sp is not None:
+                raise ValueError("a causal MMDiT does not support sequence parallelism")
+            video = block_causal_video_mask(grid[0], grid[1] * grid[2], self.causal_chunk_frames // self.patch_size[0],
+                                            x.device)  # fmt: skip
+            mask = joint_attention_mask(text_mask, txt.shape[1], video)
+        else:
+            mask = self.key_mask(text_mask, img.shape[1], text_mask_has_padding)
+
+        if self.sp is not None:
+            img, txt, rope, mask = self.shard_sequence(img, txt, rope, mask)
+        img = self.run_blocks(img, txt, vec, rope, mask)
+        if self.sp is not None:
+            img = gather_tokens(img, self.sp)[:, : grid[0] * grid[1] * grid[2]]  # drop padding tokens, if any
+        return unpatchify(img, grid, self.patch_size)
+
+    def embed(self, x, timestep, text_emb, pooled, cond=None, guidance=None):
+        """Inputs -> (video tokens, text tokens, conditioning vector, patch grid (t, h, w)), with the input checks."""
         if x.dim() != 5 or x.shape[1] != self.in_channels:
             raise ValueError(f"x must be [B, {self.in_channels}, T, H, W], got {tuple(x.shape)}")
         if pooled is None:
@@ -237,22 +277,63 @@ class MMDiT(nn.Module):
             img = img + self.cond_in(patchify(cond, self.patch_size))
         txt = self.txt_in(text_emb)
         vec = self.conditioning_vector(timestep, pooled, guidance)
-        rope = self.rope(grid, txt.shape[1], x.device)
-        mask = self.key_mask(text_mask, img.shape[1], text_mask_has_padding)
         if x.is_cuda:
             device_major(x.device)  # fill the capability cache eagerly, outside the compiled blocks
+        return img, txt, vec, grid
 
-        if self.sp is not None:
-            img, txt, rope, mask = self.shard_sequence(img, txt, rope, mask)
-
+    def run_blocks(self, img, txt, vec, rope, mask, kv_hooks=None):
+        """Double then single blocks and the final layer -> output video tokens. ``kv_hooks``: one per block
+        (double blocks first), see layers.py."""
+        hooks = kv_hooks or [None] * (len(self.double_blocks) + len(self.single_blocks))
         for i, block in enumerate(self.double_blocks):
-            img, txt = self.run_block(block, i < self.grad_ckpt_double, img, txt, vec, rope, mask)
+            img, txt = self.run_block(block, i < self.grad_ckpt_double, img, txt, vec, rope, mask, hooks[i])
         tokens = torch.cat((txt, img), dim=1)
+        hooks = hooks[len(self.double_blocks) :]
         for i, block in enumerate(self.single_blocks):
-            tokens = self.run_block(block, i < self.grad_ckpt_single, tokens, vec, rope, mask)
-        img = self.final_layer(tokens[:, txt.shape[1] :], vec)
+            tokens = self.run_block(block, i < self.grad_ckpt_single, tokens, vec, rope, mask, hooks[i])
+        return self.final_layer(tokens[:, txt.shape[1] :], vec)
+
+    # ---- streaming (causal models) --------------------------------------------------------------------------
+    def new_kv_cache(self, window_frames: Optional[int] = None, sink_frames: int = 0) -> KVCache:
+        """An empty ``KVCache`` for this model's blocks (see causal.py for the window and sink frames)."""
+        return KVCache(len(self.double_blocks) + len(self.single_blocks), window_frames, sink_frames)
+
+    def forward_chunk(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        text_emb: torch.Tensor,
+        text_mask: Optional[torch.Tensor] = None,
+        pooled: Optional[torch.Tensor] = None,
+        cond: Optional[torch.Tensor] = None,
+        guidance: Optional[torch.Tensor] = None,
+        *,
+        cache: KVCache,
+        start_frame: int,
+        store_kv: bool,
+    ) -> torch.Tensor:
+        """Velocity for one chunk ``x`` [B, C, Tc, H, W] at absolute latent frame ``start_frame``, attending to the
+        frames held by ``cache`` and to itself. ``store_kv=True`` appends the chunk's keys/values to the cache (and
+        rolls its window) after the forward; ``False`` leaves the cache as it was. Gradients flow through the
+        chunk's own tokens (the cache is detached)."""
+        if not self.causal_chunk_frames:
+            raise ValueError("forward_chunk needs a causal MMDiT (causal_chunk_frames > 0)")
         if self.sp is not None:
-            img = gather_tokens(img, self.sp)[:, : grid[0] * grid[1] * grid[2]]  # drop padding tokens, if any
+            raise ValueError("forward_chunk does not support sequence parallelism")
+        pt = self.patch_size[0]
+        if start_frame < 0 or start_frame % pt:
+            raise ValueError(f"start_frame={start_frame} must be a non-negative multiple of the temporal patch {pt}")
+        if cache.num_frames and start_frame < cache.end_frame:
+            raise ValueError(f"chunk at frame {start_frame} overlaps the cache (frames up to {cache.end_frame - 1})")
+        img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
+        rope = self.rope(grid, txt.shape[1], x.device, time_offset=start_frame // pt)
+        past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
+        video = torch.ones(img.shape[1], past + img.shape[1], dtype=torch.bool, device=x.device)
+        mask = joint_attention_mask(text_mask, txt.shape[1], video)
+        pending = {} if store_kv else None
+        img = self.run_blocks(img, txt, vec, rope, mask, streaming_kv_hooks(cache, txt.shape[1], mask, pending))
+        if store_kv:
+            cache.append(pending, start_frame, x.shape[2], frames_per_group=pt)
         return unpatchify(img, grid, self.patch_size)
 
     def shard_sequence(self, img, txt, rope, mask):

@@ -1,0 +1,181 @@
+"""Block-causal MMDiT: attention masks over frame chunks and the streaming KV cache.
+
+``MMDiT(causal_chunk_frames=K)`` with ``K > 0`` splits the latent frames into chunks of ``K`` frames. In every
+block's joint attention
+
+* video tokens of chunk ``c`` attend to the (valid) text tokens and to the video tokens of chunks ``<= c``;
+* text tokens attend to the text tokens only, so the text stream never depends on the video and a chunk
+  generated alone (with the cache holding the earlier chunks) sees exactly the text keys/values the full
+  forward computes.
+
+RoPE time ids are absolute latent-frame indices (``start_frame`` of a streamed chunk onward). RoPE makes the
+attention score depend on the distance between query and key frames only, so a rolling window that keeps the
+distances inside the training length stays in distribution whatever the absolute index; sink frames (kept
+forever) are the exception: their distance to the newest chunk grows with the video.
+
+Streaming (``MMDiT.forward_chunk``) runs one chunk with a ``kv_hook`` per block (layers.py) that prepends the
+cached keys/values (after RoPE) of the earlier chunks' video tokens and, with ``store_kv=True``, hands the
+chunk's own video keys/values to the cache after the forward. Cached tensors are detached: gradients flow
+through the chunk's own tokens only (what Self-Forcing trains).
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+
+def joint_attention_mask(
+    text_mask: Optional[torch.Tensor], num_text: int, video_allowed: torch.Tensor
+) -> torch.Tensor:
+    """Boolean mask [B or 1, 1, L + Nq, L + Nk] for the joint sequence (text first, then video).
+
+    ``video_allowed`` [Nq, Nk]: which video keys each video query may see. Text queries see text keys only;
+    every query sees the valid text keys (``text_mask`` [B, L], None = all valid).
+    """
+    nq, nk = video_allowed.shape
+    device = video_allowed.device
+    text_rows = torch.cat((torch.ones(num_text, num_text, dtype=torch.bool, device=device),
+                           torch.zeros(num_text, nk, dtype=torch.bool, device=device)), dim=1)  # fmt: skip
+    video_rows = torch.cat((torch.ones(nq, num_text, dtype=torch.bool, device=device), video_allowed), dim=1)
+    mask = torch.cat((text_rows, video_rows), dim=0)[None, None]
+    if text_mask is not None:
+        valid = text_mask.to(device=device, dtype=torch.bool)
+        keys = torch.cat((valid, valid.new_ones(valid.shape[0], nk)), dim=1)
+        mask = mask & keys[:, None, None, :]
+    return mask
+
+
+def block_causal_video_mask(time_patches: int, tokens_per_time_patch: int, chunk_patches: int, device) -> torch.Tensor:
+    """[N, N] video-to-video mask of a full block-causal forward: a token's chunk is ``time_index // chunk_patches``
+    (in time-patch units); query chunk ``c`` sees key chunks ``<= c``."""
+    chunk = (torch.arange(time_patches, device=device) // chunk_patches).repeat_interleave(tokens_per_time_patch)
+    return chunk[:, None] >= chunk[None, :]
+
+
+class KVCache:
+    """Per-block keys/values (after RoPE) of the video tokens of frames already generated.
+
+    Args:
+        num_blocks: blocks of the model (double + single); ``MMDiT.new_kv_cache`` fills it in.
+        window_frames: the most latent frames the cache holds after a store (sink frames included); ``None`` keeps
+            everything. A chunk then attends to at most ``window_frames`` earlier frames plus itself, so memory
+            stays bounded however long the video gets.
+        sink_frames: the first frames ever stored, kept for good when the window rolls (attention sinks,
+            LongLive); they count towards ``window_frames``.
+
+    Frames are counted in latent frames; with a temporal patch size ``pt > 1`` they come and go in groups of
+    ``pt`` (``window_frames`` and ``sink_frames`` must then be multiples of ``pt``).
+    """
+
+    def __init__(self, num_blocks: int, window_frames: Optional[int] = None, sink_frames: int = 0):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if sink_frames < 0 or (window_frames is not None and window_frames < max(sink_frames, 1)):
+            raise ValueError(f"need 0 <= sink_frames <= window_frames and window_frames >= 1, "
+                             f"got window_frames={window_frames}, sink_frames={sink_frames}")  # fmt: skip
+        self.num_blocks = int(num_blocks)
+        self.window_frames = None if window_frames is None else int(window_frames)
+        self.sink_frames = int(sink_frames)
+        self.clear()
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Forget every frame (a new video starts)."""
+        self.keys: List[Optional[torch.Tensor]] = [None] * self.num_blocks  # [B, heads, frames * tpf, head_dim]
+        self.values: List[Optional[torch.Tensor]] = [None] * self.num_blocks
+        self.frame_ids: List[int] = []  # absolute latent-frame index of every held frame, in cache order
+        self.tokens_per_frame_group: Optional[int] = None
+        self.frames_per_group = 1
+        self.sinks_complete = False  # the first ``sink_frames`` frames have been stored
+
+    @property
+    def num_frames(self) -> int:
+        """Latent frames currently held."""
+        return len(self.frame_ids)
+
+    @property
+    def end_frame(self) -> int:
+        """Absolute index of the frame after the newest held one (0 when empty): where the next chunk starts."""
+        return self.frame_ids[-1] + 1 if self.frame_ids else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cached keys and values."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+    def block(self, index: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        return self.keys[index], self.values[index]
+
+    # ---- updates --------------------------------------------------------------------------------------------
+    def append(self, new: Dict[int, Tuple[torch.Tensor, torch.Tensor]], start_frame: int, num_frames: int,
+               frames_per_group: int = 1) -> None:
+        """Add ``num_frames`` frames starting at absolute frame ``start_frame``; ``new[i]`` holds block ``i``'s
+        (keys, values) [B, heads, tokens, head_dim] of those frames. Applies the rolling window."""
+        if sorted(new) != list(range(self.num_blocks)):
+            raise ValueError(f"append needs keys/values for all {self.num_blocks} blocks, got {len(new)}")
+        if num_frames % frames_per_group:
+            raise ValueError(f"{num_frames} frames are not whole groups of {frames_per_group} (temporal patch)")
+        if self.frame_ids and start_frame < self.end_frame:
+            raise ValueError(f"frames from {start_frame} overlap the cache, which holds frames up to "
+                             f"{self.end_frame - 1}; clear() it to start a new video")  # fmt: skip
+        tokens = new[0][0].shape[2]
+        per_group = tokens // (num_frames // frames_per_group)
+        if self.frame_ids and (per_group, frames_per_group) != (self.tokens_per_frame_group, self.frames_per_group):
+            raise ValueError("chunks of different spatial sizes or temporal patch sizes cannot share a cache")
+        self.tokens_per_frame_group, self.frames_per_group = per_group, frames_per_group
+        for i in range(self.num_blocks):
+            k, v = (t.detach() for t in new[i])
+            past_k, past_v = self.keys[i], self.values[i]
+            self.keys[i] = k if past_k is None else torch.cat((past_k, k), dim=2)
+            self.values[i] = v if past_v is None else torch.cat((past_v, v), dim=2)
+        self.frame_ids.extend(range(start_frame, start_frame + num_frames))
+        if self.num_frames >= self.sink_frames:
+            self.sinks_complete = True
+        if self.window_frames is not None:
+            self.trim(self.window_frames)
+
+    def trim(self, keep_frames: int) -> None:
+        """Keep at most ``keep_frames`` frames: the sink frames plus the newest ``keep_frames - sink_frames``."""
+        if keep_frames < self.sink_frames:
+            raise ValueError(f"keep_frames={keep_frames} is fewer than the {self.sink_frames} sink frames")
+        if self.num_frames <= keep_frames:
+            return
+        group = self.frames_per_group
+        sinks = min(self.sink_frames, self.num_frames)
+        newest = keep_frames - sinks
+        if sinks % group or newest % group:
+            raise ValueError(f"keep_frames={keep_frames} / sink_frames={self.sink_frames} must be multiples of the "
+                             f"temporal patch size {group}")  # fmt: skip
+        tpf = self.tokens_per_frame_group // group  # tokens per latent frame (exact: groups are whole)
+        sink_tokens, drop_tokens = sinks * tpf, (self.num_frames - keep_frames) * tpf
+        for i in range(self.num_blocks):
+            for store in (self.keys, self.values):
+                t = store[i]
+                # a new tensor: a view would keep the dropped frames' memory alive
+                store[i] = torch.cat((t[:, :, :sink_tokens], t[:, :, sink_tokens + drop_tokens :]), dim=2)
+        self.frame_ids = self.frame_ids[:sinks] + self.frame_ids[sinks + self.num_frames - keep_frames :]
+
+
+def streaming_kv_hooks(cache: KVCache, num_text: int, mask: torch.Tensor, pending: Optional[Dict[int, tuple]]):
+    """One ``kv_hook`` per block for a streamed chunk: [text, cached video, chunk video] keys/values and ``mask``.
+
+    The cached tensors are read once, here, so a hook re-run by activation checkpointing sees the same context.
+    With ``pending`` (a dict) each hook records its block's chunk keys/values there for ``KVCache.append``.
+    """
+
+    def make(index: int):
+        past_k, past_v = cache.block(index)
+
+        def hook(k, v, _key_mask):
+            if pending is not None:
+                pending[index] = (k[:, :, num_text:], v[:, :, num_text:])
+            if past_k is not None:
+                if past_k.shape[0] != k.shape[0]:
+                    raise ValueError(f"the cache holds a batch of {past_k.shape[0]}, the chunk has {k.shape[0]}")
+                k = torch.cat((k[:, :, :num_text], past_k.to(k.dtype), k[:, :, num_text:]), dim=2)
+                v = torch.cat((v[:, :, :num_text], past_v.to(v.dtype), v[:, :, num_text:]), dim=2)
+            return k, v, mask
+
+        return hook
+
+    return [make(i) for i in range(cache.num_blocks)]

@@ -1,0 +1,235 @@
+"""Causal MMDiT and the streaming KV cache: chunk-by-chunk streaming reproduces the full block-causal forward,
+the attention pattern is the one documented in causal.py, the rolling window bounds the cache, gradients
+reach the chunk but not the cache, and the adapter's streaming verbs agree with its full-video verbs.
+
+Exactness: with the ``math`` attention backend the streamed chunk and the full forward run the same operations
+in the same order (the full forward's masked keys contribute exact zeros), so the outputs are bit-identical.
+PyTorch's own CPU choice (``auto``: a blocked flash kernel) splits keys into blocks whose boundaries differ
+between a chunk's key sequence and the full one, so its sums are reordered: there we bound the difference
+(relative 1e-5 of the output scale; measured ~5e-7).
+"""
+
+import pytest
+import torch
+
+from opensora.models.mmdit import MMDiT
+from opensora.models.mmdit.causal import KVCache
+
+from test_mmdit import inputs, perturb, tiny_kwargs
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
+
+
+def causal_model(chunk=2, backend="math", patch_size=(1, 2, 2), seed=0, **overrides):
+    model = MMDiT(**tiny_kwargs(causal_chunk_frames=chunk, attn_backend=backend, patch_size=patch_size,
+                                **overrides)).eval()  # fmt: skip
+    perturb(model, seed=seed)
+    return model
+
+
+def padded_inputs(t=8, seed=0, batch=2):
+    data = inputs(t=t, seed=seed, batch=batch)
+    data["text_mask"][0, -2:] = False  # sample 0 has two padded text tokens
+    data["cond"] = torch.randn(batch, 5, t, 8, 8, generator=torch.Generator().manual_seed(seed + 1))
+    return data
+
+
+def stream(model, data, chunk, cache=None, store=True):
+    """Chunk-by-chunk velocities through ``forward_chunk``, concatenated over time."""
+    cache = cache if cache is not None else model.new_kv_cache()
+    outs = []
+    for start in range(0, data["x"].shape[2], chunk):
+        piece = slice(start, start + chunk)
+        outs.append(model.forward_chunk(
+            data["x"][:, :, piece], data["timestep"], data["text_emb"], data["text_mask"], data["pooled"],
+            cond=data["cond"][:, :, piece], cache=cache, start_frame=start, store_kv=store))  # fmt: skip
+    return torch.cat(outs, dim=2), cache
+
+
+@pytest.mark.parametrize("patch_size", [(1, 2, 2), (2, 2, 2)])
+def test_streaming_equals_full_causal_forward_bitwise_with_math_attention(patch_size):
+    chunk = 2 * patch_size[0]
+    model = causal_model(chunk=chunk, patch_size=patch_size)
+    data = padded_inputs(t=4 * chunk)
+    with torch.no_grad():
+        full = model(**data)
+        streamed, cache = stream(model, data, chunk)
+        again, _ = stream(model, data, chunk)
+    assert streamed.dtype == full.dtype == torch.float32
+    assert torch.equal(streamed, full), (streamed - full).abs().max()
+    assert torch.equal(again, streamed)  # repeated runs are identical
+    assert cache.num_frames == 4 * chunk and cache.frame_ids == list(range(4 * chunk))
+
+
+def test_streaming_matches_full_forward_with_the_default_cpu_attention_kernel():
+    model = causal_model(backend="auto")
+    data = padded_inputs()
+    with torch.no_grad():
+        full = model(**data)
+        streamed, _ = stream(model, data, 2)
+        again, _ = stream(model, data, 2)
+    scale = full.abs().max()
+    assert (streamed - full).abs().max() <= 1e-5 * scale
+    assert torch.equal(again, streamed)
+
+
+def test_chunks_see_the_past_and_not_the_future():
+    model = causal_model()
+    data = padded_inputs()
+    changed = dict(data, x=data["x"].clone())
+    changed["x"][:, :, 4:6] += 1.0  # chunk 2 of 4
+    with torch.no_grad():
+        before, after = model(**data), model(**changed)
+    assert torch.equal(before[:, :, :4], after[:, :, :4])  # chunks 0-1 do not see chunk 2
+    assert not torch.allclose(before[:, :, 6:], after[:, :, 6:])  # chunk 3 does
+
+
+def test_text_stream_ignores_video_so_one_chunk_equals_bidirectional_with_text_rows_masked():
+    """With one chunk spanning all frames the only difference to the bidirectional model is that text queries do
+    not see video keys. Reference: the bidirectional weights with that mask written out by hand."""
+    data = padded_inputs(t=4)
+    causal = causal_model(chunk=4)
+    bidirectional = MMDiT(**tiny_kwargs(attn_backend="math")).eval()
+    bidirectional.load_state_dict(causal.state_dict())
+    n_text, n_video = data["text_emb"].shape[1], 4 * 4 * 4
+    mask = torch.zeros(2, 1, n_text + n_video, n_text + n_video, dtype=torch.bool)
+    for b in range(2):
+        for q in range(n_text + n_video):
+            for k in range(n_text + n_video):
+                key_valid = k >= n_text or bool(data["text_mask"][b, k])
+                mask[b, 0, q, k] = key_valid and (q >= n_text or k < n_text)
+    with torch.no_grad():
+        img, txt, vec, grid = bidirectional.embed(data["x"], data["timestep"], data["text_emb"], data["pooled"],
+                                                  data["cond"])  # fmt: skip
+        rope = bidirectional.rope(grid, n_text, data["x"].device)
+        from opensora.models.mmdit.model import unpatchify
+
+        reference = unpatchify(bidirectional.run_blocks(img, txt, vec, rope, mask), grid, (1, 2, 2))
+        assert torch.equal(causal(**data), reference)
+        assert not torch.allclose(bidirectional(**data), reference, atol=1e-4)  # there text attends video
+
+
+def test_rolling_window_with_sinks_bounds_the_cache_and_keeps_the_right_frames():
+    model = causal_model()
+    data = padded_inputs(t=32)  # 16 chunks: 4x a "training length" of 8 frames
+    window, sinks = 6, 2
+    sizes = []
+    cache = model.new_kv_cache(window_frames=window, sink_frames=sinks)
+    full_cache = model.new_kv_cache()
+    with torch.no_grad():
+        for start in range(0, 32, 2):
+            piece = slice(start, start + 2)
+            args = (data["x"][:, :, piece], data["timestep"], data["text_emb"], data["text_mask"], data["pooled"])
+            model.forward_chunk(*args, cond=data["cond"][:, :, piece], cache=cache, start_frame=start, store_kv=True)
+            sizes.append((cache.num_frames, cache.nbytes))
+            if start == 12:  # the same chunks once more into an unbounded cache, to compare what the window kept
+                for s in range(0, 14, 2):
+                    p = slice(s, s + 2)
+                    model.forward_chunk(data["x"][:, :, p], *args[1:], cond=data["cond"][:, :, p], cache=full_cache,
+                                        start_frame=s, store_kv=True)  # fmt: skip
+                kept = [0, 1, 10, 11, 12, 13]
+                assert cache.frame_ids == kept
+                tokens_per_frame = 16
+                index = torch.cat([torch.arange(f * tokens_per_frame, (f + 1) * tokens_per_frame) for f in kept])
+                # the first block's keys/values depend on their own frame only; the sinks were stored before any
+                # trimming, so they agree in every block
+                assert torch.equal(cache.keys[0], full_cache.keys[0][:, :, index])
+                assert torch.equal(cache.values[0], full_cache.values[0][:, :, index])
+                for i in range(cache.num_blocks):
+                    assert torch.equal(cache.keys[i][:, :, :32], full_cache.keys[i][:, :, :32])
+    assert max(frames for frames, _ in sizes) == window
+    steady = [nbytes for frames, nbytes in sizes if frames == window]
+    assert len(steady) == 14 and len(set(steady)) == 1  # flat from the window's first fill to 4x the length
+    assert cache.frame_ids == [0, 1, 28, 29, 30, 31]
+
+
+def test_store_kv_false_leaves_the_cache_untouched_and_denoising_steps_repeat():
+    model = causal_model()
+    data = padded_inputs()
+    with torch.no_grad():
+        _, cache = stream(model, dict(data, x=data["x"][:, :, :4], cond=data["cond"][:, :, :4]), 2)
+        keys = [k.clone() for k in cache.keys]
+        args = (data["x"][:, :, 4:6], data["timestep"], data["text_emb"], data["text_mask"], data["pooled"])
+        first = model.forward_chunk(*args, cond=data["cond"][:, :, 4:6], cache=cache, start_frame=4, store_kv=False)
+        second = model.forward_chunk(*args, cond=data["cond"][:, :, 4:6], cache=cache, start_frame=4, store_kv=False)
+    assert torch.equal(first, second)
+    assert cache.num_frames == 4 and all(torch.equal(a, b) for a, b in zip(keys, cache.keys))
+    with pytest.raises(ValueError, match="overlaps the cache"):
+        model.forward_chunk(*args, cond=data["cond"][:, :, 4:6], cache=cache, start_frame=2, store_kv=False)
+
+
+@pytest.mark.parametrize("grad_ckpt", [0, 1])
+def test_gradients_reach_the_chunk_and_not_the_cache(grad_ckpt):
+    model = causal_model(grad_ckpt_double=grad_ckpt, grad_ckpt_single=grad_ckpt).train()
+    data = padded_inputs()
+    with torch.no_grad():
+        _, cache = stream(model, dict(data, x=data["x"][:, :, :4], cond=data["cond"][:, :, :4]), 2)
+    x = data["x"][:, :, 4:6].clone().requires_grad_(True)
+    out = model.forward_chunk(x, data["timestep"], data["text_emb"], data["text_mask"], data["pooled"],
+                              cond=data["cond"][:, :, 4:6], cache=cache, start_frame=4, store_kv=True)
+    out.square().mean().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in model.img_in.parameters())
+    assert cache.num_frames == 6  # checkpoint recomputation did not store the chunk twice
+    assert not any(k.requires_grad for k in cache.keys + cache.values)
+
+
+def test_kv_cache_bookkeeping_and_errors():
+    with pytest.raises(ValueError, match="sink_frames"):
+        KVCache(4, window_frames=2, sink_frames=3)
+    cache = KVCache(2, sink_frames=1)
+    kv = lambda frames: {i: (torch.ones(1, 2, frames * 3, 4), torch.ones(1, 2, frames * 3, 4)) for i in range(2)}  # noqa
+    cache.append(kv(2), start_frame=0, num_frames=2)
+    cache.append(kv(2), start_frame=2, num_frames=2)
+    assert cache.num_frames == 4 and cache.end_frame == 4 and cache.nbytes == 2 * 2 * 4 * 12 * 8 * 4 // 4
+    cache.trim(3)
+    assert cache.frame_ids == [0, 2, 3] and cache.keys[0].shape[2] == 9
+    with pytest.raises(ValueError, match="overlap"):
+        cache.append(kv(2), start_frame=2, num_frames=2)
+    cache.clear()
+    assert cache.num_frames == 0 and cache.end_frame == 0 and cache.nbytes == 0
+    with pytest.raises(ValueError, match="causal"):
+        MMDiT(**tiny_kwargs()).forward_chunk(**inputs(), cache=cache, start_frame=0, store_kv=False)
+    with pytest.raises(ValueError, match="multiple"):
+        MMDiT(**tiny_kwargs(causal_chunk_frames=3, patch_size=(2, 2, 2)))
+
+
+class _Handle:
+    """The two things an adapter uses of a role: ``model`` (maybe wrapped) and ``unwrap()``."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def unwrap(self):
+        return self.model
+
+
+def test_adapter_streaming_x0_matches_its_full_video_x0_and_reports_the_capability():
+    from types import SimpleNamespace
+
+    from opensora.methods.adapters import MMDiTAdapter
+    from opensora.registry import MODELS, build_module
+
+    vae = build_module(dict(type="PatchVAE", patch_size=4, temporal_patch_size=1), MODELS).eval()
+    text = build_module(dict(type="TextConditioner", seed=0), MODELS)
+    comp = SimpleNamespace(vae=vae, text_encoder=text, device=torch.device("cpu"), null_text=text.null_embeddings(1))
+    adapter = MMDiTAdapter(comp)
+    arch = dict(in_channels=48, cond_channels=49, hidden_size=32, num_heads=2, depth_double=1, depth_single=1,
+                mlp_ratio=2.0, text_dim=64, pooled_dim=64, axes_dims=(4, 6, 6), attn_backend="math")
+    network = MMDiT(**arch, causal_chunk_frames=2).eval()
+    perturb(network, seed=2)
+    handle = _Handle(network)
+    assert "streaming" in adapter.capabilities_for(handle)
+    assert "streaming" not in adapter.capabilities_for(_Handle(MMDiT(**arch)))
+    batch = adapter.prepare_batch(dict(video=torch.zeros(2, 3, 6, 16, 16), text=["a red circle", "a blue square"]))
+    noisy, t = torch.randn(batch.latent_shape), torch.tensor([0.7, 0.4])
+    with torch.no_grad():
+        for conditional in (True, False):
+            full = adapter.predict_x0(handle, noisy, t, batch, conditional=conditional)
+            cache = adapter.new_kv_cache(handle, batch)
+            chunks = [adapter.predict_x0_streaming(handle, noisy[:, :, s : s + 2], t, batch, cache, start_frame=s,
+                                                   store_kv=True, conditional=conditional) for s in (0, 2, 4)]  # fmt: skip
+            assert torch.equal(torch.cat(chunks, dim=2), full)
+            assert chunks[0].dtype == torch.float32 and cache.num_frames == 6
+    with pytest.raises(ValueError, match="causal"):
+        adapter.new_kv_cache(_Handle(MMDiT(**arch)), batch)
