@@ -325,10 +325,11 @@ class Lanes:
     """The two devices of a pipeline (may be the same device, or both CPU for tests).
 
     Compute runs on each device's current stream. ``pull`` brings a value produced on another device (ready when
-    ``ready`` fires) onto ``dst``: a copy on ``dst``'s side stream that waits on the producer's event, with the
-    consumer stream waiting on the copy; the destination tensor is ``record_stream``-ed onto the consumer stream
-    and the source is kept alive until the copy's event completes (its memory must not be reused by its own
-    stream while the peer copy may still read it).
+    ``ready`` fires) onto another lane: a peer copy on side streams that waits on the producer's event only (not
+    on later work of the producer's GPU), with the consumer's compute stream waiting on the copy. The destination
+    tensor is ``record_stream``-ed onto the consumer stream, the source onto the side stream that reads it, so
+    neither's memory is reused while the copy may still touch it. ``to_host`` copies into pinned memory on a
+    side stream and keeps the source alive until the copy's event completes.
     """
 
     def __init__(self, devices: Sequence[Any], profile: bool = False):
@@ -352,11 +353,11 @@ class Lanes:
     def stream(self, lane: int):
         return torch.cuda.current_stream(self.devices[lane]) if self.cuda else None
 
-    def event(self, lane: int):
+    def event(self, lane: int, timing: bool = False):
         """An event recorded now on ``lane``'s compute stream (None on CPU)."""
         if not self.cuda:
             return None
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(enable_timing=timing)
         ev.record(self.stream(lane))
         return ev
 
@@ -371,17 +372,20 @@ class Lanes:
                 return x
             if not self.cuda:
                 return x.to(dst)
-            copy_stream = self.copy_streams[dst]
+            # A cross-device copy_ runs on the *source* device's current stream with a barrier against the
+            # destination's current stream: make both the side streams, or the copy would queue behind (and
+            # the consumer wait for) whatever the source GPU's compute stream was given after the producer.
+            src_stream, dst_stream = self.copy_streams[x.device], self.copy_streams[dst]
             if ready is not None:
-                copy_stream.wait_event(ready)
-            with torch.cuda.stream(copy_stream):
+                src_stream.wait_event(ready)
+            with torch.cuda.stream(src_stream), torch.cuda.stream(dst_stream):
                 y = torch.empty_like(x, device=dst)
                 y.copy_(x, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(copy_stream)
+            done.record(dst_stream)  # the copy's barrier made dst_stream wait for it
             self.stream(lane).wait_event(done)
-            y.record_stream(self.stream(lane))
-            self.keepalive.append((done, x))
+            y.record_stream(self.stream(lane))  # allocated on dst_stream, read by the consumer's compute stream
+            x.record_stream(src_stream)  # read by src_stream: not reused before the copy is done
             self.copy_bytes += x.numel() * x.element_size()
             return y
 
@@ -418,7 +422,7 @@ class Lanes:
         self.records.clear()
         if self.cuda:
             self.synchronize()
-            self.origin = {lane: self.event(lane) for lane in (0, 1)}
+            self.origin = {lane: self.event(lane, timing=True) for lane in (0, 1)}
         else:
             self.origin = {0: time.perf_counter(), 1: time.perf_counter()}
 
@@ -430,10 +434,10 @@ class Lanes:
             return
         if self.cuda:
             torch.cuda.nvtx.range_push(str(task))
-            start = self.event(lane)
+            start = self.event(lane, timing=True)
             t0 = time.perf_counter()
             yield
-            end = self.event(lane)
+            end = self.event(lane, timing=True)
             torch.cuda.nvtx.range_pop()
         else:
             t0 = start = time.perf_counter()

@@ -178,7 +178,7 @@ def sample_microbatched(model, group: Mapping, latent_shape, times: Sequence[flo
     """Single-device reference for one group of ``BidirectionalStages``: ``model.forward`` once per branch per
     step, CFG and Euler as ``sampling.sample``. Returns (x0, frames or None)."""
     dtype = model.img_in.weight.dtype
-    x = seeded_latent_noise(group["seeds"], latent_shape).to(device)
+    x = to_device_async(seeded_latent_noise(group["seeds"], latent_shape), device)
     times = [float(t) for t in times]
     for k in range(len(times) - 1):
         outs = []
@@ -359,8 +359,8 @@ def stream_reference(model, group: Mapping, chunk_shape: Sequence[int], num_chun
     for c in range(num_chunks):
         start = c * chunk_shape[1]
         x, later = noise.chunk()
-        x = x.to(device)
-        later = [None if n is None else n.to(device) for n in later]
+        x = to_device_async(x, device)
+        later = [None if n is None else to_device_async(n, device) for n in later]
 
         def forward(x_in, t, store):
             outs = []
@@ -380,3 +380,76 @@ def stream_reference(model, group: Mapping, chunk_shape: Sequence[int], num_chun
         latents.append(x)
         frames.append(decode(x) if decode is not None else None)
     return latents, frames
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage times for ``--pp-split auto``
+# ----------------------------------------------------------------------------------------------------------
+class _Timer:
+    """Marks on one device: CUDA events (no host sync until ``read``) or host clocks on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            import time
+
+            self.marks.append(time.perf_counter())
+
+    def read(self) -> List[float]:
+        """Milliseconds between consecutive marks."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+@torch.no_grad()
+def measure_stage_times(model, x: torch.Tensor, text: Mapping, decode: Optional[Callable] = None,
+                        repeats: int = 3) -> dict:
+    """Median time of the embedding, every block, the final layer and the decode of one forward of ``x`` (a chunk
+    at frame 0 for a causal model, with the streaming mask; the whole clip otherwise) on the model's device.
+    Feed the result to ``pipeline_parallel.choose_split``."""
+    from statistics import median
+
+    device = x.device
+    dtype = model.img_in.weight.dtype
+    text_emb, pooled = text["text_emb"].to(device, dtype), text["pooled"].to(device, dtype)
+    text_mask = None if text.get("text_mask") is None else text["text_mask"].to(device)
+    t = torch.full((x.shape[0],), 0.5, device=device).to(dtype)
+    n = len(all_blocks(model))
+    samples = []
+    for _ in range(repeats + 1):  # the first run warms up kernels and allocator
+        timer = _Timer(device)
+        timer.mark()
+        img, txt, vec, grid = model.embed(x.to(dtype), t, text_emb, pooled)
+        rope = model.rope(grid, txt.shape[1], device)
+        hooks = None
+        if getattr(model, "causal_chunk_frames", 0):
+            from opensora.models.mmdit.causal import joint_attention_mask, streaming_kv_hooks
+
+            mask = joint_attention_mask(text_mask, txt.shape[1],
+                                        torch.ones(img.shape[1], img.shape[1], dtype=torch.bool, device=device))
+            hooks = streaming_kv_hooks(model.new_kv_cache(), txt.shape[1], mask, None)
+        else:
+            mask = model.key_mask(text_mask, img.shape[1])
+        timer.mark()
+        state = dict(img=img, txt=txt)
+        for i in range(n):
+            state = run_blocks(model, state, i, i + 1, vec, rope, mask, None if hooks is None else hooks.__getitem__)
+            timer.mark()
+        out = finish(model, state, vec, grid)
+        timer.mark()
+        if decode is not None:
+            decode(out.float())
+        timer.mark()
+        samples.append(timer.read())
+    samples = samples[1:]
+    med = [median(s[i] for s in samples) for i in range(len(samples[0]))]
+    return dict(embed_ms=med[0], block_ms=med[1:1 + n], final_ms=med[1 + n], decode_ms=med[2 + n])
