@@ -27,6 +27,7 @@ decoded video frames (4 per latent frame) of all groups.
 import argparse
 import copy
 import datetime
+import itertools
 import json
 import statistics
 import sys
@@ -134,15 +135,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="JSON output path")
     parser.add_argument("--devices", default="cuda:0,cuda:1")
-    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument("--chunk-frames", type=int, default=3)
     parser.add_argument("--latent-hw", type=int, default=32, help="latent side (256px / 8)")
     parser.add_argument("--text-len", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--bi-frames", type=int, default=8)
     parser.add_argument("--bi-steps", type=int, default=6)
     parser.add_argument("--steps", default="1,4")
-    parser.add_argument("--groups", default="1,2")
+    parser.add_argument("--groups", default="1,2", help="independent items (groups) in flight")
+    parser.add_argument("--batches", default="1,2", help="samples per group (one micro-batch)")
+    parser.add_argument("--budget-s", type=float, default=300.0,
+                        help="skip the remaining streaming configurations once the run has taken this long")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, both stages on the CPU")
     args = parser.parse_args(argv)
     started = time.time()
@@ -150,7 +154,7 @@ def main(argv=None):
     if args.tiny:
         devices, dtype = ["cpu", "cpu"], torch.float32
         cfg = mmdit_config("tiny", cond_channels=None, causal_chunk_frames=2)
-        args.chunk_frames, args.latent_hw, args.text_len, args.chunks, args.repeats = 2, 8, 8, 3, 1
+        args.chunk_frames, args.latent_hw, args.text_len, args.chunks, args.repeats = 2, 8, 8, 2, 1
         args.bi_frames, args.bi_steps = 2, 2
         torch.set_num_threads(1)
     else:
@@ -169,9 +173,9 @@ def main(argv=None):
     chunk_shape = (cfg["in_channels"], args.chunk_frames, args.latent_hw, args.latent_hw)
     text_dim, pooled_dim = cfg["text_dim"], cfg["pooled_dim"]
 
-    def groups_for(n):
-        return [dict(seeds=[100 + g], branches=[text_group(1, args.text_len, text_dim, pooled_dim, g, "cpu")])
-                for g in range(n)]
+    def groups_for(n, batch=1):
+        return [dict(seeds=[100 + 10 * g + i for i in range(batch)],
+                     branches=[text_group(batch, args.text_len, text_dim, pooled_dim, g, "cpu")]) for g in range(n)]
 
     x_warm = seeded_latent_noise([0], chunk_shape).to(dev0)
     times = measure_stage_times(model, x_warm, groups_for(1)[0]["branches"][0], decode=decoder)
@@ -181,59 +185,65 @@ def main(argv=None):
     lat_frames = args.chunks * args.chunk_frames
     step_counts = [int(s) for s in args.steps.split(",")]
     group_counts = [int(g) for g in args.groups.split(",")]
-    for steps in step_counts:
-        for refill in (True, False):
-            for n_groups in group_counts:
-                groups = groups_for(n_groups)
-                kw = dict(refill=refill, rule="renoise", decode=None)
-                label = f"{steps} step{'s' if steps > 1 else ''}{' + refill' if refill else ''}, {n_groups} item(s)"
-                video_frames = n_groups * lat_frames * TIME_UP
+    skipped = []
+    for batch, steps, refill, n_groups in itertools.product(
+            [int(b) for b in args.batches.split(",")], step_counts, (True, False), group_counts):
+        label = (f"{steps} step{'s' if steps > 1 else ''}{' + refill' if refill else ''}, {n_groups} item(s) "
+                 f"x batch {batch}")
+        if time.time() - started > args.budget_s:
+            skipped.append(label)
+            continue
+        groups = groups_for(n_groups, batch)
+        kw = dict(refill=refill, rule="renoise", decode=None)
+        video_frames = n_groups * batch * lat_frames * TIME_UP
 
-                def reference():
-                    return [stream_reference(model, g, chunk_shape, args.chunks, STEP_LISTS[steps],
-                                             device=dev0, **{**kw, "decode": decoder}) for g in groups]
+        def reference():
+            return [stream_reference(model, g, chunk_shape, args.chunks, STEP_LISTS[steps],
+                                     device=dev0, **{**kw, "decode": decoder}) for g in groups]
 
-                t_ref, ref_outs = timed(reference, [dev0], args.repeats)
-                refs = ref_outs[0]
-                row = dict(config=label, steps=steps, refill=refill, items=n_groups, one_gpu_s=t_ref,
-                           one_gpu_fps=video_frames / t_ref, modes={})
-                plan = Plan(num_groups=n_groups, num_chunks=args.chunks, num_steps=steps, refill=refill)
-                for mode in ("single-gpu-executor",) + OVERLAP_MODES:
-                    lane_devs = [devices[0], devices[0]] if mode == "single-gpu-executor" else devices
-                    sched_mode = "basic" if mode == "single-gpu-executor" else mode
-                    split, table = choose_split(plan, sched_mode, times["block_ms"], times["embed_ms"],
-                                                times["final_ms"], decode_ms=times["decode_ms"])
-                    split_tables[f"{label} / {mode}"] = table
-                    place_model(pp_model, split, lane_devs)
-                    dec = decoder if mode == "single-gpu-executor" else pp_decoder
+        t_ref, ref_outs = timed(reference, [dev0], args.repeats)
+        refs = ref_outs[0]
+        row = dict(config=label, steps=steps, refill=refill, items=n_groups, batch=batch, one_gpu_s=t_ref,
+                   one_gpu_fps=video_frames / t_ref, modes={})
+        plan = Plan(num_groups=n_groups, num_chunks=args.chunks, num_steps=steps, refill=refill)
+        for mode in ("single-gpu-executor",) + OVERLAP_MODES:
+            lane_devs = [devices[0], devices[0]] if mode == "single-gpu-executor" else devices
+            sched_mode = "basic" if mode == "single-gpu-executor" else mode
+            split, table = choose_split(plan, sched_mode, times["block_ms"], times["embed_ms"],
+                                        times["final_ms"], decode_ms=times["decode_ms"])
+            split_tables[f"{label} / {mode}"] = table
+            place_model(pp_model, split, lane_devs)
+            dec = decoder if mode == "single-gpu-executor" else pp_decoder
 
-                    def pipelined(profile=False):
-                        lanes = Lanes(lane_devs, profile=profile)
-                        stages = CausalStreamingStages(pp_model, lanes, split, groups, chunk_shape, args.chunks,
-                                                       STEP_LISTS[steps], **{**kw, "decode": dec})
-                        return run_plan(stages, sched_mode, lanes)[0]
+            def pipelined(profile=False):
+                lanes = Lanes(lane_devs, profile=profile)
+                stages = CausalStreamingStages(pp_model, lanes, split, groups, chunk_shape, args.chunks,
+                                               STEP_LISTS[steps], **{**kw, "decode": dec})
+                return run_plan(stages, sched_mode, lanes)[0]
 
-                    t, outs = timed(pipelined, lane_devs, args.repeats)
-                    diffs = [compare_stream(o, refs, args.chunks) for o in outs]
-                    prof = pipelined(profile=True)
-                    diffs.append(compare_stream(prof, refs, args.chunks))
-                    lanes_summary = prof.summary.get("lanes", {})
-                    row["modes"][mode] = dict(
-                        seconds=t, fps=video_frames / t, speedup=t_ref / t, split=split, max_abs_diff=max(diffs),
-                        runs_checked=len(diffs),
-                        busy=[lanes_summary.get(f"gpu{i}", {}).get("busy_fraction") for i in (0, 1)],
-                        idle_ms=[lanes_summary.get(f"gpu{i}", {}).get("idle_ms") for i in (0, 1)],
-                        ms_per_kind=prof.summary.get("ms_per_kind"))
-                rows.append(row)
-                print_row(row)
+            t, outs = timed(pipelined, lane_devs, args.repeats)
+            diffs = [compare_stream(o, refs, args.chunks) for o in outs]
+            prof = pipelined(profile=True)
+            diffs.append(compare_stream(prof, refs, args.chunks))
+            lanes_summary = prof.summary.get("lanes", {})
+            row["modes"][mode] = dict(
+                seconds=t, fps=video_frames / t, speedup=t_ref / t, split=split, max_abs_diff=max(diffs),
+                runs_checked=len(diffs),
+                busy=[lanes_summary.get(f"gpu{i}", {}).get("busy_fraction") for i in (0, 1)],
+                idle_ms=[lanes_summary.get(f"gpu{i}", {}).get("idle_ms") for i in (0, 1)],
+                ms_per_kind=prof.summary.get("ms_per_kind"))
+        rows.append(row)
+        print_row(row)
     place_model(pp_model, n_blocks // 2 - 1, devices)
     bi_rows = bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtype, times, text_dim,
                             pooled_dim)
     report = dict(date=datetime.date.today().isoformat(), device=device_name(devices), torch=torch.__version__,
                   args=vars(args), stage_times=times, streaming=rows, bidirectional=bi_rows, split_tables=split_tables,
-                  wall_s=time.time() - started)
+                  skipped=skipped, wall_s=time.time() - started)
     print_tables(rows, bi_rows, split_tables)
     ok = all(m["max_abs_diff"] == 0.0 for r in rows + bi_rows for m in r["modes"].values())
+    if skipped:
+        print(f"skipped (over --budget-s): {skipped}")
     print(f"\nall outputs bit-identical to one GPU: {ok}   (wall {report['wall_s']:.0f} s)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
