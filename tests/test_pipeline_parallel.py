@@ -3,6 +3,8 @@ order (pure), and bit-identical outputs against the single-device samplers with 
 
 import itertools
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -175,3 +177,43 @@ def test_streaming_pipeline_is_bit_identical_to_forward_chunk_streaming_on_cpu(c
             assert torch.equal(result.frames[(g, c)], frames[c]), (g, c)
     # the outputs depend on the cache: chunk 1 differs from a chunk generated without context
     assert not torch.equal(refs[0][0][1], refs[0][0][0])
+
+
+# ---- the CLI (both lanes on the CPU) -----------------------------------------------------------------------------
+def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path, one_thread):
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from opensora.config import load_config
+    from opensora.inference import cli
+    from opensora.inference.io import read_video
+
+    root = Path(__file__).resolve().parents[1]
+    config = tmp_path / "causal_demo.py"
+    config.write_text(f'_base_ = ["{root}/configs/diffusion/inference/demo.py"]\n'
+                      "model = dict(causal_chunk_frames=2)\n")
+    cfg = load_config(config)
+    model = build_module(cfg.model, MODELS)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    ckpt = tmp_path / "causal.safetensors"
+    save_file(model.state_dict(), str(ckpt))
+
+    def sample(mode, split, save_dir):
+        return cli.main([str(config), "--ckpt", str(ckpt), "--prompt", "a red circle|a blue square", "--num-frames", "4",
+                         "--resolution", "32x32", "--step-list", "1.0,0.5", "--guidance-scale", "3.0", "--batch-size",
+                         "1", "--streaming", "--pp-devices", "cpu,cpu", "--pp-overlap", mode, "--pp-split", split,
+                         "--profile", "--save-dir", str(tmp_path / save_dir), "--no-progress"])
+
+    written = sample("aggressive", "auto", "aggr")
+    assert len(written) == 2 and read_video(written[0]).shape == (4, 32, 32, 3)
+    side = json.loads(written[0].with_suffix(".json").read_text())
+    assert side["pp_overlap"] == "aggressive" and "candidates" in side["pp_split"]
+    profile = json.loads((tmp_path / "aggr" / "pp_profile.json").read_text())
+    assert set(profile["summary"]["lanes"]) == {"gpu0", "gpu1"} and profile["timeline"]
+    # another mode and another split: the same videos
+    again = sample("off", "0", "off")
+    for a, b in zip(written, again):
+        assert np.array_equal(read_video(a), read_video(b))

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from opensora.config import load_config_from_cli, save_config
+from opensora.inference.pipeline_cli import PIPELINE_FLAGS
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ INFERENCE_FLAGS = {
     "offload": False,  # keep text encoder and autoencoder on the CPU except while they run
     "progress": True,
 }
+INFERENCE_FLAGS.update(PIPELINE_FLAGS)  # --streaming --pp-devices ... (two-GPU pipeline overlap, pipeline_cli.py)
 
 
 def resolve_checkpoint(path) -> Path:
@@ -100,6 +102,14 @@ def main(argv=None) -> list:
     save_dir = Path(args.save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, save_dir)
+    if args.pp_devices:
+        from opensora.inference.pipeline_cli import run_pipelined
+
+        common = dict(config=str(args.config), checkpoint=str(ckpt), role=args.role, **_steps_record(args),
+                      guidance_scale=float(args.guidance_scale), num_frames=num_frames, height=height, width=width,
+                      fps=float(args.fps))
+        return run_pipelined(cfg, args, prompts, per_sample_seeds(args.seed, len(prompts)), ckpt, num_frames,
+                             height, width, save_dir, common)
 
     sampler = VideoSampler.from_config(cfg, ckpt, role=args.role, ema=bool(args.ema), device=args.device,
                                        dtype=args.dtype, offload=bool(args.offload), progress=bool(args.progress))
