@@ -9,7 +9,8 @@ x (1 | 2 groups in flight) it times
 * 1 GPU, the plain ``forward_chunk`` loop (``stream_reference``),
 * 1 GPU, the pipeline executor with both stages on cuda:0 (same work, no copies: the schedule's own overhead),
 * 2 GPUs, ``--pp-overlap off | basic | aggressive`` with ``--pp-split auto`` (chosen per plan and mode from the
-  stage times measured on a warm-up chunk; the candidates of one plan are printed),
+  stage times measured on a warm-up chunk; the candidates of one plan are printed), one host thread per GPU,
+* 2 GPUs, aggressive issued by a single host thread (how much the per-GPU issuing threads matter),
 
 checks every chunk's latents and decoded frames against the 1-GPU loop (max |diff| must be 0, on every timed
 run), and takes per-GPU busy fractions from a separate profiled run (CUDA events per task). Then the bidirectional
@@ -56,6 +57,8 @@ from opensora.models.mmdit.configs import mmdit_config  # noqa: E402
 from opensora.models.mmdit.model import MMDiT  # noqa: E402
 
 STEP_LISTS = {1: [1.0], 4: [1.0, 0.75, 0.5, 0.25]}
+# 1 GPU through the pipeline executor; 2 GPUs per overlap mode (one host thread per GPU); aggressive with one thread
+VARIANTS = ("single-gpu-executor",) + OVERLAP_MODES + ("aggressive-1thread",)
 TIME_UP = 4  # video frames per latent frame of the stand-in decoder
 
 
@@ -206,9 +209,10 @@ def main(argv=None):
         row = dict(config=label, steps=steps, refill=refill, items=n_groups, batch=batch, one_gpu_s=t_ref,
                    one_gpu_fps=video_frames / t_ref, modes={})
         plan = Plan(num_groups=n_groups, num_chunks=args.chunks, num_steps=steps, refill=refill)
-        for mode in ("single-gpu-executor",) + OVERLAP_MODES:
+        for mode in VARIANTS:
             lane_devs = [devices[0], devices[0]] if mode == "single-gpu-executor" else devices
-            sched_mode = "basic" if mode == "single-gpu-executor" else mode
+            sched_mode = {"single-gpu-executor": "basic", "aggressive-1thread": "aggressive"}.get(mode, mode)
+            threads = False if mode == "aggressive-1thread" else None
             split, table = choose_split(plan, sched_mode, times["block_ms"], times["embed_ms"],
                                         times["final_ms"], decode_ms=times["decode_ms"])
             split_tables[f"{label} / {mode}"] = table
@@ -219,7 +223,7 @@ def main(argv=None):
                 lanes = Lanes(lane_devs, profile=profile)
                 stages = CausalStreamingStages(pp_model, lanes, split, groups, chunk_shape, args.chunks,
                                                STEP_LISTS[steps], **{**kw, "decode": dec})
-                return run_plan(stages, sched_mode, lanes)[0]
+                return run_plan(stages, sched_mode, lanes, threads=threads)[0]
 
             t, outs = timed(pipelined, lane_devs, args.repeats)
             diffs = [compare_stream(o, refs, args.chunks) for o in outs]
@@ -338,7 +342,7 @@ def print_row(row):
 
 
 def print_tables(rows, bi_rows, split_tables):
-    modes = ("single-gpu-executor",) + OVERLAP_MODES
+    modes = VARIANTS
     print("\n| configuration | 1 GPU fps | " + " | ".join(f"{m} fps (x, busy GPU0/GPU1, split)" for m in modes)
           + " | bit-identical |")
     print("| --- " * (len(modes) + 3) + "|")

@@ -170,7 +170,7 @@ def test_streaming_pipeline_is_bit_identical_to_forward_chunk_streaming_on_cpu(c
     place_model(model, split, ["cpu", "cpu"])
     lanes = Lanes(["cpu", "cpu"])
     stages = CausalStreamingStages(model, lanes, split, groups, chunk_shape, num_chunks, steps, **kwargs)
-    result, _ = run_plan(stages, mode, lanes)
+    result, _ = run_plan(stages, mode, lanes, threads=True)  # one issuing thread per lane, as on two GPUs
     for g, (latents, frames) in enumerate(refs):
         for c in range(num_chunks):
             assert torch.equal(result.latents[(g, c)], latents[c]), (g, c)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
+import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -539,22 +540,41 @@ class RunResult:
     time_dim: int = 1
 
 
-def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False) -> RunResult:
+def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threads: Optional[bool] = None) -> RunResult:
     """Issue ``order`` (a valid order for ``stages.plan``) and wait for the end. ``serial`` makes every task wait
-    for the one issued before it (``--pp-overlap off``)."""
+    for the one issued before it (``--pp-overlap off``).
+
+    ``threads`` (default: on for two different CUDA devices): one host thread per lane issues that lane's tasks in
+    the order's sequence (as torchgpipe does), waiting only for the *issue* of its cross-lane dependencies (the
+    GPU-side wait is the CUDA event). PyTorch drops the GIL inside each op's dispatch and launch, so the two
+    threads' launch overheads overlap: with one host thread a model whose per-forward launch time is comparable
+    to its GPU time cannot overlap two GPUs. Off: one thread issues the whole order.
+    """
     plan: Plan = stages.plan
+    if threads is None:
+        threads = lanes.cuda and lanes.devices[0] != lanes.devices[1]
+    deps = build_graph(plan)  # data/cache dependencies are the same in every mode
     values: Dict[tuple, _Value] = {}
     ctxs: Dict[Tuple[int, int], dict] = {}
     outputs: Dict[tuple, Any] = {}
-    latents, frames, host_events = {}, {}, []
-    previous = None
-    last_of_chunk = {(t.group, t.chunk): t for t in order}
-    lanes.begin()
-    t0 = time.perf_counter()
-    for task in order:
+    latents, frames = {}, {}
+    tasks_of_chunk = defaultdict(int)
+    for t in order:
+        tasks_of_chunk[(t.group, t.chunk)] += 1
+    issued_count = defaultdict(int)
+    lock = threading.Lock()
+    issued = {t: threading.Event() for t in order}
+    position = {t: i for i, t in enumerate(order)}
+    end_events: Dict[Task, Any] = {}
+    failure: List[BaseException] = []
+
+    def execute(task: Task) -> None:
         lane, g, c, k, b = task.device, task.group, task.chunk, task.step, task.branch
-        if serial and previous is not None and lanes.cuda and previous[0] != lane:
-            lanes.stream(lane).wait_event(previous[1])
+        if serial and position[task] > 0:
+            before = order[position[task] - 1]
+            issued[before].wait()
+            if lanes.cuda and before.device != lane:
+                lanes.stream(lane).wait_event(end_events[before])
         with lanes.device_context(lane), lanes.task(task), torch.no_grad():
             if task.kind == "prep":
                 ctx = stages.prepare(g, c)
@@ -569,8 +589,7 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False) -> Ru
                 out = stages.stage1(ctxs[(g, c)], b, k, act, plan.store_kv(k))
                 if k < plan.num_steps:  # the refill's output is never read
                     outputs[(g, c, k, b)] = out
-                del out
-                del act
+                del out, act
             elif task.kind == "update":
                 outs = [outputs.pop((g, c, k, i)) for i in range(plan.num_branches)]
                 x = values[("x", g, c, k)].on(lanes, 1)
@@ -578,20 +597,52 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False) -> Ru
                 values[("x", g, c, k + 1)] = _Value(x_next, 1, lanes.event(1))
                 if k == plan.num_steps - 1:
                     latents[(g, c)] = lanes.to_host(x_next, values[("x", g, c, k + 1)].ready, 1)
-                    host_events.append(latents[(g, c)][1])
             elif task.kind == "decode":
                 x0 = values[("x", g, c, plan.num_steps)].on(lanes, 1)
                 video = stages.decode(ctxs[(g, c)], x0)
                 frames[(g, c)] = lanes.to_host(video, lanes.event(1), 1)
             else:  # pragma: no cover
                 raise ValueError(task.kind)
-        if last_of_chunk[(g, c)] == task:  # free what no later task reads
-            for key in [key for key in values if key[1] == g and key[2] == c]:
-                del values[key]
-            ctxs.pop((g, c), None)
         if serial:
-            previous = (lane, lanes.event(lane))
-        lanes.release()
+            end_events[task] = lanes.event(lane)
+        with lock:
+            issued_count[(g, c)] += 1
+            if issued_count[(g, c)] == tasks_of_chunk[(g, c)]:  # every task of the chunk issued: free its values
+                for key in [key for key in values if key[1] == g and key[2] == c]:
+                    del values[key]
+                ctxs.pop((g, c), None)
+            lanes.release()
+        issued[task].set()
+
+    def issue(tasks: Sequence[Task], cross_lane: bool) -> None:
+        try:
+            for task in tasks:
+                if failure:
+                    return
+                if cross_lane:
+                    for dep in deps[task]:
+                        if dep.device != task.device:
+                            issued[dep].wait()
+                execute(task)
+        except BaseException as error:  # noqa: BLE001 - re-raised by the caller; unblock the other lane
+            failure.append(error)
+            for event in issued.values():
+                event.set()
+
+    lanes.begin()
+    t0 = time.perf_counter()
+    if threads:
+        workers = [threading.Thread(target=issue, args=([t for t in order if t.device == lane], True),
+                                    name=f"pp-lane{lane}", daemon=True) for lane in (0, 1)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    else:
+        issue(order, False)
+    if failure:
+        lanes.synchronize()
+        raise failure[0]
     timeline = lanes.timeline() if lanes.profile else []
     lanes.synchronize()
     seconds = time.perf_counter() - t0
@@ -600,10 +651,10 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False) -> Ru
 
 
 def run_plan(stages, mode: str, lanes: Lanes, costs: Optional[Mapping[str, float]] = None,
-             prefetch: int = 1) -> Tuple[RunResult, Simulation]:
+             prefetch: int = 1, threads: Optional[bool] = None) -> Tuple[RunResult, Simulation]:
     """Schedule ``stages.plan`` for ``mode`` and run it."""
     sim = schedule(stages.plan, mode, costs, prefetch)
-    return run(stages, sim.order, lanes, serial=(mode == "off")), sim
+    return run(stages, sim.order, lanes, serial=(mode == "off"), threads=threads), sim
 
 
 # ----------------------------------------------------------------------------------------------------------
