@@ -389,13 +389,14 @@ class _Timer:
     """Marks on one device: CUDA events (no host sync until ``read``) or host clocks on the CPU."""
 
     def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.marks = []
 
     def mark(self):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))
             self.marks.append(ev)
         else:
             import time
