@@ -41,6 +41,12 @@ INFERENCE_FLAGS = {
     "device": "auto",
     "offload": False,  # keep text encoder and autoencoder on the CPU except while they run
     "progress": True,
+    # streaming (causal models): chunk by chunk with a KV cache, each chunk appended to the mp4 as it finishes
+    "streaming": False,
+    "window_frames": None,  # latent frames the KV cache keeps (sinks included); None: all (memory grows)
+    "sink_frames": 0,  # first latent frames kept for good when the window rolls
+    "rollout": "renoise",  # renoise (x0 + fresh noise at the next time, Self-Forcing) | euler
+    "context_time": 0.0,  # time at which a finished chunk re-runs to fill the cache
 }
 INFERENCE_FLAGS.update(PIPELINE_FLAGS)  # --streaming --pp-devices ... (two-GPU pipeline overlap, pipeline_cli.py)
 
@@ -80,8 +86,9 @@ def _steps_record(args) -> dict:
     return dict(num_steps=int(args.num_steps), step_list=None)
 
 
-def main(argv=None) -> list:
-    """Run the sampling CLI; returns the written sample paths."""
+def main(argv=None, on_chunk=None) -> list:
+    """Run the sampling CLI; returns the written sample paths. ``on_chunk(chunk, paths)`` (streaming only) is
+    called after each chunk's frames are in the files."""
     cfg, args = load_config_from_cli(argv, script_flags=INFERENCE_FLAGS, prog="inference.py",
                                      description="Sample videos from a trained (or distilled) model.")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -127,6 +134,8 @@ def main(argv=None) -> list:
         height=height, width=width, fps=float(args.fps), dtype=str(sampler.dtype).replace("torch.", ""),
         device=str(sampler.device),
     )
+    if args.streaming:
+        return stream_samples(sampler, args, prompts, seeds, (num_frames, height, width), common, save_dir, on_chunk)
     written, rows = [], []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
@@ -145,6 +154,54 @@ def main(argv=None) -> list:
             rows.append(dict(path=path.name, text=prompt))
         write_samples_csv(save_dir, rows)  # rewritten after each batch: usable even if the run stops early
     logger.info("wrote %d sample(s) and samples.csv to %s", len(written), save_dir)
+    return written
+
+
+def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chunk=None) -> list:
+    """``--streaming``: each batch of prompts is generated chunk by chunk (``StreamingGenerator``) and every chunk is
+    appended to the samples' mp4 files as soon as it is decoded."""
+    from opensora.inference.io import write_samples_csv, write_sidecar
+    from opensora.inference.prompts import sample_stem
+    from opensora.inference.stream_writer import StreamingVideoWriter
+    from opensora.inference.streaming import StreamingGenerator
+
+    num_frames, height, width = size
+    generator = StreamingGenerator(
+        sampler, step_list=args.step_list, num_steps=int(args.num_steps), rollout=str(args.rollout),
+        guidance_scale=float(args.guidance_scale), sink_frames=int(args.sink_frames),
+        window_frames=None if args.window_frames is None else int(args.window_frames),
+        context_time=float(args.context_time),
+    )  # fmt: skip
+    record = dict(common, streaming=True, window_frames=args.window_frames, sink_frames=int(args.sink_frames),
+                  rollout=str(args.rollout), chunk_frames=generator.chunk_frames)  # fmt: skip
+    batch_size = max(1, int(args.batch_size))
+    written, rows = [], []
+    for start in range(0, len(prompts), batch_size):
+        batch = list(range(start, min(start + batch_size, len(prompts))))
+        stems = [save_dir / sample_stem(i, prompts[i]) for i in batch]
+        writers, seconds = [], []
+        try:
+            for chunk in generator.stream([prompts[i] for i in batch], [seeds[i] for i in batch], num_frames,
+                                          height, width):  # fmt: skip
+                if not writers:  # sized by the first chunk: every chunk but a causal VAE's first has this count
+                    writers = [StreamingVideoWriter(stem.with_suffix(".mp4"), height, width, fps=float(args.fps),
+                                                    keyframe_interval=chunk.frames.shape[1]) for stem in stems]
+                for writer, frames in zip(writers, chunk.frames.numpy()):
+                    writer.write(frames)
+                seconds.append(round(chunk.seconds, 4))
+                if on_chunk is not None:
+                    on_chunk(chunk, [w.path for w in writers])
+        finally:
+            for writer in writers:
+                writer.close()
+        for i, stem in zip(batch, stems):
+            write_sidecar(stem.with_suffix(".json"), dict(index=i, prompt=prompts[i], seed=seeds[i],
+                                                         path=stem.with_suffix(".mp4").name, chunk_seconds=seconds,
+                                                         **record))  # fmt: skip
+            written.append(stem.with_suffix(".mp4"))
+            rows.append(dict(path=stem.with_suffix(".mp4").name, text=prompts[i]))
+        write_samples_csv(save_dir, rows)
+    logger.info("streamed %d sample(s) and samples.csv to %s", len(written), save_dir)
     return written
 
 

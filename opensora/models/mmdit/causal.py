@@ -179,3 +179,67 @@ def streaming_kv_hooks(cache: KVCache, num_text: int, mask: torch.Tensor, pendin
         return hook
 
     return [make(i) for i in range(cache.num_blocks)]
+
+
+def fold_chunks(tensor: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """[B, C, T, H, W] -> [B * n, C, T / n, H, W], chunk-major within each sample (row ``b * n + c``)."""
+    b, c, t, h, w = tensor.shape
+    return tensor.reshape(b, c, num_chunks, t // num_chunks, h, w).transpose(1, 2).reshape(b * num_chunks, c, -1, h, w)
+
+
+def unfold_chunks(tensor: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """Inverse of ``fold_chunks``."""
+    bn, c, tc, h, w = tensor.shape
+    return tensor.reshape(bn // num_chunks, num_chunks, c, tc, h, w).transpose(1, 2).reshape(-1, c, num_chunks * tc, h, w)
+
+
+def sibling_kv_hook(num_chunks: int, num_text: int, mask: torch.Tensor):
+    """``kv_hook`` of the per-chunk-timestep forward: row ``b * n + c`` holds [text_c, video chunk c] of sample b;
+    its keys/values become [text_c, video chunks 0..n-1 of sample b] and ``mask`` hides the chunks after c."""
+
+    def hook(k, v, _key_mask):
+        out = []
+        for t in (k, v):
+            bn, heads, _, dim = t.shape
+            video = t[:, :, num_text:].reshape(bn // num_chunks, num_chunks, heads, -1, dim).transpose(1, 2)
+            video = video.reshape(bn // num_chunks, 1, heads, -1, dim).expand(-1, num_chunks, -1, -1, -1)
+            out.append(torch.cat((t[:, :, :num_text], video.reshape(bn, heads, -1, dim)), dim=2))
+        return out[0], out[1], mask
+
+    return hook
+
+
+def per_chunk_timestep_forward(model, x, timestep, text_emb, text_mask, pooled, cond=None, guidance=None):
+    """Full block-causal forward where chunk ``c`` of sample ``b`` is at time ``timestep[b, c]`` (diffusion forcing,
+    causal ODE initialisation). The text stream is modulated by the timestep, so chunk ``c``'s video attends to the
+    text computed at its own time -- what streaming that chunk computes. Implementation: every chunk becomes a row
+    of the batch with its own text copy and conditioning vector; a ``kv_hook`` lets each row attend to the video
+    keys/values of its sample's earlier chunks (``sibling_kv_hook``). Costs ``n`` copies of the text stream and of
+    the video keys/values per block (n = chunks), which is fine at chunk counts of a few."""
+    pt = model.patch_size[0]
+    chunk = model.causal_chunk_frames
+    b, _, t, h, w = x.shape
+    n = t // chunk
+    if t % chunk or timestep.shape != (b, n):
+        raise ValueError(f"per-chunk timesteps for {t} frames in chunks of {chunk} must be [B, {t // chunk}] and the "
+                         f"frames a multiple of the chunk, got timestep {tuple(timestep.shape)}")  # fmt: skip
+    if model.sp is not None:
+        raise ValueError("a causal MMDiT does not support sequence parallelism")
+    rows = lambda a: None if a is None else a.repeat_interleave(n, dim=0)  # noqa: E731
+    img, txt, vec, grid = model.embed(fold_chunks(x, n), timestep.reshape(-1), rows(text_emb), rows(pooled),
+                                      None if cond is None else fold_chunks(cond, n), rows(guidance))  # fmt: skip
+    num_text, chunk_tokens = txt.shape[1], img.shape[1]
+    cos, sin = zip(*(model.rope(grid, num_text, x.device, time_offset=c * (chunk // pt)) for c in range(n)))
+    rope = tuple(torch.stack(table).repeat(b, 1, 1)[:, None] for table in (cos, sin))  # [B n, 1, L + Nc, D/2]
+    key_chunk = torch.arange(n, device=x.device).repeat_interleave(chunk_tokens)
+    video = (key_chunk[None, None, :] <= torch.arange(n, device=x.device)[:, None, None]).expand(n, chunk_tokens, -1)
+    masks = torch.stack([joint_attention_mask(None, num_text, video[c])[0] for c in range(n)])  # [n, 1, Lq, Lk]
+    mask = masks.repeat(b, 1, 1, 1)
+    if text_mask is not None:
+        valid = rows(text_mask).to(torch.bool)
+        mask = mask & torch.cat((valid, valid.new_ones(b * n, n * chunk_tokens)), dim=1)[:, None, None, :]
+    hooks = [sibling_kv_hook(n, num_text, mask)] * (len(model.double_blocks) + len(model.single_blocks))
+    out = model.run_blocks(img, txt, vec, rope, mask, hooks)
+    from .model import unpatchify
+
+    return unfold_chunks(unpatchify(out, grid, model.patch_size), n)

@@ -15,7 +15,13 @@ from torch.utils.checkpoint import checkpoint
 from opensora.registry import MODELS
 
 from .attention import check_backend, device_major
-from .causal import KVCache, block_causal_video_mask, joint_attention_mask, streaming_kv_hooks
+from .causal import (
+    KVCache,
+    block_causal_video_mask,
+    joint_attention_mask,
+    per_chunk_timestep_forward,
+    streaming_kv_hooks,
+)
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .rope import rope_cos_sin, video_position_ids
 from .sequence_parallel import SequenceGroup, gather_tokens
@@ -233,10 +239,13 @@ class MMDiT(nn.Module):
         """Velocity prediction for ``x``; ``text_mask_has_padding`` (optional) lets a caller that knows whether
         ``text_mask`` has padded tokens skip inspecting it (a GPU->host sync per step), see ``key_mask``.
         A causal model (``causal_chunk_frames > 0``) runs the full block-causal forward (causal.py); given a
-        ``kv_cache`` it runs ``forward_chunk`` instead (this path lets a training wrapper's forward hooks run)."""
+        ``kv_cache`` it runs ``forward_chunk`` instead (this path lets a training wrapper's forward hooks run), and
+        with ``timestep`` [B, num_chunks] each chunk is at its own time (``per_chunk_timestep_forward``)."""
         if kv_cache is not None:
             return self.forward_chunk(x, timestep, text_emb, text_mask, pooled, cond, guidance, cache=kv_cache,
                                       start_frame=start_frame, store_kv=store_kv)  # fmt: skip
+        if self.causal_chunk_frames and timestep.dim() == 2:
+            return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
         rope = self.rope(grid, txt.shape[1], x.device)
         if self.causal_chunk_frames:

@@ -1,0 +1,182 @@
+"""Streaming generation with a causal MMDiT: chunk after chunk, each denoised in a few steps against a KV cache of
+the frames already made, decoded and handed out as soon as it is done (Self-Forcing / CausVid inference).
+
+Per chunk of ``K`` latent frames (``MMDiT.causal_chunk_frames``) at absolute latent frame ``s``:
+
+1. ``x`` = fresh noise; for each time ``t_i`` of the step list: ``v = model.forward_chunk(x, t_i, store_kv=False)``
+   (with CFG ``u + w (c - u)``, both branches as rows of one batch and one cache), then
+   ``rollout="renoise"``: ``x0 = x - t_i v``, ``x = (1 - t_{i+1}) x0 + t_{i+1} eps'`` with fresh noise
+   (what Self-Forcing and CausVid sample with); ``rollout="euler"``: ``x = x + (t_{i+1} - t_i) v``.
+2. Cache refill: the clean chunk runs once more at the context time (0 by default; Self-Forcing's "context
+   noise") with ``store_kv=True``; later chunks attend to these keys/values. The cache keeps at most
+   ``window_frames`` frames (sinks included), so memory stays flat however long the video gets.
+3. Decode. An autoencoder without temporal compression (the demo's ``PatchVAE``) decodes frames independently, so
+   chunk-wise decoding is exact. A temporally compressing one gets ``decode_overlap`` earlier latent frames as
+   context and only the new chunk's pixel frames are kept: an approximation of the whole-video decode whose
+   error shrinks with the overlap (the decoder's temporal receptive field is finite), not an identity.
+
+Noise: sample ``i`` draws every chunk's noise (and re-noising) from its own CPU generator seeded with
+``seeds[i]``, in order, so a sample's video does not depend on the batch it runs in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+
+from opensora.diffusion import flow_matching as fm
+from opensora.diffusion.guidance import text_cfg
+from opensora.diffusion.sampling import timesteps_for_sampling, timesteps_from_list
+from opensora.models.vae.base import video_num_frames
+
+ROLLOUTS = ("renoise", "euler")
+
+
+@dataclass
+class StreamChunk:
+    """One finished chunk: ``frames`` uint8 [B, F, H, W, 3] on the CPU (None without decoding)."""
+
+    index: int
+    start_frame: int  # absolute latent frame of the chunk's first frame
+    latents: torch.Tensor  # float32 [B, C, Tc, h, w] on the device
+    frames: Optional[torch.Tensor]
+    seconds: float  # wall time from the end of the previous chunk (or of the set-up) to this chunk's frames
+    cached_frames: int  # latent frames in the KV cache after this chunk
+    cache_bytes: int
+
+
+class ChunkDecoder:
+    """Decodes latent chunks in order, giving each the ``overlap`` previous latent frames as context (see the
+    module docstring); with a frame-independent autoencoder (no temporal compression) the result is exact."""
+
+    def __init__(self, decode_fn, vae, overlap: Optional[int] = None):
+        self.decode_fn = decode_fn  # latents -> uint8 [B, F, H, W, 3]
+        self.compression = int(getattr(vae, "temporal_compression", 1))
+        self.causal = bool(getattr(vae, "causal_temporal", False))
+        temporal = self.compression > 1 or self.causal
+        self.overlap = (2 if temporal else 0) if overlap is None else int(overlap)
+        self.context: Optional[torch.Tensor] = None
+        self.decoded_latents = 0
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        start, end = self.decoded_latents, self.decoded_latents + latents.shape[2]
+        new_pixels = video_num_frames(end, self.compression, self.causal) - (
+            video_num_frames(start, self.compression, self.causal) if start else 0)  # fmt: skip
+        inputs = latents if self.context is None else torch.cat((self.context, latents), dim=2)
+        frames = self.decode_fn(inputs)[:, -new_pixels:]
+        if self.overlap:
+            self.context = inputs[:, :, -self.overlap :]
+        self.decoded_latents = end
+        return frames
+
+
+class StreamingGenerator:
+    """Chunk-by-chunk sampling with a causal network held by a ``VideoSampler`` (which brings the autoencoder,
+    the text conditioner, the device/dtype and the time shift).
+
+    Args:
+        sampler: a ``VideoSampler`` whose model is a causal MMDiT.
+        step_list: the chunk's denoising times, used as given (e.g. a distilled student's ``[1.0, 0.75, 0.5,
+            0.25]``); ``None``: ``num_steps`` shifted uniform steps, as the sampler uses for full videos.
+        rollout: ``"renoise"`` (x0 re-noised with fresh noise at the next time) or ``"euler"``.
+        guidance_scale: text CFG ``u + w (c - u)`` per chunk (1: no unconditional branch).
+        window_frames / sink_frames: the KV cache's rolling window (``KVCache``); None keeps every frame.
+        context_time: time at which the finished chunk is re-run to fill the cache (0: clean).
+        decode_overlap: latent frames of context for a temporally compressing autoencoder (default 2).
+    """
+
+    def __init__(self, sampler, step_list: Optional[Sequence[float]] = None, num_steps: int = 4,
+                 rollout: str = "renoise", guidance_scale: float = 1.0, window_frames: Optional[int] = None,
+                 sink_frames: int = 0, context_time: float = 0.0, decode_overlap: Optional[int] = None):
+        model = sampler.model
+        if not getattr(model, "causal_chunk_frames", 0):
+            raise ValueError("streaming needs a causal model (MMDiT with causal_chunk_frames > 0)")
+        if rollout not in ROLLOUTS:
+            raise ValueError(f"rollout must be one of {ROLLOUTS}, got {rollout!r}")
+        if not 0.0 <= context_time < 1.0:
+            raise ValueError(f"context_time must lie in [0, 1), got {context_time}")
+        self.sampler, self.model = sampler, model
+        self.chunk_frames = int(model.causal_chunk_frames)
+        self.step_list = None if step_list is None else [float(t) for t in step_list]
+        self.num_steps = int(num_steps)
+        self.rollout = rollout
+        self.guidance_scale = float(guidance_scale)
+        self.window_frames, self.sink_frames = window_frames, int(sink_frames)
+        self.context_time = float(context_time)
+        self.decode_overlap = decode_overlap
+
+    def schedule(self, latent_size: Sequence[int]) -> List[float]:
+        """Times of one chunk, the final 0 included (host floats: the loop never reads a device value)."""
+        if self.step_list is not None:
+            times = timesteps_from_list(self.step_list)
+        else:  # the shift of a training clip of the chunk's size
+            chunk_size = (self.chunk_frames, *latent_size[1:])
+            times = timesteps_for_sampling(self.num_steps, self.sampler.shift_alpha(chunk_size))
+        return [float(t) for t in times]
+
+    def stream(self, prompts: Sequence[str], seeds: Sequence[int], num_frames: int, height: int, width: int,
+               decode: bool = True) -> Iterator[StreamChunk]:
+        """Yield the video's chunks in order as they finish (``num_frames`` pixel frames, any length the
+        autoencoder accepts; the last chunk may be shorter)."""
+        prompts, seeds = list(prompts), [int(s) for s in seeds]
+        if len(prompts) != len(seeds) or not prompts:
+            raise ValueError(f"need one seed per prompt (and at least one prompt); got {len(prompts)} and {len(seeds)}")
+        sampler, model, device, dtype = self.sampler, self.model, self.sampler.device, self.sampler.dtype
+        clock = time.perf_counter()
+        latent_size = sampler.latent_size(num_frames, height, width)
+        total, pt = latent_size[0], model.patch_size[0]
+        if total % pt:
+            raise ValueError(f"{total} latent frames are not a multiple of the temporal patch size {pt}")
+        times = self.schedule(latent_size)
+        text, null = sampler.encode_text(prompts)
+        guided = self.guidance_scale != 1.0
+        branches = [text, null] if guided else [text]
+        text_args = [torch.cat([b[key] for b in branches]) for key in ("text_emb", "text_mask", "pooled")]
+        text_args = [text_args[0].to(dtype), text_args[1], text_args[2].to(dtype)]
+        rows = len(prompts) * len(branches)
+        cond = None
+        if getattr(model, "cond_channels", None):  # text-to-video: the all-zero condition
+            cond = torch.zeros(rows, model.cond_channels, self.chunk_frames, *latent_size[1:], device=device,
+                               dtype=dtype)  # fmt: skip
+        cache = model.new_kv_cache(self.window_frames, self.sink_frames)
+        generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+        decoder = ChunkDecoder(sampler.decode, sampler.vae, self.decode_overlap) if decode else None
+        channels = sampler.vae.latent_channels
+
+        def noise(frames):
+            return torch.stack([torch.randn((channels, frames, *latent_size[1:]), generator=g)
+                                for g in generators]).to(device)  # fmt: skip
+
+        def velocity(x, t, store):
+            x_in = torch.cat([x] * len(branches)) if guided else x
+            t_in = torch.full((rows,), t, device=device, dtype=dtype)
+            c = None if cond is None else cond[:, :, : x.shape[2]]
+            out = model.forward_chunk(x_in.to(dtype), t_in, *text_args, cond=c, cache=cache, start_frame=start,
+                                      store_kv=store).float()  # fmt: skip
+            return text_cfg(*out.chunk(2), self.guidance_scale) if guided else out
+
+        with torch.no_grad():
+            for index, start in enumerate(range(0, total, self.chunk_frames)):
+                frames = min(self.chunk_frames, total - start)
+                x = noise(frames)
+                for t, t_next in zip(times[:-1], times[1:]):
+                    v = velocity(x, t, store=False)
+                    if self.rollout == "euler":
+                        x = x + (t_next - t) * v
+                    else:
+                        x0 = x - t * v
+                        x = x0 if t_next == 0 else fm.add_noise(x0, noise(frames), t_next)
+                context = x if self.context_time == 0 else fm.add_noise(x, noise(frames), self.context_time)
+                velocity(context, self.context_time, store=True)  # refill the cache with the finished chunk
+                pixels = decoder(x) if decoder is not None else None
+                now = time.perf_counter()
+                yield StreamChunk(index, start, x, pixels, now - clock, cache.num_frames, cache.nbytes)
+                clock = now
+
+    def generate(self, prompts, seeds, num_frames, height, width) -> torch.Tensor:
+        """The whole video, uint8 [B, T, H, W, 3] (the chunks of ``stream`` concatenated)."""
+        return torch.cat([chunk.frames for chunk in self.stream(prompts, seeds, num_frames, height, width)], dim=1)
+
