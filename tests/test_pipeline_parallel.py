@@ -144,39 +144,85 @@ def test_bidirectional_cfg_pipeline_is_bit_identical_on_cpu(mode, split, one_thr
 
 
 STREAM_CASES = [
-    # (groups, branches, steps, refill, rule, window_frames)
-    (1, 1, [1.0], True, "renoise", None),
-    (1, 1, [1.0], False, "renoise", None),
-    (1, 2, [1.0, 0.6, 0.3], True, "renoise", None),
-    (2, 1, [1.0, 0.6, 0.3], False, "euler", None),
-    (2, 2, [1.0, 0.5], True, "euler", 4),  # rolling window: the caches trim in lock-step
+    # (groups of prompts, step list, guidance, rollout, window_frames, context_time)
+    ([["a red circle moving left"]], [1.0], 1.0, "renoise", None, 0.0),
+    ([["a red circle moving left", "a blue square moving up"]], [1.0, 0.6, 0.3], 3.0, "renoise", None, 0.0),
+    ([["a red circle moving left"], ["a green star moving down"]], [1.0, 0.5], 3.0, "euler", 4, 0.1),
 ]
 
 
+def streaming_sampler():
+    from opensora.inference.pipeline import VideoSampler
+
+    torch.manual_seed(0)
+    model = build_module(dict(type="MMDiT", in_channels=48, cond_channels=49, patch_size=(1, 2, 2), hidden_size=32,
+                              num_heads=2, depth_double=2, depth_single=2, mlp_ratio=2.0, text_dim=64, pooled_dim=64,
+                              axes_dims=(4, 6, 6), causal_chunk_frames=2), MODELS).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    vae = build_module(dict(type="PatchVAE", patch_size=4, temporal_patch_size=1), MODELS).eval()
+    text = build_module(dict(type="TextConditioner", seed=0), MODELS)
+    return VideoSampler(model, vae, text, progress=False)
+
+
 @pytest.mark.parametrize("mode", OVERLAP_MODES)
-@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"g{c[0]}b{c[1]}s{len(c[2])}{'r' if c[3] else ''}{c[4]}")
-def test_streaming_pipeline_is_bit_identical_to_forward_chunk_streaming_on_cpu(case, mode, one_thread):
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
+def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(case, mode, one_thread):
+    from opensora.inference.pipeline_stages import CausalStreamingStages
+    from opensora.inference.streaming import ChunkDecoder, StreamingGenerator
+
+    prompt_groups, steps, guidance, rollout, window, context_time = case
+    sampler = streaming_sampler()
+    num_frames, size = 7, 16  # 7 latent frames: chunks of 2, 2, 2 and a last one of 1
+    gen = StreamingGenerator(sampler, step_list=steps, rollout=rollout, guidance_scale=guidance,
+                             window_frames=window, context_time=context_time)
+    refs, groups, seed = [], [], 0
+    for prompts in prompt_groups:
+        seeds = list(range(seed, seed + len(prompts)))
+        seed += len(prompts)
+        refs.append(list(gen.stream(prompts, seeds, num_frames, size, size)))
+        text, null = sampler.encode_text(prompts)
+        groups.append(dict(seeds=seeds, branches=[text, null] if guidance != 1.0 else [text]))
+    latent_size = (sampler.vae.latent_channels, *sampler.latent_size(num_frames, size, size))
+    split = 1  # last double block on lane 0, single blocks on lane 1: the (img, txt) -> tokens hand-over
+    place_model(sampler.model, split, ["cpu", "cpu"])
+    lanes = Lanes(["cpu", "cpu"])
+    stages = CausalStreamingStages(sampler.model, lanes, split, groups, latent_size, gen.schedule(latent_size[1:]),
+                                   rule=rollout, guidance_scale=guidance, context_t=context_time,
+                                   window_frames=window, make_decoder=lambda: ChunkDecoder(sampler.decode, sampler.vae))
+    result, _ = run_plan(stages, mode, lanes, threads=True)  # one issuing thread per lane, as on two GPUs
+    assert stages.plan.num_chunks == 4
+    for g, chunks in enumerate(refs):
+        for chunk in chunks:
+            assert torch.equal(result.latents[(g, chunk.index)], chunk.latents), (g, chunk.index)
+            assert torch.equal(result.frames[(g, chunk.index)], chunk.frames), (g, chunk.index)
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("refill,cfg_rows", [(False, True), (True, False), (False, False)])
+def test_streaming_pipeline_variants_match_the_single_device_loop(refill, cfg_rows, mode, one_thread):
+    """No refill (the last denoising step writes the cache) and CFG passes as separate micro-batches: variants the
+    streaming generator does not have, checked against ``stream_reference`` (same code path as the generator's
+    math, which the test above pins)."""
     from opensora.inference.pipeline_stages import CausalStreamingStages, stream_reference
 
-    num_groups, num_branches, steps, refill, rule, window = case
     model = tiny_model(causal_chunk_frames=2)
-    groups = [dict(seeds=[7 + g], branches=[text_inputs(1, 5, 3 * g + b, masked=b == 0)
-                                            for b in range(num_branches)]) for g in range(num_groups)]
-    chunk_shape, num_chunks, scale = (12, 2, 8, 8), 4, 3.0
-    decode = lambda x: (x * 10).round().to(torch.int16)  # noqa: E731
-    kwargs = dict(refill=refill, rule=rule, guidance_scale=scale, decode=decode, window_frames=window)
-    refs = [stream_reference(model, g, chunk_shape, num_chunks, steps, **kwargs) for g in groups]
-    split = 1  # last double block on lane 0, single blocks on lane 1: the (img, txt) -> tokens hand-over
-    place_model(model, split, ["cpu", "cpu"])
+    groups = [dict(seeds=[7 + g], branches=[text_inputs(1, 5, 3 * g + b, masked=b == 0) for b in range(2)])
+              for g in range(2)]
+    latent_size, times = (12, 6, 8, 8), [1.0, 0.6, 0.3, 0.0]
+    decode = lambda: (lambda x: (x * 10).round().to(torch.int16))  # noqa: E731
+    kw = dict(refill=refill, guidance_scale=3.0, make_decoder=decode, cfg_rows=cfg_rows)
+    refs = [stream_reference(model, g, latent_size, times, **kw) for g in groups]
+    place_model(model, 2, ["cpu", "cpu"])
     lanes = Lanes(["cpu", "cpu"])
-    stages = CausalStreamingStages(model, lanes, split, groups, chunk_shape, num_chunks, steps, **kwargs)
-    result, _ = run_plan(stages, mode, lanes, threads=True)  # one issuing thread per lane, as on two GPUs
+    stages = CausalStreamingStages(model, lanes, 2, groups, latent_size, times, **kw)
+    result, _ = run_plan(stages, mode, lanes, threads=True)
     for g, (latents, frames) in enumerate(refs):
-        for c in range(num_chunks):
+        for c in range(3):
             assert torch.equal(result.latents[(g, c)], latents[c]), (g, c)
             assert torch.equal(result.frames[(g, c)], frames[c]), (g, c)
-    # the outputs depend on the cache: chunk 1 differs from a chunk generated without context
-    assert not torch.equal(refs[0][0][1], refs[0][0][0])
+    assert not torch.equal(refs[0][0][1], refs[0][0][0])  # the cache matters
 
 
 # ---- the CLI (both lanes on the CPU) -----------------------------------------------------------------------------

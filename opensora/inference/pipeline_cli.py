@@ -3,13 +3,15 @@
     python scripts/diffusion/inference.py CONFIG --ckpt CKPT --prompt "..." --streaming --step-list 1.0,0.75,0.5,0.25 \
         --pp-devices cuda:0,cuda:1 --pp-overlap aggressive --pp-split auto [--profile]
 
-The network must be causal (``causal_chunk_frames > 0``); the clip's latent frames are generated chunk by chunk
-(``causal_chunk_frames`` per chunk) with the per-chunk ``--step-list`` (or ``--num-steps`` shifted steps), the
-cache refilled at context noise 0 (``--stream-refill``, default on), CFG when ``--guidance-scale != 1`` (the null
-text as a second branch with its own caches). Each prompt group (``--batch-size`` prompts) is one item in flight.
-GPU0: text features, noise, embedders and blocks[0..split]; GPU1: the other blocks, the final layer, the sampler
-update and the VAE decode (each chunk decoded on its own). ``--profile`` writes ``pp_profile.json`` (per task:
-GPU, start/end ms; per GPU: busy/idle) to the save dir and prints the per-stage summary.
+Same sampler as ``--streaming`` on one GPU (``streaming.StreamingGenerator``: its schedule, rollout, CFG layout,
+noise order, cache refill at ``--context-time``, rolling window, chunk decoder), so the videos are bit-identical
+to it; each prompt group (``--batch-size`` prompts) is one item in flight (several groups overlap fully). GPU0:
+text features, noise, embedders and blocks[0..split]; GPU1: the other blocks, the final layer, the sampler update
+and the chunk decoder. ``--pp-cfg-rows false`` runs the CFG passes as separate micro-batches (two items in flight
+per prompt group; same math, other GEMM shapes, so equal to one GPU running those micro-batches, not to
+``--streaming``); ``--stream-refill false`` lets the last denoising step write the cache (another sampler).
+Unlike ``--streaming``, the mp4s are written once all chunks are done. ``--profile`` writes ``pp_profile.json``
+(per task: GPU, start/end ms; per GPU: busy/idle) to the save dir and logs the per-stage summary.
 """
 
 from __future__ import annotations
@@ -19,15 +21,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-PIPELINE_FLAGS = {
-    "streaming": False,  # chunk-by-chunk generation with a causal model's KV cache
-    "pp_devices": None,  # "cuda:0,cuda:1": two-GPU pipeline overlap (streaming only)
+PIPELINE_FLAGS = {  # the streaming flags themselves (--streaming, --window-frames, --rollout, ...) are cli.py's
+    "pp_devices": None,  # "cuda:0,cuda:1": two-GPU pipeline overlap of --streaming
     "pp_overlap": "aggressive",  # off | basic | aggressive
     "pp_split": "auto",  # auto | N: index of the last block on the first GPU
-    "stream_refill": True,  # re-run each chunk's x0 at context noise 0 to write the cache (else the last step does)
-    "stream_rule": "renoise",  # per-chunk step rule: renoise (few-step students) | euler
-    "stream_window_frames": None,  # rolling KV window in latent frames (None: keep all)
-    "stream_sink_frames": 0,
+    "pp_cfg_rows": True,  # CFG passes as rows of one batch (bit-identical to one GPU's streaming); False: micro-batches
+    "stream_refill": True,  # refill the cache at --context-time (the streaming sampler); False: the last step stores
     "profile": False,
 }
 
@@ -44,13 +43,11 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     """Generate ``prompts`` with the two-GPU streaming pipeline; returns the written sample paths."""
     import torch
 
-    from opensora.diffusion.sampling import timesteps_for_sampling
     from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
     from opensora.inference.pipeline import VideoSampler
     from opensora.inference.pipeline_parallel import (
         OVERLAP_MODES,
         Lanes,
-        Plan,
         choose_split,
         dump_json,
         parse_devices,
@@ -66,6 +63,8 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     )
     from opensora.inference.prompts import sample_stem
 
+    from opensora.inference.streaming import ChunkDecoder, StreamingGenerator
+
     if not args.streaming:
         raise SystemExit("--pp-devices drives the streaming sampler: add --streaming")
     devices = parse_devices(args.pp_devices)
@@ -75,62 +74,64 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     sampler = VideoSampler.from_config(cfg, ckpt, role=args.role, ema=bool(args.ema), device=devices[0],
                                        dtype=args.dtype, progress=False)
     model = sampler.model
-    chunk = int(getattr(model, "causal_chunk_frames", 0))
-    if not chunk:
-        raise SystemExit("--streaming needs a causal network (model.causal_chunk_frames > 0)")
+    generator = StreamingGenerator(
+        sampler, step_list=args.step_list, num_steps=int(args.num_steps), rollout=str(args.rollout),
+        guidance_scale=float(args.guidance_scale), sink_frames=int(args.sink_frames),
+        window_frames=None if args.window_frames is None else int(args.window_frames),
+        context_time=float(args.context_time),
+    )  # fmt: skip
     latent = sampler.latent_size(num_frames, height, width)
-    if latent[0] % chunk:
-        raise SystemExit(f"{latent[0]} latent frames are not whole chunks of {chunk}; pick --num-frames to fit")
-    num_chunks = latent[0] // chunk
-    if args.step_list is not None:
-        steps = [float(t) for t in args.step_list if float(t) > 0]
-    else:
-        steps = timesteps_for_sampling(int(args.num_steps), sampler.shift_alpha((chunk, *latent[1:])))[:-1].tolist()
+    times = generator.schedule(latent)
     guidance = float(args.guidance_scale)
     batch = max(1, int(args.batch_size))
     groups = []
     for start in range(0, len(prompts), batch):
         text, null = sampler.encode_text(prompts[start:start + batch])
         groups.append(dict(seeds=seeds[start:start + batch], branches=[text] + ([null] if guidance != 1.0 else [])))
-    if len({len(g["seeds"]) for g in groups}) != 1:
-        raise SystemExit(f"{len(prompts)} prompts do not split into equal groups of --batch-size {batch}")
     vae = sampler.vae.to(devices[0])
     vae_dtype = next(vae.parameters(), torch.empty(0, dtype=sampler.dtype)).dtype
 
-    def decode(x0):
-        return _uint8_on_device(vae.decode(x0.to(vae_dtype)))
+    def decode_fn(latents):
+        return _uint8_on_device(vae.decode(latents.to(vae_dtype)))
 
-    chunk_shape = (sampler.vae.latent_channels, chunk, *latent[1:])
-    plan = Plan(num_groups=len(groups), num_branches=len(groups[0]["branches"]), num_chunks=num_chunks,
-                num_steps=len(steps), refill=bool(args.stream_refill))
+    def make_decoder():
+        return ChunkDecoder(decode_fn, vae)
+
+    latent_size = (sampler.vae.latent_channels, *latent)
+    kw = dict(refill=bool(args.stream_refill), rule=str(args.rollout), guidance_scale=guidance,
+              context_t=float(args.context_time), window_frames=generator.window_frames,
+              sink_frames=generator.sink_frames, cfg_rows=bool(args.pp_cfg_rows), make_decoder=make_decoder)
     split = parse_split(args.pp_split, len(all_blocks(model)))
     split_report = dict(requested=str(args.pp_split))
     if split is None:
-        x = seeded_latent_noise(groups[0]["seeds"], chunk_shape).to(devices[0])
-        times = measure_stage_times(model, x, groups[0]["branches"][0], decode=decode)
-        split, table = choose_split(plan, mode, times["block_ms"], times["embed_ms"], times["final_ms"],
-                                    decode_ms=times["decode_ms"])
-        split_report.update(stage_times=times, candidates=table)
+        probe = CausalStreamingStages(model, Lanes([devices[0], devices[0]]), 0, groups, latent_size, times, **kw)
+        x = seeded_latent_noise(groups[0]["seeds"], (latent_size[0], generator.chunk_frames, *latent[1:]))
+        rows = probe.text[0][0]
+        x = torch.cat([x] * (rows["text_emb"].shape[0] // x.shape[0])).to(devices[0])
+        times_ms = measure_stage_times(model, x, rows, decode=decode_fn)
+        split, table = choose_split(probe.plan, mode, times_ms["block_ms"], times_ms["embed_ms"], times_ms["final_ms"],
+                                    decode_ms=times_ms["decode_ms"])
+        split_report.update(stage_times=times_ms, candidates=table)
         logger.info("pp-split auto: GPU0 = embed + blocks[0..%d], GPU1 = blocks[%d..] + final + decode (stage times "
                     "of a warm-up chunk: embed %.2f ms, blocks %s ms, final %.2f ms, decode %.2f ms; simulated plan "
-                    "time %.1f ms, the shortest of %d splits)", split, split + 1, times["embed_ms"],
-                    [round(t, 2) for t in times["block_ms"]], times["final_ms"], times["decode_ms"],
+                    "time %.1f ms, the shortest of %d splits)", split, split + 1, times_ms["embed_ms"],
+                    [round(t, 2) for t in times_ms["block_ms"]], times_ms["final_ms"], times_ms["decode_ms"],
                     table[split]["simulated_ms"], len(table))
+        del probe
     split_report["split"] = split
     place_model(model, split, devices)
     vae.to(devices[1])
     lanes = Lanes(devices, profile=bool(args.profile))
-    stages = CausalStreamingStages(model, lanes, split, groups, chunk_shape, num_chunks, steps,
-                                   refill=bool(args.stream_refill), rule=str(args.stream_rule), guidance_scale=guidance,
-                                   decode=decode, window_frames=args.stream_window_frames,
-                                   sink_frames=int(args.stream_sink_frames))
+    stages = CausalStreamingStages(model, lanes, split, groups, latent_size, times, **kw)
     result, sim = run_plan(stages, mode, lanes)
-    frames_done = len(prompts) * num_chunks * chunk
+    num_chunks = stages.plan.num_chunks
     logger.info("two-GPU streaming (%s, split %d): %d prompt(s) x %d chunks in %.2f s (%.1f latent frames/s; "
                 "simulated busy GPU0/GPU1 %.2f/%.2f)", mode, split, len(prompts), num_chunks, result.seconds,
-                frames_done / result.seconds, *sim.busy_fraction)
-    pp_record = dict(pp_devices=devices, pp_overlap=mode, pp_split=split_report, stream_steps=steps,
-                     stream_refill=bool(args.stream_refill), stream_rule=str(args.stream_rule), seconds=result.seconds)
+                len(prompts) * latent[0] / result.seconds, *sim.busy_fraction)
+    pp_record = dict(pp_devices=devices, pp_overlap=mode, pp_split=split_report, stream_times=times,
+                     stream_refill=bool(args.stream_refill), rollout=str(args.rollout), seconds=result.seconds,
+                     streaming=True, window_frames=args.window_frames, sink_frames=int(args.sink_frames),
+                     context_time=float(args.context_time), chunk_frames=generator.chunk_frames)
     if args.profile:
         dump_json(save_dir / "pp_profile.json", dict(summary=result.summary, timeline=result.timeline, **pp_record))
         for lane, s in result.summary.get("lanes", {}).items():

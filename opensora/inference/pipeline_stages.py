@@ -19,6 +19,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from opensora.diffusion import flow_matching as fm
 from opensora.diffusion.guidance import text_cfg
 from opensora.diffusion.sampling import euler_step
 from opensora.models.mmdit.model import patchify, unpatchify
@@ -193,135 +194,182 @@ def sample_microbatched(model, group: Mapping, latent_shape, times: Sequence[flo
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Streaming (causal MMDiT with KV caches), chunk by chunk
+# Streaming (causal MMDiT with KV caches), chunk by chunk: the math of ``streaming.StreamingGenerator``
 # ----------------------------------------------------------------------------------------------------------
 STEP_RULES = ("renoise", "euler")
 
 
-def chunk_update(x: torch.Tensor, v: torch.Tensor, t: float, t_next: Optional[float], rule: str,
+def chunk_update(x: torch.Tensor, v: torch.Tensor, t: float, t_next: float, rule: str,
                  noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One step of the per-chunk few-step sampler (fp32): ``x0 = x - t v``; ``t_next=None`` returns x0; otherwise
-    ``renoise`` (DMD / Self-Forcing students): ``(1 - t_next) x0 + t_next noise``; ``euler``: ``x + (t_next - t) v``."""
-    if t_next is None:
-        return x - t * v
-    if rule == "renoise":
-        return (1.0 - t_next) * (x - t * v) + t_next * noise
+    """One step of ``StreamingGenerator``'s chunk loop, with its exact expressions (host floats ``t``, ``t_next``):
+    ``euler``: ``x + (t_next - t) v``; ``renoise``: ``x0 = x - t v``, then ``x0`` at ``t_next == 0`` else
+    ``add_noise(x0, noise, t_next)``."""
     if rule == "euler":
-        return euler_step(x, v, t, t_next)
-    raise ValueError(f"unknown step rule '{rule}'; choose one of {STEP_RULES}")
+        return x + (t_next - t) * v
+    if rule != "renoise":
+        raise ValueError(f"unknown step rule '{rule}'; choose one of {STEP_RULES}")
+    x0 = x - t * v
+    return x0 if t_next == 0 else fm.add_noise(x0, noise, t_next)
 
 
 class StreamNoise:
-    """Host noise of one group in the single-device order: per chunk the initial latent, then (``renoise``) one
-    draw per later step; one CPU generator per sample, so the batch never changes which noise a sample gets."""
+    """One group's host noise in ``StreamingGenerator``'s order: per chunk the initial latent, a draw for every
+    re-noised step (``renoise``, next time > 0), then one for the context time when it is > 0. One CPU generator per
+    sample, so a sample's noise does not depend on its batch."""
 
-    def __init__(self, seeds: Sequence[int], chunk_shape: Sequence[int], num_steps: int, rule: str):
+    def __init__(self, seeds: Sequence[int], channels: int, hw: Sequence[int], times: Sequence[float], rule: str,
+                 context_t: float):
         self.gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
-        self.shape, self.num_steps, self.rule = tuple(chunk_shape), num_steps, rule
+        self.channels, self.hw, self.times, self.rule, self.context_t = channels, tuple(hw), list(times), rule, context_t
 
-    def draw(self) -> torch.Tensor:
-        return torch.stack([torch.randn(self.shape, generator=g) for g in self.gens])
+    def draw(self, frames: int) -> torch.Tensor:
+        return torch.stack([torch.randn((self.channels, frames, *self.hw), generator=g) for g in self.gens])
 
-    def chunk(self) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
-        x = self.draw()
-        later = [self.draw() if self.rule == "renoise" else None for _ in range(1, self.num_steps)]
-        return x, later
+    def chunk(self, frames: int):
+        """(initial x, [noise per step or None], context noise or None)."""
+        x = self.draw(frames)
+        steps = [self.draw(frames) if self.rule == "renoise" and t_next != 0 else None for t_next in self.times[1:]]
+        context = self.draw(frames) if self.context_t != 0 else None
+        return x, steps, context
+
+
+def _rows(texts: Sequence[Mapping], key: str):
+    """The CFG passes' ``key`` as rows of one batch (a missing text mask = every token valid)."""
+    parts = [t.get(key) for t in texts]
+    if all(p is None for p in parts):
+        return None
+    if key == "text_mask":
+        parts = [torch.ones(t["text_emb"].shape[:2], dtype=torch.bool, device=t["text_emb"].device) if p is None else p
+                 for t, p in zip(texts, parts)]
+    return torch.cat(parts)
 
 
 class CausalStreamingStages:
-    """Streaming generation with a block-causal MMDiT (``causal_chunk_frames > 0``) split over two devices.
+    """``StreamingGenerator``'s chunk loop with a block-causal MMDiT split over two devices.
 
-    Per (group, branch) two ``KVCache``s: one over blocks[0..split] on lane 0, one over blocks[split+1..] on
-    lane 1; each stage appends its own blocks' keys/values, so the caches hold exactly what one cache over all
-    blocks holds after ``forward_chunk`` (same frames, same rolling window). Every forward runs the operations of
-    ``MMDiT.forward_chunk`` in its order, so outputs are bit-identical to ``stream_reference``.
+    Per (group, branch) two ``KVCache``s: one over blocks[0..split] on lane 0, one over blocks[split+1..] on lane 1;
+    each stage appends its own blocks' keys/values, so together they hold exactly what one cache over all blocks
+    holds after ``forward_chunk`` (same frames, same rolling window). Every forward runs ``forward_chunk``'s
+    operations in its order, the step update and the noise order are ``StreamingGenerator``'s: with
+    ``cfg_rows=True`` (its layout: the cond and null-text passes as rows of one batch and one cache) the output is
+    bit-identical to it; ``cfg_rows=False`` runs the CFG passes as separate micro-batches with their own caches
+    (independent items a second GPU can overlap; identical to ``stream_reference(cfg_rows=False)``).
 
     Args:
         model: a causal MMDiT placed by ``place_model`` (or on one device). lanes / split: as ``BidirectionalStages``.
-        groups: per group ``seeds`` (one per sample) and ``branches`` (text dicts per CFG branch, cond first).
-        chunk_shape: (C, frames per chunk, H, W) of the latent chunk. num_chunks: chunks per video.
-        steps: the per-chunk step list (descending t, without the final 0). refill: re-run the final x0 at
-            ``context_t`` with ``store_kv`` (else the last denoising step stores). rule: ``renoise`` or ``euler``.
-        guidance_scale: CFG scale with 2 branches. decode: x0 chunk (lane 1) -> frames, or None.
+        groups: per group ``seeds`` (one per sample) and ``branches`` (text dicts ``text_emb``/``text_mask``/
+            ``pooled`` per CFG pass, cond first; two passes = CFG).
+        latent_size: (C, T, H, W) of the whole video's latent; chunks of ``causal_chunk_frames`` (the last may be
+            shorter). times: the chunk's schedule with the final 0 (``StreamingGenerator.schedule``).
+        refill: re-run each chunk's result at ``context_t`` with ``store_kv`` (as ``StreamingGenerator`` always
+            does); False stores the keys/values of the last denoising step instead (the cache is written by the
+            denoising pass, as FlashVSR's one-step model does: a different sampler, with no 1-GPU twin in streaming.py).
+        rule: ``renoise`` or ``euler``. guidance_scale: CFG ``u + w (c - u)`` with two branches.
+        make_decoder: called once per group: a callable decoding that group's chunks in order (lane 1), e.g. a
+            ``streaming.ChunkDecoder``; None: no decode.
         window_frames / sink_frames: the caches' rolling window (see ``KVCache``).
     """
 
-    def __init__(self, model, lanes: Lanes, split: int, groups: Sequence[Mapping], chunk_shape: Sequence[int],
-                 num_chunks: int, steps: Sequence[float], refill: bool = True, rule: str = "renoise",
-                 guidance_scale: float = 1.0, decode: Optional[Callable] = None, context_t: float = 0.0,
-                 window_frames: Optional[int] = None, sink_frames: int = 0):
+    def __init__(self, model, lanes: Lanes, split: int, groups: Sequence[Mapping], latent_size: Sequence[int],
+                 times: Sequence[float], refill: bool = True, rule: str = "renoise", guidance_scale: float = 1.0,
+                 make_decoder: Optional[Callable] = None, context_t: float = 0.0, window_frames: Optional[int] = None,
+                 sink_frames: int = 0, cfg_rows: bool = True):
         from opensora.models.mmdit.causal import KVCache
 
         if not getattr(model, "causal_chunk_frames", 0):
             raise ValueError("streaming stages need a causal MMDiT (causal_chunk_frames > 0)")
         if rule not in STEP_RULES:
             raise ValueError(f"unknown step rule '{rule}'; choose one of {STEP_RULES}")
+        self.times = [float(t) for t in times]
+        if len(self.times) < 2 or self.times[-1] != 0:
+            raise ValueError(f"times must be a schedule ending at 0, got {self.times}")
         self.model, self.lanes, self.split = model, lanes, split
         self.num_blocks = len(all_blocks(model))
-        self.chunk_shape, self.steps = tuple(chunk_shape), [float(t) for t in steps]
-        self.rule, self.guidance_scale, self.decode_fn = rule, float(guidance_scale), decode
-        self.context_t = float(context_t)
+        self.channels, self.total_frames = int(latent_size[0]), int(latent_size[1])
+        self.hw = tuple(latent_size[2:])
+        self.chunk_frames = int(model.causal_chunk_frames)
+        num_chunks = -(-self.total_frames // self.chunk_frames)
+        self.rule, self.guidance_scale, self.context_t = rule, float(guidance_scale), float(context_t)
         self.dtype = model.img_in.weight.dtype
         self.groups = list(groups)
-        num_branches = len(self.groups[0]["branches"])
-        self.plan = Plan(num_groups=len(self.groups), num_branches=num_branches, num_chunks=num_chunks,
-                         num_steps=len(self.steps), refill=refill, cached=True, decode=decode is not None)
+        passes = len(self.groups[0]["branches"])
+        if passes not in (1, 2) or any(len(g["branches"]) != passes for g in self.groups):
+            raise ValueError("every group needs the same number of CFG passes (1 or 2)")
+        self.guided = passes == 2
+        self.cfg_rows = bool(cfg_rows) and self.guided
+        self.plan = Plan(num_groups=len(self.groups), num_branches=1 if self.cfg_rows else passes,
+                         num_chunks=num_chunks, num_steps=len(self.times) - 1, refill=refill, cached=True,
+                         decode=make_decoder is not None)
         dev0 = lanes.devices[0]
-        self.text = [[dict(text_emb=t["text_emb"].to(dev0, self.dtype), pooled=t["pooled"].to(dev0, self.dtype),
-                           text_mask=None if t.get("text_mask") is None else t["text_mask"].to(dev0))
-                      for t in g["branches"]] for g in self.groups]
+        self.text = []  # per group, per branch: text tensors on lane 0 (rows mode: one branch of all passes)
+        for g in self.groups:
+            branches = [g["branches"]] if self.cfg_rows else [[b] for b in g["branches"]]
+            self.text.append([dict(text_emb=_rows(b, "text_emb").to(dev0, self.dtype),
+                                   pooled=_rows(b, "pooled").to(dev0, self.dtype),
+                                   text_mask=None if _rows(b, "text_mask") is None else _rows(b, "text_mask").to(dev0))
+                              for b in branches])
         self.text_mask1 = [[lanes.pull(t["text_mask"], None, 1) for t in g] for g in self.text]
         self.caches = [[(KVCache(split + 1, window_frames, sink_frames),
                          KVCache(self.num_blocks - split - 1, window_frames, sink_frames))
-                        for _ in g["branches"]] for g in self.groups]
-        self.noise = [StreamNoise(g["seeds"], chunk_shape, len(self.steps), rule) for g in self.groups]
-
-    def times(self, k: int) -> float:
-        return self.steps[k] if k < len(self.steps) else self.context_t
+                        for _ in g] for g in self.text]
+        self.noise = [StreamNoise(g["seeds"], self.channels, self.hw, self.times, rule, self.context_t)
+                      for g in self.groups]
+        self.decoders = [make_decoder() for _ in self.groups] if make_decoder is not None else None
+        self.rows = [len(g["seeds"]) * (2 if self.cfg_rows else 1) for g in self.groups]
 
     def prepare(self, group: int, chunk: int) -> dict:
+        """Stage A: the chunk's noise (host RNG, pinned copies), RoPE tables on both lanes, timestep tensors."""
         model, lanes = self.model, self.lanes
-        dev0 = lanes.devices[0]
-        x, later = self.noise[group].chunk()
+        dev0, dev1 = lanes.devices
+        start = chunk * self.chunk_frames
+        frames = min(self.chunk_frames, self.total_frames - start)
+        x, steps, context = self.noise[group].chunk(frames)
         x = to_device_async(x, dev0)
-        later = [None if n is None else to_device_async(n, lanes.devices[1]) for n in later]
-        start = chunk * self.chunk_shape[1]
-        grid = latent_grid(model, self.chunk_shape)
-        rope = model.rope(grid, self.text[group][0]["text_emb"].shape[1], dev0, time_offset=start // model.patch_size[0])
-        batch = x.shape[0]
-        t = [torch.full((batch,), self.times(k), device=dev0).to(self.dtype) for k in range(self.plan.forwards_per_chunk)]
+        steps = [None if n is None else to_device_async(n, dev1) for n in steps]
+        context = None if context is None else to_device_async(context, dev0)
+        pt, ph, pw = model.patch_size
+        grid = (frames // pt, self.hw[0] // ph, self.hw[1] // pw)
+        rope = model.rope(grid, self.text[group][0]["text_emb"].shape[1], dev0, time_offset=start // pt)
+        rows = self.rows[group]
+        t = [torch.full((rows,), tk, device=dev0, dtype=self.dtype) for tk in self.times[:-1]]
+        if self.plan.refill:
+            t.append(torch.full((rows,), self.context_t, device=dev0, dtype=self.dtype))
+        cond = None
+        if getattr(model, "cond_channels", None):  # text-to-video: the all-zero condition
+            cond = torch.zeros(rows, model.cond_channels, frames, *self.hw, device=dev0, dtype=self.dtype)
         rope1 = lanes.pull(rope, lanes.event(0), 1)
-        return dict(x=x, later=later, start=start, grid=grid, rope=rope, rope1=rope1, t=t, group=group)
-
-    def _mask(self, cache, text_mask, num_text, num_video, device):
-        from opensora.models.mmdit.causal import joint_attention_mask
-
-        past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
-        video = torch.ones(num_video, past + num_video, dtype=torch.bool, device=device)
-        return joint_attention_mask(text_mask, num_text, video)
+        return dict(x=x, steps=steps, context=context, start=start, frames=frames, grid=grid, rope=rope, rope1=rope1,
+                    t=t, cond=cond, group=group)
 
     def _blocks(self, ctx, cache, state, lo, hi, vec, rope, text_mask, store_kv, device):
-        from opensora.models.mmdit.causal import streaming_kv_hooks
+        from opensora.models.mmdit.causal import joint_attention_mask, streaming_kv_hooks
 
         num_text = state["txt"].shape[1] if "txt" in state else state["num_text"]
         num_video = state["img"].shape[1] if "img" in state else state["tokens"].shape[1] - num_text
-        mask = self._mask(cache, text_mask, num_text, num_video, device)
+        past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
+        video = torch.ones(num_video, past + num_video, dtype=torch.bool, device=device)
+        mask = joint_attention_mask(text_mask, num_text, video)
         pending = {} if store_kv else None
         hooks = streaming_kv_hooks(cache, num_text, mask, pending)
         state = run_blocks(self.model, state, lo, hi, vec, rope, mask, lambda i: hooks[i - lo])
         if store_kv:
-            cache.append(pending, ctx["start"], self.chunk_shape[1], frames_per_group=self.model.patch_size[0])
+            cache.append(pending, ctx["start"], ctx["frames"], frames_per_group=self.model.patch_size[0])
         return state
 
     def stage0(self, ctx, branch: int, step: int, x, store_kv: bool) -> dict:
+        if step == self.plan.num_steps and ctx["context"] is not None:  # the refill at a context time > 0
+            x = fm.add_noise(x, ctx["context"], self.context_t)
+        if self.cfg_rows:
+            x = torch.cat([x] * 2)
         text = self.text[ctx["group"]][branch]
-        img, txt, vec, _ = self.model.embed(x.to(self.dtype), ctx["t"][step], text["text_emb"], text["pooled"])
+        img, txt, vec, _ = self.model.embed(x.to(self.dtype), ctx["t"][step], text["text_emb"], text["pooled"],
+                                            ctx["cond"])
         cache = self.caches[ctx["group"]][branch][0]
         state = self._blocks(ctx, cache, dict(img=img, txt=txt), 0, self.split + 1, vec, ctx["rope"],
                              text["text_mask"], store_kv, self.lanes.devices[0])
         return dict(state=state, vec=vec)
 
-    def stage1(self, ctx, branch: int, step: int, act, store_kv: bool) -> torch.Tensor:
+    def stage1(self, ctx, branch: int, step: int, act, store_kv: bool) -> Optional[torch.Tensor]:
         cache = self.caches[ctx["group"]][branch][1]
         state = self._blocks(ctx, cache, act["state"], self.split + 1, self.num_blocks, act["vec"], ctx["rope1"],
                              self.text_mask1[ctx["group"]][branch], store_kv, self.lanes.devices[1])
@@ -330,56 +378,74 @@ class CausalStreamingStages:
         return finish(self.model, state, act["vec"], ctx["grid"])
 
     def update(self, ctx, step: int, outputs: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        outs = [o.float() for o in outputs]
-        v = outs[0] if len(outs) == 1 else text_cfg(outs[0], outs[1], self.guidance_scale)
-        last = step == self.plan.num_steps - 1
-        t_next = None if last else self.steps[step + 1]
-        return chunk_update(x, v, self.steps[step], t_next, self.rule, None if last else ctx["later"][step])
+        if self.cfg_rows:
+            v = text_cfg(*outputs[0].float().chunk(2), self.guidance_scale)
+        elif self.guided:
+            v = text_cfg(outputs[0].float(), outputs[1].float(), self.guidance_scale)
+        else:
+            v = outputs[0].float()
+        return chunk_update(x, v, self.times[step], self.times[step + 1], self.rule, ctx["steps"][step])
 
     def decode(self, ctx, x0: torch.Tensor) -> torch.Tensor:
-        return self.decode_fn(x0)
+        return self.decoders[ctx["group"]](x0)
 
 
 @torch.no_grad()
-def stream_reference(model, group: Mapping, chunk_shape: Sequence[int], num_chunks: int, steps: Sequence[float],
-                     refill: bool = True, rule: str = "renoise", guidance_scale: float = 1.0,
-                     decode: Optional[Callable] = None, context_t: float = 0.0, window_frames: Optional[int] = None,
-                     sink_frames: int = 0, device="cpu"):
-    """The single-device streaming loop the pipeline must reproduce: per chunk, ``forward_chunk`` once per branch
-    per step (``store_kv`` on the last step without refill), CFG, ``chunk_update``; with refill the final x0 re-run
-    at ``context_t`` with ``store_kv``; decode. Returns (list of x0 per chunk, list of frames per chunk)."""
+def stream_reference(model, group: Mapping, latent_size: Sequence[int], times: Sequence[float], refill: bool = True,
+                     rule: str = "renoise", guidance_scale: float = 1.0, make_decoder: Optional[Callable] = None,
+                     context_t: float = 0.0, window_frames: Optional[int] = None, sink_frames: int = 0,
+                     cfg_rows: bool = True, device="cpu"):
+    """A single-device streaming loop with ``CausalStreamingStages``'s options: ``StreamingGenerator``'s math on
+    ``forward_chunk`` (its own test checks it against the generator), plus the variants the generator does not
+    have (``refill=False``: the last step stores the keys/values; ``cfg_rows=False``: one cache per CFG pass).
+    Returns (x0 per chunk, decoded frames per chunk or None)."""
     dtype = model.img_in.weight.dtype
-    steps = [float(t) for t in steps]
-    caches = [model.new_kv_cache(window_frames, sink_frames) for _ in group["branches"]]
-    texts = [dict(text_emb=t["text_emb"].to(device, dtype), pooled=t["pooled"].to(device, dtype),
-                  text_mask=None if t.get("text_mask") is None else t["text_mask"].to(device))
-             for t in group["branches"]]
-    noise = StreamNoise(group["seeds"], chunk_shape, len(steps), rule)
-    latents, frames = [], []
-    for c in range(num_chunks):
-        start = c * chunk_shape[1]
-        x, later = noise.chunk()
+    times = [float(t) for t in times]
+    channels, total, hw = int(latent_size[0]), int(latent_size[1]), tuple(latent_size[2:])
+    chunk_frames = int(model.causal_chunk_frames)
+    guided = len(group["branches"]) == 2
+    rows_mode = cfg_rows and guided
+    branch_sets = [group["branches"]] if rows_mode else [[b] for b in group["branches"]]
+    texts = [dict(text_emb=_rows(b, "text_emb").to(device, dtype), pooled=_rows(b, "pooled").to(device, dtype),
+                  text_mask=None if _rows(b, "text_mask") is None else _rows(b, "text_mask").to(device))
+             for b in branch_sets]
+    caches = [model.new_kv_cache(window_frames, sink_frames) for _ in texts]
+    noise = StreamNoise(group["seeds"], channels, hw, times, rule, context_t)
+    decoder = make_decoder() if make_decoder is not None else None
+    rows = len(group["seeds"]) * (2 if rows_mode else 1)
+    latents, frames_out = [], []
+    for start in range(0, total, chunk_frames):
+        frames = min(chunk_frames, total - start)
+        x, steps, context = noise.chunk(frames)
         x = to_device_async(x, device)
-        later = [None if n is None else to_device_async(n, device) for n in later]
+        cond = None
+        if getattr(model, "cond_channels", None):
+            cond = torch.zeros(rows, model.cond_channels, frames, *hw, device=device, dtype=dtype)
 
         def forward(x_in, t, store):
+            if rows_mode:
+                x_in = torch.cat([x_in] * 2)
             outs = []
             for text, cache in zip(texts, caches):
-                t_vec = torch.full((x_in.shape[0],), t, device=device).to(dtype)
+                t_vec = torch.full((rows,), t, device=device, dtype=dtype)
                 outs.append(model.forward_chunk(x_in.to(dtype), t_vec, text["text_emb"], text["text_mask"],
-                                                text["pooled"], cache=cache, start_frame=start, store_kv=store))
-            return outs
+                                                text["pooled"], cond, cache=cache, start_frame=start,
+                                                store_kv=store).float())
+            if rows_mode:
+                return text_cfg(*outs[0].chunk(2), guidance_scale)
+            return text_cfg(outs[0], outs[1], guidance_scale) if guided else outs[0]
 
-        for k, t in enumerate(steps):
-            last = k == len(steps) - 1
-            outs = [o.float() for o in forward(x, t, store=last and not refill)]
-            v = outs[0] if len(outs) == 1 else text_cfg(outs[0], outs[1], guidance_scale)
-            x = chunk_update(x, v, t, None if last else steps[k + 1], rule, None if last else later[k])
+        for k, (t, t_next) in enumerate(zip(times[:-1], times[1:])):
+            last = k == len(times) - 2
+            v = forward(x, t, store=last and not refill)
+            eps = None if steps[k] is None else to_device_async(steps[k], device)
+            x = chunk_update(x, v, t, t_next, rule, eps)
         if refill:
-            forward(x, context_t, store=True)
+            ctx_in = x if context is None else fm.add_noise(x, to_device_async(context, device), context_t)
+            forward(ctx_in, context_t, store=True)
         latents.append(x)
-        frames.append(decode(x) if decode is not None else None)
-    return latents, frames
+        frames_out.append(decoder(x) if decoder is not None else None)
+    return latents, frames_out
 
 
 # ----------------------------------------------------------------------------------------------------------
