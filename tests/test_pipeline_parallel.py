@@ -152,18 +152,10 @@ STREAM_CASES = [
 
 
 def streaming_sampler():
-    from opensora.inference.pipeline import VideoSampler
+    """test_streaming.py's tiny causal sampler with 2 + 2 blocks (so a split can fall inside each kind)."""
+    from test_streaming import tiny_sampler  # tests/ is on sys.path under pytest's default import mode
 
-    torch.manual_seed(0)
-    model = build_module(dict(type="MMDiT", in_channels=48, cond_channels=49, patch_size=(1, 2, 2), hidden_size=32,
-                              num_heads=2, depth_double=2, depth_single=2, mlp_ratio=2.0, text_dim=64, pooled_dim=64,
-                              axes_dims=(4, 6, 6), causal_chunk_frames=2), MODELS).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    vae = build_module(dict(type="PatchVAE", patch_size=4, temporal_patch_size=1), MODELS).eval()
-    text = build_module(dict(type="TextConditioner", seed=0), MODELS)
-    return VideoSampler(model, vae, text, progress=False)
+    return tiny_sampler(depth_double=2, depth_single=2, attn_backend="auto")
 
 
 @pytest.mark.parametrize("mode", OVERLAP_MODES)

@@ -31,6 +31,14 @@ PIPELINE_FLAGS = {  # the streaming flags themselves (--streaming, --window-fram
 }
 
 
+def streaming_options(args) -> dict:
+    """``StreamingGenerator`` keyword arguments from the CLI's streaming flags."""
+    window = args.window_frames
+    return dict(step_list=args.step_list, num_steps=int(args.num_steps), rollout=str(args.rollout),
+                guidance_scale=float(args.guidance_scale), window_frames=None if window is None else int(window),
+                sink_frames=int(args.sink_frames), context_time=float(args.context_time))
+
+
 def _uint8_on_device(video: torch.Tensor) -> torch.Tensor:
     """``io.to_uint8_frames`` without the host copy (the pipeline copies to pinned memory asynchronously)."""
     import torch
@@ -74,12 +82,7 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     sampler = VideoSampler.from_config(cfg, ckpt, role=args.role, ema=bool(args.ema), device=devices[0],
                                        dtype=args.dtype, progress=False)
     model = sampler.model
-    generator = StreamingGenerator(
-        sampler, step_list=args.step_list, num_steps=int(args.num_steps), rollout=str(args.rollout),
-        guidance_scale=float(args.guidance_scale), sink_frames=int(args.sink_frames),
-        window_frames=None if args.window_frames is None else int(args.window_frames),
-        context_time=float(args.context_time),
-    )  # fmt: skip
+    generator = StreamingGenerator(sampler, **streaming_options(args))
     latent = sampler.latent_size(num_frames, height, width)
     times = generator.schedule(latent)
     guidance = float(args.guidance_scale)
