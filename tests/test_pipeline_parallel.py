@@ -158,15 +158,12 @@ def streaming_sampler():
     return tiny_sampler(depth_double=2, depth_single=2, attn_backend="auto")
 
 
-@pytest.mark.parametrize("mode", OVERLAP_MODES)
-@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
-def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(case, mode, one_thread):
-    from opensora.inference.pipeline_stages import CausalStreamingStages
-    from opensora.inference.streaming import ChunkDecoder, StreamingGenerator
+def generator_reference(sampler, case, num_frames, size):
+    """The one-device ``StreamingGenerator`` run of ``case`` per prompt group, and the pipeline's inputs for it:
+    (generator, chunks per group, groups, latent size)."""
+    from opensora.inference.streaming import StreamingGenerator
 
     prompt_groups, steps, guidance, rollout, window, context_time = case
-    sampler = streaming_sampler()
-    num_frames, size = 7, 16  # 7 latent frames: chunks of 2, 2, 2 and a last one of 1
     gen = StreamingGenerator(sampler, step_list=steps, rollout=rollout, guidance_scale=guidance,
                              window_frames=window, context_time=context_time)
     refs, groups, seed = [], [], 0
@@ -176,7 +173,19 @@ def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(c
         refs.append(list(gen.stream(prompts, seeds, num_frames, size, size)))
         text, null = sampler.encode_text(prompts)
         groups.append(dict(seeds=seeds, branches=[text, null] if guidance != 1.0 else [text]))
-    latent_size = (sampler.vae.latent_channels, *sampler.latent_size(num_frames, size, size))
+    return gen, refs, groups, (sampler.vae.latent_channels, *sampler.latent_size(num_frames, size, size))
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
+def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(case, mode, one_thread):
+    from opensora.inference.pipeline_stages import CausalStreamingStages
+    from opensora.inference.streaming import ChunkDecoder
+
+    prompt_groups, steps, guidance, rollout, window, context_time = case
+    sampler = streaming_sampler()
+    num_frames, size = 7, 16  # 7 latent frames: chunks of 2, 2, 2 and a last one of 1
+    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
     split = 1  # last double block on lane 0, single blocks on lane 1: the (img, txt) -> tokens hand-over
     place_model(sampler.model, split, ["cpu", "cpu"])
     lanes = Lanes(["cpu", "cpu"])

@@ -19,7 +19,7 @@ from opensora.inference.pipeline_stages import (
     sample_microbatched,
     stream_reference,
 )
-from opensora.inference.streaming import ChunkDecoder, StreamingGenerator
+from opensora.inference.streaming import ChunkDecoder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,20 +64,13 @@ GENERATOR_CASES = [
 
 @pytest.mark.parametrize("case", GENERATOR_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
 def test_two_gpu_streaming_is_bit_identical_to_the_one_gpu_streaming_generator(case):
-    prompt_groups, steps, guidance, rollout, window, context_time = case
+    from test_pipeline_parallel import generator_reference
+
+    _, steps, guidance, rollout, window, context_time = case
     sampler = gpu_sampler()
     num_frames, size = 9, 32  # 9 latent frames of 8x8: chunks of 2, the last one of 1
-    gen = StreamingGenerator(sampler, step_list=steps, rollout=rollout, guidance_scale=guidance, window_frames=window,
-                             context_time=context_time)
-    refs, groups, seed = [], [], 0
-    for prompts in prompt_groups:
-        seeds = list(range(seed, seed + len(prompts)))
-        seed += len(prompts)
-        refs.append(list(gen.stream(prompts, seeds, num_frames, size, size)))
-        text, null = sampler.encode_text(prompts)
-        groups.append(dict(seeds=seeds, branches=[text, null] if guidance != 1.0 else [text]))
+    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
     assert all(torch.isfinite(c.latents).all() for chunks in refs for c in chunks)
-    latent_size = (sampler.vae.latent_channels, *sampler.latent_size(num_frames, size, size))
     for mode, run, result in pipelined(sampler, groups, latent_size, gen.schedule(latent_size[1:]), 2,
                                        lane1_decoder(sampler), rule=rollout, guidance_scale=guidance,
                                        context_t=context_time, window_frames=window):
