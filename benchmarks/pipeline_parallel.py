@@ -6,7 +6,8 @@ tokens, each chunk decoded by a stand-in decoder (3D convs, 8x up in space, 4x i
 frame; the GPU image has no diffusers VAE) on the last GPU. For every (steps per chunk 1 | 4) x (refill on | off)
 x (1 | 2 groups in flight) it times
 
-* 1 GPU, the plain ``forward_chunk`` loop (``stream_reference``),
+* 1 GPU, the streaming sampler of ``--streaming`` (``StreamingGenerator``; the same math as a plain
+  ``forward_chunk`` loop, ``stream_reference``, for the no-refill rows it cannot run),
 * 1 GPU, the pipeline executor with both stages on cuda:0 (same work, no copies: the schedule's own overhead),
 * 2 GPUs, ``--pp-overlap off | basic | aggressive`` with ``--pp-split auto`` (chosen per plan and mode from the
   stage times measured on a warm-up chunk; the candidates of one plan are printed), one host thread per GPU,
@@ -53,23 +54,29 @@ from opensora.inference.pipeline_stages import (  # noqa: E402
     seeded_latent_noise,
     stream_reference,
 )
+from opensora.inference.streaming import ChunkDecoder, StreamingGenerator  # noqa: E402
 from opensora.models.mmdit.configs import mmdit_config  # noqa: E402
 from opensora.models.mmdit.model import MMDiT  # noqa: E402
 
 STEP_LISTS = {1: [1.0], 4: [1.0, 0.75, 0.5, 0.25]}
 # 1 GPU through the pipeline executor; 2 GPUs per overlap mode (one host thread per GPU); aggressive with one thread
 VARIANTS = ("single-gpu-executor",) + OVERLAP_MODES + ("aggressive-1thread",)
-TIME_UP = 4  # video frames per latent frame of the stand-in decoder
 
 
 class StandInDecoder(nn.Module):
-    """Latent [B, C, T, h, w] -> uint8 video [B, 4T, 8h, 8w, 3]: a few 3D convs of a small streaming decoder."""
+    """Latent [B, C, T, h, w] -> uint8 video [B, T, 8h, 8w, 3]: a few 3D convs, the size of a small streaming
+    decoder (the GPU image has no diffusers VAE). One video frame per latent frame, so chunks decode exactly."""
+
+    latent_channels: int
+    temporal_compression = 1  # what streaming.ChunkDecoder reads
+    causal_temporal = False
 
     def __init__(self, channels: int, width: int = 128):
         super().__init__()
+        self.latent_channels = channels
         self.net = nn.Sequential(
             nn.Conv3d(channels, width, 3, padding=1), nn.SiLU(),
-            nn.ConvTranspose3d(width, width // 2, (TIME_UP, 2, 2), stride=(TIME_UP, 2, 2)), nn.SiLU(),
+            nn.ConvTranspose3d(width, width // 2, (1, 2, 2), stride=(1, 2, 2)), nn.SiLU(),
             nn.Conv3d(width // 2, width // 2, 3, padding=1), nn.SiLU(),
             nn.ConvTranspose3d(width // 2, width // 4, (1, 2, 2), stride=(1, 2, 2)), nn.SiLU(),
             nn.Conv3d(width // 4, width // 4, 3, padding=1), nn.SiLU(),
@@ -80,6 +87,37 @@ class StandInDecoder(nn.Module):
     def forward(self, latent):
         video = self.net(latent.to(self.net[0].weight.dtype)).float().tanh()
         return ((video + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 4, 1)
+
+
+class BenchSampler:
+    """What ``streaming.StreamingGenerator`` needs from a ``VideoSampler``, with fixed random text features per
+    prompt (the 1B shape's 4096-d T5 / 768-d CLIP sizes) instead of text encoders, and the stand-in decoder."""
+
+    def __init__(self, model, decoder, text_len, seed=0):
+        self.model, self.vae = model, decoder
+        self.device, self.dtype = model.img_in.weight.device, model.img_in.weight.dtype
+        self.text_len, self.seed = text_len, seed
+
+    def features(self, key: str, batch: int) -> dict:
+        g = torch.Generator().manual_seed(abs(hash(key)) % 2**31 + self.seed)
+        m = self.model
+        return dict(text_emb=torch.randn(batch, self.text_len, m.txt_in.in_features, generator=g).to(self.device),
+                    text_mask=torch.ones(batch, self.text_len, dtype=torch.bool, device=self.device),
+                    pooled=torch.randn(batch, m.vector_in.in_layer.in_features, generator=g).to(self.device))
+
+    def encode_text(self, prompts):
+        rows = [self.features(p, 1) for p in prompts]
+        text = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+        return text, self.features("", len(prompts))
+
+    def latent_size(self, num_frames, height, width):
+        return (num_frames, height // 8, width // 8)  # frames are latent frames here
+
+    def shift_alpha(self, size):
+        return 1.0
+
+    def decode(self, latents):
+        return self.vae(latents).cpu()
 
 
 def random_init(model, seed):
@@ -116,6 +154,12 @@ def max_diff(a, b):
     if a.dtype == torch.uint8:
         a, b = a.int(), b.int()
     return float((a.float() - b.float()).abs().max())
+
+
+def compare_stream_lists(a, b):
+    """Largest |diff| between two per-group (latents, frames) chunk lists."""
+    return max(max_diff(x.cpu(), y.cpu()) for (la, fa), (lb, fb) in zip(a, b)
+               for x, y in [*zip(la, lb), *zip(fa, fb)])
 
 
 def compare_stream(result, refs, num_chunks):
@@ -175,40 +219,66 @@ def main(argv=None):
     n_blocks = len(model.double_blocks) + len(model.single_blocks)
     chunk_shape = (cfg["in_channels"], args.chunk_frames, args.latent_hw, args.latent_hw)
     text_dim, pooled_dim = cfg["text_dim"], cfg["pooled_dim"]
-
-    def groups_for(n, batch=1):
-        return [dict(seeds=[100 + 10 * g + i for i in range(batch)],
-                     branches=[text_group(batch, args.text_len, text_dim, pooled_dim, g, "cpu")]) for g in range(n)]
-
-    x_warm = seeded_latent_noise([0], chunk_shape).to(dev0)
-    times = measure_stage_times(model, x_warm, groups_for(1)[0]["branches"][0], decode=decoder)
-    print(f"stage times (ms, one chunk at frame 0): embed {times['embed_ms']:.2f}, blocks "
-          f"{sum(times['block_ms']):.2f} ({n_blocks}), final {times['final_ms']:.2f}, decode {times['decode_ms']:.2f}")
-    rows, split_tables = [], {}
-    lat_frames = args.chunks * args.chunk_frames
+    bench = BenchSampler(model, decoder, args.text_len)
     step_counts = [int(s) for s in args.steps.split(",")]
     group_counts = [int(g) for g in args.groups.split(",")]
-    skipped = []
-    for batch, steps, refill, n_groups in itertools.product(
-            [int(b) for b in args.batches.split(",")], step_counts, (True, False), group_counts):
-        label = (f"{steps} step{'s' if steps > 1 else ''}{' + refill' if refill else ''}, {n_groups} item(s) "
-                 f"x batch {batch}")
+    x_warm = seeded_latent_noise([0], chunk_shape).to(dev0)
+    times = measure_stage_times(model, x_warm, bench.features("warm-up", 1), decode=decoder)
+    print(f"stage times (ms, one chunk at frame 0): embed {times['embed_ms']:.2f}, blocks "
+          f"{sum(times['block_ms']):.2f} ({n_blocks}), final {times['final_ms']:.2f}, decode {times['decode_ms']:.2f}")
+    rows, split_tables, skipped = [], {}, []
+    lat_frames = args.chunks * args.chunk_frames
+    latent_size = (cfg["in_channels"], lat_frames, args.latent_hw, args.latent_hw)
+    px = args.latent_hw * 8
+
+    def prompt_groups(n_groups, batch):
+        return [[f"prompt {g}-{i}" for i in range(batch)] for g in range(n_groups)]
+
+    configs = [dict(steps=s_, refill=r_, items=n_, batch=b_, guidance=1.0, cfg_rows=True)
+               for b_, s_, r_, n_ in itertools.product([int(b) for b in args.batches.split(",")], step_counts,
+                                                       (True, False), group_counts)]
+    # one video with CFG: the two passes as micro-batches are two independent items (bit-identical to one GPU
+    # running those micro-batches; the usual rows-CFG generator is the timing baseline)
+    configs += [dict(steps=s_, refill=True, items=1, batch=1, guidance=4.0, cfg_rows=False) for s_ in step_counts]
+    for conf in configs:
+        steps, refill, n_groups, batch = conf["steps"], conf["refill"], conf["items"], conf["batch"]
+        guided, rows_cfg = conf["guidance"] != 1.0, conf["cfg_rows"]
+        label = (f"{steps} step{'s' if steps > 1 else ''}{' + refill' if refill else ''}, {n_groups} item(s) x batch "
+                 f"{batch}" + (", CFG as 2 micro-batches" if guided and not rows_cfg else ""))
         if time.time() - started > args.budget_s:
             skipped.append(label)
             continue
-        groups = groups_for(n_groups, batch)
-        kw = dict(refill=refill, rule="renoise", decode=None)
-        video_frames = n_groups * batch * lat_frames * TIME_UP
+        gen = StreamingGenerator(bench, step_list=STEP_LISTS[steps], guidance_scale=conf["guidance"])
+        times_list = gen.schedule(latent_size[1:])
+        prompts = prompt_groups(n_groups, batch)
+        seeds = [[100 + 10 * g + i for i in range(batch)] for g in range(n_groups)]
+        groups = []
+        for p, sd in zip(prompts, seeds):
+            text, null = bench.encode_text(p)
+            groups.append(dict(seeds=sd, branches=[text, null] if guided else [text]))
+        kw = dict(refill=refill, rule="renoise", guidance_scale=conf["guidance"], cfg_rows=rows_cfg)
+        video_frames = n_groups * batch * lat_frames
 
-        def reference():
-            return [stream_reference(model, g, chunk_shape, args.chunks, STEP_LISTS[steps],
-                                     device=dev0, **{**kw, "decode": decoder}) for g in groups]
+        def generator_run():  # the one-GPU streaming sampler (--streaming), one stream per item
+            outs = []
+            for p, sd in zip(prompts, seeds):
+                chunks = list(gen.stream(p, sd, lat_frames, px, px))
+                outs.append(([c.latents for c in chunks], [c.frames for c in chunks]))
+            return outs
 
-        t_ref, ref_outs = timed(reference, [dev0], args.repeats)
-        refs = ref_outs[0]
-        row = dict(config=label, steps=steps, refill=refill, items=n_groups, batch=batch, one_gpu_s=t_ref,
-                   one_gpu_fps=video_frames / t_ref, modes={})
-        plan = Plan(num_groups=n_groups, num_chunks=args.chunks, num_steps=steps, refill=refill)
+        def loop_run():  # the same math on one GPU for the variants the generator lacks
+            return [stream_reference(model, g, latent_size, times_list, device=dev0,
+                                     make_decoder=lambda: ChunkDecoder(decoder, decoder), **kw) for g in groups]
+
+        exact_generator = refill and (rows_cfg or not guided)
+        t_ref, ref_outs = timed(generator_run if refill else loop_run, [dev0], args.repeats)
+        refs = ref_outs[0] if exact_generator else loop_run()
+        row = dict(config=label, baseline="StreamingGenerator" if refill else "stream_reference loop", **conf,
+                   one_gpu_s=t_ref, one_gpu_fps=video_frames / t_ref, modes={})
+        if not exact_generator:
+            row["max_abs_diff_vs_baseline_layout"] = compare_stream_lists(ref_outs[0], refs)
+        plan = CausalStreamingStages.plan_for(n_groups, 1 if rows_cfg or not guided else 2, latent_size,
+                                              args.chunk_frames, times_list, refill)
         for mode in VARIANTS:
             lane_devs = [devices[0], devices[0]] if mode == "single-gpu-executor" else devices
             sched_mode = {"single-gpu-executor": "basic", "aggressive-1thread": "aggressive"}.get(mode, mode)
@@ -221,14 +291,13 @@ def main(argv=None):
 
             def pipelined(profile=False):
                 lanes = Lanes(lane_devs, profile=profile)
-                stages = CausalStreamingStages(pp_model, lanes, split, groups, chunk_shape, args.chunks,
-                                               STEP_LISTS[steps], **{**kw, "decode": dec})
+                stages = CausalStreamingStages(pp_model, lanes, split, groups, latent_size, times_list,
+                                               make_decoder=lambda: ChunkDecoder(dec, dec), **kw)
                 return run_plan(stages, sched_mode, lanes, threads=threads)[0]
 
             t, outs = timed(pipelined, lane_devs, args.repeats)
-            diffs = [compare_stream(o, refs, args.chunks) for o in outs]
             prof = pipelined(profile=True)
-            diffs.append(compare_stream(prof, refs, args.chunks))
+            diffs = [compare_stream(o, refs, args.chunks) for o in outs + [prof]]
             lanes_summary = prof.summary.get("lanes", {})
             row["modes"][mode] = dict(
                 seconds=t, fps=video_frames / t, speedup=t_ref / t, split=split, max_abs_diff=max(diffs),
@@ -272,7 +341,7 @@ def bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtyp
         groups = [dict(seeds=[200 + g], branches=[text_group(1, args.text_len, text_dim, pooled_dim, 10 + g, "cpu"),
                                                   text_group(1, args.text_len, text_dim, pooled_dim, 50, "cpu")])
                   for g in range(n_groups)]
-        video_frames = n_groups * args.bi_frames * TIME_UP
+        video_frames = n_groups * args.bi_frames
 
         def reference():
             return [sample_microbatched(bi, g, shape, sched, scale, dev0, decoder) for g in groups]
@@ -356,6 +425,10 @@ def print_tables(rows, bi_rows, split_tables):
                 cells.append("-")
         same = all(v["max_abs_diff"] == 0.0 for v in r["modes"].values())
         print(f"| {r['config']} | {r['one_gpu_fps']:.1f} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
+    for r in rows:
+        if "max_abs_diff_vs_baseline_layout" in r:
+            print(f"{r['config']}: bit-identical to one GPU running the same micro-batches; max |diff| vs the timed "
+                  f"baseline's rows-CFG layout {r['max_abs_diff_vs_baseline_layout']:g}")
     for r in bi_rows:
         print(f"{r['config']}: batched-CFG 1-GPU sampler {r['batched_cfg_s'] * 1e3:.1f} ms vs micro-batched "
               f"{r['one_gpu_s'] * 1e3:.1f} ms; max |diff| batched vs micro-batched {r['batched_cfg_max_abs_diff_vs_microbatched']:g}")

@@ -288,7 +288,6 @@ class CausalStreamingStages:
         self.channels, self.total_frames = int(latent_size[0]), int(latent_size[1])
         self.hw = tuple(latent_size[2:])
         self.chunk_frames = int(model.causal_chunk_frames)
-        num_chunks = -(-self.total_frames // self.chunk_frames)
         self.rule, self.guidance_scale, self.context_t = rule, float(guidance_scale), float(context_t)
         self.dtype = model.img_in.weight.dtype
         self.groups = list(groups)
@@ -297,9 +296,8 @@ class CausalStreamingStages:
             raise ValueError("every group needs the same number of CFG passes (1 or 2)")
         self.guided = passes == 2
         self.cfg_rows = bool(cfg_rows) and self.guided
-        self.plan = Plan(num_groups=len(self.groups), num_branches=1 if self.cfg_rows else passes,
-                         num_chunks=num_chunks, num_steps=len(self.times) - 1, refill=refill, cached=True,
-                         decode=make_decoder is not None)
+        self.plan = self.plan_for(len(self.groups), 1 if self.cfg_rows else passes, latent_size, self.chunk_frames,
+                                  self.times, refill, make_decoder is not None)
         dev0 = lanes.devices[0]
         self.text = []  # per group, per branch: text tensors on lane 0 (rows mode: one branch of all passes)
         for g in self.groups:
@@ -316,6 +314,13 @@ class CausalStreamingStages:
                       for g in self.groups]
         self.decoders = [make_decoder() for _ in self.groups] if make_decoder is not None else None
         self.rows = [len(g["seeds"]) * (2 if self.cfg_rows else 1) for g in self.groups]
+
+    @staticmethod
+    def plan_for(num_groups: int, num_branches: int, latent_size: Sequence[int], chunk_frames: int,
+                 times: Sequence[float], refill: bool = True, decode: bool = True) -> Plan:
+        """The ``Plan`` such stages run (for ``choose_split`` before building them)."""
+        return Plan(num_groups=num_groups, num_branches=num_branches, num_chunks=-(-int(latent_size[1]) // chunk_frames),
+                    num_steps=len(times) - 1, refill=refill, cached=True, decode=decode)
 
     def prepare(self, group: int, chunk: int) -> dict:
         """Stage A: the chunk's noise (host RNG, pinned copies), RoPE tables on both lanes, timestep tensors."""
