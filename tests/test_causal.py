@@ -178,7 +178,9 @@ def test_kv_cache_bookkeeping_and_errors():
     with pytest.raises(ValueError, match="sink_frames"):
         KVCache(4, window_frames=2, sink_frames=3)
     cache = KVCache(2, sink_frames=1)
-    kv = lambda frames: {i: (torch.ones(1, 2, frames * 3, 4), torch.ones(1, 2, frames * 3, 4)) for i in range(2)}  # noqa
+    def kv(frames):
+        return {i: (torch.ones(1, 2, frames * 3, 4), torch.ones(1, 2, frames * 3, 4)) for i in range(2)}
+
     cache.append(kv(2), start_frame=0, num_frames=2)
     cache.append(kv(2), start_frame=2, num_frames=2)
     assert cache.num_frames == 4 and cache.end_frame == 4 and cache.nbytes == 2 * 2 * 4 * 12 * 8 * 4 // 4
@@ -228,7 +230,8 @@ def test_adapter_streaming_x0_matches_its_full_video_x0_and_reports_the_capabili
             full = adapter.predict_x0(handle, noisy, t, batch, conditional=conditional)
             cache = adapter.new_kv_cache(handle, batch)
             chunks = [adapter.predict_x0_streaming(handle, noisy[:, :, s : s + 2], t, batch, cache, start_frame=s,
-                                                   store_kv=True, conditional=conditional) for s in (0, 2, 4)]  # fmt: skip
+                                                   store_kv=True, conditional=conditional)
+                      for s in (0, 2, 4)]  # fmt: skip
             assert torch.equal(torch.cat(chunks, dim=2), full)
             assert chunks[0].dtype == torch.float32 and cache.num_frames == 6
     with pytest.raises(ValueError, match="causal"):

@@ -117,7 +117,8 @@ def test_cli_streaming_appends_each_chunk_to_the_mp4_before_the_next_is_made(tmp
                       " causal_chunk_frames=4)\n")  # fmt: skip
     model = build_module(role_model_config(load_config(str(config))), MODELS)
     torch.manual_seed(0)
-    save_file({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}, tmp_path / "causal.safetensors")
+    weights = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    save_file(weights, tmp_path / "causal.safetensors")
     seen = []
 
     def on_chunk(chunk, paths):
@@ -126,7 +127,8 @@ def test_cli_streaming_appends_each_chunk_to_the_mp4_before_the_next_is_made(tmp
         assert readable == frames_so_far - 1
         seen.append((chunk.index, readable, chunk.cached_frames))
 
-    written = cli.main([str(config), "--ckpt", str(tmp_path / "causal.safetensors"), "--prompt", "a red circle moving left",
+    written = cli.main([str(config), "--ckpt", str(tmp_path / "causal.safetensors"),
+                        "--prompt", "a red circle moving left",
                         "--streaming", "--num-frames", "64", "--resolution", "32x32", "--step-list", "1.0",
                         "--guidance-scale", "2.0", "--window-frames", "12", "--sink-frames", "4", "--device", "cpu",
                         "--save-dir", str(tmp_path / "out"), "--progress", "false"], on_chunk=on_chunk)  # fmt: skip
@@ -134,3 +136,49 @@ def test_cli_streaming_appends_each_chunk_to_the_mp4_before_the_next_is_made(tmp
     assert max(cached for _, _, cached in seen) == 12
     assert read_video(written[0]).shape == (64, 32, 32, 3)
     assert (tmp_path / "out" / "samples.csv").is_file()
+
+
+def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
+    """benchmarks/streaming.py end to end on the CPU with tiny random checkpoints (the GPU numbers come from the same
+    code): every mode writes its JSON with the fields the README table needs."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from opensora.config import load_config
+    from opensora.inference.pipeline import role_model_config
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import streaming as bench
+
+    tiny = "hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6)"
+    base = (f"_base_ = [{str(root / 'configs/diffusion/train/demo.py')!r}]\n"
+            "bucket_config = {'_delete_': True, '32x32': {8: (1.0, 2)}}\n")
+    (tmp_path / "teacher.py").write_text(base + f"model = dict({tiny})\n")
+    (tmp_path / "student.py").write_text(base + f"model = dict({tiny}, causal_chunk_frames=2)\nrole = 'model'\n"
+                                         "step_list = [1.0, 0.5]\nguidance_scale = 1.0\nstreaming = True\n"
+                                         "rollout = 'euler'\n")  # fmt: skip
+    for name in ("teacher", "student"):
+        model = build_module(role_model_config(load_config(str(tmp_path / f"{name}.py"))), MODELS)
+        save_file({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()},
+                  tmp_path / f"{name}.safetensors")  # fmt: skip
+    common = ["--device", "cpu", "--out", str(tmp_path / "out")]
+    bench.main(["quality", "--student-config", str(tmp_path / "student.py"), "--student-ckpt",
+                str(tmp_path / "student.safetensors"), "--teacher-config", str(tmp_path / "teacher.py"),
+                "--teacher-ckpt", str(tmp_path / "teacher.safetensors"), "--teacher-steps", "2", "--num-prompts", "2",
+                "--repeats", "1", "--long-multiple", "2", *common])  # fmt: skip
+    quality = json.loads((tmp_path / "out" / "quality.json").read_text())
+    assert quality["student"]["chunks"] == 4 and quality["long"]["frames"] == 16
+    assert quality["student"]["rollout"] == "euler"  # read from the student config, like inference.py
+    assert len(quality["long"]["windows"]) == 3 and quality["long"]["flicker"]["edge_over_inside"] > 0
+    bench.main(["speed", "--config", str(tmp_path / "student.py"), "--chunk-frames", "2", "--lengths", "1", "2",
+                "--teacher-steps", "1", "--step-list", "1.0", *common])  # fmt: skip
+    speed = json.loads((tmp_path / "out" / "speed.json").read_text())
+    assert speed["lengths"]["2x-window"]["max_cached_frames"] == speed["window_frames"] == 6
+    bench.main(["costs", "--config", str(tmp_path / "teacher.py"), "--num-prompts", "2", "--teacher-steps", "2",
+                "--step-list", "1.0", "--repeats", "1", *common])  # fmt: skip
+    costs = json.loads((tmp_path / "out" / "costs.json").read_text())
+    assert costs["runs"]["teacher"]["model_passes"] == 2 and costs["runs"]["few-step"]["model_passes"] == 1

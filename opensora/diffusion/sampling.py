@@ -46,14 +46,14 @@ def timesteps_from_list(step_list: Sequence[float], device=None) -> torch.Tensor
 
     The values are used as given (no shift); 0 is appended when the list does not end there.
     """
-    steps = torch.as_tensor(list(step_list), dtype=torch.float32, device=device)
+    steps = torch.as_tensor(list(step_list), dtype=torch.float32)  # checked on the host: no device syncs
     if steps.ndim != 1 or steps.numel() == 0:
         raise ValueError(f"step_list must be a non-empty 1-D list of times, got {step_list!r}")
     if steps.min() < 0 or steps.max() > 1 or not bool((steps[1:] < steps[:-1]).all()):
         raise ValueError(f"step_list must be strictly descending inside [0, 1], got {steps.tolist()}")
     if steps[-1] != 0:
         steps = torch.cat([steps, steps.new_zeros(1)])
-    return steps
+    return steps.to(device)
 
 
 def euler_step(x: torch.Tensor, velocity: torch.Tensor, t, t_next) -> torch.Tensor:

@@ -223,7 +223,9 @@ class StreamNoise:
         self.channels, self.hw, self.times, self.rule, self.context_t = channels, tuple(hw), list(times), rule, context_t
 
     def draw(self, frames: int) -> torch.Tensor:
-        return torch.stack([torch.randn((self.channels, frames, *self.hw), generator=g) for g in self.gens])
+        from opensora.inference.pipeline import noise_from_generators
+
+        return noise_from_generators(self.gens, (self.channels, frames, *self.hw))
 
     def chunk(self, frames: int):
         """(initial x, [noise per step or None], context noise or None)."""

@@ -30,6 +30,7 @@ import torch
 from opensora.diffusion import flow_matching as fm
 from opensora.diffusion.guidance import text_cfg
 from opensora.diffusion.sampling import timesteps_for_sampling, timesteps_from_list
+from opensora.inference.pipeline import noise_from_generators
 from opensora.models.vae.base import video_num_frames
 
 ROLLOUTS = ("renoise", "euler")
@@ -147,8 +148,7 @@ class StreamingGenerator:
         channels = sampler.vae.latent_channels
 
         def noise(frames):
-            return torch.stack([torch.randn((channels, frames, *latent_size[1:]), generator=g)
-                                for g in generators]).to(device)  # fmt: skip
+            return noise_from_generators(generators, (channels, frames, *latent_size[1:]), device)
 
         def velocity(x, t, store):
             x_in = torch.cat([x] * len(branches)) if guided else x

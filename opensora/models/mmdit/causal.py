@@ -123,6 +123,8 @@ class KVCache:
         if self.frame_ids and (per_group, frames_per_group) != (self.tokens_per_frame_group, self.frames_per_group):
             raise ValueError("chunks of different spatial sizes or temporal patch sizes cannot share a cache")
         self.tokens_per_frame_group, self.frames_per_group = per_group, frames_per_group
+        if self.window_frames is not None:  # make room first, so the cache never holds more than the window
+            self.trim(max(self.window_frames - num_frames, self.sink_frames))
         for i in range(self.num_blocks):
             k, v = (t.detach() for t in new[i])
             past_k, past_v = self.keys[i], self.values[i]
@@ -190,7 +192,8 @@ def fold_chunks(tensor: torch.Tensor, num_chunks: int) -> torch.Tensor:
 def unfold_chunks(tensor: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """Inverse of ``fold_chunks``."""
     bn, c, tc, h, w = tensor.shape
-    return tensor.reshape(bn // num_chunks, num_chunks, c, tc, h, w).transpose(1, 2).reshape(-1, c, num_chunks * tc, h, w)
+    tensor = tensor.reshape(bn // num_chunks, num_chunks, c, tc, h, w).transpose(1, 2)
+    return tensor.reshape(-1, c, num_chunks * tc, h, w)
 
 
 def sibling_kv_hook(num_chunks: int, num_text: int, mask: torch.Tensor):

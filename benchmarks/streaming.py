@@ -1,0 +1,480 @@
+#!/usr/bin/env python
+"""Streaming generation (issue 13): speed and memory at the 1B shape, quality of a causal student on MovingShapes,
+and the fixed costs of the full-video sampler. Writes JSON under --out and prints a table.
+
+  # (a) 1B shape, random weights, one GPU: per-chunk latency, time to first chunk, frames/s (VAE decode included),
+  #     peak memory at 1x and 4x the training length (goal: flat within 5%), next to the 30-step CFG teacher
+  python benchmarks/streaming.py speed --out benchmarks/results/streaming_1b
+  # (b) a causal student checkpoint vs its bidirectional teacher on the 72 held MovingShapes captions
+  python benchmarks/streaming.py quality --student-config C --student-ckpt S --teacher-config T --teacher-ckpt P \
+      --out benchmarks/results/streaming_quality
+  # (c) where VideoSampler.generate spends its time outside the model passes (runs on a CPU too)
+  python benchmarks/streaming.py costs --config configs/diffusion/train/moving_shapes_gpu.py --out DIR
+
+Timing: wall clock around whole generations (CUDA synchronised), after one warm-up generation; the streaming
+chunk times come from the generator (each chunk ends when its decoded uint8 frames are on the host).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from opensora.config import load_config  # noqa: E402
+from opensora.inference import pipeline  # noqa: E402
+from opensora.inference.pipeline import VideoSampler, resolve_device, role_model_config  # noqa: E402
+from opensora.inference.streaming import StreamingGenerator  # noqa: E402
+from opensora.registry import MODELS, build_module  # noqa: E402
+from train_step import count_host_syncs  # noqa: E402  (benchmarks/train_step.py)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def random_sampler(cfg, causal_chunk_frames: int, device, dtype, seed: int = 0) -> VideoSampler:
+    """A sampler around the config's network with random weights (all parameters perturbed, so no output is 0)."""
+    torch.manual_seed(seed)
+    model_cfg = dict(role_model_config(cfg), causal_chunk_frames=causal_chunk_frames)
+    model_cfg.update(grad_ckpt_double=0, grad_ckpt_single=0)
+    model = build_module(model_cfg, MODELS).to(device, dtype).eval().requires_grad_(False)
+    with torch.no_grad():  # on the device: perturbing 1B parameters on the CPU takes a while
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    vae = build_module(cfg["vae"], MODELS).to(device, dtype).eval().requires_grad_(False)
+    text = build_module(cfg["text_encoder"], MODELS).to(device).eval()
+    shift = (cfg.get("method") or {}).get("shift") or {}
+    return VideoSampler(model, vae, text, shift=shift, device=device, progress=False)
+
+
+def training_clip(cfg):
+    """(frames, height, width) of the config's (first) training bucket or dataset."""
+    dataset = cfg.get("dataset") or {}
+    if "num_frames" in dataset and "height" in dataset:
+        return int(dataset["num_frames"]), int(dataset["height"]), int(dataset["width"])
+    size = next(iter(cfg.bucket_config))
+    height, width = (int(v) for v in size.split("x"))
+    return int(next(iter(cfg.bucket_config[size]))), height, width
+
+
+def stream_once(generator, prompts, seeds, size):
+    """One streamed generation: (uint8 video [B, T, H, W, 3], chunk records)."""
+    frames, chunks = [], []
+    sync()
+    for chunk in generator.stream(prompts, seeds, *size):
+        frames.append(chunk.frames)
+        chunks.append(dict(seconds=chunk.seconds, frames=int(chunk.frames.shape[1]), cached_frames=chunk.cached_frames,
+                           cache_bytes=chunk.cache_bytes))  # fmt: skip
+    return torch.cat(frames, dim=1), chunks
+
+
+def chunk_summary(chunks, batch: int = 1) -> dict:
+    """Frame rates count the frames of all ``batch`` videos (each chunk holds that many frames per video)."""
+    total = sum(c["seconds"] for c in chunks)
+    later = [c["seconds"] for c in chunks[1:]] or [chunks[0]["seconds"]]
+    frames = sum(c["frames"] for c in chunks)
+    sustained = batch * sum(c["frames"] for c in chunks[1:]) / sum(later) if len(chunks) > 1 else None
+    return dict(chunks=len(chunks), first_chunk_s=chunks[0]["seconds"], chunk_s_median=statistics.median(later),
+                total_s=total, frames_per_video=frames, frames_per_s=batch * frames / total,
+                sustained_frames_per_s=sustained,
+                max_cached_frames=max(c["cached_frames"] for c in chunks),
+                max_cache_mib=max(c["cache_bytes"] for c in chunks) / 2**20)  # fmt: skip
+
+
+def timed(fn, repeats: int):
+    fn()  # warm-up
+    times, out = [], None
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def print_table(title, rows):
+    print(f"\n{title}")
+    keys = list(rows[0])
+    print(" | ".join(f"{k:>14}" for k in keys))
+    for row in rows:
+        print(" | ".join(f"{v:>14.4g}" if isinstance(v, float) else f"{str(v):>14}" for v in row.values()))
+
+
+def write_json(out_dir, name, payload):
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    print(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (a) speed and memory at the 1B shape
+# --------------------------------------------------------------------------------------------------------------
+def run_speed(args) -> dict:
+    device = resolve_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = load_config(args.config)
+    frames, height, width = args.frames or training_clip(cfg)[0], *(args.size or training_clip(cfg)[1:])
+    sampler = random_sampler(cfg, args.chunk_frames, device, dtype)
+    train_latent = sampler.latent_size(frames, height, width)[0]
+    window = args.window_frames if args.window_frames is not None else train_latent - args.chunk_frames
+    prompts = ["a red circle moving left"] * args.batch
+    seeds = list(range(args.batch))
+    vae = sampler.vae
+    result = dict(mode="speed", device=device_name(), config=args.config, batch=args.batch,
+                  chunk_frames=args.chunk_frames,
+                  steps=args.step_list, window_frames=window, sink_frames=args.sink_frames,
+                  training_clip=[frames, height, width], training_latent_frames=train_latent, lengths={})  # fmt: skip
+    rows = []
+    for multiple in args.lengths:
+        latent = (train_latent - 1) * multiple + 1 if vae.causal_temporal else train_latent * multiple
+        pixel_frames = vae.get_video_size((latent, 4, 4))[0]
+        for name, win in (("window", window), ("no-window", None)):
+            if name == "no-window" and not args.unbounded_baseline:
+                continue
+            gen = StreamingGenerator(sampler, step_list=args.step_list, window_frames=win, sink_frames=args.sink_frames)
+            stream_once(gen, prompts, seeds, (pixel_frames, height, width))  # warm-up
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+            _, chunks = stream_once(gen, prompts, seeds, (pixel_frames, height, width))
+            summary = chunk_summary(chunks, args.batch)
+            if device.type == "cuda":
+                summary.update(peak_mib=torch.cuda.max_memory_allocated() / 2**20, resident_mib=base / 2**20)
+            summary.update(length_multiple=multiple, pixel_frames=pixel_frames, latent_frames=latent, cache=name)
+            result["lengths"][f"{multiple}x-{name}"] = dict(summary, chunk_seconds=[c["seconds"] for c in chunks])
+            rows.append({k: summary.get(k) for k in ("length_multiple", "cache", "pixel_frames", "first_chunk_s",
+                                                      "chunk_s_median", "sustained_frames_per_s", "frames_per_s",
+                                                      "max_cached_frames", "peak_mib")})  # fmt: skip
+    if device.type == "cuda" and len(args.lengths) > 1:
+        peaks = [result["lengths"][f"{m}x-window"]["peak_mib"] for m in args.lengths]
+        result["peak_growth"] = max(peaks) / min(peaks) - 1
+        result["peak_flat_within_5pct"] = result["peak_growth"] <= 0.05
+    if args.teacher_steps:
+        teacher = random_sampler(cfg, 0, device, dtype)
+        seconds, _ = timed(lambda: teacher.generate(prompts, seeds, frames, height, width, num_steps=args.teacher_steps,
+                                                    guidance_scale=7.5), repeats=1)  # fmt: skip
+        one_x = result["lengths"][f"{args.lengths[0]}x-window"]
+        result["teacher"] = dict(steps=args.teacher_steps, cfg_passes=2, seconds=seconds, frames=frames)
+        result["speedup_end_to_end_1x"] = seconds / one_x["total_s"]
+        result["first_chunk_over_teacher_clip"] = one_x["first_chunk_s"] / seconds
+        rows.append(dict(length_multiple=1, cache="teacher-30x2", pixel_frames=frames, first_chunk_s=seconds,
+                         chunk_s_median=None, sustained_frames_per_s=None, frames_per_s=frames * args.batch / seconds,
+                         max_cached_frames=None, peak_mib=None))  # fmt: skip
+    print_table(f"streaming speed on {result['device']} (batch {args.batch}, chunk {args.chunk_frames} latent frames, "
+                f"{len(args.step_list)} steps + 1 cache pass per chunk)", rows)  # fmt: skip
+    for key in ("peak_growth", "speedup_end_to_end_1x", "first_chunk_over_teacher_clip"):
+        if key in result:
+            print(f"{key}: {result[key]:.4g}")
+    write_json(args.out, "speed.json", result)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (b) quality of a causal student vs its teacher on MovingShapes
+# --------------------------------------------------------------------------------------------------------------
+def training_frame_stats(num_frames, height, width, num=288, seed=0):
+    """Per-clip (mean, contrast = std) of rendered MovingShapes training clips: the range a sample should stay in."""
+    from opensora.datasets import moving_shapes as ms
+
+    stats = []
+    for index, combo in enumerate(ms.dataset_attributes(num, seed)):
+        motion = ms.clip_motion(index, combo, seed, height, width, image=False)
+        clip = ms.render_video(motion, height, width, num_frames).astype(np.float32)
+        stats.append((clip.mean(), clip.std()))
+    stats = np.array(stats)
+    return dict(mean_range=[float(stats[:, 0].min()), float(stats[:, 0].max())],
+                contrast_range=[float(stats[:, 1].min()), float(stats[:, 1].max())])  # fmt: skip
+
+
+def boundary_flicker(videos: np.ndarray, chunk_pixel_frames: int, first_chunk_pixel_frames: int) -> dict:
+    """Mean |frame[f+1] - frame[f]| at chunk edges vs inside chunks (videos uint8 [B, T, H, W, 3])."""
+    diffs = np.abs(np.diff(videos.astype(np.float32), axis=1)).mean(axis=(0, 2, 3, 4))  # [T-1]
+    edges = set(range(first_chunk_pixel_frames - 1, videos.shape[1] - 1, chunk_pixel_frames))
+    at_edge = [d for i, d in enumerate(diffs) if i in edges]
+    inside = [d for i, d in enumerate(diffs) if i not in edges]
+    ratio = float(np.mean(at_edge) / np.mean(inside)) if at_edge and inside else None
+    return dict(edge_diff=float(np.mean(at_edge)) if at_edge else None, inside_diff=float(np.mean(inside)),
+                edge_over_inside=ratio)  # fmt: skip
+
+
+def window_scores(videos, prompts, window, stride, stats_range):
+    from opensora.eval.moving_shapes import score_rows
+
+    rows = []
+    for start in range(0, videos.shape[1] - window + 1, stride):
+        clips = videos[:, start : start + window]
+        report = score_rows([(f"s{i}_w{start}", text, clips[i], None) for i, text in enumerate(prompts)])
+        mean = clips.reshape(len(prompts), -1).astype(np.float32).mean(axis=1)
+        contrast = clips.reshape(len(prompts), -1).astype(np.float32).std(axis=1)
+        lo_m, hi_m = stats_range["mean_range"]
+        lo_c, hi_c = stats_range["contrast_range"]
+        inside = ((mean >= lo_m) & (mean <= hi_m) & (contrast >= lo_c) & (contrast <= hi_c)).mean()
+        rows.append(dict(start_frame=start, color_acc=report.color_acc, shape_acc=report.shape_acc,
+                         direction_acc=report.direction_acc, frame_mean=float(mean.mean()),
+                         contrast=float(contrast.mean()), stats_in_training_range=float(inside)))  # fmt: skip
+    first = rows[0]
+    for row in rows:
+        row["color_vs_first"] = row["color_acc"] / first["color_acc"] if first["color_acc"] else None
+        row["shape_vs_first"] = row["shape_acc"] / first["shape_acc"] if first["shape_acc"] else None
+    return rows
+
+
+def run_quality(args) -> dict:
+    from opensora.datasets.moving_shapes import all_captions
+    from opensora.eval.moving_shapes import score_rows
+
+    prompts = all_captions()[: args.num_prompts]
+    seeds = [args.seed + i for i in range(len(prompts))]
+    teacher_cfg, student_cfg = load_config(args.teacher_config), load_config(args.student_config)
+    frames, height, width = training_clip(teacher_cfg)
+    teacher = VideoSampler.from_config(teacher_cfg, args.teacher_ckpt, role=args.teacher_role, progress=False)
+    student = VideoSampler.from_config(student_cfg, args.student_ckpt, role=args.student_role or
+                                       student_cfg.get("role", "student"), progress=False)  # fmt: skip
+    # the student config's sampling keys (those of scripts/diffusion/inference.py), unless given here
+    step_list = args.step_list or student_cfg.get("step_list")
+    chunk = student.model.causal_chunk_frames
+    train_latent = student.latent_size(frames, height, width)[0]
+    window = next(w for w in (args.window_frames, student_cfg.get("window_frames"), train_latent - chunk)
+                  if w is not None)  # fmt: skip
+    sinks = args.sink_frames if args.sink_frames is not None else int(student_cfg.get("sink_frames") or 0)
+    rollout = args.rollout or student_cfg.get("rollout", "renoise")
+    gen = StreamingGenerator(student, step_list=step_list, rollout=rollout,
+                             guidance_scale=float(student_cfg.get("guidance_scale", 1.0)), window_frames=window,
+                             sink_frames=sinks, context_time=float(student_cfg.get("context_time") or 0.0))  # fmt: skip
+    result = dict(mode="quality", device=device_name(), prompts=len(prompts), size=[frames, height, width],
+                  teacher=dict(ckpt=str(args.teacher_ckpt), steps=args.teacher_steps, guidance=args.teacher_guidance),
+                  student=dict(ckpt=str(args.student_ckpt), step_list=step_list, chunk_frames=chunk,
+                               window_frames=window, sink_frames=sinks, rollout=gen.rollout,
+                               context_time=gen.context_time))  # fmt: skip
+
+    def score(videos):
+        report = score_rows([(f"s{i}", t, videos[i], None) for i, t in enumerate(prompts)])
+        return dict(color_acc=report.color_acc, shape_acc=report.shape_acc, direction_acc=report.direction_acc,
+                    all_acc=report.all_acc)  # fmt: skip
+
+    teacher_s, teacher_videos = timed(lambda: teacher.generate(
+        prompts, seeds, frames, height, width, num_steps=args.teacher_steps, guidance_scale=args.teacher_guidance,
+        batch_size=len(prompts)), repeats=args.repeats)  # fmt: skip
+    student_s, (student_videos, chunks) = timed(lambda: stream_once(gen, prompts, seeds, (frames, height, width)),
+                                                repeats=args.repeats)  # fmt: skip
+    result["teacher"].update(seconds=teacher_s, **score(teacher_videos.numpy()))
+    result["student"].update(seconds=student_s, **score(student_videos.numpy()),
+                             **chunk_summary(chunks, len(prompts)))
+    for key in ("color_acc", "shape_acc", "direction_acc"):
+        t = result["teacher"][key]
+        result[f"student_over_teacher_{key}"] = result["student"][key] / t if t else None
+    result["speedup_end_to_end"] = teacher_s / student_s
+    result["first_chunk_over_teacher_clip"] = result["student"]["first_chunk_s"] / teacher_s
+    result["pass_ratio"] = (args.teacher_steps * 2) / ((len(step_list) + 1) * 1)
+
+    # long clips: 4x the training length, where the teacher cannot go
+    long_frames = frames * args.long_multiple
+    long_videos, long_chunks = stream_once(gen, prompts, seeds, (long_frames, height, width))
+    long_videos = long_videos.numpy()
+    stats = training_frame_stats(frames, height, width)
+    vae = student.vae
+    chunk_pixels = chunk * vae.temporal_compression  # a causal VAE's first chunk is shorter by compression - 1
+    first_pixels = vae.get_video_size((chunk, 4, 4))[0]
+    result["long"] = dict(frames=long_frames, training_stats=stats, **chunk_summary(long_chunks, len(prompts)),
+                          windows=window_scores(long_videos, prompts, frames, frames // 2, stats),
+                          flicker=boundary_flicker(long_videos, chunk_pixels, first_pixels),
+                          flicker_1x=boundary_flicker(student_videos.numpy(), chunk_pixels, first_pixels),
+                          flicker_teacher_same_edges=boundary_flicker(teacher_videos.numpy(), chunk_pixels,
+                                                                      first_pixels))  # fmt: skip
+    windows = result["long"]["windows"]
+    result["long"]["min_color_vs_first"] = min(w["color_vs_first"] or 0 for w in windows)
+    result["long"]["min_shape_vs_first"] = min(w["shape_vs_first"] or 0 for w in windows)
+    result["long"]["min_stats_in_range"] = min(w["stats_in_training_range"] for w in windows)
+
+    title = f"MovingShapes quality on {result['device']} ({len(prompts)} held captions, {frames}x{height}x{width})"
+    print_table(title, [
+        dict(sampler=f"teacher {args.teacher_steps}x2", seconds=teacher_s, first_chunk_s=None,
+             **{k: result["teacher"][k] for k in ("color_acc", "shape_acc", "direction_acc")}),
+        dict(sampler=f"student {len(step_list)}+1/chunk", seconds=student_s,
+             first_chunk_s=result["student"]["first_chunk_s"],
+             **{k: result["student"][k] for k in ("color_acc", "shape_acc", "direction_acc")}),
+    ])  # fmt: skip
+    print_table(f"long clips ({long_frames} frames = {args.long_multiple}x), windows of {frames}", [
+        {k: w[k] for k in ("start_frame", "color_acc", "shape_acc", "color_vs_first", "shape_vs_first", "frame_mean",
+                           "contrast", "stats_in_training_range")} for w in windows])  # fmt: skip
+    print(f"training clips: mean in {stats['mean_range']}, contrast in {stats['contrast_range']}")
+    print(f"speedup end to end {result['speedup_end_to_end']:.3g}x (model passes {result['pass_ratio']:.3g}x fewer); "
+          f"first chunk / teacher clip {result['first_chunk_over_teacher_clip']:.3g}; chunk-edge flicker "
+          f"{result['long']['flicker']['edge_over_inside']:.3g}x the inside-chunk change (teacher at the same frames: "
+          f"{result['long']['flicker_teacher_same_edges']['edge_over_inside']:.3g}x)")  # fmt: skip
+    write_json(args.out, "quality.json", result)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (c) fixed costs of VideoSampler.generate
+# --------------------------------------------------------------------------------------------------------------
+@contextmanager
+def timed_phases(sampler, phases):
+    """Time (synchronised) the phases of ``VideoSampler.generate`` by wrapping its helpers; counts model passes."""
+    originals = dict(encode_text=sampler.encode_text, prepare_condition=sampler.prepare_condition,
+                     denoise=sampler.denoise, decode=sampler.decode, model=sampler.model)  # fmt: skip
+    noise_fn = pipeline.seeded_noise
+
+    def wrap(name, fn):
+        def inner(*a, **k):
+            sync()
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+            return out
+
+        return inner
+
+    for name in ("encode_text", "prepare_condition", "denoise", "decode"):
+        setattr(sampler, name, wrap(name, originals[name]))
+    pipeline.seeded_noise = wrap("noise", noise_fn)
+    passes = []
+    model = originals["model"]
+
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, *a, **k):
+            passes.append(a[0].shape[0])
+            return self.inner(*a, **k)
+
+    sampler.model = Counter()
+    try:
+        yield passes
+    finally:
+        for name in ("encode_text", "prepare_condition", "denoise", "decode"):
+            setattr(sampler, name, originals[name])
+        pipeline.seeded_noise = noise_fn
+        sampler.model = model
+
+
+def run_costs(args) -> dict:
+    device = resolve_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = load_config(args.config)
+    frames, height, width = training_clip(cfg)
+    from opensora.datasets.moving_shapes import all_captions
+
+    prompts = all_captions()[: args.num_prompts]
+    seeds = [1000 + i for i in range(len(prompts))]
+    sampler = (VideoSampler.from_config(cfg, args.ckpt, role=args.role, progress=False) if args.ckpt
+               else random_sampler(cfg, 0, device, dtype))  # fmt: skip
+    result = dict(mode="costs", device=device_name(), prompts=len(prompts), size=[frames, height, width], runs={})
+    rows = []
+    for name, kwargs in (("few-step", dict(num_steps=None, step_list=args.step_list, guidance_scale=1.0)),
+                         ("teacher", dict(num_steps=args.teacher_steps, guidance_scale=4.0))):  # fmt: skip
+        def generate():
+            return sampler.generate(prompts, seeds, frames, height, width, batch_size=len(prompts), **kwargs)
+
+        total, _ = timed(generate, repeats=args.repeats)
+        phases = {}
+        with timed_phases(sampler, phases) as passes:
+            start = time.perf_counter()
+            generate()
+            instrumented = time.perf_counter() - start
+        syncs = sync_sites = None
+        if device.type == "cuda":  # host syncs inside one generation, as PyTorch's sync debug mode reports them
+            sync_sites = count_host_syncs(generate)
+            syncs = len(sync_sites)
+        per_pass = phases["denoise"] / len(passes)
+        outside = instrumented - phases["denoise"]  # both from the same (synchronised) generation
+        run = dict(total_s=total, instrumented_s=instrumented, phases_s=phases, model_passes=len(passes),
+                   pass_batch=passes[0],
+                   seconds_per_pass=per_pass, outside_passes_s=outside, outside_fraction=outside / instrumented,
+                   host_syncs=syncs, host_sync_sites=sync_sites)  # fmt: skip
+        result["runs"][name] = run
+        rows.append(dict(run=name, total_s=total, passes=len(passes), per_pass_s=per_pass,
+                         text_s=phases.get("encode_text", 0.0), noise_s=phases.get("noise", 0.0),
+                         denoise_s=phases["denoise"], decode_s=phases.get("decode", 0.0), outside_s=outside,
+                         host_syncs=syncs))  # fmt: skip
+    few, teacher = result["runs"]["few-step"], result["runs"]["teacher"]
+    result["time_ratio"] = teacher["total_s"] / few["total_s"]
+    result["pass_ratio"] = teacher["model_passes"] * teacher["pass_batch"] / (few["model_passes"] * few["pass_batch"])
+    print_table(f"VideoSampler.generate costs on {result['device']} ({len(prompts)} prompts, "
+                f"{frames}x{height}x{width})", rows)  # fmt: skip
+    print(f"teacher/few-step time ratio {result['time_ratio']:.3g} vs pass ratio (batch-weighted) "
+          f"{result['pass_ratio']:.3g}")  # fmt: skip
+    write_json(args.out, "costs.json", result)
+    return result
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    steps = lambda s: [float(v) for v in s.replace(",", " ").split()]  # noqa: E731
+
+    speed = sub.add_parser("speed", help="1B-shape latency / throughput / memory with random weights")
+    speed.add_argument("--config", default="configs/diffusion/train/mmdit_1b_synthetic.py")
+    speed.add_argument("--chunk-frames", type=int, default=3, help="latent frames per chunk (Self-Forcing: 3)")
+    speed.add_argument("--frames", type=int, default=None, help="training clip frames (default: the config's)")
+    speed.add_argument("--size", type=int, nargs=2, default=None, metavar=("H", "W"))
+    speed.add_argument("--lengths", type=int, nargs="+", default=[1, 4], help="multiples of the training length")
+    speed.add_argument("--step-list", type=steps, default=[1.0, 0.75, 0.5, 0.25])
+    speed.add_argument("--window-frames", type=int, default=None, help="default: training latent frames - chunk")
+    speed.add_argument("--sink-frames", type=int, default=0)
+    speed.add_argument("--batch", type=int, default=1)
+    speed.add_argument("--teacher-steps", type=int, default=30, help="0: skip the bidirectional 30-step CFG timing")
+    speed.add_argument("--unbounded-baseline", action="store_true", help="also run without a window (memory grows)")
+
+    quality = sub.add_parser("quality", help="causal student vs teacher on the 72 held MovingShapes captions")
+    quality.add_argument("--student-config", required=True)
+    quality.add_argument("--student-ckpt", required=True)
+    quality.add_argument("--student-role", default=None)
+    quality.add_argument("--teacher-config", default="configs/diffusion/train/moving_shapes_gpu.py")
+    quality.add_argument("--teacher-ckpt", required=True)
+    quality.add_argument("--teacher-role", default="model")
+    quality.add_argument("--teacher-steps", type=int, default=30)
+    quality.add_argument("--teacher-guidance", type=float, default=4.0)
+    quality.add_argument("--step-list", type=steps, default=None, help="default: the student config's step_list")
+    quality.add_argument("--rollout", default=None)
+    quality.add_argument("--window-frames", type=int, default=None)
+    quality.add_argument("--sink-frames", type=int, default=None)
+    quality.add_argument("--long-multiple", type=int, default=4)
+    quality.add_argument("--num-prompts", type=int, default=None)
+    quality.add_argument("--seed", type=int, default=1000)
+    quality.add_argument("--repeats", type=int, default=3)
+
+    costs = sub.add_parser("costs", help="VideoSampler.generate time outside the model passes")
+    costs.add_argument("--config", default="configs/diffusion/train/moving_shapes_gpu.py")
+    costs.add_argument("--ckpt", default=None, help="default: random weights")
+    costs.add_argument("--role", default="model")
+    costs.add_argument("--step-list", type=steps, default=[1.0, 0.75, 0.5, 0.25])
+    costs.add_argument("--teacher-steps", type=int, default=30)
+    costs.add_argument("--num-prompts", type=int, default=None)
+    costs.add_argument("--repeats", type=int, default=3)
+
+    for p in (speed, quality, costs):
+        p.add_argument("--device", default="auto")
+        p.add_argument("--out", default="benchmarks/results/streaming")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    return dict(speed=run_speed, quality=run_quality, costs=run_costs)[args.mode](args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
