@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
+import sys
 import threading
 import time
 from collections import defaultdict, deque
@@ -634,10 +635,15 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
     if threads:
         workers = [threading.Thread(target=issue, args=([t for t in order if t.device == lane], True),
                                     name=f"pp-lane{lane}", daemon=True) for lane in (0, 1)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, 5e-4))  # hand the GIL over often: each thread feeds a GPU
+        try:
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        finally:
+            sys.setswitchinterval(interval)
     else:
         issue(order, False)
     if failure:
