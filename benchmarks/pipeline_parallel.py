@@ -384,7 +384,8 @@ def bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtyp
 
             t, outs = timed(pipelined, devices, args.repeats)
             prof = pipelined(profile=True)
-            diffs = [max(max(max_diff(o.latents[(g, 0)], refs[g][0].cpu()), max_diff(o.frames[(g, 0)], refs[g][1].cpu()))
+            diffs = [max(max(max_diff(o.latents[(g, 0)], refs[g][0].cpu()),
+                             max_diff(o.frames[(g, 0)], refs[g][1].cpu()))
                          for g in range(n_groups)) for o in outs + [prof]]
             lanes_summary = prof.summary.get("lanes", {})
             row["modes"][mode] = dict(seconds=t, fps=video_frames / t, speedup=t_ref / t, split=split,
@@ -436,7 +437,8 @@ def print_tables(rows, bi_rows, split_tables):
                   f"baseline's rows-CFG layout {r['max_abs_diff_vs_baseline_layout']:g}")
     for r in bi_rows:
         print(f"{r['config']}: batched-CFG 1-GPU sampler {r['batched_cfg_s'] * 1e3:.1f} ms vs micro-batched "
-              f"{r['one_gpu_s'] * 1e3:.1f} ms; max |diff| batched vs micro-batched {r['batched_cfg_max_abs_diff_vs_microbatched']:g}")
+              f"{r['one_gpu_s'] * 1e3:.1f} ms; max |diff| batched vs micro-batched "
+              f"{r['batched_cfg_max_abs_diff_vs_microbatched']:g}")
     key = next((k for k in split_tables if "aggressive" in k), None)
     if key:
         print(f"\nhow auto chose the split for '{key}' (GPU0 = embed + blocks[0..split], GPU1 = the rest + final + "

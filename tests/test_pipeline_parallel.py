@@ -249,7 +249,8 @@ def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path
     save_file(model.state_dict(), str(ckpt))
 
     def sample(mode, split, save_dir):
-        return cli.main([str(config), "--ckpt", str(ckpt), "--prompt", "a red circle|a blue square", "--num-frames", "4",
+        return cli.main([str(config), "--ckpt", str(ckpt), "--prompt", "a red circle|a blue square",
+                         "--num-frames", "4",
                          "--resolution", "32x32", "--step-list", "1.0,0.5", "--guidance-scale", "3.0", "--batch-size",
                          "1", "--streaming", "--pp-devices", "cpu,cpu", "--pp-overlap", mode, "--pp-split", split,
                          "--profile", "--save-dir", str(tmp_path / save_dir), "--no-progress"])

@@ -15,7 +15,7 @@ forward, since a batch of 2 runs other GEMM shapes than two batches of 1 and so 
 
 from __future__ import annotations
 
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -220,7 +220,8 @@ class StreamNoise:
     def __init__(self, seeds: Sequence[int], channels: int, hw: Sequence[int], times: Sequence[float], rule: str,
                  context_t: float):
         self.gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
-        self.channels, self.hw, self.times, self.rule, self.context_t = channels, tuple(hw), list(times), rule, context_t
+        self.channels, self.hw, self.times = channels, tuple(hw), list(times)
+        self.rule, self.context_t = rule, context_t
 
     def draw(self, frames: int) -> torch.Tensor:
         from opensora.inference.pipeline import noise_from_generators
@@ -321,7 +322,8 @@ class CausalStreamingStages:
     def plan_for(num_groups: int, num_branches: int, latent_size: Sequence[int], chunk_frames: int,
                  times: Sequence[float], refill: bool = True, decode: bool = True) -> Plan:
         """The ``Plan`` such stages run (for ``choose_split`` before building them)."""
-        return Plan(num_groups=num_groups, num_branches=num_branches, num_chunks=-(-int(latent_size[1]) // chunk_frames),
+        num_chunks = -(-int(latent_size[1]) // chunk_frames)
+        return Plan(num_groups=num_groups, num_branches=num_branches, num_chunks=num_chunks,
                     num_steps=len(times) - 1, refill=refill, cached=True, decode=decode)
 
     def prepare(self, group: int, chunk: int) -> dict:
