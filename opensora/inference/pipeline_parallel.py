@@ -2,9 +2,9 @@
 
 The MMDiT's blocks are split at ``split``: GPU0 ("stage 0") holds the input embedders and blocks[0..split], GPU1
 ("stage 1") holds blocks[split+1..], the final layer, the sampler update and the VAE decode. Each GPU keeps the KV
-caches of its own blocks. One host thread issues the work of both GPUs; every GPU runs its work in issue order on
-its compute stream, activations cross on a side stream with events, so the host never waits and the two GPUs
-overlap wherever the dependencies allow.
+caches of its own blocks. One process drives both GPUs: every GPU runs its tasks in the schedule's order on its
+compute stream (issued by its own host thread, see ``run``), activations cross on side streams with events, so no
+host thread waits on a GPU and the two GPUs overlap wherever the dependencies allow.
 
 The work of a run is a graph of tasks over (group, branch, chunk, step):
 
@@ -15,7 +15,8 @@ The work of a run is a graph of tasks over (group, branch, chunk, step):
 * ``decode`` (GPU1)  VAE decode of the chunk's x0 (+ copy to pinned host memory).
 
 A *group* is one independent work unit (a prompt / micro-batch of prompts, with its own caches); its *branches*
-are the CFG passes (cond, uncond), each with its own caches; steps ``0..S-1`` denoise, step ``S`` is the cache
+are the CFG passes (cond, uncond) when they run as separate micro-batches, each with its own caches (the streaming
+sampler's default layout puts both passes as rows of one batch: one branch); steps ``0..S-1`` denoise, step ``S`` is the cache
 refill (the chunk's final x0 re-run at context noise 0 with ``store_kv``, Self-Forcing style) when refill is on;
 without refill the last denoising step writes the cache (FlashVSR's one-step case). Bidirectional sampling is
 the same graph with one chunk and no cache.
