@@ -570,6 +570,31 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
     end_events: Dict[Task, Any] = {}
     failure: List[BaseException] = []
 
+    def compute(task: Task, inputs) -> None:
+        g, c, k, b = task.group, task.chunk, task.step, task.branch
+        if task.kind == "prep":
+            ctx = stages.prepare(g, c)
+            ctxs[(g, c)] = ctx
+            values[("x", g, c, 0)] = _Value(ctx["x"], 0, lanes.event(0))
+        elif task.kind == "stage0":
+            act = stages.stage0(ctxs[(g, c)], b, k, inputs, plan.store_kv(k))
+            values[("act", g, c, k, b)] = _Value(act, 0, lanes.event(0))
+        elif task.kind == "stage1":
+            out = stages.stage1(ctxs[(g, c)], b, k, inputs, plan.store_kv(k))
+            if k < plan.num_steps:  # the refill's output is never read
+                outputs[(g, c, k, b)] = out
+        elif task.kind == "update":
+            outs = [outputs.pop((g, c, k, i)) for i in range(plan.num_branches)]
+            x_next = stages.update(ctxs[(g, c)], k, outs, inputs)
+            values[("x", g, c, k + 1)] = _Value(x_next, 1, lanes.event(1))
+            if k == plan.num_steps - 1:
+                latents[(g, c)] = lanes.to_host(x_next, values[("x", g, c, k + 1)].ready, 1)
+        elif task.kind == "decode":
+            video = stages.decode(ctxs[(g, c)], inputs)
+            frames[(g, c)] = lanes.to_host(video, lanes.event(1), 1)
+        else:  # pragma: no cover
+            raise ValueError(task.kind)
+
     def execute(task: Task) -> None:
         lane, g, c, k, b = task.device, task.group, task.chunk, task.step, task.branch
         if serial and position[task] > 0:
@@ -577,34 +602,20 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
             issued[before].wait()
             if lanes.cuda and before.device != lane:
                 lanes.stream(lane).wait_event(end_events[before])
-        with lanes.device_context(lane), lanes.task(task), torch.no_grad():
-            if task.kind == "prep":
-                ctx = stages.prepare(g, c)
-                ctxs[(g, c)] = ctx
-                values[("x", g, c, 0)] = _Value(ctx["x"], 0, lanes.event(0))
-            elif task.kind == "stage0":
-                x = values[("x", g, c, k)].on(lanes, 0)
-                act = stages.stage0(ctxs[(g, c)], b, k, x, plan.store_kv(k))
-                values[("act", g, c, k, b)] = _Value(act, 0, lanes.event(0))
+        with lanes.device_context(lane), torch.no_grad():
+            # inputs from the other GPU first: the stream waits for them before the task's timing starts
+            inputs = None
+            if task.kind == "stage0":
+                inputs = values[("x", g, c, k)].on(lanes, 0)
             elif task.kind == "stage1":
-                act = values.pop(("act", g, c, k, b)).on(lanes, 1)
-                out = stages.stage1(ctxs[(g, c)], b, k, act, plan.store_kv(k))
-                if k < plan.num_steps:  # the refill's output is never read
-                    outputs[(g, c, k, b)] = out
-                del out, act
+                inputs = values.pop(("act", g, c, k, b)).on(lanes, 1)
             elif task.kind == "update":
-                outs = [outputs.pop((g, c, k, i)) for i in range(plan.num_branches)]
-                x = values[("x", g, c, k)].on(lanes, 1)
-                x_next = stages.update(ctxs[(g, c)], k, outs, x)
-                values[("x", g, c, k + 1)] = _Value(x_next, 1, lanes.event(1))
-                if k == plan.num_steps - 1:
-                    latents[(g, c)] = lanes.to_host(x_next, values[("x", g, c, k + 1)].ready, 1)
+                inputs = values[("x", g, c, k)].on(lanes, 1)
             elif task.kind == "decode":
-                x0 = values[("x", g, c, plan.num_steps)].on(lanes, 1)
-                video = stages.decode(ctxs[(g, c)], x0)
-                frames[(g, c)] = lanes.to_host(video, lanes.event(1), 1)
-            else:  # pragma: no cover
-                raise ValueError(task.kind)
+                inputs = values[("x", g, c, plan.num_steps)].on(lanes, 1)
+            with lanes.task(task):
+                compute(task, inputs)
+            del inputs
         if serial:
             end_events[task] = lanes.event(lane)
         with lock:
