@@ -175,8 +175,8 @@ def run_speed(args) -> dict:
         result["teacher"] = dict(steps=args.teacher_steps, cfg_passes=2, seconds=seconds, frames=frames)
         result["speedup_end_to_end_1x"] = seconds / one_x["total_s"]
         result["first_chunk_over_teacher_clip"] = one_x["first_chunk_s"] / seconds
-        rows.append(dict(length_multiple=1, cache="teacher-30x2", pixel_frames=frames, first_chunk_s=seconds,
-                         chunk_s_median=None, sustained_frames_per_s=None, frames_per_s=frames * args.batch / seconds,
+        rows.append(dict(length_multiple=1, cache=f"teacher-{args.teacher_steps}x2", pixel_frames=frames,
+                         first_chunk_s=seconds, chunk_s_median=None, sustained_frames_per_s=None, frames_per_s=frames * args.batch / seconds,
                          max_cached_frames=None, peak_mib=None))  # fmt: skip
     print_table(f"streaming speed on {result['device']} (batch {args.batch}, chunk {args.chunk_frames} latent frames, "
                 f"{len(args.step_list)} steps + 1 cache pass per chunk)", rows)  # fmt: skip
