@@ -20,7 +20,7 @@ same block split and the CFG branches x prompt groups as the items in flight, ag
 running the same micro-batches (and, for reference, the batched-CFG sampler's time and its max |diff|).
 
   python benchmarks/pipeline_parallel.py --out benchmarks/results/pipeline_parallel.json     # 2 GPUs, ~2 min
-  python benchmarks/pipeline_parallel.py --tiny --out /tmp/pp.json                           # CPU smoke test
+  python benchmarks/pipeline_parallel.py --tiny                                              # CPU smoke test
 
 Timing: ``--repeats`` timed runs after one warm-up run per configuration, the median reported; frames/s counts
 decoded video frames (4 per latent frame) of all groups.
