@@ -2,9 +2,9 @@
 
 Streaming: a causal 1B MMDiT (8 double + 16 single blocks, 1536 wide, random weights) generates ``--chunks`` chunks
 of ``--chunk-frames`` latent frames at 256px (32x32x16 latents, 256 tokens per frame) with ``--text-len`` text
-tokens, each chunk decoded by a stand-in decoder (3D convs, 8x up in space, 4x in time: 4 video frames per latent
-frame; the GPU image has no diffusers VAE) on the last GPU. For every (steps per chunk 1 | 4) x (refill on | off)
-x (1 | 2 groups in flight) it times
+tokens, each chunk decoded by a stand-in decoder (3D convs, 8x up in space, one frame per latent frame; the GPU
+image has no diffusers VAE) on the last GPU. For every (batch 1 | 2 per item) x (steps per chunk 1 | 4) x
+(refill on | off) x (1 | 2 items in flight), and for one video whose CFG passes run as 2 micro-batches, it times
 
 * 1 GPU, the streaming sampler of ``--streaming`` (``StreamingGenerator``; the same math as a plain
   ``forward_chunk`` loop, ``stream_reference``, for the no-refill rows it cannot run),
@@ -19,11 +19,12 @@ multi-step sampler (Euler + CFG, the same weights without the causal mask, ``--b
 same block split and the CFG branches x prompt groups as the items in flight, again bit-identical to one GPU
 running the same micro-batches (and, for reference, the batched-CFG sampler's time and its max |diff|).
 
-  python benchmarks/pipeline_parallel.py --out benchmarks/results/pipeline_parallel.json     # 2 GPUs, ~2 min
+  python benchmarks/pipeline_parallel.py --out benchmarks/results/pipeline_parallel.json     # 2 GPUs, ~3-4 min
   python benchmarks/pipeline_parallel.py --tiny                                              # CPU smoke test
 
 Timing: ``--repeats`` timed runs after one warm-up run per configuration, the median reported; frames/s counts
-decoded video frames (4 per latent frame) of all groups.
+decoded frames of all groups (the stand-in decoder makes one frame per latent frame: with a 4x temporal VAE the
+video frames/s would be 4x the number printed, the ratios unchanged).
 """
 
 import argparse
