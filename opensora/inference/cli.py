@@ -16,6 +16,7 @@ from pathlib import Path
 from opensora.checkpoint_layout import checkpoint_root, find_latest_checkpoint
 from opensora.cli_errors import UserInputError, check_range, run_cli
 from opensora.config import load_config_from_cli, save_config
+from opensora.inference.pipeline_cli import PIPELINE_FLAGS
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ INFERENCE_FLAGS = {
     "rollout": "renoise",  # renoise (x0 + fresh noise at the next time, Self-Forcing) | euler
     "context_time": 0.0,  # time at which a finished chunk re-runs to fill the cache
 }
+INFERENCE_FLAGS.update(PIPELINE_FLAGS)  # --streaming --pp-devices ... (two-GPU pipeline overlap, pipeline_cli.py)
 
 
 def resolve_checkpoint(path) -> Path:
@@ -139,6 +141,14 @@ def main(argv=None, on_chunk=None) -> list:
     save_dir = Path(args.save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, save_dir)
+    if args.pp_devices:
+        from opensora.inference.pipeline_cli import run_pipelined
+
+        common = dict(config=str(args.config), checkpoint=str(ckpt), role=args.role, **_steps_record(args),
+                      guidance_scale=float(args.guidance_scale), num_frames=num_frames, height=height, width=width,
+                      fps=float(args.fps))
+        return run_pipelined(cfg, args, prompts, per_sample_seeds(args.seed, len(prompts)), ckpt, num_frames,
+                             height, width, save_dir, common)
 
     sampler = VideoSampler.from_config(cfg, ckpt, role=args.role, ema=bool(args.ema), device=args.device,
                                        dtype=args.dtype, offload=bool(args.offload), progress=bool(args.progress))

@@ -1,0 +1,156 @@
+"""``inference.py --streaming --pp-devices cuda:0,cuda:1``: streaming generation on two GPUs (pipeline_parallel.py).
+
+    python scripts/diffusion/inference.py CONFIG --ckpt CKPT --prompt "..." --streaming --step-list 1.0,0.75,0.5,0.25 \
+        --pp-devices cuda:0,cuda:1 --pp-overlap aggressive --pp-split auto [--profile]
+
+Same sampler as ``--streaming`` on one GPU (``streaming.StreamingGenerator``: its schedule, rollout, CFG layout,
+noise order, cache refill at ``--context-time``, rolling window, chunk decoder), so the videos are bit-identical
+to it; each prompt group (``--batch-size`` prompts) is one item in flight (several groups overlap fully). GPU0:
+text features, noise, embedders and blocks[0..split]; GPU1: the other blocks, the final layer, the sampler update
+and the chunk decoder. ``--pp-cfg-rows false`` runs the CFG passes as separate micro-batches (two items in flight
+per prompt group; same math, other GEMM shapes, so equal to one GPU running those micro-batches, not to
+``--streaming``); ``--stream-refill false`` lets the last denoising step write the cache (another sampler).
+Unlike ``--streaming``, the mp4s are written once all chunks are done. ``--profile`` writes ``pp_profile.json``
+(per task: GPU, start/end ms; per GPU: busy/idle) to the save dir and logs the per-stage summary.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PIPELINE_FLAGS = {  # the streaming flags themselves (--streaming, --window-frames, --rollout, ...) are cli.py's
+    "pp_devices": None,  # "cuda:0,cuda:1": two-GPU pipeline overlap of --streaming
+    "pp_overlap": "aggressive",  # off | basic | aggressive
+    "pp_split": "auto",  # auto | N: index of the last block on the first GPU
+    "pp_cfg_rows": True,  # CFG passes as rows of one batch (bit-identical to one GPU's streaming); False: micro-batches
+    "stream_refill": True,  # refill the cache at --context-time (the streaming sampler); False: the last step stores
+    "profile": False,
+}
+
+
+def streaming_options(args) -> dict:
+    """``StreamingGenerator`` keyword arguments from the CLI's streaming flags."""
+    window = args.window_frames
+    return dict(step_list=args.step_list, num_steps=int(args.num_steps), rollout=str(args.rollout),
+                guidance_scale=float(args.guidance_scale), window_frames=None if window is None else int(window),
+                sink_frames=int(args.sink_frames), context_time=float(args.context_time))
+
+
+def _uint8_on_device(video: torch.Tensor) -> torch.Tensor:
+    """``io.to_uint8_frames`` without the host copy (the pipeline copies to pinned memory asynchronously)."""
+    import torch
+
+    pixels = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return pixels.permute(0, 2, 3, 4, 1).contiguous()
+
+
+def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, save_dir: Path, common: dict) -> list:
+    """Generate ``prompts`` with the two-GPU streaming pipeline; returns the written sample paths."""
+    import torch
+
+    from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
+    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.pipeline_parallel import (
+        OVERLAP_MODES,
+        Lanes,
+        choose_split,
+        dump_json,
+        parse_devices,
+        parse_split,
+        run_plan,
+    )
+    from opensora.inference.pipeline_stages import (
+        CausalStreamingStages,
+        all_blocks,
+        measure_stage_times,
+        place_model,
+        seeded_latent_noise,
+    )
+    from opensora.inference.prompts import sample_stem
+
+    from opensora.inference.streaming import ChunkDecoder, StreamingGenerator
+
+    if not args.streaming:
+        raise SystemExit("--pp-devices drives the streaming sampler: add --streaming")
+    devices = parse_devices(args.pp_devices)
+    mode = str(args.pp_overlap)
+    if mode not in OVERLAP_MODES:
+        raise SystemExit(f"--pp-overlap must be one of {OVERLAP_MODES}, got {mode!r}")
+    sampler = VideoSampler.from_config(cfg, ckpt, role=args.role, ema=bool(args.ema), device=devices[0],
+                                       dtype=args.dtype, progress=False)
+    model = sampler.model
+    generator = StreamingGenerator(sampler, **streaming_options(args))
+    latent = sampler.latent_size(num_frames, height, width)
+    times = generator.schedule(latent)
+    guidance = float(args.guidance_scale)
+    batch = max(1, int(args.batch_size))
+    groups = []
+    for start in range(0, len(prompts), batch):
+        text, null = sampler.encode_text(prompts[start:start + batch])
+        groups.append(dict(seeds=seeds[start:start + batch], branches=[text] + ([null] if guidance != 1.0 else [])))
+    vae = sampler.vae.to(devices[0])
+    vae_dtype = next(vae.parameters(), torch.empty(0, dtype=sampler.dtype)).dtype
+
+    def decode_fn(latents):
+        return _uint8_on_device(vae.decode(latents.to(vae_dtype)))
+
+    def make_decoder():
+        return ChunkDecoder(decode_fn, vae)
+
+    latent_size = (sampler.vae.latent_channels, *latent)
+    kw = dict(refill=bool(args.stream_refill), rule=str(args.rollout), guidance_scale=guidance,
+              context_t=float(args.context_time), window_frames=generator.window_frames,
+              sink_frames=generator.sink_frames, cfg_rows=bool(args.pp_cfg_rows), make_decoder=make_decoder)
+    split = parse_split(args.pp_split, len(all_blocks(model)))
+    split_report = dict(requested=str(args.pp_split))
+    if split is None:
+        probe = CausalStreamingStages(model, Lanes([devices[0], devices[0]]), 0, groups, latent_size, times, **kw)
+        x = seeded_latent_noise(groups[0]["seeds"], (latent_size[0], generator.chunk_frames, *latent[1:]))
+        rows = probe.text[0][0]
+        x = torch.cat([x] * (rows["text_emb"].shape[0] // x.shape[0])).to(devices[0])
+        times_ms = measure_stage_times(model, x, rows, decode=decode_fn)
+        split, table = choose_split(probe.plan, mode, times_ms["block_ms"], times_ms["embed_ms"], times_ms["final_ms"],
+                                    decode_ms=times_ms["decode_ms"])
+        split_report.update(stage_times=times_ms, candidates=table)
+        logger.info("pp-split auto: GPU0 = embed + blocks[0..%d], GPU1 = blocks[%d..] + final + decode (stage times "
+                    "of a warm-up chunk: embed %.2f ms, blocks %s ms, final %.2f ms, decode %.2f ms; simulated plan "
+                    "time %.1f ms, the shortest of %d splits)", split, split + 1, times_ms["embed_ms"],
+                    [round(t, 2) for t in times_ms["block_ms"]], times_ms["final_ms"], times_ms["decode_ms"],
+                    table[split]["simulated_ms"], len(table))
+        del probe
+    split_report["split"] = split
+    place_model(model, split, devices)
+    vae.to(devices[1])
+    lanes = Lanes(devices, profile=bool(args.profile))
+    stages = CausalStreamingStages(model, lanes, split, groups, latent_size, times, **kw)
+    result, sim = run_plan(stages, mode, lanes)
+    num_chunks = stages.plan.num_chunks
+    logger.info("two-GPU streaming (%s, split %d): %d prompt(s) x %d chunks in %.2f s (%.1f latent frames/s; "
+                "simulated busy GPU0/GPU1 %.2f/%.2f)", mode, split, len(prompts), num_chunks, result.seconds,
+                len(prompts) * latent[0] / result.seconds, *sim.busy_fraction)
+    pp_record = dict(pp_devices=devices, pp_overlap=mode, pp_split=split_report, stream_times=times,
+                     stream_refill=bool(args.stream_refill), rollout=str(args.rollout), seconds=result.seconds,
+                     streaming=True, window_frames=args.window_frames, sink_frames=int(args.sink_frames),
+                     context_time=float(args.context_time), chunk_frames=generator.chunk_frames)
+    if args.profile:
+        dump_json(save_dir / "pp_profile.json", dict(summary=result.summary, timeline=result.timeline, **pp_record))
+        for lane, s in result.summary.get("lanes", {}).items():
+            logger.info("profile %s: busy %.1f ms, idle %.1f ms, busy fraction %.2f", lane, s["busy_ms"], s["idle_ms"],
+                        s["busy_fraction"])
+        logger.info("profile ms per stage: %s", {k: round(v, 2) for k, v in result.summary["ms_per_kind"].items()})
+    written, rows = [], []
+    for g, group in enumerate(groups):
+        video = torch.cat([result.frames[(g, c)] for c in range(num_chunks)], dim=1)  # [B, T, H, W, 3]
+        for i, frames in enumerate(video.numpy()):
+            index = g * batch + i
+            stem = save_dir / sample_stem(index, prompts[index])
+            path = save_sample(stem, frames, fps=float(args.fps))
+            write_sidecar(stem.with_suffix(".json"), dict(index=index, prompt=prompts[index], seed=seeds[index],
+                                                          path=path.name, **common, **pp_record))
+            written.append(path)
+            rows.append(dict(path=path.name, text=prompts[index]))
+    write_samples_csv(save_dir, rows)
+    return written

@@ -1,0 +1,531 @@
+"""The MMDiT cut into the two stages of ``pipeline_parallel`` and the ``Stages`` of the bidirectional sampler.
+
+Global block index: ``[*double_blocks, *single_blocks]``. ``place_model(model, split, devices)`` puts the input
+embedders and blocks[0..split] on devices[0] and blocks[split+1..] and the final layer on devices[1]. Stage 0
+runs ``embed`` + ``run_blocks(0, split + 1)``; stage 1 runs ``run_blocks(split + 1, n)`` + ``finish``. These are
+the operations of ``MMDiT.forward`` in its order and with its shapes (the activations in between are a dict:
+``img``/``txt`` inside the double blocks, ``tokens`` + ``num_text`` after them), so the output is bit-identical to
+``forward`` on one device.
+
+``BidirectionalStages``: the multi-step Euler sampler with CFG (``opensora.diffusion.sampling``), one prompt group
+per work unit and the CFG branches as separate micro-batches, so independent forwards keep both GPUs busy.
+Its single-device reference is ``sample_microbatched`` (same math as ``sampling.sample`` but one branch per
+forward, since a batch of 2 runs other GEMM shapes than two batches of 1 and so may round differently).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Mapping, Optional, Sequence
+
+import torch
+
+from opensora.diffusion import flow_matching as fm
+from opensora.diffusion.guidance import text_cfg
+from opensora.diffusion.sampling import euler_step
+from opensora.models.mmdit.model import patchify, unpatchify
+
+from .pipeline_parallel import Lanes, Plan
+
+STAGE0_MODULES = ("img_in", "cond_in", "txt_in", "time_in", "vector_in", "guidance_in")
+
+
+def all_blocks(model) -> list:
+    return [*model.double_blocks, *model.single_blocks]
+
+
+def place_model(model, split: int, devices: Sequence) -> None:
+    """Move ``model``'s modules in place: embedders + blocks[0..split] -> devices[0], the rest -> devices[1]."""
+    dev0, dev1 = (torch.device(d) for d in devices)
+    blocks = all_blocks(model)
+    if not 0 <= split < len(blocks) - 1:
+        raise ValueError(f"split {split} must lie in [0, {len(blocks) - 2}]")
+    for name in STAGE0_MODULES:
+        module = getattr(model, name, None)
+        if module is not None:
+            module.to(dev0)
+    for i, block in enumerate(blocks):
+        block.to(dev0 if i <= split else dev1)
+    model.final_layer.to(dev1)
+
+
+def embed(model, x: torch.Tensor, text_emb: torch.Tensor, cond: Optional[torch.Tensor] = None) -> dict:
+    """``forward``'s video and text token embeddings."""
+    img = model.img_in(patchify(x, model.patch_size))
+    if cond is not None:
+        img = img + model.cond_in(patchify(cond, model.patch_size))
+    return dict(img=img, txt=model.txt_in(text_emb))
+
+
+def run_blocks(model, state: dict, lo: int, hi: int, vec, rope, mask, kv_hook_for: Optional[Callable] = None) -> dict:
+    """Blocks ``lo..hi-1`` (global index) on ``state``; ``kv_hook_for(i)`` gives block i's kv_hook (or None)."""
+    depth_double = len(model.double_blocks)
+    for i in range(lo, hi):
+        hook = kv_hook_for(i) if kv_hook_for is not None else None
+        extra = {} if hook is None else dict(kv_hook=hook)
+        if i < depth_double:
+            img, txt = model.double_blocks[i](state["img"], state["txt"], vec, rope, mask, **extra)
+            state = dict(img=img, txt=txt)
+        else:
+            if "tokens" not in state:
+                state = dict(tokens=torch.cat((state["txt"], state["img"]), dim=1), num_text=state["txt"].shape[1])
+            state = dict(tokens=model.single_blocks[i - depth_double](state["tokens"], vec, rope, mask, **extra),
+                         num_text=state["num_text"])
+    return state
+
+
+def finish(model, state: dict, vec, grid) -> torch.Tensor:
+    """Final layer + unpatchify of the video tokens."""
+    if "tokens" in state:
+        img = state["tokens"][:, state["num_text"]:]
+    else:
+        img = torch.cat((state["txt"], state["img"]), dim=1)[:, state["txt"].shape[1]:]
+    return unpatchify(model.final_layer(img, vec), grid, model.patch_size)
+
+
+def latent_grid(model, shape) -> tuple:
+    pt, ph, pw = model.patch_size
+    return (shape[-3] // pt, shape[-2] // ph, shape[-1] // pw)
+
+
+def seeded_latent_noise(seeds: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    """Row i from a CPU generator seeded with seeds[i] (as ``pipeline.seeded_noise``)."""
+    return torch.stack([torch.randn(tuple(shape), generator=torch.Generator("cpu").manual_seed(int(s)))
+                        for s in seeds])
+
+
+def to_device_async(x: torch.Tensor, device) -> torch.Tensor:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bidirectional multi-step sampler (independent work items: prompt groups x CFG branches)
+# ----------------------------------------------------------------------------------------------------------
+class BidirectionalStages:
+    """Euler + CFG over the whole clip for several prompt groups; ``plan``: one chunk, no cache.
+
+    Args:
+        model: an MMDiT already placed by ``place_model(model, split, lanes.devices)`` (or on one device).
+        lanes: the pipeline's ``Lanes``.
+        split: index of the last block on lane 0.
+        groups: per group a dict with ``seeds`` (one per sample) and ``branches``: a list of text dicts
+            (``text_emb``, ``text_mask``, ``pooled``) per CFG branch, cond first, each batched like the seeds.
+        latent_shape: (C, T, H, W). times: the sampler's schedule (``timesteps_for_sampling``), n + 1 floats.
+        guidance_scale: CFG scale (2 branches) or ignored with 1 branch. decode: x0 (lane 1) -> frames, or None.
+    """
+
+    def __init__(self, model, lanes: Lanes, split: int, groups: Sequence[Mapping], latent_shape: Sequence[int],
+                 times: Sequence[float], guidance_scale: float = 1.0, decode: Optional[Callable] = None):
+        self.model, self.lanes, self.split = model, lanes, split
+        self.num_blocks = len(all_blocks(model))
+        self.groups = list(groups)
+        self.latent_shape = tuple(latent_shape)
+        self.times = [float(t) for t in times]
+        self.guidance_scale = float(guidance_scale)
+        self.decode_fn = decode
+        self.dtype = model.img_in.weight.dtype
+        branches = {len(g["branches"]) for g in self.groups}
+        if len(branches) != 1 or branches.pop() not in (1, 2):
+            raise ValueError("every group needs the same number of CFG branches (1 or 2)")
+        self.plan = Plan(num_groups=len(self.groups), num_branches=len(self.groups[0]["branches"]), num_chunks=1,
+                         num_steps=len(self.times) - 1, refill=False, cached=False, decode=decode is not None)
+
+    def prepare(self, group: int, chunk: int) -> dict:
+        model, lanes, dev0 = self.model, self.lanes, self.lanes.devices[0]
+        spec = self.groups[group]
+        x = to_device_async(seeded_latent_noise(spec["seeds"], self.latent_shape), dev0)
+        batch = x.shape[0]
+        grid = latent_grid(model, self.latent_shape)
+        branches = []
+        for text in spec["branches"]:
+            text_emb = text["text_emb"].to(dev0, self.dtype)
+            pooled = text["pooled"].to(dev0, self.dtype)
+            mask = None if text.get("text_mask") is None else text["text_mask"].to(dev0)
+            vecs = [model.conditioning_vector(torch.full((batch,), t, device=dev0).to(self.dtype), pooled, None)
+                    for t in self.times[:-1]]
+            key_mask = model.key_mask(mask, grid[0] * grid[1] * grid[2])
+            branches.append(dict(text_emb=text_emb, mask=key_mask, vec=vecs))
+        rope = model.rope(grid, branches[0]["text_emb"].shape[1], dev0)
+        ready = lanes.event(0)
+        lane1 = dict(rope=lanes.pull(rope, ready, 1),
+                     branches=[lanes.pull(dict(mask=b["mask"], vec=b["vec"]), ready, 1) for b in branches])
+        return dict(x=x, grid=grid, rope=rope, branches=branches, lane1=lane1)
+
+    def stage0(self, ctx, branch: int, step: int, x, store_kv: bool) -> dict:
+        b = ctx["branches"][branch]
+        state = embed(self.model, x.to(self.dtype), b["text_emb"])
+        return run_blocks(self.model, state, 0, self.split + 1, b["vec"][step], ctx["rope"], b["mask"])
+
+    def stage1(self, ctx, branch: int, step: int, state, store_kv: bool) -> torch.Tensor:
+        b = ctx["lane1"]["branches"][branch]
+        state = run_blocks(self.model, state, self.split + 1, self.num_blocks, b["vec"][step], ctx["lane1"]["rope"],
+                           b["mask"])
+        return finish(self.model, state, b["vec"][step], ctx["grid"])
+
+    def update(self, ctx, step: int, outputs: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        outs = [o.float() for o in outputs]
+        v = outs[0] if len(outs) == 1 else text_cfg(outs[0], outs[1], self.guidance_scale)
+        return euler_step(x, v, self.times[step], self.times[step + 1])
+
+    def decode(self, ctx, x0: torch.Tensor) -> torch.Tensor:
+        return self.decode_fn(x0)
+
+
+@torch.no_grad()
+def sample_microbatched(model, group: Mapping, latent_shape, times: Sequence[float], guidance_scale: float,
+                        device, decode: Optional[Callable] = None):
+    """Single-device reference for one group of ``BidirectionalStages``: ``model.forward`` once per branch per
+    step, CFG and Euler as ``sampling.sample``. Returns (x0, frames or None)."""
+    dtype = model.img_in.weight.dtype
+    x = to_device_async(seeded_latent_noise(group["seeds"], latent_shape), device)
+    times = [float(t) for t in times]
+    for k in range(len(times) - 1):
+        outs = []
+        for text in group["branches"]:
+            t_vec = torch.full((x.shape[0],), times[k], device=device).to(dtype)
+            mask = None if text.get("text_mask") is None else text["text_mask"].to(device)
+            outs.append(model(x.to(dtype), t_vec, text["text_emb"].to(device, dtype), mask,
+                              text["pooled"].to(device, dtype)).float())
+        v = outs[0] if len(outs) == 1 else text_cfg(outs[0], outs[1], guidance_scale)
+        x = euler_step(x, v, times[k], times[k + 1])
+    return x, (decode(x) if decode is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Streaming (causal MMDiT with KV caches), chunk by chunk: the math of ``streaming.StreamingGenerator``
+# ----------------------------------------------------------------------------------------------------------
+STEP_RULES = ("renoise", "euler")
+
+
+def chunk_update(x: torch.Tensor, v: torch.Tensor, t: float, t_next: float, rule: str,
+                 noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One step of ``StreamingGenerator``'s chunk loop, with its exact expressions (host floats ``t``, ``t_next``):
+    ``euler``: ``x + (t_next - t) v``; ``renoise``: ``x0 = x - t v``, then ``x0`` at ``t_next == 0`` else
+    ``add_noise(x0, noise, t_next)``."""
+    if rule == "euler":
+        return x + (t_next - t) * v
+    if rule != "renoise":
+        raise ValueError(f"unknown step rule '{rule}'; choose one of {STEP_RULES}")
+    x0 = x - t * v
+    return x0 if t_next == 0 else fm.add_noise(x0, noise, t_next)
+
+
+class StreamNoise:
+    """One group's host noise in ``StreamingGenerator``'s order: per chunk the initial latent, a draw for every
+    re-noised step (``renoise``, next time > 0), then one for the context time when it is > 0. One CPU generator per
+    sample, so a sample's noise does not depend on its batch."""
+
+    def __init__(self, seeds: Sequence[int], channels: int, hw: Sequence[int], times: Sequence[float], rule: str,
+                 context_t: float):
+        self.gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
+        self.channels, self.hw, self.times = channels, tuple(hw), list(times)
+        self.rule, self.context_t = rule, context_t
+
+    def draw(self, frames: int) -> torch.Tensor:
+        from opensora.inference.pipeline import noise_from_generators
+
+        return noise_from_generators(self.gens, (self.channels, frames, *self.hw))
+
+    def chunk(self, frames: int):
+        """(initial x, [noise per step or None], context noise or None)."""
+        x = self.draw(frames)
+        steps = [self.draw(frames) if self.rule == "renoise" and t_next != 0 else None for t_next in self.times[1:]]
+        context = self.draw(frames) if self.context_t != 0 else None
+        return x, steps, context
+
+
+def _rows(texts: Sequence[Mapping], key: str):
+    """The CFG passes' ``key`` as rows of one batch (a missing text mask = every token valid)."""
+    parts = [t.get(key) for t in texts]
+    if all(p is None for p in parts):
+        return None
+    if key == "text_mask":
+        parts = [torch.ones(t["text_emb"].shape[:2], dtype=torch.bool, device=t["text_emb"].device) if p is None else p
+                 for t, p in zip(texts, parts)]
+    return torch.cat(parts)
+
+
+class CausalStreamingStages:
+    """``StreamingGenerator``'s chunk loop with a block-causal MMDiT split over two devices.
+
+    Per (group, branch) two ``KVCache``s: one over blocks[0..split] on lane 0, one over blocks[split+1..] on lane 1;
+    each stage appends its own blocks' keys/values, so together they hold exactly what one cache over all blocks
+    holds after ``forward_chunk`` (same frames, same rolling window). Every forward runs ``forward_chunk``'s
+    operations in its order, the step update and the noise order are ``StreamingGenerator``'s: with
+    ``cfg_rows=True`` (its layout: the cond and null-text passes as rows of one batch and one cache) the output is
+    bit-identical to it; ``cfg_rows=False`` runs the CFG passes as separate micro-batches with their own caches
+    (independent items a second GPU can overlap; identical to ``stream_reference(cfg_rows=False)``).
+
+    Args:
+        model: a causal MMDiT placed by ``place_model`` (or on one device). lanes / split: as ``BidirectionalStages``.
+        groups: per group ``seeds`` (one per sample) and ``branches`` (text dicts ``text_emb``/``text_mask``/
+            ``pooled`` per CFG pass, cond first; two passes = CFG).
+        latent_size: (C, T, H, W) of the whole video's latent; chunks of ``causal_chunk_frames`` (the last may be
+            shorter). times: the chunk's schedule with the final 0 (``StreamingGenerator.schedule``).
+        refill: re-run each chunk's result at ``context_t`` with ``store_kv`` (as ``StreamingGenerator`` always
+            does); False stores the keys/values of the last denoising step instead (the cache is written by the
+            denoising pass, as FlashVSR's one-step model does: a different sampler, with no 1-GPU twin in streaming.py).
+        rule: ``renoise`` or ``euler``. guidance_scale: CFG ``u + w (c - u)`` with two branches.
+        make_decoder: called once per group: a callable decoding that group's chunks in order (lane 1), e.g. a
+            ``streaming.ChunkDecoder``; None: no decode.
+        window_frames / sink_frames: the caches' rolling window (see ``KVCache``).
+    """
+
+    def __init__(self, model, lanes: Lanes, split: int, groups: Sequence[Mapping], latent_size: Sequence[int],
+                 times: Sequence[float], refill: bool = True, rule: str = "renoise", guidance_scale: float = 1.0,
+                 make_decoder: Optional[Callable] = None, context_t: float = 0.0, window_frames: Optional[int] = None,
+                 sink_frames: int = 0, cfg_rows: bool = True):
+        from opensora.models.mmdit.causal import KVCache
+
+        if not getattr(model, "causal_chunk_frames", 0):
+            raise ValueError("streaming stages need a causal MMDiT (causal_chunk_frames > 0)")
+        if rule not in STEP_RULES:
+            raise ValueError(f"unknown step rule '{rule}'; choose one of {STEP_RULES}")
+        self.times = [float(t) for t in times]
+        if len(self.times) < 2 or self.times[-1] != 0:
+            raise ValueError(f"times must be a schedule ending at 0, got {self.times}")
+        self.model, self.lanes, self.split = model, lanes, split
+        self.num_blocks = len(all_blocks(model))
+        self.channels, self.total_frames = int(latent_size[0]), int(latent_size[1])
+        self.hw = tuple(latent_size[2:])
+        self.chunk_frames = int(model.causal_chunk_frames)
+        self.rule, self.guidance_scale, self.context_t = rule, float(guidance_scale), float(context_t)
+        self.dtype = model.img_in.weight.dtype
+        self.groups = list(groups)
+        passes = len(self.groups[0]["branches"])
+        if passes not in (1, 2) or any(len(g["branches"]) != passes for g in self.groups):
+            raise ValueError("every group needs the same number of CFG passes (1 or 2)")
+        self.guided = passes == 2
+        self.cfg_rows = bool(cfg_rows) and self.guided
+        self.plan = self.plan_for(len(self.groups), 1 if self.cfg_rows else passes, latent_size, self.chunk_frames,
+                                  self.times, refill, make_decoder is not None)
+        dev0 = lanes.devices[0]
+        self.text = []  # per group, per branch: text tensors on lane 0 (rows mode: one branch of all passes)
+        for g in self.groups:
+            branches = [g["branches"]] if self.cfg_rows else [[b] for b in g["branches"]]
+            self.text.append([dict(text_emb=_rows(b, "text_emb").to(dev0, self.dtype),
+                                   pooled=_rows(b, "pooled").to(dev0, self.dtype),
+                                   text_mask=None if _rows(b, "text_mask") is None else _rows(b, "text_mask").to(dev0))
+                              for b in branches])
+        self.text_mask1 = [[lanes.pull(t["text_mask"], None, 1) for t in g] for g in self.text]
+        self.caches = [[(KVCache(split + 1, window_frames, sink_frames),
+                         KVCache(self.num_blocks - split - 1, window_frames, sink_frames))
+                        for _ in g] for g in self.text]
+        self.noise = [StreamNoise(g["seeds"], self.channels, self.hw, self.times, rule, self.context_t)
+                      for g in self.groups]
+        self.decoders = [make_decoder() for _ in self.groups] if make_decoder is not None else None
+        self.rows = [len(g["seeds"]) * (2 if self.cfg_rows else 1) for g in self.groups]
+
+    @staticmethod
+    def plan_for(num_groups: int, num_branches: int, latent_size: Sequence[int], chunk_frames: int,
+                 times: Sequence[float], refill: bool = True, decode: bool = True) -> Plan:
+        """The ``Plan`` such stages run (for ``choose_split`` before building them)."""
+        num_chunks = -(-int(latent_size[1]) // chunk_frames)
+        return Plan(num_groups=num_groups, num_branches=num_branches, num_chunks=num_chunks,
+                    num_steps=len(times) - 1, refill=refill, cached=True, decode=decode)
+
+    def prepare(self, group: int, chunk: int) -> dict:
+        """Stage A: the chunk's noise (host RNG, pinned copies), RoPE tables on both lanes, timestep tensors."""
+        model, lanes = self.model, self.lanes
+        dev0, dev1 = lanes.devices
+        start = chunk * self.chunk_frames
+        frames = min(self.chunk_frames, self.total_frames - start)
+        x, steps, context = self.noise[group].chunk(frames)
+        x = to_device_async(x, dev0)
+        steps = [None if n is None else to_device_async(n, dev1) for n in steps]
+        context = None if context is None else to_device_async(context, dev0)
+        pt, ph, pw = model.patch_size
+        grid = (frames // pt, self.hw[0] // ph, self.hw[1] // pw)
+        rope = model.rope(grid, self.text[group][0]["text_emb"].shape[1], dev0, time_offset=start // pt)
+        rows = self.rows[group]
+        t = [torch.full((rows,), tk, device=dev0, dtype=self.dtype) for tk in self.times[:-1]]
+        if self.plan.refill:
+            t.append(torch.full((rows,), self.context_t, device=dev0, dtype=self.dtype))
+        cond = None
+        if getattr(model, "cond_channels", None):  # text-to-video: the all-zero condition
+            cond = torch.zeros(rows, model.cond_channels, frames, *self.hw, device=dev0, dtype=self.dtype)
+        rope1 = lanes.pull(rope, lanes.event(0), 1)
+        return dict(x=x, steps=steps, context=context, start=start, frames=frames, grid=grid, rope=rope, rope1=rope1,
+                    t=t, cond=cond, group=group)
+
+    def _blocks(self, ctx, cache, state, lo, hi, vec, rope, text_mask, store_kv, device):
+        from opensora.models.mmdit.causal import joint_attention_mask, streaming_kv_hooks
+
+        num_text = state["txt"].shape[1] if "txt" in state else state["num_text"]
+        num_video = state["img"].shape[1] if "img" in state else state["tokens"].shape[1] - num_text
+        past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
+        video = torch.ones(num_video, past + num_video, dtype=torch.bool, device=device)
+        mask = joint_attention_mask(text_mask, num_text, video)
+        pending = {} if store_kv else None
+        hooks = streaming_kv_hooks(cache, num_text, mask, pending)
+        state = run_blocks(self.model, state, lo, hi, vec, rope, mask, lambda i: hooks[i - lo])
+        if store_kv:
+            cache.append(pending, ctx["start"], ctx["frames"], frames_per_group=self.model.patch_size[0])
+        return state
+
+    def stage0(self, ctx, branch: int, step: int, x, store_kv: bool) -> dict:
+        if step == self.plan.num_steps and ctx["context"] is not None:  # the refill at a context time > 0
+            x = fm.add_noise(x, ctx["context"], self.context_t)
+        if self.cfg_rows:
+            x = torch.cat([x] * 2)
+        text = self.text[ctx["group"]][branch]
+        img, txt, vec, _ = self.model.embed(x.to(self.dtype), ctx["t"][step], text["text_emb"], text["pooled"],
+                                            ctx["cond"])
+        cache = self.caches[ctx["group"]][branch][0]
+        state = self._blocks(ctx, cache, dict(img=img, txt=txt), 0, self.split + 1, vec, ctx["rope"],
+                             text["text_mask"], store_kv, self.lanes.devices[0])
+        return dict(state=state, vec=vec)
+
+    def stage1(self, ctx, branch: int, step: int, act, store_kv: bool) -> Optional[torch.Tensor]:
+        cache = self.caches[ctx["group"]][branch][1]
+        state = self._blocks(ctx, cache, act["state"], self.split + 1, self.num_blocks, act["vec"], ctx["rope1"],
+                             self.text_mask1[ctx["group"]][branch], store_kv, self.lanes.devices[1])
+        if step >= self.plan.num_steps:
+            return None  # the refill's output is never read: only its cache writes matter
+        return finish(self.model, state, act["vec"], ctx["grid"])
+
+    def update(self, ctx, step: int, outputs: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if self.cfg_rows:
+            v = text_cfg(*outputs[0].float().chunk(2), self.guidance_scale)
+        elif self.guided:
+            v = text_cfg(outputs[0].float(), outputs[1].float(), self.guidance_scale)
+        else:
+            v = outputs[0].float()
+        return chunk_update(x, v, self.times[step], self.times[step + 1], self.rule, ctx["steps"][step])
+
+    def decode(self, ctx, x0: torch.Tensor) -> torch.Tensor:
+        return self.decoders[ctx["group"]](x0)
+
+
+@torch.no_grad()
+def stream_reference(model, group: Mapping, latent_size: Sequence[int], times: Sequence[float], refill: bool = True,
+                     rule: str = "renoise", guidance_scale: float = 1.0, make_decoder: Optional[Callable] = None,
+                     context_t: float = 0.0, window_frames: Optional[int] = None, sink_frames: int = 0,
+                     cfg_rows: bool = True, device="cpu"):
+    """A single-device streaming loop with ``CausalStreamingStages``'s options: ``StreamingGenerator``'s math on
+    ``forward_chunk`` (its own test checks it against the generator), plus the variants the generator does not
+    have (``refill=False``: the last step stores the keys/values; ``cfg_rows=False``: one cache per CFG pass).
+    Returns (x0 per chunk, decoded frames per chunk or None)."""
+    dtype = model.img_in.weight.dtype
+    times = [float(t) for t in times]
+    channels, total, hw = int(latent_size[0]), int(latent_size[1]), tuple(latent_size[2:])
+    chunk_frames = int(model.causal_chunk_frames)
+    guided = len(group["branches"]) == 2
+    rows_mode = cfg_rows and guided
+    branch_sets = [group["branches"]] if rows_mode else [[b] for b in group["branches"]]
+    texts = [dict(text_emb=_rows(b, "text_emb").to(device, dtype), pooled=_rows(b, "pooled").to(device, dtype),
+                  text_mask=None if _rows(b, "text_mask") is None else _rows(b, "text_mask").to(device))
+             for b in branch_sets]
+    caches = [model.new_kv_cache(window_frames, sink_frames) for _ in texts]
+    noise = StreamNoise(group["seeds"], channels, hw, times, rule, context_t)
+    decoder = make_decoder() if make_decoder is not None else None
+    rows = len(group["seeds"]) * (2 if rows_mode else 1)
+    latents, frames_out = [], []
+    for start in range(0, total, chunk_frames):
+        frames = min(chunk_frames, total - start)
+        x, steps, context = noise.chunk(frames)
+        x = to_device_async(x, device)
+        cond = None
+        if getattr(model, "cond_channels", None):
+            cond = torch.zeros(rows, model.cond_channels, frames, *hw, device=device, dtype=dtype)
+
+        def forward(x_in, t, store):
+            if rows_mode:
+                x_in = torch.cat([x_in] * 2)
+            outs = []
+            for text, cache in zip(texts, caches):
+                t_vec = torch.full((rows,), t, device=device, dtype=dtype)
+                outs.append(model.forward_chunk(x_in.to(dtype), t_vec, text["text_emb"], text["text_mask"],
+                                                text["pooled"], cond, cache=cache, start_frame=start,
+                                                store_kv=store).float())
+            if rows_mode:
+                return text_cfg(*outs[0].chunk(2), guidance_scale)
+            return text_cfg(outs[0], outs[1], guidance_scale) if guided else outs[0]
+
+        for k, (t, t_next) in enumerate(zip(times[:-1], times[1:])):
+            last = k == len(times) - 2
+            v = forward(x, t, store=last and not refill)
+            eps = None if steps[k] is None else to_device_async(steps[k], device)
+            x = chunk_update(x, v, t, t_next, rule, eps)
+        if refill:
+            ctx_in = x if context is None else fm.add_noise(x, to_device_async(context, device), context_t)
+            forward(ctx_in, context_t, store=True)
+        latents.append(x)
+        frames_out.append(decoder(x) if decoder is not None else None)
+    return latents, frames_out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage times for ``--pp-split auto``
+# ----------------------------------------------------------------------------------------------------------
+class _Timer:
+    """Marks on one device: CUDA events (no host sync until ``read``) or host clocks on the CPU."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            self.marks.append(ev)
+        else:
+            import time
+
+            self.marks.append(time.perf_counter())
+
+    def read(self) -> List[float]:
+        """Milliseconds between consecutive marks."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+@torch.no_grad()
+def measure_stage_times(model, x: torch.Tensor, text: Mapping, decode: Optional[Callable] = None,
+                        repeats: int = 3) -> dict:
+    """Median time of the embedding, every block, the final layer and the decode of one forward of ``x`` (a chunk
+    at frame 0 for a causal model, with the streaming mask; the whole clip otherwise) on the model's device.
+    Feed the result to ``pipeline_parallel.choose_split``."""
+    from statistics import median
+
+    device = x.device
+    dtype = model.img_in.weight.dtype
+    text_emb, pooled = text["text_emb"].to(device, dtype), text["pooled"].to(device, dtype)
+    text_mask = None if text.get("text_mask") is None else text["text_mask"].to(device)
+    t = torch.full((x.shape[0],), 0.5, device=device).to(dtype)
+    n = len(all_blocks(model))
+    samples = []
+    for _ in range(repeats + 1):  # the first run warms up kernels and allocator
+        timer = _Timer(device)
+        timer.mark()
+        img, txt, vec, grid = model.embed(x.to(dtype), t, text_emb, pooled)
+        rope = model.rope(grid, txt.shape[1], device)
+        hooks = None
+        if getattr(model, "causal_chunk_frames", 0):
+            from opensora.models.mmdit.causal import joint_attention_mask, streaming_kv_hooks
+
+            mask = joint_attention_mask(text_mask, txt.shape[1],
+                                        torch.ones(img.shape[1], img.shape[1], dtype=torch.bool, device=device))
+            hooks = streaming_kv_hooks(model.new_kv_cache(), txt.shape[1], mask, None)
+        else:
+            mask = model.key_mask(text_mask, img.shape[1])
+        timer.mark()
+        state = dict(img=img, txt=txt)
+        for i in range(n):
+            state = run_blocks(model, state, i, i + 1, vec, rope, mask, None if hooks is None else hooks.__getitem__)
+            timer.mark()
+        out = finish(model, state, vec, grid)
+        timer.mark()
+        if decode is not None:
+            decode(out.float())
+        timer.mark()
+        samples.append(timer.read())
+    samples = samples[1:]
+    med = [median(s[i] for s in samples) for i in range(len(samples[0]))]
+    return dict(embed_ms=med[0], block_ms=med[1:1 + n], final_ms=med[1 + n], decode_ms=med[2 + n])

@@ -1,0 +1,267 @@
+"""Two-stage pipeline overlap (opensora/inference/pipeline_parallel.py): the schedule's dependencies and KV write
+order (pure), and bit-identical outputs against the single-device samplers with both stages on the CPU."""
+
+import itertools
+
+import numpy as np
+
+import pytest
+import torch
+
+from opensora.inference.pipeline_parallel import (
+    OVERLAP_MODES,
+    Lanes,
+    Plan,
+    Task,
+    build_graph,
+    check_order,
+    choose_split,
+    natural_order,
+    parse_split,
+    run_plan,
+    schedule,
+    simulate,
+    summarize_timeline,
+)
+from opensora.inference.pipeline_stages import BidirectionalStages, place_model, sample_microbatched
+from opensora.models.mmdit.configs import mmdit_config
+from opensora.registry import MODELS, build_module
+
+PLANS = [
+    Plan(num_groups=g, num_branches=b, num_chunks=3, num_steps=s, refill=r)
+    for g, b, s, r in itertools.product((1, 2), (1, 2), (1, 3), (False, True))
+]
+
+
+# ---- the schedule (pure) ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+def test_every_schedule_is_a_valid_issue_order_with_window_major_kv_writes(plan, mode):
+    sim = schedule(plan, mode)  # check_order inside: deps first, KV writes chunk by chunk per (stage, group, branch)
+    assert len(sim.order) == len(build_graph(plan, mode))
+    # per device, the order a FIFO stream executes is the simulated start order
+    for dev in (0, 1):
+        starts = [sim.start[t] for t in sim.order if t.device == dev]
+        assert starts == sorted(starts)
+
+
+def test_check_order_rejects_a_cache_write_out_of_window_order():
+    plan = Plan(num_chunks=2, num_steps=1, refill=True)
+    order = natural_order(plan)
+    # move chunk 1's first stage0 before chunk 0's refill stage0 (which writes blocks[:split]'s cache)
+    early = Task("stage0", 0, 1, 0, 0)
+    refill = Task("stage0", 0, 0, 1, 0)
+    bad = [t for t in order if t != early]
+    bad.insert(bad.index(refill), early)
+    with pytest.raises(AssertionError, match="before its dependencies"):
+        check_order(plan, bad, "basic")
+
+
+def test_dependencies_of_refill_and_next_chunk():
+    plan = Plan(num_chunks=2, num_steps=2, refill=True)
+    deps = build_graph(plan)
+    # the refill (step 2) waits for the chunk's final x0; the next chunk's stage0 waits for the refill's stage0 only
+    assert deps[Task("stage0", 0, 0, 2, 0)] == [Task("update", 0, 0, 1)]
+    assert Task("stage0", 0, 0, 2, 0) in deps[Task("stage0", 0, 1, 0, 0)]
+    assert Task("stage1", 0, 0, 2, 0) in deps[Task("stage1", 0, 1, 0, 0)]
+    assert Task("stage1", 0, 0, 2, 0) not in deps[Task("stage0", 0, 1, 0, 0)]
+
+
+def test_simulated_speedups_follow_the_dependencies():
+    costs = dict(decode=0.0, update=0.0, prep=0.0)
+
+    def speedup(plan, mode="basic"):
+        return simulate(plan, "off", costs).makespan / simulate(plan, mode, costs).makespan
+
+    # one video, 1 step + refill: only the refill's stage1 overlaps the next chunk's stage0: -> 4/3
+    assert speedup(Plan(num_chunks=40, num_steps=1, refill=True)) == pytest.approx(4 / 3, rel=0.02)
+    # the cache written by the denoising pass (FlashVSR's one-step case): stages overlap fully -> ~2x
+    assert speedup(Plan(num_chunks=40, num_steps=1, refill=False)) == pytest.approx(2.0, rel=0.03)
+    # several steps per chunk on one video: little overlap; two independent groups in flight: ~2x again
+    assert speedup(Plan(num_chunks=10, num_steps=4, refill=True)) < 1.15
+    assert speedup(Plan(num_groups=2, num_chunks=10, num_steps=4, refill=True)) > 1.9
+    # off is the serial sum
+    plan = Plan(num_chunks=3, num_steps=2, refill=True)
+    assert simulate(plan, "off", costs).makespan == pytest.approx(3 * 3 * 2.0)
+
+
+def test_choose_split_balances_the_simulated_pipeline():
+    plan = Plan(num_groups=2, num_chunks=4, num_steps=1)
+    # GPU1 also decodes: the split moves towards GPU1's end to give GPU0 more blocks
+    split, rows = choose_split(plan, "basic", [1.0] * 10, embed_ms=0.0, final_ms=0.0, decode_ms=2.0)
+    assert len(rows) == 9 and split > 4
+    assert min(r["simulated_ms"] for r in rows) == next(r for r in rows if r["split"] == split)["simulated_ms"]
+    assert parse_split("auto", 10) is None and parse_split("3", 10) == 3
+    with pytest.raises(ValueError):
+        parse_split(9, 10)
+
+
+def test_summarize_timeline_busy_fraction():
+    rows = [dict(lane=0, start_ms=0, end_ms=2, chunk=0, kind="stage0", host_ms=0),
+            dict(lane=1, start_ms=1, end_ms=4, chunk=0, kind="stage1", host_ms=0),
+            dict(lane=0, start_ms=1, end_ms=3, chunk=0, kind="prep", host_ms=0)]
+    summary = summarize_timeline(rows)
+    assert summary["span_ms"] == 4
+    assert summary["lanes"]["gpu0"]["busy_ms"] == 3 and summary["lanes"]["gpu1"]["busy_fraction"] == 0.75
+
+
+# ---- bit-identical on two CPU "devices" --------------------------------------------------------------------------
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = build_module(mmdit_config("tiny", cond_channels=None, **overrides), MODELS).eval()
+    for p in model.parameters():  # adaLN-zero and the zero final layer would make every output 0
+        torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def text_inputs(batch, length, seed, masked):
+    g = torch.Generator().manual_seed(seed)
+    mask = None
+    if masked:
+        mask = torch.ones(batch, length, dtype=torch.bool)
+        mask[:, length - 2:] = False
+    return dict(text_emb=torch.randn(batch, length, 64, generator=g), text_mask=mask,
+                pooled=torch.randn(batch, 64, generator=g))
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("split", [0, 1, 2])
+def test_bidirectional_cfg_pipeline_is_bit_identical_on_cpu(mode, split, one_thread):
+    model = tiny_model()
+    groups = [dict(seeds=[10 + g, 20 + g], branches=[text_inputs(2, 6, g, masked=True),
+                                                     text_inputs(2, 6, 100 + g, masked=False)]) for g in range(2)]
+    shape, times, scale = (12, 2, 8, 8), [1.0, 0.7, 0.3, 0.0], 4.0
+    decode = lambda x: (x * 10).round().to(torch.int16)  # noqa: E731 - a stand-in decoder
+    refs = [sample_microbatched(model, g, shape, times, scale, "cpu", decode) for g in groups]
+    place_model(model, split, ["cpu", "cpu"])
+    lanes = Lanes(["cpu", "cpu"], profile=True)
+    stages = BidirectionalStages(model, lanes, split, groups, shape, times, scale, decode=decode)
+    result, sim = run_plan(stages, mode, lanes)
+    for g, (x0, frames) in enumerate(refs):
+        assert torch.equal(result.latents[(g, 0)], x0)
+        assert torch.equal(result.frames[(g, 0)], frames)
+    assert len(result.timeline) == len(sim.order) and result.summary["lanes"]["gpu1"]["busy_ms"] > 0
+
+
+STREAM_CASES = [
+    # (groups of prompts, step list, guidance, rollout, window_frames, context_time)
+    ([["a red circle moving left"]], [1.0], 1.0, "renoise", None, 0.0),
+    ([["a red circle moving left", "a blue square moving up"]], [1.0, 0.6, 0.3], 3.0, "renoise", None, 0.0),
+    ([["a red circle moving left"], ["a green star moving down"]], [1.0, 0.5], 3.0, "euler", 4, 0.1),
+]
+
+
+def streaming_sampler():
+    """test_streaming.py's tiny causal sampler with 2 + 2 blocks (so a split can fall inside each kind)."""
+    from test_streaming import tiny_sampler  # tests/ is on sys.path under pytest's default import mode
+
+    return tiny_sampler(depth_double=2, depth_single=2, attn_backend="auto")
+
+
+def generator_reference(sampler, case, num_frames, size):
+    """The one-device ``StreamingGenerator`` run of ``case`` per prompt group, and the pipeline's inputs for it:
+    (generator, chunks per group, groups, latent size)."""
+    from opensora.inference.streaming import StreamingGenerator
+
+    prompt_groups, steps, guidance, rollout, window, context_time = case
+    gen = StreamingGenerator(sampler, step_list=steps, rollout=rollout, guidance_scale=guidance,
+                             window_frames=window, context_time=context_time)
+    refs, groups, seed = [], [], 0
+    for prompts in prompt_groups:
+        seeds = list(range(seed, seed + len(prompts)))
+        seed += len(prompts)
+        refs.append(list(gen.stream(prompts, seeds, num_frames, size, size)))
+        text, null = sampler.encode_text(prompts)
+        groups.append(dict(seeds=seeds, branches=[text, null] if guidance != 1.0 else [text]))
+    return gen, refs, groups, (sampler.vae.latent_channels, *sampler.latent_size(num_frames, size, size))
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
+def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(case, mode, one_thread):
+    from opensora.inference.pipeline_stages import CausalStreamingStages
+    from opensora.inference.streaming import ChunkDecoder
+
+    prompt_groups, steps, guidance, rollout, window, context_time = case
+    sampler = streaming_sampler()
+    num_frames, size = 7, 16  # 7 latent frames: chunks of 2, 2, 2 and a last one of 1
+    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
+    split = 1  # last double block on lane 0, single blocks on lane 1: the (img, txt) -> tokens hand-over
+    place_model(sampler.model, split, ["cpu", "cpu"])
+    lanes = Lanes(["cpu", "cpu"])
+    stages = CausalStreamingStages(sampler.model, lanes, split, groups, latent_size, gen.schedule(latent_size[1:]),
+                                   rule=rollout, guidance_scale=guidance, context_t=context_time,
+                                   window_frames=window, make_decoder=lambda: ChunkDecoder(sampler.decode, sampler.vae))
+    result, _ = run_plan(stages, mode, lanes, threads=True)  # one issuing thread per lane, as on two GPUs
+    assert stages.plan.num_chunks == 4
+    for g, chunks in enumerate(refs):
+        for chunk in chunks:
+            assert torch.equal(result.latents[(g, chunk.index)], chunk.latents), (g, chunk.index)
+            assert torch.equal(result.frames[(g, chunk.index)], chunk.frames), (g, chunk.index)
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("refill,cfg_rows", [(False, True), (True, False), (False, False)])
+def test_streaming_pipeline_variants_match_the_single_device_loop(refill, cfg_rows, mode, one_thread):
+    """No refill (the last denoising step writes the cache) and CFG passes as separate micro-batches: variants the
+    streaming generator does not have, checked against ``stream_reference`` (same code path as the generator's
+    math, which the test above pins)."""
+    from opensora.inference.pipeline_stages import CausalStreamingStages, stream_reference
+
+    model = tiny_model(causal_chunk_frames=2)
+    groups = [dict(seeds=[7 + g], branches=[text_inputs(1, 5, 3 * g + b, masked=b == 0) for b in range(2)])
+              for g in range(2)]
+    latent_size, times = (12, 6, 8, 8), [1.0, 0.6, 0.3, 0.0]
+    decode = lambda: (lambda x: (x * 10).round().to(torch.int16))  # noqa: E731
+    kw = dict(refill=refill, guidance_scale=3.0, make_decoder=decode, cfg_rows=cfg_rows)
+    refs = [stream_reference(model, g, latent_size, times, **kw) for g in groups]
+    place_model(model, 2, ["cpu", "cpu"])
+    lanes = Lanes(["cpu", "cpu"])
+    stages = CausalStreamingStages(model, lanes, 2, groups, latent_size, times, **kw)
+    result, _ = run_plan(stages, mode, lanes, threads=True)
+    for g, (latents, frames) in enumerate(refs):
+        for c in range(3):
+            assert torch.equal(result.latents[(g, c)], latents[c]), (g, c)
+            assert torch.equal(result.frames[(g, c)], frames[c]), (g, c)
+    assert not torch.equal(refs[0][0][1], refs[0][0][0])  # the cache matters
+
+
+# ---- the CLI (both lanes on the CPU) -----------------------------------------------------------------------------
+def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path, one_thread):
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from opensora.config import load_config
+    from opensora.inference import cli
+    from opensora.inference.io import read_video
+
+    root = Path(__file__).resolve().parents[1]
+    config = tmp_path / "causal_demo.py"
+    config.write_text(f'_base_ = ["{root}/configs/diffusion/inference/demo.py"]\n'
+                      "model = dict(causal_chunk_frames=2)\n")
+    cfg = load_config(config)
+    model = build_module(cfg.model, MODELS)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    ckpt = tmp_path / "causal.safetensors"
+    save_file(model.state_dict(), str(ckpt))
+
+    def sample(mode, split, save_dir):
+        return cli.main([str(config), "--ckpt", str(ckpt), "--prompt", "a red circle|a blue square",
+                         "--num-frames", "4",
+                         "--resolution", "32x32", "--step-list", "1.0,0.5", "--guidance-scale", "3.0", "--batch-size",
+                         "1", "--streaming", "--pp-devices", "cpu,cpu", "--pp-overlap", mode, "--pp-split", split,
+                         "--profile", "--save-dir", str(tmp_path / save_dir), "--no-progress"])
+
+    written = sample("aggressive", "auto", "aggr")
+    assert len(written) == 2 and read_video(written[0]).shape == (4, 32, 32, 3)
+    side = json.loads(written[0].with_suffix(".json").read_text())
+    assert side["pp_overlap"] == "aggressive" and "candidates" in side["pp_split"]
+    profile = json.loads((tmp_path / "aggr" / "pp_profile.json").read_text())
+    assert set(profile["summary"]["lanes"]) == {"gpu0", "gpu1"} and profile["timeline"]
+    # another mode and another split: the same videos
+    again = sample("off", "0", "off")
+    for a, b in zip(written, again):
+        assert np.array_equal(read_video(a), read_video(b))

@@ -1,0 +1,122 @@
+"""Two-GPU pipeline overlap: every chunk bit-identical (max |diff| == 0) to single-GPU streaming (the
+``StreamingGenerator`` of ``--streaming``), for every overlap mode, on repeated runs, in bf16 with the GPU attention
+kernels; the variants the generator lacks (no refill, CFG passes as micro-batches) against the single-GPU loop with
+the same options; the bidirectional CFG sampler against one GPU running the same micro-batches. Needs 2 CUDA
+devices (skipped otherwise)."""
+
+import copy
+
+import pytest
+import torch
+
+from opensora.inference.pipeline import VideoSampler
+from opensora.inference.pipeline_cli import _uint8_on_device
+from opensora.inference.pipeline_parallel import OVERLAP_MODES, Lanes, run_plan
+from opensora.inference.pipeline_stages import (
+    BidirectionalStages,
+    CausalStreamingStages,
+    place_model,
+    sample_microbatched,
+    stream_reference,
+)
+from opensora.inference.streaming import ChunkDecoder
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+DEVICES = ["cuda:0", "cuda:1"]
+REPEATS = 3
+SHAPE = dict(hidden_size=256, num_heads=2, axes_dims=(16, 56, 56), depth_double=2, depth_single=4, attn_backend="auto")
+
+
+def gpu_sampler(**overrides):
+    from test_streaming import tiny_sampler  # tests/ is on sys.path under pytest's default import mode
+
+    cpu = tiny_sampler(**SHAPE, **overrides)
+    return VideoSampler(cpu.model.to("cuda:0", torch.bfloat16), cpu.vae.to("cuda:0"), cpu.text_encoder,
+                        progress=False)
+
+
+def lane1_decoder(sampler):
+    vae1 = copy.deepcopy(sampler.vae).to(DEVICES[1])
+    return lambda: ChunkDecoder(lambda x: _uint8_on_device(vae1.decode(x)), vae1)
+
+
+def pipelined(sampler, groups, latent_size, times, split, make_decoder, **kw):
+    pp = copy.deepcopy(sampler.model)
+    place_model(pp, split, DEVICES)
+    for mode in OVERLAP_MODES:
+        for run in range(REPEATS):
+            lanes = Lanes(DEVICES, profile=run == 0)
+            stages = CausalStreamingStages(pp, lanes, split, groups, latent_size, times, make_decoder=make_decoder,
+                                           **kw)
+            yield mode, run, run_plan(stages, mode, lanes)[0]
+
+
+GENERATOR_CASES = [
+    # (prompt groups, step list, guidance, rollout, window_frames, context_time)
+    ([["a red circle moving left"]], [1.0], 1.0, "renoise", None, 0.0),
+    ([["a red circle moving left", "a blue square moving up"]], [1.0, 0.6, 0.3], 3.0, "renoise", None, 0.0),
+    ([["a red circle moving left"], ["a green star moving down"]], [1.0, 0.5], 3.0, "euler", 4, 0.1),
+]
+
+
+@pytest.mark.parametrize("case", GENERATOR_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
+def test_two_gpu_streaming_is_bit_identical_to_the_one_gpu_streaming_generator(case):
+    from test_pipeline_parallel import generator_reference
+
+    _, steps, guidance, rollout, window, context_time = case
+    sampler = gpu_sampler()
+    num_frames, size = 9, 32  # 9 latent frames of 8x8: chunks of 2, the last one of 1
+    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
+    assert all(torch.isfinite(c.latents).all() for chunks in refs for c in chunks)
+    for mode, run, result in pipelined(sampler, groups, latent_size, gen.schedule(latent_size[1:]), 2,
+                                       lane1_decoder(sampler), rule=rollout, guidance_scale=guidance,
+                                       context_t=context_time, window_frames=window):
+        for g, chunks in enumerate(refs):
+            for chunk in chunks:
+                diff = (result.latents[(g, chunk.index)] - chunk.latents.cpu()).abs().max().item()
+                assert diff == 0, (mode, run, g, chunk.index, diff)
+                assert torch.equal(result.frames[(g, chunk.index)], chunk.frames), (mode, run, g, chunk.index)
+
+
+@pytest.mark.parametrize("refill,cfg_rows", [(False, True), (True, False)])
+def test_two_gpu_streaming_variants_match_the_one_gpu_loop(refill, cfg_rows):
+    sampler = gpu_sampler()
+    prompts = [["a red circle moving left"], ["a blue square moving up"]]
+    groups = []
+    for i, p in enumerate(prompts):
+        text, null = sampler.encode_text(p)
+        groups.append(dict(seeds=[i], branches=[text, null]))
+    latent_size, times = (sampler.vae.latent_channels, 6, 8, 8), [1.0, 0.5, 0.0]
+    make_ref_decoder = lambda: ChunkDecoder(lambda x: _uint8_on_device(sampler.vae.decode(x)), sampler.vae)  # noqa
+    kw = dict(refill=refill, guidance_scale=3.0, cfg_rows=cfg_rows)
+    refs = [stream_reference(sampler.model, g, latent_size, times, make_decoder=make_ref_decoder, device="cuda:0",
+                             **kw) for g in groups]
+    for mode, run, result in pipelined(sampler, groups, latent_size, times, 1, lane1_decoder(sampler), **kw):
+        for g, (latents, frames) in enumerate(refs):
+            for c in range(3):
+                assert torch.equal(result.latents[(g, c)], latents[c].cpu()), (mode, run, g, c)
+                assert torch.equal(result.frames[(g, c)], frames[c].cpu()), (mode, run, g, c)
+
+
+def test_two_gpu_bidirectional_cfg_is_bit_identical_to_one_gpu_microbatches():
+    sampler = gpu_sampler(causal_chunk_frames=0)
+    model = sampler.model
+    groups = []
+    for i, p in enumerate(["a red circle moving left", "a blue square moving up"]):
+        text, null = sampler.encode_text([p])
+        groups.append(dict(seeds=[3 + i], branches=[text, null]))
+    shape, times, scale = (sampler.vae.latent_channels, 4, 8, 8), [1.0, 0.8, 0.5, 0.2, 0.0], 5.0
+    refs = [sample_microbatched(model, g, shape, times, scale, "cuda:0") for g in groups]
+    pp = copy.deepcopy(model)
+    split = 1
+    place_model(pp, split, DEVICES)
+    for mode in OVERLAP_MODES:
+        for run in range(REPEATS):
+            lanes = Lanes(DEVICES)
+            stages = BidirectionalStages(pp, lanes, split, groups, shape, times, scale)
+            result, _ = run_plan(stages, mode, lanes)
+            for g, (x0, _) in enumerate(refs):
+                assert torch.equal(result.latents[(g, 0)], x0.cpu()), (mode, run, g)
