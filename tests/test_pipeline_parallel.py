@@ -4,7 +4,6 @@ order (pure), and bit-identical outputs against the single-device samplers with 
 import itertools
 
 import numpy as np
-
 import pytest
 import torch
 

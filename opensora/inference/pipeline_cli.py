@@ -17,7 +17,11 @@ Unlike ``--streaming``, the mp4s are written once all chunks are done. ``--profi
 from __future__ import annotations
 
 import logging
+import typing
 from pathlib import Path
+
+if typing.TYPE_CHECKING:  # annotations only: the CLI parses its flags before torch is imported
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +74,6 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         seeded_latent_noise,
     )
     from opensora.inference.prompts import sample_stem
-
     from opensora.inference.streaming import ChunkDecoder, StreamingGenerator
 
     if not args.streaming:

@@ -186,8 +186,8 @@ def sample_microbatched(model, group: Mapping, latent_shape, times: Sequence[flo
         for text in group["branches"]:
             t_vec = torch.full((x.shape[0],), times[k], device=device).to(dtype)
             mask = None if text.get("text_mask") is None else text["text_mask"].to(device)
-            outs.append(model(x.to(dtype), t_vec, text["text_emb"].to(device, dtype), mask,
-                              text["pooled"].to(device, dtype)).float())
+            outs.append(model(x.to(dtype), timestep=t_vec, text_emb=text["text_emb"].to(device, dtype), text_mask=mask,
+                              pooled=text["pooled"].to(device, dtype)).float())
         v = outs[0] if len(outs) == 1 else text_cfg(outs[0], outs[1], guidance_scale)
         x = euler_step(x, v, times[k], times[k + 1])
     return x, (decode(x) if decode is not None else None)
