@@ -11,11 +11,10 @@ between a chunk's key sequence and the full one, so its sums are reordered: ther
 
 import pytest
 import torch
+from test_mmdit import inputs, perturb, tiny_kwargs
 
 from opensora.models.mmdit import MMDiT
 from opensora.models.mmdit.causal import KVCache
-
-from test_mmdit import inputs, perturb, tiny_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
