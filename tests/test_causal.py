@@ -193,6 +193,8 @@ def test_kv_cache_bookkeeping_and_errors():
         MMDiT(**tiny_kwargs()).forward_chunk(**inputs(), cache=cache, start_frame=0, store_kv=False)
     with pytest.raises(ValueError, match="multiple"):
         MMDiT(**tiny_kwargs(causal_chunk_frames=3, patch_size=(2, 2, 2)))
+    with pytest.raises(ValueError, match="flash"):
+        MMDiT(**tiny_kwargs(causal_chunk_frames=2, attn_backend="flash"))
 
 
 class _Handle:

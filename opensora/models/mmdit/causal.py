@@ -86,7 +86,6 @@ class KVCache:
         self.frame_ids: List[int] = []  # absolute latent-frame index of every held frame, in cache order
         self.tokens_per_frame_group: Optional[int] = None
         self.frames_per_group = 1
-        self.sinks_complete = False  # the first ``sink_frames`` frames have been stored
 
     @property
     def num_frames(self) -> int:
@@ -126,13 +125,11 @@ class KVCache:
         if self.window_frames is not None:  # make room first, so the cache never holds more than the window
             self.trim(max(self.window_frames - num_frames, self.sink_frames))
         for i in range(self.num_blocks):
-            k, v = (t.detach() for t in new[i])
+            k, v = (t.detach().contiguous() for t in new[i])  # a copy: the chunk's text keys are not kept
             past_k, past_v = self.keys[i], self.values[i]
             self.keys[i] = k if past_k is None else torch.cat((past_k, k), dim=2)
             self.values[i] = v if past_v is None else torch.cat((past_v, v), dim=2)
         self.frame_ids.extend(range(start_frame, start_frame + num_frames))
-        if self.num_frames >= self.sink_frames:
-            self.sinks_complete = True
         if self.window_frames is not None:
             self.trim(self.window_frames)
 

@@ -95,6 +95,9 @@ class MMDiT(nn.Module, SequenceParallelModel):
         if causal_chunk_frames < 0 or causal_chunk_frames % patch_size[0]:
             raise ValueError(f"causal_chunk_frames={causal_chunk_frames} must be 0 or a positive multiple of the "
                              f"temporal patch size {patch_size[0]}")  # fmt: skip
+        if causal_chunk_frames and attn_backend == "flash":
+            raise ValueError("a causal MMDiT attends with a mask, which the flash kernel does not take; use "
+                             "attn_backend 'auto', 'cudnn', 'efficient' or 'math'")  # fmt: skip
         out_channels = in_channels if out_channels is None else out_channels
         self.arch["out_channels"] = out_channels
         self.causal_chunk_frames = int(causal_chunk_frames)
