@@ -361,8 +361,9 @@ def bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtyp
                      for br in g["branches"]]
                 for k in range(len(sched) - 1):
                     t_vec = torch.full((2,), sched[k], device=dev0).to(dtype)
-                    out = bi(torch.cat([x, x]).to(dtype), t_vec, torch.cat([b[0]["text_emb"], b[1]["text_emb"]]),
-                             None, torch.cat([b[0]["pooled"], b[1]["pooled"]])).float()
+                    out = bi(torch.cat([x, x]).to(dtype), timestep=t_vec,
+                             text_emb=torch.cat([b[0]["text_emb"], b[1]["text_emb"]]), text_mask=None,
+                             pooled=torch.cat([b[0]["pooled"], b[1]["pooled"]])).float()
                     x = euler_step(x, text_cfg(*out.chunk(2), scale), sched[k], sched[k + 1])
                 outs.append(x)
             return outs
