@@ -26,6 +26,7 @@ demo: venv
 	$(PY) tools/run_demo.py --out $(DEMO_DIR)
 
 test: venv
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 clean-venv:

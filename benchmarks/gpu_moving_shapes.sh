@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 launch=(torchrun --standalone --nproc_per_node 1 scripts/diffusion/train.py)
 
 teacher_cfg=configs/diffusion/train/moving_shapes_gpu.py
-"${launch[@]}" "$teacher_cfg" --outputs "$runs/teacher" --max-steps 1000000 --ckpt-every 0 \
+"${launch[@]}" "$teacher_cfg" --outputs "$runs/teacher" --overwrite --max-steps 1000000 --ckpt-every 0 \
     --max-minutes "$teacher_minutes" 2>&1 | grep -v -i "warn" | tail -n 5
 cp "$runs/teacher/metrics.jsonl" "$results/moving_shapes_teacher_metrics.jsonl"
 teacher=$(ls -d "$runs"/teacher/checkpoints/step-* | tail -n 1)
@@ -22,7 +22,7 @@ python benchmarks/moving_shapes_quality.py "$teacher_cfg" --ckpt "$teacher" --nu
 
 if [ "$distill_minutes" = 0 ]; then exit 0; fi
 distill_cfg=configs/distill/dmd2_gpu.py
-"${launch[@]}" "$distill_cfg" --outputs "$runs/dmd2" --max-steps 1000000 --ckpt-every 0 \
+"${launch[@]}" "$distill_cfg" --outputs "$runs/dmd2" --overwrite --max-steps 1000000 --ckpt-every 0 \
     --max-minutes "$distill_minutes" --models.student.init_from.path "$teacher" \
     --models.teacher.init_from.path "$teacher" --models.critic.init_from.path "$teacher" 2>&1 \
     | grep -v -i "warn" | tail -n 5

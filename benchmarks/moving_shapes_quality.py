@@ -29,6 +29,15 @@ def sync():
         torch.cuda.synchronize()
 
 
+def held_caption_setup(cfg, num_prompts=None, seed=1000):
+    """(frames, height, width) of the config's one bucket, the first ``num_prompts`` held captions, their seeds."""
+    size = next(iter(cfg.bucket_config))  # "HxW"
+    height, width = (int(v) for v in size.split("x"))
+    num_frames = int(next(iter(cfg.bucket_config[size])))
+    prompts = all_captions()[:num_prompts]
+    return (num_frames, height, width), prompts, [seed + i for i in range(len(prompts))]
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
@@ -48,11 +57,7 @@ def main(argv=None) -> dict:
     guidance = args.guidance_scale if args.guidance_scale is not None else cfg.get("guidance_scale", 4.0)
     step_list = list(cfg.step_list) if args.use_step_list else None
     sampler = VideoSampler.from_config(cfg, args.ckpt, role=role, progress=False)
-    size = next(iter(cfg.bucket_config))  # "HxW"
-    height, width = (int(v) for v in size.split("x"))
-    num_frames = int(next(iter(cfg.bucket_config[size])))
-    prompts = all_captions()[: args.num_prompts]
-    seeds = [args.seed + i for i in range(len(prompts))]
+    (num_frames, height, width), prompts, seeds = held_caption_setup(cfg, args.num_prompts, args.seed)
 
     def generate():
         return sampler.generate(prompts, seeds, num_frames=num_frames, height=height, width=width,

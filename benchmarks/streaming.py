@@ -30,12 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from train_step import count_host_syncs  # noqa: E402  (benchmarks/train_step.py)
+
 from opensora.config import load_config  # noqa: E402
 from opensora.inference import pipeline  # noqa: E402
 from opensora.inference.pipeline import VideoSampler, resolve_device, role_model_config  # noqa: E402
 from opensora.inference.streaming import StreamingGenerator  # noqa: E402
 from opensora.registry import MODELS, build_module  # noqa: E402
-from train_step import count_host_syncs  # noqa: E402  (benchmarks/train_step.py)
 
 
 def sync():
@@ -357,7 +358,7 @@ def timed_phases(sampler, phases):
             self.inner = model
 
         def forward(self, *a, **k):
-            passes.append(a[0].shape[0])
+            passes.append((a[0] if a else k["x"]).shape[0])
             return self.inner(*a, **k)
 
     sampler.model = Counter()

@@ -8,7 +8,7 @@ under benchmarks/results/ and prints a table.
 
 Timing: CUDA events around each step after warm-up (compilation happens there), median of the timed steps.
 MFU = model FLOPs (3x the forward matmuls, recompute not counted, the same number for both models) / time /
-the bf16 ceiling (752 TFLOP/s measured on H200, see DESIGN.md; pass --peak-tflops for another device).
+the bf16 ceiling (752 TFLOP/s measured on H200; pass --peak-tflops for another device).
 
   python benchmarks/train_step.py                       # all default variants on the GPU
   python benchmarks/train_step.py --variants ours-compile,diffusers --iters 20

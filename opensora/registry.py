@@ -1,32 +1,21 @@
 """Registries that turn config dicts (``dict(type="Name", ...)``) into objects.
 
 ``MODELS`` holds networks (MMDiT, autoencoders, text conditioners), ``DATASETS`` datasets, ``METHODS`` the
-training-step strategies. Modules register themselves with ``@MODELS.register_module()`` at import time;
-``import_all_modules`` imports every package that registers something so configs can name any of them.
+training-step strategies, ``ADAPTERS`` the per-model-family operations methods and the sampler call. Modules
+register themselves with ``@MODELS.register_module()`` at import time. Each registry imports only the package that
+holds what it registers, the first time a name is looked up (mmengine's ``locations``), so building a model for
+sampling never imports the training methods (or ColossalAI behind them).
 """
 
 import copy
-import importlib
 from typing import Any, Mapping
 
 from mmengine.registry import Registry
 
-MODELS = Registry("model", scope="opensora")
-DATASETS = Registry("dataset", scope="opensora")
-METHODS = Registry("method", scope="opensora")
-ADAPTERS = Registry("adapter", scope="opensora")  # per-model-family runtime ops that distillation methods call
-
-# Packages whose import registers the modules configs may name.
-_REGISTERING_PACKAGES = (
-    "opensora.models",
-    "opensora.datasets",
-    "opensora.methods",
-)
-
-
-def import_all_modules() -> None:
-    for name in _REGISTERING_PACKAGES:
-        importlib.import_module(name)
+MODELS = Registry("model", scope="opensora", locations=["opensora.models"])
+DATASETS = Registry("dataset", scope="opensora", locations=["opensora.datasets"])
+METHODS = Registry("method", scope="opensora", locations=["opensora.methods"])
+ADAPTERS = Registry("adapter", scope="opensora", locations=["opensora.adapters"])
 
 
 def build_module(cfg: Any, registry: Registry, **overrides) -> Any:
@@ -41,7 +30,6 @@ def build_module(cfg: Any, registry: Registry, **overrides) -> Any:
         return cfg
     if "type" not in cfg:
         raise KeyError(f"config for registry '{registry.name}' has no 'type' key: {dict(cfg)}")
-    import_all_modules()
     kwargs = copy.deepcopy(dict(cfg))
     kwargs.update(overrides)
     type_name = kwargs.pop("type")

@@ -42,8 +42,9 @@ def streamed(model, data, timesteps=None):
     cache, outs = model.new_kv_cache(), []
     for c, start in enumerate(range(0, FRAMES, CHUNK)):
         t = data["timestep"] if timesteps is None else timesteps[:, c]
-        outs.append(model.forward_chunk(data["x"][:, :, start : start + CHUNK], t, data["text_emb"], data["text_mask"],
-                                        data["pooled"], cache=cache, start_frame=start, store_kv=True))  # fmt: skip
+        outs.append(model.forward_chunk(data["x"][:, :, start : start + CHUNK], timestep=t, text_emb=data["text_emb"],
+                                        text_mask=data["text_mask"], pooled=data["pooled"], cache=cache,
+                                        start_frame=start, store_kv=True))  # fmt: skip
     return torch.cat(outs, dim=2)
 
 

@@ -14,7 +14,7 @@ SEED = 7
 
 
 def _roles(booster, model, optimizer, scheduler, ema):
-    from opensora.training.roles import Role
+    from opensora.roles import Role
 
     return {"model": Role(name="model", model=model, trainable=True, optimizer=optimizer, lr_scheduler=scheduler,
                           booster=booster, ema=ema)}
@@ -153,7 +153,7 @@ def test_rng_state_restored_per_rank(runs):
 def test_crash_mid_save_keeps_previous_checkpoint(runs):
     _, per_rank = runs["fp32"]
     for r in per_rank:
-        assert r["crash"] == "disk full (simulated)"
+        assert "disk full (simulated)" in r["crash"] and "bytes free" in r["crash"]
         assert r["latest_after_crash"] == r["saved"]
         assert r["latest_after_crash"].endswith("step-0000003")
 
@@ -192,10 +192,10 @@ def test_find_latest_ignores_incomplete_dirs(tmp_path):
 
 def _partially_used_model_resume(rank, world_size, outputs):
     """ZeRO-2: a layer gets no gradient in the first steps (and nothing has stepped at the first save)."""
+    from opensora.roles import Role
     from opensora.training import checkpoint as ckpt
     from opensora.training.booster import build_booster
     from opensora.training.distributed import init_distributed
-    from opensora.training.roles import Role
 
     init_distributed()
 

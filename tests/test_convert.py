@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from opensora.convert import diffusers_flux, opensora2
-from opensora.convert.export import export_weights, import_weights, inspect_weights, mmdit_arch_from_config_text
+from opensora.convert.arch import arch_from_json, arch_to_json
+from opensora.convert.export import export_weights, import_weights, inspect_weights
 from opensora.convert.weights import load_role_weights
 from opensora.models.mmdit import MMDiT, patchify, unpatchify
 from opensora.models.mmdit.rope import video_position_ids
@@ -76,8 +77,8 @@ def test_export_matches_source_with_metadata(checkpoint, tmp_path, ema):
     assert meta["step"] == "2" and meta["source"] == ("ema" if ema else "model")
     assert meta["role"] == "model" and meta["dtype"] == "bf16" and meta["layout"] == "opensora"
     assert meta["config"] == (checkpoint / "config.py").read_text()
-    # The embedded config rebuilds the model, which loads the file strictly.
-    model = MMDiT(**mmdit_arch_from_config_text(meta["config"]))
+    # The recorded architecture (JSON, no code) rebuilds the model, which loads the file strictly.
+    model = MMDiT(**arch_from_json(meta["arch"], str(dst)))
     model.load_state_dict(load_role_weights(dst).state_dict, strict=True)
     if ema:  # the EMA and raw weights are different tensors after 2 updates with decay 0.99
         raw = load_role_weights(checkpoint, ema=False).state_dict
@@ -137,8 +138,8 @@ def test_opensora2_import_infers_architecture(tmp_path):
     model = _randomise(MMDiT(**TINY, cond_channels=17, guidance_embed=True))
     theirs = tmp_path / "os2.safetensors"
     save_file(opensora2.to_opensora2(model.state_dict()), str(theirs))  # no metadata, like a foreign file
-    result = import_weights(theirs, tmp_path / "ours.safetensors", "opensora")
-    arch = mmdit_arch_from_config_text(result.metadata["config"])
+    result = import_weights(theirs, tmp_path / "ours.safetensors", "opensora", axes_dims=TINY["axes_dims"])
+    arch = arch_from_json(result.metadata["arch"], str(result.path))
     for key in ("in_channels", "cond_channels", "hidden_size", "num_heads", "depth_double", "depth_single",
                 "text_dim", "pooled_dim", "guidance_embed", "patch_size", "mlp_ratio"):
         assert arch[key] == model.arch[key], key
@@ -179,7 +180,7 @@ def _inputs(batch=2, text_len=5, grid=(1, 4, 5), seed=1):
 @torch.no_grad()
 def _ours(model, x, t, text, pooled, guidance):
     mask = torch.ones(text.shape[:2], dtype=torch.bool)
-    return model(x, t, text, mask, pooled, guidance=guidance)
+    return model(x, timestep=t, text_emb=text, text_mask=mask, pooled=pooled, guidance=guidance)
 
 
 @torch.no_grad()
@@ -203,7 +204,7 @@ def test_diffusers_flux_to_ours_matches(tmp_path, guidance_embed):
     flux.save_pretrained(tmp_path / "flux")
 
     result = import_weights(tmp_path / "flux", tmp_path / "ours.safetensors", "diffusers")
-    arch = mmdit_arch_from_config_text(result.metadata["config"])
+    arch = arch_from_json(result.metadata["arch"], str(result.path))
     assert json.loads((tmp_path / "flux" / "config.json").read_text())["num_layers"] == arch["depth_double"]
     model = MMDiT(**arch).eval()
     model.load_state_dict(load_file(str(result.path)), strict=True)
@@ -235,7 +236,7 @@ def test_ours_to_diffusers_flux_loads_strictly_and_matches(tmp_path):
     kwargs = dict(type="MMDiT", **TINY, guidance_embed=True)
     model = _randomise(MMDiT(**{k: v for k, v in kwargs.items() if k != "type"}).eval(), seed=5)
     ours_file = tmp_path / "ours.safetensors"
-    save_file(model.state_dict(), str(ours_file), metadata={"config": f"model = {kwargs!r}\n", "step": "7"})
+    save_file(model.state_dict(), str(ours_file), metadata={"arch": arch_to_json(model.arch), "step": "7"})
 
     # State-dict path: strict load into a model built from the derived config.
     flux = FluxTransformer2DModel(**diffusers_flux.diffusers_flux_config(model.arch)).eval()

@@ -1,7 +1,6 @@
 """Fixed costs of the full-video sampler (issue 13): noise drawn in parallel threads is the per-row noise, and the
 model passes never inspect the text mask (no GPU->host sync per pass)."""
 
-import pytest
 import torch
 
 from opensora.inference.pipeline import VideoSampler, seeded_noise

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from opensora.models.mmdit import MMDiT, mmdit_config
-from opensora.models.mmdit.sequence_parallel import SequenceGroup, build_sequence_groups
+from opensora.parallel.sequence_parallel import SequenceGroup, build_sequence_groups
 
 TEXT_DIM, POOLED_DIM = 24, 16
 

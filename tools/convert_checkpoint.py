@@ -3,7 +3,8 @@
 
     python tools/convert_checkpoint.py SRC DST [--ema | --no-ema] [--dtype bf16] [--role model]
                                        [--to opensora|opensora2|diffusers] [--opensora2-fused-qkv]
-    python tools/convert_checkpoint.py SRC DST --from diffusers|opensora [--dtype bf16]
+                                       [--opensora2-rope half-split|adjacent] [--config CONFIG.py]
+    python tools/convert_checkpoint.py SRC DST --from diffusers|opensora [--dtype bf16] [--axes-dims 16,56,56]
     python tools/convert_checkpoint.py inspect SRC [--role model] [--no-ema]      (or: SRC --inspect)
 
 SRC is a training checkpoint directory (``.../checkpoints/step-0000500``) or an exported ``.safetensors`` file;
@@ -11,6 +12,12 @@ SRC is a training checkpoint directory (``.../checkpoints/step-0000500``) or an 
 released v2 checkpoint unless ``--opensora2-fused-qkv``), ``diffusers`` writes FluxTransformer2DModel keys (a DST
 without ``.safetensors`` becomes a ``from_pretrained`` directory). ``--from`` imports foreign weights (a diffusers
 model/pipeline directory or an Open-Sora 2.0 ``.safetensors``) into our layout. ``--role student`` for distilled runs.
+
+Open-Sora 2.0's shipped configs rotate RoPE half-split channel pairs (``use_liger_rope=True``); ours rotates adjacent
+pairs. ``--to opensora2`` / ``--from opensora`` reorder q/k for it (``--opensora2-rope adjacent`` for a model run with
+``use_liger_rope=False``). Reading a checkpoint never runs code: the architecture comes from its JSON ``arch`` record,
+or from ``--config`` (your own config file); a foreign Open-Sora 2.0 file needs ``--axes-dims`` (its RoPE split).
+Bad input prints one line and exits with code 2 (``--debug`` keeps the traceback).
 """
 
 import argparse
@@ -19,9 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from opensora.cli_errors import UserInputError, run_cli  # noqa: E402
 from opensora.convert.export import (  # noqa: E402
     export_weights, format_summary, import_weights, inspect_weights,
 )
+from opensora.convert.opensora2 import HALF_SPLIT, ROPE_PAIRINGS  # noqa: E402
 from opensora.dtypes import SHORT_NAMES  # noqa: E402
 
 
@@ -49,20 +58,25 @@ def _convert_parser() -> argparse.ArgumentParser:
                         help="import foreign weights (diffusers Flux dir / Open-Sora 2.0 file) into our layout")
     parser.add_argument("--opensora2-fused-qkv", action="store_true",
                         help="with --to opensora2: fused qkv/linear1 (Flux form) instead of split q/k/v")
+    parser.add_argument("--opensora2-rope", default=None, choices=ROPE_PAIRINGS,
+                        help=f"RoPE channel pairing on the Open-Sora 2.0 side (default {HALF_SPLIT}: its shipped "
+                             "use_liger_rope=True; adjacent: use_liger_rope=False; on import a file's own record wins)")
+    parser.add_argument("--axes-dims", default=None,
+                        help="with --from opensora: the RoPE split of a head over (t, h, w), e.g. 16,56,56")
+    parser.add_argument("--config", default=None,
+                        help="take the architecture from this config file (yours) instead of the checkpoint's record")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument("--inspect", action="store_true", help="only print a summary of SRC")
     return parser
 
 
 def main(argv=None) -> int:
-    try:
-        return _run(argv)
-    except (ValueError, KeyError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    """Bad input (a missing or foreign file, a layout that does not fit) is one line and exit code 2."""
+    return run_cli(_run, argv, prog="convert_checkpoint.py", also=(ValueError, KeyError))
 
 
 def _run(argv) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(argv)
     if argv and argv[0] == "inspect":
         args = _inspect_parser().parse_args(argv[1:])
         print(format_summary(inspect_weights(args.src, role=args.role, ema=args.ema)))
@@ -74,13 +88,20 @@ def _run(argv) -> int:
         return 0
     if args.dst is None:
         parser.error("DST is required unless --inspect / inspect is used")
+    dst = Path(args.dst)
+    if dst.exists() and dst.resolve() == Path(args.src).resolve():
+        raise UserInputError(f"DST {dst} is SRC: write the converted weights to another path")
+    if dst.exists() and not args.overwrite:
+        raise UserInputError(f"DST {dst} already exists: pass --overwrite to replace it, or choose another path")
     if args.from_ is not None:
         if args.to != "opensora":
             parser.error("--from imports into our layout; convert the result with a second call for --to")
-        result = import_weights(args.src, args.dst, args.from_, dtype=args.dtype)
+        result = import_weights(args.src, args.dst, args.from_, dtype=args.dtype, axes_dims=args.axes_dims,
+                                rope_pairing=args.opensora2_rope)
     else:
         result = export_weights(args.src, args.dst, role=args.role, ema=args.ema, dtype=args.dtype, to=args.to,
-                                opensora2_fused_qkv=args.opensora2_fused_qkv)
+                                opensora2_fused_qkv=args.opensora2_fused_qkv,
+                                rope_pairing=args.opensora2_rope or HALF_SPLIT, config_path=args.config)
     meta = result.metadata
     print(f"wrote {result.path} ({result.num_tensors} tensors, layout {result.layout}, dtype {meta['dtype']}, "
           f"source {meta['source']}, step {meta.get('step', 'unknown')})")

@@ -28,4 +28,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from opensora.cli_errors import run_cli
+
+    sys.exit(run_cli(main, sys.argv[1:], prog="eval_moving_shapes.py"))

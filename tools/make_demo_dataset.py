@@ -6,6 +6,7 @@ and prompts.txt. Example:
 """
 
 import argparse
+import sys
 
 from opensora.datasets.moving_shapes import write_dataset
 
@@ -40,4 +41,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from opensora.cli_errors import run_cli
+
+    sys.exit(run_cli(main, sys.argv[1:], prog="make_demo_dataset.py", also=(ValueError,)))

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
         train_cmd += ["--max-steps", args.max_steps]
     run(train_cmd)
 
-    from opensora.training.checkpoint import find_latest_checkpoint
+    from opensora.checkpoint_layout import find_latest_checkpoint
 
     ckpt = find_latest_checkpoint(train)
     # held prompts: every colour x shape x direction caption, one sample each, seeds never used in training

@@ -22,6 +22,8 @@ guidance_scale = 1.0  # the student has the teacher's CFG distilled in: sample i
 
 # ---- roles: all three start from the teacher -----------------------------------------------------------------
 _mmdit = {{_base_.model}}
+# the teacher config's single-role keys do not apply here (each role sets its own): unset, or they are an error
+model = lr = warmup_steps = grad_clip = ema_decay = ema_start_step = None
 models = dict(
     student=dict(
         model=_mmdit,

@@ -18,9 +18,21 @@ single_blocks.N.norm.{query,key}_scale                     single_blocks.N.norm.
 single_blocks.N.linear1 ([q, k, v, mlp_in] rows)           .linear1 (fused) | .q_proj, .k_proj, .v_mlp (split)
 final_layer.adaLN_modulation (Linear)                      final_layer.adaLN_modulation.1 (SiLU, Linear)
 =========================================================  =============================================
+
+RoPE channel pairing. Our RoPE (and Flux's, and Open-Sora 2.0's ``use_liger_rope=False`` path) rotates adjacent
+channel pairs ``(2j, 2j+1)`` of each head by frequency ``f[j]``; Open-Sora 2.0's shipped configs set
+``use_liger_rope=True``, whose kernel rotates half-split pairs ``(j, j + D/2)`` by the same ``f[j]`` (its cos/sin are
+the per-axis frequencies concatenated, then repeated twice). Both use the same frequency list, so the conversion is
+one permutation of each head's channels, whatever the RoPE axis split: our channel ``2j`` is their ``j`` and ``2j+1``
+is their ``j + D/2``. It is applied to the q and k projection rows (weights and biases) and to the q/k RMSNorm scales
+(a per-channel scale moves with its channel; the norm itself does not care about order); q.k, and so attention, is
+unchanged because q and k are permuted alike. ``v`` and everything else keep their order.
 """
 
+import re
 from typing import List
+
+import torch
 
 from .keymap import Rule, StateDict, export_state, hidden_size_of, import_state
 
@@ -79,3 +91,55 @@ def is_fused_qkv(state: StateDict) -> bool:
 def from_opensora2(state: StateDict) -> StateDict:
     """Open-Sora 2.0 ``MMDiTModel`` state dict (fused or split QKV, detected) -> our MMDiT keys."""
     return import_state(state, _rules(is_fused_qkv(state)), LAYOUT)
+
+
+HALF_SPLIT = "half-split"  # use_liger_rope=True: what Open-Sora 2.0 ships
+ADJACENT = "adjacent"  # use_liger_rope=False (Flux's pairing, and ours)
+ROPE_PAIRINGS = (HALF_SPLIT, ADJACENT)
+_QK_ROWS = re.compile(r"^(double_blocks\.\d+\.(img|txt)_attn\.qkv|single_blocks\.\d+\.linear1)\.(weight|bias)$")
+_QK_SCALE = re.compile(r"^(double_blocks\.\d+\.(img|txt)_attn\.norm|single_blocks\.\d+\.norm)\.(query|key)_scale$")
+
+
+def half_split_order(head_dim: int) -> torch.Tensor:
+    """Channel order of a head in the half-split pairing: position ``i`` takes our channel ``order[i]``."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
+def _permute_rows(tensor: torch.Tensor, head_dim: int, order: torch.Tensor, rows: int) -> torch.Tensor:
+    """Permute each head's channels within the first ``rows`` rows of ``tensor`` (heads of ``head_dim``)."""
+    head_part = tensor[:rows].unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)
+    return torch.cat([head_part, tensor[rows:]]) if rows < tensor.shape[0] else head_part
+
+
+def convert_rope_pairing(state: StateDict, head_dim: int, to: str, inverse: bool = False) -> StateDict:
+    """Our state dict (our keys) with q/k rows and q/k-norm scales reordered for RoPE pairing ``to``.
+
+    ``inverse=True`` undoes it (import: weights trained under ``to`` -> our adjacent pairing). ``adjacent`` is the
+    identity. The hidden size (rows of q, and of k) is read off ``img_in.weight``.
+    """
+    if to not in ROPE_PAIRINGS:
+        raise ValueError(f"unknown RoPE pairing {to!r}; choose one of {ROPE_PAIRINGS}")
+    if to == ADJACENT:
+        return dict(state)
+    order = half_split_order(head_dim)
+    if inverse:
+        order = torch.argsort(order)
+    hidden = hidden_size_of(state, "img_in.weight")
+    out = {}
+    for key, tensor in state.items():
+        if _QK_ROWS.match(key):  # rows [q (hidden), k (hidden), v, (mlp)]: reorder q and k
+            tensor = _permute_rows(tensor, head_dim, order, 2 * hidden)
+        elif _QK_SCALE.match(key):
+            tensor = tensor[order]
+        out[key] = tensor.contiguous()
+    return out
+
+
+def head_dim_of(state: StateDict) -> int:
+    """Head dimension read off a q-norm scale (our keys)."""
+    for key, tensor in state.items():
+        if _QK_SCALE.match(key):
+            return int(tensor.shape[0])
+    raise KeyError("state dict has no q/k norm scale (double_blocks.0.img_attn.norm.query_scale): is it an MMDiT?")

@@ -1,9 +1,10 @@
 """Read a role's weights from a training checkpoint directory or a single safetensors file.
 
-A training checkpoint (``{outputs}/checkpoints/step-{step:07d}/``) holds one sub-directory per trained role
-(``model`` for plain training, ``student``/``critic`` for distillation) with ``ema.safetensors`` (rank 0's EMA)
-and ``model/`` (the booster's sharded safetensors with ``model.safetensors.index.json``). Exported files are one
-``.safetensors`` with the resolved config in the metadata (key ``config``).
+A training checkpoint (layout: ``opensora.checkpoint_layout``) holds one sub-directory per trained role (``model``
+for plain training, ``student``/``critic`` for distillation) with its EMA weights, the booster's sharded safetensors
+and ``arch.json`` (the network's keyword arguments, see ``arch.py``). Exported files are one ``.safetensors`` with the
+architecture in the metadata (key ``arch``) and, for the record only, the training config text (key ``config``).
+Config text is never executed here.
 """
 
 import json
@@ -14,6 +15,11 @@ from typing import Dict, Optional
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+from opensora.checkpoint_layout import CONFIG_FILE, EMA_FILE, META_FILE, MODEL_DIR
+from opensora.cli_errors import UserInputError
+
+from .arch import ARCH_FILE, ARCH_KEY, arch_from_json
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -26,16 +32,22 @@ class LoadedWeights:
     step: Optional[int] = None
     config_text: Optional[str] = None  # the training config, when the checkpoint carries one
     metadata: Dict[str, str] = field(default_factory=dict)
+    arch: Optional[dict] = None  # the network's keyword arguments, when the checkpoint records them as JSON
+
+
+def shard_names(directory: Path) -> list:
+    """File names of a sharded safetensors directory's shards (from the index json), or its ``*.safetensors``."""
+    directory = Path(directory)
+    index = directory / INDEX_NAME
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return sorted(p.name for p in directory.glob("*.safetensors"))
 
 
 def load_sharded_safetensors(directory: Path) -> Dict[str, torch.Tensor]:
     """All tensors of a sharded safetensors directory (index json + shards), or a lone ``*.safetensors``."""
     directory = Path(directory)
-    index = directory / INDEX_NAME
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        shards = sorted(p.name for p in directory.glob("*.safetensors"))
+    shards = shard_names(directory)
     if not shards:
         raise FileNotFoundError(f"no safetensors weights in {directory}")
     state = {}
@@ -44,9 +56,36 @@ def load_sharded_safetensors(directory: Path) -> Dict[str, torch.Tensor]:
     return state
 
 
+def check_shapes_fit(saved: Dict[str, tuple], module: torch.nn.Module, where, what: str = "model") -> None:
+    """Raise ``UserInputError`` naming the first tensor whose saved shape differs from ``module``'s (with both shapes
+    and how many differ), or the tensors one side lacks. ``saved``: key -> shape (``module.`` prefixes ignored)."""
+    strip = lambda key: key[len("module."):] if key.startswith("module.") else key  # noqa: E731
+    saved = {strip(k): tuple(v) for k, v in saved.items()}
+    ours = {strip(k): tuple(v.shape) for k, v in module.state_dict().items()}
+    differ = [k for k in ours if k in saved and saved[k] != ours[k]]
+    advice = "load it with the config it was trained with"
+    if differ:
+        first = differ[0]
+        raise UserInputError(
+            f"{where} does not fit this {what}: {first} has shape {list(saved[first])} in the checkpoint but "
+            f"{list(ours[first])} in the model built from the config ({len(differ)} tensor(s) differ); {advice}")
+    missing, unexpected = [k for k in ours if k not in saved], [k for k in saved if k not in ours]
+    if missing or unexpected:
+        more = lambda keys: f"{keys[:3]}{' ...' if len(keys) > 3 else ''}"  # noqa: E731
+        raise UserInputError(f"{where} does not fit this {what}: missing {more(missing)}, unexpected "
+                             f"{more(unexpected)}; {advice}")
+
+
 def read_metadata(path: Path) -> Dict[str, str]:
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+    """A safetensors file's string metadata; a ``UserInputError`` when the file is not safetensors at all."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # safetensors raises its own error types for a file of another format
+        raise UserInputError(f"{path} is not a safetensors file ({type(error).__name__}: {error}); give a "
+                             ".safetensors file or a checkpoint directory (.../checkpoints/step-XXXXXXX)") from None
 
 
 def load_role_weights(path, role: str = "model", ema: bool = True) -> LoadedWeights:
@@ -55,20 +94,25 @@ def load_role_weights(path, role: str = "model", ema: bool = True) -> LoadedWeig
     if path.is_file():
         metadata = read_metadata(path)
         step = int(metadata["step"]) if "step" in metadata else None
-        return LoadedWeights(load_file(str(path)), "file", path, step, metadata.get("config"), metadata)
+        arch = arch_from_json(metadata[ARCH_KEY], str(path)) if ARCH_KEY in metadata else None
+        return LoadedWeights(load_file(str(path)), "file", path, step, metadata.get("config"), metadata, arch)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     role_dir = path / role
     if not role_dir.is_dir():
-        roles = sorted(p.name for p in path.iterdir() if (p / "model").is_dir())
+        roles = sorted(p.name for p in path.iterdir() if (p / MODEL_DIR).is_dir())
         raise FileNotFoundError(f"checkpoint {path} has no role '{role}'; it has {roles}")
-    meta_file = path / "meta.json"
+    meta_file = path / META_FILE
     step = json.loads(meta_file.read_text()).get("step") if meta_file.is_file() else None
-    config_file = path / "config.py"
+    config_file = path / CONFIG_FILE
     config_text = config_file.read_text() if config_file.is_file() else None
-    ema_file = role_dir / "ema.safetensors"
+    arch_file = role_dir / ARCH_FILE
+    arch = arch_from_json(arch_file.read_text(), str(arch_file)) if arch_file.is_file() else None
+    ema_file = role_dir / EMA_FILE
     if ema and ema_file.is_file():
-        return LoadedWeights(load_file(str(ema_file)), "ema", ema_file, step, config_text, read_metadata(ema_file))
+        return LoadedWeights(load_file(str(ema_file)), "ema", ema_file, step, config_text, read_metadata(ema_file),
+                             arch)
     if ema:
         raise FileNotFoundError(f"{ema_file} missing (trained without EMA?); pass ema=False / --no-ema for raw weights")
-    return LoadedWeights(load_sharded_safetensors(role_dir / "model"), "model", role_dir / "model", step, config_text)
+    model_dir = role_dir / MODEL_DIR
+    return LoadedWeights(load_sharded_safetensors(model_dir), "model", model_dir, step, config_text, arch=arch)

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
+from opensora.cli_errors import UserInputError
+
 from .sampler import BucketBatchSampler
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,21 @@ class ResumableDataLoader:
                 continue
             yield batch
 
+    def batches_forever(self) -> Iterator[dict]:
+        """Batches epoch after epoch (from a resumed position first). An epoch iterated from its first batch that
+        yields nothing (every planned sample bad) raises ``UserInputError`` instead of looping forever."""
+        while True:
+            fresh, yielded = self.sampler.batches_consumed == 0, False
+            for batch in self:
+                yielded = True
+                yield batch
+            if fresh and not yielded:
+                example = next(iter(self.bad_paths.items()), None)
+                raise UserInputError(
+                    f"epoch {self.epoch} yielded no batch: every sample planned for it was bad ({len(self.bad_paths)} "
+                    f"bad file(s), e.g. {': '.join(example) if example else 'none recorded'}); fix or remove them")
+            self.set_epoch(self.epoch + 1)
+
     def _record_skips(self, skipped: Sequence[Tuple[str, str]]) -> None:
         self.num_skipped += len(skipped)
         for path, reason in skipped:
@@ -116,10 +133,12 @@ def build_dataloader(
     size_multiple: int = 16,
     aspect_ratios=None,
     multiprocessing_context=None,
+    check_batches: bool = True,
 ) -> Tuple[ResumableDataLoader, BucketBatchSampler]:
     """A resumable loader over ``dataset`` bucketed by ``bucket_config`` for this rank; returns (loader, sampler).
 
     ``rank`` / ``world_size`` default to torch.distributed's (or 0 / 1). ``pin_memory`` is ignored without CUDA.
+    ``check_batches``: refuse (``UserInputError``) a dataset whose first epoch has no full global batch.
     """
     sampler = BucketBatchSampler(
         dataset,
@@ -132,6 +151,8 @@ def build_dataloader(
         size_multiple=size_multiple,
         aspect_ratios=aspect_ratios,
     )
+    if check_batches:
+        sampler.check_has_batches(getattr(dataset, "data_path", type(dataset).__name__))
     extra = {}
     if num_workers > 0:
         extra = dict(

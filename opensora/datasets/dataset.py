@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from opensora.cli_errors import UserInputError
 from opensora.registry import DATASETS
 
 from .transforms import resize_center_crop
@@ -84,14 +85,21 @@ def read_table(data_path) -> pd.DataFrame:
     path = Path(data_path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset table {path} does not exist")
-    if path.suffix.lower() == ".csv":
-        table = pd.read_csv(path)
-    elif path.suffix.lower() in (".parquet", ".pq"):
-        table = pd.read_parquet(path)
-    else:
-        raise ValueError(f"dataset table {path} must be .csv or .parquet")
+    try:
+        if path.suffix.lower() == ".csv":
+            table = pd.read_csv(path)
+        elif path.suffix.lower() in (".parquet", ".pq"):
+            table = pd.read_parquet(path)
+        else:
+            raise UserInputError(f"dataset table {path} must be .csv or .parquet")
+    except pd.errors.EmptyDataError:
+        raise UserInputError(f"dataset table {path} is empty (no header, no rows)") from None
+    except (pd.errors.ParserError, UnicodeDecodeError) as error:
+        raise UserInputError(f"dataset table {path} cannot be parsed: {error}") from None
     if "path" not in table.columns:
-        raise ValueError(f"dataset table {path} has no 'path' column (columns: {list(table.columns)})")
+        raise UserInputError(f"dataset table {path} has no 'path' column (columns: {list(table.columns)})")
+    if len(table) == 0:
+        raise UserInputError(f"dataset table {path} has a header but no rows: nothing to train on")
     return table
 
 
@@ -217,6 +225,8 @@ class VideoTextDataset(torch.utils.data.Dataset):
         target_fps: pick the interval per video as ``max(1, round(video_fps / target_fps))``.
         seed: with the epoch and index, fixes each clip's random start frame.
         interpolation: ``torch.nn.functional.interpolate`` mode for resizing.
+        allow_empty_text: accept a table without a ``text``/``caption`` column (every caption empty: unconditional
+            training). Without it such a table is an error, since it silently trains a model that ignores prompts.
     """
 
     def __init__(
@@ -228,6 +238,7 @@ class VideoTextDataset(torch.utils.data.Dataset):
         target_fps: Optional[float] = None,
         seed: int = 0,
         interpolation: str = "bilinear",
+        allow_empty_text: bool = False,
     ):
         if frame_interval < 1:
             raise ValueError(f"frame_interval must be >= 1, got {frame_interval}")
@@ -242,6 +253,10 @@ class VideoTextDataset(torch.utils.data.Dataset):
         root = Path(data_path).resolve().parent
         self.paths: List[str] = [p if os.path.isabs(p) else str(root / p) for p in table["path"].astype(str)]
         text_column = "text" if "text" in table.columns else ("caption" if "caption" in table.columns else None)
+        if text_column is None and not allow_empty_text:
+            raise UserInputError(
+                f"dataset table {data_path} has no 'text' (or 'caption') column (columns: {list(table.columns)}): "
+                "add the captions, or set dataset.allow_empty_text=True to train without text on purpose")
         self.texts: List[str] = (
             table[text_column].fillna("").astype(str).tolist() if text_column else [""] * len(self.paths)
         )

@@ -25,6 +25,8 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from opensora.cli_errors import UserInputError
+
 from .buckets import BucketTable
 from .dataset import format_sample_key
 
@@ -119,6 +121,27 @@ class BucketBatchSampler(torch.utils.data.Sampler):
                 len(self.usable_frames),
                 examples,
             )
+
+    def check_has_batches(self, name: str = "the dataset") -> None:
+        """Raise ``UserInputError`` unless epoch 0 gives every rank at least one batch (a full global batch).
+
+        Without this, a dataset too small for ``num_replicas x batch size`` (with ``drop_last``), or one whose
+        samples all fit no bucket, makes every epoch empty and the training loop spins forever.
+        """
+        if len(self.plan_epoch(0)) > 0:
+            return
+        fits = self.table.fits(self.usable_frames, self.heights, self.widths)
+        needs = []
+        for j, bucket in enumerate(self.table.frame_buckets):
+            need = bucket.batch_size * (self.num_replicas if self.drop_last else 1)
+            needs.append(f"{bucket.resolution.name} x {bucket.num_frames} frames: batch size {bucket.batch_size} x "
+                         f"{self.num_replicas} rank(s) = {need} samples, {int(fits[:, j].sum())} fit it")
+        usable = len(self.usable_frames) - len(self.unbucketable_indices)
+        raise UserInputError(
+            f"{name}: no full global batch: {usable} usable sample(s) of {len(self.usable_frames)} "
+            f"({len(self.unbucketable_indices)} fit no bucket: too small, too short or unreadable); one global batch "
+            f"needs one batch per rank from a single bucket ({'; '.join(needs)}). Add data, lower the batch sizes "
+            "in bucket_config, or use fewer ranks")
 
     # -- planning (pure in seed, epoch)
 

@@ -385,7 +385,12 @@ def load_rows(csv_path, progress: bool = True):
 
 def evaluate_csv(csv_path, json_out=None, progress: bool = True) -> EvalReport:
     """Score every video listed in ``csv_path`` (columns path, text; paths relative to the csv or absolute)."""
-    report = score_rows(list(load_rows(csv_path, progress=progress)))
+    rows = list(load_rows(csv_path, progress=progress))
+    if not rows:  # scores of nothing would read as 0.000 accuracy
+        from opensora.cli_errors import UserInputError
+
+        raise UserInputError(f"{csv_path} lists no videos: nothing to score")
+    report = score_rows(rows)
     if json_out is not None:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(json_out).write_text(json.dumps(report.to_dict(), indent=1) + "\n")

@@ -1,5 +1,2 @@
-"""Sampling: ``VideoSampler`` (pipeline.py), prompt files (prompts.py), outputs (io.py), the CLI (cli.py)."""
-
-from opensora.inference.pipeline import VideoSampler, video_size_for
-
-__all__ = ["VideoSampler", "video_size_for"]
+"""Sampling: ``VideoSampler`` (pipeline.py), prompt files (prompts.py), outputs (io.py), the CLI (cli.py), the Jano
+region cache and a whole-step baseline (jano.py), cache stores with the prefetching ``OffloadManager`` (offload.py)."""

@@ -13,6 +13,8 @@ import logging
 import sys
 from pathlib import Path
 
+from opensora.checkpoint_layout import checkpoint_root, find_latest_checkpoint
+from opensora.cli_errors import UserInputError, check_range, run_cli
 from opensora.config import load_config_from_cli, save_config
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,12 @@ INFERENCE_FLAGS = {
     "device": "auto",
     "offload": False,  # keep text encoder and autoencoder on the CPU except while they run
     "progress": True,
+    "jano": False,  # Jano region-aware caching (opensora/inference/jano.py); settings under jano_settings
+    "jano_offload": False,  # with --jano: keep its caches in pinned CPU memory, prefetched on a side stream
+    # JanoConfig's fields; override one with e.g. --jano-settings.warmup_steps 4
+    "jano_settings": dict(warmup_steps=6, cooldown_steps=2, refresh_interval=5, medium_interval=2,
+                          static_threshold=0.2, medium_threshold=0.6, analysis_steps=3, dilation=1,
+                          batch_quantile=1.0, share_branches=True),
     # streaming (causal models): chunk by chunk with a KV cache, each chunk appended to the mp4 as it finishes
     "streaming": False,
     "window_frames": None,  # latent frames the KV cache keeps (sinks included); None: all (memory grows)
@@ -51,12 +59,10 @@ INFERENCE_FLAGS = {
 
 def resolve_checkpoint(path) -> Path:
     """A checkpoint directory or file as given, or the newest complete checkpoint of a training outputs dir."""
-    from opensora.training.checkpoint import find_latest_checkpoint
-
     if path is None:
         raise SystemExit("--ckpt PATH is required (a checkpoint directory or a .safetensors file)")
     path = Path(path)
-    if path.is_dir() and (path / "checkpoints").is_dir():
+    if path.is_dir() and checkpoint_root(path).is_dir():
         latest = find_latest_checkpoint(path)
         if latest is None:
             raise SystemExit(f"{path} holds no complete checkpoint under checkpoints/")
@@ -84,11 +90,32 @@ def _steps_record(args) -> dict:
     return dict(num_steps=int(args.num_steps), step_list=None)
 
 
+def check_inference_flags(args) -> None:
+    """Range and choice checks of the flags, before any model is built."""
+    from opensora.diffusion.conditions import CONDITION_TYPES
+
+    check_range("num_steps", args.num_steps, 1, integer=True)
+    check_range("seed", args.seed, 0, 2**32 - 1, integer=True)
+    check_range("batch_size", args.batch_size, 1, integer=True)
+    check_range("num_frames", args.num_frames, 1, integer=True)
+    check_range("fps", args.fps, 0.001)
+    check_range("guidance_scale", args.guidance_scale, 0)
+    check_range("image_guidance_scale", args.image_guidance_scale, 0)
+    if args.cond_type not in CONDITION_TYPES:
+        raise UserInputError(f"--cond-type {args.cond_type!r} is not one of {', '.join(CONDITION_TYPES)}")
+    if args.ref is not None and not Path(str(args.ref)).is_file():
+        raise UserInputError(f"--ref {args.ref}: no such file")
+    save_dir = Path(str(args.save_dir))
+    if save_dir.exists() and not save_dir.is_dir():
+        raise UserInputError(f"--save-dir {save_dir} is a file; give a directory (it is created if missing)")
+
+
 def main(argv=None, on_chunk=None) -> list:
     """Run the sampling CLI; returns the written sample paths. ``on_chunk(chunk, paths)`` (streaming only) is
     called after each chunk's frames are in the files."""
     cfg, args = load_config_from_cli(argv, script_flags=INFERENCE_FLAGS, prog="inference.py",
                                      description="Sample videos from a trained (or distilled) model.")
+    check_inference_flags(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
     from opensora.inference.pipeline import VideoSampler, video_size_for
@@ -99,9 +126,12 @@ def main(argv=None, on_chunk=None) -> list:
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(str(error)) from None
     ckpt = resolve_checkpoint(args.ckpt)
-    step_list = parse_step_list(args.step_list)
+    try:
+        step_list = parse_step_list(args.step_list)
+        height, width = video_size_for(str(args.resolution), args.aspect_ratio)
+    except ValueError as error:
+        raise UserInputError(f"--step-list / --resolution / --aspect-ratio: {error}") from None
     args.step_list = step_list
-    height, width = video_size_for(str(args.resolution), args.aspect_ratio)
     num_frames = int(args.num_frames)
     batch_size = max(1, int(args.batch_size))
     save_dir = Path(args.save_dir)
@@ -110,6 +140,11 @@ def main(argv=None, on_chunk=None) -> list:
 
     sampler = VideoSampler.from_config(cfg, ckpt, role=args.role, ema=bool(args.ema), device=args.device,
                                        dtype=args.dtype, offload=bool(args.offload), progress=bool(args.progress))
+    if args.jano or args.jano_offload:
+        from opensora.inference.jano import JanoCache, JanoConfig
+
+        store = "offload" if args.jano_offload else "device"
+        sampler.accelerator = JanoCache(JanoConfig(**dict(args.jano_settings or {}), store=store))
     weights = sampler.weights
     latent_size = sampler.latent_size(num_frames, height, width)
     logger.info("sampling %d prompt(s) at %dx%dx%d (latent %s) from %s [%s] on %s/%s", len(prompts), num_frames,
@@ -123,6 +158,7 @@ def main(argv=None, on_chunk=None) -> list:
         cond_type=args.cond_type, ref=None if args.ref is None else str(args.ref), num_frames=num_frames,
         height=height, width=width, fps=float(args.fps), dtype=str(sampler.dtype).replace("torch.", ""),
         device=str(sampler.device),
+        **({} if sampler.accelerator is None else dict(jano=dict(vars(sampler.accelerator.config)))),
     )
     if args.streaming:
         return stream_samples(sampler, args, prompts, seeds, (num_frames, height, width), common, save_dir, on_chunk)
@@ -157,7 +193,10 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
 
     num_frames, height, width = size
     if args.cond_type != "t2v" or args.ref is not None:
-        raise SystemExit("--streaming generates text-to-video only (no --cond-type / --ref)")
+        raise UserInputError("--streaming generates text-to-video only (no --cond-type / --ref)")
+    if sampler.accelerator is not None:
+        raise UserInputError("--streaming and --jano do not combine (the KV cache and the region cache share the "
+                             "attention seam)")  # fmt: skip
     generator = StreamingGenerator(
         sampler, step_list=args.step_list, num_steps=int(args.num_steps), rollout=str(args.rollout),
         guidance_scale=float(args.guidance_scale), sink_frames=int(args.sink_frames),
@@ -198,4 +237,4 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_cli(main, sys.argv[1:], prog="inference.py"))

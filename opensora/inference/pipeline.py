@@ -23,6 +23,7 @@ Choices that matter for reproducing training:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from opensora.convert.weights import LoadedWeights, load_role_weights
+from opensora.adapters.mmdit import MMDiTAdapter
+from opensora.convert.weights import LoadedWeights, check_shapes_fit, load_role_weights
 from opensora.datasets.buckets import ASPECT_RATIOS, bucket_size, parse_resolution
 from opensora.diffusion.conditions import (
     CONDITION_TYPES,
@@ -45,6 +47,7 @@ from opensora.diffusion.sampling import sample
 from opensora.inference.io import load_reference, to_uint8_frames
 from opensora.models.vae.base import resolve_dtype
 from opensora.registry import MODELS, build_module
+from opensora.role_config import role_configs
 
 REFERENCE_TYPES = CONDITION_TYPES[1:]  # i2v_head, i2v_tail, i2v_loop, v2v_head, v2v_tail
 
@@ -100,17 +103,11 @@ def video_size_for(resolution: str, aspect_ratio=None, size_multiple: int = 16) 
 
 
 def role_model_config(cfg: Mapping, role: str = "model") -> Mapping:
-    """The network config of ``role``: ``cfg.models[role].model`` for multi-role configs, else ``cfg.model``."""
-    models = cfg.get("models")
-    if models:
-        if role not in models:
-            raise KeyError(f"config has no role '{role}' under 'models'; roles: {sorted(models)}")
-        return models[role]["model"]
-    if role != "model":
-        raise KeyError(f"config has a single 'model' (no 'models' dict), so role '{role}' does not exist")
-    if cfg.get("model") is None:
-        raise KeyError("config has neither 'model' nor 'models': nothing to sample with")
-    return cfg["model"]
+    """The network config of ``role`` (``opensora.role_config``: ``models[role]``, or plain training's ``model``)."""
+    roles = role_configs(cfg)
+    if role not in roles:
+        raise KeyError(f"config has no role '{role}'; roles: {sorted(roles)}")
+    return roles[role]["model"]
 
 
 def seeded_noise(seeds: Sequence[int], shape: Sequence[int], device=None) -> torch.Tensor:
@@ -204,6 +201,8 @@ class VideoSampler:
         self.weights = weights  # where the network's weights came from (for sidecars)
         self.patch_size = tuple(getattr(model, "patch_size", (1, 1, 1)))
         self.uses_condition = getattr(model, "cond_channels", None) is not None
+        # Optional inference cache (opensora.inference.jano: JanoCache, StepCache, FullCompute); None = plain model.
+        self.accelerator = None
 
     @classmethod
     def from_config(
@@ -221,11 +220,9 @@ class VideoSampler:
         ``ema=False``; or one safetensors file), strictly loaded; autoencoder and text conditioner from ``cfg``."""
         model = build_module(role_model_config(cfg, role), MODELS)
         weights = load_role_weights(ckpt, role=role, ema=ema)
-        try:
-            model.load_state_dict(weights.state_dict, strict=True)
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"weights in {weights.path} do not fit the '{role}' network of this config: {error}") from None
+        check_shapes_fit({k: v.shape for k, v in weights.state_dict.items()}, model, f"weights in {weights.path}",
+                         f"'{role}' network of this config")  # names the first mismatching tensor, one line
+        model.load_state_dict(weights.state_dict, strict=True)
         device = resolve_device(device)
         dtype = resolve_sampling_dtype(dtype, device)
         home = torch.device("cpu") if offload and device.type != "cpu" else device  # of the frozen helpers
@@ -321,10 +318,10 @@ class VideoSampler:
         cond, _ = reference_condition(ref_latent.expand(batch, -1, -1, -1, -1), latent_size[0], cond_type)
         return PreparedCondition(cond, zeros, True)
 
-    def _model_fn(self, x, t, text_emb, text_mask, pooled, cond=None, text_mask_has_padding=None):
-        dtype = self.dtype
-        return self.model(x.to(dtype), t.to(dtype), text_emb.to(dtype), text_mask, pooled.to(dtype),
-                          cond=None if cond is None else cond.to(dtype), text_mask_has_padding=text_mask_has_padding)
+    def _model_fn(self, x, t, cond=None, text_mask_has_padding=None, **text):
+        network = self.model if self.accelerator is None else functools.partial(self.accelerator, self.model)
+        return MMDiTAdapter.call_network(network, x, t, text, cond, self.dtype,
+                                         text_mask_has_padding=text_mask_has_padding)
 
     def denoise(
         self,
@@ -352,6 +349,9 @@ class VideoSampler:
         uncond_all = None
         if condition.has_reference and image_guidance_scale != 1.0:
             uncond_all = kwargs(null_text, condition.null)  # neither
+        if self.accelerator is not None:  # one model call per step: the cache needs the step count
+            self.accelerator.begin(num_steps if step_list is None
+                                   else len(step_list) - (1 if float(step_list[-1]) == 0.0 else 0), noise.shape[0])
         latents = sample(
             self._model_fn, noise,
             num_steps=None if step_list is not None else num_steps,

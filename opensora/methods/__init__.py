@@ -1,6 +1,3 @@
-"""Training-step strategies. Importing this package registers every method in ``METHODS`` and every model-family
-adapter in ``ADAPTERS``."""
+"""Training-step strategies. Importing this package registers every method in ``METHODS``."""
 
-from . import adapters  # noqa: F401
-from . import dmd2  # noqa: F401
-from . import flow_matching  # noqa: F401
+from . import dmd2, flow_matching

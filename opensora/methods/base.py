@@ -1,8 +1,9 @@
 """The training-step strategy interface ("method").
 
 The trainer is algorithm-agnostic: every micro-step it calls ``single_train_step(batch, iteration)``, backwards
-``loss_map["total_loss"]`` through the booster of the first optimizer ``get_optimizers(iteration)`` returns, and at
-the end of an accumulation window calls ``optimizers_schedulers_step`` then ``optimizers_zero_grad``. Which
+``loss_map["total_loss"]`` into the parameters of every role whose optimizer ``get_optimizers(iteration)`` returns
+(each role's gradients through its own optimizer), and at the end of an accumulation window calls
+``optimizers_schedulers_step`` then ``optimizers_zero_grad``. Which
 optimizers and schedulers step in an iteration comes only from ``get_optimizers`` / ``get_lr_schedulers``, so a
 scheduler never steps when its optimizer does not. Everything algorithm-specific lives in subclasses.
 """
@@ -11,7 +12,7 @@ from typing import Dict, List, Mapping, Tuple
 
 import torch
 
-from opensora.training.roles import Components, Role
+from opensora.roles import Components, Role
 
 
 class MissingRoleError(ValueError):

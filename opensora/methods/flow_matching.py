@@ -9,6 +9,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from opensora.adapters.mmdit import MMDiTAdapter
 from opensora.diffusion.conditions import build_training_condition
 from opensora.diffusion.flow_matching import (
     add_noise,
@@ -77,15 +78,7 @@ class FlowMatching(TrainingMethod):
             condition = build_training_condition(x0, self.condition_probs, **self.condition_kwargs)
             cond, loss_mask = condition.cond, condition.loss_mask
 
-        dtype = self.model_dtype
-        pred = self.roles["model"].model(
-            x_t.to(dtype),
-            t.to(dtype),
-            text["text_emb"].to(dtype),
-            text["text_mask"],
-            text["pooled"].to(dtype),
-            cond=None if cond is None else cond.to(dtype),
-        )
+        pred = MMDiTAdapter.call_network(self.roles["model"].model, x_t, t, text, cond, self.model_dtype)
         loss = masked_mse(pred, target, loss_mask)
 
         num_video_tokens = x0[0, 0].numel() // (self.patch_size[0] * self.patch_size[1] * self.patch_size[2])

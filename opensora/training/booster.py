@@ -13,8 +13,10 @@ Without a GPU the factory applies the CPU shim and CPU-safe defaults (no communi
 kernels); Gemini and FSDP cannot run on CPU and raise a clear error instead.
 
 HybridParallelPlugin needs a shardformer policy for a model that is not a HuggingFace one; ``NoShardPolicy``
-is a no-op policy valid for any ``nn.Module`` with tp_size=1. Tensor / sequence parallel sharding of the
-MMDiT is NOT implemented yet: the factory rejects tp_size > 1 or sequence parallelism with that policy.
+is a no-op policy valid for any ``nn.Module`` with tp_size=1. The plugins' own tensor / sequence parallel sharding
+(shardformer) has no MMDiT policy, so the factory rejects tp_size > 1 or plugin sequence parallelism. The MMDiT's
+sequence parallelism is the trainer's ``sequence_parallel_size`` instead (``opensora.parallel``), which works
+with every plugin.
 """
 
 from __future__ import annotations
@@ -37,17 +39,17 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 class NoShardPolicy(Policy):
     """A shardformer policy that replaces nothing: lets HybridParallelPlugin wrap any ``nn.Module``.
 
-    Valid only for tp_size == 1 and no sequence parallelism (the module is kept whole on every rank; data
-    parallel + ZeRO still apply). A real MMDiT TP/SP policy (column/row-parallel qkv/proj/mlp, sharded heads)
-    is future work.
+    Valid only for tp_size == 1 and no plugin sequence parallelism (the module is kept whole on every rank; data
+    parallel + ZeRO still apply, and so does the trainer's ``sequence_parallel_size``). A tensor-parallel MMDiT
+    policy (column/row-parallel qkv/proj/mlp) does not exist.
     """
 
     def config_sanity_check(self):
         cfg = self.shard_config
         if cfg is not None and (cfg.enable_tensor_parallelism or cfg.enable_sequence_parallelism):
             raise NotImplementedError(
-                "NoShardPolicy cannot shard a model: use tp_size=1 and no sequence parallelism "
-                "(tensor/sequence parallel policies for MMDiT are not implemented yet)"
+                "NoShardPolicy cannot shard a model: use tp_size=1 and no plugin sequence parallelism "
+                "(for MMDiT sequence parallelism set the trainer's sequence_parallel_size instead)"
             )
 
     def preprocess(self):
@@ -102,8 +104,9 @@ def _hybrid_defaults(kwargs: dict) -> dict:
     if kwargs.get("custom_policy") is None:
         if kwargs["tp_size"] != 1 or kwargs.get("enable_sequence_parallelism") or (kwargs.get("sp_size") or 1) > 1:
             raise NotImplementedError(
-                "HybridParallelPlugin with tp_size>1 or sequence parallelism needs an MMDiT sharding policy, "
-                "which is not implemented yet; use tp_size=1 (ZeRO / data parallel still apply)"
+                "HybridParallelPlugin with tp_size>1 or sequence parallelism needs a sharding policy, which the "
+                "MMDiT has not; use tp_size=1 (ZeRO / data parallel still apply) and the trainer's "
+                "sequence_parallel_size for sequence parallelism"
             )
         kwargs["custom_policy"] = NoShardPolicy()
     return kwargs

@@ -1,16 +1,18 @@
 """Atomic, resumable step checkpoints written through the Booster.
 
 One directory per trainable role (``model`` for plain training; ``student``, ``critic``... for
-distillation). Layout of one checkpoint, ``{outputs}/checkpoints/step-{step:07d}/``::
+distillation). Layout of one checkpoint, ``{outputs}/checkpoints/step-{step:07d}/`` (names, marker and
+newest-checkpoint lookup: ``opensora.checkpoint_layout``, shared with inference and the converter)::
 
     {role}/model/          booster.save_model(shard=True, safetensors)       all ranks take part
     {role}/optimizer/      booster.save_optimizer(shard=True)                all ranks take part
     {role}/lr_scheduler.pt booster.save_lr_scheduler                         (if a scheduler is given)
     {role}/ema.safetensors EMA weights, written by rank 0                    (if an EMA is given)
+    {role}/arch.json       the network's keyword arguments as JSON, rank 0   (if the model records ``arch``)
     {role}/master/rank{r}.pt fp32 master weights held by rank r's optimizer  (bf16/fp16 training only)
     extra_state.pt         caller's dict (sampler state, {step, epoch, ...}), rank 0, tensors/plain types
     rng/rank{r}.pt         python/numpy/torch(/cuda) RNG state of every rank r
-    config.py              the resolved config text                          (if given)
+    config.py              the resolved config text, for people to read      (if given; never executed on load)
     meta.json              step, world size, time
     COMPLETE               completion marker, written last
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -39,49 +40,29 @@ from typing import Any, Mapping
 
 import torch
 
+from opensora.checkpoint_layout import (
+    COMPLETE_MARKER,
+    CONFIG_FILE,
+    EMA_FILE,
+    META_FILE,
+    MODEL_DIR,
+    TMP_PREFIX,
+    checkpoint_dir,
+    checkpoint_root,
+    find_latest_checkpoint,
+    is_complete,
+    list_checkpoints,
+)
+
+from .checkpoint_checks import any_rank_failed, check_model_fits, save_failure
 from .distributed import barrier, broadcast_object, get_rank, get_world_size
 from .rng import get_rng_state, set_rng_state
-
-COMPLETE_MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_TMP_PREFIX = ".tmp-"
-
-
-def checkpoint_root(outputs: str | Path) -> Path:
-    return Path(outputs) / "checkpoints"
-
-
-def checkpoint_dir(outputs: str | Path, step: int) -> Path:
-    return checkpoint_root(outputs) / f"step-{step:07d}"
-
-
-def is_complete(path: str | Path) -> bool:
-    return (Path(path) / COMPLETE_MARKER).is_file()
-
-
-def list_checkpoints(outputs: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``outputs`` as (step, path), oldest first; tmp/incomplete dirs are ignored."""
-    root = checkpoint_root(outputs)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def find_latest_checkpoint(outputs: str | Path) -> Path | None:
-    """The newest complete checkpoint directory, or None."""
-    found = list_checkpoints(outputs)
-    return found[-1][1] if found else None
 
 
 def _remove_leftover_tmp_dirs(root: Path) -> None:
     if root.is_dir():
         for child in root.iterdir():
-            if child.name.startswith(_TMP_PREFIX) and child.is_dir():
+            if child.name.startswith(TMP_PREFIX) and child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
 
 
@@ -92,7 +73,7 @@ def prune_checkpoints(outputs: str | Path, keep_last: int) -> list[Path]:
     doomed = [path for _, path in list_checkpoints(outputs)[:-keep_last]]
     for path in doomed:
         # Rename first so a crash mid-delete never leaves a half-deleted dir that still looks complete.
-        trash = path.with_name(f"{_TMP_PREFIX}delete-{path.name}")
+        trash = path.with_name(f"{TMP_PREFIX}delete-{path.name}")
         os.replace(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
     return doomed
@@ -137,7 +118,7 @@ def _publish(tmp: Path, final: Path, meta: dict) -> None:
     """Rank 0: mark ``tmp`` complete and move it to ``final`` (replacing an older save of the same step)."""
     (tmp / COMPLETE_MARKER).write_text(json.dumps(meta) + "\n")
     if final.exists():
-        old = final.with_name(f"{_TMP_PREFIX}old-{final.name}")
+        old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
@@ -178,7 +159,7 @@ def _materialise_adam_state(optimizer) -> None:
 
 def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int) -> None:
     booster, model, optimizer = role.booster, role.model, role.optimizer
-    booster.save_model(model, str(directory / "model"), shard=True, use_safetensors=True,
+    booster.save_model(model, str(directory / MODEL_DIR), shard=True, use_safetensors=True,
                        size_per_shard=size_per_shard_mb)
     if optimizer is not None:
         _materialise_adam_state(optimizer)
@@ -187,7 +168,12 @@ def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int) -> None
     if role.lr_scheduler is not None:
         booster.save_lr_scheduler(role.lr_scheduler, str(directory / "lr_scheduler.pt"))
     if rank == 0 and role.ema is not None:
-        role.ema.save(directory / "ema.safetensors")
+        role.ema.save(directory / EMA_FILE)
+    arch = getattr(role.unwrap(), "arch", None) if hasattr(role, "unwrap") else None
+    if rank == 0 and isinstance(arch, dict):  # the architecture as JSON: reading a checkpoint never runs its config
+        from opensora.convert.arch import ARCH_FILE, arch_to_json
+
+        (directory / ARCH_FILE).write_text(arch_to_json(arch) + "\n")
 
 
 def save_checkpoint(
@@ -202,7 +188,7 @@ def save_checkpoint(
     """Write checkpoint ``step`` atomically; every rank must call it. Returns the final directory.
 
     ``roles`` maps role names to objects with ``booster, model, optimizer, lr_scheduler, ema`` attributes
-    (``opensora.training.roles.Role``); each trainable role is saved under its own sub-directory, frozen roles
+    (``opensora.roles.Role``); each trainable role is saved under its own sub-directory, frozen roles
     (no booster) are skipped. ``extra_state`` (rank 0's copy is saved) holds tensors and plain python types only,
     e.g. ``{"trainer": {"step": 6}, "data": loader.state_dict()}``. ``keep_last`` > 0 deletes older complete
     checkpoints afterwards.
@@ -210,7 +196,7 @@ def save_checkpoint(
     rank, world_size = get_rank(), get_world_size()
     root = checkpoint_root(outputs)
     final = checkpoint_dir(outputs, step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}"
+    tmp = root / f"{TMP_PREFIX}{final.name}"
     trained = _trained_roles(roles)
 
     if rank == 0:
@@ -222,19 +208,27 @@ def save_checkpoint(
             (tmp / name / "master").mkdir(parents=True)
     barrier()
 
-    for name, role in trained.items():
-        _save_role(role, tmp / name, rank, size_per_shard_mb)
-    torch.save(get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    if rank == 0:
-        torch.save(dict(extra_state or {}), tmp / "extra_state.pt")
-        if config_text is not None:
-            (tmp / "config.py").write_text(config_text)
-    barrier()
+    error = None
+    try:
+        for name, role in trained.items():
+            _save_role(role, tmp / name, rank, size_per_shard_mb)
+        torch.save(get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        if rank == 0:
+            torch.save(dict(extra_state or {}), tmp / "extra_state.pt")
+            if config_text is not None:
+                (tmp / CONFIG_FILE).write_text(config_text)
+    except Exception as failed:  # disk full, quota, permissions...: every rank stops, the tmp dir goes at once
+        error = failed
+    if any_rank_failed(error):  # a collective: also the barrier that ends the writing phase
+        failure = save_failure(tmp, final, error or OSError("another rank failed to write its part"))
+        if error is not None and not isinstance(error, OSError):
+            raise error  # not an IO problem: keep the original error (the tmp dir is gone already)
+        raise failure from error
 
     if rank == 0:
         meta = {"step": int(step), "world_size": world_size, "roles": sorted(trained),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _publish(tmp, final, meta)
         prune_checkpoints(outputs, keep_last)
     barrier()
@@ -255,7 +249,8 @@ def _load_role(name: str, role, directory: Path, saved_world_size: int, load_opt
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint has no role '{name}' (expected {directory})")
     booster, model, optimizer = role.booster, role.model, role.optimizer
-    booster.load_model(model, str(directory / "model"))
+    check_model_fits(directory / MODEL_DIR, role.unwrap() if hasattr(role, "unwrap") else model, f"'{name}' network")
+    booster.load_model(model, str(directory / MODEL_DIR))
     if load_optimizer and optimizer is not None:
         booster.load_optimizer(optimizer, str(directory / "optimizer"))
         _load_master_params(model, optimizer, directory / "master", get_rank(), saved_world_size)
@@ -264,7 +259,7 @@ def _load_role(name: str, role, directory: Path, saved_world_size: int, load_opt
         if not scheduler_file.is_file():
             raise FileNotFoundError(f"{scheduler_file} missing: role '{name}' was saved without a scheduler")
         booster.load_lr_scheduler(role.lr_scheduler, str(scheduler_file))
-    ema_file = directory / "ema.safetensors"
+    ema_file = directory / EMA_FILE
     if role.ema is not None and ema_file.is_file():
         role.ema.load(ema_file)
     elif role.ema is not None and get_rank() == 0:
@@ -288,7 +283,7 @@ def load_checkpoint(
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if not is_complete(path):
         raise RuntimeError(f"checkpoint {path} has no {COMPLETE_MARKER} marker: it is an interrupted save")
-    meta = json.loads((path / "meta.json").read_text())
+    meta = json.loads((path / META_FILE).read_text())
     for name, role in _trained_roles(roles).items():
         _load_role(name, role, path / name, int(meta.get("world_size", 0)), load_optimizer)
 

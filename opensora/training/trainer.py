@@ -2,7 +2,7 @@
 
 config -> components (VAE, text conditioner) -> roles (boosted models, optimizers, schedulers, EMAs) -> method
 -> data -> loop. Each micro-step the loop calls ``method.single_train_step(batch, iteration)`` and backwards
-``loss_map["total_loss"]`` through the booster owning the first optimizer of the iteration; at the end of an
+``loss_map["total_loss"]`` into every role whose optimizer steps this iteration (``_backward``); at the end of an
 accumulation window it calls ``method.optimizers_schedulers_step`` and ``method.optimizers_zero_grad``. It never
 looks at which method it runs.
 """
@@ -18,15 +18,18 @@ from tqdm import tqdm
 
 from opensora.config import save_config
 from opensora.datasets.dataloader import build_dataloader
+from opensora.dtypes import resolve_dtype
+from opensora.parallel.sequence_parallel import SequenceParallelModel, build_sequence_groups
 from opensora.registry import DATASETS, METHODS, MODELS, build_module
+from opensora.role_config import role_configs
+from opensora.roles import Components, Role
 from opensora.training import checkpoint as ckpt
+from opensora.training.defaults import TRAINER_DEFAULTS
 from opensora.training.distributed import all_reduce_mean, barrier, init_distributed
 from opensora.training.metrics import MetricsLogger
 from opensora.training.profiling import StepProfiler
-from opensora.models.mmdit.sequence_parallel import build_sequence_groups
 from opensora.training.rng import seed_everything
-from opensora.dtypes import resolve_dtype
-from opensora.training.roles import Components, Role, build_role
+from opensora.training.role_builder import build_role
 from opensora.training.throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
@@ -36,49 +39,29 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-def role_configs(cfg: Config) -> Dict[str, dict]:
-    """``cfg.models`` (distillation), or the single Open-Sora-style ``model`` role built from top-level keys."""
-    if cfg.get("models"):
-        return {name: dict(role) for name, role in cfg.models.items()}
-    optimizer = dict(cfg.get("optimizer", {}))
-    optimizer.setdefault("lr", cfg.lr)
-    ema = None
-    if cfg.get("ema_decay") is not None:
-        ema = dict(decay=cfg.ema_decay, start_step=cfg.get("ema_start_step", 0), warmup=cfg.get("ema_warmup", True))
-    return {
-        "model": dict(
-            model=cfg.model,
-            trainable=True,
-            precision=cfg.get("precision", "bf16"),
-            optimizer=optimizer,
-            warmup_steps=cfg.get("warmup_steps", 0),
-            grad_clip=cfg.get("grad_clip"),
-            ema=ema,
-        )
-    }
-
-
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        role_cfgs = role_configs(cfg)  # config mistakes surface before anything is built
         self.rank, self.world_size, _, self.device = init_distributed()
         self.is_main = self.rank == 0
         # sequence parallelism: groups of `sp_size` consecutive ranks share each sample (same data, same noise)
-        sp_size = int(cfg.get("sequence_parallel_size", 1))
+        sp_size = int(self.setting("sequence_parallel_size"))
         self.sp = build_sequence_groups(sp_size) if sp_size != 1 else None
         self.dp_rank, self.dp_size = self.rank // sp_size, self.world_size // sp_size
-        self.outputs = Path(cfg.outputs)
-        self.max_steps = int(cfg.max_steps)
-        self.grad_accum = int(cfg.get("grad_accum", 1))
-        self.ckpt_every = int(cfg.get("ckpt_every", 0))
-        self.max_consecutive_nonfinite = int(cfg.get("max_consecutive_nonfinite", 5))
+        self.outputs = Path(self.setting("outputs"))
+        self.max_steps = int(self.setting("max_steps"))
+        self.grad_accum = int(self.setting("grad_accum"))
+        self.ckpt_every = int(self.setting("ckpt_every"))
+        self.max_consecutive_nonfinite = int(self.setting("max_consecutive_nonfinite"))
         # wall-clock budget (job time limits, fixed-time benchmarks): stop and save at the first step past it
-        self.max_minutes = cfg.get("max_minutes")
+        max_minutes = self.setting("max_minutes")
+        self.max_minutes = None if max_minutes is None else float(max_minutes)
         seed_everything(int(cfg.seed))  # same initial weights on every rank
         if self.is_main:
             save_config(cfg, self.outputs)
 
-        dtype = resolve_dtype(cfg.get("precision", "bf16"))
+        dtype = resolve_dtype(self.setting("precision"))
         vae = build_module(cfg.get("vae"), MODELS)
         text_encoder = build_module(cfg.get("text_encoder"), MODELS)
         vae = vae.to(self.device, dtype).eval().requires_grad_(False) if vae is not None else None
@@ -89,7 +72,7 @@ class Trainer:
 
         self.roles: Dict[str, Role] = {
             name: build_role(name, role_cfg, self.components, cfg.plugin, self.is_main)
-            for name, role_cfg in role_configs(cfg).items()
+            for name, role_cfg in role_cfgs.items()
         }
         self.method = build_module(cfg.method, METHODS, roles=self.roles, components=self.components)
         if self.sp is not None:
@@ -104,23 +87,27 @@ class Trainer:
             seed=int(cfg.seed),
             rank=self.dp_rank,
             world_size=self.dp_size,
-            num_workers=int(cfg.get("num_workers", 2)),
+            num_workers=int(self.setting("num_workers")),
             pin_memory=self.device.type == "cuda",
         )
-        self.metrics = MetricsLogger(self.outputs, enabled=self.is_main, tensorboard=cfg.get("tensorboard", True),
-                                     wandb_cfg=cfg.get("wandb"), run_config=cfg.to_dict())
+        self.metrics = MetricsLogger(self.outputs, enabled=self.is_main, tensorboard=self.setting("tensorboard"),
+                                     wandb_cfg=self.setting("wandb"), run_config=cfg.to_dict())
         self.throughput = ThroughputMeter(self.device, world_size=self.dp_size, ranks_per_sample=sp_size)
-        self.profiler = StepProfiler(cfg.get("profile_steps"), self.outputs, self.rank, self.device)
+        self.profiler = StepProfiler(self.setting("profile_steps"), self.outputs, self.rank, self.device)
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
 
+    def setting(self, name: str):
+        """Top-level config key ``name``, or its default from ``TRAINER_DEFAULTS``."""
+        return self.cfg.get(name, TRAINER_DEFAULTS[name])
+
     def _split_sequences(self) -> None:
         for name, role in self.roles.items():
             module = role.unwrap()
-            if not hasattr(module, "set_sequence_parallel"):
+            if not isinstance(module, SequenceParallelModel):
                 raise ValueError(f"sequence_parallel_size={self.sp.size}: role '{name}' ({type(module).__name__}) "
-                                 "has no set_sequence_parallel")  # fmt: skip
+                                 "is not a SequenceParallelModel")  # fmt: skip
             module.set_sequence_parallel(self.sp)
         if self.is_main:
             logger.info("sequence parallel: %d ranks per sample (roles %s), %d data-parallel ranks", self.sp.size,
@@ -150,7 +137,7 @@ class Trainer:
         return ckpt.save_checkpoint(
             self.outputs, self.step, self.roles,
             extra_state=dict(trainer=trainer_state, data=self.loader.state_dict()),
-            config_text=self.cfg.pretty_text, keep_last=int(self.cfg.get("keep_last", 3)),
+            config_text=self.cfg.pretty_text, keep_last=int(self.setting("keep_last")),
         )
 
     # ---- the loop -------------------------------------------------------------------------------------------
@@ -174,10 +161,17 @@ class Trainer:
             params = [p for p in role.model.parameters() if p.requires_grad]
             role.optimizer.backward(scaled, inputs=params, retain_graph=position < len(roles) - 1)
 
-    def _all_finite(self, loss: torch.Tensor) -> bool:
-        # every rank must agree, or ranks would disagree about stepping and deadlock
-        bad = all_reduce_mean(torch.tensor(0.0 if torch.isfinite(loss).all() else 1.0, device=self.device))
-        return bad.item() == 0.0
+    def _step_verdict(self, losses, started: float) -> tuple:
+        """(every rank's losses finite, time budget spent): one all-reduce and one host sync per step, after the
+        backward kernels are queued. Every rank must agree on both, or ranks would disagree about stepping or
+        stopping and deadlock; rank 0's clock decides the budget."""
+        nonfinite = torch.stack([~torch.isfinite(loss.detach()).all() for loss in losses]).any().float()
+        late = self.is_main and self.max_minutes is not None and time.monotonic() - started > 60.0 * self.max_minutes
+        flags = torch.stack((nonfinite, nonfinite.new_tensor(float(late))))
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.SUM)
+        nonfinite, late = flags.tolist()
+        return nonfinite == 0, late > 0
 
     def _update_emas(self, iteration: int) -> None:
         for name in self.method.roles_to_update(iteration):
@@ -187,26 +181,30 @@ class Trainer:
                 role.ema.update(role.unwrap(), step=self.step)
 
     def train(self) -> None:
+        """The loop. Per optimizer step the host waits for the GPU once (``_step_verdict``); the step's metrics are
+        all-reduced on the device and read one step later (``_flush``), so no ``.item()`` stalls the next step."""
         progress = tqdm(total=self.max_steps, initial=self.step, disable=not self.is_main, desc="train",
                         dynamic_ncols=True)
         batches = self._batches()
         started = time.monotonic()
-        while self.step < self.max_steps and not self._out_of_time(started):
+        pending = None  # the previous step's metrics, still on the device
+        out_of_time = False
+        while self.step < self.max_steps and not out_of_time:
             iteration = self.step
-            loss_maps, skipped = [], False
+            losses, loss_maps = [], []
             self.profiler.begin(self.step)
             self.throughput.start()
             for _ in range(self.grad_accum):
                 batch = next(batches)
                 loss_map, outputs = self.method.single_train_step(batch, iteration)
-                loss = loss_map["total_loss"]
-                if not self._all_finite(loss):
-                    skipped = True
-                    break
-                self._backward(loss, iteration)
+                # a non-finite loss is backwarded too and its window's gradients discarded below: no sync before
+                # the backward
+                self._backward(loss_map["total_loss"], iteration)
+                losses.append(loss_map["total_loss"])
                 loss_maps.append({k: v.detach().float() for k, v in loss_map.items()})
                 self.throughput.add(outputs)
-            if skipped:
+            finite, out_of_time = self._step_verdict(losses, started)
+            if not finite:
                 self._handle_nonfinite(iteration)
                 continue
             self.nonfinite_in_a_row = 0
@@ -214,35 +212,26 @@ class Trainer:
             self.method.optimizers_zero_grad(iteration)
             self.step += 1
             self._update_emas(iteration)
+            timing = self.throughput.stop()
             self.profiler.end(self.step)
-            record = self._record(loss_maps, grad_norms)
-            self.metrics.log(self.step, record)
-            progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.4f}")
+            self._flush(pending, progress)
+            pending = self._pending_record(loss_maps, grad_norms, timing)
             if self.ckpt_every and self.step % self.ckpt_every == 0 and self.step < self.max_steps:
+                pending = self._flush(pending, progress)  # records reach the disk before the checkpoint covering them
                 self.save()
+                self.throughput.restart()
+        if out_of_time and self.is_main:
+            logger.info("max_minutes=%s reached at step %d: saving and stopping", self.max_minutes, self.step)
+        self._flush(pending, progress)
         progress.close()
-        if self.cfg.get("save_at_end", True):
+        if self.setting("save_at_end"):
             self.save()
         self.metrics.close()
         barrier()
 
-    def _out_of_time(self, started: float) -> bool:
-        if self.max_minutes is None:
-            return False
-        # rank 0's clock decides, so every rank stops at the same step
-        late = float(time.monotonic() - started > 60.0 * float(self.max_minutes)) if self.is_main else 0.0
-        if all_reduce_mean(torch.tensor(late, device=self.device)).item() > 0:
-            if self.is_main:
-                logger.info("max_minutes=%s reached at step %d: saving and stopping", self.max_minutes, self.step)
-            return True
-        return False
-
     def _batches(self):
-        """Endless iterator over epochs; the loader knows where a resumed run left off."""
-        while True:
-            yield from self.loader
-            self.loader.set_epoch(self.loader.epoch + 1)
+        """Endless iterator over epochs; the loader knows where a resumed run left off (and stops on an empty one)."""
+        return self.loader.batches_forever()
 
     def _handle_nonfinite(self, iteration: int) -> None:
         self.method.optimizers_zero_grad(iteration)
@@ -255,13 +244,13 @@ class Trainer:
                 f"{self.nonfinite_in_a_row} non-finite losses in a row at step {self.step}; stopping"
             )
 
-    def _record(self, loss_maps, grad_norms) -> dict:
-        """One metrics record: losses averaged over micro-steps and ranks, lr and grad norm per trainable role
-        (plain ``lr`` / ``grad_norm`` when only one role trains, so single-model runs keep Open-Sora's names)."""
+    def _pending_record(self, loss_maps, grad_norms, timing) -> tuple:
+        """This step's metrics with the losses averaged over micro-steps and ranks on the device (the all-reduce is
+        queued now and read by ``_flush`` one step later); lr and grad norm per trainable role (plain ``lr`` /
+        ``grad_norm`` when only one role trains, so single-model runs keep Open-Sora's names)."""
+        keys = list(loss_maps[0])
+        means = torch.stack([torch.stack([m[key] for m in loss_maps]).mean() for key in keys])
         record = {}
-        for key in loss_maps[0]:
-            value = all_reduce_mean(torch.stack([m[key] for m in loss_maps]).mean()).item()
-            record["loss" if key == "total_loss" else key] = value
         trainable = [role for role in self.roles.values() if role.trainable]
         for role in trainable:
             suffix = "" if len(trainable) == 1 else f"/{role.name}"
@@ -269,8 +258,20 @@ class Trainer:
                 record["lr" + suffix] = role.lr_scheduler.get_last_lr()[0]
             if role.name in grad_norms:
                 record["grad_norm" + suffix] = grad_norms[role.name]
-        record.update(self.throughput.stop())
         record["nonfinite_total"] = self.nonfinite_total
         record["skipped_samples"] = self.loader.num_skipped
         record["bad_files"] = len(self.loader.bad_paths)
-        return record
+        return self.step, keys, all_reduce_mean(means), record, timing
+
+    def _flush(self, pending, progress=None) -> None:
+        """Write a pending record (``_pending_record``) to the metrics; returns ``None`` (nothing left pending)."""
+        if pending is None:
+            return None
+        step, keys, losses, record, timing = pending
+        values = dict(zip(("loss" if key == "total_loss" else key for key in keys), losses.tolist()))
+        record = {**values, **record, **timing.record()}
+        self.metrics.log(step, record)
+        if progress is not None:
+            progress.update(step - progress.n)
+            progress.set_postfix(loss=f"{record['loss']:.4f}")
+        return None

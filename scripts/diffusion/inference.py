@@ -4,7 +4,8 @@
 
 import sys
 
+from opensora.cli_errors import run_cli
 from opensora.inference.cli import main
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_cli(main, sys.argv[1:], prog="inference.py"))

@@ -4,7 +4,8 @@
 
 import sys
 
+from opensora.cli_errors import run_cli
 from opensora.training.launch import main
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_cli(main, sys.argv[1:], prog="train.py"))

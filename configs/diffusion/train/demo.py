@@ -1,5 +1,7 @@
 # Tiny MovingShapes demo: trains on a 2-core CPU in minutes (`make demo`). Single process or
 # `colossalai run --nproc_per_node 2` (gloo + the CPU shim) both work.
+from opensora.models.mmdit.configs import mmdit_config
+
 outputs = "outputs/demo/train"
 seed = 42
 max_steps = 1000
@@ -18,24 +20,10 @@ num_workers = 2
 vae = dict(type="PatchVAE", patch_size=4, temporal_patch_size=1)  # lossless: [3,16,32,32] -> [48,16,8,8]
 text_encoder = dict(type="TextConditioner", seed=0)  # tiny random T5 + CLIP over a byte tokenizer
 
-# ---- the trained network ------------------------------------------------------------------------------------
-model = dict(
-    type="MMDiT",
-    in_channels=48,
-    cond_channels=49,  # mask + masked condition latents (I2V / V2V)
-    patch_size=(1, 2, 2),
-    hidden_size=128,
-    num_heads=4,
-    depth_double=2,
-    depth_single=2,
-    mlp_ratio=4.0,
-    text_dim=64,
-    pooled_dim=64,
-    axes_dims=(8, 12, 12),
-    attn_backend="auto",
-)
+# ---- the trained network: the tiny preset on PatchVAE's 48-channel latents ----------------------------------
+model = mmdit_config("tiny", in_channels=48, cond_channels=49)  # cond: mask + masked condition latents (I2V/V2V)
 
-# ---- optimisation (Open-Sora key names) ----------------------------------------------------------------------
+# ---- optimisation: Open-Sora's top-level keys, the shorthand for the single role "model" ----------------------
 lr = 1e-3
 warmup_steps = 50
 grad_clip = 1.0

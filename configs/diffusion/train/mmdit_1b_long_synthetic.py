@@ -1,6 +1,6 @@
 # Long videos with sequence parallelism: the 1B MMDiT on 512x512 x 129-frame clips = 33 x 32 x 32 = 33,792 video
 # tokens (+ 512 text), each sample split over `sequence_parallel_size` GPUs (all-to-all around attention, see
-# opensora/models/mmdit/sequence_parallel.py). Inputs are the stand-ins of mmdit_1b_synthetic.py (clips rendered on
+# opensora/parallel/sequence_parallel.py). Inputs are the stand-ins of mmdit_1b_synthetic.py (clips rendered on
 # the fly, tiny random VAE / text encoders with the real shapes), so the step is what gets measured.
 #   torchrun --nproc_per_node 8 scripts/diffusion/train.py configs/diffusion/train/mmdit_1b_long_synthetic.py \
 #       --outputs /tmp/long --max-steps 20

@@ -1,4 +1,4 @@
-# MovingShapes on one GPU (issue 4's "larger config"): 64x64x16 clips rendered on the fly (no files, no PyAV),
+# MovingShapes on one GPU, a larger config than the CPU demo: 64x64x16 clips rendered on the fly (no files, no PyAV),
 # PatchVAE(4) -> latent [48, 16, 16, 16] -> 1024 video tokens, a ~30M-parameter MMDiT, bf16 ZeRO-2.
 # torchrun --nproc_per_node 1 scripts/diffusion/train.py configs/diffusion/train/moving_shapes_gpu.py --outputs D
 _base_ = ["demo.py"]

@@ -17,9 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from opensora.parallel.sequence_parallel import heads_to_tokens, tokens_to_heads
+
 from .attention import attention
 from .rope import apply_rope
-from .sequence_parallel import heads_to_tokens, tokens_to_heads
 
 LN_EPS = 1e-6
 
@@ -114,7 +115,7 @@ def mlp(hidden_size: int, mlp_ratio: float) -> nn.Sequential:
 
 def joint_attention(q, k, v, rope, mask, backend, sp=None, kv_hook=None):
     """RoPE on this rank's q/k, then attention over the joint sequence -> [B, N_local, hidden]. With sequence
-    parallelism (``sp``, see sequence_parallel.py) q/k/v hold this rank's tokens and are exchanged for a head split
+    parallelism (``sp``, see opensora.parallel.sequence_parallel) q/k/v hold this rank's tokens and are exchanged for a head split
     around the attention. ``kv_hook`` (see the module docstring) may extend keys, values and the mask."""
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

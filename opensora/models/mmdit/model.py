@@ -12,8 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from opensora.parallel.sequence_parallel import SequenceGroup, SequenceParallelModel, gather_tokens
 from opensora.registry import MODELS
 
+from ..arch import records_arch
 from .attention import check_backend, device_major
 from .causal import (
     KVCache,
@@ -24,7 +26,6 @@ from .causal import (
 )
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .rope import rope_cos_sin, video_position_ids
-from .sequence_parallel import SequenceGroup, gather_tokens
 
 TIMESTEP_FEATURES = 256
 
@@ -49,7 +50,8 @@ def unpatchify(tokens: torch.Tensor, grid: Sequence[int], patch_size: Sequence[i
 
 
 @MODELS.register_module()
-class MMDiT(nn.Module):
+class MMDiT(nn.Module, SequenceParallelModel):
+    @records_arch  # self.arch: every argument below, to rebuild the model or count its FLOPs (flops.py)
     def __init__(
         self,
         in_channels: int,
@@ -97,16 +99,7 @@ class MMDiT(nn.Module):
             raise ValueError("a causal MMDiT attends with a mask, which the flash kernel does not take; use "
                              "attn_backend 'auto', 'cudnn', 'efficient' or 'math'")  # fmt: skip
         out_channels = in_channels if out_channels is None else out_channels
-        # Everything needed to rebuild the model or count its FLOPs (see flops.py).
-        self.arch = dict(
-            in_channels=in_channels, out_channels=out_channels, cond_channels=cond_channels,
-            patch_size=tuple(patch_size), hidden_size=hidden_size, num_heads=num_heads,
-            depth_double=depth_double, depth_single=depth_single, mlp_ratio=mlp_ratio, text_dim=text_dim,
-            pooled_dim=pooled_dim, qk_norm=qk_norm, qkv_bias=qkv_bias, guidance_embed=guidance_embed,
-            axes_dims=tuple(axes_dims), theta=theta, attn_backend=attn_backend,
-            grad_ckpt_double=grad_ckpt_double, grad_ckpt_single=grad_ckpt_single, compile_blocks=compile_blocks,
-            causal_chunk_frames=causal_chunk_frames,
-        )  # fmt: skip
+        self.arch["out_channels"] = out_channels
         self.causal_chunk_frames = int(causal_chunk_frames)
         self.in_channels, self.out_channels, self.cond_channels = in_channels, out_channels, cond_channels
         self.patch_size = tuple(patch_size)
@@ -139,8 +132,8 @@ class MMDiT(nn.Module):
         self.sp = None
 
     def set_sequence_parallel(self, sp: Optional[SequenceGroup]) -> None:
-        """Split every sample's tokens over the ranks of ``sp`` (sequence_parallel.py); ``None`` turns it off.
-        All ranks of the group must get the same inputs; each returns the whole output."""
+        """Split every sample's tokens over the ranks of ``sp`` (opensora.parallel.sequence_parallel); ``None`` turns
+        it off. All ranks of the group must get the same inputs; each returns the whole output."""
         if sp is not None and sp.size == 1:
             sp = None
         if sp is not None and self.compile_blocks:
@@ -228,6 +221,7 @@ class MMDiT(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        *,
         timestep: torch.Tensor,
         text_emb: torch.Tensor,
         text_mask: Optional[torch.Tensor] = None,
@@ -239,14 +233,29 @@ class MMDiT(nn.Module):
         start_frame: int = 0,
         store_kv: bool = False,
     ) -> torch.Tensor:
-        """Velocity prediction for ``x``; ``text_mask_has_padding`` (optional) lets a caller that knows whether
-        ``text_mask`` has padded tokens skip inspecting it (a GPU->host sync per step), see ``key_mask``.
-        A causal model (``causal_chunk_frames > 0``) runs the full block-causal forward (causal.py); given a
-        ``kv_cache`` it runs ``forward_chunk`` instead (this path lets a training wrapper's forward hooks run), and
-        with ``timestep`` [B, num_chunks] each chunk is at its own time (``per_chunk_timestep_forward``)."""
+        """Velocity prediction for ``x``; everything but ``x`` is passed by keyword.
+
+        Args:
+            x: noisy latents ``[B, in_channels, T, H, W]``.
+            timestep: flow-matching time ``[B]`` in [0, 1], 1 is noise.
+            text_emb: text token features ``[B, L, text_dim]``.
+            text_mask: ``[B, L]``, true for real text tokens (None: all real).
+            pooled: pooled text vector ``[B, pooled_dim]`` (required).
+            cond: condition input ``[B, cond_channels, T, H, W]`` (mask channel + masked latents), for a model
+                built with ``cond_channels``.
+            guidance: distilled guidance scale ``[B]``, for a model built with ``guidance_embed``.
+            text_mask_has_padding: lets a caller that knows whether ``text_mask`` has padded tokens skip
+                inspecting it (a GPU->host sync per step), see ``key_mask``.
+            kv_cache, start_frame, store_kv: a causal model (``causal_chunk_frames > 0``, causal.py) given a
+                ``kv_cache`` runs ``forward_chunk`` (through ``forward``, so a training wrapper's hooks run).
+
+        A causal model runs the full block-causal forward; with ``timestep`` ``[B, num_chunks]`` each chunk is at
+        its own time (``per_chunk_timestep_forward``).
+        """
         if kv_cache is not None:
-            return self.forward_chunk(x, timestep, text_emb, text_mask, pooled, cond, guidance, cache=kv_cache,
-                                      start_frame=start_frame, store_kv=store_kv)  # fmt: skip
+            return self.forward_chunk(x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled,
+                                      cond=cond, guidance=guidance, cache=kv_cache, start_frame=start_frame,
+                                      store_kv=store_kv)  # fmt: skip
         if self.causal_chunk_frames and timestep.dim() == 2:
             return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
@@ -313,19 +322,19 @@ class MMDiT(nn.Module):
     def forward_chunk(
         self,
         x: torch.Tensor,
+        *,
         timestep: torch.Tensor,
         text_emb: torch.Tensor,
         text_mask: Optional[torch.Tensor] = None,
         pooled: Optional[torch.Tensor] = None,
         cond: Optional[torch.Tensor] = None,
         guidance: Optional[torch.Tensor] = None,
-        *,
         cache: KVCache,
         start_frame: int,
         store_kv: bool,
     ) -> torch.Tensor:
         """Velocity for one chunk ``x`` [B, C, Tc, H, W] at absolute latent frame ``start_frame``, attending to the
-        frames held by ``cache`` and to itself. ``store_kv=True`` appends the chunk's keys/values to the cache (and
+        frames held by ``cache`` and to itself; the other inputs as for ``forward`` (all by keyword). ``store_kv=True`` appends the chunk's keys/values to the cache (and
         rolls its window) after the forward; ``False`` leaves the cache as it was. Gradients flow through the
         chunk's own tokens (the cache is detached)."""
         if not self.causal_chunk_frames:
@@ -350,7 +359,7 @@ class MMDiT(nn.Module):
 
     def shard_sequence(self, img, txt, rope, mask):
         """This rank's slices of the text and video tokens, their RoPE angles, and the key mask in the rank-major
-        order the attention sees after the all-to-all (sequence_parallel.py).
+        order the attention sees after the all-to-all (opensora.parallel.sequence_parallel).
 
         Token counts that the group size does not divide are padded at the end of each stream with zero tokens that
         no query may attend to (the key mask hides them; identity RoPE); their outputs are dropped after the

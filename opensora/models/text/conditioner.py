@@ -5,6 +5,7 @@
 ``null_embeddings`` gives the empty-prompt features used for classifier-free guidance.
 """
 
+import logging
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -15,6 +16,8 @@ from opensora.models.vae.base import resolve_dtype
 from opensora.registry import MODELS
 
 from .encoders import LoadedEncoder, load_clip, load_t5
+
+logger = logging.getLogger(__name__)
 
 
 def _tokenize(encoder: LoadedEncoder, prompts: Sequence[str], device) -> Dict[str, torch.Tensor]:
@@ -62,6 +65,7 @@ class TextConditioner(nn.Module):
         self.cache_size = int(cache_size)
         self._cache: "OrderedDict[str, tuple]" = OrderedDict()
         self._null: Optional[tuple] = None
+        self._warned_long_prompt = False
         self.requires_grad_(False)
         self.eval()
         if device is not None:
@@ -82,8 +86,21 @@ class TextConditioner(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     @torch.no_grad()
+    def _warn_if_cut(self, prompts: List[str]) -> None:
+        """Once per conditioner: say that a prompt is longer than the T5 limit and by how much (it is cut)."""
+        if self._warned_long_prompt:
+            return
+        lengths = [len(ids) for ids in self._t5_encoder.tokenizer(list(prompts), truncation=False).input_ids]
+        longest = max(lengths, default=0)
+        if longest > self.max_length:
+            self._warned_long_prompt = True
+            logger.warning("a prompt has %d tokens, more than the text encoder's limit of %d: it is cut to %d "
+                           "tokens (%d prompt(s) of this batch are too long; later ones are cut without a warning)",
+                           longest, self.max_length, self.max_length, sum(n > self.max_length for n in lengths))
+
     def _encode_uncached(self, prompts: List[str]) -> tuple:
         device = self.device
+        self._warn_if_cut(prompts)
         t5_tokens = _tokenize(self._t5_encoder, prompts, device)
         text_emb = self.t5(**t5_tokens).last_hidden_state
         clip_tokens = _tokenize(self._clip_encoder, prompts, device)

@@ -1,14 +1,16 @@
-"""Model-family adapters: the runtime operations distillation methods need, with no algorithm in them.
+"""The MMDiT adapter: the runtime operations methods and the sampler need, with no algorithm in them.
 
 A method (a distillation algorithm) orchestrates *which* network to query *when*; an adapter knows *how* to query one model
 family: prepare a raw batch once (text embeddings, the explicit null text, latent shape), add noise, call a
 network and turn its output into a velocity or an x0 prediction, and convert a sampled discrete timestep into
-the family's continuous, shifted time. Adapters receive role *handles* (``opensora.training.roles.Role``),
+the family's continuous, shifted time. Adapters receive role *handles* (``opensora.roles.Role``),
 never role names, so what a role *means* stays in the method. Adding a model family means adding an
 adapter (registered in ``ADAPTERS``); adding a method means adding a method: N + M, not N x M.
 
 ``MMDiTAdapter`` covers our flow-matching MMDiT (t in [0, 1], t = 1 is noise, the network predicts the velocity
-``eps - x0``). Text-to-video only: a model with condition channels gets the all-zero (no frames given) condition.
+``eps - x0``). ``call_network`` is the one place that runs an MMDiT: the flow-matching method, the distillation
+methods (through ``predict_velocity``) and the sampler all go through it. The distillation operations are
+text-to-video only: a model with condition channels gets the all-zero (no frames given) condition.
 A causal MMDiT (``causal_chunk_frames > 0``) can also be queried chunk by chunk with a KV cache
 (``new_kv_cache`` / ``predict_x0_streaming``; ``capabilities_for(handle)`` then lists ``"streaming"``).
 """
@@ -104,18 +106,37 @@ class MMDiTAdapter:
         return fm.velocity_target(x0, noise)
 
     # ---- network calls ------------------------------------------------------------------------------------
+    @staticmethod
+    def call_network(network, x: torch.Tensor, t: torch.Tensor, text: Mapping[str, torch.Tensor],
+                     cond: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
+                     **extra) -> torch.Tensor:
+        """One forward of an MMDiT (plain or boosted): floating inputs cast to its compute ``dtype`` (default:
+        its parameters'), text features from ``text`` (``text_emb``, ``text_mask``, ``pooled``); returns the
+        network's output as it comes (the velocity, in ``dtype``). ``extra``: further forward keywords (the
+        streaming ``kv_cache`` / ``start_frame`` / ``store_kv``)."""
+        dtype = dtype or next(network.parameters()).dtype
+        return network(
+            x=x.to(dtype),
+            timestep=t.to(dtype),
+            text_emb=text["text_emb"].to(dtype),
+            text_mask=text["text_mask"],
+            pooled=text["pooled"].to(dtype),
+            cond=None if cond is None else cond.to(dtype),
+            **extra,
+        )
+
     def predict_velocity(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
                          conditional: bool = True) -> torch.Tensor:
         """The network's velocity for ``noisy`` at time ``t`` [B] with the prompt (or the null text); float32.
 
         Gradients flow when the caller has grad enabled and the handle's parameters require grad.
         """
-        args, cond = self._network_inputs(handle, noisy, t, batch, conditional)
-        return handle.model(*args, cond=cond).float()
+        t, text, cond, dtype = self._t2v_inputs(handle, noisy, t, batch, conditional)
+        return self.call_network(handle.model, noisy, t, text, cond, dtype).float()
 
     @staticmethod
-    def _network_inputs(handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, conditional: bool):
-        """(x, t, text_emb, text_mask, pooled) in the network's dtype, and the all-zero t2v condition (or None)."""
+    def _t2v_inputs(handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, conditional: bool):
+        """(t [B], text features, the all-zero t2v condition or None, the network's dtype) for ``call_network``."""
         network = handle.unwrap()
         dtype = next(network.parameters()).dtype
         text = batch.text if conditional else batch.null_text
@@ -124,8 +145,7 @@ class MMDiTAdapter:
         if cond_channels:  # text-to-video: mask 0 everywhere, no condition frames
             cond = torch.zeros((noisy.shape[0], cond_channels, *noisy.shape[2:]), device=noisy.device, dtype=dtype)
         t = t.expand(noisy.shape[0]) if t.dim() == 0 else t
-        args = (noisy.to(dtype), t.to(dtype), text["text_emb"].to(dtype), text["text_mask"], text["pooled"].to(dtype))
-        return args, cond
+        return t, text, cond, dtype
 
     def predict_x0(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
                    conditional: bool = True) -> torch.Tensor:
@@ -152,11 +172,10 @@ class MMDiTAdapter:
         """x0 (float32) of one chunk ``noisy_chunk`` [B, C, Tc, H, W] at time ``t`` and absolute latent frame
         ``start_frame``, attending to the frames in ``cache`` (``MMDiT.forward_chunk``); ``store_kv=True`` appends
         the chunk to the cache. Gradients flow through the chunk (not the cache) when grad is enabled."""
-        args, cond = self._network_inputs(handle, noisy_chunk, t, batch, conditional)
+        t, text, cond, dtype = self._t2v_inputs(handle, noisy_chunk, t, batch, conditional)
         # through handle.model (not unwrap()), so a booster wrapper's forward hooks run as for any forward
-        velocity = handle.model(*args, cond=cond, kv_cache=cache, start_frame=int(start_frame),
-                                store_kv=bool(store_kv)).float()
-        t = t.expand(noisy_chunk.shape[0]) if t.dim() == 0 else t
+        velocity = self.call_network(handle.model, noisy_chunk, t, text, cond, dtype, kv_cache=cache,
+                                     start_frame=int(start_frame), store_kv=bool(store_kv)).float()
         return fm.predict_x0(noisy_chunk.float(), velocity, t.float())
 
     # ---- accounting ---------------------------------------------------------------------------------------

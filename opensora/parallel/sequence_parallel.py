@@ -1,4 +1,7 @@
-"""Sequence parallelism for the MMDiT (all-to-all, "Ulysses" style).
+"""Sequence parallelism (all-to-all, "Ulysses" style): the groups, the collectives, and the model interface.
+
+The trainer builds the groups (``build_sequence_groups``) and hands this rank's to every network that declares it
+can split its sequence (``SequenceParallelModel``); the network calls the collectives below around attention.
 
 The ranks of one sequence-parallel group work on the same sample. Each holds a contiguous 1/S slice of the text
 tokens and a 1/S slice of the video tokens, and runs every linear layer on its slice only. Attention needs all
@@ -35,6 +38,18 @@ class SequenceGroup:
                              f"{self.size}, got {length}")  # fmt: skip
         chunk = length // self.size
         return slice(self.rank * chunk, (self.rank + 1) * chunk)
+
+
+class SequenceParallelModel:
+    """Interface of a network that can split each sample's tokens over the ranks of a ``SequenceGroup``.
+
+    All ranks of the group get the same inputs and each returns the whole output, so callers (the trainer, the
+    methods) do not change; only the gradient scaling described in the module doc differs.
+    """
+
+    def set_sequence_parallel(self, sp: Optional[SequenceGroup]) -> None:
+        """Split every sample's tokens over the ranks of ``sp`` from the next forward on; ``None`` turns it off."""
+        raise NotImplementedError
 
 
 def build_sequence_groups(size: int) -> SequenceGroup:

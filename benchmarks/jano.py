@@ -1,0 +1,457 @@
+#!/usr/bin/env python
+"""Jano region cache and OffloadManager on one GPU, side by side in one run (issue 15). Three parts:
+
+(a) quality on the trained MovingShapes teacher (benchmarks/gpu_moving_shapes.sh trains it): full compute, Jano
+    settings, Jano with --jano-offload and the TeaCache-style baseline sample the 72 held captions with the same seeds;
+    PSNR of every video against the full-compute one, the evaluator's colour / shape / direction accuracy, model
+    FLOPs ratio (counted per call) and wall-clock ratio (median of timed generations after a warm-up);
+(b) the 1B MMDiT shape (random weights; 2304 video + 512 text tokens, CFG batch of 2 rows): CUDA-event time of one
+    forward at each step level, with fixed regions (active / medium / static fractions);
+(c) offload: a fixed level schedule (one refresh, then cached steps) with the caches on the GPU, in the dual-stream
+    OffloadManager, static-only offload, and a naive synchronous .cpu()/.to(); GPU memory held by the caches, and a
+    torch.profiler trace summarised as the fraction of copy time that overlaps compute kernels.
+
+  python benchmarks/jano.py --config configs/diffusion/train/moving_shapes_gpu.py --ckpt CKPT_DIR --out OUT.json
+  python benchmarks/jano.py --smoke          # CPU: tiny random model, parts (a)-(c) without timings that matter
+
+Results: JSON to --out; a summary table and the goal checks (>= 2x fewer FLOPs and >= 1.8x wall-clock at PSNR >= 25
+dB and accuracy within 2 points; offload <= 3% slower than on-GPU caches) are printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from opensora.inference import jano
+from opensora.inference.jano import ACTIVE, FULL, MEDIUM, REFRESH, JanoCache, JanoConfig
+from opensora.inference.offload import DeviceStore, OffloadManager, make_store
+
+CUDA = torch.cuda.is_available()
+LEVEL_NAMES = {FULL: "L0 full", REFRESH: "L3 full+refresh", MEDIUM: "L2 active+medium", ACTIVE: "L1 active"}
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR (dB) of uint8 videos; identical videos count as 100 dB."""
+    mse = (a.float() - b.float()).pow(2).mean().item()
+    return 100.0 if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def timed(fn, repeats: int, warmup: int = 1):
+    """Median seconds of ``fn()`` (CUDA events on the GPU, perf_counter otherwise) and the last result."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        if CUDA:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t0 = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), times, out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (a) quality on the MovingShapes teacher
+# --------------------------------------------------------------------------------------------------------------
+def quality_methods(num_steps: int) -> dict:
+    """Name -> accelerator factory. Jano's 6-of-50 warm-up scaled to the step count."""
+    warmup = max(2, round(num_steps * 6 / 50))
+    base = dict(warmup_steps=warmup, cooldown_steps=1)
+    settings = {
+        "jano_r5_m2": dict(refresh_interval=5, medium_interval=2),
+        "jano_r8_m3_d0": dict(refresh_interval=8, medium_interval=3, dilation=0),
+        "jano_r12_m4_d0": dict(refresh_interval=12, medium_interval=4, dilation=0),
+        "jano_r8_m3_d0_t.3": dict(refresh_interval=8, medium_interval=3, dilation=0, static_threshold=0.3,
+                                  medium_threshold=0.7),
+        "jano_r8_m3_d0_per_row": dict(refresh_interval=8, medium_interval=3, dilation=0, share_branches=False),
+        "jano_r8_m3_d0_q.9": dict(refresh_interval=8, medium_interval=3, dilation=0, batch_quantile=0.9),
+        "jano_r8_m3_d0_offload": dict(refresh_interval=8, medium_interval=3, dilation=0, store="offload"),
+    }
+    methods = {"full": lambda: jano.FullCompute()}
+    for name, extra in settings.items():
+        methods[name] = lambda extra=extra: JanoCache(JanoConfig(**base, **extra))
+    for threshold in (0.05, 0.1, 0.25):
+        methods[f"teacache_{threshold}"] = lambda threshold=threshold: jano.StepCache(threshold, warmup, 1)
+    return methods
+
+
+def build_sampler(cfg, ckpt):
+    from opensora.inference.pipeline import VideoSampler, resolve_device, resolve_sampling_dtype, role_model_config
+    from opensora.registry import MODELS, build_module
+
+    if ckpt is not None:
+        return VideoSampler.from_config(cfg, ckpt, role=cfg.get("role", "model"), progress=False)
+    # smoke: random weights (zero-initialised layers too, so caching changes something)
+    device = resolve_device("auto")
+    dtype = resolve_sampling_dtype("auto", device)
+    model = build_module(role_model_config(cfg), MODELS)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model = model.to(device, dtype).eval().requires_grad_(False)
+    vae = build_module(cfg["vae"], MODELS).to(device, dtype).eval().requires_grad_(False)
+    text = build_module(cfg["text_encoder"], MODELS).to(device).eval()
+    shift = (cfg.get("method") or {}).get("shift") or {}
+    return VideoSampler(model, vae, text, shift=shift, device=device, progress=False)
+
+
+def part_quality(args) -> dict:
+    from moving_shapes_quality import held_caption_setup  # benchmarks/ (this script's directory)
+
+    from opensora.config import load_config
+    from opensora.eval.moving_shapes import score_rows
+
+    cfg = load_config(args.config)
+    sampler = build_sampler(cfg, args.ckpt)
+    (num_frames, height, width), prompts, seeds = held_caption_setup(cfg, args.num_prompts, args.seed)
+
+    def generate():
+        return sampler.generate(prompts, seeds, num_frames=num_frames, height=height, width=width,
+                                num_steps=args.num_steps, guidance_scale=args.guidance_scale,
+                                batch_size=len(prompts))  # fmt: skip
+
+    rows, reference, jano_videos = {}, None, None
+    for name, factory in quality_methods(args.num_steps).items():
+        if "offload" in name and not CUDA:
+            continue
+        accelerator = factory()
+        sampler.accelerator = accelerator
+        videos = generate()  # scored (and the warm-up of the timing)
+        stats = accelerator.stats.as_dict()
+        accelerator.reset_stats()
+        seconds, all_seconds, _ = timed(generate, args.repeats, warmup=0)
+        report = score_rows([(f"s{i:04d}", text, videos[i], None) for i, text in enumerate(prompts)])
+        if reference is None:
+            reference = videos
+        per_video = [psnr(videos[i], reference[i]) for i in range(len(prompts))]
+        row = dict(
+            seconds=seconds, seconds_all=all_seconds, flops=stats["flops"], full_flops=stats["full_flops"],
+            flops_per_sample=stats["flops"] / len(prompts),
+            flops_ratio=stats["flops_ratio"], levels=stats["levels"], psnr_mean=statistics.mean(per_video),
+            psnr_min=min(per_video), color_acc=report.color_acc, shape_acc=report.shape_acc,
+            direction_acc=report.direction_acc, all_acc=report.all_acc, n=report.n,
+        )  # fmt: skip
+        if isinstance(accelerator, JanoCache) and accelerator.region_counts is not None:
+            counts = accelerator.region_counts
+            total = sum(counts[k][0] for k in counts)
+            row["region_fractions"] = {k: statistics.mean(counts[k]) / total for k in counts}
+            row["computed_fraction_l1_l2"] = [accelerator.plan.k_active / total, accelerator.plan.k_medium / total]
+            if isinstance(accelerator.store, OffloadManager):
+                row["offload_stats"] = dict(accelerator.store.stats)
+        if name == "jano_r8_m3_d0":
+            jano_videos = videos
+        if name == "jano_r8_m3_d0_offload" and jano_videos is not None:
+            row["equal_to_on_gpu_jano"] = bool(torch.equal(videos, jano_videos))
+        rows[name] = row
+        print(f"[quality] {name}: {seconds:.3f} s, FLOPs x{row['flops_ratio']:.2f}, PSNR {row['psnr_mean']:.2f} dB, "
+              f"acc {row['color_acc']:.3f}/{row['shape_acc']:.3f}/{row['direction_acc']:.3f}", flush=True)
+    sampler.accelerator = None
+    full = rows["full"]
+    for row in rows.values():
+        row["speedup"] = full["seconds"] / row["seconds"]
+    return dict(config=str(args.config), ckpt=None if args.ckpt is None else str(args.ckpt),
+                num_steps=args.num_steps, guidance_scale=args.guidance_scale, batch=len(prompts),
+                size=[num_frames, height, width], methods=rows)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (b) and (c): the 1B shape with fixed regions
+# --------------------------------------------------------------------------------------------------------------
+def build_big(args):
+    from opensora.models.mmdit import MMDiT, mmdit_config
+
+    preset = "tiny" if args.smoke else "1b"
+    overrides = dict(in_channels=16, text_dim=4096 if not args.smoke else 32, pooled_dim=768 if not args.smoke else 16)
+    if args.smoke:
+        overrides.update(hidden_size=64, num_heads=2, axes_dims=(8, 12, 12))
+    cfg = mmdit_config(preset, **overrides)
+    cfg.pop("type")
+    device = torch.device("cuda" if CUDA else "cpu")
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    with torch.device(device):
+        model = MMDiT(**cfg)
+    gen = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
+    model = model.to(dtype).eval().requires_grad_(False)
+    frames, side, text_len = (9, 32, 512) if not args.smoke else (2, 8, 8)
+    rows = 2  # one sample, CFG
+    x = torch.randn(rows, 16, frames, side, side, generator=gen, device=device).to(dtype)
+    inputs = dict(x=x, timestep=torch.full((rows,), 0.5, device=device, dtype=dtype),
+                  text_emb=torch.randn(rows, text_len, overrides["text_dim"], generator=gen, device=device).to(dtype),
+                  text_mask=None, pooled=torch.randn(rows, overrides["pooled_dim"], generator=gen,
+                                                     device=device).to(dtype))  # fmt: skip
+    n = frames * (side // 2) ** 2
+    classes = torch.ones(rows, n, dtype=torch.int8)
+    for r in range(rows):  # random regions per row: active / medium fractions
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(r))
+        classes[r, perm[: int(args.active * n)]] = 3
+        classes[r, perm[int(args.active * n) : int((args.active + args.medium) * n)]] = 2
+    return model, inputs, jano.RegionPlan.from_classes(classes.to(device))
+
+
+def run_level(forward, store, plan, inputs, level, following=None):
+    """One forward at ``level``; like JanoCache, queue the ``following`` step's prefetches right after it."""
+    if level in (ACTIVE, MEDIUM):
+        store.begin_fetch_step(plan.entry_keys(forward.num_layers, level))
+    out = forward(level, **inputs, plan=plan, store=store)
+    if following in (ACTIVE, MEDIUM):
+        store.begin_fetch_step(plan.entry_keys(forward.num_layers, following))
+    return out
+
+
+def reserve(forward, store, plan, model, inputs):
+    rows, heads = inputs["x"].shape[0], model.num_heads
+    head_dim, dtype = model.hidden_size // heads, model.img_in.weight.dtype
+    for part, count in (("m", plan.k_medium - plan.k_active), ("s", plan.num_tokens - plan.k_medium)):
+        for layer in range(forward.num_layers):
+            store.reserve(f"{part}_kv_{layer}", (2, rows, heads, count, head_dim), dtype)
+        store.reserve(f"{part}_x", (rows, count, model.final_layer.linear.out_features), dtype)
+
+
+def part_levels(model, inputs, plan, args) -> dict:
+    forward, store = jano.RegionForward(model), DeviceStore()
+    out = {}
+    with torch.no_grad():
+        run_level(forward, store, plan, inputs, REFRESH)
+        for level in (FULL, REFRESH, MEDIUM, ACTIVE):
+            seconds, all_seconds, _ = timed(lambda: run_level(forward, store, plan, inputs, level), args.level_repeats,
+                                            warmup=2)  # fmt: skip
+            out[LEVEL_NAMES[level]] = dict(ms=seconds * 1000, ms_all=[s * 1000 for s in all_seconds],
+                                           computed_tokens=plan.computed(level))  # fmt: skip
+        seconds, _, _ = timed(lambda: model(**inputs), args.level_repeats, warmup=2)
+        out["model.forward"] = dict(ms=seconds * 1000, computed_tokens=plan.num_tokens)
+    full_ms = out[LEVEL_NAMES[FULL]]["ms"]
+    for row in out.values():
+        row["speedup_vs_full"] = full_ms / row["ms"]
+    return dict(tokens=plan.num_tokens, active=args.active, medium=args.medium, k_active=plan.k_active,
+                k_medium=plan.k_medium, levels=out)  # fmt: skip
+
+
+def copy_overlap(trace_path: str) -> dict:
+    """Fraction of memcpy time (device<->host) that overlaps kernels on other streams, from a chrome trace."""
+    events = json.loads(Path(trace_path).read_text()).get("traceEvents", [])
+    kernels, copies = [], []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        cat, name = e.get("cat", ""), e.get("name", "")
+        interval = (float(e["ts"]), float(e["ts"]) + float(e["dur"]), (e.get("args") or {}).get("stream"))
+        if cat == "kernel":
+            kernels.append(interval)
+        elif cat == "gpu_memcpy" and ("HtoD" in name or "DtoH" in name):
+            copies.append((interval, "HtoD" if "HtoD" in name else "DtoH"))
+    kernels.sort()
+    merged = []  # union of kernel intervals
+    for start, end, _ in kernels:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    starts = [start for start, _ in merged]
+    out = {}
+    for kind in ("HtoD", "DtoH"):
+        total = overlapped = 0.0
+        for (start, end, _), k in copies:
+            if k != kind:
+                continue
+            total += end - start
+            for ks, ke in merged[max(0, bisect.bisect_right(starts, start) - 1) :]:
+                if ks >= end:
+                    break
+                if ke > start:
+                    overlapped += min(end, ke) - max(start, ks)
+        out[kind] = dict(copy_us=total, overlapped_fraction=overlapped / total if total else None)
+    total = sum(v["copy_us"] for v in out.values())
+    out["all_overlapped_fraction"] = (sum(v["copy_us"] * (v["overlapped_fraction"] or 0) for v in out.values()) / total
+                                      if total else None)  # fmt: skip
+    out["copies"], out["kernels"] = len(copies), len(kernels)
+    return out
+
+
+def part_offload(model, inputs, plan, args) -> dict:
+    schedule = [REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM, REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM]
+    device = inputs["x"].device
+    stores = {kind: (lambda kind=kind: make_store(kind, device)) for kind in ("device", "naive")}
+    if CUDA:
+        stores.update({
+            "offload": lambda: make_store("offload", device),  # the default: 8-slot staging ring
+            "offload_static": lambda: make_store("offload_static", device),  # medium entries stay on the GPU
+            "offload_slot_per_entry": lambda: OffloadManager(device, ring_size=None),  # every copy at once
+            "offload_one_stream": lambda: OffloadManager(device, separate_store_stream=False),  # the spec's stream
+        })  # fmt: skip
+    results, outputs = {}, {}
+    forward = jano.RegionForward(model)
+    with torch.no_grad():
+        for kind, make in stores.items():
+            store = make()
+            reserve(forward, store, plan, model, inputs)
+
+            marks = []  # CUDA events between the steps of the last trajectory: per-level times
+
+            def trajectory(store=store):
+                marks.clear()
+                outs = []
+                for i, level in enumerate(schedule):
+                    if CUDA:
+                        marks.append(torch.cuda.Event(enable_timing=True))
+                        marks[-1].record()
+                    following = schedule[i + 1] if i + 1 < len(schedule) else None
+                    outs.append(run_level(forward, store, plan, inputs, level, following))
+                if CUDA:
+                    marks.append(torch.cuda.Event(enable_timing=True))
+                    marks[-1].record()
+                return outs
+
+            if CUDA:
+                torch.cuda.reset_peak_memory_stats()
+            seconds, all_seconds, outs = timed(trajectory, args.offload_repeats, warmup=1)
+            outputs[kind] = outs[-1]
+            results[kind] = dict(ms_per_step=seconds * 1000 / len(schedule), ms_all=[s * 1000 for s in all_seconds],
+                                 cache_device_bytes=store.device_bytes(),
+                                 peak_allocated_bytes=torch.cuda.max_memory_allocated() if CUDA else None)  # fmt: skip
+            if CUDA:
+                torch.cuda.synchronize()
+                per_level = {}
+                for level, start, end in zip(schedule, marks[:-1], marks[1:]):
+                    per_level.setdefault(LEVEL_NAMES[level], []).append(start.elapsed_time(end))
+                results[kind]["ms_per_level"] = {k: statistics.median(v) for k, v in per_level.items()}
+            if isinstance(store, OffloadManager):
+                results[kind]["host_bytes"] = store.host_bytes()
+                results[kind]["stats"] = dict(store.stats)
+            if kind == "offload" and CUDA:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    trajectory()
+                    sync()
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = str(Path(tmp) / "trace.json")
+                    prof.export_chrome_trace(path)
+                    results[kind]["profile"] = copy_overlap(path)
+                if args.trace:
+                    prof.export_chrome_trace(args.trace)
+            del store
+    base = results["device"]["ms_per_step"]
+    for kind, row in results.items():
+        row["slowdown_vs_device"] = row["ms_per_step"] / base - 1
+        row["output_equal_to_device"] = bool(torch.equal(outputs[kind], outputs["device"]))
+    return dict(schedule=schedule, stores=results)
+
+
+# --------------------------------------------------------------------------------------------------------------
+def summary(result: dict) -> list:
+    lines, checks = [], []
+    quality = result.get("quality")
+    if quality:
+        lines.append(f"(a) quality: MovingShapes teacher, {quality['batch']} captions, {quality['num_steps']} steps")
+        lines.append(f"{'method':24s} {'FLOPs x':>8s} {'wall x':>7s} {'PSNR':>7s} {'min':>6s} "
+                     f"{'colour':>7s} {'shape':>6s} {'dir':>6s}  L1/L2 computed")  # fmt: skip
+        full = quality["methods"]["full"]
+        for name, row in quality["methods"].items():
+            computed = row.get("computed_fraction_l1_l2")
+            extra = "" if computed is None else f"  {computed[0]:.2f}/{computed[1]:.2f}"
+            if "equal_to_on_gpu_jano" in row:
+                extra += f"  equal to on-GPU caches: {row['equal_to_on_gpu_jano']}"
+            lines.append(f"{name:24s} {row['flops_ratio']:8.2f} {row['speedup']:7.2f} {row['psnr_mean']:7.2f} "
+                         f"{row['psnr_min']:6.2f} {row['color_acc']:7.3f} {row['shape_acc']:6.3f} "
+                         f"{row['direction_acc']:6.3f}{extra}")  # fmt: skip
+            if name.startswith("jano") and "offload" not in name:
+                drop = max(full[k] - row[k] for k in ("color_acc", "shape_acc", "direction_acc"))
+                ok = row["flops_ratio"] >= 2 and row["speedup"] >= 1.8 and row["psnr_mean"] >= 25 and drop <= 0.02
+                checks.append(f"{name}: FLOPs >= 2x, wall >= 1.8x, PSNR >= 25, acc drop <= 2 pt: "
+                              f"{'PASS' if ok else 'FAIL'}")  # fmt: skip
+    levels = result.get("levels")
+    if levels:
+        lines.append(f"(b) 1B shape, {levels['tokens']} video tokens, active {levels['active']:.0%} / medium "
+                     f"{levels['medium']:.0%} (computed L1 {levels['k_active']}, L2 {levels['k_medium']})")
+        for name, row in levels["levels"].items():
+            lines.append(f"  {name:20s} {row['ms']:8.2f} ms/step  x{row['speedup_vs_full']:.2f}")
+    offload = result.get("offload")
+    if offload:
+        lines.append("(c) offload: fixed schedule " + "".join(str(level) for level in offload["schedule"]))
+        for kind, row in offload["stores"].items():
+            profile = row.get("profile") or {}
+            overlap = profile.get("all_overlapped_fraction")
+            lines.append(f"  {kind:15s} {row['ms_per_step']:8.2f} ms/step  {row['slowdown_vs_device']:+7.1%}  "
+                         f"cache on GPU {row['cache_device_bytes'] / 2**20:9.1f} MiB  equal {row['output_equal_to_device']}"
+                         + (f"  copy overlapped {overlap:.0%}" if overlap is not None else ""))  # fmt: skip
+            if row.get("ms_per_level"):
+                lines.append("    per level (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in row["ms_per_level"].items()))
+        if "offload" in offload["stores"]:
+            slow = offload["stores"]["offload"]["slowdown_vs_device"]
+            checks.append(f"offload <= 3% slower than on-GPU caches: {'PASS' if slow <= 0.03 else 'FAIL'} ({slow:+.1%})")
+    return lines + ["goals:"] + ["  " + c for c in checks]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/diffusion/train/moving_shapes_gpu.py")
+    parser.add_argument("--ckpt", default=None, help="teacher checkpoint; without it part (a) is skipped (or random "
+                                                      "weights with --smoke)")  # fmt: skip
+    parser.add_argument("--num-steps", type=int, default=30)
+    parser.add_argument("--guidance-scale", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations per method in (a)")
+    parser.add_argument("--level-repeats", type=int, default=10)
+    parser.add_argument("--offload-repeats", type=int, default=5)
+    parser.add_argument("--active", type=float, default=0.2, help="(b)/(c): fraction of active tokens")
+    parser.add_argument("--medium", type=float, default=0.3, help="(b)/(c): fraction of medium tokens")
+    parser.add_argument("--parts", default="quality,levels,offload")
+    parser.add_argument("--trace", default=None, help="also write the offload profile's chrome trace here")
+    parser.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny shapes, demo config, random weights")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.config = "configs/diffusion/train/demo.py"
+        args.num_steps, args.num_prompts, args.repeats = 6, args.num_prompts or 4, 1
+        args.level_repeats, args.offload_repeats = 1, 1
+    parts = set(args.parts.split(","))
+    result = dict(device=torch.cuda.get_device_name() if CUDA else "cpu", torch=torch.__version__)
+    started = time.perf_counter()
+    if "quality" in parts and (args.ckpt is not None or args.smoke):
+        result["quality"] = part_quality(args)
+    if parts & {"levels", "offload"}:
+        model, inputs, plan = build_big(args)
+        if "levels" in parts:
+            result["levels"] = part_levels(model, inputs, plan, args)
+        if "offload" in parts:
+            result["offload"] = part_offload(model, inputs, plan, args)
+    result["seconds"] = time.perf_counter() - started
+    lines = summary(result)
+    result["summary"] = lines
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,63 @@
+"""Where a training run keeps its checkpoints: directory and file names, the completion marker, the newest one.
+
+Training writes this layout (``opensora.training.checkpoint``); inference, the converter and the demo read it
+(``opensora.convert.weights``). One checkpoint, ``{outputs}/checkpoints/step-{step:07d}/``::
+
+    {role}/model/          sharded safetensors of the role's network (``model.safetensors.index.json`` + shards)
+    {role}/optimizer/      sharded optimizer state
+    {role}/lr_scheduler.pt the role's scheduler                                (if it has one)
+    {role}/ema.safetensors EMA weights, written by rank 0                      (if the role keeps an EMA)
+    {role}/master/rank{r}.pt fp32 master weights held by rank r's optimizer    (bf16/fp16 training only)
+    extra_state.pt         the trainer's dict (sampler state, {step, epoch, ...}), tensors/plain types
+    rng/rank{r}.pt         python/numpy/torch(/cuda) RNG state of every rank r
+    config.py              the resolved config text
+    meta.json              step, world size, roles, time
+    COMPLETE               completion marker, written last
+
+``role`` is ``model`` for plain training and ``student``, ``critic``... for distillation. Saves go to a hidden
+sibling ``.tmp-step-{step:07d}`` and are renamed into place, so only directories with the marker count.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+COMPLETE_MARKER = "COMPLETE"
+META_FILE = "meta.json"
+CONFIG_FILE = "config.py"
+MODEL_DIR = "model"  # inside a role directory
+EMA_FILE = "ema.safetensors"  # inside a role directory
+TMP_PREFIX = ".tmp-"  # unfinished saves and directories being deleted
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_root(outputs: str | Path) -> Path:
+    return Path(outputs) / "checkpoints"
+
+
+def checkpoint_dir(outputs: str | Path, step: int) -> Path:
+    return checkpoint_root(outputs) / f"step-{step:07d}"
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def list_checkpoints(outputs: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``outputs`` as (step, path), oldest first; tmp/incomplete dirs are ignored."""
+    root = checkpoint_root(outputs)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def find_latest_checkpoint(outputs: str | Path) -> Path | None:
+    """The newest complete checkpoint directory, or None."""
+    found = list_checkpoints(outputs)
+    return found[-1][1] if found else None

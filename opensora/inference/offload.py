@@ -1,0 +1,360 @@
+"""Cache stores for inference caches (Jano region cache): on the device, a naive synchronous CPU offload, and the
+dual-stream prefetching ``OffloadManager`` (spec: seeds/jano_offload_manager.md).
+
+All three answer the same verbs, keyed by strings, so a cache policy never knows where its tensors live:
+
+* ``reserve(key, shape, dtype)``: announce an entry before sampling (the offload manager allocates its pinned CPU
+  buffer here, once; a later ``reserve`` with the same shape and dtype reuses it).
+* ``store_async(tensor, key)``: keep ``tensor`` (a fresh tensor the caller will not modify) as entry ``key``.
+* ``begin_fetch_step(keys)``: the entries the next forward will read, in the order it reads them.
+* ``fetch(key)``: the entry on the device; ``release(key)``: the caller is done reading the fetched tensor.
+
+``OffloadManager`` keeps every entry in one pinned CPU buffer. ``store_async`` copies device -> pinned on a side
+stream (after waiting for the compute stream that produced the tensor; by default a store stream apart from the
+prefetch data stream, so both copy engines work, with per-key events ordering a key's store and prefetches) and
+holds a reference to the source until an event recorded *on that copy's stream* after the copy has completed, so the caching allocator cannot hand the source's
+memory to a new tensor while the DMA still reads it (diffusers' group offload once recorded the wrong stream here).
+``begin_fetch_step`` issues the host -> device copies of a step on the data stream, each into a slot of a small GPU
+staging ring, with one event per key; ``fetch`` makes the compute stream wait on that key's event (or, when the key
+was never prefetched, copies it synchronously). A slot is refilled only after the compute stream has passed the
+``release`` of the entry it held, so the ring can be far smaller than the cache: GPU memory held by the cache is
+the ring (``ring_size`` slots of the largest entry), the copies run ``ring_size`` entries ahead of the compute.
+
+The CUDA calls live behind ``CudaBackend``; tests drive the same bookkeeping with a recording CPU backend.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+
+class DeviceStore:
+    """Entries stay where they were produced (the on-GPU cache every offload is measured against)."""
+
+    def __init__(self):
+        self._entries: Dict[str, torch.Tensor] = {}
+
+    def reserve(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> None:
+        pass
+
+    def store_async(self, tensor: torch.Tensor, key: str) -> None:
+        self._entries[key] = tensor
+
+    def begin_fetch_step(self, keys: Iterable[str]) -> None:
+        pass
+
+    def fetch(self, key: str) -> torch.Tensor:
+        return self._entries[key]
+
+    def release(self, key: str) -> None:
+        pass
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def device_bytes(self) -> int:
+        """Bytes of device memory held for the cache."""
+        return sum(t.numel() * t.element_size() for t in self._entries.values() if t.device.type != "cpu")
+
+
+class NaiveOffload(DeviceStore):
+    """Synchronous ``.cpu()`` on store and ``.to(device)`` on fetch: the baseline the prefetching manager must beat."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = torch.device(device)
+
+    def store_async(self, tensor: torch.Tensor, key: str) -> None:
+        self._entries[key] = tensor.cpu()
+
+    def fetch(self, key: str) -> torch.Tensor:
+        return self._entries[key].to(self.device)
+
+
+class CudaBackend:
+    """The CUDA calls of ``OffloadManager`` (streams, events, pinned and device buffers, copies)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def new_event(self):
+        return torch.cuda.Event()
+
+    def record(self, event, stream) -> None:
+        event.record(stream)
+
+    def wait(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def done(self, event) -> bool:
+        return event.query()
+
+    def pinned_empty(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+
+    def device_empty(self, numel: int, dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def synchronize(self, stream) -> None:
+        stream.synchronize()
+
+
+class OffloadManager:
+    """Cache entries in pinned CPU memory, prefetched to a GPU staging ring on a separate data stream.
+
+    Args:
+        device: the compute device. backend: ``CudaBackend(device)`` by default (tests pass a fake).
+        ring_size: staging slots (each as large as the largest entry); entries of one layer are read together, so
+            keep it at least the number of entries one layer reads (the Jano cache reads 2), more to prefetch ahead.
+            ``None``: one slot per entry (the spec's literal design: every copy of a step in flight at once, but
+            the staging then holds as much GPU memory as the cache it offloads).
+        separate_store_stream: stores on a stream of their own (see the module docstring); False = one data stream.
+    """
+
+    def __init__(self, device="cuda", ring_size: Optional[int] = 8, backend=None, separate_store_stream: bool = True):
+        if ring_size is not None and ring_size < 1:
+            raise ValueError(f"ring_size must be >= 1 or None, got {ring_size}")
+        self.backend = backend if backend is not None else CudaBackend(device)
+        self.data_stream = self.backend.new_stream()
+        # Stores (device -> host) on their own stream use the other copy engine, so a step that refreshes some
+        # entries while prefetching others moves both at once; per-key events keep each key's copies in order.
+        self.store_stream = self.backend.new_stream() if separate_store_stream else self.data_stream
+        self._stored_event: Dict[str, object] = {}  # key -> its last store's done event (store_stream)
+        self._read_event: Dict[str, object] = {}  # key -> its last prefetch's done event (data_stream)
+        self.ring_size = ring_size
+        self._pinned: Dict[str, torch.Tensor] = {}
+        self._stored: set = set()  # keys whose pinned buffer holds a stored value
+        self._inflight: List[Tuple[object, torch.Tensor]] = []  # (copy-done event on data_stream, source) pairs
+        self._ring: Optional[torch.Tensor] = None  # flat byte buffer: ring_size slots of _slot_bytes
+        self._slot_bytes = 0
+        self._ring_slot_bytes = 0
+        self._resize = False  # the ring must be re-made (an entry grew, or a new one needs a slot) before use
+        self._free_slots: deque = deque()
+        self._slot_released: Dict[int, object] = {}  # slot -> event recorded on the compute stream at release
+        self._pending: deque = deque()  # prefetch keys not yet issued (waiting for a free slot)
+        self._issued: Dict[str, Tuple[int, object]] = {}  # key -> (slot, H2D-done event)
+        self._held: Dict[str, int] = {}  # fetched, not yet released: key -> slot
+        self.stats = dict(pinned_allocations=0, stores=0, prefetches=0, sync_fetches=0)
+
+    # ---- storage --------------------------------------------------------------------------------------------
+    def reserve(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> None:
+        """Allocate the pinned buffer of ``key`` (once: kept while shape and dtype stay the same)."""
+        buffer = self._pinned.get(key)
+        if buffer is not None and tuple(buffer.shape) == tuple(shape) and buffer.dtype == dtype:
+            return
+        if buffer is None and self.ring_size is None:
+            self._resize = True  # one slot per entry: a new entry needs a larger ring
+        self._pinned[key] = self.backend.pinned_empty(shape, dtype)
+        self._stored.discard(key)
+        self.stats["pinned_allocations"] += 1
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = -(-nbytes // 256) * 256  # slots aligned for any dtype view
+        if nbytes > self._slot_bytes:
+            self._resize = True  # re-made at the next prefetch with the larger slot size
+            self._slot_bytes = nbytes
+
+    def store_async(self, tensor: torch.Tensor, key: str) -> None:
+        """Copy ``tensor`` to the pinned buffer of ``key`` on the data stream; returns at once."""
+        self.reserve(key, tensor.shape, tensor.dtype)
+        backend = self.backend
+        produced = backend.new_event()
+        backend.record(produced, backend.current_stream())  # the tensor is written by the compute stream
+        backend.wait(self.store_stream, produced)
+        last_read = self._read_event.pop(key, None)
+        if last_read is not None and self.store_stream is not self.data_stream:
+            backend.wait(self.store_stream, last_read)  # the previous prefetch of this key has read the buffer
+        with backend.use_stream(self.store_stream):
+            backend.copy(self._pinned[key], tensor)
+        copied = backend.new_event()
+        backend.record(copied, self.store_stream)  # on the stream that reads the source: the right one to wait for
+        self._inflight.append((copied, tensor))  # the source stays alive until the DMA has read it
+        self._stored_event[key] = copied
+        self._stored.add(key)
+        self.stats["stores"] += 1
+        self._prune()
+
+    def _prune(self) -> None:
+        self._inflight = [(event, source) for event, source in self._inflight if not self.backend.done(event)]
+
+    def inflight(self) -> int:
+        """Stores whose source tensor is still referenced (copy not known to be complete)."""
+        self._prune()
+        return len(self._inflight)
+
+    # ---- prefetch -------------------------------------------------------------------------------------------
+    def _ensure_ring(self) -> None:
+        if self._resize and self._ring is not None:
+            if self._issued or self._held:
+                raise RuntimeError("entries grew while prefetched ones are outstanding: release them (or reserve "
+                                   "every entry before sampling) so the staging ring can be re-made")  # fmt: skip
+            self._ring = None
+            self._free_slots.clear()
+            self._slot_released.clear()
+        self._resize = False
+        if self._ring is None and self._slot_bytes:
+            slots = self.ring_size or len(self._pinned)
+            self._ring = self.backend.device_empty(slots * self._slot_bytes, torch.uint8)
+            self._ring_slot_bytes = self._slot_bytes
+            self._free_slots = deque(range(slots))
+
+    def _slot_view(self, slot: int, key: str) -> torch.Tensor:
+        pinned = self._pinned[key]
+        nbytes = pinned.numel() * pinned.element_size()
+        if nbytes > self._ring_slot_bytes:
+            raise RuntimeError(f"entry '{key}' ({nbytes} bytes) outgrew the staging slots ({self._ring_slot_bytes})")
+        start = slot * self._ring_slot_bytes
+        return self._ring[start : start + nbytes].view(pinned.dtype).view(pinned.shape)
+
+    def _issue(self, key: str) -> None:
+        backend = self.backend
+        slot = self._free_slots.popleft()
+        released = self._slot_released.pop(slot, None)
+        if released is not None:
+            backend.wait(self.data_stream, released)  # the compute stream is done with the slot's last entry
+        stored = self._stored_event.pop(key, None)
+        if stored is not None and self.store_stream is not self.data_stream:
+            backend.wait(self.data_stream, stored)  # the key's last store has landed in its pinned buffer
+        with backend.use_stream(self.data_stream):
+            backend.copy(self._slot_view(slot, key), self._pinned[key])
+        ready = backend.new_event()
+        backend.record(ready, self.data_stream)
+        self._issued[key] = (slot, ready)
+        self._read_event[key] = ready
+        self.stats["prefetches"] += 1
+
+    def _issue_pending(self) -> None:
+        while self._pending and self._free_slots and not self._resize:  # a pending resize waits for the next step
+            self._issue(self._pending.popleft())
+
+    def begin_fetch_step(self, keys: Iterable[str]) -> None:
+        """Queue host -> device copies of ``keys`` (in the order the step reads them) on the data stream."""
+        queued = set(self._pending)
+        keys = [k for k in keys if k not in self._issued and k not in self._held and k not in queued]
+        missing = [k for k in keys if k not in self._stored]
+        if missing:
+            raise KeyError(f"prefetch of entries never stored: {missing[:4]}")
+        self._ensure_ring()
+        self._pending.extend(keys)
+        self._issue_pending()
+
+    def fetch(self, key: str) -> torch.Tensor:
+        """The entry on the device (a staging slot: read it, then ``release`` it; do not write it)."""
+        if key in self._held:
+            return self._slot_view(self._held[key], key)
+        if key not in self._stored:
+            raise KeyError(f"cache entry '{key}' was never stored")
+        if key not in self._issued:
+            # Not prefetched (or still queued behind a full ring): issue it now, out of order, and wait below.
+            if key in self._pending:
+                self._pending.remove(key)
+            self._ensure_ring()
+            if not self._free_slots:
+                raise RuntimeError(
+                    f"no free staging slot for '{key}': held (fetched, not released) {sorted(self._held)[:4]}, "
+                    f"prefetched ahead {list(self._issued)[:4]}; release entries after reading them, fetch in the "
+                    f"order given to begin_fetch_step, or raise ring_size")
+            self._issue(key)
+            self.stats["sync_fetches"] += 1
+        slot, ready = self._issued.pop(key)
+        self.backend.wait(self.backend.current_stream(), ready)
+        self._held[key] = slot
+        return self._slot_view(slot, key)
+
+    def release(self, key: str) -> None:
+        """The compute stream has queued its last read of ``key``'s slot: let the next prefetch reuse it."""
+        slot = self._held.pop(key)
+        released = self.backend.new_event()
+        self.backend.record(released, self.backend.current_stream())
+        self._slot_released[slot] = released
+        self._free_slots.append(slot)
+        self._issue_pending()
+
+    # ---- housekeeping ---------------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        self.backend.synchronize(self.store_stream)
+        self.backend.synchronize(self.data_stream)
+        self._stored_event.clear()
+        self._read_event.clear()
+        self._prune()
+
+    def clear(self) -> None:
+        """Forget outstanding prefetches and stored values (pinned buffers and the ring are kept for reuse)."""
+        self._pending.clear()
+        for key in list(self._held):
+            self.release(key)
+        self.synchronize()
+        for slot, _ in self._issued.values():
+            self._free_slots.append(slot)
+        self._issued.clear()
+        self._stored.clear()
+
+    def device_bytes(self) -> int:
+        return 0 if self._ring is None else self._ring.numel()
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._pinned.values())
+
+
+def make_store(kind: str, device) -> object:
+    """``"device"`` (caches on the GPU), ``"offload"`` (OffloadManager), ``"offload_static"`` (static entries
+    offloaded, medium ones on the GPU), ``"naive"`` (sync .cpu()/.to())."""
+    device = torch.device(device)
+    if kind == "device" or device.type == "cpu":
+        return DeviceStore()
+    if kind == "offload":
+        return OffloadManager(device)
+    if kind == "naive":
+        return NaiveOffload(device)
+    if kind == "offload_static":
+        return SplitStore(DeviceStore(), OffloadManager(device), resident=lambda key: not key.startswith("s_"))
+    raise ValueError(f"unknown cache store '{kind}'; choose device, offload, offload_static or naive")
+
+
+class SplitStore:
+    """Route entries by key: those ``resident(key)`` says yes to stay in ``device`` (a DeviceStore), the rest go to
+    ``offload`` (e.g. an OffloadManager). Static entries change only at refreshes while medium ones change every
+    level-2 step, so offloading only the static ones trades some memory for copies that hide behind smaller steps."""
+
+    def __init__(self, device_store, offload_store, resident):
+        self.device, self.offload, self.resident = device_store, offload_store, resident
+
+    def _route(self, key: str):
+        return self.device if self.resident(key) else self.offload
+
+    def reserve(self, key, shape, dtype) -> None:
+        self._route(key).reserve(key, shape, dtype)
+
+    def store_async(self, tensor, key) -> None:
+        self._route(key).store_async(tensor, key)
+
+    def begin_fetch_step(self, keys) -> None:
+        self.offload.begin_fetch_step([k for k in keys if not self.resident(k)])
+
+    def fetch(self, key):
+        return self._route(key).fetch(key)
+
+    def release(self, key) -> None:
+        self._route(key).release(key)
+
+    def clear(self) -> None:
+        self.device.clear()
+        self.offload.clear()
+
+    def device_bytes(self) -> int:
+        return self.device.device_bytes() + self.offload.device_bytes()

@@ -1,0 +1,94 @@
+"""The one config dialect for networks and their optimisation: roles.
+
+A config lists its networks under ``models``, one entry per role::
+
+    models = dict(
+        student=dict(model=dict(type="MMDiT", ...), optimizer=dict(lr=5e-5), warmup_steps=5, grad_clip=1.0,
+                     ema=dict(decay=0.95), init_from=dict(path=..., role="model", ema=True)),
+        teacher=dict(model=..., trainable=False, precision="bf16", init_from=...),
+    )
+
+Plain training may use Open-Sora's top-level keys instead (``model``, ``lr``, ``optimizer``, ``warmup_steps``,
+``grad_clip``, ``ema_decay``, ``ema_start_step``, ``ema_warmup``): a shorthand for the single trainable role
+``model``, expanded by ``role_configs`` and nowhere else. A key that would be ignored is an error that names it:
+a shorthand key next to ``models`` (set it to None in a config that inherits it), ``lr`` given twice (top level and
+``optimizer.lr``), or an unknown key inside a role. Unset keys take ``ROLE_DEFAULTS``.
+"""
+
+import copy
+import difflib
+from typing import Any, Dict, Mapping
+
+from opensora.config import ConfigKeyError
+
+ROLE_DEFAULTS = dict(
+    trainable=True,
+    precision="bf16",  # a frozen role is cast to it; a trainable one trains in it (the booster's mixed precision)
+    optimizer=dict(type="AdamW", lr=1e-4, betas=(0.9, 0.95), eps=1e-15, weight_decay=0.01),
+    warmup_steps=0,  # constant_with_warmup, counted in this role's optimizer steps
+    grad_clip=None,  # max global grad norm; None: no clipping
+    ema=None,  # dict(decay=..., start_step=0, warmup=True): an EMA of the weights, kept on rank 0
+    init_from=None,  # a checkpoint / safetensors path, or dict(path=..., role="model", ema=True)
+)
+ROLE_KEYS = ("model", *ROLE_DEFAULTS)
+
+# Open-Sora's top-level keys: plain training's shorthand for the single role ``model``
+SHORTHAND_KEYS = ("model", "lr", "optimizer", "warmup_steps", "grad_clip", "ema_decay", "ema_start_step",
+                  "ema_warmup")
+
+
+def _check_role_keys(name: str, role: Mapping) -> None:
+    for key in role:
+        if key not in ROLE_KEYS:
+            near = difflib.get_close_matches(key, ROLE_KEYS, n=1)
+            hint = f"; did you mean '{near[0]}'" if near else ""
+            raise ConfigKeyError(f"unknown key 'models.{name}.{key}'{hint} (role keys: {list(ROLE_KEYS)})")
+    if "model" not in role:
+        raise ConfigKeyError(f"role '{name}' has no 'model' (the network config)")
+
+
+def _with_defaults(role: Mapping) -> Dict[str, Any]:
+    """Unset role keys from ``ROLE_DEFAULTS``; unset optimizer settings from its ``optimizer`` entry."""
+    out = {**copy.deepcopy(ROLE_DEFAULTS), **copy.deepcopy(dict(role))}
+    out["optimizer"] = optimizer_settings(out["optimizer"])
+    return out
+
+
+def optimizer_settings(optimizer: Mapping) -> Dict[str, Any]:
+    """``optimizer`` with unset settings (type, lr, betas, eps, weight_decay) from ``ROLE_DEFAULTS``."""
+    return {**copy.deepcopy(ROLE_DEFAULTS["optimizer"]), **dict(optimizer or {})}
+
+
+def _expand_shorthand(cfg: Mapping) -> Dict[str, Any]:
+    """The single trainable role ``model`` that plain training's top-level keys describe."""
+    optimizer = dict(cfg.get("optimizer") or {})
+    if cfg.get("lr") is not None:
+        if "lr" in optimizer:
+            raise ConfigKeyError(f"'lr' is given twice (lr={cfg['lr']} and optimizer.lr={optimizer['lr']}): keep one")
+        optimizer["lr"] = cfg["lr"]
+    role = dict(model=cfg["model"], optimizer=optimizer)
+    for key in ("precision", "warmup_steps", "grad_clip"):
+        if cfg.get(key) is not None:
+            role[key] = cfg[key]
+    if cfg.get("ema_decay") is not None:
+        role["ema"] = dict(decay=cfg["ema_decay"], start_step=cfg.get("ema_start_step", 0),
+                           warmup=cfg.get("ema_warmup", True))
+    return role
+
+
+def role_configs(cfg: Mapping) -> Dict[str, Dict[str, Any]]:
+    """Every role of ``cfg`` with ``ROLE_DEFAULTS`` filled in: ``cfg.models``, or the shorthand's role ``model``."""
+    models = cfg.get("models")
+    if models:
+        ignored = [key for key in SHORTHAND_KEYS if cfg.get(key) is not None]
+        if ignored:
+            raise ConfigKeyError(f"top-level {ignored} would be ignored: this config declares its networks under 'models' "
+                           f"(roles {sorted(models)}); set them per role, or to None where a base config sets them")
+        roles = {name: dict(role) for name, role in models.items()}
+    elif cfg.get("model") is not None:
+        roles = {"model": _expand_shorthand(cfg)}
+    else:
+        raise ConfigKeyError("config has neither 'model' nor 'models': no network to build")
+    for name, role in roles.items():
+        _check_role_keys(name, role)
+    return {name: _with_defaults(role) for name, role in roles.items()}

@@ -1,0 +1,60 @@
+"""Roles: the networks a method trains or queries, and the frozen components they share.
+
+This is the contract between methods (``opensora.methods``) and the trainer (``opensora.training``): the trainer
+builds one ``Role`` per entry of the config's ``models`` (``opensora.training.role_builder``) and hands them to
+the method by name; methods reach roles by name, the trainer only iterates over them. Nothing here needs
+ColossalAI, so methods, adapters and their tests import it without the training stack.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class Components:
+    """Frozen helpers shared by every role: autoencoder, text conditioner, device and compute dtype."""
+
+    vae: Optional[nn.Module]
+    text_encoder: Optional[nn.Module]
+    device: torch.device
+    dtype: torch.dtype
+    null_text: Optional[Dict[str, torch.Tensor]] = None  # encode([""]), computed once at start-up
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Role:
+    name: str
+    model: nn.Module  # the boosted wrapper when trainable
+    trainable: bool
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    booster: Any = None
+    ema: Any = None  # an opensora.training.ema.EMA, kept on rank 0 when the role asks for one
+    grad_clip: Optional[float] = None
+    plugin_clips: bool = False  # ZeRO/Hybrid/Gemini plugins clip inside optimizer.step()
+
+    def unwrap(self) -> nn.Module:
+        return self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
+
+    def wait_for_params(self) -> None:
+        """Block until this rank's parameters hold the last step's values. With LowLevelZero's
+        ``overlap_allgather`` the updated shards are gathered asynchronously and waited for by the next forward;
+        readers outside a forward (the EMA) must wait first."""
+        wait = getattr(self.model, "_force_wait_all_gather", None)
+        if wait is not None:
+            wait()
+
+    def clip_and_step(self) -> Optional[float]:
+        """Clip gradients to ``grad_clip`` and step; returns the pre-clip global grad norm."""
+        if self.plugin_clips:
+            self.optimizer.step()
+            norm = self.optimizer.get_grad_norm()
+        else:
+            max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
+            norm = self.optimizer.clip_grad_by_norm(max_norm)
+            self.optimizer.step()
+        return None if norm is None else float(norm)

@@ -1,0 +1,99 @@
+"""Build roles (``opensora.roles.Role``): each trainable network gets its own optimizer, scheduler, booster and EMA.
+
+``role_configs`` (``opensora.role_config``) gives each role's config with every key set. Trainable roles get their own plugin instance and booster; frozen roles are cast, set to eval,
+``requires_grad_(False)`` and never boosted. Methods reach roles by name; the trainer only iterates over them.
+"""
+
+import inspect
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+
+from opensora.dtypes import resolve_dtype
+from opensora.registry import MODELS, build_module
+from opensora.role_config import optimizer_settings
+from opensora.roles import Components, Role
+from opensora.training.booster import PLUGIN_REGISTRY, build_booster
+from opensora.training.ema import EMA
+
+
+def warmup_lambda(warmup_steps: int):
+    """constant_with_warmup: linear ramp over ``warmup_steps`` optimizer steps, the first step already > 0."""
+
+    def factor(step: int) -> float:
+        return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+    return factor
+
+
+def build_optimizer(params, cfg: Mapping) -> torch.optim.Optimizer:
+    """The optimizer a role's ``optimizer`` config names; unset settings from ``ROLE_DEFAULTS``."""
+    settings = optimizer_settings(cfg)
+    kind = settings.pop("type")
+    settings["betas"] = tuple(settings["betas"])
+    if kind == "AdamW":
+        return torch.optim.AdamW(params, **settings)
+    if kind == "HybridAdam":  # colossalai's fused CPU/GPU Adam (JIT-compiles kernels on first use)
+        from colossalai.nn.optimizer import HybridAdam
+
+        return HybridAdam(params, adamw_mode=True, **settings)
+    raise ValueError(f"unknown optimizer type '{kind}' (expected 'AdamW' or 'HybridAdam')")
+
+
+def _plugin_takes_max_norm(plugin_cfg: Mapping) -> bool:
+    spec = PLUGIN_REGISTRY.get(plugin_cfg.get("type"))
+    return spec is not None and "max_norm" in inspect.signature(spec.cls.__init__).parameters
+
+
+def load_initial_weights(model: nn.Module, init_from) -> None:
+    """``init_from``: a checkpoint directory / safetensors path, or ``dict(path=..., role="model", ema=True)``.
+
+    Distillation starts student, critic and teacher from a trained model this way; loading is strict, so an
+    architecture mismatch fails here with the offending keys, not later as a silent partial load.
+    """
+    from opensora.convert.weights import check_shapes_fit, load_role_weights
+
+    spec = dict(init_from) if isinstance(init_from, Mapping) else {"path": init_from}
+    weights = load_role_weights(spec.pop("path"), **spec)
+    check_shapes_fit({k: v.shape for k, v in weights.state_dict.items()}, model, f"init_from {weights.path}")
+    model.load_state_dict(weights.state_dict, strict=True)
+
+
+def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapping, is_main: bool) -> Role:
+    """Build one role from its resolved config (``role_configs``); boost it when trainable."""
+    model = build_module(cfg["model"], MODELS)
+    if cfg["init_from"]:
+        load_initial_weights(model, cfg["init_from"])
+    trainable = bool(cfg["trainable"])
+    precision = cfg["precision"]
+    if not trainable:
+        model = model.to(components.device, resolve_dtype(precision)).eval().requires_grad_(False)
+        return Role(name=name, model=model, trainable=False)
+
+    model = model.to(components.device)
+    grad_clip = cfg["grad_clip"]
+    plugin_cfg = dict(plugin_cfg)
+    plugin_clips = _plugin_takes_max_norm(plugin_cfg)
+    if plugin_clips and grad_clip is not None:
+        plugin_cfg.setdefault("max_norm", grad_clip)  # colossalai's name for it
+    ema = None
+    ema_cfg = cfg["ema"]
+    if ema_cfg is not None and is_main:
+        # built from the fp32 weights before the booster casts them; warmup unless the config turns it off
+        ema = EMA(model, **{"warmup": True, **dict(ema_cfg)})
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg["optimizer"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(int(cfg["warmup_steps"])))
+    booster = build_booster(plugin_cfg, mixed_precision=precision)
+    model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    return Role(
+        name=name,
+        model=model,
+        trainable=True,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        booster=booster,
+        ema=ema,
+        grad_clip=grad_clip,
+        plugin_clips=plugin_clips,
+    )

@@ -1,0 +1,240 @@
+"""OffloadManager bookkeeping on the CPU (a recording fake of the CUDA calls), and on the GPU against the device cache."""
+
+import weakref
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from opensora.inference.offload import DeviceStore, NaiveOffload, OffloadManager, SplitStore
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name = name
+
+
+class FakeEvent:
+    def __init__(self, number):
+        self.number, self.stream, self.complete = number, None, False
+
+
+class FakeBackend:
+    """Runs copies at once and records every stream/event call, so tests can check the ordering rules."""
+
+    def __init__(self):
+        self.compute = FakeStream("compute")
+        self.active = self.compute
+        self.log, self.events, self.pinned_allocations = [], [], 0
+
+    def new_stream(self):
+        self.streams = getattr(self, "streams", 0) + 1
+        return FakeStream("data" if self.streams == 1 else "store")
+
+    def current_stream(self):
+        return self.active
+
+    @contextmanager
+    def use_stream(self, stream):
+        previous, self.active = self.active, stream
+        try:
+            yield
+        finally:
+            self.active = previous
+
+    def new_event(self):
+        self.events.append(FakeEvent(len(self.events)))
+        return self.events[-1]
+
+    def record(self, event, stream):
+        event.stream = stream
+        self.log.append(("record", event.number, stream.name))
+
+    def wait(self, stream, event):
+        assert event.stream is not None, "waiting on an event that was never recorded"
+        self.log.append(("wait", stream.name, event.number))
+
+    def done(self, event):
+        return event.complete
+
+    def pinned_empty(self, shape, dtype):
+        self.pinned_allocations += 1
+        return torch.empty(shape, dtype=dtype)
+
+    def device_empty(self, numel, dtype):
+        return torch.empty(numel, dtype=dtype)
+
+    def copy(self, dst, src):
+        dst.copy_(src)
+        self.log.append(("copy", self.active.name))
+
+    def synchronize(self, stream):
+        for event in self.events:
+            if event.stream is stream:
+                event.complete = True
+
+
+def manager(ring_size=2):
+    backend = FakeBackend()
+    return OffloadManager(ring_size=ring_size, backend=backend), backend
+
+
+def test_store_waits_for_compute_copies_on_data_stream_and_keeps_source_alive():
+    om, fake = manager()
+    source = torch.randn(3, 4)
+    alive = weakref.ref(source)
+    om.store_async(source, "s_kv_0")
+    # compute-stream event recorded, store stream waits on it, copy on the store stream, done-event on the store stream
+    assert fake.log == [("record", 0, "compute"), ("wait", "store", 0), ("copy", "store"), ("record", 1, "store")]
+    del source
+    assert alive() is not None and om.inflight() == 1  # copy not complete: the manager still holds the source
+    fake.events[1].complete = True
+    assert om.inflight() == 0 and alive() is None
+
+
+def test_pinned_buffers_allocated_once():
+    om, fake = manager()
+    om.reserve("a", (2, 3), torch.float32)
+    om.reserve("b", (4,), torch.float32)
+    for _ in range(3):
+        om.store_async(torch.randn(2, 3), "a")
+        om.store_async(torch.randn(4), "b")
+    assert fake.pinned_allocations == 2 and om.stats["pinned_allocations"] == 2
+    om.reserve("a", (2, 3), torch.float32)  # same shape: reused
+    assert fake.pinned_allocations == 2
+
+
+def test_prefetch_ring_events_and_release_order():
+    om, fake = manager(ring_size=2)
+    values = {k: torch.randn(2, 3) for k in ("k0", "k1", "k2")}
+    for key, value in values.items():
+        om.store_async(value, key)
+    stored_k0 = om._stored_event["k0"]
+    fake.log.clear()
+    om.begin_fetch_step(["k0", "k1", "k2"])
+    # two slots: k0 and k1 issued (one event each, on the data stream), k2 waits for a free slot
+    assert [e for e in fake.log if e[0] == "copy"] == [("copy", "data")] * 2
+    assert fake.log[0] == ("wait", "data", stored_k0.number)  # the prefetch follows the key's store
+    assert om.stats["prefetches"] == 2
+    ready_k0 = om._issued["k0"][1]
+    assert ready_k0.stream.name == "data"
+    fake.log.clear()
+    out = om.fetch("k0")
+    assert fake.log == [("wait", "compute", ready_k0.number)]  # the compute stream waits on k0's own event
+    torch.testing.assert_close(out, values["k0"])
+    fake.log.clear()
+    om.release("k0")
+    # release: event on the compute stream, then k2's copy into the freed slot waits for it on the data stream
+    release_event = fake.log[0][1]
+    assert fake.log[0] == ("record", release_event, "compute")
+    assert fake.log[1] == ("wait", "data", release_event) and fake.log[3] == ("copy", "data")
+    torch.testing.assert_close(om.fetch("k1"), values["k1"])
+    torch.testing.assert_close(om.fetch("k2"), values["k2"])
+    om.release("k1")
+    om.release("k2")
+    assert om.device_bytes() == 2 * 256  # the ring: 2 slots of the largest entry (24 bytes, 256-byte aligned)
+
+
+def test_fetch_without_prefetch_is_a_synchronous_fallback():
+    om, fake = manager()
+    value = torch.randn(5)
+    om.store_async(value, "x")
+    torch.testing.assert_close(om.fetch("x"), value)
+    assert om.stats["sync_fetches"] == 1
+    om.release("x")
+    with pytest.raises(KeyError, match="never stored"):
+        om.fetch("missing")
+
+
+def test_full_ring_of_unreleased_entries_is_a_clear_error():
+    om, _ = manager(ring_size=1)
+    om.store_async(torch.randn(2), "a")
+    om.store_async(torch.randn(2), "b")
+    om.fetch("a")
+    with pytest.raises(RuntimeError, match="no free staging slot"):
+        om.fetch("b")
+
+
+def test_stores_agree():
+    value = torch.randn(2, 3)
+    split = [SplitStore(DeviceStore(), manager()[0], resident=lambda key, r=r: r) for r in (True, False)]
+    for store in (DeviceStore(), NaiveOffload("cpu"), manager()[0], *split):
+        store.reserve("k", value.shape, value.dtype)
+        store.store_async(value, "k")
+        store.begin_fetch_step(["k"])
+        torch.testing.assert_close(store.fetch("k"), value)
+        store.release("k")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_offload_manager_round_trip_on_gpu_under_concurrent_compute():
+    torch.manual_seed(0)
+    om = OffloadManager("cuda", ring_size=3)
+    values = {f"k{i}": torch.randn(64, 1024, device="cuda") for i in range(6)}
+    for key, value in values.items():
+        om.store_async(value * 1, key)  # a temporary: only the manager keeps it alive
+    om.begin_fetch_step(list(values))
+    weight = torch.randn(1024, 1024, device="cuda")
+    for key, value in values.items():
+        out = om.fetch(key) @ weight
+        torch.testing.assert_close(out, value @ weight)
+        om.release(key)
+    om.synchronize()
+    assert om.stats["sync_fetches"] == 0 and om.inflight() == 0
+
+
+def test_a_store_after_a_prefetch_of_the_same_key_waits_for_that_read():
+    om, fake = manager()
+    om.store_async(torch.randn(3), "k")
+    om.begin_fetch_step(["k"])
+    ready = om._issued["k"][1]
+    om.fetch("k")
+    om.release("k")
+    fake.log.clear()
+    om.store_async(torch.randn(3), "k")  # e.g. a level-2 step refreshing a medium entry read by the step before
+    assert ("wait", "store", ready.number) in fake.log
+    assert fake.log.index(("wait", "store", ready.number)) < fake.log.index(("copy", "store"))
+
+
+def test_ring_size_none_gives_every_entry_a_slot_and_issues_all_copies_at_once():
+    backend = FakeBackend()
+    om = OffloadManager(ring_size=None, backend=backend)
+    values = {f"k{i}": torch.randn(4) for i in range(5)}
+    for key, value in values.items():
+        om.store_async(value, key)
+    om.begin_fetch_step(list(values))
+    assert om.stats["prefetches"] == 5 and not om._pending
+    for key, value in values.items():
+        torch.testing.assert_close(om.fetch(key), value)
+    om.store_async(torch.randn(4), "k5")  # a new entry while slots are held: the ring cannot grow now
+    for key in values:
+        om.release(key)
+    om.begin_fetch_step(["k5"])
+    assert om.device_bytes() == 6 * 256
+
+
+def test_clear_frees_every_slot_and_forgets_values_but_keeps_pinned_buffers():
+    om, fake = manager(ring_size=2)
+    for key in ("a", "b", "c"):
+        om.store_async(torch.randn(2), key)
+    om.begin_fetch_step(["a", "b", "c"])
+    om.fetch("a")  # held; b issued; c pending
+    om.clear()
+    assert len(om._free_slots) == 2 and not om._issued and not om._held and not om._pending
+    assert om.inflight() == 0 and fake.pinned_allocations == 3
+    with pytest.raises(KeyError, match="never stored"):
+        om.begin_fetch_step(["a"])
+
+
+def test_begin_fetch_step_twice_queues_each_key_once():
+    om, _ = manager(ring_size=1)
+    for key in ("a", "b"):
+        om.store_async(torch.randn(2), key)
+    om.begin_fetch_step(["a", "b"])  # a issued, b pending
+    om.begin_fetch_step(["a", "b"])  # e.g. the step itself after the previous step queued its prefetches
+    assert list(om._pending) == ["b"] and om.stats["prefetches"] == 1
+    for key in ("a", "b"):
+        om.fetch(key)
+        om.release(key)
+    assert om.stats["prefetches"] == 2 and om.stats["sync_fetches"] == 0
