@@ -35,7 +35,7 @@ from train_step import count_host_syncs  # noqa: E402  (benchmarks/train_step.py
 from opensora.config import load_config  # noqa: E402
 from opensora.inference import pipeline  # noqa: E402
 from opensora.inference.pipeline import VideoSampler, resolve_device, role_model_config  # noqa: E402
-from opensora.inference.streaming import StreamingGenerator  # noqa: E402
+from opensora.inference.streaming import ChunkDecoder, StreamingGenerator  # noqa: E402
 from opensora.registry import MODELS, build_module  # noqa: E402
 
 
@@ -142,6 +142,11 @@ def run_speed(args) -> dict:
                   chunk_frames=args.chunk_frames,
                   steps=args.step_list, window_frames=window, sink_frames=args.sink_frames,
                   training_clip=[frames, height, width], training_latent_frames=train_latent, lengths={})  # fmt: skip
+    # the decode share of a chunk: one later chunk's latents (with the decoder's overlap context) decoded alone
+    latent_hw = sampler.latent_size(frames, height, width)[1:]
+    overlap = ChunkDecoder(sampler.decode, vae).overlap
+    chunk_latents = torch.randn(args.batch, vae.latent_channels, args.chunk_frames + overlap, *latent_hw, device=device)
+    result["decode_s_per_chunk"], _ = timed(lambda: sampler.decode(chunk_latents), repeats=3)
     rows = []
     for multiple in args.lengths:
         latent = (train_latent - 1) * multiple + 1 if vae.causal_temporal else train_latent * multiple
@@ -181,7 +186,7 @@ def run_speed(args) -> dict:
                          max_cached_frames=None, peak_mib=None))  # fmt: skip
     print_table(f"streaming speed on {result['device']} (batch {args.batch}, chunk {args.chunk_frames} latent frames, "
                 f"{len(args.step_list)} steps + 1 cache pass per chunk)", rows)  # fmt: skip
-    for key in ("peak_growth", "speedup_end_to_end_1x", "first_chunk_over_teacher_clip"):
+    for key in ("decode_s_per_chunk", "peak_growth", "speedup_end_to_end_1x", "first_chunk_over_teacher_clip"):
         if key in result:
             print(f"{key}: {result[key]:.4g}")
     write_json(args.out, "speed.json", result)

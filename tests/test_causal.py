@@ -33,15 +33,19 @@ def padded_inputs(t=8, seed=0, batch=2):
     return data
 
 
+def text_kwargs(data, **overrides):
+    """The forward keywords of ``data`` other than x and cond."""
+    return dict({key: data[key] for key in ("timestep", "text_emb", "text_mask", "pooled")}, **overrides)
+
+
 def stream(model, data, chunk, cache=None, store=True):
     """Chunk-by-chunk velocities through ``forward_chunk``, concatenated over time."""
     cache = cache if cache is not None else model.new_kv_cache()
     outs = []
     for start in range(0, data["x"].shape[2], chunk):
         piece = slice(start, start + chunk)
-        outs.append(model.forward_chunk(
-            data["x"][:, :, piece], data["timestep"], data["text_emb"], data["text_mask"], data["pooled"],
-            cond=data["cond"][:, :, piece], cache=cache, start_frame=start, store_kv=store))  # fmt: skip
+        outs.append(model.forward_chunk(data["x"][:, :, piece], **text_kwargs(data), cond=data["cond"][:, :, piece],
+                                        cache=cache, start_frame=start, store_kv=store))  # fmt: skip
     return torch.cat(outs, dim=2), cache
 
 
@@ -118,14 +122,14 @@ def test_rolling_window_with_sinks_bounds_the_cache_and_keeps_the_right_frames()
     with torch.no_grad():
         for start in range(0, 32, 2):
             piece = slice(start, start + 2)
-            args = (data["x"][:, :, piece], data["timestep"], data["text_emb"], data["text_mask"], data["pooled"])
-            model.forward_chunk(*args, cond=data["cond"][:, :, piece], cache=cache, start_frame=start, store_kv=True)
+            model.forward_chunk(data["x"][:, :, piece], **text_kwargs(data), cond=data["cond"][:, :, piece],
+                                cache=cache, start_frame=start, store_kv=True)  # fmt: skip
             sizes.append((cache.num_frames, cache.nbytes))
             if start == 12:  # the same chunks once more into an unbounded cache, to compare what the window kept
                 for s in range(0, 14, 2):
                     p = slice(s, s + 2)
-                    model.forward_chunk(data["x"][:, :, p], *args[1:], cond=data["cond"][:, :, p], cache=full_cache,
-                                        start_frame=s, store_kv=True)  # fmt: skip
+                    model.forward_chunk(data["x"][:, :, p], **text_kwargs(data), cond=data["cond"][:, :, p],
+                                        cache=full_cache, start_frame=s, store_kv=True)  # fmt: skip
                 kept = [0, 1, 10, 11, 12, 13]
                 assert cache.frame_ids == kept
                 tokens_per_frame = 16
@@ -148,13 +152,13 @@ def test_store_kv_false_leaves_the_cache_untouched_and_denoising_steps_repeat():
     with torch.no_grad():
         _, cache = stream(model, dict(data, x=data["x"][:, :, :4], cond=data["cond"][:, :, :4]), 2)
         keys = [k.clone() for k in cache.keys]
-        args = (data["x"][:, :, 4:6], data["timestep"], data["text_emb"], data["text_mask"], data["pooled"])
-        first = model.forward_chunk(*args, cond=data["cond"][:, :, 4:6], cache=cache, start_frame=4, store_kv=False)
-        second = model.forward_chunk(*args, cond=data["cond"][:, :, 4:6], cache=cache, start_frame=4, store_kv=False)
+        args = dict(text_kwargs(data), cond=data["cond"][:, :, 4:6], cache=cache, store_kv=False)
+        first = model.forward_chunk(data["x"][:, :, 4:6], **args, start_frame=4)
+        second = model.forward_chunk(data["x"][:, :, 4:6], **args, start_frame=4)
     assert torch.equal(first, second)
     assert cache.num_frames == 4 and all(torch.equal(a, b) for a, b in zip(keys, cache.keys))
     with pytest.raises(ValueError, match="overlaps the cache"):
-        model.forward_chunk(*args, cond=data["cond"][:, :, 4:6], cache=cache, start_frame=2, store_kv=False)
+        model.forward_chunk(data["x"][:, :, 4:6], **args, start_frame=2)
 
 
 @pytest.mark.parametrize("grad_ckpt", [0, 1])
@@ -164,8 +168,8 @@ def test_gradients_reach_the_chunk_and_not_the_cache(grad_ckpt):
     with torch.no_grad():
         _, cache = stream(model, dict(data, x=data["x"][:, :, :4], cond=data["cond"][:, :, :4]), 2)
     x = data["x"][:, :, 4:6].clone().requires_grad_(True)
-    out = model.forward_chunk(x, data["timestep"], data["text_emb"], data["text_mask"], data["pooled"],
-                              cond=data["cond"][:, :, 4:6], cache=cache, start_frame=4, store_kv=True)
+    out = model.forward_chunk(x, **text_kwargs(data), cond=data["cond"][:, :, 4:6], cache=cache, start_frame=4,
+                              store_kv=True)
     out.square().mean().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
     assert all(p.grad is not None for p in model.img_in.parameters())
@@ -250,9 +254,9 @@ def test_per_chunk_timesteps_match_streaming_each_chunk_at_its_own_time():
         cache, outs = model.new_kv_cache(), []
         for c in range(4):
             piece = slice(2 * c, 2 * c + 2)
-            outs.append(model.forward_chunk(data["x"][:, :, piece], times[:, c], data["text_emb"], data["text_mask"],
-                                            data["pooled"], cond=data["cond"][:, :, piece], cache=cache,
-                                            start_frame=2 * c, store_kv=True))  # fmt: skip
+            outs.append(model.forward_chunk(data["x"][:, :, piece], **text_kwargs(data, timestep=times[:, c]),
+                                            cond=data["cond"][:, :, piece], cache=cache, start_frame=2 * c,
+                                            store_kv=True))  # fmt: skip
         same_time = model(**dict(data, timestep=data["timestep"][:, None].expand(2, 4)))
         uniform = model(**data)
     # Not bit-exact: the conditioning vectors here come from one [B * n, hidden] matmul and in streaming from n

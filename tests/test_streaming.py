@@ -43,8 +43,7 @@ def test_each_chunk_is_the_full_causal_prediction_given_the_clean_earlier_chunks
             noise = torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators])
             x = torch.cat((latents[:, :, : 2 * c], noise, torch.zeros(2, 48, 4 - 2 * c, 4, 4)), dim=2)
             times = torch.tensor([[0.0] * c + [1.0] + [1.0] * (2 - c)] * 2)
-            v = sampler.model(x, timestep=times, text_emb=text["text_emb"], text_mask=text["text_mask"],
-                              pooled=text["pooled"], cond=cond)
+            v = sampler.model(x, timestep=times, **text, cond=cond)
             expected = noise - v[:, :, 2 * c : 2 * c + 2]
             assert (latents[:, :, 2 * c : 2 * c + 2] - expected).abs().max() <= 1e-5 * expected.abs().max()
 

@@ -109,11 +109,11 @@ class MMDiTAdapter:
     @staticmethod
     def call_network(network, x: torch.Tensor, t: torch.Tensor, text: Mapping[str, torch.Tensor],
                      cond: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
-                     **network_kwargs) -> torch.Tensor:
+                     **extra) -> torch.Tensor:
         """One forward of an MMDiT (plain or boosted): floating inputs cast to its compute ``dtype`` (default:
         its parameters'), text features from ``text`` (``text_emb``, ``text_mask``, ``pooled``); returns the
-        network's output as it comes (the velocity, in ``dtype``). ``network_kwargs`` go to the network as they are
-        (``text_mask_has_padding``; a causal network's ``kv_cache``, ``start_frame``, ``store_kv``)."""
+        network's output as it comes (the velocity, in ``dtype``). ``extra``: further forward keywords (the
+        streaming ``kv_cache`` / ``start_frame`` / ``store_kv``)."""
         dtype = dtype or next(network.parameters()).dtype
         return network(
             x=x.to(dtype),
@@ -122,7 +122,7 @@ class MMDiTAdapter:
             text_mask=text["text_mask"],
             pooled=text["pooled"].to(dtype),
             cond=None if cond is None else cond.to(dtype),
-            **network_kwargs,
+            **extra,
         )
 
     def predict_velocity(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
@@ -131,13 +131,12 @@ class MMDiTAdapter:
 
         Gradients flow when the caller has grad enabled and the handle's parameters require grad.
         """
-        text, cond, t, dtype = self._network_inputs(handle, noisy, t, batch, conditional)
+        t, text, cond, dtype = self._t2v_inputs(handle, noisy, t, batch, conditional)
         return self.call_network(handle.model, noisy, t, text, cond, dtype).float()
 
     @staticmethod
-    def _network_inputs(handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, conditional: bool):
-        """The text features (prompt or null text), the all-zero t2v condition (or None), ``t`` as [B] and the
-        network's dtype."""
+    def _t2v_inputs(handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, conditional: bool):
+        """(t [B], text features, the all-zero t2v condition or None, the network's dtype) for ``call_network``."""
         network = handle.unwrap()
         dtype = next(network.parameters()).dtype
         text = batch.text if conditional else batch.null_text
@@ -146,7 +145,7 @@ class MMDiTAdapter:
         if cond_channels:  # text-to-video: mask 0 everywhere, no condition frames
             cond = torch.zeros((noisy.shape[0], cond_channels, *noisy.shape[2:]), device=noisy.device, dtype=dtype)
         t = t.expand(noisy.shape[0]) if t.dim() == 0 else t
-        return text, cond, t, dtype
+        return t, text, cond, dtype
 
     def predict_x0(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
                    conditional: bool = True) -> torch.Tensor:
@@ -173,11 +172,10 @@ class MMDiTAdapter:
         """x0 (float32) of one chunk ``noisy_chunk`` [B, C, Tc, H, W] at time ``t`` and absolute latent frame
         ``start_frame``, attending to the frames in ``cache`` (``MMDiT.forward_chunk``); ``store_kv=True`` appends
         the chunk to the cache. Gradients flow through the chunk (not the cache) when grad is enabled."""
-        text, cond, t_rows, dtype = self._network_inputs(handle, noisy_chunk, t, batch, conditional)
+        t, text, cond, dtype = self._t2v_inputs(handle, noisy_chunk, t, batch, conditional)
         # through handle.model (not unwrap()), so a booster wrapper's forward hooks run as for any forward
-        velocity = self.call_network(handle.model, noisy_chunk, t_rows, text, cond, dtype, kv_cache=cache,
+        velocity = self.call_network(handle.model, noisy_chunk, t, text, cond, dtype, kv_cache=cache,
                                      start_frame=int(start_frame), store_kv=bool(store_kv)).float()
-        t = t.expand(noisy_chunk.shape[0]) if t.dim() == 0 else t
         return fm.predict_x0(noisy_chunk.float(), velocity, t.float())
 
     # ---- accounting ---------------------------------------------------------------------------------------

@@ -205,7 +205,10 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
 
     num_frames, height, width = size
     if args.cond_type != "t2v" or args.ref is not None:
-        raise SystemExit("--streaming generates text-to-video only (no --cond-type / --ref)")
+        raise UserInputError("--streaming generates text-to-video only (no --cond-type / --ref)")
+    if sampler.accelerator is not None:
+        raise UserInputError("--streaming and --jano do not combine (the KV cache and the region cache share the "
+                             "attention seam)")  # fmt: skip
     generator = StreamingGenerator(
         sampler, step_list=args.step_list, num_steps=int(args.num_steps), rollout=str(args.rollout),
         guidance_scale=float(args.guidance_scale), sink_frames=int(args.sink_frames),

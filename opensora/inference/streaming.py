@@ -135,8 +135,8 @@ class StreamingGenerator:
         text, null = sampler.encode_text(prompts)
         guided = self.guidance_scale != 1.0
         branches = [text, null] if guided else [text]
-        text_args = [torch.cat([b[key] for b in branches]) for key in ("text_emb", "text_mask", "pooled")]
-        text_args = [text_args[0].to(dtype), text_args[1], text_args[2].to(dtype)]
+        text_args = {key: torch.cat([b[key] for b in branches]) for key in ("text_emb", "text_mask", "pooled")}
+        text_args.update(text_emb=text_args["text_emb"].to(dtype), pooled=text_args["pooled"].to(dtype))
         rows = len(prompts) * len(branches)
         cond = None
         if getattr(model, "cond_channels", None):  # text-to-video: the all-zero condition
@@ -154,8 +154,8 @@ class StreamingGenerator:
             x_in = torch.cat([x] * len(branches)) if guided else x
             t_in = torch.full((rows,), t, device=device, dtype=dtype)
             c = None if cond is None else cond[:, :, : x.shape[2]]
-            out = model.forward_chunk(x_in.to(dtype), t_in, *text_args, cond=c, cache=cache, start_frame=start,
-                                      store_kv=store).float()  # fmt: skip
+            out = model.forward_chunk(x_in.to(dtype), timestep=t_in, **text_args, cond=c, cache=cache,
+                                      start_frame=start, store_kv=store).float()  # fmt: skip
             return text_cfg(*out.chunk(2), self.guidance_scale) if guided else out
 
         with torch.no_grad():

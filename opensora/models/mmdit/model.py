@@ -246,16 +246,16 @@ class MMDiT(nn.Module, SequenceParallelModel):
             guidance: distilled guidance scale ``[B]``, for a model built with ``guidance_embed``.
             text_mask_has_padding: lets a caller that knows whether ``text_mask`` has padded tokens skip
                 inspecting it (a GPU->host sync per step), see ``key_mask``.
-            kv_cache, start_frame, store_kv: streaming (causal models only): run ``forward_chunk`` on the chunk
-                ``x`` at absolute latent frame ``start_frame`` against ``kv_cache`` (this path lets a training
-                wrapper's forward hooks run).
+            kv_cache, start_frame, store_kv: a causal model (``causal_chunk_frames > 0``, causal.py) given a
+                ``kv_cache`` runs ``forward_chunk`` (through ``forward``, so a training wrapper's hooks run).
 
-        A causal model (``causal_chunk_frames > 0``) runs the full block-causal forward (causal.py); with
-        ``timestep`` [B, num_chunks] each chunk is at its own time (``per_chunk_timestep_forward``).
+        A causal model runs the full block-causal forward; with ``timestep`` ``[B, num_chunks]`` each chunk is at
+        its own time (``per_chunk_timestep_forward``).
         """
         if kv_cache is not None:
-            return self.forward_chunk(x, timestep, text_emb, text_mask, pooled, cond, guidance, cache=kv_cache,
-                                      start_frame=start_frame, store_kv=store_kv)  # fmt: skip
+            return self.forward_chunk(x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled,
+                                      cond=cond, guidance=guidance, cache=kv_cache, start_frame=start_frame,
+                                      store_kv=store_kv)  # fmt: skip
         if self.causal_chunk_frames and timestep.dim() == 2:
             return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
@@ -322,19 +322,19 @@ class MMDiT(nn.Module, SequenceParallelModel):
     def forward_chunk(
         self,
         x: torch.Tensor,
+        *,
         timestep: torch.Tensor,
         text_emb: torch.Tensor,
         text_mask: Optional[torch.Tensor] = None,
         pooled: Optional[torch.Tensor] = None,
         cond: Optional[torch.Tensor] = None,
         guidance: Optional[torch.Tensor] = None,
-        *,
         cache: KVCache,
         start_frame: int,
         store_kv: bool,
     ) -> torch.Tensor:
         """Velocity for one chunk ``x`` [B, C, Tc, H, W] at absolute latent frame ``start_frame``, attending to the
-        frames held by ``cache`` and to itself. ``store_kv=True`` appends the chunk's keys/values to the cache (and
+        frames held by ``cache`` and to itself; the other inputs as for ``forward`` (all by keyword). ``store_kv=True`` appends the chunk's keys/values to the cache (and
         rolls its window) after the forward; ``False`` leaves the cache as it was. Gradients flow through the
         chunk's own tokens (the cache is detached)."""
         if not self.causal_chunk_frames:
