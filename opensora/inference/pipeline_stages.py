@@ -437,9 +437,9 @@ def stream_reference(model, group: Mapping, latent_size: Sequence[int], times: S
             outs = []
             for text, cache in zip(texts, caches):
                 t_vec = torch.full((rows,), t, device=device, dtype=dtype)
-                outs.append(model.forward_chunk(x_in.to(dtype), t_vec, text["text_emb"], text["text_mask"],
-                                                text["pooled"], cond, cache=cache, start_frame=start,
-                                                store_kv=store).float())
+                outs.append(model.forward_chunk(x_in.to(dtype), timestep=t_vec, text_emb=text["text_emb"],
+                                                text_mask=text["text_mask"], pooled=text["pooled"], cond=cond,
+                                                cache=cache, start_frame=start, store_kv=store).float())
             if rows_mode:
                 return text_cfg(*outs[0].chunk(2), guidance_scale)
             return text_cfg(outs[0], outs[1], guidance_scale) if guided else outs[0]
