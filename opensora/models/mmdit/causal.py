@@ -180,6 +180,103 @@ def streaming_kv_hooks(cache: KVCache, num_text: int, mask: torch.Tensor, pendin
     return [make(i) for i in range(cache.num_blocks)]
 
 
+class TextKVCache:
+    """Per-(block, pass key) keys/values (after RoPE) of the text tokens of a causal MMDiT, reused across chunks.
+
+    In a block-causal model text queries attend to text keys only (``joint_attention_mask``), so every block's text
+    hidden states and keys/values are a function of (text_emb, text_mask, pooled, guidance, timestep) and of the
+    weights alone, never of the video. A streamed pass whose text inputs and timestep match an earlier pass can
+    therefore take the text keys/values that pass computed and run the blocks on its video tokens only (no text
+    rows, no text-side matmuls): the video rows see the same keys, values and mask rows, and every per-token op
+    (norms, modulation, MLPs, RoPE) is row-wise, so the result is the same computation minus the text rows.
+
+    ``key``: a host value (hashable) that the caller ties to the pass's timestep (and anything else in ``vec`` that
+    is not a tensor checked here), e.g. the step time as a Python float: reading the timestep tensor would be a
+    host sync per pass. One entry per distinct key holds ``num_blocks`` (keys, values) pairs
+    [rows, heads, text tokens, head_dim]; CFG's null-text rows are rows of the same entry.
+
+    Invalidation (no host sync): the entries are dropped when the text tensors passed in are not the very tensors
+    (same objects, unmodified in place) the entries were made from, or when the compute dtype, the device or the
+    model's weights (identity or in-place version) change. Weights updated between passes (training) thus refill.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = int(num_blocks)
+        self.entries: Dict[object, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._inputs: Tuple = ()
+        self._signature: Tuple = ()
+        self.hits = self.misses = 0
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self._inputs, self._signature = (), ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: text keys and values of every block for every cached key."""
+        return sum(t.numel() * t.element_size() for entry in self.entries.values() for kv in entry for t in kv)
+
+    def validate(self, model, text_inputs: Tuple[Optional[torch.Tensor], ...], dtype, device) -> None:
+        """Drop every entry unless ``text_inputs`` (text_emb, text_mask, pooled, guidance) are the tensors the
+        entries were made from and the dtype, device and weights are unchanged (metadata checks only)."""
+        same_inputs = len(self._inputs) == len(text_inputs) and all(
+            a is b for a, b in zip(self._inputs, text_inputs))  # fmt: skip
+        versions = tuple(t._version if t is not None else None for t in text_inputs)
+        weights = tuple((id(p), p._version) for p in model.parameters())
+        signature = (versions, weights, dtype, str(device), torch.is_autocast_enabled(device.type))
+        if not same_inputs or signature != self._signature:
+            self.entries.clear()
+            self._inputs, self._signature = tuple(text_inputs), signature
+
+    def get(self, key) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return entry
+
+
+def text_filling_hooks(hooks: List, text_cache_entry: Dict[int, tuple], num_text: int) -> List:
+    """Wrap ``streaming_kv_hooks``: each block also records its text keys/values (a copy, so the chunk's video
+    keys are not kept alive) into ``text_cache_entry[index]``."""
+
+    def wrap(index: int, inner):
+        def hook(k, v, mask):
+            text_cache_entry[index] = (k[:, :, :num_text].detach().clone(), v[:, :, :num_text].detach().clone())
+            return inner(k, v, mask)
+
+        return hook
+
+    return [wrap(i, h) for i, h in enumerate(hooks)]
+
+
+def cached_text_kv_hooks(cache: KVCache, text_kv: List[Tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
+                         pending: Optional[Dict[int, tuple]]):  # fmt: skip
+    """``kv_hook`` per block of a video-only pass (the text rows were not run): keys/values become [cached text,
+    cached video, chunk video] -- the order ``streaming_kv_hooks`` builds -- and ``mask`` holds the video query
+    rows only. With ``pending`` each hook records the chunk's video keys/values for ``KVCache.append``."""
+
+    def make(index: int):
+        past_k, past_v = cache.block(index)
+        text_k, text_v = text_kv[index]
+
+        def hook(k, v, _key_mask):
+            if pending is not None:
+                pending[index] = (k, v)
+            if past_k is not None and past_k.shape[0] != k.shape[0]:
+                raise ValueError(f"the cache holds a batch of {past_k.shape[0]}, the chunk has {k.shape[0]}")
+            if text_k.shape[0] != k.shape[0]:
+                raise ValueError(f"the text cache holds a batch of {text_k.shape[0]}, the chunk has {k.shape[0]}")
+            ks = (text_k.to(k.dtype), k) if past_k is None else (text_k.to(k.dtype), past_k.to(k.dtype), k)
+            vs = (text_v.to(v.dtype), v) if past_v is None else (text_v.to(v.dtype), past_v.to(v.dtype), v)
+            return torch.cat(ks, dim=2), torch.cat(vs, dim=2), mask
+
+        return hook
+
+    return [make(i) for i in range(cache.num_blocks)]
+
+
 def fold_chunks(tensor: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """[B, C, T, H, W] -> [B * n, C, T / n, H, W], chunk-major within each sample (row ``b * n + c``)."""
     b, c, t, h, w = tensor.shape

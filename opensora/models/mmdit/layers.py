@@ -146,9 +146,18 @@ class DoubleStreamBlock(nn.Module):
     def forward(
         self, img, txt, vec, rope, mask: Optional[torch.Tensor], kv_hook=None
     ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``txt=None``: the text rows are not run (a causal model's text cache, causal.py ``TextKVCache``): the
+        ``kv_hook`` supplies the text keys/values, ``rope`` and ``mask`` cover the video queries only, and the
+        returned text is None."""
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(vec)
-        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
         img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(img, i_shift1, i_scale1))
+        if txt is None:
+            if kv_hook is None:
+                raise ValueError("a video-only pass (txt=None) needs a kv_hook that supplies the text keys/values")
+            out = joint_attention(img_q, img_k, img_v, rope, mask, self.attn_backend, self.sp, kv_hook)
+            img = gated_residual(img, i_gate1, self.img_attn.proj(out))
+            return gated_residual(img, i_gate2, self.img_mlp(modulate(img, i_shift2, i_scale2))), None
+        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
         txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(txt, t_shift1, t_scale1))
         q, k, v = (torch.cat(pair, dim=2) for pair in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
         out = joint_attention(q, k, v, rope, mask, self.attn_backend, self.sp, kv_hook)

@@ -19,10 +19,13 @@ from ..arch import records_arch
 from .attention import check_backend, device_major
 from .causal import (
     KVCache,
+    TextKVCache,
     block_causal_video_mask,
+    cached_text_kv_hooks,
     joint_attention_mask,
     per_chunk_timestep_forward,
     streaming_kv_hooks,
+    text_filling_hooks,
 )
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .rope import rope_cos_sin, video_position_ids
@@ -232,6 +235,8 @@ class MMDiT(nn.Module, SequenceParallelModel):
         kv_cache: Optional[KVCache] = None,
         start_frame: int = 0,
         store_kv: bool = False,
+        text_cache: Optional[TextKVCache] = None,
+        text_key=None,
     ) -> torch.Tensor:
         """Velocity prediction for ``x``; everything but ``x`` is passed by keyword.
 
@@ -247,7 +252,8 @@ class MMDiT(nn.Module, SequenceParallelModel):
             text_mask_has_padding: lets a caller that knows whether ``text_mask`` has padded tokens skip
                 inspecting it (a GPU->host sync per step), see ``key_mask``.
             kv_cache, start_frame, store_kv: a causal model (``causal_chunk_frames > 0``, causal.py) given a
-                ``kv_cache`` runs ``forward_chunk`` (through ``forward``, so a training wrapper's hooks run).
+                ``kv_cache`` runs ``forward_chunk`` (through ``forward``, so a training wrapper's hooks run);
+                ``text_cache``/``text_key`` go with it (the causal text cache, see ``forward_chunk``).
 
         A causal model runs the full block-causal forward; with ``timestep`` ``[B, num_chunks]`` each chunk is at
         its own time (``per_chunk_timestep_forward``).
@@ -255,7 +261,7 @@ class MMDiT(nn.Module, SequenceParallelModel):
         if kv_cache is not None:
             return self.forward_chunk(x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled,
                                       cond=cond, guidance=guidance, cache=kv_cache, start_frame=start_frame,
-                                      store_kv=store_kv)  # fmt: skip
+                                      store_kv=store_kv, text_cache=text_cache, text_key=text_key)  # fmt: skip
         if self.causal_chunk_frames and timestep.dim() == 2:
             return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
@@ -304,17 +310,23 @@ class MMDiT(nn.Module, SequenceParallelModel):
 
     def run_blocks(self, img, txt, vec, rope, mask, kv_hooks=None):
         """Double then single blocks and the final layer -> output video tokens. ``kv_hooks``: one per block
-        (double blocks first), see layers.py."""
+        (double blocks first), see layers.py. ``txt=None``: a video-only pass whose hooks supply the text
+        keys/values (causal text cache, ``forward_chunk``)."""
         hooks = kv_hooks or [None] * (len(self.double_blocks) + len(self.single_blocks))
         for i, block in enumerate(self.double_blocks):
             img, txt = self.run_block(block, i < self.grad_ckpt_double, img, txt, vec, rope, mask, hooks[i])
-        tokens = torch.cat((txt, img), dim=1)
+        num_text = 0 if txt is None else txt.shape[1]
+        tokens = img if txt is None else torch.cat((txt, img), dim=1)
         hooks = hooks[len(self.double_blocks) :]
         for i, block in enumerate(self.single_blocks):
             tokens = self.run_block(block, i < self.grad_ckpt_single, tokens, vec, rope, mask, hooks[i])
-        return self.final_layer(tokens[:, txt.shape[1] :], vec)
+        return self.final_layer(tokens[:, num_text:], vec)
 
     # ---- streaming (causal models) --------------------------------------------------------------------------
+    def new_text_cache(self) -> TextKVCache:
+        """An empty ``TextKVCache`` (causal.py) for ``forward_chunk(text_cache=...)``."""
+        return TextKVCache(len(self.double_blocks) + len(self.single_blocks))
+
     def new_kv_cache(self, window_frames: Optional[int] = None, sink_frames: int = 0) -> KVCache:
         """An empty ``KVCache`` for this model's blocks (see causal.py for the window and sink frames)."""
         return KVCache(len(self.double_blocks) + len(self.single_blocks), window_frames, sink_frames)
@@ -332,11 +344,19 @@ class MMDiT(nn.Module, SequenceParallelModel):
         cache: KVCache,
         start_frame: int,
         store_kv: bool,
+        text_cache: Optional[TextKVCache] = None,
+        text_key=None,
     ) -> torch.Tensor:
         """Velocity for one chunk ``x`` [B, C, Tc, H, W] at absolute latent frame ``start_frame``, attending to the
         frames held by ``cache`` and to itself; the other inputs as for ``forward`` (all by keyword). ``store_kv=True`` appends the chunk's keys/values to the cache (and
         rolls its window) after the forward; ``False`` leaves the cache as it was. Gradients flow through the
-        chunk's own tokens (the cache is detached)."""
+        chunk's own tokens (the cache is detached).
+
+        ``text_cache`` (a ``TextKVCache``) with ``text_key`` (a host value standing for this pass's timestep, e.g. the
+        step time as a float): the first pass with a key runs as usual and records every block's text keys/values;
+        later passes with that key (and the same text tensors, dtype, device and weights: ``TextKVCache.validate``)
+        run the video tokens only against the recorded text keys/values. Same result, fewer tokens per pass; no
+        gradient reaches the text stream through a cached pass (the text rows are not run)."""
         if not self.causal_chunk_frames:
             raise ValueError("forward_chunk needs a causal MMDiT (causal_chunk_frames > 0)")
         if self.sp is not None:
@@ -346,13 +366,31 @@ class MMDiT(nn.Module, SequenceParallelModel):
             raise ValueError(f"start_frame={start_frame} must be a non-negative multiple of the temporal patch {pt}")
         if cache.num_frames and start_frame < cache.end_frame:
             raise ValueError(f"chunk at frame {start_frame} overlaps the cache (frames up to {cache.end_frame - 1})")
+        if text_cache is not None and text_key is None:
+            raise ValueError("forward_chunk(text_cache=...) needs text_key, a host value identifying the timestep")
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
-        rope = self.rope(grid, txt.shape[1], x.device, time_offset=start_frame // pt)
+        num_text = txt.shape[1]
+        rope = self.rope(grid, num_text, x.device, time_offset=start_frame // pt)
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
         video = torch.ones(img.shape[1], past + img.shape[1], dtype=torch.bool, device=x.device)
-        mask = joint_attention_mask(text_mask, txt.shape[1], video)
+        mask = joint_attention_mask(text_mask, num_text, video)
         pending = {} if store_kv else None
-        img = self.run_blocks(img, txt, vec, rope, mask, streaming_kv_hooks(cache, txt.shape[1], mask, pending))
+        text_kv = None
+        if text_cache is not None:
+            text_cache.validate(self, (text_emb, text_mask, pooled, guidance), img.dtype, x.device)
+            text_kv = text_cache.get(text_key)
+        if text_kv is not None:  # video rows only: [L:] of the RoPE tables and of the mask's query rows
+            rope = tuple(table[num_text:] for table in rope)
+            hooks = cached_text_kv_hooks(cache, text_kv, mask[:, :, num_text:], pending)
+            img = self.run_blocks(img, None, vec, rope, mask[:, :, num_text:], hooks)
+        else:
+            hooks = streaming_kv_hooks(cache, num_text, mask, pending)
+            if text_cache is not None:
+                entry = {}
+                hooks = text_filling_hooks(hooks, entry, num_text)
+            img = self.run_blocks(img, txt, vec, rope, mask, hooks)
+            if text_cache is not None:
+                text_cache.entries[text_key] = [entry[i] for i in range(text_cache.num_blocks)]
         if store_kv:
             cache.append(pending, start_frame, x.shape[2], frames_per_group=pt)
         return unpatchify(img, grid, self.patch_size)
