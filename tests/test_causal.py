@@ -276,3 +276,96 @@ def test_per_chunk_timestep_forward_backpropagates_through_the_context():
     out = model(**dict(data, x=x, timestep=torch.rand(2, 4)))
     out[:, :, 6:].square().mean().backward()  # loss on the last chunk only
     assert x.grad[:, :, :6].abs().sum() > 0  # reaches the earlier chunks through their keys/values
+
+
+# ---- the causal text cache (TextKVCache): pure reuse of the text stream, bit-identical -------------------------
+def stream_steps(model, data, times, text_cache=None, window=None, chunk=2):
+    """Every chunk at every time of ``times`` (the last one stores, as the streaming refill does); all outputs."""
+    cache = model.new_kv_cache(window_frames=window)
+    outs = []
+    for start in range(0, data["x"].shape[2], chunk):
+        piece = slice(start, start + chunk)
+        for i, t in enumerate(times):
+            kwargs = text_kwargs(data, timestep=torch.full((data["x"].shape[0],), t))
+            outs.append(model.forward_chunk(data["x"][:, :, piece], **kwargs, cond=data["cond"][:, :, piece],
+                                            cache=cache, start_frame=start, store_kv=i == len(times) - 1,
+                                            text_cache=text_cache, text_key=t))  # fmt: skip
+    return outs, cache
+
+
+@pytest.mark.parametrize("backend,patch_size", [("math", (1, 2, 2)), ("auto", (1, 2, 2)), ("math", (2, 2, 2))])
+def test_text_cache_is_bitwise_the_uncached_streaming(backend, patch_size):
+    """Chunks x (3 step times + the refill at 0), batch 2 with padded text, a rolling window: equal with torch.equal,
+    and the KV caches match too. Only the first chunk computes text (one miss per distinct time)."""
+    chunk = 2 * patch_size[0]
+    model = causal_model(chunk=chunk, backend=backend, patch_size=patch_size)
+    data = padded_inputs(t=4 * chunk)
+    times = [1.0, 0.6, 0.3, 0.0]
+    text_cache = model.new_text_cache()
+    with torch.no_grad():
+        plain, plain_cache = stream_steps(model, data, times, window=2 * chunk, chunk=chunk)
+        cached, cached_cache = stream_steps(model, data, times, text_cache, window=2 * chunk, chunk=chunk)
+    assert all(torch.equal(a, b) for a, b in zip(plain, cached))
+    assert all(torch.equal(a, b) for a, b in zip(plain_cache.keys + plain_cache.values,
+                                                   cached_cache.keys + cached_cache.values))  # fmt: skip
+    assert (text_cache.misses, text_cache.hits) == (4, 12) and sorted(text_cache.entries) == sorted(times)
+    blocks = len(model.double_blocks) + len(model.single_blocks)
+    hidden, text_len = model.hidden_size, data["text_emb"].shape[1]
+    assert text_cache.nbytes == len(times) * blocks * 2 * 2 * text_len * hidden * 4  # rows 2, k and v, fp32
+
+
+def test_text_cache_cfg_rows_share_one_entry_and_the_null_text_is_its_own_rows():
+    """CFG as the streaming generator runs it: [prompts; null text] as rows of one batch. A batch whose text differs
+    (another prompt set: new tensors) drops the entries and refills."""
+    model = causal_model()
+    data = padded_inputs(t=6, batch=2)
+    null = dict(text_emb=torch.zeros_like(data["text_emb"]), pooled=torch.zeros_like(data["pooled"]),
+                text_mask=torch.ones_like(data["text_mask"]))  # fmt: skip
+    both = dict(data, x=torch.cat([data["x"]] * 2), cond=torch.cat([data["cond"]] * 2),
+                **{k: torch.cat((data[k], null[k])) for k in null})  # fmt: skip
+    text_cache = model.new_text_cache()
+    with torch.no_grad():
+        plain, _ = stream_steps(model, both, [1.0, 0.0])
+        cached, _ = stream_steps(model, both, [1.0, 0.0], text_cache)
+        assert all(torch.equal(a, b) for a, b in zip(plain, cached))
+        assert text_cache.misses == 2 and text_cache.entries[1.0][0][0].shape[0] == 4
+        other = dict(both, text_emb=both["text_emb"].flip(0))  # a new prompt set: new tensors
+        plain2, _ = stream_steps(model, other, [1.0, 0.0])
+        cached2, _ = stream_steps(model, other, [1.0, 0.0], text_cache)
+    assert text_cache.misses == 4  # invalidated, refilled once per time
+    assert all(torch.equal(a, b) for a, b in zip(plain2, cached2))
+    assert not torch.equal(plain2[-1], plain[-1])
+
+
+def test_text_cache_is_invalidated_by_in_place_text_edits_weights_and_dtype():
+    model = causal_model()
+    data = padded_inputs(t=4)
+    text_cache = model.new_text_cache()
+
+    def run():
+        with torch.no_grad():
+            return stream_steps(model, data, [1.0, 0.0], text_cache)[0]
+
+    run()
+    assert text_cache.misses == 2
+    run()  # same tensors, same weights: every pass hits
+    assert text_cache.misses == 2 and text_cache.hits == 6
+    data["text_emb"].mul_(0.5)  # edited in place: the version counter moves
+    assert all(torch.equal(a, b) for a, b in zip(run(), stream_steps(model, data, [1.0, 0.0])[0]))
+    assert text_cache.misses == 4
+    with torch.no_grad():
+        model.double_blocks[0].txt_mlp[0].weight.mul_(1.1)  # a training step between videos
+    with torch.no_grad():
+        expected = stream_steps(model, data, [1.0, 0.0])[0]
+    assert all(torch.equal(a, b) for a, b in zip(run(), expected)) and text_cache.misses == 6
+    model.double()
+    data64 = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
+    with torch.no_grad():
+        out = stream_steps(model, data64, [1.0, 0.0], text_cache)[0]
+        expected = stream_steps(model, data64, [1.0, 0.0])[0]
+    assert text_cache.misses == 8 and text_cache.entries[1.0][0][0].dtype == torch.float64  # refilled in fp64
+    # fp64 CPU GEMMs round rows differently when the row count changes (measured ~5e-14), unlike fp32 ones
+    assert all((a - b).abs().max() <= 1e-12 * b.abs().max() for a, b in zip(out, expected))
+    with pytest.raises(ValueError, match="text_key"):
+        model.forward_chunk(data64["x"][:, :, :2], **text_kwargs(data64), cache=model.new_kv_cache(), start_frame=0,
+                            store_kv=False, text_cache=text_cache)  # fmt: skip

@@ -61,6 +61,25 @@ def test_streaming_is_deterministic_and_decodes_every_frame(rollout, guidance):
     assert (alone[0].int() - first[1].int()).abs().max() <= 1
 
 
+@pytest.mark.parametrize("rollout,guidance,window", [("renoise", 1.0, None), ("euler", 3.0, 4), ("renoise", 2.0, 2)])
+def test_text_cache_leaves_the_streamed_video_bit_identical(rollout, guidance, window):
+    """The generator with its text cache (default) equals the one recomputing the text every pass, latents and
+    frames, chunk by chunk: batch 2, CFG (null text rows), the refill pass, a rolling window. The text cache holds one
+    entry per distinct time (the steps and the context time 0), filled by the first chunk."""
+    sampler = tiny_sampler()
+    kwargs = dict(step_list=[1.0, 0.5], rollout=rollout, guidance_scale=guidance, window_frames=window)
+    plain = list(StreamingGenerator(sampler, text_cache=False, **kwargs).stream(PROMPTS, [0, 1], 8, 16, 16))
+    cached = list(StreamingGenerator(sampler, **kwargs).stream(PROMPTS, [0, 1], 8, 16, 16))
+    assert len(plain) == len(cached) == 4
+    for a, b in zip(plain, cached):
+        assert torch.equal(a.latents, b.latents) and torch.equal(a.frames, b.frames)
+        assert (a.cached_frames, a.cache_bytes) == (b.cached_frames, b.cache_bytes)
+    rows = 2 * (2 if guidance != 1.0 else 1)
+    text_tokens = sampler.encode_text(PROMPTS)[0]["text_emb"].shape[1]
+    per_time = 2 * 2 * rows * text_tokens * TINY["hidden_size"] * 4  # 2 blocks, keys and values, fp32
+    assert plain[-1].text_cache_bytes == 0 and {c.text_cache_bytes for c in cached} == {3 * per_time}
+
+
 def test_long_video_keeps_the_cache_bounded():
     sampler = tiny_sampler()
     gen = StreamingGenerator(sampler, step_list=[1.0], window_frames=6, sink_frames=2)

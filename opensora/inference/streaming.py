@@ -10,6 +10,9 @@ Per chunk of ``K`` latent frames (``MMDiT.causal_chunk_frames``) at absolute lat
 2. Cache refill: the clean chunk runs once more at the context time (0 by default; Self-Forcing's "context
    noise") with ``store_kv=True``; later chunks attend to these keys/values. The cache keeps at most
    ``window_frames`` frames (sinks included), so memory stays flat however long the video gets.
+   With ``text_cache`` (default) every block's text keys/values are kept per distinct pass time (the step times
+   and the context time) after the first chunk made them, and later passes run the video tokens only
+   (``TextKVCache``: exact, the text stream of a causal model never sees the video).
 3. Decode. An autoencoder without temporal compression (the demo's ``PatchVAE``) decodes frames independently, so
    chunk-wise decoding is exact. A temporally compressing one gets ``decode_overlap`` earlier latent frames as
    context and only the new chunk's pixel frames are kept: an approximation of the whole-video decode whose
@@ -47,6 +50,7 @@ class StreamChunk:
     seconds: float  # wall time from the end of the previous chunk (or of the set-up) to this chunk's frames
     cached_frames: int  # latent frames in the KV cache after this chunk
     cache_bytes: int
+    text_cache_bytes: int = 0  # text keys/values held by the text cache (every block, every distinct step time)
 
 
 class ChunkDecoder:
@@ -87,11 +91,17 @@ class StreamingGenerator:
         window_frames / sink_frames: the KV cache's rolling window (``KVCache``); None keeps every frame.
         context_time: time at which the finished chunk is re-run to fill the cache (0: clean).
         decode_overlap: latent frames of context for a temporally compressing autoencoder (default 2).
+        text_cache: reuse every block's text keys/values per distinct pass time across the chunks of a video
+            (``TextKVCache``): the text stream depends only on (prompts, t), so after the first chunk each pass runs
+            the video tokens alone. Bit-identical to ``False`` (recompute the text every pass) on CPU fp32; costs
+            ``rows x blocks x 2 x text tokens x hidden`` values per distinct time (reported per chunk as
+            ``text_cache_bytes``). A fresh cache per ``stream`` call: nothing carries over between videos.
     """
 
     def __init__(self, sampler, step_list: Optional[Sequence[float]] = None, num_steps: int = 4,
                  rollout: str = "renoise", guidance_scale: float = 1.0, window_frames: Optional[int] = None,
-                 sink_frames: int = 0, context_time: float = 0.0, decode_overlap: Optional[int] = None):
+                 sink_frames: int = 0, context_time: float = 0.0, decode_overlap: Optional[int] = None,
+                 text_cache: bool = True):
         model = sampler.model
         if not getattr(model, "causal_chunk_frames", 0):
             raise ValueError("streaming needs a causal model (MMDiT with causal_chunk_frames > 0)")
@@ -108,6 +118,7 @@ class StreamingGenerator:
         self.window_frames, self.sink_frames = window_frames, int(sink_frames)
         self.context_time = float(context_time)
         self.decode_overlap = decode_overlap
+        self.text_cache = bool(text_cache)
 
     def schedule(self, latent_size: Sequence[int]) -> List[float]:
         """Times of one chunk, the final 0 included (host floats: the loop never reads a device value)."""
@@ -143,6 +154,7 @@ class StreamingGenerator:
             cond = torch.zeros(rows, model.cond_channels, self.chunk_frames, *latent_size[1:], device=device,
                                dtype=dtype)  # fmt: skip
         cache = model.new_kv_cache(self.window_frames, self.sink_frames)
+        text_cache = model.new_text_cache() if self.text_cache else None
         generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
         decoder = ChunkDecoder(sampler.decode, sampler.vae, self.decode_overlap) if decode else None
         channels = sampler.vae.latent_channels
@@ -155,7 +167,8 @@ class StreamingGenerator:
             t_in = torch.full((rows,), t, device=device, dtype=dtype)
             c = None if cond is None else cond[:, :, : x.shape[2]]
             out = model.forward_chunk(x_in.to(dtype), timestep=t_in, **text_args, cond=c, cache=cache,
-                                      start_frame=start, store_kv=store).float()  # fmt: skip
+                                      start_frame=start, store_kv=store, text_cache=text_cache,
+                                      text_key=t).float()  # fmt: skip
             return text_cfg(*out.chunk(2), self.guidance_scale) if guided else out
 
         with torch.no_grad():
@@ -173,7 +186,8 @@ class StreamingGenerator:
                 velocity(context, self.context_time, store=True)  # refill the cache with the finished chunk
                 pixels = decoder(x) if decoder is not None else None
                 now = time.perf_counter()
-                yield StreamChunk(index, start, x, pixels, now - clock, cache.num_frames, cache.nbytes)
+                yield StreamChunk(index, start, x, pixels, now - clock, cache.num_frames, cache.nbytes,
+                                  text_cache.nbytes if text_cache is not None else 0)
                 clock = now
 
     def generate(self, prompts, seeds, num_frames, height, width) -> torch.Tensor:
