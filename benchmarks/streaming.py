@@ -80,7 +80,7 @@ def stream_once(generator, prompts, seeds, size):
     for chunk in generator.stream(prompts, seeds, *size):
         frames.append(chunk.frames)
         chunks.append(dict(seconds=chunk.seconds, frames=int(chunk.frames.shape[1]), cached_frames=chunk.cached_frames,
-                           cache_bytes=chunk.cache_bytes))  # fmt: skip
+                           cache_bytes=chunk.cache_bytes, text_cache_bytes=chunk.text_cache_bytes))  # fmt: skip
     return torch.cat(frames, dim=1), chunks
 
 
@@ -138,7 +138,8 @@ def run_speed(args) -> dict:
     prompts = ["a red circle moving left"] * args.batch
     seeds = list(range(args.batch))
     vae = sampler.vae
-    result = dict(mode="speed", device=device_name(), config=args.config, batch=args.batch,
+    text_cache_modes = dict(both=(True, False), on=(True,), off=(False,))[args.text_cache]
+    result = dict(mode="speed", text_cache=args.text_cache, device=device_name(), config=args.config, batch=args.batch,
                   chunk_frames=args.chunk_frames,
                   steps=args.step_list, window_frames=window, sink_frames=args.sink_frames,
                   training_clip=[frames, height, width], training_latent_frames=train_latent, lengths={})  # fmt: skip
@@ -151,10 +152,14 @@ def run_speed(args) -> dict:
     for multiple in args.lengths:
         latent = (train_latent - 1) * multiple + 1 if vae.causal_temporal else train_latent * multiple
         pixel_frames = vae.get_video_size((latent, 4, 4))[0]
-        for name, win in (("window", window), ("no-window", None)):
+        variants = [(name, win, cached) for name, win in (("window", window), ("no-window", None))
+                    for cached in (True, False) if cached in text_cache_modes]  # fmt: skip
+        for name, win, cached in variants:
             if name == "no-window" and not args.unbounded_baseline:
                 continue
-            gen = StreamingGenerator(sampler, step_list=args.step_list, window_frames=win, sink_frames=args.sink_frames)
+            name = name if cached else f"{name}-recompute-text"  # the old path: text through every block every pass
+            gen = StreamingGenerator(sampler, step_list=args.step_list, window_frames=win, sink_frames=args.sink_frames,
+                                     text_cache=cached)  # fmt: skip
             stream_once(gen, prompts, seeds, (pixel_frames, height, width))  # warm-up
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -164,29 +169,36 @@ def run_speed(args) -> dict:
             summary = chunk_summary(chunks, args.batch)
             if device.type == "cuda":
                 summary.update(peak_mib=torch.cuda.max_memory_allocated() / 2**20, resident_mib=base / 2**20)
-            summary.update(length_multiple=multiple, pixel_frames=pixel_frames, latent_frames=latent, cache=name)
+            summary.update(length_multiple=multiple, pixel_frames=pixel_frames, latent_frames=latent, cache=name,
+                           text_cache=cached, text_cache_mib=chunks[-1]["text_cache_bytes"] / 2**20)  # fmt: skip
             result["lengths"][f"{multiple}x-{name}"] = dict(summary, chunk_seconds=[c["seconds"] for c in chunks])
             rows.append({k: summary.get(k) for k in ("length_multiple", "cache", "pixel_frames", "first_chunk_s",
                                                       "chunk_s_median", "sustained_frames_per_s", "frames_per_s",
-                                                      "max_cached_frames", "peak_mib")})  # fmt: skip
+                                                      "max_cached_frames", "peak_mib", "text_cache_mib")})  # fmt: skip
+    main_name = "window" if True in text_cache_modes else "window-recompute-text"  # the headline rows
     if device.type == "cuda" and len(args.lengths) > 1:
-        peaks = [result["lengths"][f"{m}x-window"]["peak_mib"] for m in args.lengths]
+        peaks = [result["lengths"][f"{m}x-{main_name}"]["peak_mib"] for m in args.lengths]
         result["peak_growth"] = max(peaks) / min(peaks) - 1
         result["peak_flat_within_5pct"] = result["peak_growth"] <= 0.05
     if args.teacher_steps:
         teacher = random_sampler(cfg, 0, device, dtype)
         seconds, _ = timed(lambda: teacher.generate(prompts, seeds, frames, height, width, num_steps=args.teacher_steps,
                                                     guidance_scale=7.5), repeats=1)  # fmt: skip
-        one_x = result["lengths"][f"{args.lengths[0]}x-window"]
+        one_x = result["lengths"][f"{args.lengths[0]}x-{main_name}"]
         result["teacher"] = dict(steps=args.teacher_steps, cfg_passes=2, seconds=seconds, frames=frames)
         result["speedup_end_to_end_1x"] = seconds / one_x["total_s"]
         result["first_chunk_over_teacher_clip"] = one_x["first_chunk_s"] / seconds
+        old = result["lengths"].get(f"{args.lengths[0]}x-window-recompute-text")
+        if old is not None and main_name == "window":  # the path before the text cache, for comparison
+            result["speedup_end_to_end_1x_recompute_text"] = seconds / old["total_s"]
+            result["first_chunk_over_teacher_clip_recompute_text"] = old["first_chunk_s"] / seconds
         rows.append(dict(length_multiple=1, cache=f"teacher-{args.teacher_steps}x2", pixel_frames=frames,
                          first_chunk_s=seconds, chunk_s_median=None, sustained_frames_per_s=None, frames_per_s=frames * args.batch / seconds,
-                         max_cached_frames=None, peak_mib=None))  # fmt: skip
+                         max_cached_frames=None, peak_mib=None, text_cache_mib=None))  # fmt: skip
     print_table(f"streaming speed on {result['device']} (batch {args.batch}, chunk {args.chunk_frames} latent frames, "
                 f"{len(args.step_list)} steps + 1 cache pass per chunk)", rows)  # fmt: skip
-    for key in ("decode_s_per_chunk", "peak_growth", "speedup_end_to_end_1x", "first_chunk_over_teacher_clip"):
+    for key in ("decode_s_per_chunk", "peak_growth", "speedup_end_to_end_1x", "first_chunk_over_teacher_clip",
+                "speedup_end_to_end_1x_recompute_text", "first_chunk_over_teacher_clip_recompute_text"):
         if key in result:
             print(f"{key}: {result[key]:.4g}")
     write_json(args.out, "speed.json", result)
@@ -443,6 +455,9 @@ def parse_args(argv=None):
     speed.add_argument("--batch", type=int, default=1)
     speed.add_argument("--teacher-steps", type=int, default=30, help="0: skip the bidirectional 30-step CFG timing")
     speed.add_argument("--unbounded-baseline", action="store_true", help="also run without a window (memory grows)")
+    speed.add_argument("--text-cache", choices=("both", "on", "off"), default="both",
+                       help="streaming with the per-(block, t) text cache ('window' rows), without it (the old path, "
+                            "'window-recompute-text' rows), or both")  # fmt: skip
 
     quality = sub.add_parser("quality", help="causal student vs teacher on the 72 held MovingShapes captions")
     quality.add_argument("--student-config", required=True)

@@ -282,8 +282,9 @@ class MMDiT(nn.Module, SequenceParallelModel):
             img = gather_tokens(img, self.sp)[:, : grid[0] * grid[1] * grid[2]]  # drop padding tokens, if any
         return unpatchify(img, grid, self.patch_size)
 
-    def embed(self, x, timestep, text_emb, pooled, cond=None, guidance=None):
-        """Inputs -> (video tokens, text tokens, conditioning vector, patch grid (t, h, w)), with the input checks."""
+    def embed(self, x, timestep, text_emb, pooled, cond=None, guidance=None, with_text: bool = True):
+        """Inputs -> (video tokens, text tokens, conditioning vector, patch grid (t, h, w)), with the input checks.
+        ``with_text=False`` skips the text projection (text tokens None: a pass whose text comes from a cache)."""
         if x.dim() != 5 or x.shape[1] != self.in_channels:
             raise ValueError(f"x must be [B, {self.in_channels}, T, H, W], got {tuple(x.shape)}")
         if pooled is None:
@@ -302,7 +303,7 @@ class MMDiT(nn.Module, SequenceParallelModel):
                     f"got {tuple(cond.shape)}"
                 )
             img = img + self.cond_in(patchify(cond, self.patch_size))
-        txt = self.txt_in(text_emb)
+        txt = self.txt_in(text_emb) if with_text else None
         vec = self.conditioning_vector(timestep, pooled, guidance)
         if x.is_cuda:
             device_major(x.device)  # fill the capability cache eagerly, outside the compiled blocks
@@ -368,17 +369,18 @@ class MMDiT(nn.Module, SequenceParallelModel):
             raise ValueError(f"chunk at frame {start_frame} overlaps the cache (frames up to {cache.end_frame - 1})")
         if text_cache is not None and text_key is None:
             raise ValueError("forward_chunk(text_cache=...) needs text_key, a host value identifying the timestep")
-        img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
-        num_text = txt.shape[1]
+        text_kv = None
+        if text_cache is not None:
+            text_cache.validate(self, (text_emb, text_mask, pooled, guidance), self.img_in.weight.dtype, x.device)
+            text_kv = text_cache.get(text_key)
+        # a cached pass skips the text embedding too (txt is None then)
+        img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance, with_text=text_kv is None)
+        num_text = text_emb.shape[1]
         rope = self.rope(grid, num_text, x.device, time_offset=start_frame // pt)
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
         video = torch.ones(img.shape[1], past + img.shape[1], dtype=torch.bool, device=x.device)
         mask = joint_attention_mask(text_mask, num_text, video)
         pending = {} if store_kv else None
-        text_kv = None
-        if text_cache is not None:
-            text_cache.validate(self, (text_emb, text_mask, pooled, guidance), img.dtype, x.device)
-            text_kv = text_cache.get(text_key)
         if text_kv is not None:  # video rows only: [L:] of the RoPE tables and of the mask's query rows
             rope = tuple(table[num_text:] for table in rope)
             hooks = cached_text_kv_hooks(cache, text_kv, mask[:, :, num_text:], pending)
