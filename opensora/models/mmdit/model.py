@@ -358,6 +358,24 @@ class MMDiT(nn.Module, SequenceParallelModel):
         later passes with that key (and the same text tensors, dtype, device and weights: ``TextKVCache.validate``)
         run the video tokens only against the recorded text keys/values. Same result, fewer tokens per pass; no
         gradient reaches the text stream through a cached pass (the text rows are not run)."""
+        self.check_chunk(cache, start_frame, text_cache, text_key)
+        text_kv = None
+        if text_cache is not None:
+            text_cache.validate(self, (text_emb, text_mask, pooled, guidance), self.img_in.weight.dtype, x.device)
+            text_kv = text_cache.get(text_key)
+        past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
+        rope, mask = self.chunk_rope_mask(x, text_mask, text_emb.shape[1], past, start_frame)
+        pending = {} if store_kv else None
+        entry = {} if text_cache is not None and text_kv is None else None
+        out = self.chunk_body(x, timestep, text_emb, pooled, cond, guidance, rope, mask, cache, text_kv, pending, entry)
+        if entry is not None:
+            text_cache.entries[text_key] = [entry[i] for i in range(text_cache.num_blocks)]
+        if store_kv:
+            cache.append(pending, start_frame, x.shape[2], frames_per_group=self.patch_size[0])
+        return out
+
+    def check_chunk(self, cache: KVCache, start_frame: int, text_cache=None, text_key=None) -> None:
+        """``forward_chunk``'s argument checks."""
         if not self.causal_chunk_frames:
             raise ValueError("forward_chunk needs a causal MMDiT (causal_chunk_frames > 0)")
         if self.sp is not None:
@@ -369,32 +387,35 @@ class MMDiT(nn.Module, SequenceParallelModel):
             raise ValueError(f"chunk at frame {start_frame} overlaps the cache (frames up to {cache.end_frame - 1})")
         if text_cache is not None and text_key is None:
             raise ValueError("forward_chunk(text_cache=...) needs text_key, a host value identifying the timestep")
-        text_kv = None
-        if text_cache is not None:
-            text_cache.validate(self, (text_emb, text_mask, pooled, guidance), self.img_in.weight.dtype, x.device)
-            text_kv = text_cache.get(text_key)
+
+    def chunk_rope_mask(self, x, text_mask, num_text: int, past_tokens: int, start_frame: int):
+        """RoPE tables of [text, chunk video] (video time ids from ``start_frame``) and the joint mask
+        [B or 1, 1, L + N, L + past + N] of a streamed chunk: video queries see the valid text, the cached video
+        and the chunk; text queries see the text only."""
+        pt, ph, pw = self.patch_size
+        grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
+        rope = self.rope(grid, num_text, x.device, time_offset=start_frame // pt)
+        tokens = grid[0] * grid[1] * grid[2]
+        video = torch.ones(tokens, past_tokens + tokens, dtype=torch.bool, device=x.device)
+        return rope, joint_attention_mask(text_mask, num_text, video)
+
+    def chunk_body(self, x, timestep, text_emb, pooled, cond, guidance, rope, mask, past, text_kv, pending, entry):
+        """The model part of ``forward_chunk`` (no host reads, fixed shapes for fixed inputs: what a CUDA graph can
+        capture). ``past``: anything with ``num_blocks`` and ``block(i) -> (keys, values)`` of the cached video
+        (a ``KVCache``); ``text_kv``: the text keys/values per block of a text-cache hit (None: run the text rows);
+        ``pending`` / ``entry`` (dicts or None) receive each block's chunk video / text keys/values."""
         # a cached pass skips the text embedding too (txt is None then)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance, with_text=text_kv is None)
         num_text = text_emb.shape[1]
-        rope = self.rope(grid, num_text, x.device, time_offset=start_frame // pt)
-        past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
-        video = torch.ones(img.shape[1], past + img.shape[1], dtype=torch.bool, device=x.device)
-        mask = joint_attention_mask(text_mask, num_text, video)
-        pending = {} if store_kv else None
         if text_kv is not None:  # video rows only: [L:] of the RoPE tables and of the mask's query rows
             rope = tuple(table[num_text:] for table in rope)
-            hooks = cached_text_kv_hooks(cache, text_kv, mask[:, :, num_text:], pending)
+            hooks = cached_text_kv_hooks(past, text_kv, mask[:, :, num_text:], pending)
             img = self.run_blocks(img, None, vec, rope, mask[:, :, num_text:], hooks)
         else:
-            hooks = streaming_kv_hooks(cache, num_text, mask, pending)
-            if text_cache is not None:
-                entry = {}
+            hooks = streaming_kv_hooks(past, num_text, mask, pending)
+            if entry is not None:
                 hooks = text_filling_hooks(hooks, entry, num_text)
             img = self.run_blocks(img, txt, vec, rope, mask, hooks)
-            if text_cache is not None:
-                text_cache.entries[text_key] = [entry[i] for i in range(text_cache.num_blocks)]
-        if store_kv:
-            cache.append(pending, start_frame, x.shape[2], frames_per_group=pt)
         return unpatchify(img, grid, self.patch_size)
 
     def shard_sequence(self, img, txt, rope, mask):
