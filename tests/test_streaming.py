@@ -201,3 +201,53 @@ def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
                 "--step-list", "1.0", "--repeats", "1", *common])  # fmt: skip
     costs = json.loads((tmp_path / "out" / "costs.json").read_text())
     assert costs["runs"]["teacher"]["model_passes"] == 2 and costs["runs"]["few-step"]["model_passes"] == 1
+
+
+class EagerReplayGraphs:
+    """``ChunkGraphs`` with the capture replaced by re-running the captured body: the static-buffer plumbing (input
+    copies, cached video and text keys/values, outputs cloned into the caches) runs on a CPU."""
+
+    @staticmethod
+    def make(model):
+        from opensora.inference.chunk_graphs import ChunkGraphs
+
+        class Graphs(ChunkGraphs):
+            @staticmethod
+            def usable(x):
+                return True
+
+            def _record(self, graph, body):
+                body()  # the "capture"
+                graph.replay = body
+
+        return Graphs(model)
+
+
+@pytest.mark.parametrize("guidance,window", [(1.0, 4), (3.0, 2)])
+def test_chunk_graph_plumbing_replays_the_eager_passes_bitwise_on_a_cpu(guidance, window):
+    """The CUDA-graph runner's buffers, with an eager 'replay': bit-identical to the plain generator over two videos
+    (graphs kept from the first; the second video's prompts differ, so text keys/values are refilled)."""
+    sampler = tiny_sampler()
+    kwargs = dict(step_list=[1.0, 0.5], guidance_scale=guidance, window_frames=window)
+    graphed = StreamingGenerator(sampler, **kwargs)
+    graphed.cuda_graphs = EagerReplayGraphs.make(sampler.model)
+    plain = StreamingGenerator(sampler, text_cache=False, **kwargs)
+    for prompts in (PROMPTS, PROMPTS[::-1]):
+        a = list(plain.stream(prompts, [0, 1], 10, 16, 16))
+        b = list(graphed.stream(prompts, [0, 1], 10, 16, 16))
+        for x, y in zip(a, b):
+            assert torch.equal(x.latents, y.latents) and torch.equal(x.frames, y.frames)
+    graphs = graphed.cuda_graphs.summary
+    # 5 chunks x 3 passes per video. Graphs: the first chunk (no cached frames) fills the text cache, one graph for
+    # its 3 times; then 3 times (text-cache hits) per cached-frame count: 2 and 4 (window 4) or 2 (window 2); the
+    # second video reuses them all
+    assert graphs["failures"] == [] and graphs["eager"] == 0 and graphs["replays"] == 2 * 5 * 3
+    assert graphs["graphs"] == 1 + 3 * (2 if window == 4 else 1)
+
+
+def test_chunk_graphs_fall_back_to_eager_off_the_gpu():
+    sampler = tiny_sampler()
+    plain = StreamingGenerator(sampler, step_list=[1.0, 0.5]).generate(PROMPTS, [0, 1], 6, 16, 16)
+    gen = StreamingGenerator(sampler, step_list=[1.0, 0.5], cuda_graphs=True)
+    assert torch.equal(gen.generate(PROMPTS, [0, 1], 6, 16, 16), plain)
+    assert gen.cuda_graphs.summary["graphs"] == 0 and gen.cuda_graphs.summary["eager"] == 9

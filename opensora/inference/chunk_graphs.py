@@ -1,0 +1,201 @@
+"""CUDA graphs for streamed chunk passes (``MMDiT.forward_chunk``), GPU only, off by default.
+
+A batch-1 streamed pass is ~1.3k tokens through every block: on a GPU its time goes to launching the few thousand
+kernels, not to running them. Once its shapes are fixed the pass can be captured once and replayed: what fixes the
+shapes is (rows, chunk frames, text tokens, cached video tokens, text-cache hit or not), so a video needs a handful
+of graphs (the cached frames grow until the rolling window is full, then stay), and they are kept across videos.
+
+Replay = copy the pass's inputs into the graph's static buffers, replay, copy the outputs out:
+
+* static per shape (shared by the graphs of every step time): x, timestep, cond, text embedding / mask / pooled
+  vector, RoPE tables (they depend on the chunk's absolute start frame), the joint mask, and the cached video
+  keys/values of every block. Inputs that are the same tensor objects as at the last copy (text, cond, the cache's
+  tensors, which change only when a chunk is appended) are not copied again;
+* static per graph (one per text-cache key, i.e. step time): the text keys/values of a text-cache hit;
+* outputs: the velocity, the chunk's video keys/values (appended to the ``KVCache`` when ``store_kv``) and, on a
+  text-cache miss, the text keys/values (put into the ``TextKVCache``), all cloned out of the graph's memory pool
+  (one pool for all graphs: each replay's outputs are copied out before the next replay).
+
+The captured body is ``MMDiT.chunk_body``, the same code as the eager pass, so the result is the eager result up to
+the kernels cuBLAS/cuDNN choose inside a capture (tests/test_chunk_graphs_gpu.py bounds the difference). The first
+pass of every shape runs the body twice on a side stream (warm-up) and captures it: slower than eager once. If a
+capture fails, that shape runs eagerly from then on (``failures`` records why). Off the GPU, with gradients
+enabled, or without a text cache every call is plain ``forward_chunk``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+
+class _StaticPast:
+    """``KVCache``'s ``num_blocks`` / ``block(i)`` over static buffers (None when the pass has no cached frames)."""
+
+    def __init__(self, keys: List[Optional[torch.Tensor]], values: List[Optional[torch.Tensor]]):
+        self.keys, self.values, self.num_blocks = keys, values, len(keys)
+
+    def block(self, index: int):
+        return self.keys[index], self.values[index]
+
+
+def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.detach().clone()
+
+
+class _Statics:
+    """The static input buffers of one pass shape, and which source tensors they last received."""
+
+    def __init__(self, inputs: Dict[str, Optional[torch.Tensor]], past_k, past_v):
+        self.inputs = {name: _clone(t) for name, t in inputs.items()}
+        self.past = _StaticPast([_clone(k) for k in past_k], [_clone(v) for v in past_v])
+        self.sources: Dict[str, object] = {}
+
+    def load(self, name: str, source: Optional[torch.Tensor], always: bool = False) -> None:
+        dst = self.inputs[name]
+        if dst is None or (not always and self.sources.get(name) is source and source._version == self._version(name)):
+            return
+        dst.copy_(source)
+        self.sources[name], self.sources[name + "#v"] = source, source._version
+
+    def _version(self, name):
+        return self.sources.get(name + "#v")
+
+    def load_past(self, cache) -> None:
+        if cache.keys[0] is None or self.sources.get("past") is cache.keys[0]:
+            return
+        for i in range(self.past.num_blocks):
+            self.past.keys[i].copy_(cache.keys[i])
+            self.past.values[i].copy_(cache.values[i])
+        self.sources["past"] = cache.keys[0]
+
+
+class _Graph:
+    def __init__(self):
+        self.replay = None  # set by ChunkGraphs._record
+        self.text_kv: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None  # static, on a text-cache hit
+        self.text_source = None
+        self.out = None
+        self.pending: Dict[int, tuple] = {}
+        self.entry: Optional[Dict[int, tuple]] = None
+
+
+class ChunkGraphs:
+    """Replays ``model.forward_chunk`` passes as CUDA graphs (see the module docstring); call it like
+    ``forward_chunk`` (keywords ``timestep, text_emb, text_mask, pooled, cond, cache, start_frame, store_kv,
+    text_cache, text_key``)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.statics: Dict[tuple, _Statics] = {}
+        self.graphs: Dict[tuple, _Graph] = {}
+        self.failed: set = set()
+        self.failures: List[str] = []
+        self.pool = None
+        self.captures = self.replays = self.eager = 0
+
+    def __call__(self, x, *, timestep, text_emb, text_mask=None, pooled=None, cond=None, cache, start_frame: int,
+                 store_kv: bool, text_cache=None, text_key=None) -> torch.Tensor:  # fmt: skip
+        model = self.model
+        eager = dict(timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled, cond=cond, cache=cache,
+                     start_frame=start_frame, store_kv=store_kv, text_cache=text_cache, text_key=text_key)  # fmt: skip
+        if not self.usable(x) or torch.is_grad_enabled() or text_cache is None:
+            self.eager += 1
+            return model.forward_chunk(x, **eager)
+        model.check_chunk(cache, start_frame, text_cache, text_key)
+        text_cache.validate(model, (text_emb, text_mask, pooled, None), model.img_in.weight.dtype, x.device)
+        past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
+        shape = (tuple(x.shape), x.dtype, tuple(timestep.shape), tuple(text_emb.shape), text_emb.dtype,
+                 None if text_mask is None else tuple(text_mask.shape), tuple(pooled.shape),
+                 None if cond is None else tuple(cond.shape), past, x.device)  # fmt: skip
+        hit = text_key in text_cache.entries
+        key = (shape, text_key if hit else None, hit)
+        if shape in self.failed:
+            self.eager += 1
+            return model.forward_chunk(x, **eager)
+        text_kv = text_cache.get(text_key)
+        rope, mask = model.chunk_rope_mask(x, text_mask, text_emb.shape[1], past, start_frame)
+        inputs = dict(x=x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled, cond=cond,
+                      cos=rope[0], sin=rope[1], mask=mask)  # fmt: skip
+        statics = self.statics.get(shape)
+        if statics is None:
+            statics = self.statics[shape] = _Statics(inputs, cache.keys if past else [None] * cache.num_blocks,
+                                                     cache.values if past else [None] * cache.num_blocks)  # fmt: skip
+        for name, source in inputs.items():
+            if source is not None:
+                statics.load(name, source, always=name in ("x", "timestep", "cos", "sin", "mask"))
+        if past:
+            statics.load_past(cache)
+        graph = self.graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture(statics, text_kv)
+            except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
+                self.failed.add(shape)
+                self.failures.append(f"{type(error).__name__}: {error}")
+                warnings.warn(f"CUDA graph capture failed for a streamed chunk shape, running it eagerly: {error}")
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.eager += 1
+                return model.forward_chunk(x, **eager)
+            self.graphs[key] = graph
+            self.captures += 1
+        if text_kv is not None and graph.text_source is not text_kv:
+            for (dk, dv), (sk, sv) in zip(graph.text_kv, text_kv):
+                dk.copy_(sk)
+                dv.copy_(sv)
+            graph.text_source = text_kv
+        graph.replay()
+        self.replays += 1
+        out = graph.out.clone()
+        if graph.entry is not None:
+            text_cache.entries[text_key] = [tuple(_clone(t) for t in graph.entry[i]) for i in range(cache.num_blocks)]
+        if store_kv:
+            new = {i: tuple(_clone(t) for t in graph.pending[i]) for i in range(cache.num_blocks)}
+            cache.append(new, start_frame, x.shape[2], frames_per_group=model.patch_size[0])
+        return out
+
+    def _capture(self, statics: _Statics, text_kv) -> _Graph:
+        model, graph, s = self.model, _Graph(), statics.inputs
+        if text_kv is not None:
+            graph.text_kv = [(_clone(k), _clone(v)) for k, v in text_kv]
+            graph.text_source = text_kv
+
+        def body():
+            graph.pending = {}
+            graph.entry = {} if text_kv is None else None
+            graph.out = model.chunk_body(s["x"], s["timestep"], s["text_emb"], s["pooled"], s["cond"], None,
+                                         (s["cos"], s["sin"]), s["mask"], statics.past, graph.text_kv, graph.pending,
+                                         graph.entry)  # fmt: skip
+
+        self._record(graph, body)
+        return graph
+
+    @staticmethod
+    def usable(x: torch.Tensor) -> bool:
+        """Whether passes on ``x``'s device can be graphed (CUDA only)."""
+        return x.is_cuda and torch.cuda.is_available()
+
+    def _record(self, graph: _Graph, body) -> None:
+        """Warm ``body`` up on a side stream, capture it into a CUDA graph (sharing one memory pool), and make
+        ``graph.replay`` replay it. (tests/test_streaming.py swaps this for an eager replay to check the buffer
+        plumbing on a CPU.)"""
+        cuda_graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the capture (cuBLAS handles/workspaces, lazy initialisation)
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(cuda_graph, pool=self.pool):
+            body()
+        self.pool = cuda_graph.pool()
+        graph.replay = cuda_graph.replay
+        graph.cuda_graph = cuda_graph
+
+    @property
+    def summary(self) -> dict:
+        return dict(graphs=len(self.graphs), captures=self.captures, replays=self.replays, eager=self.eager,
+                    failures=list(self.failures))  # fmt: skip
