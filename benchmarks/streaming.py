@@ -139,7 +139,9 @@ def run_speed(args) -> dict:
     seeds = list(range(args.batch))
     vae = sampler.vae
     text_cache_modes = dict(both=(True, False), on=(True,), off=(False,))[args.text_cache]
-    result = dict(mode="speed", text_cache=args.text_cache, device=device_name(), config=args.config, batch=args.batch,
+    use_graphs = True in text_cache_modes and (args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and
+                                                                             device.type == "cuda"))  # fmt: skip
+    result = dict(mode="speed", text_cache=args.text_cache, cuda_graphs=use_graphs, device=device_name(), config=args.config, batch=args.batch,
                   chunk_frames=args.chunk_frames,
                   steps=args.step_list, window_frames=window, sink_frames=args.sink_frames,
                   training_clip=[frames, height, width], training_latent_frames=train_latent, lengths={})  # fmt: skip
@@ -152,14 +154,16 @@ def run_speed(args) -> dict:
     for multiple in args.lengths:
         latent = (train_latent - 1) * multiple + 1 if vae.causal_temporal else train_latent * multiple
         pixel_frames = vae.get_video_size((latent, 4, 4))[0]
-        variants = [(name, win, cached) for name, win in (("window", window), ("no-window", None))
-                    for cached in (True, False) if cached in text_cache_modes]  # fmt: skip
-        for name, win, cached in variants:
+        variants = [(name, win, cached, graphs) for name, win in (("window", window), ("no-window", None))
+                    for cached, graphs in ((True, False), (False, False), (True, True))
+                    if cached in text_cache_modes and (not graphs or use_graphs)]  # fmt: skip
+        for name, win, cached, graphs in variants:
             if name == "no-window" and not args.unbounded_baseline:
                 continue
-            name = name if cached else f"{name}-recompute-text"  # the old path: text through every block every pass
+            # "-recompute-text": the old path (text through every block every pass); "-graphs": text cache + CUDA graphs
+            name = name if cached and not graphs else f"{name}-graphs" if graphs else f"{name}-recompute-text"
             gen = StreamingGenerator(sampler, step_list=args.step_list, window_frames=win, sink_frames=args.sink_frames,
-                                     text_cache=cached)  # fmt: skip
+                                     text_cache=cached, cuda_graphs=graphs)  # fmt: skip
             stream_once(gen, prompts, seeds, (pixel_frames, height, width))  # warm-up
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -170,7 +174,8 @@ def run_speed(args) -> dict:
             if device.type == "cuda":
                 summary.update(peak_mib=torch.cuda.max_memory_allocated() / 2**20, resident_mib=base / 2**20)
             summary.update(length_multiple=multiple, pixel_frames=pixel_frames, latent_frames=latent, cache=name,
-                           text_cache=cached, text_cache_mib=chunks[-1]["text_cache_bytes"] / 2**20)  # fmt: skip
+                           text_cache=cached, text_cache_mib=chunks[-1]["text_cache_bytes"] / 2**20,
+                           cuda_graphs=gen.cuda_graphs.summary if graphs else None)  # fmt: skip
             result["lengths"][f"{multiple}x-{name}"] = dict(summary, chunk_seconds=[c["seconds"] for c in chunks])
             rows.append({k: summary.get(k) for k in ("length_multiple", "cache", "pixel_frames", "first_chunk_s",
                                                       "chunk_s_median", "sustained_frames_per_s", "frames_per_s",
@@ -188,17 +193,19 @@ def run_speed(args) -> dict:
         result["teacher"] = dict(steps=args.teacher_steps, cfg_passes=2, seconds=seconds, frames=frames)
         result["speedup_end_to_end_1x"] = seconds / one_x["total_s"]
         result["first_chunk_over_teacher_clip"] = one_x["first_chunk_s"] / seconds
-        old = result["lengths"].get(f"{args.lengths[0]}x-window-recompute-text")
-        if old is not None and main_name == "window":  # the path before the text cache, for comparison
-            result["speedup_end_to_end_1x_recompute_text"] = seconds / old["total_s"]
-            result["first_chunk_over_teacher_clip_recompute_text"] = old["first_chunk_s"] / seconds
+        for suffix in ("recompute_text", "graphs"):  # the path before the text cache; the text cache + CUDA graphs
+            other = result["lengths"].get(f"{args.lengths[0]}x-window-{suffix.replace('_', '-')}")
+            if other is not None and main_name == "window":
+                result[f"speedup_end_to_end_1x_{suffix}"] = seconds / other["total_s"]
+                result[f"first_chunk_over_teacher_clip_{suffix}"] = other["first_chunk_s"] / seconds
         rows.append(dict(length_multiple=1, cache=f"teacher-{args.teacher_steps}x2", pixel_frames=frames,
                          first_chunk_s=seconds, chunk_s_median=None, sustained_frames_per_s=None, frames_per_s=frames * args.batch / seconds,
                          max_cached_frames=None, peak_mib=None, text_cache_mib=None))  # fmt: skip
     print_table(f"streaming speed on {result['device']} (batch {args.batch}, chunk {args.chunk_frames} latent frames, "
                 f"{len(args.step_list)} steps + 1 cache pass per chunk)", rows)  # fmt: skip
     for key in ("decode_s_per_chunk", "peak_growth", "speedup_end_to_end_1x", "first_chunk_over_teacher_clip",
-                "speedup_end_to_end_1x_recompute_text", "first_chunk_over_teacher_clip_recompute_text"):
+                "speedup_end_to_end_1x_recompute_text", "first_chunk_over_teacher_clip_recompute_text",
+                "speedup_end_to_end_1x_graphs", "first_chunk_over_teacher_clip_graphs"):
         if key in result:
             print(f"{key}: {result[key]:.4g}")
     write_json(args.out, "speed.json", result)
@@ -458,6 +465,8 @@ def parse_args(argv=None):
     speed.add_argument("--text-cache", choices=("both", "on", "off"), default="both",
                        help="streaming with the per-(block, t) text cache ('window' rows), without it (the old path, "
                             "'window-recompute-text' rows), or both")  # fmt: skip
+    speed.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                       help="also run the text cache with CUDA graphs ('window-graphs' rows); auto: on a CUDA device")
 
     quality = sub.add_parser("quality", help="causal student vs teacher on the 72 held MovingShapes captions")
     quality.add_argument("--student-config", required=True)

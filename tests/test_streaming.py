@@ -194,9 +194,16 @@ def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
     assert quality["student"]["rollout"] == "euler"  # read from the student config, like inference.py
     assert len(quality["long"]["windows"]) == 3 and quality["long"]["flicker"]["edge_over_inside"] > 0
     bench.main(["speed", "--config", str(tmp_path / "student.py"), "--chunk-frames", "2", "--lengths", "1", "2",
-                "--teacher-steps", "1", "--step-list", "1.0", *common])  # fmt: skip
+                "--teacher-steps", "1", "--step-list", "1.0", "--cuda-graphs", "on", *common])  # fmt: skip
     speed = json.loads((tmp_path / "out" / "speed.json").read_text())
     assert speed["lengths"]["2x-window"]["max_cached_frames"] == speed["window_frames"] == 6
+    for name in ("window", "window-recompute-text", "window-graphs"):  # graphs fall back to eager on the CPU
+        assert speed["lengths"][f"1x-{name}"]["chunks"] == 4
+    assert speed["lengths"]["1x-window"]["text_cache_mib"] > 0 == speed["lengths"]["1x-window-recompute-text"][
+        "text_cache_mib"]  # fmt: skip
+    assert speed["lengths"]["1x-window-graphs"]["cuda_graphs"]["eager"] > 0
+    assert {"speedup_end_to_end_1x", "speedup_end_to_end_1x_recompute_text", "speedup_end_to_end_1x_graphs"} <= set(
+        speed)  # fmt: skip
     bench.main(["costs", "--config", str(tmp_path / "teacher.py"), "--num-prompts", "2", "--teacher-steps", "2",
                 "--step-list", "1.0", "--repeats", "1", *common])  # fmt: skip
     costs = json.loads((tmp_path / "out" / "costs.json").read_text())
