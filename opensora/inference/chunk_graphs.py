@@ -9,8 +9,9 @@ Replay = copy the pass's inputs into the graph's static buffers, replay, copy th
 
 * static per shape (shared by the graphs of every step time): x, timestep, cond, text embedding / mask / pooled
   vector, RoPE tables (they depend on the chunk's absolute start frame), the joint mask, and the cached video
-  keys/values of every block. Inputs that are the same tensor objects as at the last copy (text, cond, the cache's
-  tensors, which change only when a chunk is appended) are not copied again;
+  keys/values of every block. Inputs that are the same tensor objects as at the last copy (text, the RoPE tables and
+  mask, which are made once per chunk, the cache's tensors, which change only when a chunk is appended) are not
+  copied again;
 * static per graph (one per text-cache key, i.e. step time): the text keys/values of a text-cache hit;
 * outputs: the velocity, the chunk's video keys/values (appended to the ``KVCache`` when ``store_kv``) and, on a
   text-cache miss, the text keys/values (put into the ``TextKVCache``), all cloned out of the graph's memory pool
@@ -95,6 +96,20 @@ class ChunkGraphs:
         self.failures: List[str] = []
         self.pool = None
         self.captures = self.replays = self.eager = 0
+        self._preludes: Dict[tuple, tuple] = {}
+
+    def _rope_mask(self, x, text_mask, num_text: int, past: int, start_frame: int):
+        """``chunk_rope_mask``, kept for the passes of one chunk (same start frame, cached frames and text mask): the
+        same tensor objects then need no copy into the static buffers either."""
+        key = (tuple(x.shape[2:]), x.device, num_text, past, start_frame, id(text_mask),
+               None if text_mask is None else text_mask._version)  # fmt: skip
+        hit = self._preludes.get(key)
+        if hit is None or hit[0] is not text_mask:
+            if len(self._preludes) >= 8:
+                self._preludes.clear()
+            hit = self._preludes[key] = (text_mask, *self.model.chunk_rope_mask(x, text_mask, num_text, past,
+                                                                                start_frame))  # fmt: skip
+        return hit[1], hit[2]
 
     def __call__(self, x, *, timestep, text_emb, text_mask=None, pooled=None, cond=None, cache, start_frame: int,
                  store_kv: bool, text_cache=None, text_key=None) -> torch.Tensor:  # fmt: skip
@@ -116,7 +131,7 @@ class ChunkGraphs:
             self.eager += 1
             return model.forward_chunk(x, **eager)
         text_kv = text_cache.get(text_key)
-        rope, mask = model.chunk_rope_mask(x, text_mask, text_emb.shape[1], past, start_frame)
+        rope, mask = self._rope_mask(x, text_mask, text_emb.shape[1], past, start_frame)
         inputs = dict(x=x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled, cond=cond,
                       cos=rope[0], sin=rope[1], mask=mask)  # fmt: skip
         statics = self.statics.get(shape)
@@ -125,7 +140,7 @@ class ChunkGraphs:
                                                      cache.values if past else [None] * cache.num_blocks)  # fmt: skip
         for name, source in inputs.items():
             if source is not None:
-                statics.load(name, source, always=name in ("x", "timestep", "cos", "sin", "mask"))
+                statics.load(name, source, always=name in ("x", "timestep"))
         if past:
             statics.load_past(cache)
         graph = self.graphs.get(key)
