@@ -12,7 +12,8 @@ Replay = copy the pass's inputs into the graph's static buffers, replay, copy th
   keys/values of every block. Inputs that are the same tensor objects as at the last copy (text, the RoPE tables and
   mask, which are made once per chunk, the cache's tensors, which change only when a chunk is appended) are not
   copied again;
-* static per graph (one per text-cache key, i.e. step time): the text keys/values of a text-cache hit;
+* static per text-cache key (step time), shared by that time's graphs: the text keys/values of a text-cache hit,
+  copied once per video (when the text cache hands over new tensors); they hold as much memory as the text cache;
 * outputs: the velocity, the chunk's video keys/values (appended to the ``KVCache`` when ``store_kv``) and, on a
   text-cache miss, the text keys/values (put into the ``TextKVCache``), all cloned out of the graph's memory pool
   (one pool for all graphs: each replay's outputs are copied out before the next replay).
@@ -77,7 +78,6 @@ class _Graph:
     def __init__(self):
         self.replay = None  # set by ChunkGraphs._record
         self.text_kv: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None  # static, on a text-cache hit
-        self.text_source = None
         self.out = None
         self.pending: Dict[int, tuple] = {}
         self.entry: Optional[Dict[int, tuple]] = None
@@ -97,6 +97,22 @@ class ChunkGraphs:
         self.pool = None
         self.captures = self.replays = self.eager = 0
         self._preludes: Dict[tuple, tuple] = {}
+        self.text_statics: Dict[tuple, list] = {}  # (text key, shape, dtype, device) -> [buffers, last source]
+
+    def _text_buffers(self, text_key, text_kv):
+        """Static text keys/values for ``text_key``, shared by the graphs of every cached-frame count (one copy per
+        distinct time, not per graph), refreshed when the text cache hands over other tensors (a new video)."""
+        k0 = text_kv[0][0]
+        key = (text_key, tuple(k0.shape), k0.dtype, k0.device)
+        holder = self.text_statics.get(key)
+        if holder is None:
+            holder = self.text_statics[key] = [[(_clone(k), _clone(v)) for k, v in text_kv], text_kv]
+        elif holder[1] is not text_kv:
+            for (dk, dv), (sk, sv) in zip(holder[0], text_kv):
+                dk.copy_(sk)
+                dv.copy_(sv)
+            holder[1] = text_kv
+        return holder[0]
 
     def _rope_mask(self, x, text_mask, num_text: int, past: int, start_frame: int):
         """``chunk_rope_mask``, kept for the passes of one chunk (same start frame, cached frames and text mask): the
@@ -143,10 +159,11 @@ class ChunkGraphs:
                 statics.load(name, source, always=name in ("x", "timestep"))
         if past:
             statics.load_past(cache)
+        text_static = None if text_kv is None else self._text_buffers(text_key, text_kv)
         graph = self.graphs.get(key)
         if graph is None:
             try:
-                graph = self._capture(statics, text_kv)
+                graph = self._capture(statics, text_static)
             except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
                 self.failed.add(shape)
                 self.failures.append(f"{type(error).__name__}: {error}")
@@ -157,11 +174,6 @@ class ChunkGraphs:
                 return model.forward_chunk(x, **eager)
             self.graphs[key] = graph
             self.captures += 1
-        if text_kv is not None and graph.text_source is not text_kv:
-            for (dk, dv), (sk, sv) in zip(graph.text_kv, text_kv):
-                dk.copy_(sk)
-                dv.copy_(sv)
-            graph.text_source = text_kv
         graph.replay()
         self.replays += 1
         out = graph.out.clone()
@@ -172,11 +184,11 @@ class ChunkGraphs:
             cache.append(new, start_frame, x.shape[2], frames_per_group=model.patch_size[0])
         return out
 
-    def _capture(self, statics: _Statics, text_kv) -> _Graph:
+    def _capture(self, statics: _Statics, text_static) -> _Graph:
+        """A graph of ``chunk_body`` on ``statics`` (and, on a text-cache hit, the static text keys/values)."""
         model, graph, s = self.model, _Graph(), statics.inputs
-        if text_kv is not None:
-            graph.text_kv = [(_clone(k), _clone(v)) for k, v in text_kv]
-            graph.text_source = text_kv
+        graph.text_kv = text_static
+        text_kv = text_static
 
         def body():
             graph.pending = {}
