@@ -139,3 +139,20 @@ def test_two_rank_gloo_run_with_validation_finishes(runs):
     train, val = split_records(outputs)
     assert sorted(train) == [1, 2, 3, 4] and sorted(val) == [2, 4]
     assert sorted(p.name for p in (outputs / "samples").iterdir()) == ["step-0000002", "step-0000004"]
+
+
+def test_distillation_run_validates_the_student_on_its_step_list(tmp_path):
+    """DMD2 (student, critic, frozen teacher): the student's EMA is sampled on method.step_list without CFG."""
+    from test_dmd2 import _write_run_config
+
+    base = _write_run_config(tmp_path)
+    config = write_config(tmp_path / "dmd2_val.py", base, validation=dict(every=2, prompts=["a red circle moving left"]))
+    outputs = tmp_path / "run"
+    build_trainer(config, outputs, "--max-steps", "2").train()
+    train, val = split_records(outputs)
+    assert sorted(train) == [1, 2] and sorted(val) == [2]
+    summary = json.loads((outputs / "samples/step-0000002/validation.json").read_text())
+    assert summary["role"] == "student" and summary["ema"]
+    assert summary["step_list"] == [1.0, 0.6, 0.3] and summary["guidance_scale"] == 1.0
+    assert summary["resolution"] == "16x16" and summary["num_frames"] == 4
+    assert (outputs / "samples/step-0000002/0000_a_red_circle_moving_left.mp4").stat().st_size > 0

@@ -103,8 +103,10 @@ def validation_settings(cfg: Mapping) -> Optional[Dict[str, Any]]:
         raise ConfigValueError(f"validation.role {role!r} is not a role of this config; roles: {sorted(roles)}")
     s["role"] = role
     # sampling settings: the validation dict, else the config's own sampling keys (distillation configs carry them)
+    # a few-step student samples on the step list its method trains it for (else the config's sampling step_list)
+    method_steps = (cfg.get("method") or {}).get("step_list")
     s["step_list"] = s["step_list"] if s["step_list"] is not None else (
-        cfg.get("step_list") if s["num_steps"] is None else None)
+        (method_steps if method_steps is not None else cfg.get("step_list")) if s["num_steps"] is None else None)
     if s["step_list"] is not None:
         s["step_list"] = [float(t) for t in s["step_list"]]
     s["num_steps"] = int(s["num_steps"] or cfg.get("num_steps") or 20)
