@@ -1,4 +1,5 @@
-"""Metrics sinks on rank 0: ``metrics.jsonl`` (one JSON object per optimizer step), tensorboard, optional wandb.
+"""Metrics sinks on rank 0: ``metrics.jsonl`` (one JSON object per optimizer step and one per validation),
+tensorboard, optional wandb.
 
 wandb runs offline unless the config says otherwise, so a machine without network never blocks on it.
 """
