@@ -156,3 +156,54 @@ def test_distillation_run_validates_the_student_on_its_step_list(tmp_path):
     assert summary["step_list"] == [1.0, 0.6, 0.3] and summary["guidance_scale"] == 1.0
     assert summary["resolution"] == "16x16" and summary["num_frames"] == 4
     assert (outputs / "samples/step-0000002/0000_a_red_circle_moving_left.mp4").stat().st_size > 0
+
+
+def _bare_validator(cfg, network, ema=None, metrics=None, outputs="unused"):
+    from types import SimpleNamespace
+
+    from opensora.training.validation import Validator, validation_settings
+
+    role = SimpleNamespace(unwrap=lambda: network, wait_for_params=lambda: None, ema=ema)
+    components = SimpleNamespace(vae=None, text_encoder=None)
+    return Validator(validation_settings(cfg), cfg, {"model": role}, components, metrics, outputs, is_main=True)
+
+
+def test_a_network_wrapped_after_building_is_deep_copied_and_the_live_one_untouched():
+    """e.g. LoRA adapters: the config's plain network cannot hold its state dict, so the copy is a deep copy."""
+    import torch
+
+    from opensora.config import load_config
+    from opensora.registry import MODELS, build_module
+
+    cfg = load_config(DEMO_CONFIG)
+    cfg.validation = dict(every=1, prompts=["a red circle moving left"])
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.extra = base, torch.nn.Linear(2, 2)
+
+    live = Wrapped(build_module(cfg.model, MODELS)).train()
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    network = _bare_validator(cfg, live)._refreshed_network()
+    assert isinstance(network, Wrapped) and network is not live and not network.training
+    assert not any(p.requires_grad for p in network.parameters())
+    assert all(p.requires_grad for p in live.parameters()) and live.training
+    with torch.no_grad():
+        next(network.parameters()).add_(1.0)
+    assert all(torch.equal(v, before[k]) for k, v in live.state_dict().items())
+
+
+def test_a_failing_validation_is_logged_and_training_state_is_untouched(tmp_path, caplog):
+    import torch
+
+    from opensora.config import load_config
+    from opensora.registry import MODELS, build_module
+
+    cfg = load_config(DEMO_CONFIG)
+    cfg.validation = dict(every=1, prompts=["a red circle moving left"])
+    validator = _bare_validator(cfg, build_module(cfg.model, MODELS), outputs=tmp_path)  # no VAE: sampling fails
+    state = torch.get_rng_state()
+    assert validator.run(3) is None
+    assert torch.equal(torch.get_rng_state(), state)
+    assert "validation at step 3 failed" in caplog.text

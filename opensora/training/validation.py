@@ -6,8 +6,9 @@ Config (keys and defaults: ``opensora.training.defaults.VALIDATION_DEFAULTS``)::
 
 Every ``every`` optimizer steps rank 0
 
-* refreshes a private copy of the role's network (built once from the role's config, on the training device, in the
-  training dtype, eval mode, no grad) with the live weights and then the role's EMA weights (the live weights
+* refreshes a private copy of the role's network (built once from the role's config -- a deep copy when the trained
+  network was wrapped after building, e.g. LoRA -- on the training device, in the training dtype, eval mode, no
+  grad) with the live weights and then the role's EMA weights (the live weights
   when the role keeps no EMA), and samples the prompts through ``VideoSampler`` (the inference pipeline, same
   timestep shift as the training method) with per-sample seeds;
 * writes ``{outputs}/samples/step-XXXXXXX/NNNN_slug.mp4``, ``samples.csv`` (``path,text``, as the inference CLI
@@ -21,7 +22,8 @@ Every ``every`` optimizer steps rank 0
 
 No effect on training: the live network is only read, every RNG stream (python, numpy, torch CPU, the current CUDA
 device) is saved before and restored after, and nothing is checkpointed, so losses are bit-identical with and
-without validation and resume stays exact (``tests/test_validation.py``).
+without validation and resume stays exact (``tests/test_validation.py``). A validation that fails (e.g. out of
+memory) is logged with its traceback and skipped; training goes on.
 
 Other ranks skip validation and block in the next step's first collective until rank 0 catches up; there is no
 barrier. That wait must stay well inside the process-group timeout (30 min, ``init_distributed``): validation
@@ -31,6 +33,7 @@ plus one batch, and a config may list at most ``max_prompts`` prompts.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import logging
@@ -105,8 +108,9 @@ def validation_settings(cfg: Mapping) -> Optional[Dict[str, Any]]:
     # sampling settings: the validation dict, else the config's own sampling keys (distillation configs carry them)
     # a few-step student samples on the step list its method trains it for (else the config's sampling step_list)
     method_steps = (cfg.get("method") or {}).get("step_list")
-    s["step_list"] = s["step_list"] if s["step_list"] is not None else (
-        (method_steps if method_steps is not None else cfg.get("step_list")) if s["num_steps"] is None else None)
+    for steps in (method_steps, cfg.get("step_list")):
+        if s["step_list"] is None:
+            s["step_list"] = steps
     if s["step_list"] is not None:
         s["step_list"] = [float(t) for t in s["step_list"]]
     s["num_steps"] = int(s["num_steps"] or cfg.get("num_steps") or 20)
@@ -173,9 +177,13 @@ class Validator:
         try:
             with torch.no_grad():
                 videos, prompts, seeds = self._sample(started)
+            record = self._write_and_log(step, videos, prompts, seeds, started)
+        except Exception:  # e.g. out of memory: a failed validation must not end (or hang) a long training run
+            logger.exception("validation at step %d failed; training goes on", step)
+            self._network = None  # rebuilt next time (frees its memory now)
+            return None
         finally:
             set_rng_state(rng)
-        record = self._write_and_log(step, videos, prompts, seeds, started)
         logger.info("validation at step %d: %d samples in %.1f s%s", step, len(prompts), record["val/seconds"],
                     "".join(f", {k} {v:.3f}" for k, v in record.items() if k.endswith("_acc")))
         return record
@@ -190,14 +198,14 @@ class Validator:
 
             first = next(live.parameters())
             # built under the saved RNG state (``run``): its random init draws are undone there
-            self._network = build_module(role_model_config(self.cfg, self.settings["role"]), MODELS)
-            self._network = self._network.to(first.device, first.dtype).eval().requires_grad_(False)
+            network = build_module(role_model_config(self.cfg, self.settings["role"]), MODELS)
+            if set(network.state_dict()) != set(live.state_dict()):
+                # the trained network was wrapped after building (e.g. LoRA adapters): copy it as it is (under
+                # no_grad and with requires_grad off, the copied parameters' training hooks never fire)
+                network = copy.deepcopy(live)
+            self._network = network.to(first.device, first.dtype).eval().requires_grad_(False)
         self.role.wait_for_params()
-        try:
-            self._network.load_state_dict(live.state_dict(), strict=True)
-        except RuntimeError as error:
-            raise RuntimeError(f"validation: the '{self.settings['role']}' network of the config does not match the "
-                               f"trained one (a wrapped network, e.g. an adapter?): {error}") from None
+        self._network.load_state_dict(live.state_dict(), strict=True)
         if self.role.ema is not None and self.role.ema.enabled:
             self.role.ema.copy_to(self._network)
         return self._network

@@ -44,6 +44,7 @@ wandb = dict(enable=False, mode="offline", project="opensora-demo")
 
 # ---- validation samples during training (README "Validation during training"): off here; turn on with
 # `--validation.every 100`. 12 captions: every colour twice, shape 4 times, direction 3 times; scored in memory.
+# (Configs inheriting this one keep these keys: a distilled student still samples on its step list, CFG 1.)
 validation = dict(
     every=0,
     prompts=[
@@ -53,6 +54,5 @@ validation = dict(
         "a cyan square moving right", "a blue triangle moving up", "a magenta circle moving down",
     ],
     num_steps=10,
-    guidance_scale=4.0,
     score="moving_shapes",
 )
