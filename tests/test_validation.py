@@ -207,3 +207,15 @@ def test_a_failing_validation_is_logged_and_training_state_is_untouched(tmp_path
     assert validator.run(3) is None
     assert torch.equal(torch.get_rng_state(), state)
     assert "validation at step 3 failed" in caplog.text
+
+
+def test_a_prompt_file_replaces_the_prompt_list(tmp_path):
+    from opensora.config import load_config
+    from opensora.training.validation import validation_settings
+
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("a red circle moving left\n\na blue square moving up\n")
+    cfg = load_config(DEMO_CONFIG, overrides=["--validation.every", "3", "--validation.prompt_file", str(prompt_file)])
+    s = validation_settings(cfg)
+    assert s["prompts"] == ["a red circle moving left", "a blue square moving up"] and s["seeds"] == [0, 1]
+    assert s["num_steps"] == 10 and s["score"] == "moving_shapes"

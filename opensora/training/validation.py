@@ -74,9 +74,9 @@ def validation_settings(cfg: Mapping) -> Optional[Dict[str, Any]]:
     if int(s["every"]) != s["every"] or s["every"] < 0:
         raise ConfigValueError(f"validation.every must be a whole number >= 0, got {s['every']!r}")
     s["every"] = int(s["every"])
-    if (s["prompts"] is None) == (s["prompt_file"] is None):
-        raise ConfigValueError("validation needs exactly one of validation.prompts (a list) or validation.prompt_file")
-    if s["prompt_file"] is not None:
+    if s["prompts"] is None and s["prompt_file"] is None:
+        raise ConfigValueError("validation needs validation.prompts (a list) or validation.prompt_file")
+    if s["prompt_file"] is not None:  # replaces the prompts (so --validation.prompt_file F works on any config)
         from opensora.inference.prompts import read_prompt_file
 
         prompts = read_prompt_file(s["prompt_file"])

@@ -53,6 +53,7 @@ validation = dict(
         "a red square moving up", "a yellow triangle moving down", "a green circle moving left",
         "a cyan square moving right", "a blue triangle moving up", "a magenta circle moving down",
     ],
+    prompt_file=None,  # a txt / csv of prompts replaces the list
     num_steps=10,
     score="moving_shapes",
 )
