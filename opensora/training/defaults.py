@@ -20,4 +20,26 @@ TRAINER_DEFAULTS = dict(
     wandb=None,
     profile_steps=None,  # e.g. "{'start': 15, 'steps': 3}": GPU kernel time split, {outputs}/profile/rank{r}.json
     sequence_parallel_size=1,  # ranks that share each sample (MMDiT all-to-all sequence parallelism)
+    validation=None,  # dict(every=N, prompts=[...], ...): samples during training (``VALIDATION_DEFAULTS``)
+)
+
+# ``validation = dict(...)`` keys (``opensora.training.validation``); None means "from the config, see there"
+VALIDATION_DEFAULTS = dict(
+    every=0,  # sample every N optimizer steps on rank 0; 0 / None: off
+    prompts=None,  # the fixed prompt set (a list) ...
+    prompt_file=None,  # ... or a txt (one per line) / csv (text column) file, which replaces the list
+    seed=0,  # sample i uses seed + i ...
+    seeds=None,  # ... unless seeds are listed (one per prompt)
+    num_frames=None,  # None: the first bucket's first frame count
+    resolution=None,  # None: the first bucket's resolution ("32x32", "256px", ...)
+    aspect_ratio=None,  # for an area resolution ("256px"); None: square
+    num_steps=None,  # None: the config's num_steps, else 20; used only where no step_list applies
+    step_list=None,  # None: method.step_list (few-step students), else the config's step_list, if any
+    guidance_scale=None,  # None: the config's guidance_scale, else 4.0 (1.0 with a step_list)
+    role=None,  # None: the config's sampling ``role``, else "model", else "student"
+    score=None,  # "moving_shapes": score the samples and log val/color_acc, val/shape_acc, val/direction_acc
+    batch_size=8,  # samples per sampler call (never changes a sample)
+    max_seconds=300.0,  # stop sampling (between batches) once this is spent; other ranks wait at most ~this
+    max_prompts=64,  # a config listing more prompts is an error
+    fps=8,
 )

@@ -9,6 +9,7 @@ from opensora.config import ConfigKeyError, ConfigValueError, load_config_from_c
 from opensora.role_config import role_configs
 from opensora.training.defaults import TRAINER_DEFAULTS
 from opensora.training.run_dir import check_load_path, prepare_outputs
+from opensora.training.validation import validation_settings
 
 _FLAG_SETTINGS = ("outputs", "max_steps", "ckpt_every", "max_minutes", "save_at_end", "profile_steps",
                   "sequence_parallel_size")
@@ -41,6 +42,7 @@ def main(argv=None) -> None:
             argv, script_flags=TRAIN_FLAGS, prog="train.py",
             description="Train a video diffusion model (flow matching or a distillation method).")
         role_configs(cfg)  # a role key that would be ignored is reported here, before anything heavy loads
+        validation_settings(cfg)  # so is a validation key that does not exist
     except (ConfigKeyError, ConfigValueError) as error:
         # a typo in the config or on the command line: one line naming the key (and its nearest match)
         raise SystemExit(f"train.py: error: {error}") from None

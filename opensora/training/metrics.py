@@ -1,4 +1,5 @@
-"""Metrics sinks on rank 0: ``metrics.jsonl`` (one JSON object per optimizer step), tensorboard, optional wandb.
+"""Metrics sinks on rank 0: ``metrics.jsonl`` (one JSON object per optimizer step and one per validation),
+tensorboard, optional wandb.
 
 wandb runs offline unless the config says otherwise, so a machine without network never blocks on it.
 """
@@ -42,7 +43,8 @@ class MetricsLogger:
         tmp.write_text("".join(ln + "\n" for ln in kept))
         os.replace(tmp, self.path)
 
-    def log(self, step: int, values: Mapping[str, float]) -> None:
+    def log(self, step: int, values: Mapping[str, float], prefix: str = "train/") -> None:
+        """One ``metrics.jsonl`` record; tensorboard scalars are tagged ``{prefix}{key}``."""
         if not self.enabled:
             return
         record = {"step": step, **{k: v for k, v in values.items() if v is not None}}
@@ -51,15 +53,41 @@ class MetricsLogger:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 if self._tb is not None:
-                    self._tb.add_scalar(f"train/{key}", value, step)
+                    self._tb.add_scalar(f"{prefix}{key}", value, step)
         if self._wandb is not None:
             self._wandb.log(record, step=step)
+
+    def log_samples(self, step: int, grid, videos, paths, captions, fps: float = 8.0) -> None:
+        """Validation samples: ``grid`` (uint8 ``[H, W, 3]``) as the image ``val/samples``; ``videos`` (uint8
+        ``[N, T, H, W, 3]``) as the tensorboard video ``val/videos`` where tensorboard can encode it (it needs
+        moviepy); the mp4 files ``paths`` as wandb videos."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            self._tb.add_image("val/samples", grid, step, dataformats="HWC")
+            if _has_module("moviepy"):
+                import torch
+
+                self._tb.add_video("val/videos", torch.from_numpy(videos).permute(0, 1, 4, 2, 3), step, fps=fps)
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({"val/samples": wandb.Image(grid),
+                             "val/videos": [wandb.Video(str(p), caption=c) for p, c in zip(paths, captions)]},
+                            step=step)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 def read_metrics(outputs) -> list:

@@ -31,6 +31,7 @@ from opensora.training.profiling import StepProfiler
 from opensora.training.rng import seed_everything
 from opensora.training.role_builder import build_role
 from opensora.training.throughput import ThroughputMeter
+from opensora.training.validation import Validator
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class Trainer:
                                      wandb_cfg=self.setting("wandb"), run_config=cfg.to_dict())
         self.throughput = ThroughputMeter(self.device, world_size=self.dp_size, ranks_per_sample=sp_size)
         self.profiler = StepProfiler(self.setting("profile_steps"), self.outputs, self.rank, self.device)
+        # samples during training (rank 0; other ranks meet it at the next collective): None when off
+        self.validator = Validator.from_config(cfg, self.roles, self.components, self.metrics, self.outputs,
+                                               is_main=self.is_main)
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
@@ -219,6 +223,10 @@ class Trainer:
             if self.ckpt_every and self.step % self.ckpt_every == 0 and self.step < self.max_steps:
                 pending = self._flush(pending, progress)  # records reach the disk before the checkpoint covering them
                 self.save()
+                self.throughput.restart()
+            if self.validator is not None and self.validator.due(self.step):
+                pending = self._flush(pending, progress)  # this step's record first, then its validation record
+                self.validator.run(self.step)
                 self.throughput.restart()
         if out_of_time and self.is_main:
             logger.info("max_minutes=%s reached at step %d: saving and stopping", self.max_minutes, self.step)

@@ -41,3 +41,19 @@ method = dict(
 
 tensorboard = True
 wandb = dict(enable=False, mode="offline", project="opensora-demo")
+
+# ---- validation samples during training (README "Validation during training"): off here; turn on with
+# `--validation.every 100`. 12 captions: every colour twice, shape 4 times, direction 3 times; scored in memory.
+# (Configs inheriting this one keep these keys: a distilled student still samples on its step list, CFG 1.)
+validation = dict(
+    every=0,
+    prompts=[
+        "a red circle moving left", "a yellow square moving right", "a green triangle moving up",
+        "a cyan circle moving down", "a blue square moving left", "a magenta triangle moving right",
+        "a red square moving up", "a yellow triangle moving down", "a green circle moving left",
+        "a cyan square moving right", "a blue triangle moving up", "a magenta circle moving down",
+    ],
+    prompt_file=None,  # a txt / csv of prompts replaces the list
+    num_steps=10,
+    score="moving_shapes",
+)

@@ -1,0 +1,264 @@
+"""Validation samples during training: a fixed prompt set sampled with a role's EMA weights every N steps.
+
+Config (keys and defaults: ``opensora.training.defaults.VALIDATION_DEFAULTS``)::
+
+    validation = dict(every=500, prompts=["a red circle moving left", ...], score="moving_shapes")
+
+Every ``every`` optimizer steps rank 0
+
+* refreshes a private copy of the role's network (built once from the role's config -- a deep copy when the trained
+  network was wrapped after building, e.g. LoRA -- on the training device, in the training dtype, eval mode, no
+  grad) with the live weights and then the role's EMA weights (the live weights
+  when the role keeps no EMA), and samples the prompts through ``VideoSampler`` (the inference pipeline, same
+  timestep shift as the training method) with per-sample seeds;
+* writes ``{outputs}/samples/step-XXXXXXX/NNNN_slug.mp4``, ``samples.csv`` (``path,text``, as the inference CLI
+  writes it: ``tools/eval_moving_shapes.py`` reads it) and ``validation.json`` (settings, time, scores);
+* logs a frame grid (one row per sample) and, where tensorboard can encode video (moviepy), the videos to
+  tensorboard; the grid and the mp4s to wandb when it is enabled;
+* with ``score="moving_shapes"`` scores the uint8 frames in memory with ``opensora.eval.moving_shapes`` (before mp4
+  compression, so numbers can differ slightly from scoring the files) and logs ``val/color_acc``,
+  ``val/shape_acc``, ``val/direction_acc``, ``val/all_acc``; always ``val/seconds`` and ``val/num_samples``
+  (``metrics.jsonl``: a separate record with the same ``step``; tensorboard tags ``val/...``).
+
+No effect on training: the live network is only read, every RNG stream (python, numpy, torch CPU, the current CUDA
+device) is saved before and restored after, and nothing is checkpointed, so losses are bit-identical with and
+without validation and resume stays exact (``tests/test_validation.py``). A validation that fails (e.g. out of
+memory) is logged with its traceback and skipped; training goes on.
+
+Other ranks skip validation and block in the next step's first collective until rank 0 catches up; there is no
+barrier. That wait must stay well inside the process-group timeout (30 min, ``init_distributed``): validation
+stops starting new batches once ``max_seconds`` (default 300 s) are spent, so it lasts at most ``max_seconds``
+plus one batch, and a config may list at most ``max_prompts`` prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional
+
+import numpy as np
+import torch
+
+from opensora.config import ConfigKeyError, ConfigValueError
+from opensora.training.defaults import VALIDATION_DEFAULTS
+from opensora.training.rng import get_rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+SCORERS = (None, "moving_shapes")
+GRID_FRAMES = 8  # frames per sample in the logged grid (evenly spaced)
+
+
+# ---- settings (pure; checked on every rank before anything is built) ------------------------------------------
+def validation_settings(cfg: Mapping) -> Optional[Dict[str, Any]]:
+    """The resolved ``validation`` settings of ``cfg``, or None when validation is off. Raises ``ConfigKeyError``
+    for an unknown key (naming the nearest) and ``ConfigValueError`` for a bad value."""
+    given = cfg.get("validation")
+    if given is None:
+        return None
+    if not isinstance(given, Mapping):
+        raise ConfigValueError(f"validation must be a dict, got {type(given).__name__}")
+    for key in given:
+        if key not in VALIDATION_DEFAULTS:
+            near = difflib.get_close_matches(key, VALIDATION_DEFAULTS, n=1)
+            hint = f"; did you mean 'validation.{near[0]}'" if near else ""
+            raise ConfigKeyError(f"unknown key 'validation.{key}'{hint} (keys: {list(VALIDATION_DEFAULTS)})")
+    s = {**VALIDATION_DEFAULTS, **dict(given)}
+    if not s["every"]:
+        return None
+    if int(s["every"]) != s["every"] or s["every"] < 0:
+        raise ConfigValueError(f"validation.every must be a whole number >= 0, got {s['every']!r}")
+    s["every"] = int(s["every"])
+    if s["prompts"] is None and s["prompt_file"] is None:
+        raise ConfigValueError("validation needs validation.prompts (a list) or validation.prompt_file")
+    if s["prompt_file"] is not None:  # replaces the prompts (so --validation.prompt_file F works on any config)
+        from opensora.inference.prompts import read_prompt_file
+
+        prompts = read_prompt_file(s["prompt_file"])
+    else:
+        prompts = [s["prompts"]] if isinstance(s["prompts"], str) else list(s["prompts"])
+    if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+        raise ConfigValueError("validation prompts must be non-empty strings")
+    if len(prompts) > int(s["max_prompts"]):
+        raise ConfigValueError(f"validation lists {len(prompts)} prompts, more than validation.max_prompts="
+                               f"{s['max_prompts']}: rank 0 would keep the other ranks waiting too long")
+    s["prompts"] = prompts
+    if s["seeds"] is None:
+        s["seeds"] = [int(s["seed"]) + i for i in range(len(prompts))]
+    elif len(s["seeds"]) != len(prompts):
+        raise ConfigValueError(f"validation.seeds lists {len(s['seeds'])} seeds for {len(prompts)} prompts")
+    s["seeds"] = [int(x) for x in s["seeds"]]
+    if s["score"] not in SCORERS:
+        raise ConfigValueError(f"validation.score must be one of {SCORERS}, got {s['score']!r}")
+    if float(s["max_seconds"]) <= 0 or int(s["batch_size"]) < 1:
+        raise ConfigValueError("validation.max_seconds must be > 0 and validation.batch_size >= 1")
+
+    from opensora.role_config import role_configs
+
+    roles = role_configs(cfg)
+    role = s["role"] or cfg.get("role") or next((r for r in ("model", "student") if r in roles), None)
+    if role not in roles:
+        raise ConfigValueError(f"validation.role {role!r} is not a role of this config; roles: {sorted(roles)}")
+    s["role"] = role
+    # sampling settings: the validation dict, else the config's own sampling keys (distillation configs carry them)
+    # a few-step student samples on the step list its method trains it for (else the config's sampling step_list)
+    method_steps = (cfg.get("method") or {}).get("step_list")
+    for steps in (method_steps, cfg.get("step_list")):
+        if s["step_list"] is None:
+            s["step_list"] = steps
+    if s["step_list"] is not None:
+        s["step_list"] = [float(t) for t in s["step_list"]]
+    s["num_steps"] = int(s["num_steps"] or cfg.get("num_steps") or 20)
+    if s["guidance_scale"] is None:
+        s["guidance_scale"] = cfg.get("guidance_scale") or (1.0 if s["step_list"] is not None else 4.0)
+    s["guidance_scale"] = float(s["guidance_scale"])
+    if s["resolution"] is None or s["num_frames"] is None:
+        buckets = cfg.get("bucket_config") or {}
+        if not buckets:
+            raise ConfigValueError("validation needs resolution and num_frames (the config has no bucket_config)")
+        first_res = next(iter(buckets))
+        s["resolution"] = s["resolution"] or first_res
+        s["num_frames"] = s["num_frames"] or int(next(iter(buckets[first_res])))
+    s["num_frames"] = int(s["num_frames"])
+    return s
+
+
+def frame_grid(videos: np.ndarray, frames: int = GRID_FRAMES) -> np.ndarray:
+    """uint8 ``[N, T, H, W, 3]`` -> one uint8 ``[N*H, k*W, 3]`` image: a row per sample, ``k`` evenly spaced frames."""
+    n, t, h, w, c = videos.shape
+    picks = np.unique(np.linspace(0, t - 1, num=min(frames, t)).round().astype(int))
+    rows = videos[:, picks]  # [N, k, H, W, 3]
+    return rows.transpose(0, 2, 1, 3, 4).reshape(n * h, len(picks) * w, c)
+
+
+# ---- the hook the trainer calls ----------------------------------------------------------------------------------
+class Validator:
+    """Built on every rank (so config errors surface everywhere); samples only where ``is_main``.
+
+    Args:
+        settings: ``validation_settings(cfg)``.
+        cfg: the run's config (the role's network config and the method's timestep shift are read from it).
+        roles: the trainer's roles (only ``roles[settings["role"]]`` is read: its unwrapped network and EMA).
+        components: the frozen VAE and text conditioner (shared with training; both are deterministic).
+        metrics: the trainer's ``MetricsLogger``.
+        outputs: the run directory.
+    """
+
+    def __init__(self, settings: Mapping, cfg: Mapping, roles: Mapping, components, metrics, outputs, is_main: bool):
+        self.settings = dict(settings)
+        self.every = self.settings["every"]
+        self.cfg = cfg
+        self.role = roles[self.settings["role"]]
+        self.components = components
+        self.metrics = metrics
+        self.outputs = Path(outputs)
+        self.is_main = is_main
+        self._network = None  # the private copy, built at the first validation
+
+    @classmethod
+    def from_config(cls, cfg, roles, components, metrics, outputs, is_main: bool) -> Optional["Validator"]:
+        settings = validation_settings(cfg)
+        return None if settings is None else cls(settings, cfg, roles, components, metrics, outputs, is_main)
+
+    def due(self, step: int) -> bool:
+        return self.is_main and step % self.every == 0
+
+    def run(self, step: int) -> Optional[dict]:
+        """Sample, write, score and log for ``step``; returns the logged record (None off rank 0)."""
+        if not self.is_main:
+            return None
+        started = time.monotonic()
+        rng = get_rng_state()
+        try:
+            with torch.no_grad():
+                videos, prompts, seeds = self._sample(started)
+            record = self._write_and_log(step, videos, prompts, seeds, started)
+        except Exception:  # e.g. out of memory: a failed validation must not end (or hang) a long training run
+            logger.exception("validation at step %d failed; training goes on", step)
+            self._network = None  # rebuilt next time (frees its memory now)
+            return None
+        finally:
+            set_rng_state(rng)
+        logger.info("validation at step %d: %d samples in %.1f s%s", step, len(prompts), record["val/seconds"],
+                    "".join(f", {k} {v:.3f}" for k, v in record.items() if k.endswith("_acc")))
+        return record
+
+    # ---- sampling ----------------------------------------------------------------------------------------------
+    def _refreshed_network(self) -> torch.nn.Module:
+        """The private copy with the role's current EMA weights (its live weights when it keeps no EMA)."""
+        live = self.role.unwrap()
+        if self._network is None:
+            from opensora.inference.pipeline import role_model_config
+            from opensora.registry import MODELS, build_module
+
+            first = next(live.parameters())
+            # built under the saved RNG state (``run``): its random init draws are undone there
+            network = build_module(role_model_config(self.cfg, self.settings["role"]), MODELS)
+            if set(network.state_dict()) != set(live.state_dict()):
+                # the trained network was wrapped after building (e.g. LoRA adapters): copy it as it is (under
+                # no_grad and with requires_grad off, the copied parameters' training hooks never fire)
+                network = copy.deepcopy(live)
+            self._network = network.to(first.device, first.dtype).eval().requires_grad_(False)
+        self.role.wait_for_params()
+        self._network.load_state_dict(live.state_dict(), strict=True)
+        if self.role.ema is not None and self.role.ema.enabled:
+            self.role.ema.copy_to(self._network)
+        return self._network
+
+    def _sample(self, started: float):
+        from opensora.inference.pipeline import VideoSampler, video_size_for
+
+        s = self.settings
+        sampler = VideoSampler(self._refreshed_network(), self.components.vae, self.components.text_encoder,
+                               shift=(self.cfg.get("method") or {}).get("shift") or {}, progress=False)
+        height, width = video_size_for(s["resolution"], s["aspect_ratio"])
+        prompts, seeds, batch = s["prompts"], s["seeds"], int(s["batch_size"])
+        videos = []
+        for start in range(0, len(prompts), batch):
+            if start and time.monotonic() - started > float(s["max_seconds"]):
+                logger.warning("validation: max_seconds=%s spent after %d of %d samples; the rest are skipped",
+                               s["max_seconds"], start, len(prompts))
+                prompts, seeds = prompts[:start], seeds[:start]
+                break
+            videos.append(sampler.generate(
+                prompts[start:start + batch], seeds[start:start + batch], num_frames=s["num_frames"], height=height,
+                width=width, num_steps=s["num_steps"], step_list=s["step_list"],
+                guidance_scale=s["guidance_scale"]))
+        return torch.cat(videos).numpy(), list(prompts), list(seeds)
+
+    # ---- outputs -----------------------------------------------------------------------------------------------
+    def _write_and_log(self, step: int, videos: np.ndarray, prompts: List[str], seeds: List[int],
+                       started: float) -> dict:
+        from opensora.inference.io import save_sample, write_samples_csv
+        from opensora.inference.prompts import sample_stem
+
+        s = self.settings
+        save_dir = self.outputs / "samples" / f"step-{step:07d}"
+        rows, paths = [], []
+        for i, (prompt, frames) in enumerate(zip(prompts, videos)):
+            path = save_sample(save_dir / sample_stem(i, prompt), frames, fps=s["fps"])
+            rows.append(dict(path=path.name, text=prompt))
+            paths.append(path)
+        write_samples_csv(save_dir, rows)
+        record: Dict[str, float] = {}
+        report = None
+        if s["score"] == "moving_shapes":
+            from opensora.eval.moving_shapes import score_rows
+
+            report = score_rows([(row["path"], row["text"], frames, None) for row, frames in zip(rows, videos)])
+            record.update({f"val/{a}_acc": getattr(report, f"{a}_acc")
+                           for a in ("color", "shape", "direction", "all")})
+        record["val/num_samples"] = len(prompts)
+        record["val/seconds"] = time.monotonic() - started  # sampling, writing and scoring
+        settings = {k: s[k] for k in ("role", "num_frames", "resolution", "num_steps", "step_list", "guidance_scale")}
+        summary = dict(step=step, **settings, seeds=seeds, ema=self.role.ema is not None, metrics=record,
+                       rows=report.rows if report is not None else rows)
+        (save_dir / "validation.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        self.metrics.log(step, record, prefix="")
+        self.metrics.log_samples(step, frame_grid(videos), videos, paths, prompts, fps=s["fps"])
+        return record
