@@ -241,10 +241,12 @@ def test_merged_export_samples_like_the_unmerged_lora_network(one_rank, setup, t
 
 
 # ---- DMD2: a LoRA student next to a full critic, through the trainer CLI ----------------------------------------
-def test_dmd2_trains_a_lora_student_with_a_full_critic(setup, tmp_path):
+@pytest.mark.parametrize("critic_lora", [False, True], ids=["full-critic", "lora-critic"])
+def test_dmd2_trains_a_lora_student(setup, tmp_path, critic_lora):
     from opensora.training.launch import main
 
     weights = f"dict(path={str(setup['base'])!r})"
+    critic_extra = f", lora=dict(rank=2, target_modules={TARGETS!r})" if critic_lora else ""
     config = tmp_path / "dmd2_lora.py"
     config.write_text(f"""_base_ = [{str(DMD2_CONFIG)!r}]
 dataset = dict(_delete_=True, type="VideoTextDataset", data_path={str(setup['csv'])!r}, frame_interval=1)
@@ -252,7 +254,7 @@ bucket_config = dict(_delete_=True, **{{"32x32": {{4: (1.0, 2)}}}})
 num_workers = 0
 tensorboard = False
 models = dict(student=dict(init_from={weights}, lora=dict(rank=4, target_modules={TARGETS!r})),
-              teacher=dict(init_from={weights}), critic=dict(init_from={weights}))
+              teacher=dict(init_from={weights}), critic=dict(init_from={weights}{critic_extra}))
 method = dict(student_update_every=2, step_list=[1.0, 0.5])
 """)
     torch.set_num_threads(2)
@@ -262,6 +264,7 @@ method = dict(student_update_every=2, step_list=[1.0, 0.5])
     assert all(math.isfinite(row["loss"]) for row in rows)
     ckpt = tmp_path / "run" / "checkpoints" / "step-0000004"
     assert (ckpt / "student" / "lora.json").is_file() and not (ckpt / "student" / "model").exists()
-    assert (ckpt / "critic" / "model").is_dir() and not (ckpt / "teacher").exists()
+    assert (ckpt / "critic" / "lora.json").is_file() == critic_lora
+    assert (ckpt / "critic" / "model").is_dir() == (not critic_lora) and not (ckpt / "teacher").exists()
     adapter = load_file(str(ckpt / "student" / "adapter.safetensors"))
     assert any(k.split(".lora_")[1].startswith("B") and adapter[k].abs().sum() > 0 for k in adapter)
