@@ -7,7 +7,10 @@ synchronised). Needs no PyAV: frames go straight from the sampler to the evaluat
 (many Euler steps + CFG) and the DMD2 student (its step list, no CFG), same device, same batch:
 
   python benchmarks/moving_shapes_quality.py CONFIG --ckpt DIR [--role student] [--num-steps 30]
-      [--guidance-scale 4] [--json OUT]
+      [--guidance-scale 4] [--json OUT] [--where direction=left] [--seeds-per-prompt 4]
+
+``--where KEY=V1,V2`` scores only the held captions with those attributes (a subset, e.g. what a LoRA finetune
+targets); ``--seeds-per-prompt N`` samples every caption with N seeds (less noise on a small subset).
 """
 
 import argparse
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 
 from opensora.config import load_config
-from opensora.datasets.moving_shapes import all_captions
+from opensora.datasets.moving_shapes import all_captions, parse_caption
 from opensora.eval.moving_shapes import score_rows
 from opensora.inference.pipeline import VideoSampler
 
@@ -29,12 +32,28 @@ def sync():
         torch.cuda.synchronize()
 
 
-def held_caption_setup(cfg, num_prompts=None, seed=1000):
-    """(frames, height, width) of the config's one bucket, the first ``num_prompts`` held captions, their seeds."""
+def parse_where(items) -> dict:
+    """``["direction=left", "shape=circle,square"]`` -> ``{"direction": {"left"}, "shape": {"circle", "square"}}``."""
+    where = {}
+    for item in items or []:
+        key, _, values = item.partition("=")
+        if key not in ("color", "shape", "direction") or not values:
+            raise SystemExit(f"--where {item!r}: use color=..., shape=... or direction=... (comma-separated values)")
+        where[key] = set(values.split(","))
+    return where
+
+
+def held_caption_setup(cfg, num_prompts=None, seed=1000, where=None, seeds_per_prompt=1):
+    """(frames, height, width) of the config's one bucket, the first ``num_prompts`` held captions (those matching
+    ``where``, each repeated ``seeds_per_prompt`` times), their seeds."""
     size = next(iter(cfg.bucket_config))  # "HxW"
     height, width = (int(v) for v in size.split("x"))
     num_frames = int(next(iter(cfg.bucket_config[size])))
-    prompts = all_captions()[:num_prompts]
+    attributes = ("color", "shape", "direction")
+    captions = [text for text in all_captions()
+                if all(value in (where or {}).get(key, {value})
+                       for key, value in zip(attributes, parse_caption(text)))]
+    prompts = [text for text in captions[:num_prompts] for _ in range(seeds_per_prompt)]
     return (num_frames, height, width), prompts, [seed + i for i in range(len(prompts))]
 
 
@@ -49,6 +68,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=1000, help="sample i uses seed + i (never a training seed)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations of the whole batch")
     parser.add_argument("--num-prompts", type=int, default=None, help="first N held captions (smoke tests)")
+    parser.add_argument("--where", action="append", default=None, help="KEY=V1,V2: score a subset of the captions")
+    parser.add_argument("--seeds-per-prompt", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the whole set in one batch")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -57,12 +79,13 @@ def main(argv=None) -> dict:
     guidance = args.guidance_scale if args.guidance_scale is not None else cfg.get("guidance_scale", 4.0)
     step_list = list(cfg.step_list) if args.use_step_list else None
     sampler = VideoSampler.from_config(cfg, args.ckpt, role=role, progress=False)
-    (num_frames, height, width), prompts, seeds = held_caption_setup(cfg, args.num_prompts, args.seed)
+    (num_frames, height, width), prompts, seeds = held_caption_setup(
+        cfg, args.num_prompts, args.seed, parse_where(args.where), args.seeds_per_prompt)
 
     def generate():
         return sampler.generate(prompts, seeds, num_frames=num_frames, height=height, width=width,
                                 num_steps=None if step_list else args.num_steps, step_list=step_list,
-                                guidance_scale=guidance, batch_size=len(prompts))
+                                guidance_scale=guidance, batch_size=args.batch_size or len(prompts))
 
     videos = generate()  # warm-up (and the scored samples: generation is deterministic per seed)
     times = []
@@ -76,6 +99,7 @@ def main(argv=None) -> dict:
     result = dict(
         config=args.config, ckpt=str(args.ckpt), role=role, num_steps=None if step_list else args.num_steps,
         step_list=step_list, guidance_scale=guidance, batch=len(prompts), size=[num_frames, height, width],
+        where={k: sorted(v) for k, v in parse_where(args.where).items()}, seeds_per_prompt=args.seeds_per_prompt,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         seconds_per_batch=sorted(times)[len(times) // 2], seconds_all=times,
         color_acc=report.color_acc, shape_acc=report.shape_acc, direction_acc=report.direction_acc,

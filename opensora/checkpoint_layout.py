@@ -8,6 +8,8 @@ Training writes this layout (``opensora.training.checkpoint``); inference, the c
     {role}/lr_scheduler.pt the role's scheduler                                (if it has one)
     {role}/ema.safetensors EMA weights, written by rank 0                      (if the role keeps an EMA)
     {role}/master/rank{r}.pt fp32 master weights held by rank r's optimizer    (bf16/fp16 training only)
+    {role}/lora.json       a LoRA role: its settings, init_from and the base weights' sha256 (then no model/:
+    {role}/adapter.safetensors  the adapter's lora_A/lora_B matrices; ema.safetensors is the adapter's EMA)
     extra_state.pt         the trainer's dict (sampler state, {step, epoch, ...}), tensors/plain types
     rng/rank{r}.pt         python/numpy/torch(/cuda) RNG state of every rank r
     config.py              the resolved config text
@@ -28,6 +30,8 @@ META_FILE = "meta.json"
 CONFIG_FILE = "config.py"
 MODEL_DIR = "model"  # inside a role directory
 EMA_FILE = "ema.safetensors"  # inside a role directory
+LORA_FILE = "lora.json"  # inside a LoRA role's directory: settings, init_from, base sha256 (JSON, never code)
+ADAPTER_FILE = "adapter.safetensors"  # inside a LoRA role's directory: the adapter's own weights
 TMP_PREFIX = ".tmp-"  # unfinished saves and directories being deleted
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -38,6 +42,11 @@ def checkpoint_root(outputs: str | Path) -> Path:
 
 def checkpoint_dir(outputs: str | Path, step: int) -> Path:
     return checkpoint_root(outputs) / f"step-{step:07d}"
+
+
+def is_role_dir(path: str | Path) -> bool:
+    """A checkpoint's role directory: full weights (``model/``) or a LoRA adapter (``lora.json``)."""
+    return (Path(path) / MODEL_DIR).is_dir() or (Path(path) / LORA_FILE).is_file()
 
 
 def is_complete(path: str | Path) -> bool:

@@ -9,7 +9,7 @@ A config lists its networks under ``models``, one entry per role::
     )
 
 Plain training may use Open-Sora's top-level keys instead (``model``, ``lr``, ``optimizer``, ``warmup_steps``,
-``grad_clip``, ``ema_decay``, ``ema_start_step``, ``ema_warmup``): a shorthand for the single trainable role
+``grad_clip``, ``ema_decay``, ``ema_start_step``, ``ema_warmup``, ``init_from``, ``lora``): a shorthand for the single trainable role
 ``model``, expanded by ``role_configs`` and nowhere else. A key that would be ignored is an error that names it:
 a shorthand key next to ``models`` (set it to None in a config that inherits it), ``lr`` given twice (top level and
 ``optimizer.lr``), or an unknown key inside a role. Unset keys take ``ROLE_DEFAULTS``.
@@ -29,12 +29,13 @@ ROLE_DEFAULTS = dict(
     grad_clip=None,  # max global grad norm; None: no clipping
     ema=None,  # dict(decay=..., start_step=0, warmup=True): an EMA of the weights, kept on rank 0
     init_from=None,  # a checkpoint / safetensors path, or dict(path=..., role="model", ema=True)
+    lora=None,  # dict(rank=8, alpha=8, target_modules=["qkv", ...], dropout=0.0): train a LoRA adapter only
 )
 ROLE_KEYS = ("model", *ROLE_DEFAULTS)
 
 # Open-Sora's top-level keys: plain training's shorthand for the single role ``model``
 SHORTHAND_KEYS = ("model", "lr", "optimizer", "warmup_steps", "grad_clip", "ema_decay", "ema_start_step",
-                  "ema_warmup")
+                  "ema_warmup", "init_from", "lora")
 
 
 def _check_role_keys(name: str, role: Mapping) -> None:
@@ -47,10 +48,22 @@ def _check_role_keys(name: str, role: Mapping) -> None:
         raise ConfigKeyError(f"role '{name}' has no 'model' (the network config)")
 
 
-def _with_defaults(role: Mapping) -> Dict[str, Any]:
-    """Unset role keys from ``ROLE_DEFAULTS``; unset optimizer settings from its ``optimizer`` entry."""
+def _with_defaults(name: str, role: Mapping) -> Dict[str, Any]:
+    """Unset role keys from ``ROLE_DEFAULTS``; unset optimizer settings from its ``optimizer`` entry; a ``lora``
+    entry checked and completed (``opensora.lora.lora_settings``)."""
     out = {**copy.deepcopy(ROLE_DEFAULTS), **copy.deepcopy(dict(role))}
     out["optimizer"] = optimizer_settings(out["optimizer"])
+    if out["lora"] is not None:
+        from opensora.lora import lora_settings
+
+        where = f"models.{name}.lora"
+        if not out["trainable"]:
+            raise ConfigKeyError(f"'{where}' is set on a frozen role: LoRA trains an adapter, so the role must be "
+                                 "trainable (or drop its lora entry)")
+        if not out["init_from"]:
+            raise ConfigKeyError(f"'{where}' needs 'models.{name}.init_from': the adapter is trained on, saved "
+                                 "against and merged into those base weights")
+        out["lora"] = lora_settings(out["lora"], where)
     return out
 
 
@@ -67,7 +80,7 @@ def _expand_shorthand(cfg: Mapping) -> Dict[str, Any]:
             raise ConfigKeyError(f"'lr' is given twice (lr={cfg['lr']} and optimizer.lr={optimizer['lr']}): keep one")
         optimizer["lr"] = cfg["lr"]
     role = dict(model=cfg["model"], optimizer=optimizer)
-    for key in ("precision", "warmup_steps", "grad_clip"):
+    for key in ("precision", "warmup_steps", "grad_clip", "init_from", "lora"):
         if cfg.get(key) is not None:
             role[key] = cfg[key]
     if cfg.get("ema_decay") is not None:
@@ -91,4 +104,4 @@ def role_configs(cfg: Mapping) -> Dict[str, Dict[str, Any]]:
         raise ConfigKeyError("config has neither 'model' nor 'models': no network to build")
     for name, role in roles.items():
         _check_role_keys(name, role)
-    return {name: _with_defaults(role) for name, role in roles.items()}
+    return {name: _with_defaults(name, role) for name, role in roles.items()}

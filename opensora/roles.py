@@ -36,6 +36,7 @@ class Role:
     ema: Any = None  # an opensora.training.ema.EMA, kept on rank 0 when the role asks for one
     grad_clip: Optional[float] = None
     plugin_clips: bool = False  # ZeRO/Hybrid/Gemini plugins clip inside optimizer.step()
+    lora: Optional[Dict[str, Any]] = None  # a LoRA role's lora.json record (opensora.lora.lora_record)
 
     def unwrap(self) -> nn.Module:
         return self.model.unwrap() if hasattr(self.model, "unwrap") else self.model

@@ -1,6 +1,7 @@
 """MovingShapesDataset: the demo clips rendered on the fly, served like any video table."""
 
 import numpy as np
+import pytest
 
 from opensora.datasets import build_dataloader
 from opensora.datasets.moving_shapes import clip_motion, dataset_attributes, parse_caption, render_video
@@ -32,3 +33,19 @@ def test_through_the_bucket_loader_with_a_shorter_clip():
     assert len(batches) == 4
     assert all(b["video"].shape == (4, 3, 8, 32, 32) for b in batches)
     assert loader.num_skipped == 0
+
+
+def test_where_keeps_the_same_clips_of_the_chosen_attributes():
+    full = MovingShapesDataset(num=72, seed=0, height=16, width=16, num_frames=4)
+    left = MovingShapesDataset(num=72, seed=0, height=16, width=16, num_frames=4, where=dict(direction="left"))
+    assert len(left) == 18 and all(text.endswith("moving left") for text in left.texts)
+    for i, clip in enumerate(left.clip_ids[:3]):
+        assert left.texts[i] == full.texts[clip]
+        assert np.array_equal(left.read_frames(i, 4, 0)[0], full.read_frames(clip, 4, 0)[0])
+    two = MovingShapesDataset(num=72, seed=0, height=16, width=16, num_frames=4,
+                              where=dict(shape=["triangle", "square"], color="red"))
+    assert len(two) == 8
+    with pytest.raises(ValueError, match="unknown attribute"):
+        MovingShapesDataset(num=72, where=dict(colour="red"))
+    with pytest.raises(ValueError, match=r"direction \['sideways'\] unknown"):
+        MovingShapesDataset(num=72, where=dict(direction="sideways"))

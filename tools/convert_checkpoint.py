@@ -4,6 +4,7 @@
     python tools/convert_checkpoint.py SRC DST [--ema | --no-ema] [--dtype bf16] [--role model]
                                        [--to opensora|opensora2|diffusers] [--opensora2-fused-qkv]
                                        [--opensora2-rope half-split|adjacent] [--config CONFIG.py]
+                                       [--merge-lora [--base PATH] | --lora-only]
     python tools/convert_checkpoint.py SRC DST --from diffusers|opensora [--dtype bf16] [--axes-dims 16,56,56]
     python tools/convert_checkpoint.py inspect SRC [--role model] [--no-ema]      (or: SRC --inspect)
 
@@ -17,6 +18,9 @@ Open-Sora 2.0's shipped configs rotate RoPE half-split channel pairs (``use_lige
 pairs. ``--to opensora2`` / ``--from opensora`` reorder q/k for it (``--opensora2-rope adjacent`` for a model run with
 ``use_liger_rope=False``). Reading a checkpoint never runs code: the architecture comes from its JSON ``arch`` record,
 or from ``--config`` (your own config file); a foreign Open-Sora 2.0 file needs ``--axes-dims`` (its RoPE split).
+A LoRA checkpoint (a role trained with ``lora = dict(...)``) holds only its adapter: ``--merge-lora`` adds it into the
+base weights (its recorded ``init_from``, or ``--base PATH``; the base must hash to the recorded sha256) and writes full
+weights; ``--lora-only`` writes the adapter alone (one small safetensors file that the sampler merges on load).
 Bad input prints one line and exits with code 2 (``--debug`` keeps the traceback).
 """
 
@@ -31,6 +35,7 @@ from opensora.convert.export import (  # noqa: E402
     export_weights, format_summary, import_weights, inspect_weights,
 )
 from opensora.convert.opensora2 import HALF_SPLIT, ROPE_PAIRINGS  # noqa: E402
+from opensora.convert.weights import LORA_KEY, load_role_weights  # noqa: E402
 from opensora.dtypes import SHORT_NAMES  # noqa: E402
 
 
@@ -65,6 +70,13 @@ def _convert_parser() -> argparse.ArgumentParser:
                         help="with --from opensora: the RoPE split of a head over (t, h, w), e.g. 16,56,56")
     parser.add_argument("--config", default=None,
                         help="take the architecture from this config file (yours) instead of the checkpoint's record")
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument("--merge-lora", action="store_true",
+                      help="a LoRA role: merge its adapter into the base weights (init_from, or --base)")
+    lora.add_argument("--lora-only", action="store_true", help="a LoRA role: export the adapter alone")
+    parser.add_argument("--base", default=None,
+                        help="with --merge-lora: the base weights (checkpoint dir or .safetensors) instead of the "
+                             "adapter's recorded init_from")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument("--inspect", action="store_true", help="only print a summary of SRC")
     return parser
@@ -99,9 +111,20 @@ def _run(argv) -> int:
         result = import_weights(args.src, args.dst, args.from_, dtype=args.dtype, axes_dims=args.axes_dims,
                                 rope_pairing=args.opensora2_rope)
     else:
+        if args.base is not None and not args.merge_lora:
+            parser.error("--base is the base weights for --merge-lora")
+        stored = load_role_weights(args.src, role=args.role, ema=args.ema, lora="stored")
+        is_adapter = LORA_KEY in stored.metadata
+        if is_adapter and not (args.merge_lora or args.lora_only):
+            raise UserInputError(f"{stored.path} is a LoRA adapter: pass --merge-lora (full weights, base from its "
+                                 "init_from or --base) or --lora-only (the adapter alone)")
+        if not is_adapter and (args.merge_lora or args.lora_only):
+            raise UserInputError(f"{stored.path} holds full weights, not a LoRA adapter: drop "
+                                 f"{'--merge-lora' if args.merge_lora else '--lora-only'}")
         result = export_weights(args.src, args.dst, role=args.role, ema=args.ema, dtype=args.dtype, to=args.to,
                                 opensora2_fused_qkv=args.opensora2_fused_qkv,
-                                rope_pairing=args.opensora2_rope or HALF_SPLIT, config_path=args.config)
+                                rope_pairing=args.opensora2_rope or HALF_SPLIT, config_path=args.config,
+                                lora="only" if args.lora_only else "merge", base=args.base)
     meta = result.metadata
     print(f"wrote {result.path} ({result.num_tensors} tensors, layout {result.layout}, dtype {meta['dtype']}, "
           f"source {meta['source']}, step {meta.get('step', 'unknown')})")

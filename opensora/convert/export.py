@@ -16,12 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from opensora import dtypes
+from opensora.checkpoint_layout import is_role_dir
 from opensora.cli_errors import UserInputError
 from opensora.dtypes import SHORT_NAMES
 
 from . import diffusers_flux, opensora2
 from .arch import ARCH_KEY, arch_from_config_file, arch_from_json, arch_to_json, no_arch_error
-from .weights import LoadedWeights, load_role_weights, read_metadata
+from .weights import LORA_KEY, LoadedWeights, load_role_weights, read_metadata
 
 OUR_LAYOUT = "opensora"
 LAYOUTS = (OUR_LAYOUT, opensora2.LAYOUT, diffusers_flux.LAYOUT)
@@ -90,6 +91,8 @@ def export_weights(
     opensora2_fused_qkv: bool = False,
     rope_pairing: str = opensora2.HALF_SPLIT,
     config_path=None,
+    lora: str = "merge",
+    base=None,
 ) -> ExportResult:
     """Write ``role``'s weights (EMA unless ``ema=False``) of checkpoint ``src`` (or an exported file) to ``dst``.
 
@@ -99,17 +102,26 @@ def export_weights(
     ``rope_pairing`` (``opensora2`` only): ``half-split`` for Open-Sora 2.0's shipped ``use_liger_rope=True``
     (default), ``adjacent`` for ``use_liger_rope=False``. ``config_path``: take the architecture from this config
     file (the user's own) instead of the checkpoint's ``arch`` record.
+    A LoRA role is merged into its base weights (``lora="merge"``; base from its ``init_from`` record or ``base``)
+    or exported as the adapter alone (``lora="only"``: our layout, metadata ``lora`` = its lora.json record, which
+    ``load_role_weights`` and the sampler merge again on load).
     """
     to = diffusers_flux.LAYOUT if to == "diffusers" else to
     if to not in LAYOUTS:
         raise ValueError(f"unknown target layout '{to}'; choose one of {LAYOUTS} (or 'diffusers')")
-    loaded = load_role_weights(src, role=role, ema=ema)
+    if lora == "only" and to != OUR_LAYOUT:
+        raise UserInputError(f"--lora-only writes the adapter in our layout; --to {to} needs merged weights "
+                             "(--merge-lora)")
+    loaded = load_role_weights(src, role=role, ema=ema, lora=lora, base=base)
     if loaded.metadata.get("layout", OUR_LAYOUT) != OUR_LAYOUT:
         raise ValueError(f"{src} is in the {loaded.metadata['layout']} layout; import it first (--from)")
     state = cast_state_dict(loaded.state_dict, resolve_dtype(dtype))
     dtype_name = dtype or dtype_label(state)
     arch = resolve_arch(loaded, src, config_path, role) if config_path is not None or loaded.arch else None
     metadata = _metadata(loaded, role, dtype_name, to, arch)
+    for key in (LORA_KEY, "merged_lora"):  # the adapter's record: what it is, or what was merged in
+        if key in loaded.metadata:
+            metadata[key] = loaded.metadata[key]
     dst = Path(dst)
 
     if to == opensora2.LAYOUT:
@@ -233,9 +245,10 @@ def import_weights(src, dst, from_: str, dtype: Optional[str] = None, opensora2_
 
 
 def inspect_weights(src, role: str = "model", ema: bool = True) -> dict:
-    """Summary of a checkpoint role or a safetensors file: parameter count, dtypes, step, layout, metadata keys."""
+    """Summary of a checkpoint role or a safetensors file: parameter count, dtypes, step, layout, metadata keys
+    (a LoRA adapter is summarised as stored: its own matrices, not merged)."""
     src = Path(src)
-    loaded = load_role_weights(src, role=role, ema=ema)
+    loaded = load_role_weights(src, role=role, ema=ema, lora="stored")
     dtypes: Dict[str, int] = {}
     for tensor in loaded.state_dict.values():
         name = SHORT_NAMES.get(tensor.dtype, str(tensor.dtype).replace("torch.", ""))
@@ -254,7 +267,7 @@ def inspect_weights(src, role: str = "model", ema: bool = True) -> dict:
         metadata_keys=sorted(loaded.metadata),
     )
     if src.is_dir():
-        summary["roles"] = sorted(p.name for p in src.iterdir() if (p / "model").is_dir())
+        summary["roles"] = sorted(p.name for p in src.iterdir() if is_role_dir(p))
         summary["has_ema"] = (src / role / "ema.safetensors").is_file()
     return summary
 

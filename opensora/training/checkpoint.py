@@ -10,6 +10,9 @@ newest-checkpoint lookup: ``opensora.checkpoint_layout``, shared with inference 
     {role}/ema.safetensors EMA weights, written by rank 0                    (if an EMA is given)
     {role}/arch.json       the network's keyword arguments as JSON, rank 0   (if the model records ``arch``)
     {role}/master/rank{r}.pt fp32 master weights held by rank r's optimizer  (bf16/fp16 training only)
+    {role}/lora.json       a LoRA role (``opensora.lora``): settings, init_from, base sha256, rank 0; such a role
+    {role}/adapter.safetensors  saves only its adapter (rank 0) instead of model/; optimizer/, master/ and the
+                           EMA then hold the adapter's state only (the optimizer never sees the frozen base)
     extra_state.pt         caller's dict (sampler state, {step, epoch, ...}), rank 0, tensors/plain types
     rng/rank{r}.pt         python/numpy/torch(/cuda) RNG state of every rank r
     config.py              the resolved config text, for people to read      (if given; never executed on load)
@@ -41,9 +44,11 @@ from typing import Any, Mapping
 import torch
 
 from opensora.checkpoint_layout import (
+    ADAPTER_FILE,
     COMPLETE_MARKER,
     CONFIG_FILE,
     EMA_FILE,
+    LORA_FILE,
     META_FILE,
     MODEL_DIR,
     TMP_PREFIX,
@@ -157,10 +162,48 @@ def _materialise_adam_state(optimizer) -> None:
             inner.state[param] = state
 
 
+def _save_adapter(role, directory: Path, rank: int) -> None:
+    """A LoRA role's adapter and its lora.json (rank 0; the adapter is replicated on every rank)."""
+    from safetensors.torch import save_file
+
+    from opensora.lora import adapter_state_dict, record_to_json
+
+    if rank == 0:
+        save_file(adapter_state_dict(role.unwrap()), str(directory / ADAPTER_FILE))
+        (directory / LORA_FILE).write_text(record_to_json(role.lora) + "\n")
+
+
+def _load_adapter(name: str, role, directory: Path) -> None:
+    """Check lora.json against the role (same settings, same base weights) and copy the adapter in."""
+    from safetensors.torch import load_file
+
+    from opensora.cli_errors import UserInputError
+    from opensora.lora import LORA_KEYS, check_same_base, load_adapter_state_dict, record_from_json
+
+    record_file = directory / LORA_FILE
+    if not record_file.is_file():
+        raise UserInputError(f"role '{name}' trains a LoRA adapter but {directory} holds full weights (no "
+                             f"{LORA_FILE}); start from it with init_from instead of --load/--resume")
+    saved = record_from_json(record_file.read_text(), str(record_file))
+    changed = [key for key in LORA_KEYS if saved.get(key) != role.lora[key]]
+    if changed:
+        raise UserInputError(f"role '{name}': the checkpoint's LoRA settings differ from the config in {changed} "
+                             f"(saved {[saved.get(k) for k in changed]}, config {[role.lora[k] for k in changed]})")
+    check_same_base(saved, role.lora["base_sha256"], f"role '{name}' in {directory}",
+                    base_name=role.lora["init_from"]["path"])
+    load_adapter_state_dict(role.unwrap(), load_file(str(directory / ADAPTER_FILE)), str(directory / ADAPTER_FILE))
+    update_masters = getattr(role.model, "update_master_params", None)  # LowLevelZero: refresh its fp32 masters
+    if update_masters is not None:
+        update_masters()
+
+
 def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int) -> None:
     booster, model, optimizer = role.booster, role.model, role.optimizer
-    booster.save_model(model, str(directory / MODEL_DIR), shard=True, use_safetensors=True,
-                       size_per_shard=size_per_shard_mb)
+    if getattr(role, "lora", None) is not None:
+        _save_adapter(role, directory, rank)
+    else:
+        booster.save_model(model, str(directory / MODEL_DIR), shard=True, use_safetensors=True,
+                           size_per_shard=size_per_shard_mb)
     if optimizer is not None:
         _materialise_adam_state(optimizer)
         booster.save_optimizer(optimizer, str(directory / "optimizer"), shard=True, size_per_shard=size_per_shard_mb)
@@ -249,8 +292,12 @@ def _load_role(name: str, role, directory: Path, saved_world_size: int, load_opt
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint has no role '{name}' (expected {directory})")
     booster, model, optimizer = role.booster, role.model, role.optimizer
-    check_model_fits(directory / MODEL_DIR, role.unwrap() if hasattr(role, "unwrap") else model, f"'{name}' network")
-    booster.load_model(model, str(directory / MODEL_DIR))
+    if getattr(role, "lora", None) is not None:
+        _load_adapter(name, role, directory)
+    else:
+        check_model_fits(directory / MODEL_DIR, role.unwrap() if hasattr(role, "unwrap") else model,
+                         f"'{name}' network")
+        booster.load_model(model, str(directory / MODEL_DIR))
     if load_optimizer and optimizer is not None:
         booster.load_optimizer(optimizer, str(directory / "optimizer"))
         _load_master_params(model, optimizer, directory / "master", get_rank(), saved_world_size)

@@ -1,10 +1,12 @@
 """Build roles (``opensora.roles.Role``): each trainable network gets its own optimizer, scheduler, booster and EMA.
 
 ``role_configs`` (``opensora.role_config``) gives each role's config with every key set. Trainable roles get their own plugin instance and booster; frozen roles are cast, set to eval,
-``requires_grad_(False)`` and never boosted. Methods reach roles by name; the trainer only iterates over them.
+``requires_grad_(False)`` and never boosted. A role with ``lora`` gets peft LoRA layers on top of its ``init_from``
+weights before boosting (``opensora.lora``): the base is frozen, and the optimizer and the EMA see only the adapter. Methods reach roles by name; the trainer only iterates over them.
 """
 
 import inspect
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -46,7 +48,7 @@ def _plugin_takes_max_norm(plugin_cfg: Mapping) -> bool:
     return spec is not None and "max_norm" in inspect.signature(spec.cls.__init__).parameters
 
 
-def load_initial_weights(model: nn.Module, init_from) -> None:
+def load_initial_weights(model: nn.Module, init_from) -> dict:
     """``init_from``: a checkpoint directory / safetensors path, or ``dict(path=..., role="model", ema=True)``.
 
     Distillation starts student, critic and teacher from a trained model this way; loading is strict, so an
@@ -58,13 +60,19 @@ def load_initial_weights(model: nn.Module, init_from) -> None:
     weights = load_role_weights(spec.pop("path"), **spec)
     check_shapes_fit({k: v.shape for k, v in weights.state_dict.items()}, model, f"init_from {weights.path}")
     model.load_state_dict(weights.state_dict, strict=True)
+    return weights.state_dict
 
 
 def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapping, is_main: bool) -> Role:
     """Build one role from its resolved config (``role_configs``); boost it when trainable."""
     model = build_module(cfg["model"], MODELS)
-    if cfg["init_from"]:
-        load_initial_weights(model, cfg["init_from"])
+    base = load_initial_weights(model, cfg["init_from"]) if cfg["init_from"] else None
+    lora = None
+    if cfg.get("lora") is not None:
+        from opensora.lora import add_lora, base_fingerprint, lora_record
+
+        lora = lora_record(cfg["lora"], _absolute_init_from(cfg["init_from"]), base_fingerprint(base))
+        model = add_lora(model, cfg["lora"], where=f"models.{name}.lora")
     trainable = bool(cfg["trainable"])
     precision = cfg["precision"]
     if not trainable:
@@ -96,4 +104,12 @@ def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapp
         ema=ema,
         grad_clip=grad_clip,
         plugin_clips=plugin_clips,
+        lora=lora,
     )
+
+
+def _absolute_init_from(init_from):
+    """``init_from`` with an absolute path, so an export from another directory finds the base weights."""
+    spec = dict(init_from) if isinstance(init_from, Mapping) else {"path": init_from}
+    spec["path"] = str(Path(spec["path"]).resolve())
+    return spec
