@@ -27,6 +27,7 @@ demo: venv
 
 test: venv
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q tests
 
 clean-venv:

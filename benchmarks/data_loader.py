@@ -40,8 +40,16 @@ def time_loader(meta: Path, workers: int, batch_size: int, batches: int) -> dict
 
     dataset = VideoTextDataset(str(meta), num_frames=FRAMES, image_size=(SIZE, SIZE))
     bucket_config = {f"{SIZE}x{SIZE}": {FRAMES: (1.0, batch_size)}}
-    loader, _ = build_dataloader(dataset, bucket_config, num_workers=workers, pin_memory=False, seed=0,
-                                 rank=0, world_size=1, prefetch_factor=4 if workers else None)  # fmt: skip
+    loader, _ = build_dataloader(
+        dataset,
+        bucket_config,
+        num_workers=workers,
+        pin_memory=False,
+        seed=0,
+        rank=0,
+        world_size=1,
+        prefetch_factor=4 if workers else None,
+    )
     samples, epoch, start, first = 0, 0, None, None
     while samples < batches * batch_size:
         loader.set_epoch(epoch)
@@ -57,8 +65,13 @@ def time_loader(meta: Path, workers: int, batch_size: int, batches: int) -> dict
         epoch += 1
     elapsed = time.perf_counter() - start
     rate = samples / elapsed
-    return dict(workers=workers, samples=samples, seconds=elapsed, samples_per_s=rate,
-                samples_per_s_per_worker=rate / max(workers, 1))  # fmt: skip
+    return dict(
+        workers=workers,
+        samples=samples,
+        seconds=elapsed,
+        samples_per_s=rate,
+        samples_per_s_per_worker=rate / max(workers, 1),
+    )
 
 
 def gpu_samples_per_s(results_dir: Path):
@@ -79,9 +92,16 @@ def gpu_samples_per_s(results_dir: Path):
     env, run = best
     flops_here = mmdit_train_flops(MMDIT_CONFIGS["1b"], VIDEO_TOKENS, TEXT_TOKENS)
     step_s = flops_here / (run["model_tflops"] * 1e12)
-    return dict(samples_per_s=1.0 / step_s, estimated_step_ms=step_s * 1e3, from_variant=run["variant"],
-                from_step_ms=run["step_ms"], from_tflops=run["model_tflops"], device=env.get("device"),
-                video_tokens=VIDEO_TOKENS, text_tokens=TEXT_TOKENS)  # fmt: skip
+    return dict(
+        samples_per_s=1.0 / step_s,
+        estimated_step_ms=step_s * 1e3,
+        from_variant=run["variant"],
+        from_step_ms=run["step_ms"],
+        from_tflops=run["model_tflops"],
+        device=env.get("device"),
+        video_tokens=VIDEO_TOKENS,
+        text_tokens=TEXT_TOKENS,
+    )
 
 
 def main(argv=None):
@@ -99,23 +119,35 @@ def main(argv=None):
     meta = make_clips(ROOT / args.data, args.clips)
     render_s = time.perf_counter() - t0
     runs = [time_loader(meta, int(w), args.batch_size, args.batches) for w in args.workers.split(",")]
-    gpu = dict(samples_per_s=args.gpu_samples_per_s, source="--gpu-samples-per-s") if args.gpu_samples_per_s \
-        else gpu_samples_per_s(ROOT / "benchmarks" / "results")  # fmt: skip
+    gpu = (
+        dict(samples_per_s=args.gpu_samples_per_s, source="--gpu-samples-per-s")
+        if args.gpu_samples_per_s
+        else gpu_samples_per_s(ROOT / "benchmarks" / "results")
+    )
     per_worker = runs[0]["samples_per_s_per_worker"]
     report = dict(
-        date=datetime.date.today().isoformat(), device=f"CPU ({os.cpu_count()} cores visible)",
-        shape=dict(frames=FRAMES, height=SIZE, width=SIZE), clips=args.clips, render_s=render_s, runs=runs,
-        gpu=gpu, workers_needed_per_gpu=(gpu["samples_per_s"] / per_worker) if gpu else None,
-    )  # fmt: skip
+        date=datetime.date.today().isoformat(),
+        device=f"CPU ({os.cpu_count()} cores visible)",
+        shape=dict(frames=FRAMES, height=SIZE, width=SIZE),
+        clips=args.clips,
+        render_s=render_s,
+        runs=runs,
+        gpu=gpu,
+        workers_needed_per_gpu=(gpu["samples_per_s"] / per_worker) if gpu else None,
+    )
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"data_loader_{report['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     for r in runs:
-        print(f"workers={r['workers']}: {r['samples_per_s']:.2f} samples/s "
-              f"({r['samples_per_s_per_worker']:.2f} per worker) over {r['samples']} samples")  # fmt: skip
+        print(
+            f"workers={r['workers']}: {r['samples_per_s']:.2f} samples/s "
+            f"({r['samples_per_s_per_worker']:.2f} per worker) over {r['samples']} samples"
+        )
     if gpu:
-        print(f"GPU step consumes {gpu['samples_per_s']:.2f} samples/s -> ~{report['workers_needed_per_gpu']:.1f} "
-              f"decode workers per GPU at {per_worker:.2f} samples/s/worker")  # fmt: skip
+        print(
+            f"GPU step consumes {gpu['samples_per_s']:.2f} samples/s -> ~{report['workers_needed_per_gpu']:.1f} "
+            f"decode workers per GPU at {per_worker:.2f} samples/s/worker"
+        )
     print(f"wrote {out}")
 
 

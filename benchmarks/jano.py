@@ -84,8 +84,9 @@ def quality_methods(num_steps: int) -> dict:
         "jano_r5_m2": dict(refresh_interval=5, medium_interval=2),
         "jano_r8_m3_d0": dict(refresh_interval=8, medium_interval=3, dilation=0),
         "jano_r12_m4_d0": dict(refresh_interval=12, medium_interval=4, dilation=0),
-        "jano_r8_m3_d0_t.3": dict(refresh_interval=8, medium_interval=3, dilation=0, static_threshold=0.3,
-                                  medium_threshold=0.7),
+        "jano_r8_m3_d0_t.3": dict(
+            refresh_interval=8, medium_interval=3, dilation=0, static_threshold=0.3, medium_threshold=0.7
+        ),
         "jano_r8_m3_d0_per_row": dict(refresh_interval=8, medium_interval=3, dilation=0, share_branches=False),
         "jano_r8_m3_d0_q.9": dict(refresh_interval=8, medium_interval=3, dilation=0, batch_quantile=0.9),
         "jano_r8_m3_d0_offload": dict(refresh_interval=8, medium_interval=3, dilation=0, store="offload"),
@@ -130,9 +131,16 @@ def part_quality(args) -> dict:
     (num_frames, height, width), prompts, seeds = held_caption_setup(cfg, args.num_prompts, args.seed)
 
     def generate():
-        return sampler.generate(prompts, seeds, num_frames=num_frames, height=height, width=width,
-                                num_steps=args.num_steps, guidance_scale=args.guidance_scale,
-                                batch_size=len(prompts))  # fmt: skip
+        return sampler.generate(
+            prompts,
+            seeds,
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            num_steps=args.num_steps,
+            guidance_scale=args.guidance_scale,
+            batch_size=len(prompts),
+        )
 
     rows, reference, jano_videos = {}, None, None
     for name, factory in quality_methods(args.num_steps).items():
@@ -149,12 +157,21 @@ def part_quality(args) -> dict:
             reference = videos
         per_video = [psnr(videos[i], reference[i]) for i in range(len(prompts))]
         row = dict(
-            seconds=seconds, seconds_all=all_seconds, flops=stats["flops"], full_flops=stats["full_flops"],
+            seconds=seconds,
+            seconds_all=all_seconds,
+            flops=stats["flops"],
+            full_flops=stats["full_flops"],
             flops_per_sample=stats["flops"] / len(prompts),
-            flops_ratio=stats["flops_ratio"], levels=stats["levels"], psnr_mean=statistics.mean(per_video),
-            psnr_min=min(per_video), color_acc=report.color_acc, shape_acc=report.shape_acc,
-            direction_acc=report.direction_acc, all_acc=report.all_acc, n=report.n,
-        )  # fmt: skip
+            flops_ratio=stats["flops_ratio"],
+            levels=stats["levels"],
+            psnr_mean=statistics.mean(per_video),
+            psnr_min=min(per_video),
+            color_acc=report.color_acc,
+            shape_acc=report.shape_acc,
+            direction_acc=report.direction_acc,
+            all_acc=report.all_acc,
+            n=report.n,
+        )
         if isinstance(accelerator, JanoCache) and accelerator.region_counts is not None:
             counts = accelerator.region_counts
             total = sum(counts[k][0] for k in counts)
@@ -167,15 +184,24 @@ def part_quality(args) -> dict:
         if name == "jano_r8_m3_d0_offload" and jano_videos is not None:
             row["equal_to_on_gpu_jano"] = bool(torch.equal(videos, jano_videos))
         rows[name] = row
-        print(f"[quality] {name}: {seconds:.3f} s, FLOPs x{row['flops_ratio']:.2f}, PSNR {row['psnr_mean']:.2f} dB, "
-              f"acc {row['color_acc']:.3f}/{row['shape_acc']:.3f}/{row['direction_acc']:.3f}", flush=True)
+        print(
+            f"[quality] {name}: {seconds:.3f} s, FLOPs x{row['flops_ratio']:.2f}, PSNR {row['psnr_mean']:.2f} dB, "
+            f"acc {row['color_acc']:.3f}/{row['shape_acc']:.3f}/{row['direction_acc']:.3f}",
+            flush=True,
+        )
     sampler.accelerator = None
     full = rows["full"]
     for row in rows.values():
         row["speedup"] = full["seconds"] / row["seconds"]
-    return dict(config=str(args.config), ckpt=None if args.ckpt is None else str(args.ckpt),
-                num_steps=args.num_steps, guidance_scale=args.guidance_scale, batch=len(prompts),
-                size=[num_frames, height, width], methods=rows)  # fmt: skip
+    return dict(
+        config=str(args.config),
+        ckpt=None if args.ckpt is None else str(args.ckpt),
+        num_steps=args.num_steps,
+        guidance_scale=args.guidance_scale,
+        batch=len(prompts),
+        size=[num_frames, height, width],
+        methods=rows,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -202,10 +228,13 @@ def build_big(args):
     frames, side, text_len = (9, 32, 512) if not args.smoke else (2, 8, 8)
     rows = 2  # one sample, CFG
     x = torch.randn(rows, 16, frames, side, side, generator=gen, device=device).to(dtype)
-    inputs = dict(x=x, timestep=torch.full((rows,), 0.5, device=device, dtype=dtype),
-                  text_emb=torch.randn(rows, text_len, overrides["text_dim"], generator=gen, device=device).to(dtype),
-                  text_mask=None, pooled=torch.randn(rows, overrides["pooled_dim"], generator=gen,
-                                                     device=device).to(dtype))  # fmt: skip
+    inputs = dict(
+        x=x,
+        timestep=torch.full((rows,), 0.5, device=device, dtype=dtype),
+        text_emb=torch.randn(rows, text_len, overrides["text_dim"], generator=gen, device=device).to(dtype),
+        text_mask=None,
+        pooled=torch.randn(rows, overrides["pooled_dim"], generator=gen, device=device).to(dtype),
+    )
     n = frames * (side // 2) ** 2
     classes = torch.ones(rows, n, dtype=torch.int8)
     for r in range(rows):  # random regions per row: active / medium fractions
@@ -240,17 +269,25 @@ def part_levels(model, inputs, plan, args) -> dict:
     with torch.no_grad():
         run_level(forward, store, plan, inputs, REFRESH)
         for level in (FULL, REFRESH, MEDIUM, ACTIVE):
-            seconds, all_seconds, _ = timed(lambda: run_level(forward, store, plan, inputs, level), args.level_repeats,
-                                            warmup=2)  # fmt: skip
-            out[LEVEL_NAMES[level]] = dict(ms=seconds * 1000, ms_all=[s * 1000 for s in all_seconds],
-                                           computed_tokens=plan.computed(level))  # fmt: skip
+            seconds, all_seconds, _ = timed(
+                lambda: run_level(forward, store, plan, inputs, level), args.level_repeats, warmup=2
+            )
+            out[LEVEL_NAMES[level]] = dict(
+                ms=seconds * 1000, ms_all=[s * 1000 for s in all_seconds], computed_tokens=plan.computed(level)
+            )
         seconds, _, _ = timed(lambda: model(**inputs), args.level_repeats, warmup=2)
         out["model.forward"] = dict(ms=seconds * 1000, computed_tokens=plan.num_tokens)
     full_ms = out[LEVEL_NAMES[FULL]]["ms"]
     for row in out.values():
         row["speedup_vs_full"] = full_ms / row["ms"]
-    return dict(tokens=plan.num_tokens, active=args.active, medium=args.medium, k_active=plan.k_active,
-                k_medium=plan.k_medium, levels=out)  # fmt: skip
+    return dict(
+        tokens=plan.num_tokens,
+        active=args.active,
+        medium=args.medium,
+        k_active=plan.k_active,
+        k_medium=plan.k_medium,
+        levels=out,
+    )
 
 
 def copy_overlap(trace_path: str) -> dict:
@@ -288,8 +325,9 @@ def copy_overlap(trace_path: str) -> dict:
                     overlapped += min(end, ke) - max(start, ks)
         out[kind] = dict(copy_us=total, overlapped_fraction=overlapped / total if total else None)
     total = sum(v["copy_us"] for v in out.values())
-    out["all_overlapped_fraction"] = (sum(v["copy_us"] * (v["overlapped_fraction"] or 0) for v in out.values()) / total
-                                      if total else None)  # fmt: skip
+    out["all_overlapped_fraction"] = (
+        sum(v["copy_us"] * (v["overlapped_fraction"] or 0) for v in out.values()) / total if total else None
+    )
     out["copies"], out["kernels"] = len(copies), len(kernels)
     return out
 
@@ -299,12 +337,14 @@ def part_offload(model, inputs, plan, args) -> dict:
     device = inputs["x"].device
     stores = {kind: (lambda kind=kind: make_store(kind, device)) for kind in ("device", "naive")}
     if CUDA:
-        stores.update({
-            "offload": lambda: make_store("offload", device),  # the default: 8-slot staging ring
-            "offload_static": lambda: make_store("offload_static", device),  # medium entries stay on the GPU
-            "offload_slot_per_entry": lambda: OffloadManager(device, ring_size=None),  # every copy at once
-            "offload_one_stream": lambda: OffloadManager(device, separate_store_stream=False),  # the spec's stream
-        })  # fmt: skip
+        stores.update(
+            {
+                "offload": lambda: make_store("offload", device),  # the default: 8-slot staging ring
+                "offload_static": lambda: make_store("offload_static", device),  # medium entries stay on the GPU
+                "offload_slot_per_entry": lambda: OffloadManager(device, ring_size=None),  # every copy at once
+                "offload_one_stream": lambda: OffloadManager(device, separate_store_stream=False),  # the spec's stream
+            }
+        )
     results, outputs = {}, {}
     forward = jano.RegionForward(model)
     with torch.no_grad():
@@ -332,9 +372,12 @@ def part_offload(model, inputs, plan, args) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             seconds, all_seconds, outs = timed(trajectory, args.offload_repeats, warmup=1)
             outputs[kind] = outs[-1]
-            results[kind] = dict(ms_per_step=seconds * 1000 / len(schedule), ms_all=[s * 1000 for s in all_seconds],
-                                 cache_device_bytes=store.device_bytes(),
-                                 peak_allocated_bytes=torch.cuda.max_memory_allocated() if CUDA else None)  # fmt: skip
+            results[kind] = dict(
+                ms_per_step=seconds * 1000 / len(schedule),
+                ms_all=[s * 1000 for s in all_seconds],
+                cache_device_bytes=store.device_bytes(),
+                peak_allocated_bytes=torch.cuda.max_memory_allocated() if CUDA else None,
+            )
             if CUDA:
                 torch.cuda.synchronize()
                 per_level = {}
@@ -370,26 +413,33 @@ def summary(result: dict) -> list:
     quality = result.get("quality")
     if quality:
         lines.append(f"(a) quality: MovingShapes teacher, {quality['batch']} captions, {quality['num_steps']} steps")
-        lines.append(f"{'method':24s} {'FLOPs x':>8s} {'wall x':>7s} {'PSNR':>7s} {'min':>6s} "
-                     f"{'colour':>7s} {'shape':>6s} {'dir':>6s}  L1/L2 computed")  # fmt: skip
+        lines.append(
+            f"{'method':24s} {'FLOPs x':>8s} {'wall x':>7s} {'PSNR':>7s} {'min':>6s} "
+            f"{'colour':>7s} {'shape':>6s} {'dir':>6s}  L1/L2 computed"
+        )
         full = quality["methods"]["full"]
         for name, row in quality["methods"].items():
             computed = row.get("computed_fraction_l1_l2")
             extra = "" if computed is None else f"  {computed[0]:.2f}/{computed[1]:.2f}"
             if "equal_to_on_gpu_jano" in row:
                 extra += f"  equal to on-GPU caches: {row['equal_to_on_gpu_jano']}"
-            lines.append(f"{name:24s} {row['flops_ratio']:8.2f} {row['speedup']:7.2f} {row['psnr_mean']:7.2f} "
-                         f"{row['psnr_min']:6.2f} {row['color_acc']:7.3f} {row['shape_acc']:6.3f} "
-                         f"{row['direction_acc']:6.3f}{extra}")  # fmt: skip
+            lines.append(
+                f"{name:24s} {row['flops_ratio']:8.2f} {row['speedup']:7.2f} {row['psnr_mean']:7.2f} "
+                f"{row['psnr_min']:6.2f} {row['color_acc']:7.3f} {row['shape_acc']:6.3f} "
+                f"{row['direction_acc']:6.3f}{extra}"
+            )
             if name.startswith("jano") and "offload" not in name:
                 drop = max(full[k] - row[k] for k in ("color_acc", "shape_acc", "direction_acc"))
                 ok = row["flops_ratio"] >= 2 and row["speedup"] >= 1.8 and row["psnr_mean"] >= 25 and drop <= 0.02
-                checks.append(f"{name}: FLOPs >= 2x, wall >= 1.8x, PSNR >= 25, acc drop <= 2 pt: "
-                              f"{'PASS' if ok else 'FAIL'}")  # fmt: skip
+                checks.append(
+                    f"{name}: FLOPs >= 2x, wall >= 1.8x, PSNR >= 25, acc drop <= 2 pt: {'PASS' if ok else 'FAIL'}"
+                )
     levels = result.get("levels")
     if levels:
-        lines.append(f"(b) 1B shape, {levels['tokens']} video tokens, active {levels['active']:.0%} / medium "
-                     f"{levels['medium']:.0%} (computed L1 {levels['k_active']}, L2 {levels['k_medium']})")
+        lines.append(
+            f"(b) 1B shape, {levels['tokens']} video tokens, active {levels['active']:.0%} / medium "
+            f"{levels['medium']:.0%} (computed L1 {levels['k_active']}, L2 {levels['k_medium']})"
+        )
         for name, row in levels["levels"].items():
             lines.append(f"  {name:20s} {row['ms']:8.2f} ms/step  x{row['speedup_vs_full']:.2f}")
     offload = result.get("offload")
@@ -398,22 +448,29 @@ def summary(result: dict) -> list:
         for kind, row in offload["stores"].items():
             profile = row.get("profile") or {}
             overlap = profile.get("all_overlapped_fraction")
-            lines.append(f"  {kind:15s} {row['ms_per_step']:8.2f} ms/step  {row['slowdown_vs_device']:+7.1%}  "
-                         f"cache on GPU {row['cache_device_bytes'] / 2**20:9.1f} MiB  equal {row['output_equal_to_device']}"
-                         + (f"  copy overlapped {overlap:.0%}" if overlap is not None else ""))  # fmt: skip
+            lines.append(
+                f"  {kind:15s} {row['ms_per_step']:8.2f} ms/step  {row['slowdown_vs_device']:+7.1%}  "
+                f"cache on GPU {row['cache_device_bytes'] / 2**20:9.1f} MiB  equal {row['output_equal_to_device']}"
+                + (f"  copy overlapped {overlap:.0%}" if overlap is not None else "")
+            )
             if row.get("ms_per_level"):
                 lines.append("    per level (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in row["ms_per_level"].items()))
         if "offload" in offload["stores"]:
             slow = offload["stores"]["offload"]["slowdown_vs_device"]
-            checks.append(f"offload <= 3% slower than on-GPU caches: {'PASS' if slow <= 0.03 else 'FAIL'} ({slow:+.1%})")
+            checks.append(
+                f"offload <= 3% slower than on-GPU caches: {'PASS' if slow <= 0.03 else 'FAIL'} ({slow:+.1%})"
+            )
     return lines + ["goals:"] + ["  " + c for c in checks]
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/diffusion/train/moving_shapes_gpu.py")
-    parser.add_argument("--ckpt", default=None, help="teacher checkpoint; without it part (a) is skipped (or random "
-                                                      "weights with --smoke)")  # fmt: skip
+    parser.add_argument(
+        "--ckpt",
+        default=None,
+        help="teacher checkpoint; without it part (a) is skipped (or random weights with --smoke)",
+    )
     parser.add_argument("--num-steps", type=int, default=30)
     parser.add_argument("--guidance-scale", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=1000)

@@ -45,9 +45,16 @@ def report(args) -> dict:
     record = json.loads((lora / "model" / "lora.json").read_text())
     n_base = sum(t.numel() for t in base.values())
     n_adapter = sum(t.numel() for t in adapter.values())
-    scores = {name: json.loads(Path(path).read_text()) for name, path in
-              (("before", args.before), ("after", args.after), ("before_all", args.before_all),
-               ("after_all", args.after_all)) if path}
+    scores = {
+        name: json.loads(Path(path).read_text())
+        for name, path in (
+            ("before", args.before),
+            ("after", args.after),
+            ("before_all", args.before_all),
+            ("after_all", args.after_all),
+        )
+        if path
+    }
     pick = lambda s: {k: s[k] for k in ("color_acc", "shape_acc", "direction_acc", "all_acc", "n")}  # noqa: E731
     hashes_before, hashes_after = (Path(p).read_text() for p in (args.hashes_before, args.hashes_after))
     result = dict(

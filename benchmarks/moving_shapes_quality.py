@@ -50,9 +50,11 @@ def held_caption_setup(cfg, num_prompts=None, seed=1000, where=None, seeds_per_p
     height, width = (int(v) for v in size.split("x"))
     num_frames = int(next(iter(cfg.bucket_config[size])))
     attributes = ("color", "shape", "direction")
-    captions = [text for text in all_captions()
-                if all(value in (where or {}).get(key, {value})
-                       for key, value in zip(attributes, parse_caption(text)))]
+    captions = [
+        text
+        for text in all_captions()
+        if all(value in (where or {}).get(key, {value}) for key, value in zip(attributes, parse_caption(text)))
+    ]
     prompts = [text for text in captions[:num_prompts] for _ in range(seeds_per_prompt)]
     return (num_frames, height, width), prompts, [seed + i for i in range(len(prompts))]
 
@@ -80,12 +82,21 @@ def main(argv=None) -> dict:
     step_list = list(cfg.step_list) if args.use_step_list else None
     sampler = VideoSampler.from_config(cfg, args.ckpt, role=role, progress=False)
     (num_frames, height, width), prompts, seeds = held_caption_setup(
-        cfg, args.num_prompts, args.seed, parse_where(args.where), args.seeds_per_prompt)
+        cfg, args.num_prompts, args.seed, parse_where(args.where), args.seeds_per_prompt
+    )
 
     def generate():
-        return sampler.generate(prompts, seeds, num_frames=num_frames, height=height, width=width,
-                                num_steps=None if step_list else args.num_steps, step_list=step_list,
-                                guidance_scale=guidance, batch_size=args.batch_size or len(prompts))
+        return sampler.generate(
+            prompts,
+            seeds,
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            num_steps=None if step_list else args.num_steps,
+            step_list=step_list,
+            guidance_scale=guidance,
+            batch_size=args.batch_size or len(prompts),
+        )
 
     videos = generate()  # warm-up (and the scored samples: generation is deterministic per seed)
     times = []
@@ -97,13 +108,24 @@ def main(argv=None) -> dict:
         times.append(time.perf_counter() - start)
     report = score_rows([(f"sample_{i:04d}", text, videos[i], None) for i, text in enumerate(prompts)])
     result = dict(
-        config=args.config, ckpt=str(args.ckpt), role=role, num_steps=None if step_list else args.num_steps,
-        step_list=step_list, guidance_scale=guidance, batch=len(prompts), size=[num_frames, height, width],
-        where={k: sorted(v) for k, v in parse_where(args.where).items()}, seeds_per_prompt=args.seeds_per_prompt,
+        config=args.config,
+        ckpt=str(args.ckpt),
+        role=role,
+        num_steps=None if step_list else args.num_steps,
+        step_list=step_list,
+        guidance_scale=guidance,
+        batch=len(prompts),
+        size=[num_frames, height, width],
+        where={k: sorted(v) for k, v in parse_where(args.where).items()},
+        seeds_per_prompt=args.seeds_per_prompt,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        seconds_per_batch=sorted(times)[len(times) // 2], seconds_all=times,
-        color_acc=report.color_acc, shape_acc=report.shape_acc, direction_acc=report.direction_acc,
-        all_acc=report.all_acc, n=report.n,
+        seconds_per_batch=sorted(times)[len(times) // 2],
+        seconds_all=times,
+        color_acc=report.color_acc,
+        shape_acc=report.shape_acc,
+        direction_acc=report.direction_acc,
+        all_acc=report.all_acc,
+        n=report.n,
     )
     print(json.dumps({k: v for k, v in result.items() if k != "seconds_all"}, indent=1))
     if args.json:

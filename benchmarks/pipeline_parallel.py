@@ -77,13 +77,18 @@ class StandInDecoder(nn.Module):
         super().__init__()
         self.latent_channels = channels
         self.net = nn.Sequential(
-            nn.Conv3d(channels, width, 3, padding=1), nn.SiLU(),
-            nn.ConvTranspose3d(width, width // 2, (1, 2, 2), stride=(1, 2, 2)), nn.SiLU(),
-            nn.Conv3d(width // 2, width // 2, 3, padding=1), nn.SiLU(),
-            nn.ConvTranspose3d(width // 2, width // 4, (1, 2, 2), stride=(1, 2, 2)), nn.SiLU(),
-            nn.Conv3d(width // 4, width // 4, 3, padding=1), nn.SiLU(),
+            nn.Conv3d(channels, width, 3, padding=1),
+            nn.SiLU(),
+            nn.ConvTranspose3d(width, width // 2, (1, 2, 2), stride=(1, 2, 2)),
+            nn.SiLU(),
+            nn.Conv3d(width // 2, width // 2, 3, padding=1),
+            nn.SiLU(),
+            nn.ConvTranspose3d(width // 2, width // 4, (1, 2, 2), stride=(1, 2, 2)),
+            nn.SiLU(),
+            nn.Conv3d(width // 4, width // 4, 3, padding=1),
+            nn.SiLU(),
             nn.ConvTranspose3d(width // 4, 3, (1, 2, 2), stride=(1, 2, 2)),
-        )  # fmt: skip
+        )
 
     @torch.no_grad()
     def forward(self, latent):
@@ -103,9 +108,11 @@ class BenchSampler:
     def features(self, key: str, batch: int) -> dict:
         g = torch.Generator().manual_seed(zlib.crc32(key.encode()) + self.seed)
         m = self.model
-        return dict(text_emb=torch.randn(batch, self.text_len, m.txt_in.in_features, generator=g).to(self.device),
-                    text_mask=torch.ones(batch, self.text_len, dtype=torch.bool, device=self.device),
-                    pooled=torch.randn(batch, m.vector_in.in_layer.in_features, generator=g).to(self.device))
+        return dict(
+            text_emb=torch.randn(batch, self.text_len, m.txt_in.in_features, generator=g).to(self.device),
+            text_mask=torch.ones(batch, self.text_len, dtype=torch.bool, device=self.device),
+            pooled=torch.randn(batch, m.vector_in.in_layer.in_features, generator=g).to(self.device),
+        )
 
     def encode_text(self, prompts):
         rows = [self.features(p, 1) for p in prompts]
@@ -160,8 +167,7 @@ def max_diff(a, b):
 
 def compare_stream_lists(a, b):
     """Largest |diff| between two per-group (latents, frames) chunk lists."""
-    return max(max_diff(x.cpu(), y.cpu()) for (la, fa), (lb, fb) in zip(a, b)
-               for x, y in [*zip(la, lb), *zip(fa, fb)])
+    return max(max_diff(x.cpu(), y.cpu()) for (la, fa), (lb, fb) in zip(a, b) for x, y in [*zip(la, lb), *zip(fa, fb)])
 
 
 def compare_stream(result, refs, num_chunks):
@@ -169,15 +175,21 @@ def compare_stream(result, refs, num_chunks):
     worst = 0.0
     for g, (latents, frames) in enumerate(refs):
         for c in range(num_chunks):
-            worst = max(worst, max_diff(result.latents[(g, c)], latents[c].cpu()),
-                        max_diff(result.frames[(g, c)], frames[c].cpu()))
+            worst = max(
+                worst,
+                max_diff(result.latents[(g, c)], latents[c].cpu()),
+                max_diff(result.frames[(g, c)], frames[c].cpu()),
+            )
     return worst
 
 
 def text_group(batch, length, text_dim, pooled_dim, seed, device):
     g = torch.Generator().manual_seed(seed)
-    return dict(text_emb=torch.randn(batch, length, text_dim, generator=g).to(device),
-                pooled=torch.randn(batch, pooled_dim, generator=g).to(device), text_mask=None)
+    return dict(
+        text_emb=torch.randn(batch, length, text_dim, generator=g).to(device),
+        pooled=torch.randn(batch, pooled_dim, generator=g).to(device),
+        text_mask=None,
+    )
 
 
 def main(argv=None):
@@ -194,8 +206,12 @@ def main(argv=None):
     parser.add_argument("--steps", default="1,4")
     parser.add_argument("--groups", default="1,2", help="independent items (groups) in flight")
     parser.add_argument("--batches", default="1,2", help="samples per group (one micro-batch)")
-    parser.add_argument("--budget-s", type=float, default=300.0,
-                        help="skip the remaining streaming configurations once the run has taken this long")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=300.0,
+        help="skip the remaining streaming configurations once the run has taken this long",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, both stages on the CPU")
     args = parser.parse_args(argv)
     started = time.time()
@@ -226,8 +242,10 @@ def main(argv=None):
     group_counts = [int(g) for g in args.groups.split(",")]
     x_warm = seeded_latent_noise([0], chunk_shape).to(dev0)
     times = measure_stage_times(model, x_warm, bench.features("warm-up", 1), decode=decoder)
-    print(f"stage times (ms, one chunk at frame 0): embed {times['embed_ms']:.2f}, blocks "
-          f"{sum(times['block_ms']):.2f} ({n_blocks}), final {times['final_ms']:.2f}, decode {times['decode_ms']:.2f}")
+    print(
+        f"stage times (ms, one chunk at frame 0): embed {times['embed_ms']:.2f}, blocks "
+        f"{sum(times['block_ms']):.2f} ({n_blocks}), final {times['final_ms']:.2f}, decode {times['decode_ms']:.2f}"
+    )
     rows, split_tables, skipped = [], {}, []
     lat_frames = args.chunks * args.chunk_frames
     latent_size = (cfg["in_channels"], lat_frames, args.latent_hw, args.latent_hw)
@@ -236,17 +254,22 @@ def main(argv=None):
     def prompt_groups(n_groups, batch):
         return [[f"prompt {g}-{i}" for i in range(batch)] for g in range(n_groups)]
 
-    configs = [dict(steps=s_, refill=r_, items=n_, batch=b_, guidance=1.0, cfg_rows=True)
-               for b_, s_, r_, n_ in itertools.product([int(b) for b in args.batches.split(",")], step_counts,
-                                                       (True, False), group_counts)]
+    configs = [
+        dict(steps=s_, refill=r_, items=n_, batch=b_, guidance=1.0, cfg_rows=True)
+        for b_, s_, r_, n_ in itertools.product(
+            [int(b) for b in args.batches.split(",")], step_counts, (True, False), group_counts
+        )
+    ]
     # one video with CFG: the two passes as micro-batches are two independent items (bit-identical to one GPU
     # running those micro-batches; the usual rows-CFG generator is the timing baseline)
     configs += [dict(steps=s_, refill=True, items=1, batch=1, guidance=4.0, cfg_rows=False) for s_ in step_counts]
     for conf in configs:
         steps, refill, n_groups, batch = conf["steps"], conf["refill"], conf["items"], conf["batch"]
         guided, rows_cfg = conf["guidance"] != 1.0, conf["cfg_rows"]
-        label = (f"{steps} step{'s' if steps > 1 else ''}{' + refill' if refill else ''}, {n_groups} item(s) x batch "
-                 f"{batch}" + (", CFG as 2 micro-batches" if guided and not rows_cfg else ""))
+        label = (
+            f"{steps} step{'s' if steps > 1 else ''}{' + refill' if refill else ''}, {n_groups} item(s) x batch "
+            f"{batch}" + (", CFG as 2 micro-batches" if guided and not rows_cfg else "")
+        )
         if time.time() - started > args.budget_s:
             skipped.append(label)
             continue
@@ -269,32 +292,58 @@ def main(argv=None):
             return outs
 
         def loop_run():  # the same math on one GPU for the variants the generator lacks
-            return [stream_reference(model, g, latent_size, times_list, device=dev0,
-                                     make_decoder=lambda: ChunkDecoder(decoder, decoder), **kw) for g in groups]
+            return [
+                stream_reference(
+                    model,
+                    g,
+                    latent_size,
+                    times_list,
+                    device=dev0,
+                    make_decoder=lambda: ChunkDecoder(decoder, decoder),
+                    **kw,
+                )
+                for g in groups
+            ]
 
         exact_generator = refill and (rows_cfg or not guided)
         t_ref, ref_outs = timed(generator_run if refill else loop_run, [dev0], args.repeats)
         refs = ref_outs[0] if exact_generator else loop_run()
-        row = dict(config=label, baseline="StreamingGenerator" if refill else "stream_reference loop", **conf,
-                   one_gpu_s=t_ref, one_gpu_fps=video_frames / t_ref, modes={})
+        row = dict(
+            config=label,
+            baseline="StreamingGenerator" if refill else "stream_reference loop",
+            **conf,
+            one_gpu_s=t_ref,
+            one_gpu_fps=video_frames / t_ref,
+            modes={},
+        )
         if not exact_generator:
             row["max_abs_diff_vs_baseline_layout"] = compare_stream_lists(ref_outs[0], refs)
-        plan = CausalStreamingStages.plan_for(n_groups, 1 if rows_cfg or not guided else 2, latent_size,
-                                              args.chunk_frames, times_list, refill)
+        plan = CausalStreamingStages.plan_for(
+            n_groups, 1 if rows_cfg or not guided else 2, latent_size, args.chunk_frames, times_list, refill
+        )
         for mode in VARIANTS:
             lane_devs = [devices[0], devices[0]] if mode == "single-gpu-executor" else devices
             sched_mode = {"single-gpu-executor": "basic", "aggressive-1thread": "aggressive"}.get(mode, mode)
             threads = False if mode == "aggressive-1thread" else None
-            split, table = choose_split(plan, sched_mode, times["block_ms"], times["embed_ms"],
-                                        times["final_ms"], decode_ms=times["decode_ms"])
+            split, table = choose_split(
+                plan, sched_mode, times["block_ms"], times["embed_ms"], times["final_ms"], decode_ms=times["decode_ms"]
+            )
             split_tables[f"{label} / {mode}"] = table
             place_model(pp_model, split, lane_devs)
             dec = decoder if mode == "single-gpu-executor" else pp_decoder
 
             def pipelined(profile=False):
                 lanes = Lanes(lane_devs, profile=profile)
-                stages = CausalStreamingStages(pp_model, lanes, split, groups, latent_size, times_list,
-                                               make_decoder=lambda: ChunkDecoder(dec, dec), **kw)
+                stages = CausalStreamingStages(
+                    pp_model,
+                    lanes,
+                    split,
+                    groups,
+                    latent_size,
+                    times_list,
+                    make_decoder=lambda: ChunkDecoder(dec, dec),
+                    **kw,
+                )
                 return run_plan(stages, sched_mode, lanes, threads=threads)[0]
 
             t, outs = timed(pipelined, lane_devs, args.repeats)
@@ -302,21 +351,36 @@ def main(argv=None):
             diffs = [compare_stream(o, refs, args.chunks) for o in outs + [prof]]
             lanes_summary = prof.summary.get("lanes", {})
             row["modes"][mode] = dict(
-                seconds=t, fps=video_frames / t, speedup=t_ref / t, split=split, max_abs_diff=max(diffs),
+                seconds=t,
+                fps=video_frames / t,
+                speedup=t_ref / t,
+                split=split,
+                max_abs_diff=max(diffs),
                 runs_checked=len(diffs),
                 busy=[lanes_summary.get(f"gpu{i}", {}).get("busy_fraction") for i in (0, 1)],
                 idle_ms=[lanes_summary.get(f"gpu{i}", {}).get("idle_ms") for i in (0, 1)],
-                ms_per_kind=prof.summary.get("ms_per_kind"))
+                ms_per_kind=prof.summary.get("ms_per_kind"),
+            )
         one_gpu = min(t_ref, row["modes"]["single-gpu-executor"]["seconds"])
         row["best_two_gpu_vs_best_one_gpu"] = one_gpu / min(row["modes"][m]["seconds"] for m in VARIANTS[1:])
         rows.append(row)
         print_row(row)
     place_model(pp_model, n_blocks // 2 - 1, devices)
-    bi_rows = bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtype, times, text_dim,
-                            pooled_dim)
-    report = dict(date=datetime.date.today().isoformat(), device=device_name(devices), torch=torch.__version__,
-                  args=vars(args), stage_times=times, streaming=rows, bidirectional=bi_rows, split_tables=split_tables,
-                  skipped=skipped, wall_s=time.time() - started)
+    bi_rows = bidirectional(
+        args, cfg, model, pp_model, decoder, pp_decoder, devices, dtype, times, text_dim, pooled_dim
+    )
+    report = dict(
+        date=datetime.date.today().isoformat(),
+        device=device_name(devices),
+        torch=torch.__version__,
+        args=vars(args),
+        stage_times=times,
+        streaming=rows,
+        bidirectional=bi_rows,
+        split_tables=split_tables,
+        skipped=skipped,
+        wall_s=time.time() - started,
+    )
     print_tables(rows, bi_rows, split_tables)
     ok = all(m["max_abs_diff"] == 0.0 for r in rows + bi_rows for m in r["modes"].values())
     if skipped:
@@ -342,9 +406,16 @@ def bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtyp
     scale = 5.0
     rows = []
     for n_groups in (1, 2):
-        groups = [dict(seeds=[200 + g], branches=[text_group(1, args.text_len, text_dim, pooled_dim, 10 + g, "cpu"),
-                                                  text_group(1, args.text_len, text_dim, pooled_dim, 50, "cpu")])
-                  for g in range(n_groups)]
+        groups = [
+            dict(
+                seeds=[200 + g],
+                branches=[
+                    text_group(1, args.text_len, text_dim, pooled_dim, 10 + g, "cpu"),
+                    text_group(1, args.text_len, text_dim, pooled_dim, 50, "cpu"),
+                ],
+            )
+            for g in range(n_groups)
+        ]
         video_frames = n_groups * args.bi_frames
 
         def reference():
@@ -357,26 +428,39 @@ def bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtyp
             outs = []
             for g in groups:
                 x = seeded_latent_noise(g["seeds"], shape).to(dev0)
-                b = [{k: (v.to(dev0, dtype) if v is not None and k != "text_mask" else v) for k, v in br.items()}
-                     for br in g["branches"]]
+                b = [
+                    {k: (v.to(dev0, dtype) if v is not None and k != "text_mask" else v) for k, v in br.items()}
+                    for br in g["branches"]
+                ]
                 for k in range(len(sched) - 1):
                     t_vec = torch.full((2,), sched[k], device=dev0).to(dtype)
-                    out = bi(torch.cat([x, x]).to(dtype), timestep=t_vec,
-                             text_emb=torch.cat([b[0]["text_emb"], b[1]["text_emb"]]), text_mask=None,
-                             pooled=torch.cat([b[0]["pooled"], b[1]["pooled"]])).float()
+                    out = bi(
+                        torch.cat([x, x]).to(dtype),
+                        timestep=t_vec,
+                        text_emb=torch.cat([b[0]["text_emb"], b[1]["text_emb"]]),
+                        text_mask=None,
+                        pooled=torch.cat([b[0]["pooled"], b[1]["pooled"]]),
+                    ).float()
                     x = euler_step(x, text_cfg(*out.chunk(2), scale), sched[k], sched[k + 1])
                 outs.append(x)
             return outs
 
         t_batched, batched_outs = timed(batched, [dev0], args.repeats)
         batched_diff = max(max_diff(a, r[0]) for a, r in zip(batched_outs[0], refs))
-        row = dict(config=f"bidirectional {args.bi_steps} steps, CFG 2 branches, {n_groups} prompt(s)",
-                   items=2 * n_groups, one_gpu_s=t_ref, one_gpu_fps=video_frames / t_ref, batched_cfg_s=t_batched,
-                   batched_cfg_max_abs_diff_vs_microbatched=batched_diff, modes={})
+        row = dict(
+            config=f"bidirectional {args.bi_steps} steps, CFG 2 branches, {n_groups} prompt(s)",
+            items=2 * n_groups,
+            one_gpu_s=t_ref,
+            one_gpu_fps=video_frames / t_ref,
+            batched_cfg_s=t_batched,
+            batched_cfg_max_abs_diff_vs_microbatched=batched_diff,
+            modes={},
+        )
         plan = Plan(num_groups=n_groups, num_branches=2, num_chunks=1, num_steps=len(sched) - 1, cached=False)
         for mode in OVERLAP_MODES:
-            split, _ = choose_split(plan, mode, times["block_ms"], times["embed_ms"], times["final_ms"],
-                                    decode_ms=times["decode_ms"])
+            split, _ = choose_split(
+                plan, mode, times["block_ms"], times["embed_ms"], times["final_ms"], decode_ms=times["decode_ms"]
+            )
             place_model(bi_pp, split, devices)
 
             def pipelined(profile=False):
@@ -386,13 +470,23 @@ def bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtyp
 
             t, outs = timed(pipelined, devices, args.repeats)
             prof = pipelined(profile=True)
-            diffs = [max(max(max_diff(o.latents[(g, 0)], refs[g][0].cpu()),
-                             max_diff(o.frames[(g, 0)], refs[g][1].cpu()))
-                         for g in range(n_groups)) for o in outs + [prof]]
+            diffs = [
+                max(
+                    max(max_diff(o.latents[(g, 0)], refs[g][0].cpu()), max_diff(o.frames[(g, 0)], refs[g][1].cpu()))
+                    for g in range(n_groups)
+                )
+                for o in outs + [prof]
+            ]
             lanes_summary = prof.summary.get("lanes", {})
-            row["modes"][mode] = dict(seconds=t, fps=video_frames / t, speedup=t_ref / t, split=split,
-                                      max_abs_diff=max(diffs), runs_checked=len(diffs),
-                                      busy=[lanes_summary.get(f"gpu{i}", {}).get("busy_fraction") for i in (0, 1)])
+            row["modes"][mode] = dict(
+                seconds=t,
+                fps=video_frames / t,
+                speedup=t_ref / t,
+                split=split,
+                max_abs_diff=max(diffs),
+                runs_checked=len(diffs),
+                busy=[lanes_summary.get(f"gpu{i}", {}).get("busy_fraction") for i in (0, 1)],
+            )
         rows.append(row)
         print_row(row)
     return rows
@@ -411,15 +505,20 @@ def fmt_busy(busy):
 def print_row(row):
     parts = [f"{row['config']}: 1 GPU {row['one_gpu_fps']:.1f} fps"]
     for mode, m in row["modes"].items():
-        parts.append(f"{mode} {m['fps']:.1f} fps ({m['speedup']:.2f}x, split {m['split']}, busy {fmt_busy(m['busy'])}, "
-                     f"diff {m['max_abs_diff']:g})")
+        parts.append(
+            f"{mode} {m['fps']:.1f} fps ({m['speedup']:.2f}x, split {m['split']}, busy {fmt_busy(m['busy'])}, "
+            f"diff {m['max_abs_diff']:g})"
+        )
     print("; ".join(parts), flush=True)
 
 
 def print_tables(rows, bi_rows, split_tables):
     modes = VARIANTS
-    print("\n| configuration | 1 GPU fps | " + " | ".join(f"{m} fps (x, busy GPU0/GPU1, split)" for m in modes)
-          + " | best 2 GPUs / best 1 GPU | bit-identical |")
+    print(
+        "\n| configuration | 1 GPU fps | "
+        + " | ".join(f"{m} fps (x, busy GPU0/GPU1, split)" for m in modes)
+        + " | best 2 GPUs / best 1 GPU | bit-identical |"
+    )
     print("| --- " * (len(modes) + 4) + "|")
     for r in rows + bi_rows:
         cells = []
@@ -431,24 +530,35 @@ def print_tables(rows, bi_rows, split_tables):
                 cells.append("-")
         same = all(v["max_abs_diff"] == 0.0 for v in r["modes"].values())
         best = r.get("best_two_gpu_vs_best_one_gpu")
-        print(f"| {r['config']} | {r['one_gpu_fps']:.1f} | " + " | ".join(cells)
-              + f" | {'-' if best is None else f'{best:.2f}x'} | {'yes' if same else 'NO'} |")
+        print(
+            f"| {r['config']} | {r['one_gpu_fps']:.1f} | "
+            + " | ".join(cells)
+            + f" | {'-' if best is None else f'{best:.2f}x'} | {'yes' if same else 'NO'} |"
+        )
     for r in rows:
         if "max_abs_diff_vs_baseline_layout" in r:
-            print(f"{r['config']}: bit-identical to one GPU running the same micro-batches; max |diff| vs the timed "
-                  f"baseline's rows-CFG layout {r['max_abs_diff_vs_baseline_layout']:g}")
+            print(
+                f"{r['config']}: bit-identical to one GPU running the same micro-batches; max |diff| vs the timed "
+                f"baseline's rows-CFG layout {r['max_abs_diff_vs_baseline_layout']:g}"
+            )
     for r in bi_rows:
-        print(f"{r['config']}: batched-CFG 1-GPU sampler {r['batched_cfg_s'] * 1e3:.1f} ms vs micro-batched "
-              f"{r['one_gpu_s'] * 1e3:.1f} ms; max |diff| batched vs micro-batched "
-              f"{r['batched_cfg_max_abs_diff_vs_microbatched']:g}")
+        print(
+            f"{r['config']}: batched-CFG 1-GPU sampler {r['batched_cfg_s'] * 1e3:.1f} ms vs micro-batched "
+            f"{r['one_gpu_s'] * 1e3:.1f} ms; max |diff| batched vs micro-batched "
+            f"{r['batched_cfg_max_abs_diff_vs_microbatched']:g}"
+        )
     key = next((k for k in split_tables if "aggressive" in k), None)
     if key:
-        print(f"\nhow auto chose the split for '{key}' (GPU0 = embed + blocks[0..split], GPU1 = the rest + final + "
-              f"decode; simulated time of the whole plan per candidate):")
+        print(
+            f"\nhow auto chose the split for '{key}' (GPU0 = embed + blocks[0..split], GPU1 = the rest + final + "
+            f"decode; simulated time of the whole plan per candidate):"
+        )
         for c in split_tables[key]:
-            print(f"  split {c['split']:2d}: stage0 {c['stage0_ms']:.2f} ms, stage1 {c['stage1_ms']:.2f} ms, per chunk "
-                  f"GPU0 {c['gpu0_ms_per_chunk']:.2f} / GPU1 {c['gpu1_ms_per_chunk']:.2f} ms, simulated "
-                  f"{c['simulated_ms']:.1f} ms")
+            print(
+                f"  split {c['split']:2d}: stage0 {c['stage0_ms']:.2f} ms, stage1 {c['stage1_ms']:.2f} ms, per chunk "
+                f"GPU0 {c['gpu0_ms_per_chunk']:.2f} / GPU1 {c['gpu1_ms_per_chunk']:.2f} ms, simulated "
+                f"{c['simulated_ms']:.1f} ms"
+            )
 
 
 if __name__ == "__main__":

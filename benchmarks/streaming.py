@@ -79,8 +79,15 @@ def stream_once(generator, prompts, seeds, size):
     sync()
     for chunk in generator.stream(prompts, seeds, *size):
         frames.append(chunk.frames)
-        chunks.append(dict(seconds=chunk.seconds, frames=int(chunk.frames.shape[1]), cached_frames=chunk.cached_frames,
-                           cache_bytes=chunk.cache_bytes, text_cache_bytes=chunk.text_cache_bytes))  # fmt: skip
+        chunks.append(
+            dict(
+                seconds=chunk.seconds,
+                frames=int(chunk.frames.shape[1]),
+                cached_frames=chunk.cached_frames,
+                cache_bytes=chunk.cache_bytes,
+                text_cache_bytes=chunk.text_cache_bytes,
+            )
+        )
     return torch.cat(frames, dim=1), chunks
 
 
@@ -90,11 +97,17 @@ def chunk_summary(chunks, batch: int = 1) -> dict:
     later = [c["seconds"] for c in chunks[1:]] or [chunks[0]["seconds"]]
     frames = sum(c["frames"] for c in chunks)
     sustained = batch * sum(c["frames"] for c in chunks[1:]) / sum(later) if len(chunks) > 1 else None
-    return dict(chunks=len(chunks), first_chunk_s=chunks[0]["seconds"], chunk_s_median=statistics.median(later),
-                total_s=total, frames_per_video=frames, frames_per_s=batch * frames / total,
-                sustained_frames_per_s=sustained,
-                max_cached_frames=max(c["cached_frames"] for c in chunks),
-                max_cache_mib=max(c["cache_bytes"] for c in chunks) / 2**20)  # fmt: skip
+    return dict(
+        chunks=len(chunks),
+        first_chunk_s=chunks[0]["seconds"],
+        chunk_s_median=statistics.median(later),
+        total_s=total,
+        frames_per_video=frames,
+        frames_per_s=batch * frames / total,
+        sustained_frames_per_s=sustained,
+        max_cached_frames=max(c["cached_frames"] for c in chunks),
+        max_cache_mib=max(c["cache_bytes"] for c in chunks) / 2**20,
+    )
 
 
 def timed(fn, repeats: int):
@@ -139,12 +152,24 @@ def run_speed(args) -> dict:
     seeds = list(range(args.batch))
     vae = sampler.vae
     text_cache_modes = dict(both=(True, False), on=(True,), off=(False,))[args.text_cache]
-    use_graphs = True in text_cache_modes and (args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and
-                                                                             device.type == "cuda"))  # fmt: skip
-    result = dict(mode="speed", text_cache=args.text_cache, cuda_graphs=use_graphs, device=device_name(), config=args.config, batch=args.batch,
-                  chunk_frames=args.chunk_frames,
-                  steps=args.step_list, window_frames=window, sink_frames=args.sink_frames,
-                  training_clip=[frames, height, width], training_latent_frames=train_latent, lengths={})  # fmt: skip
+    use_graphs = True in text_cache_modes and (
+        args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device.type == "cuda")
+    )
+    result = dict(
+        mode="speed",
+        text_cache=args.text_cache,
+        cuda_graphs=use_graphs,
+        device=device_name(),
+        config=args.config,
+        batch=args.batch,
+        chunk_frames=args.chunk_frames,
+        steps=args.step_list,
+        window_frames=window,
+        sink_frames=args.sink_frames,
+        training_clip=[frames, height, width],
+        training_latent_frames=train_latent,
+        lengths={},
+    )
     # the decode share of a chunk: one later chunk's latents (with the decoder's overlap context) decoded alone
     latent_hw = sampler.latent_size(frames, height, width)[1:]
     overlap = ChunkDecoder(sampler.decode, vae).overlap
@@ -154,16 +179,25 @@ def run_speed(args) -> dict:
     for multiple in args.lengths:
         latent = (train_latent - 1) * multiple + 1 if vae.causal_temporal else train_latent * multiple
         pixel_frames = vae.get_video_size((latent, 4, 4))[0]
-        variants = [(name, win, cached, graphs) for name, win in (("window", window), ("no-window", None))
-                    for cached, graphs in ((True, False), (False, False), (True, True))
-                    if cached in text_cache_modes and (not graphs or use_graphs)]  # fmt: skip
+        variants = [
+            (name, win, cached, graphs)
+            for name, win in (("window", window), ("no-window", None))
+            for cached, graphs in ((True, False), (False, False), (True, True))
+            if cached in text_cache_modes and (not graphs or use_graphs)
+        ]
         for name, win, cached, graphs in variants:
             if name == "no-window" and not args.unbounded_baseline:
                 continue
             # "-recompute-text": the old path (text through every block every pass); "-graphs": text cache + CUDA graphs
             name = name if cached and not graphs else f"{name}-graphs" if graphs else f"{name}-recompute-text"
-            gen = StreamingGenerator(sampler, step_list=args.step_list, window_frames=win, sink_frames=args.sink_frames,
-                                     text_cache=cached, cuda_graphs=graphs)  # fmt: skip
+            gen = StreamingGenerator(
+                sampler,
+                step_list=args.step_list,
+                window_frames=win,
+                sink_frames=args.sink_frames,
+                text_cache=cached,
+                cuda_graphs=graphs,
+            )
             stream_once(gen, prompts, seeds, (pixel_frames, height, width))  # warm-up
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -173,13 +207,33 @@ def run_speed(args) -> dict:
             summary = chunk_summary(chunks, args.batch)
             if device.type == "cuda":
                 summary.update(peak_mib=torch.cuda.max_memory_allocated() / 2**20, resident_mib=base / 2**20)
-            summary.update(length_multiple=multiple, pixel_frames=pixel_frames, latent_frames=latent, cache=name,
-                           text_cache=cached, text_cache_mib=chunks[-1]["text_cache_bytes"] / 2**20,
-                           cuda_graphs=gen.cuda_graphs.summary if graphs else None)  # fmt: skip
+            summary.update(
+                length_multiple=multiple,
+                pixel_frames=pixel_frames,
+                latent_frames=latent,
+                cache=name,
+                text_cache=cached,
+                text_cache_mib=chunks[-1]["text_cache_bytes"] / 2**20,
+                cuda_graphs=gen.cuda_graphs.summary if graphs else None,
+            )
             result["lengths"][f"{multiple}x-{name}"] = dict(summary, chunk_seconds=[c["seconds"] for c in chunks])
-            rows.append({k: summary.get(k) for k in ("length_multiple", "cache", "pixel_frames", "first_chunk_s",
-                                                      "chunk_s_median", "sustained_frames_per_s", "frames_per_s",
-                                                      "max_cached_frames", "peak_mib", "text_cache_mib")})  # fmt: skip
+            rows.append(
+                {
+                    k: summary.get(k)
+                    for k in (
+                        "length_multiple",
+                        "cache",
+                        "pixel_frames",
+                        "first_chunk_s",
+                        "chunk_s_median",
+                        "sustained_frames_per_s",
+                        "frames_per_s",
+                        "max_cached_frames",
+                        "peak_mib",
+                        "text_cache_mib",
+                    )
+                }
+            )
     main_name = "window" if True in text_cache_modes else "window-recompute-text"  # the headline rows
     if device.type == "cuda" and len(args.lengths) > 1:
         peaks = [result["lengths"][f"{m}x-{main_name}"]["peak_mib"] for m in args.lengths]
@@ -187,8 +241,12 @@ def run_speed(args) -> dict:
         result["peak_flat_within_5pct"] = result["peak_growth"] <= 0.05
     if args.teacher_steps:
         teacher = random_sampler(cfg, 0, device, dtype)
-        seconds, _ = timed(lambda: teacher.generate(prompts, seeds, frames, height, width, num_steps=args.teacher_steps,
-                                                    guidance_scale=7.5), repeats=1)  # fmt: skip
+        seconds, _ = timed(
+            lambda: teacher.generate(
+                prompts, seeds, frames, height, width, num_steps=args.teacher_steps, guidance_scale=7.5
+            ),
+            repeats=1,
+        )
         one_x = result["lengths"][f"{args.lengths[0]}x-{main_name}"]
         result["teacher"] = dict(steps=args.teacher_steps, cfg_passes=2, seconds=seconds, frames=frames)
         result["speedup_end_to_end_1x"] = seconds / one_x["total_s"]
@@ -198,14 +256,35 @@ def run_speed(args) -> dict:
             if other is not None and main_name == "window":
                 result[f"speedup_end_to_end_1x_{suffix}"] = seconds / other["total_s"]
                 result[f"first_chunk_over_teacher_clip_{suffix}"] = other["first_chunk_s"] / seconds
-        rows.append(dict(length_multiple=1, cache=f"teacher-{args.teacher_steps}x2", pixel_frames=frames,
-                         first_chunk_s=seconds, chunk_s_median=None, sustained_frames_per_s=None, frames_per_s=frames * args.batch / seconds,
-                         max_cached_frames=None, peak_mib=None, text_cache_mib=None))  # fmt: skip
-    print_table(f"streaming speed on {result['device']} (batch {args.batch}, chunk {args.chunk_frames} latent frames, "
-                f"{len(args.step_list)} steps + 1 cache pass per chunk)", rows)  # fmt: skip
-    for key in ("decode_s_per_chunk", "peak_growth", "speedup_end_to_end_1x", "first_chunk_over_teacher_clip",
-                "speedup_end_to_end_1x_recompute_text", "first_chunk_over_teacher_clip_recompute_text",
-                "speedup_end_to_end_1x_graphs", "first_chunk_over_teacher_clip_graphs"):
+        rows.append(
+            dict(
+                length_multiple=1,
+                cache=f"teacher-{args.teacher_steps}x2",
+                pixel_frames=frames,
+                first_chunk_s=seconds,
+                chunk_s_median=None,
+                sustained_frames_per_s=None,
+                frames_per_s=frames * args.batch / seconds,
+                max_cached_frames=None,
+                peak_mib=None,
+                text_cache_mib=None,
+            )
+        )
+    print_table(
+        f"streaming speed on {result['device']} (batch {args.batch}, chunk {args.chunk_frames} latent frames, "
+        f"{len(args.step_list)} steps + 1 cache pass per chunk)",
+        rows,
+    )
+    for key in (
+        "decode_s_per_chunk",
+        "peak_growth",
+        "speedup_end_to_end_1x",
+        "first_chunk_over_teacher_clip",
+        "speedup_end_to_end_1x_recompute_text",
+        "first_chunk_over_teacher_clip_recompute_text",
+        "speedup_end_to_end_1x_graphs",
+        "first_chunk_over_teacher_clip_graphs",
+    ):
         if key in result:
             print(f"{key}: {result[key]:.4g}")
     write_json(args.out, "speed.json", result)
@@ -225,8 +304,10 @@ def training_frame_stats(num_frames, height, width, num=288, seed=0):
         clip = ms.render_video(motion, height, width, num_frames).astype(np.float32)
         stats.append((clip.mean(), clip.std()))
     stats = np.array(stats)
-    return dict(mean_range=[float(stats[:, 0].min()), float(stats[:, 0].max())],
-                contrast_range=[float(stats[:, 1].min()), float(stats[:, 1].max())])  # fmt: skip
+    return dict(
+        mean_range=[float(stats[:, 0].min()), float(stats[:, 0].max())],
+        contrast_range=[float(stats[:, 1].min()), float(stats[:, 1].max())],
+    )
 
 
 def boundary_flicker(videos: np.ndarray, chunk_pixel_frames: int, first_chunk_pixel_frames: int) -> dict:
@@ -236,8 +317,11 @@ def boundary_flicker(videos: np.ndarray, chunk_pixel_frames: int, first_chunk_pi
     at_edge = [d for i, d in enumerate(diffs) if i in edges]
     inside = [d for i, d in enumerate(diffs) if i not in edges]
     ratio = float(np.mean(at_edge) / np.mean(inside)) if at_edge and inside else None
-    return dict(edge_diff=float(np.mean(at_edge)) if at_edge else None, inside_diff=float(np.mean(inside)),
-                edge_over_inside=ratio)  # fmt: skip
+    return dict(
+        edge_diff=float(np.mean(at_edge)) if at_edge else None,
+        inside_diff=float(np.mean(inside)),
+        edge_over_inside=ratio,
+    )
 
 
 def window_scores(videos, prompts, window, stride, stats_range):
@@ -252,9 +336,17 @@ def window_scores(videos, prompts, window, stride, stats_range):
         lo_m, hi_m = stats_range["mean_range"]
         lo_c, hi_c = stats_range["contrast_range"]
         inside = ((mean >= lo_m) & (mean <= hi_m) & (contrast >= lo_c) & (contrast <= hi_c)).mean()
-        rows.append(dict(start_frame=start, color_acc=report.color_acc, shape_acc=report.shape_acc,
-                         direction_acc=report.direction_acc, frame_mean=float(mean.mean()),
-                         contrast=float(contrast.mean()), stats_in_training_range=float(inside)))  # fmt: skip
+        rows.append(
+            dict(
+                start_frame=start,
+                color_acc=report.color_acc,
+                shape_acc=report.shape_acc,
+                direction_acc=report.direction_acc,
+                frame_mean=float(mean.mean()),
+                contrast=float(contrast.mean()),
+                stats_in_training_range=float(inside),
+            )
+        )
     first = rows[0]
     for row in rows:
         row["color_vs_first"] = row["color_acc"] / first["color_acc"] if first["color_acc"] else None
@@ -271,38 +363,71 @@ def run_quality(args) -> dict:
     teacher_cfg, student_cfg = load_config(args.teacher_config), load_config(args.student_config)
     frames, height, width = training_clip(teacher_cfg)
     teacher = VideoSampler.from_config(teacher_cfg, args.teacher_ckpt, role=args.teacher_role, progress=False)
-    student = VideoSampler.from_config(student_cfg, args.student_ckpt, role=args.student_role or
-                                       student_cfg.get("role", "student"), progress=False)  # fmt: skip
+    student = VideoSampler.from_config(
+        student_cfg, args.student_ckpt, role=args.student_role or student_cfg.get("role", "student"), progress=False
+    )
     # the student config's sampling keys (those of scripts/diffusion/inference.py), unless given here
     step_list = args.step_list or student_cfg.get("step_list")
     chunk = student.model.causal_chunk_frames
     train_latent = student.latent_size(frames, height, width)[0]
-    window = next(w for w in (args.window_frames, student_cfg.get("window_frames"), train_latent - chunk)
-                  if w is not None)  # fmt: skip
+    window = next(
+        w for w in (args.window_frames, student_cfg.get("window_frames"), train_latent - chunk) if w is not None
+    )
     sinks = args.sink_frames if args.sink_frames is not None else int(student_cfg.get("sink_frames") or 0)
     rollout = args.rollout or student_cfg.get("rollout", "renoise")
-    gen = StreamingGenerator(student, step_list=step_list, rollout=rollout,
-                             guidance_scale=float(student_cfg.get("guidance_scale", 1.0)), window_frames=window,
-                             sink_frames=sinks, context_time=float(student_cfg.get("context_time") or 0.0))  # fmt: skip
-    result = dict(mode="quality", device=device_name(), prompts=len(prompts), size=[frames, height, width],
-                  teacher=dict(ckpt=str(args.teacher_ckpt), steps=args.teacher_steps, guidance=args.teacher_guidance),
-                  student=dict(ckpt=str(args.student_ckpt), step_list=step_list, chunk_frames=chunk,
-                               window_frames=window, sink_frames=sinks, rollout=gen.rollout,
-                               context_time=gen.context_time))  # fmt: skip
+    gen = StreamingGenerator(
+        student,
+        step_list=step_list,
+        rollout=rollout,
+        guidance_scale=float(student_cfg.get("guidance_scale", 1.0)),
+        window_frames=window,
+        sink_frames=sinks,
+        context_time=float(student_cfg.get("context_time") or 0.0),
+    )
+    result = dict(
+        mode="quality",
+        device=device_name(),
+        prompts=len(prompts),
+        size=[frames, height, width],
+        teacher=dict(ckpt=str(args.teacher_ckpt), steps=args.teacher_steps, guidance=args.teacher_guidance),
+        student=dict(
+            ckpt=str(args.student_ckpt),
+            step_list=step_list,
+            chunk_frames=chunk,
+            window_frames=window,
+            sink_frames=sinks,
+            rollout=gen.rollout,
+            context_time=gen.context_time,
+        ),
+    )
 
     def score(videos):
         report = score_rows([(f"s{i}", t, videos[i], None) for i, t in enumerate(prompts)])
-        return dict(color_acc=report.color_acc, shape_acc=report.shape_acc, direction_acc=report.direction_acc,
-                    all_acc=report.all_acc)  # fmt: skip
+        return dict(
+            color_acc=report.color_acc,
+            shape_acc=report.shape_acc,
+            direction_acc=report.direction_acc,
+            all_acc=report.all_acc,
+        )
 
-    teacher_s, teacher_videos = timed(lambda: teacher.generate(
-        prompts, seeds, frames, height, width, num_steps=args.teacher_steps, guidance_scale=args.teacher_guidance,
-        batch_size=len(prompts)), repeats=args.repeats)  # fmt: skip
-    student_s, (student_videos, chunks) = timed(lambda: stream_once(gen, prompts, seeds, (frames, height, width)),
-                                                repeats=args.repeats)  # fmt: skip
+    teacher_s, teacher_videos = timed(
+        lambda: teacher.generate(
+            prompts,
+            seeds,
+            frames,
+            height,
+            width,
+            num_steps=args.teacher_steps,
+            guidance_scale=args.teacher_guidance,
+            batch_size=len(prompts),
+        ),
+        repeats=args.repeats,
+    )
+    student_s, (student_videos, chunks) = timed(
+        lambda: stream_once(gen, prompts, seeds, (frames, height, width)), repeats=args.repeats
+    )
     result["teacher"].update(seconds=teacher_s, **score(teacher_videos.numpy()))
-    result["student"].update(seconds=student_s, **score(student_videos.numpy()),
-                             **chunk_summary(chunks, len(prompts)))
+    result["student"].update(seconds=student_s, **score(student_videos.numpy()), **chunk_summary(chunks, len(prompts)))
     for key in ("color_acc", "shape_acc", "direction_acc"):
         t = result["teacher"][key]
         result[f"student_over_teacher_{key}"] = result["student"][key] / t if t else None
@@ -318,33 +443,64 @@ def run_quality(args) -> dict:
     vae = student.vae
     chunk_pixels = chunk * vae.temporal_compression  # a causal VAE's first chunk is shorter by compression - 1
     first_pixels = vae.get_video_size((chunk, 4, 4))[0]
-    result["long"] = dict(frames=long_frames, training_stats=stats, **chunk_summary(long_chunks, len(prompts)),
-                          windows=window_scores(long_videos, prompts, frames, frames // 2, stats),
-                          flicker=boundary_flicker(long_videos, chunk_pixels, first_pixels),
-                          flicker_1x=boundary_flicker(student_videos.numpy(), chunk_pixels, first_pixels),
-                          flicker_teacher_same_edges=boundary_flicker(teacher_videos.numpy(), chunk_pixels,
-                                                                      first_pixels))  # fmt: skip
+    result["long"] = dict(
+        frames=long_frames,
+        training_stats=stats,
+        **chunk_summary(long_chunks, len(prompts)),
+        windows=window_scores(long_videos, prompts, frames, frames // 2, stats),
+        flicker=boundary_flicker(long_videos, chunk_pixels, first_pixels),
+        flicker_1x=boundary_flicker(student_videos.numpy(), chunk_pixels, first_pixels),
+        flicker_teacher_same_edges=boundary_flicker(teacher_videos.numpy(), chunk_pixels, first_pixels),
+    )
     windows = result["long"]["windows"]
     result["long"]["min_color_vs_first"] = min(w["color_vs_first"] or 0 for w in windows)
     result["long"]["min_shape_vs_first"] = min(w["shape_vs_first"] or 0 for w in windows)
     result["long"]["min_stats_in_range"] = min(w["stats_in_training_range"] for w in windows)
 
     title = f"MovingShapes quality on {result['device']} ({len(prompts)} held captions, {frames}x{height}x{width})"
-    print_table(title, [
-        dict(sampler=f"teacher {args.teacher_steps}x2", seconds=teacher_s, first_chunk_s=None,
-             **{k: result["teacher"][k] for k in ("color_acc", "shape_acc", "direction_acc")}),
-        dict(sampler=f"student {len(step_list)}+1/chunk", seconds=student_s,
-             first_chunk_s=result["student"]["first_chunk_s"],
-             **{k: result["student"][k] for k in ("color_acc", "shape_acc", "direction_acc")}),
-    ])  # fmt: skip
-    print_table(f"long clips ({long_frames} frames = {args.long_multiple}x), windows of {frames}", [
-        {k: w[k] for k in ("start_frame", "color_acc", "shape_acc", "color_vs_first", "shape_vs_first", "frame_mean",
-                           "contrast", "stats_in_training_range")} for w in windows])  # fmt: skip
+    print_table(
+        title,
+        [
+            dict(
+                sampler=f"teacher {args.teacher_steps}x2",
+                seconds=teacher_s,
+                first_chunk_s=None,
+                **{k: result["teacher"][k] for k in ("color_acc", "shape_acc", "direction_acc")},
+            ),
+            dict(
+                sampler=f"student {len(step_list)}+1/chunk",
+                seconds=student_s,
+                first_chunk_s=result["student"]["first_chunk_s"],
+                **{k: result["student"][k] for k in ("color_acc", "shape_acc", "direction_acc")},
+            ),
+        ],
+    )
+    print_table(
+        f"long clips ({long_frames} frames = {args.long_multiple}x), windows of {frames}",
+        [
+            {
+                k: w[k]
+                for k in (
+                    "start_frame",
+                    "color_acc",
+                    "shape_acc",
+                    "color_vs_first",
+                    "shape_vs_first",
+                    "frame_mean",
+                    "contrast",
+                    "stats_in_training_range",
+                )
+            }
+            for w in windows
+        ],
+    )
     print(f"training clips: mean in {stats['mean_range']}, contrast in {stats['contrast_range']}")
-    print(f"speedup end to end {result['speedup_end_to_end']:.3g}x (model passes {result['pass_ratio']:.3g}x fewer); "
-          f"first chunk / teacher clip {result['first_chunk_over_teacher_clip']:.3g}; chunk-edge flicker "
-          f"{result['long']['flicker']['edge_over_inside']:.3g}x the inside-chunk change (teacher at the same frames: "
-          f"{result['long']['flicker_teacher_same_edges']['edge_over_inside']:.3g}x)")  # fmt: skip
+    print(
+        f"speedup end to end {result['speedup_end_to_end']:.3g}x (model passes {result['pass_ratio']:.3g}x fewer); "
+        f"first chunk / teacher clip {result['first_chunk_over_teacher_clip']:.3g}; chunk-edge flicker "
+        f"{result['long']['flicker']['edge_over_inside']:.3g}x the inside-chunk change (teacher at the same frames: "
+        f"{result['long']['flicker_teacher_same_edges']['edge_over_inside']:.3g}x)"
+    )
     write_json(args.out, "quality.json", result)
     return result
 
@@ -355,8 +511,13 @@ def run_quality(args) -> dict:
 @contextmanager
 def timed_phases(sampler, phases):
     """Time (synchronised) the phases of ``VideoSampler.generate`` by wrapping its helpers; counts model passes."""
-    originals = dict(encode_text=sampler.encode_text, prepare_condition=sampler.prepare_condition,
-                     denoise=sampler.denoise, decode=sampler.decode, model=sampler.model)  # fmt: skip
+    originals = dict(
+        encode_text=sampler.encode_text,
+        prepare_condition=sampler.prepare_condition,
+        denoise=sampler.denoise,
+        decode=sampler.decode,
+        model=sampler.model,
+    )
     noise_fn = pipeline.seeded_noise
 
     def wrap(name, fn):
@@ -404,12 +565,18 @@ def run_costs(args) -> dict:
 
     prompts = all_captions()[: args.num_prompts]
     seeds = [1000 + i for i in range(len(prompts))]
-    sampler = (VideoSampler.from_config(cfg, args.ckpt, role=args.role, progress=False) if args.ckpt
-               else random_sampler(cfg, 0, device, dtype))  # fmt: skip
+    sampler = (
+        VideoSampler.from_config(cfg, args.ckpt, role=args.role, progress=False)
+        if args.ckpt
+        else random_sampler(cfg, 0, device, dtype)
+    )
     result = dict(mode="costs", device=device_name(), prompts=len(prompts), size=[frames, height, width], runs={})
     rows = []
-    for name, kwargs in (("few-step", dict(num_steps=None, step_list=args.step_list, guidance_scale=1.0)),
-                         ("teacher", dict(num_steps=args.teacher_steps, guidance_scale=4.0))):  # fmt: skip
+    for name, kwargs in (
+        ("few-step", dict(num_steps=None, step_list=args.step_list, guidance_scale=1.0)),
+        ("teacher", dict(num_steps=args.teacher_steps, guidance_scale=4.0)),
+    ):
+
         def generate():
             return sampler.generate(prompts, seeds, frames, height, width, batch_size=len(prompts), **kwargs)
 
@@ -425,22 +592,43 @@ def run_costs(args) -> dict:
             syncs = len(sync_sites)
         per_pass = phases["denoise"] / len(passes)
         outside = instrumented - phases["denoise"]  # both from the same (synchronised) generation
-        run = dict(total_s=total, instrumented_s=instrumented, phases_s=phases, model_passes=len(passes),
-                   pass_batch=passes[0],
-                   seconds_per_pass=per_pass, outside_passes_s=outside, outside_fraction=outside / instrumented,
-                   host_syncs=syncs, host_sync_sites=sync_sites)  # fmt: skip
+        run = dict(
+            total_s=total,
+            instrumented_s=instrumented,
+            phases_s=phases,
+            model_passes=len(passes),
+            pass_batch=passes[0],
+            seconds_per_pass=per_pass,
+            outside_passes_s=outside,
+            outside_fraction=outside / instrumented,
+            host_syncs=syncs,
+            host_sync_sites=sync_sites,
+        )
         result["runs"][name] = run
-        rows.append(dict(run=name, total_s=total, passes=len(passes), per_pass_s=per_pass,
-                         text_s=phases.get("encode_text", 0.0), noise_s=phases.get("noise", 0.0),
-                         denoise_s=phases["denoise"], decode_s=phases.get("decode", 0.0), outside_s=outside,
-                         host_syncs=syncs))  # fmt: skip
+        rows.append(
+            dict(
+                run=name,
+                total_s=total,
+                passes=len(passes),
+                per_pass_s=per_pass,
+                text_s=phases.get("encode_text", 0.0),
+                noise_s=phases.get("noise", 0.0),
+                denoise_s=phases["denoise"],
+                decode_s=phases.get("decode", 0.0),
+                outside_s=outside,
+                host_syncs=syncs,
+            )
+        )
     few, teacher = result["runs"]["few-step"], result["runs"]["teacher"]
     result["time_ratio"] = teacher["total_s"] / few["total_s"]
     result["pass_ratio"] = teacher["model_passes"] * teacher["pass_batch"] / (few["model_passes"] * few["pass_batch"])
-    print_table(f"VideoSampler.generate costs on {result['device']} ({len(prompts)} prompts, "
-                f"{frames}x{height}x{width})", rows)  # fmt: skip
-    print(f"teacher/few-step time ratio {result['time_ratio']:.3g} vs pass ratio (batch-weighted) "
-          f"{result['pass_ratio']:.3g}")  # fmt: skip
+    print_table(
+        f"VideoSampler.generate costs on {result['device']} ({len(prompts)} prompts, {frames}x{height}x{width})", rows
+    )
+    print(
+        f"teacher/few-step time ratio {result['time_ratio']:.3g} vs pass ratio (batch-weighted) "
+        f"{result['pass_ratio']:.3g}"
+    )
     write_json(args.out, "costs.json", result)
     return result
 
@@ -462,11 +650,19 @@ def parse_args(argv=None):
     speed.add_argument("--batch", type=int, default=1)
     speed.add_argument("--teacher-steps", type=int, default=30, help="0: skip the bidirectional 30-step CFG timing")
     speed.add_argument("--unbounded-baseline", action="store_true", help="also run without a window (memory grows)")
-    speed.add_argument("--text-cache", choices=("both", "on", "off"), default="both",
-                       help="streaming with the per-(block, t) text cache ('window' rows), without it (the old path, "
-                            "'window-recompute-text' rows), or both")  # fmt: skip
-    speed.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
-                       help="also run the text cache with CUDA graphs ('window-graphs' rows); auto: on a CUDA device")
+    speed.add_argument(
+        "--text-cache",
+        choices=("both", "on", "off"),
+        default="both",
+        help="streaming with the per-(block, t) text cache ('window' rows), without it (the old path, "
+        "'window-recompute-text' rows), or both",
+    )
+    speed.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="also run the text cache with CUDA graphs ('window-graphs' rows); auto: on a CUDA device",
+    )
 
     quality = sub.add_parser("quality", help="causal student vs teacher on the 72 held MovingShapes captions")
     quality.add_argument("--student-config", required=True)

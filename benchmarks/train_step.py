@@ -41,15 +41,40 @@ VARIANTS = {
     "ours-compile-masked": dict(model="ours", backend="auto", compile=True, padded_text=True),
 }
 DEFAULT_RUNS = [
-    ("diffusers-flash", "none"), ("diffusers-flash", "full"), ("ours-compile", "none"), ("ours-compile", "full"),
-    ("ours-eager", "none"), ("ours-eager", "full"), ("ours-compile", "0,16"), ("ours-compile-masked", "none"),
-    ("ours-compile-flash", "none"), ("diffusers", "none"),
-]  # fmt: skip
+    ("diffusers-flash", "none"),
+    ("diffusers-flash", "full"),
+    ("ours-compile", "none"),
+    ("ours-compile", "full"),
+    ("ours-eager", "none"),
+    ("ours-eager", "full"),
+    ("ours-compile", "0,16"),
+    ("ours-compile-masked", "none"),
+    ("ours-compile-flash", "none"),
+    ("diffusers", "none"),
+]
 
-FULL = dict(grid=(11, 24, 32), text_tokens=512, depth_double=8, depth_single=16, hidden=1536, heads=12,
-            text_dim=4096, pooled_dim=768, axes=(16, 56, 56))  # fmt: skip
-TINY = dict(grid=(2, 4, 4), text_tokens=8, depth_double=1, depth_single=2, hidden=64, heads=2, text_dim=32,
-            pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
+FULL = dict(
+    grid=(11, 24, 32),
+    text_tokens=512,
+    depth_double=8,
+    depth_single=16,
+    hidden=1536,
+    heads=12,
+    text_dim=4096,
+    pooled_dim=768,
+    axes=(16, 56, 56),
+)
+TINY = dict(
+    grid=(2, 4, 4),
+    text_tokens=8,
+    depth_double=1,
+    depth_single=2,
+    hidden=64,
+    heads=2,
+    text_dim=32,
+    pooled_dim=16,
+    axes=(8, 12, 12),
+)
 LATENT_CHANNELS = 16
 
 
@@ -74,10 +99,17 @@ def build_ours(shape, spec, ckpt, device, dtype):
 
     from opensora.models.mmdit import MMDiT, mmdit_config
 
-    cfg = mmdit_config("1b", hidden_size=shape["hidden"], num_heads=shape["heads"],
-                       depth_double=shape["depth_double"], depth_single=shape["depth_single"],
-                       text_dim=shape["text_dim"], pooled_dim=shape["pooled_dim"], axes_dims=shape["axes"],
-                       attn_backend=spec["backend"])  # fmt: skip
+    cfg = mmdit_config(
+        "1b",
+        hidden_size=shape["hidden"],
+        num_heads=shape["heads"],
+        depth_double=shape["depth_double"],
+        depth_single=shape["depth_single"],
+        text_dim=shape["text_dim"],
+        pooled_dim=shape["pooled_dim"],
+        axes_dims=shape["axes"],
+        attn_backend=spec["backend"],
+    )
     cfg.pop("type")
     with torch.device(device):  # build on the GPU: initialising 1.3B parameters on the CPU takes ~25 s
         model = MMDiT(**cfg)
@@ -90,8 +122,12 @@ def build_ours(shape, spec, ckpt, device, dtype):
     gen = torch.Generator(device="cpu").manual_seed(1)
     rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
     n_txt = shape["text_tokens"]
-    inputs = dict(x=rnd(1, LATENT_CHANNELS, t, 2 * h, 2 * w), timestep=torch.rand(1, generator=gen).to(device),
-                  text_emb=rnd(1, n_txt, shape["text_dim"]), pooled=rnd(1, shape["pooled_dim"]))  # fmt: skip
+    inputs = dict(
+        x=rnd(1, LATENT_CHANNELS, t, 2 * h, 2 * w),
+        timestep=torch.rand(1, generator=gen).to(device),
+        text_emb=rnd(1, n_txt, shape["text_dim"]),
+        pooled=rnd(1, shape["pooled_dim"]),
+    )
     if spec.get("padded_text"):
         mask = torch.ones(1, n_txt, dtype=torch.bool)
         mask[:, n_txt // 4 :] = False  # a short prompt padded to the max length, as T5 pads
@@ -117,11 +153,14 @@ def build_diffusers(shape, spec, ckpt, device, dtype):
     gen = torch.Generator(device="cpu").manual_seed(1)
     rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
     inputs = dict(
-        hidden_states=rnd(1, n_img, 4 * LATENT_CHANNELS), encoder_hidden_states=rnd(1, n_txt, shape["text_dim"]),
-        pooled_projections=rnd(1, shape["pooled_dim"]), timestep=torch.rand(1, generator=gen).to(device, dtype),
-        img_ids=video_position_ids(*shape["grid"]).to(device, dtype), txt_ids=torch.zeros(n_txt, 3).to(device, dtype),
+        hidden_states=rnd(1, n_img, 4 * LATENT_CHANNELS),
+        encoder_hidden_states=rnd(1, n_txt, shape["text_dim"]),
+        pooled_projections=rnd(1, shape["pooled_dim"]),
+        timestep=torch.rand(1, generator=gen).to(device, dtype),
+        img_ids=video_position_ids(*shape["grid"]).to(device, dtype),
+        txt_ids=torch.zeros(n_txt, 3).to(device, dtype),
         return_dict=False,
-    )  # fmt: skip
+    )
     target = rnd(*inputs["hidden_states"].shape)
     return model, (lambda: model(**inputs)[0]), target
 
@@ -130,11 +169,17 @@ def flux_model(shape):
     from diffusers import FluxTransformer2DModel
 
     return FluxTransformer2DModel(
-        patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=shape["depth_double"],
-        num_single_layers=shape["depth_single"], attention_head_dim=shape["hidden"] // shape["heads"],
-        num_attention_heads=shape["heads"], joint_attention_dim=shape["text_dim"],
-        pooled_projection_dim=shape["pooled_dim"], guidance_embeds=False, axes_dims_rope=shape["axes"],
-    )  # fmt: skip
+        patch_size=1,
+        in_channels=4 * LATENT_CHANNELS,
+        num_layers=shape["depth_double"],
+        num_single_layers=shape["depth_single"],
+        attention_head_dim=shape["hidden"] // shape["heads"],
+        num_attention_heads=shape["heads"],
+        joint_attention_dim=shape["text_dim"],
+        pooled_projection_dim=shape["pooled_dim"],
+        guidance_embeds=False,
+        axes_dims_rope=shape["axes"],
+    )
 
 
 def ckpt_counts(ckpt, shape):
@@ -150,9 +195,16 @@ def model_flops(shape):
     """Model FLOPs of one step: 3x forward matmuls (no recompute), from our closed-form counter."""
     from opensora.models.mmdit import mmdit_config, mmdit_train_flops
 
-    cfg = mmdit_config("1b", hidden_size=shape["hidden"], num_heads=shape["heads"],
-                       depth_double=shape["depth_double"], depth_single=shape["depth_single"],
-                       text_dim=shape["text_dim"], pooled_dim=shape["pooled_dim"], axes_dims=shape["axes"])  # fmt: skip
+    cfg = mmdit_config(
+        "1b",
+        hidden_size=shape["hidden"],
+        num_heads=shape["heads"],
+        depth_double=shape["depth_double"],
+        depth_single=shape["depth_single"],
+        text_dim=shape["text_dim"],
+        pooled_dim=shape["pooled_dim"],
+        axes_dims=shape["axes"],
+    )
     return mmdit_train_flops(cfg, *shape_tokens(shape))
 
 
@@ -186,8 +238,11 @@ def run_variant(name, ckpt, args):
     model, forward, target = build(shape, spec, ckpt, device, dtype)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-    context = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if spec["backend"] == "flash" and spec["model"] == "diffusers" \
-        else None  # fmt: skip
+    context = (
+        sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+        if spec["backend"] == "flash" and spec["model"] == "diffusers"
+        else None
+    )
 
     first = [True]
 
@@ -199,8 +254,10 @@ def run_variant(name, ckpt, args):
             first[0] = False
             bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
             if not torch.isfinite(loss) or bad:
-                raise RuntimeError(f"{name}/{ckpt}: first step loss {loss.item()}, non-finite grads in "
-                                   f"{len(bad)} tensors, e.g. {bad[:4]}")  # fmt: skip
+                raise RuntimeError(
+                    f"{name}/{ckpt}: first step loss {loss.item()}, non-finite grads in "
+                    f"{len(bad)} tensors, e.g. {bad[:4]}"
+                )
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -244,13 +301,24 @@ def run_variant(name, ckpt, args):
     flops = model_flops(shape)
     median = statistics.median(times)
     result = dict(
-        variant=name, ckpt=ckpt, params=params, step_s=median, step_ms=median * 1e3,
-        min_ms=min(times) * 1e3, max_ms=max(times) * 1e3, times_ms=[round(t * 1e3, 3) for t in times],
-        warmup_s=[round(t, 2) for t in warm_times], build_s=round(time.perf_counter() - t0, 1),
-        model_tflops=flops / median / 1e12, mfu=flops / median / 1e12 / args.peak_tflops, model_flops=flops,
-        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, host_syncs=syncs,
-        loss=float(loss), compiled_vs_eager_rel_err=compile_error,
-    )  # fmt: skip
+        variant=name,
+        ckpt=ckpt,
+        params=params,
+        step_s=median,
+        step_ms=median * 1e3,
+        min_ms=min(times) * 1e3,
+        max_ms=max(times) * 1e3,
+        times_ms=[round(t * 1e3, 3) for t in times],
+        warmup_s=[round(t, 2) for t in warm_times],
+        build_s=round(time.perf_counter() - t0, 1),
+        model_tflops=flops / median / 1e12,
+        mfu=flops / median / 1e12 / args.peak_tflops,
+        model_flops=flops,
+        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        host_syncs=syncs,
+        loss=float(loss),
+        compiled_vs_eager_rel_err=compile_error,
+    )
     if args.profile and cuda:
         result["profile"] = profile_breakdown(guarded_step)
     return result
@@ -288,8 +356,13 @@ def profile_breakdown(step, steps=3):
 def environment(args):
     import torch
 
-    env = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, python=sys.version.split()[0],
-               shape="tiny" if args.tiny else "full", peak_tflops=args.peak_tflops)  # fmt: skip
+    env = dict(
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        python=sys.version.split()[0],
+        shape="tiny" if args.tiny else "full",
+        peak_tflops=args.peak_tflops,
+    )
     if torch.cuda.is_available() and not args.tiny:
         env.update(device=torch.cuda.get_device_name(), cudnn=torch.backends.cudnn.version())
     else:
@@ -310,8 +383,10 @@ def format_table(results):
             lines.append(f"{r['variant']:22s} {r['ckpt']:6s} FAILED: {r['error'][:90]}")
             continue
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
-        lines.append(f"{r['variant']:22s} {r['ckpt']:6s} {r['step_ms']:8.1f} {r['model_tflops']:8.1f} "
-                     f"{100 * r['mfu']:5.1f}% {mem:>9s} {len(r['host_syncs']):5d}")  # fmt: skip
+        lines.append(
+            f"{r['variant']:22s} {r['ckpt']:6s} {r['step_ms']:8.1f} {r['model_tflops']:8.1f} "
+            f"{100 * r['mfu']:5.1f}% {mem:>9s} {len(r['host_syncs']):5d}"
+        )
     return "\n".join(lines)
 
 
@@ -334,7 +409,9 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=752.0, help="bf16 ceiling for MFU (H200: 752)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU in fp32 (smoke test)")
-    parser.add_argument("--profile", default="", help="comma list of variant@ckpt whose GPU kernel time to split by category")
+    parser.add_argument(
+        "--profile", default="", help="comma list of variant@ckpt whose GPU kernel time to split by category"
+    )
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_step_<date>.json)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per variant subprocess")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -350,14 +427,28 @@ def main(argv=None):
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"train_step_{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     report = dict(environment=environment(args), runs=[])
-    passthrough = ["--warmup", str(args.warmup), "--iters", str(args.iters), "--peak-tflops", str(args.peak_tflops),
-                   "--profile", args.profile] + (["--tiny"] if args.tiny else [])  # fmt: skip
+    passthrough = [
+        "--warmup",
+        str(args.warmup),
+        "--iters",
+        str(args.iters),
+        "--peak-tflops",
+        str(args.peak_tflops),
+        "--profile",
+        args.profile,
+    ] + (["--tiny"] if args.tiny else [])
     for name, ckpt in runs:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f"{name}@{ckpt}", *passthrough]
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
+            proc = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+                cwd=ROOT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not lines:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]

@@ -30,8 +30,10 @@ def check_range(name: str, value, low=None, high=None, *, allow_none: bool = Fal
     if value is None and allow_none:
         return None
     flag = "--" + name.replace("_", "-")
-    bounds = f"{'' if low is None else f'>= {low}'}{' and ' if low is not None and high is not None else ''}" \
-             f"{'' if high is None else f'<= {high}'}"
+    bounds = (
+        f"{'' if low is None else f'>= {low}'}{' and ' if low is not None and high is not None else ''}"
+        f"{'' if high is None else f'<= {high}'}"
+    )
     kind = "an integer" if integer else "a number"
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok_type or value != value:  # value != value: NaN
@@ -64,8 +66,9 @@ def report(prog: str, message: str) -> int:
     return EXIT_USAGE
 
 
-def run_cli(main: Callable, argv: Optional[Sequence[str]], prog: str,
-            also: Tuple[Type[BaseException], ...] = ()) -> int:
+def run_cli(
+    main: Callable, argv: Optional[Sequence[str]], prog: str, also: Tuple[Type[BaseException], ...] = ()
+) -> int:
     """Call ``main(argv)`` and turn user errors into one line + exit code 2 (returned; scripts ``sys.exit`` it).
 
     ``also``: more exception types this entry point treats as user errors (the converter's key-layout errors).

@@ -164,7 +164,8 @@ def parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
         token = argv[i]
         if not token.startswith("--") or token == "--":
             raise ConfigValueError(
-                f"unexpected argument {token!r}: config overrides look like --key value or --key=value")
+                f"unexpected argument {token!r}: config overrides look like --key value or --key=value"
+            )
         body = token[2:]
         if "=" in body:
             key, raw = body.split("=", 1)
@@ -308,7 +309,8 @@ def _set_dotted(tree: dict, key: str, value: Any, open_prefixes: list[str]) -> N
         else:
             where = ".".join(canonical)
             raise ConfigValueError(
-                f"cannot set config key '{key}': '{where}' holds {_a_type(node)}, not a dict or list")
+                f"cannot set config key '{key}': '{where}' holds {_a_type(node)}, not a dict or list"
+            )
         child = node[child_key]
         if isinstance(child, tuple):
             child = list(child)
@@ -350,10 +352,10 @@ def _list_index(node: list, part: str, key: str, canonical: list[str]) -> int:
     except ValueError:
         raise ConfigValueError(
             f"cannot set config key '{key}': '{where}' is a list; index it with a number "
-            f"0..{len(node) - 1}, not {part!r}") from None
+            f"0..{len(node) - 1}, not {part!r}"
+        ) from None
     if not -len(node) <= index < len(node):
-        raise ConfigKeyError(
-            f"config key '{key}': index {index} is out of range for '{where}' (length {len(node)})")
+        raise ConfigKeyError(f"config key '{key}': index {index} is out of range for '{where}' (length {len(node)})")
     return index
 
 
@@ -363,16 +365,20 @@ def _is_open(path: str, open_prefixes: list[str]) -> bool:
 
 def _open_prefixes(tree: Mapping) -> list[str]:
     prefixes = tree.get(ALLOW_NEW_KEYS, [])
-    if isinstance(prefixes, str) or not isinstance(prefixes, (list, tuple)) or \
-            not all(isinstance(p, str) for p in prefixes):
+    if (
+        isinstance(prefixes, str)
+        or not isinstance(prefixes, (list, tuple))
+        or not all(isinstance(p, str) for p in prefixes)
+    ):
         raise ConfigValueError(f"{ALLOW_NEW_KEYS} must be a list of dotted key prefixes, got {prefixes!r}")
     return [_normalise(p) for p in prefixes]
 
 
-def _unknown_key_error(tree: Mapping, key: str, canonical: list[str], parent: Mapping,
-                       open_prefixes: list[str]) -> ConfigKeyError:
+def _unknown_key_error(
+    tree: Mapping, key: str, canonical: list[str], parent: Mapping, open_prefixes: list[str]
+) -> ConfigKeyError:
     typed = [_normalise(p) for p in key.split(".")]
-    wanted = ".".join(canonical + typed[len(canonical):])
+    wanted = ".".join(canonical + typed[len(canonical) :])
     candidates = dotted_keys(tree, into_lists=False)
     close = _closest(wanted, candidates)
     if not close:  # a short or misplaced key is far from every full path: compare leaf names instead
@@ -416,7 +422,8 @@ def _cast(value: Any, existing: Any, key: str) -> Any:
         if isinstance(existing, bool):
             return True
         raise ConfigValueError(
-            f"--{key} needs a value (it holds {_a_type(existing)}): use --{key} VALUE or --{key}=VALUE")
+            f"--{key} needs a value (it holds {_a_type(existing)}): use --{key} VALUE or --{key}=VALUE"
+        )
     if not isinstance(value, str):
         return _coerce(value, existing, key)
     if value.strip() == "None":
@@ -438,8 +445,7 @@ def _cast(value: Any, existing: Any, key: str) -> Any:
         if not isinstance(parsed, dict):
             raise ConfigValueError(f"config key '{key}' holds a dict; give a Python dict literal, got {value!r}")
         return parsed
-    raise ConfigValueError(
-        f"config key '{key}' holds {_a_type(existing)}, which cannot be set from the command line")
+    raise ConfigValueError(f"config key '{key}' holds {_a_type(existing)}, which cannot be set from the command line")
 
 
 def _parse_bool(text: str, key: str) -> bool:
@@ -483,7 +489,8 @@ def _parse_sequence(text: str, existing: list | tuple, key: str) -> list | tuple
     else:
         if any(isinstance(item, (list, tuple, dict)) for item in existing):
             raise ConfigValueError(
-                f"config key '{key}' holds nested containers; give a Python literal such as [[1, 2], [3, 4]]")
+                f"config key '{key}' holds nested containers; give a Python literal such as [[1, 2], [3, 4]]"
+            )
         pieces = [piece.strip() for piece in stripped.split(",")] if stripped else []
         if pieces and pieces[-1] == "":  # tolerate a trailing comma: "1,"
             pieces.pop()
@@ -521,14 +528,14 @@ def _coerce(value: Any, existing: Any, key: str) -> Any:
         if isinstance(value, (list, tuple)):
             templates = _element_templates(existing, len(value))
             return type(existing)(
-                _coerce(item, like, f"{key}[{i}]") for i, (item, like) in enumerate(zip(value, templates)))
+                _coerce(item, like, f"{key}[{i}]") for i, (item, like) in enumerate(zip(value, templates))
+            )
     elif isinstance(existing, dict):
         if isinstance(value, Mapping):
             return _plain(value)
     elif isinstance(value, type(existing)):
         return value
-    raise ConfigValueError(
-        f"config key '{key}' holds {_a_type(existing)}; got {value!r} ({type(value).__name__})")
+    raise ConfigValueError(f"config key '{key}' holds {_a_type(existing)}; got {value!r} ({type(value).__name__})")
 
 
 def _parse_new_value(value: Any) -> Any:

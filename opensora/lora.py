@@ -54,7 +54,9 @@ def lora_settings(lora: Mapping, where: str = "lora") -> Dict[str, Any]:
     if isinstance(targets, str):
         targets = [targets]
     if not targets:
-        raise UserInputError(f"'{where}.target_modules' is empty: name the Linear layers to adapt, e.g. ['qkv', 'proj']")
+        raise UserInputError(
+            f"'{where}.target_modules' is empty: name the Linear layers to adapt, e.g. ['qkv', 'proj']"
+        )
     out["target_modules"] = [str(t) for t in targets]
     out["dropout"] = float(out["dropout"])
     if not 0.0 <= out["dropout"] < 1.0:
@@ -77,13 +79,20 @@ def check_target_modules(model: nn.Module, targets: Iterable[str], where: str = 
     leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
     missing = [t for t in targets if not any(_matches(n, t) for n in names)]
     if missing:
-        raise UserInputError(f"'{where}.target_modules' {missing} match no Linear layer of this network; "
-                             f"Linear names that exist: {leaves}")
-    others = [n for n, m in model.named_modules() if n and not isinstance(m, nn.Linear)
-              and any(_matches(n, t) for t in targets)]
+        raise UserInputError(
+            f"'{where}.target_modules' {missing} match no Linear layer of this network; "
+            f"Linear names that exist: {leaves}"
+        )
+    others = [
+        n
+        for n, m in model.named_modules()
+        if n and not isinstance(m, nn.Linear) and any(_matches(n, t) for t in targets)
+    ]
     if others:  # peft would wrap them too, and only Linear layers are supported here
-        raise UserInputError(f"'{where}.target_modules' also match non-Linear modules {others[:3]}; name Linear "
-                             f"layers only (with a longer dotted suffix if needed): {leaves}")
+        raise UserInputError(
+            f"'{where}.target_modules' also match non-Linear modules {others[:3]}; name Linear "
+            f"layers only (with a longer dotted suffix if needed): {leaves}"
+        )
 
 
 def add_lora(model: nn.Module, settings: Mapping, where: str = "lora") -> nn.Module:
@@ -91,8 +100,13 @@ def add_lora(model: nn.Module, settings: Mapping, where: str = "lora") -> nn.Mod
     from peft import LoraConfig, inject_adapter_in_model
 
     check_target_modules(model, settings["target_modules"], where)
-    config = LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
-                        target_modules=list(settings["target_modules"]), bias="none")
+    config = LoraConfig(
+        r=settings["rank"],
+        lora_alpha=settings["alpha"],
+        lora_dropout=settings["dropout"],
+        target_modules=list(settings["target_modules"]),
+        bias="none",
+    )
     model = inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_key(name))
@@ -105,8 +119,7 @@ def is_adapter_key(name: str) -> bool:
 
 def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The adapter's matrices (``...lora_A.default.weight`` / ``...lora_B.default.weight``), detached CPU copies."""
-    return {name: param.detach().cpu().contiguous() for name, param in model.named_parameters()
-            if is_adapter_key(name)}
+    return {name: param.detach().cpu().contiguous() for name, param in model.named_parameters() if is_adapter_key(name)}
 
 
 def load_adapter_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], where: str = "adapter") -> None:
@@ -114,13 +127,17 @@ def load_adapter_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor],
     params = {name: param for name, param in model.named_parameters() if is_adapter_key(name)}
     missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
     if missing or unexpected:
-        raise UserInputError(f"{where} does not fit this LoRA network: missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]} (rank or target_modules changed?)")
+        raise UserInputError(
+            f"{where} does not fit this LoRA network: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]} (rank or target_modules changed?)"
+        )
     with torch.no_grad():
         for name, param in params.items():
             if tuple(state[name].shape) != tuple(param.shape):
-                raise UserInputError(f"{where}: {name} has shape {list(state[name].shape)}, the network "
-                                     f"{list(param.shape)} (rank changed?)")
+                raise UserInputError(
+                    f"{where}: {name} has shape {list(state[name].shape)}, the network "
+                    f"{list(param.shape)} (rank changed?)"
+                )
             param.copy_(state[name])
 
 
@@ -136,8 +153,9 @@ def base_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def merge_adapter(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor],
-                  settings: Mapping) -> Dict[str, torch.Tensor]:
+def merge_adapter(
+    base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], settings: Mapping
+) -> Dict[str, torch.Tensor]:
     """``W' = W + (alpha / rank) * B @ A`` for every adapted Linear (fp32 math, base dtype kept); a new dict."""
     scaling = float(settings["alpha"]) / int(settings["rank"])
     merged = dict(base)
@@ -146,8 +164,10 @@ def merge_adapter(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.
         prefix = key_a[: -len(suffix_a)]
         key_b, weight_key = prefix + _MARKERS[1], prefix + ".weight"
         if key_b not in adapter or weight_key not in base:
-            raise UserInputError(f"adapter layer '{prefix}' has no {'lora_B' if key_b not in adapter else 'base weight'}"
-                                 ": the adapter does not belong to these base weights")
+            raise UserInputError(
+                f"adapter layer '{prefix}' has no {'lora_B' if key_b not in adapter else 'base weight'}"
+                ": the adapter does not belong to these base weights"
+            )
         weight = base[weight_key]
         delta = adapter[key_b].float() @ adapter[key_a].float()
         merged[weight_key] = (weight.float() + scaling * delta).to(weight.dtype)
@@ -159,8 +179,13 @@ def lora_record(settings: Mapping, init_from: Any, base_sha256: str) -> Dict[str
     """What ``lora.json`` holds: settings, ``init_from`` (JSON form) and the base fingerprint."""
     spec = dict(init_from) if isinstance(init_from, Mapping) else {"path": init_from}
     spec["path"] = str(spec["path"])
-    return {"format": "opensora-lora", "version": 1, **{k: settings[k] for k in LORA_KEYS},
-            "init_from": spec, "base_sha256": base_sha256}
+    return {
+        "format": "opensora-lora",
+        "version": 1,
+        **{k: settings[k] for k in LORA_KEYS},
+        "init_from": spec,
+        "base_sha256": base_sha256,
+    }
 
 
 def record_to_json(record: Mapping) -> str:
@@ -179,6 +204,8 @@ def record_from_json(text: str, where: str) -> Dict[str, Any]:
 
 def check_same_base(record: Mapping, base_sha256: str, where: str, base_name: Optional[str] = None) -> None:
     if record.get("base_sha256") != base_sha256:
-        raise UserInputError(f"{where}: the base weights {base_name or record['init_from']['path']} are not the ones "
-                             f"this adapter was trained on (sha256 {base_sha256[:12]}... != recorded "
-                             f"{str(record.get('base_sha256'))[:12]}...); give the original base (--base PATH)")
+        raise UserInputError(
+            f"{where}: the base weights {base_name or record['init_from']['path']} are not the ones "
+            f"this adapter was trained on (sha256 {base_sha256[:12]}... != recorded "
+            f"{str(record.get('base_sha256'))[:12]}...); give the original base (--base PATH)"
+        )

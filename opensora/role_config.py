@@ -34,8 +34,18 @@ ROLE_DEFAULTS = dict(
 ROLE_KEYS = ("model", *ROLE_DEFAULTS)
 
 # Open-Sora's top-level keys: plain training's shorthand for the single role ``model``
-SHORTHAND_KEYS = ("model", "lr", "optimizer", "warmup_steps", "grad_clip", "ema_decay", "ema_start_step",
-                  "ema_warmup", "init_from", "lora")
+SHORTHAND_KEYS = (
+    "model",
+    "lr",
+    "optimizer",
+    "warmup_steps",
+    "grad_clip",
+    "ema_decay",
+    "ema_start_step",
+    "ema_warmup",
+    "init_from",
+    "lora",
+)
 
 
 def _check_role_keys(name: str, role: Mapping) -> None:
@@ -58,11 +68,15 @@ def _with_defaults(name: str, role: Mapping) -> Dict[str, Any]:
 
         where = f"models.{name}.lora"
         if not out["trainable"]:
-            raise ConfigKeyError(f"'{where}' is set on a frozen role: LoRA trains an adapter, so the role must be "
-                                 "trainable (or drop its lora entry)")
+            raise ConfigKeyError(
+                f"'{where}' is set on a frozen role: LoRA trains an adapter, so the role must be "
+                "trainable (or drop its lora entry)"
+            )
         if not out["init_from"]:
-            raise ConfigKeyError(f"'{where}' needs 'models.{name}.init_from': the adapter is trained on, saved "
-                                 "against and merged into those base weights")
+            raise ConfigKeyError(
+                f"'{where}' needs 'models.{name}.init_from': the adapter is trained on, saved "
+                "against and merged into those base weights"
+            )
         out["lora"] = lora_settings(out["lora"], where)
     return out
 
@@ -84,8 +98,9 @@ def _expand_shorthand(cfg: Mapping) -> Dict[str, Any]:
         if cfg.get(key) is not None:
             role[key] = cfg[key]
     if cfg.get("ema_decay") is not None:
-        role["ema"] = dict(decay=cfg["ema_decay"], start_step=cfg.get("ema_start_step", 0),
-                           warmup=cfg.get("ema_warmup", True))
+        role["ema"] = dict(
+            decay=cfg["ema_decay"], start_step=cfg.get("ema_start_step", 0), warmup=cfg.get("ema_warmup", True)
+        )
     return role
 
 
@@ -95,8 +110,10 @@ def role_configs(cfg: Mapping) -> Dict[str, Dict[str, Any]]:
     if models:
         ignored = [key for key in SHORTHAND_KEYS if cfg.get(key) is not None]
         if ignored:
-            raise ConfigKeyError(f"top-level {ignored} would be ignored: this config declares its networks under 'models' "
-                           f"(roles {sorted(models)}); set them per role, or to None where a base config sets them")
+            raise ConfigKeyError(
+                f"top-level {ignored} would be ignored: this config declares its networks under 'models' "
+                f"(roles {sorted(models)}); set them per role, or to None where a base config sets them"
+            )
         roles = {name: dict(role) for name, role in models.items()}
     elif cfg.get("model") is not None:
         roles = {"model": _expand_shorthand(cfg)}

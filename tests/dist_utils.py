@@ -97,15 +97,18 @@ def run_distributed(
         while len(results) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"run_distributed: ranks {sorted(set(range(world_size)) - set(results))} "
-                                   f"did not finish within {timeout:.0f} s")
+                raise TimeoutError(
+                    f"run_distributed: ranks {sorted(set(range(world_size)) - set(results))} "
+                    f"did not finish within {timeout:.0f} s"
+                )
             try:
                 rank, status, payload = result_queue.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
                     raise ChildProcessError(
-                        f"rank {dead[0]} exited with code {processes[dead[0]].exitcode} without reporting")
+                        f"rank {dead[0]} exited with code {processes[dead[0]].exitcode} without reporting"
+                    )
                 continue
             if status == "error":
                 raise ChildProcessError(f"rank {rank} failed:\n{payload}")

@@ -21,8 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "diffusion" / "train" / "demo.py"
 SAMPLE_CONFIG = ROOT / "configs" / "diffusion" / "inference" / "demo.py"
 TRAIN, SAMPLE, CONVERT = "scripts/diffusion/train.py", "scripts/diffusion/inference.py", "tools/convert_checkpoint.py"
-TINY = dict(in_channels=16, hidden_size=64, num_heads=2, depth_double=1, depth_single=1, text_dim=32, pooled_dim=24,
-            axes_dims=(8, 12, 12))
+TINY = dict(
+    in_channels=16,
+    hidden_size=64,
+    num_heads=2,
+    depth_double=1,
+    depth_single=1,
+    text_dim=32,
+    pooled_dim=24,
+    axes_dims=(8, 12, 12),
+)
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------------
@@ -31,8 +39,14 @@ def run(script: str, *args, timeout: float = 120) -> subprocess.CompletedProcess
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     try:
-        return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, str(ROOT / script), *map(str, args)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"{script} {args} hung: no result within {timeout} s\n{(expired.stderr or b'')[-3000:]}")
 
@@ -91,8 +105,14 @@ def work(tmp_path_factory):
     tables["broken"] = broken_rows
     for name, lines in tables.items():
         (root / "data" / f"{name}.csv").write_text("\n".join([header, *lines]) + "\n")
-    tiny = write_config(root / "tiny.py", DEMO_CONFIG, dataset=dict(data_path=str(csv)), num_workers=0,
-                        bucket_config={"_delete_": True, "32x32": {4: (1.0, 2)}}, tensorboard=False)
+    tiny = write_config(
+        root / "tiny.py",
+        DEMO_CONFIG,
+        dataset=dict(data_path=str(csv)),
+        num_workers=0,
+        bucket_config={"_delete_": True, "32x32": {4: (1.0, 2)}},
+        tensorboard=False,
+    )
     # the one trained run: started with --overwrite over an earlier (fake) run, which must be moved aside whole
     run_dir = root / "run"
     (run_dir / "checkpoints" / "step-0000005").mkdir(parents=True)
@@ -105,13 +125,16 @@ def work(tmp_path_factory):
 
 
 # ---- train.py ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("flags, phrases", [
-    (["--max-steps", "-5"], ["--max-steps must be >= 1", "-5"]),
-    (["--ckpt-every", "-1"], ["--ckpt-every must be >= 0"]),
-    (["--seed", "-3"], ["--seed must be >= 0 and <= 4294967295"]),
-    (["--grad-accum", "0"], ["--grad-accum must be >= 1"]),
-    (["--no-such-key", "1"], ["unknown config key 'no-such-key'"]),
-])
+@pytest.mark.parametrize(
+    "flags, phrases",
+    [
+        (["--max-steps", "-5"], ["--max-steps must be >= 1", "-5"]),
+        (["--ckpt-every", "-1"], ["--ckpt-every must be >= 0"]),
+        (["--seed", "-3"], ["--seed must be >= 0 and <= 4294967295"]),
+        (["--grad-accum", "0"], ["--grad-accum must be >= 1"]),
+        (["--no-such-key", "1"], ["unknown config key 'no-such-key'"]),
+    ],
+)
 def test_train_flag_out_of_range_is_one_line(work, tmp_path, flags, phrases):
     assert_refused(run(TRAIN, work["tiny"], "--outputs", tmp_path / "out", *flags), *phrases)
     assert not (tmp_path / "out").exists()  # refused before anything was written
@@ -125,8 +148,14 @@ def test_missing_config_file_and_debug_keeps_the_traceback(tmp_path):
 
 def test_fresh_run_into_a_run_dir_is_refused_and_nothing_is_touched(work):
     before = snapshot(work["run"])
-    line = assert_refused(run(TRAIN, work["tiny"], "--outputs", work["run"], "--max-steps", "2"),
-                          "already holds a run", "step-0000001", "--resume auto", "--outputs", "--overwrite")
+    line = assert_refused(
+        run(TRAIN, work["tiny"], "--outputs", work["run"], "--max-steps", "2"),
+        "already holds a run",
+        "step-0000001",
+        "--resume auto",
+        "--outputs",
+        "--overwrite",
+    )
     assert "--outputs" in line
     assert snapshot(work["run"]) == before
 
@@ -140,28 +169,57 @@ def test_overwrite_moves_the_old_run_aside(work):
 
 def test_load_of_a_run_dir_lists_its_checkpoints(work, tmp_path):
     before = snapshot(work["run"])
-    assert_refused(run(TRAIN, work["tiny"], "--outputs", tmp_path / "out", "--load", work["run"]),
-                   "is a run (outputs) directory", "step-0000001")
-    assert_refused(run(TRAIN, work["tiny"], "--outputs", tmp_path / "out", "--load", tmp_path / "missing"),
-                   "no such checkpoint directory")
+    assert_refused(
+        run(TRAIN, work["tiny"], "--outputs", tmp_path / "out", "--load", work["run"]),
+        "is a run (outputs) directory",
+        "step-0000001",
+    )
+    assert_refused(
+        run(TRAIN, work["tiny"], "--outputs", tmp_path / "out", "--load", tmp_path / "missing"),
+        "no such checkpoint directory",
+    )
     assert snapshot(work["run"]) == before
 
 
 def test_load_with_other_shapes_names_the_first_mismatching_tensor(work, tmp_path):
     checkpoint = work["run"] / "checkpoints" / "step-0000001"
-    line = assert_refused(run(TRAIN, work["tiny"], "--outputs", tmp_path / "out", "--load", checkpoint,
-                              "--model.mlp_ratio", "2.0", timeout=300),
-                          "does not fit", "has shape [512, 128] in the checkpoint but [256, 128] in the model")
+    line = assert_refused(
+        run(
+            TRAIN,
+            work["tiny"],
+            "--outputs",
+            tmp_path / "out",
+            "--load",
+            checkpoint,
+            "--model.mlp_ratio",
+            "2.0",
+            timeout=300,
+        ),
+        "does not fit",
+        "has shape [512, 128] in the checkpoint but [256, 128] in the model",
+    )
     assert "mlp" in line
 
 
-@pytest.mark.parametrize("table, phrases", [
-    ("one_clip", ["no full global batch", "1 usable sample(s) of 1", "batch size 2 x 1 rank(s) = 2 samples"]),
-    ("broken", ["epoch 0 yielded no batch", "4 bad file(s)", "broken"]),
-])
+@pytest.mark.parametrize(
+    "table, phrases",
+    [
+        ("one_clip", ["no full global batch", "1 usable sample(s) of 1", "batch size 2 x 1 rank(s) = 2 samples"]),
+        ("broken", ["epoch 0 yielded no batch", "4 bad file(s)", "broken"]),
+    ],
+)
 def test_dataset_without_a_full_batch_stops_instead_of_hanging(work, tmp_path, table, phrases):
-    result = run(TRAIN, work["tiny"], "--outputs", tmp_path / "out", "--max-steps", "3",
-                 "--dataset.data_path", work["data"] / f"{table}.csv", timeout=180)  # a hang fails at the timeout
+    result = run(
+        TRAIN,
+        work["tiny"],
+        "--outputs",
+        tmp_path / "out",
+        "--max-steps",
+        "3",
+        "--dataset.data_path",
+        work["data"] / f"{table}.csv",
+        timeout=180,
+    )  # a hang fails at the timeout
     assert_refused(result, *phrases)
     assert not list((tmp_path / "out").glob("checkpoints/step-*"))
 
@@ -179,8 +237,10 @@ def test_bad_tables_name_the_file(work, tmp_path):
     with pytest.raises(UserInputError, match="empty.csv is empty"):
         VideoTextDataset(str(empty))
     notext = work["data"] / "notext.csv"
-    notext.write_text("\n".join(",".join(line.split(",")[:1] + line.split(",")[2:6])
-                                for line in work["csv"].read_text().splitlines()) + "\n")
+    notext.write_text(
+        "\n".join(",".join(line.split(",")[:1] + line.split(",")[2:6]) for line in work["csv"].read_text().splitlines())
+        + "\n"
+    )
     with pytest.raises(UserInputError, match="notext.csv has no 'text'.*allow_empty_text=True"):
         VideoTextDataset(str(notext))
     assert VideoTextDataset(str(notext), allow_empty_text=True).texts == [""] * 4
@@ -201,8 +261,11 @@ def test_too_few_clips_for_the_ranks_names_what_a_global_batch_needs():
 
     for rank in range(2):
         sampler = BucketBatchSampler(Table(), {"32x32": {4: (1.0, 2)}}, num_replicas=2, rank=rank)
-        with pytest.raises(UserInputError, match=r"3 usable sample\(s\) of 3 .* batch size 2 x 2 rank\(s\) = 4 "
-                                                 r"samples, 3 fit it"):
+        with pytest.raises(
+            UserInputError,
+            match=r"3 usable sample\(s\) of 3 .* batch size 2 x 2 rank\(s\) = 4 "
+            r"samples, 3 fit it",
+        ):
             sampler.check_has_batches("meta.csv")
 
 
@@ -239,13 +302,16 @@ def test_disk_full_during_save_names_the_path_and_cleans_up(tmp_path, monkeypatc
 
 
 # ---- inference.py -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("flags, phrases", [
-    (["--bogus-key", "1"], ["unknown config key 'bogus-key'"]),
-    (["--num-steps", "0"], ["--num-steps must be >= 1"]),
-    (["--batch-size", "0"], ["--batch-size must be >= 1"]),
-    (["--cond-type", "i3v"], ["--cond-type 'i3v' is not one of"]),
-    (["--save-dir", "FILE"], ["is a file"]),
-])
+@pytest.mark.parametrize(
+    "flags, phrases",
+    [
+        (["--bogus-key", "1"], ["unknown config key 'bogus-key'"]),
+        (["--num-steps", "0"], ["--num-steps must be >= 1"]),
+        (["--batch-size", "0"], ["--batch-size must be >= 1"]),
+        (["--cond-type", "i3v"], ["--cond-type 'i3v' is not one of"]),
+        (["--save-dir", "FILE"], ["is a file"]),
+    ],
+)
 def test_inference_bad_flags_are_one_line(tmp_path, flags, phrases):
     file = tmp_path / "samples.mp4"
     file.write_bytes(b"not a directory")
@@ -256,9 +322,23 @@ def test_inference_bad_flags_are_one_line(tmp_path, flags, phrases):
 
 def test_inference_with_other_shapes_names_the_first_mismatching_tensor(work, tmp_path):
     before = snapshot(work["run"])
-    assert_refused(run(SAMPLE, SAMPLE_CONFIG, "--ckpt", work["run"], "--prompt", "a red circle", "--save-dir",
-                       tmp_path / "samples", "--model.mlp_ratio", "2.0", timeout=180),
-                   "does not fit", "has shape [512, 128] in the checkpoint but [256, 128] in the model")
+    assert_refused(
+        run(
+            SAMPLE,
+            SAMPLE_CONFIG,
+            "--ckpt",
+            work["run"],
+            "--prompt",
+            "a red circle",
+            "--save-dir",
+            tmp_path / "samples",
+            "--model.mlp_ratio",
+            "2.0",
+            timeout=180,
+        ),
+        "does not fit",
+        "has shape [512, 128] in the checkpoint but [256, 128] in the model",
+    )
     assert snapshot(work["run"]) == before
 
 
@@ -313,11 +393,13 @@ def test_a_checkpoint_cannot_run_code(tmp_path, convert):
     save_file(model.state_dict(), str(crafted), metadata={"config": payload, "step": "3"})
 
     assert run(CONVERT, "inspect", crafted).returncode == 0
-    assert_refused(run(CONVERT, crafted, tmp_path / "flux", "--to", "diffusers"),
-                   "only config text", "never run", "--config")
+    assert_refused(
+        run(CONVERT, crafted, tmp_path / "flux", "--to", "diffusers"), "only config text", "never run", "--config"
+    )
     assert convert(crafted, tmp_path / "os2.safetensors", "--to", "opensora2").returncode == 0
-    assert_refused(convert(tmp_path / "os2.safetensors", tmp_path / "back.safetensors", "--from", "opensora"),
-                   "--axes-dims")  # no arch record: the RoPE split must be given, never guessed
+    assert_refused(
+        convert(tmp_path / "os2.safetensors", tmp_path / "back.safetensors", "--from", "opensora"), "--axes-dims"
+    )  # no arch record: the RoPE split must be given, never guessed
     assert not marker.exists()
 
     # the same file with a JSON architecture converts, and still never runs its config text
@@ -371,12 +453,27 @@ def _block_params(state, prefix, single, hidden, theirs):
     if not theirs:
         rows = "linear1" if single else "qkv"
         w, b = state[f"{prefix}.{rows}.weight"], state[f"{prefix}.{rows}.bias"]
-        return (w[:hidden], b[:hidden], w[hidden:2 * hidden], b[hidden:2 * hidden], w[2 * hidden:3 * hidden],
-                b[2 * hidden:3 * hidden], state[f"{prefix}.norm.query_scale"], state[f"{prefix}.norm.key_scale"])
+        return (
+            w[:hidden],
+            b[:hidden],
+            w[hidden : 2 * hidden],
+            b[hidden : 2 * hidden],
+            w[2 * hidden : 3 * hidden],
+            b[2 * hidden : 3 * hidden],
+            state[f"{prefix}.norm.query_scale"],
+            state[f"{prefix}.norm.key_scale"],
+        )
     v = "v_mlp" if single else "v_proj"
-    return (state[f"{prefix}.q_proj.weight"], state[f"{prefix}.q_proj.bias"], state[f"{prefix}.k_proj.weight"],
-            state[f"{prefix}.k_proj.bias"], state[f"{prefix}.{v}.weight"][:hidden], state[f"{prefix}.{v}.bias"][:hidden],
-            state[f"{prefix}.norm.query_norm.scale"], state[f"{prefix}.norm.key_norm.scale"])
+    return (
+        state[f"{prefix}.q_proj.weight"],
+        state[f"{prefix}.q_proj.bias"],
+        state[f"{prefix}.k_proj.weight"],
+        state[f"{prefix}.k_proj.bias"],
+        state[f"{prefix}.{v}.weight"][:hidden],
+        state[f"{prefix}.{v}.bias"][:hidden],
+        state[f"{prefix}.norm.query_norm.scale"],
+        state[f"{prefix}.norm.key_norm.scale"],
+    )
 
 
 @pytest.mark.parametrize("pairing", ["half-split", "adjacent"])
@@ -403,15 +500,15 @@ def test_opensora2_export_computes_upstreams_attention(tmp_path, pairing):
         got = _attention(x, *_block_params(theirs, prefix, single, hidden, True), heads, upstream_rope, angles)
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
         if pairing == "half-split":  # without the reordering upstream would compute something else (the bug)
-            plain = _attention(x, *_block_params(ours, prefix, single, hidden, False), heads, _rope_half_split,
-                               angles)
+            plain = _attention(x, *_block_params(ours, prefix, single, hidden, False), heads, _rope_half_split, angles)
             assert (plain - want).norm() > 1e-2 * want.norm()
 
     # import: a foreign file (no metadata) in the same pairing comes back to exactly our weights
     foreign = tmp_path / "foreign.safetensors"
     save_file(theirs, str(foreign))
-    back = import_weights(foreign, tmp_path / "back.safetensors", "opensora", axes_dims=TINY["axes_dims"],
-                          rope_pairing=pairing)
+    back = import_weights(
+        foreign, tmp_path / "back.safetensors", "opensora", axes_dims=TINY["axes_dims"], rope_pairing=pairing
+    )
     restored = load_file(str(back.path))
     assert set(restored) == set(ours) and all(torch.equal(restored[k], ours[k]) for k in ours)
 
@@ -420,8 +517,10 @@ def test_opensora2_export_computes_upstreams_attention(tmp_path, pairing):
 def test_dataset_and_eval_tools_refuse_in_one_line(work, tmp_path):
     assert_refused(run("tools/make_demo_dataset.py", "--out", tmp_path / "d", "--num", "0"), "need num >= 1")
     assert_refused(run("tools/eval_moving_shapes.py", tmp_path / "samples.csv"), "samples.csv")
-    assert_refused(run("tools/eval_moving_shapes.py", work["data"] / "header_only.csv", "--no-progress"),
-                   "header_only.csv lists no videos")
+    assert_refused(
+        run("tools/eval_moving_shapes.py", work["data"] / "header_only.csv", "--no-progress"),
+        "header_only.csv lists no videos",
+    )
 
 
 # ---- README launch lines work after `make venv` -------------------------------------------------------------------
@@ -436,10 +535,16 @@ def test_readme_activates_the_venv_before_colossalai_run(tmp_path):
     venv_bin = Path(sys.executable).parent
     if not (venv_bin / "activate").is_file() or not (venv_bin / "colossalai").is_file():
         pytest.skip("not running from a venv with the colossalai CLI")
-    command = (f". {venv_bin / 'activate'} && cd {ROOT} && colossalai run --nproc_per_node 1 --master_port "
-               f"{find_free_port()} {TRAIN} {tmp_path / 'missing.py'}")
-    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", str(tmp_path)), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT)}
+    command = (
+        f". {venv_bin / 'activate'} && cd {ROOT} && colossalai run --nproc_per_node 1 --master_port "
+        f"{find_free_port()} {TRAIN} {tmp_path / 'missing.py'}"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
     result = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=180)
     output = result.stdout + result.stderr
     assert "command not found" not in output, output[-3000:]

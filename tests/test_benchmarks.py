@@ -19,17 +19,24 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         # names as the PyTorch profiler reports them on H100 (cuDNN / flash attention, cuBLAS, fused AdamW)
         ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),
-        ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, "
-         "8, 2, 4, 2, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::bfloat16_t>"
-         " > >(...)", "attention"),
+        (
+            "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, "
+            "8, 2, 4, 2, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::bfloat16_t>"
+            " > >(...)",
+            "attention",
+        ),
         ("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT", "matmul"),
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "matmul"),
         ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>(...)", "optimizer"),
-        ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float>>>(...)",
-         "norm/reduction"),
+        (
+            "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float>>>(...)",
+            "norm/reduction",
+        ),
         ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl<...>>(int, ...)", "elementwise"),
-        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>(...)",
-         "elementwise"),
+        (
+            "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>(...)",
+            "elementwise",
+        ),
         ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>(...)", "copy/layout"),
         ("Memcpy DtoD (Device -> Device)", "copy/layout"),
         ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
@@ -41,8 +48,12 @@ def test_kernel_category(name, category):
 
 
 def test_summarize_kernels_per_step_totals():
-    kernels = [("nvjet_a", 3000.0, 6), ("flash_fwd_kernel", 1500.0, 3), ("vectorized_elementwise_kernel", 600.0, 30),
-               ("ncclDevKernel_AllGather_RING_LL", 900.0, 3)]  # fmt: skip
+    kernels = [
+        ("nvjet_a", 3000.0, 6),
+        ("flash_fwd_kernel", 1500.0, 3),
+        ("vectorized_elementwise_kernel", 600.0, 30),
+        ("ncclDevKernel_AllGather_RING_LL", 900.0, 3),
+    ]
     summary = summarize_kernels(kernels, steps=3, wall_ms=2.0)
     assert summary["ms_by_category"] == {"matmul": 1.0, "attention": 0.5, "communication": 0.3, "elementwise": 0.2}
     assert summary["kernel_ms_per_step"] == pytest.approx(2.0)
@@ -67,8 +78,19 @@ def test_step_profiler_is_a_no_op_on_cpu_and_checks_its_config(tmp_path):
 
 def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
     out = tmp_path / "step.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--tiny", "--warmup", "1", "--iters", "2",
-           "--runs", "ours-eager@none;diffusers@none;ours-eager@full", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "train_step.py"),
+        "--tiny",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--runs",
+        "ours-eager@none;diffusers@none;ours-eager@full",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -86,8 +108,17 @@ def test_train_scaling_script_runs_the_trainer_at_one_and_two_processes(tmp_path
     """The scaling benchmark on CPU (gloo, demo config): both process counts train and the report is filled."""
     out = tmp_path / "scaling"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    cmd = ["bash", str(ROOT / "benchmarks" / "train_scaling.sh"), "--tiny", "--plugins", "zero2", "--gpus", "1 2",
-           "--out", str(out)]  # fmt: skip
+    cmd = [
+        "bash",
+        str(ROOT / "benchmarks" / "train_scaling.sh"),
+        "--tiny",
+        "--plugins",
+        "zero2",
+        "--gpus",
+        "1 2",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     report = json.loads((tmp_path / "scaling_tiny" / "scaling.json").read_text())
@@ -110,14 +141,18 @@ def test_cuda_kernels_skips_cpu_events_and_user_annotations():
     from opensora.training.profiling import cuda_kernels
 
     def event(key, device, us, annotation=False):
-        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us, count=1,
-                               is_user_annotation=annotation)  # fmt: skip
+        return SimpleNamespace(
+            key=key, device_type=device, self_device_time_total=us, count=1, is_user_annotation=annotation
+        )
 
-    events = [event("aten::mm", DeviceType.CPU, 0), event("nvjet_tst_1", DeviceType.CUDA, 500.0),
-              event("Optimizer.step#AdamW.step", DeviceType.CUDA, 80.0, annotation=True),
-              event("multi_tensor_apply_kernel", DeviceType.CUDA, 79.0),
-              event("nccl:all_reduce", DeviceType.CUDA, 40.0, annotation=True),
-              event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", DeviceType.CUDA, 40.0)]  # fmt: skip
+    events = [
+        event("aten::mm", DeviceType.CPU, 0),
+        event("nvjet_tst_1", DeviceType.CUDA, 500.0),
+        event("Optimizer.step#AdamW.step", DeviceType.CUDA, 80.0, annotation=True),
+        event("multi_tensor_apply_kernel", DeviceType.CUDA, 79.0),
+        event("nccl:all_reduce", DeviceType.CUDA, 40.0, annotation=True),
+        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", DeviceType.CUDA, 40.0),
+    ]
     prof = SimpleNamespace(key_averages=lambda: events)
     names = [k[0] for k in cuda_kernels(prof)]
     assert names == ["nvjet_tst_1", "multi_tensor_apply_kernel", "ncclDevKernel_AllReduce_Sum_f32_RING_LL"]
@@ -129,8 +164,19 @@ def test_cuda_kernels_skips_cpu_events_and_user_annotations():
 def test_train_scaling_script_runs_sequence_parallel(tmp_path):
     out = tmp_path / "sp"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    cmd = ["bash", str(ROOT / "benchmarks" / "train_scaling.sh"), "--tiny", "--plugins", "zero2", "--gpus", "2",
-           "--sp", "2", "--out", str(out)]  # fmt: skip
+    cmd = [
+        "bash",
+        str(ROOT / "benchmarks" / "train_scaling.sh"),
+        "--tiny",
+        "--plugins",
+        "zero2",
+        "--gpus",
+        "2",
+        "--sp",
+        "2",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     (row,) = json.loads((tmp_path / "sp_tiny" / "scaling.json").read_text())["rows"]

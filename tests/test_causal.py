@@ -20,8 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
 def causal_model(chunk=2, backend="math", patch_size=(1, 2, 2), seed=0, **overrides):
-    model = MMDiT(**tiny_kwargs(causal_chunk_frames=chunk, attn_backend=backend, patch_size=patch_size,
-                                **overrides)).eval()  # fmt: skip
+    model = MMDiT(
+        **tiny_kwargs(causal_chunk_frames=chunk, attn_backend=backend, patch_size=patch_size, **overrides)
+    ).eval()
     perturb(model, seed=seed)
     return model
 
@@ -44,8 +45,16 @@ def stream(model, data, chunk, cache=None, store=True):
     outs = []
     for start in range(0, data["x"].shape[2], chunk):
         piece = slice(start, start + chunk)
-        outs.append(model.forward_chunk(data["x"][:, :, piece], **text_kwargs(data), cond=data["cond"][:, :, piece],
-                                        cache=cache, start_frame=start, store_kv=store))  # fmt: skip
+        outs.append(
+            model.forward_chunk(
+                data["x"][:, :, piece],
+                **text_kwargs(data),
+                cond=data["cond"][:, :, piece],
+                cache=cache,
+                start_frame=start,
+                store_kv=store,
+            )
+        )
     return torch.cat(outs, dim=2), cache
 
 
@@ -102,8 +111,9 @@ def test_text_stream_ignores_video_so_one_chunk_equals_bidirectional_with_text_r
                 key_valid = k >= n_text or bool(data["text_mask"][b, k])
                 mask[b, 0, q, k] = key_valid and (q >= n_text or k < n_text)
     with torch.no_grad():
-        img, txt, vec, grid = bidirectional.embed(data["x"], data["timestep"], data["text_emb"], data["pooled"],
-                                                  data["cond"])  # fmt: skip
+        img, txt, vec, grid = bidirectional.embed(
+            data["x"], data["timestep"], data["text_emb"], data["pooled"], data["cond"]
+        )
         rope = bidirectional.rope(grid, n_text, data["x"].device)
         from opensora.models.mmdit.model import unpatchify
 
@@ -122,14 +132,26 @@ def test_rolling_window_with_sinks_bounds_the_cache_and_keeps_the_right_frames()
     with torch.no_grad():
         for start in range(0, 32, 2):
             piece = slice(start, start + 2)
-            model.forward_chunk(data["x"][:, :, piece], **text_kwargs(data), cond=data["cond"][:, :, piece],
-                                cache=cache, start_frame=start, store_kv=True)  # fmt: skip
+            model.forward_chunk(
+                data["x"][:, :, piece],
+                **text_kwargs(data),
+                cond=data["cond"][:, :, piece],
+                cache=cache,
+                start_frame=start,
+                store_kv=True,
+            )
             sizes.append((cache.num_frames, cache.nbytes))
             if start == 12:  # the same chunks once more into an unbounded cache, to compare what the window kept
                 for s in range(0, 14, 2):
                     p = slice(s, s + 2)
-                    model.forward_chunk(data["x"][:, :, p], **text_kwargs(data), cond=data["cond"][:, :, p],
-                                        cache=full_cache, start_frame=s, store_kv=True)  # fmt: skip
+                    model.forward_chunk(
+                        data["x"][:, :, p],
+                        **text_kwargs(data),
+                        cond=data["cond"][:, :, p],
+                        cache=full_cache,
+                        start_frame=s,
+                        store_kv=True,
+                    )
                 kept = [0, 1, 10, 11, 12, 13]
                 assert cache.frame_ids == kept
                 tokens_per_frame = 16
@@ -168,8 +190,9 @@ def test_gradients_reach_the_chunk_and_not_the_cache(grad_ckpt):
     with torch.no_grad():
         _, cache = stream(model, dict(data, x=data["x"][:, :, :4], cond=data["cond"][:, :, :4]), 2)
     x = data["x"][:, :, 4:6].clone().requires_grad_(True)
-    out = model.forward_chunk(x, **text_kwargs(data), cond=data["cond"][:, :, 4:6], cache=cache, start_frame=4,
-                              store_kv=True)
+    out = model.forward_chunk(
+        x, **text_kwargs(data), cond=data["cond"][:, :, 4:6], cache=cache, start_frame=4, store_kv=True
+    )
     out.square().mean().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
     assert all(p.grad is not None for p in model.img_in.parameters())
@@ -181,6 +204,7 @@ def test_kv_cache_bookkeeping_and_errors():
     with pytest.raises(ValueError, match="sink_frames"):
         KVCache(4, window_frames=2, sink_frames=3)
     cache = KVCache(2, sink_frames=1)
+
     def kv(frames):
         return {i: (torch.ones(1, 2, frames * 3, 4), torch.ones(1, 2, frames * 3, 4)) for i in range(2)}
 
@@ -221,8 +245,19 @@ def test_adapter_streaming_x0_matches_its_full_video_x0_and_reports_the_capabili
     text = build_module(dict(type="TextConditioner", seed=0), MODELS)
     comp = SimpleNamespace(vae=vae, text_encoder=text, device=torch.device("cpu"), null_text=text.null_embeddings(1))
     adapter = MMDiTAdapter(comp)
-    arch = dict(in_channels=48, cond_channels=49, hidden_size=32, num_heads=2, depth_double=1, depth_single=1,
-                mlp_ratio=2.0, text_dim=64, pooled_dim=64, axes_dims=(4, 6, 6), attn_backend="math")
+    arch = dict(
+        in_channels=48,
+        cond_channels=49,
+        hidden_size=32,
+        num_heads=2,
+        depth_double=1,
+        depth_single=1,
+        mlp_ratio=2.0,
+        text_dim=64,
+        pooled_dim=64,
+        axes_dims=(4, 6, 6),
+        attn_backend="math",
+    )
     network = MMDiT(**arch, causal_chunk_frames=2).eval()
     perturb(network, seed=2)
     handle = _Handle(network)
@@ -234,9 +269,19 @@ def test_adapter_streaming_x0_matches_its_full_video_x0_and_reports_the_capabili
         for conditional in (True, False):
             full = adapter.predict_x0(handle, noisy, t, batch, conditional=conditional)
             cache = adapter.new_kv_cache(handle, batch)
-            chunks = [adapter.predict_x0_streaming(handle, noisy[:, :, s : s + 2], t, batch, cache, start_frame=s,
-                                                   store_kv=True, conditional=conditional)
-                      for s in (0, 2, 4)]  # fmt: skip
+            chunks = [
+                adapter.predict_x0_streaming(
+                    handle,
+                    noisy[:, :, s : s + 2],
+                    t,
+                    batch,
+                    cache,
+                    start_frame=s,
+                    store_kv=True,
+                    conditional=conditional,
+                )
+                for s in (0, 2, 4)
+            ]
             assert torch.equal(torch.cat(chunks, dim=2), full)
             assert chunks[0].dtype == torch.float32 and cache.num_frames == 6
     with pytest.raises(ValueError, match="causal"):
@@ -254,9 +299,16 @@ def test_per_chunk_timesteps_match_streaming_each_chunk_at_its_own_time():
         cache, outs = model.new_kv_cache(), []
         for c in range(4):
             piece = slice(2 * c, 2 * c + 2)
-            outs.append(model.forward_chunk(data["x"][:, :, piece], **text_kwargs(data, timestep=times[:, c]),
-                                            cond=data["cond"][:, :, piece], cache=cache, start_frame=2 * c,
-                                            store_kv=True))  # fmt: skip
+            outs.append(
+                model.forward_chunk(
+                    data["x"][:, :, piece],
+                    **text_kwargs(data, timestep=times[:, c]),
+                    cond=data["cond"][:, :, piece],
+                    cache=cache,
+                    start_frame=2 * c,
+                    store_kv=True,
+                )
+            )
         same_time = model(**dict(data, timestep=data["timestep"][:, None].expand(2, 4)))
         uniform = model(**data)
     # Not bit-exact: the conditioning vectors here come from one [B * n, hidden] matmul and in streaming from n
@@ -287,9 +339,18 @@ def stream_steps(model, data, times, text_cache=None, window=None, chunk=2):
         piece = slice(start, start + chunk)
         for i, t in enumerate(times):
             kwargs = text_kwargs(data, timestep=torch.full((data["x"].shape[0],), t))
-            outs.append(model.forward_chunk(data["x"][:, :, piece], **kwargs, cond=data["cond"][:, :, piece],
-                                            cache=cache, start_frame=start, store_kv=i == len(times) - 1,
-                                            text_cache=text_cache, text_key=t))  # fmt: skip
+            outs.append(
+                model.forward_chunk(
+                    data["x"][:, :, piece],
+                    **kwargs,
+                    cond=data["cond"][:, :, piece],
+                    cache=cache,
+                    start_frame=start,
+                    store_kv=i == len(times) - 1,
+                    text_cache=text_cache,
+                    text_key=t,
+                )
+            )
     return outs, cache
 
 
@@ -306,8 +367,10 @@ def test_text_cache_is_bitwise_the_uncached_streaming(backend, patch_size):
         plain, plain_cache = stream_steps(model, data, times, window=2 * chunk, chunk=chunk)
         cached, cached_cache = stream_steps(model, data, times, text_cache, window=2 * chunk, chunk=chunk)
     assert all(torch.equal(a, b) for a, b in zip(plain, cached))
-    assert all(torch.equal(a, b) for a, b in zip(plain_cache.keys + plain_cache.values,
-                                                   cached_cache.keys + cached_cache.values))  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(plain_cache.keys + plain_cache.values, cached_cache.keys + cached_cache.values)
+    )
     assert (text_cache.misses, text_cache.hits) == (4, 12) and sorted(text_cache.entries) == sorted(times)
     blocks = len(model.double_blocks) + len(model.single_blocks)
     hidden, text_len = model.hidden_size, data["text_emb"].shape[1]
@@ -319,10 +382,17 @@ def test_text_cache_cfg_rows_share_one_entry_and_the_null_text_is_its_own_rows()
     (another prompt set: new tensors) drops the entries and refills."""
     model = causal_model()
     data = padded_inputs(t=6, batch=2)
-    null = dict(text_emb=torch.zeros_like(data["text_emb"]), pooled=torch.zeros_like(data["pooled"]),
-                text_mask=torch.ones_like(data["text_mask"]))  # fmt: skip
-    both = dict(data, x=torch.cat([data["x"]] * 2), cond=torch.cat([data["cond"]] * 2),
-                **{k: torch.cat((data[k], null[k])) for k in null})  # fmt: skip
+    null = dict(
+        text_emb=torch.zeros_like(data["text_emb"]),
+        pooled=torch.zeros_like(data["pooled"]),
+        text_mask=torch.ones_like(data["text_mask"]),
+    )
+    both = dict(
+        data,
+        x=torch.cat([data["x"]] * 2),
+        cond=torch.cat([data["cond"]] * 2),
+        **{k: torch.cat((data[k], null[k])) for k in null},
+    )
     text_cache = model.new_text_cache()
     with torch.no_grad():
         plain, _ = stream_steps(model, both, [1.0, 0.0])
@@ -367,5 +437,11 @@ def test_text_cache_is_invalidated_by_in_place_text_edits_weights_and_dtype():
     # fp64 CPU GEMMs round rows differently when the row count changes (measured ~5e-14), unlike fp32 ones
     assert all((a - b).abs().max() <= 1e-12 * b.abs().max() for a, b in zip(out, expected))
     with pytest.raises(ValueError, match="text_key"):
-        model.forward_chunk(data64["x"][:, :, :2], **text_kwargs(data64), cache=model.new_kv_cache(), start_frame=0,
-                            store_kv=False, text_cache=text_cache)  # fmt: skip
+        model.forward_chunk(
+            data64["x"][:, :, :2],
+            **text_kwargs(data64),
+            cache=model.new_kv_cache(),
+            start_frame=0,
+            store_kv=False,
+            text_cache=text_cache,
+        )

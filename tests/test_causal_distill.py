@@ -19,10 +19,16 @@ TINY = dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, mlp_rat
 RUNS = {
     # config, roles, method overrides (tiny clips: 4 latent frames -> 2 chunks of 2)
     "causal_ode": ("configs/distill/causal_ode_demo.py", ("student", "teacher"), "dict(teacher_num_steps=4)"),
-    "causvid": ("configs/distill/causvid_demo.py", ("student", "teacher", "critic"),
-                "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3])"),
-    "self_forcing": ("configs/distill/self_forcing_demo.py", ("student", "teacher", "critic"),
-                     "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3])"),
+    "causvid": (
+        "configs/distill/causvid_demo.py",
+        ("student", "teacher", "critic"),
+        "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3])",
+    ),
+    "self_forcing": (
+        "configs/distill/self_forcing_demo.py",
+        ("student", "teacher", "critic"),
+        "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3])",
+    ),
 }
 
 
@@ -93,7 +99,7 @@ def test_checkpoints_are_namespaced_by_role_and_restore_exactly(run):
     trained = ["student"] if name == "causal_ode" else ["critic", "student"]
     assert roles == trained  # the frozen teacher is rebuilt from its config, never saved
     for role in trained:
-        for ema in ((True, False) if role == "student" else (False,)):
+        for ema in (True, False) if role == "student" else (False,):
             a = load_role_weights(ckpt_full, role=role, ema=ema).state_dict
             b = load_role_weights(ckpt_split, role=role, ema=ema).state_dict
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (role, ema)
@@ -123,8 +129,18 @@ def test_student_exports_alone_and_samples_causally(run, tmp_path):
     for source in (ckpt, exported):
         sampler = VideoSampler.from_config(cfg, source, role="student", device="cpu", dtype="fp32", progress=False)
         assert sampler.model.causal_chunk_frames == cfg.method.num_frames_per_chunk
-        videos.append(sampler.generate(["a red circle moving left"], [7], num_frames=4, height=16, width=16,
-                                       num_steps=None, step_list=list(cfg.method.step_list), guidance_scale=1.0))
+        videos.append(
+            sampler.generate(
+                ["a red circle moving left"],
+                [7],
+                num_frames=4,
+                height=16,
+                width=16,
+                num_steps=None,
+                step_list=list(cfg.method.step_list),
+                guidance_scale=1.0,
+            )
+        )
         # chunk by chunk with the KV cache, as the student is meant to run (and as Self-Forcing trains it)
         stream = StreamingGenerator(sampler, step_list=list(cfg.method.step_list), rollout=rollout)
         chunks = list(stream.stream(["a red circle moving left"], [7], num_frames=4, height=16, width=16))

@@ -14,8 +14,19 @@ from opensora.models.mmdit import MMDiT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-ARCH = dict(in_channels=12, cond_channels=None, patch_size=(1, 2, 2), hidden_size=256, num_heads=4, depth_double=2,
-            depth_single=2, mlp_ratio=4.0, text_dim=64, pooled_dim=64, axes_dims=(16, 24, 24))
+ARCH = dict(
+    in_channels=12,
+    cond_channels=None,
+    patch_size=(1, 2, 2),
+    hidden_size=256,
+    num_heads=4,
+    depth_double=2,
+    depth_single=2,
+    mlp_ratio=4.0,
+    text_dim=64,
+    pooled_dim=64,
+    axes_dims=(16, 24, 24),
+)
 CHUNK, FRAMES = 3, 9
 
 
@@ -32,19 +43,31 @@ def make_inputs(dtype, seed=0, batch=2):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     mask = torch.ones(batch, 20, dtype=torch.bool, device="cuda")
     mask[0, -5:] = False
-    return dict(x=torch.randn(batch, 12, FRAMES, 16, 16, generator=gen, device="cuda").to(dtype),
-                timestep=torch.rand(batch, generator=gen, device="cuda").to(dtype),
-                text_emb=torch.randn(batch, 20, 64, generator=gen, device="cuda").to(dtype), text_mask=mask,
-                pooled=torch.randn(batch, 64, generator=gen, device="cuda").to(dtype))  # fmt: skip
+    return dict(
+        x=torch.randn(batch, 12, FRAMES, 16, 16, generator=gen, device="cuda").to(dtype),
+        timestep=torch.rand(batch, generator=gen, device="cuda").to(dtype),
+        text_emb=torch.randn(batch, 20, 64, generator=gen, device="cuda").to(dtype),
+        text_mask=mask,
+        pooled=torch.randn(batch, 64, generator=gen, device="cuda").to(dtype),
+    )
 
 
 def streamed(model, data, timesteps=None):
     cache, outs = model.new_kv_cache(), []
     for c, start in enumerate(range(0, FRAMES, CHUNK)):
         t = data["timestep"] if timesteps is None else timesteps[:, c]
-        outs.append(model.forward_chunk(data["x"][:, :, start : start + CHUNK], timestep=t, text_emb=data["text_emb"],
-                                        text_mask=data["text_mask"], pooled=data["pooled"], cache=cache,
-                                        start_frame=start, store_kv=True))  # fmt: skip
+        outs.append(
+            model.forward_chunk(
+                data["x"][:, :, start : start + CHUNK],
+                timestep=t,
+                text_emb=data["text_emb"],
+                text_mask=data["text_mask"],
+                pooled=data["pooled"],
+                cache=cache,
+                start_frame=start,
+                store_kv=True,
+            )
+        )
     return torch.cat(outs, dim=2)
 
 
@@ -53,8 +76,10 @@ def check_against_fp32(name, stream_bf16, full_bf16, full_fp32):
     err_stream = (stream_bf16.float() - full_fp32).abs().max().item()
     err_full = (full_bf16.float() - full_fp32).abs().max().item()
     direct = (stream_bf16.float() - full_bf16.float()).abs().max().item()
-    print(f"{name}: scale {scale:.3g}  |stream-fp32| {err_stream:.3g}  |full-fp32| {err_full:.3g}  "
-          f"|stream-full| {direct:.3g} ({direct / scale:.2%})")
+    print(
+        f"{name}: scale {scale:.3g}  |stream-fp32| {err_stream:.3g}  |full-fp32| {err_full:.3g}  "
+        f"|stream-full| {direct:.3g} ({direct / scale:.2%})"
+    )
     assert err_stream <= 1.5 * err_full + 1e-3 * scale
     assert direct <= 0.03 * scale
 

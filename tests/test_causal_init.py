@@ -49,13 +49,26 @@ def test_teacher_trajectory_is_the_guided_inference_sampler(scale):
     teacher = roles["teacher"].unwrap()
 
     def model_fn(x, t, text_emb, text_mask, pooled):
-        return teacher(x, timestep=t, text_emb=text_emb, text_mask=text_mask, pooled=pooled,
-                       cond=torch.zeros(x.shape[0], 49, *x.shape[2:]))
+        return teacher(
+            x,
+            timestep=t,
+            text_emb=text_emb,
+            text_mask=text_mask,
+            pooled=pooled,
+            cond=torch.zeros(x.shape[0], 49, *x.shape[2:]),
+        )
 
     times, positions = merged_schedule(timesteps_for_sampling(6, batch.shift_alpha), method.step_times)
-    ref, trajectory = sample(model_fn, noise, step_list=times.tolist(), cond_kwargs=batch.text,
-                             uncond_kwargs=batch.null_text, guidance_scale=scale, progress=False,
-                             return_trajectory=True)
+    ref, trajectory = sample(
+        model_fn,
+        noise,
+        step_list=times.tolist(),
+        cond_kwargs=batch.text,
+        uncond_kwargs=batch.null_text,
+        guidance_scale=scale,
+        progress=False,
+        return_trajectory=True,
+    )
     torch.testing.assert_close(final, ref, rtol=1e-4, atol=1e-5)
     assert len(states) == len(STEPS)
     torch.testing.assert_close(states[0], noise)

@@ -16,8 +16,17 @@ SEED = 7
 def _roles(booster, model, optimizer, scheduler, ema):
     from opensora.roles import Role
 
-    return {"model": Role(name="model", model=model, trainable=True, optimizer=optimizer, lr_scheduler=scheduler,
-                          booster=booster, ema=ema)}
+    return {
+        "model": Role(
+            name="model",
+            model=model,
+            trainable=True,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            booster=booster,
+            ema=ema,
+        )
+    }
 
 
 def _boosted(precision, init_seed):
@@ -73,9 +82,14 @@ def _checkpoint_scenarios(rank, world_size, outputs, precision):
     booster, model, optimizer, scheduler = parts
     ema = EMA(model, decay=0.9)
     out["first_half"] = _train(*parts, ema, steps=3, first_step=0, precision=precision)
-    saved = ckpt.save_checkpoint(outputs, 3, _roles(booster, model, optimizer, scheduler, ema),
-                                 extra_state={"trainer": {"step": 3, "epoch": 0}, "sampler": {"index": 12}},
-                                 config_text="lr = 1e-2\n", keep_last=2)
+    saved = ckpt.save_checkpoint(
+        outputs,
+        3,
+        _roles(booster, model, optimizer, scheduler, ema),
+        extra_state={"trainer": {"step": 3, "epoch": 0}, "sampler": {"index": 12}},
+        config_text="lr = 1e-2\n",
+        keep_last=2,
+    )
     out["saved"] = str(saved)
     out["rng_after_save"] = (torch.rand(3), float(np.random.rand()), random.random())
 
@@ -94,7 +108,9 @@ def _checkpoint_scenarios(rank, world_size, outputs, precision):
     parts = _boosted(precision, init_seed=99)
     booster, model, optimizer, scheduler = parts
     ema = EMA(model, decay=0.9)
-    loaded = ckpt.load_checkpoint(ckpt.find_latest_checkpoint(outputs), _roles(booster, model, optimizer, scheduler, ema))
+    loaded = ckpt.load_checkpoint(
+        ckpt.find_latest_checkpoint(outputs), _roles(booster, model, optimizer, scheduler, ema)
+    )
     out["loaded_step"], out["extra_state"] = loaded.step, loaded.extra_state
     out["rng_after_load"] = (torch.rand(3), float(np.random.rand()), random.random())
     ckpt_rng = torch.load(loaded.path / "rng" / f"rank{rank}.pt", weights_only=True)
@@ -106,8 +122,13 @@ def _checkpoint_scenarios(rank, world_size, outputs, precision):
 
     # More saves: the crashed tmp dir is cleaned, keep_last=2 drops step 3.
     for step in (4, 5):
-        ckpt.save_checkpoint(outputs, step, _roles(booster, model, optimizer, scheduler, ema),
-                             extra_state={"trainer": {"step": step}}, keep_last=2)
+        ckpt.save_checkpoint(
+            outputs,
+            step,
+            _roles(booster, model, optimizer, scheduler, ema),
+            extra_state={"trainer": {"step": step}},
+            keep_last=2,
+        )
     out["final_listing"] = sorted(p.name for p in (ckpt.checkpoint_root(outputs)).iterdir())
     return out
 
@@ -117,8 +138,7 @@ def runs(tmp_path_factory):
     """{precision: (outputs dir, [rank0 result, rank1 result])}; both precisions share one pair of processes
     so the colossalai import is paid once."""
     outputs = {p: tmp_path_factory.mktemp(f"ckpt_{p}") for p in ("fp32", "bf16")}
-    per_rank = run_distributed(_run_both, world_size=2, args=({p: str(o) for p, o in outputs.items()},),
-                               timeout=240)
+    per_rank = run_distributed(_run_both, world_size=2, args=({p: str(o) for p, o in outputs.items()},), timeout=240)
     return {p: (outputs[p], [r[p] for r in per_rank]) for p in outputs}
 
 
@@ -167,8 +187,15 @@ def test_keep_last_and_tmp_cleanup(runs):
     latest = find_latest_checkpoint(outputs)
     assert latest.name == "step-0000005"
     files = {p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file()}
-    for expected in ("COMPLETE", "meta.json", "model/ema.safetensors", "extra_state.pt", "model/lr_scheduler.pt",
-                     "rng/rank0.pt", "rng/rank1.pt"):
+    for expected in (
+        "COMPLETE",
+        "meta.json",
+        "model/ema.safetensors",
+        "extra_state.pt",
+        "model/lr_scheduler.pt",
+        "rng/rank0.pt",
+        "rng/rank1.pt",
+    ):
         assert expected in files
     assert any(f.startswith("model/model/") for f in files) and any(f.startswith("model/optimizer/") for f in files)
     assert json.loads((latest / "meta.json").read_text())["step"] == 5

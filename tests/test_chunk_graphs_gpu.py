@@ -13,8 +13,19 @@ from opensora.models.mmdit import MMDiT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-ARCH = dict(in_channels=12, cond_channels=None, patch_size=(1, 2, 2), hidden_size=256, num_heads=4, depth_double=2,
-            depth_single=2, mlp_ratio=4.0, text_dim=64, pooled_dim=64, axes_dims=(16, 24, 24))
+ARCH = dict(
+    in_channels=12,
+    cond_channels=None,
+    patch_size=(1, 2, 2),
+    hidden_size=256,
+    num_heads=4,
+    depth_double=2,
+    depth_single=2,
+    mlp_ratio=4.0,
+    text_dim=64,
+    pooled_dim=64,
+    axes_dims=(16, 24, 24),
+)
 CHUNK = 3
 
 
@@ -32,15 +43,28 @@ def run(model, forward, text_cache, chunks=5, window=6, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     mask = torch.ones(2, 20, dtype=torch.bool, device="cuda")
     mask[0, -5:] = False
-    text = dict(text_emb=torch.randn(2, 20, 64, generator=gen, device="cuda").to(torch.bfloat16), text_mask=mask,
-                pooled=torch.randn(2, 64, generator=gen, device="cuda").to(torch.bfloat16))  # fmt: skip
+    text = dict(
+        text_emb=torch.randn(2, 20, 64, generator=gen, device="cuda").to(torch.bfloat16),
+        text_mask=mask,
+        pooled=torch.randn(2, 64, generator=gen, device="cuda").to(torch.bfloat16),
+    )
     cache, outs = model.new_kv_cache(window_frames=window), []
     for c in range(chunks):
         x = torch.randn(2, 12, CHUNK, 16, 16, generator=gen, device="cuda").to(torch.bfloat16)
         for i, t in enumerate((1.0, 0.5, 0.0)):
             timestep = torch.full((2,), t, device="cuda", dtype=torch.bfloat16)
-            outs.append(forward(x, timestep=timestep, **text, cache=cache, start_frame=c * CHUNK, store_kv=i == 2,
-                                text_cache=text_cache, text_key=t).float())  # fmt: skip
+            outs.append(
+                forward(
+                    x,
+                    timestep=timestep,
+                    **text,
+                    cache=cache,
+                    start_frame=c * CHUNK,
+                    store_kv=i == 2,
+                    text_cache=text_cache,
+                    text_key=t,
+                ).float()
+            )
     return outs
 
 

@@ -87,8 +87,7 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 def test_parse_overrides_forms():
     argv = ["--a.b", "1", "--c=x=y", "--flag", "--d-e.f_g", "-2", "--h="]
-    assert parse_overrides(argv) == [
-        ("a.b", "1"), ("c", "x=y"), ("flag", BARE_FLAG), ("d-e.f_g", "-2"), ("h", "")]
+    assert parse_overrides(argv) == [("a.b", "1"), ("c", "x=y"), ("flag", BARE_FLAG), ("d-e.f_g", "-2"), ("h", "")]
 
 
 @pytest.mark.parametrize("argv", [["stray"], ["--a", "1", "stray"], ["--"], ["-x", "1"], ["--a..b", "1"]])
@@ -142,8 +141,9 @@ def test_values_are_cast_to_the_existing_type(cfg, key, raw, expected):
 
 def test_nested_keys_are_cast_too(cfg):
     # Open-Sora 2.0 left nested override values as strings; here they take the existing type.
-    new = apply_overrides(cfg, ["--model.depth", "3", "--model.mlp_ratio", "1.5", "--model.qk_norm=false",
-                                "--model.patch_size", "1,4,4"])
+    new = apply_overrides(
+        cfg, ["--model.depth", "3", "--model.mlp_ratio", "1.5", "--model.qk_norm=false", "--model.patch_size", "1,4,4"]
+    )
     assert new.model.depth == 3 and type(new.model.depth) is int
     assert new.model.mlp_ratio == 1.5 and new.model.qk_norm is False
     assert new.model.patch_size == (1, 4, 4)
@@ -232,8 +232,21 @@ def test_new_keys_only_under_opened_prefixes(cfg):
 
 def test_original_config_is_not_mutated(cfg):
     before = cfg.to_dict()
-    new = apply_overrides(cfg, ["--model.depth", "1", "--model.blocks.0.depth", "7", "--wandb.project", "p",
-                                "--optim.betas", "0.1,0.2", "--model.extra.k", "v"])
+    new = apply_overrides(
+        cfg,
+        [
+            "--model.depth",
+            "1",
+            "--model.blocks.0.depth",
+            "7",
+            "--wandb.project",
+            "p",
+            "--optim.betas",
+            "0.1,0.2",
+            "--model.extra.k",
+            "v",
+        ],
+    )
     assert cfg.to_dict() == before
     assert new is not cfg and new.model.depth == 1
     assert new.filename == cfg.filename
@@ -265,14 +278,21 @@ def test_save_config_round_trip(cfg, tmp_outputs):
 
 # ---------------------------------------------------------------------------------------------- scripts
 
-TRAIN_FLAGS = {"outputs": "outputs/default", "max_steps": None, "ckpt_every": 100, "load": None,
-               "resume": None, "seed": 0}
+TRAIN_FLAGS = {
+    "outputs": "outputs/default",
+    "max_steps": None,
+    "ckpt_every": 100,
+    "load": None,
+    "resume": None,
+    "seed": 0,
+}
 
 
 def test_cli_script_flags_map_onto_config_keys(child_path):
     cfg, args = load_config_from_cli(
         [str(child_path), "--max-steps", "10", "--outputs=/tmp/run", "--model.depth", "2", "--ckpt-every", "5"],
-        script_flags=TRAIN_FLAGS)
+        script_flags=TRAIN_FLAGS,
+    )
     assert cfg.max_steps == 10 and cfg.outputs == "/tmp/run" and cfg.ckpt_every == 5 and cfg.model.depth == 2
     assert cfg.load is None and cfg.resume is None  # absent from the config: created with the default
     assert cfg.seed == 42  # present in the config: the config wins over the script default

@@ -21,8 +21,16 @@ from opensora.models.mmdit import MMDiT, patchify, unpatchify
 from opensora.models.mmdit.rope import video_position_ids
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(in_channels=16, hidden_size=64, num_heads=2, depth_double=2, depth_single=2, text_dim=32, pooled_dim=24,
-            axes_dims=(8, 12, 12))
+TINY = dict(
+    in_channels=16,
+    hidden_size=64,
+    num_heads=2,
+    depth_double=2,
+    depth_single=2,
+    text_dim=32,
+    pooled_dim=24,
+    axes_dims=(8, 12, 12),
+)
 
 
 def _cli():
@@ -38,9 +46,20 @@ def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     run = lambda *args: subprocess.run([sys.executable, *args], cwd=REPO, check=True, capture_output=True, text=True)
     run("tools/make_demo_dataset.py", "--out", str(root / "data"), "--num", "8", "--seed", "0")
-    run("scripts/diffusion/train.py", "configs/diffusion/train/demo.py", "--outputs", str(root / "train"),
-        "--max-steps", "2", "--dataset.data_path", str(root / "data" / "meta.csv"), "--num-workers", "0",
-        "--tensorboard", "False")
+    run(
+        "scripts/diffusion/train.py",
+        "configs/diffusion/train/demo.py",
+        "--outputs",
+        str(root / "train"),
+        "--max-steps",
+        "2",
+        "--dataset.data_path",
+        str(root / "data" / "meta.csv"),
+        "--num-workers",
+        "0",
+        "--tensorboard",
+        "False",
+    )
     path = root / "train" / "checkpoints" / "step-0000002"
     assert (path / "COMPLETE").is_file()
     return path
@@ -57,8 +76,9 @@ def _randomise(module, seed=0):
     with torch.no_grad():
         for name, param in module.named_parameters():
             noise = torch.randn(param.shape, generator=generator) * 0.2
-            is_norm = name.endswith(("_scale", "norm_q.weight", "norm_k.weight", "norm_added_q.weight",
-                                     "norm_added_k.weight"))
+            is_norm = name.endswith(
+                ("_scale", "norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")
+            )
             param.copy_(noise + (1.0 if is_norm else 0.0))
     return module
 
@@ -131,7 +151,11 @@ def test_opensora2_round_trip_is_lossless(checkpoint, tmp_path, fused_qkv):
     assert set(restored) == set(source)
     assert all(torch.equal(restored[k], source[k]) for k in source)
     meta = _metadata(back)
-    assert meta["step"] == "2" and meta["source"] == "opensora2" and meta["config"] == (checkpoint / "config.py").read_text()
+    assert (
+        meta["step"] == "2"
+        and meta["source"] == "opensora2"
+        and meta["config"] == (checkpoint / "config.py").read_text()
+    )
 
 
 def test_opensora2_import_infers_architecture(tmp_path):
@@ -140,8 +164,19 @@ def test_opensora2_import_infers_architecture(tmp_path):
     save_file(opensora2.to_opensora2(model.state_dict()), str(theirs))  # no metadata, like a foreign file
     result = import_weights(theirs, tmp_path / "ours.safetensors", "opensora", axes_dims=TINY["axes_dims"])
     arch = arch_from_json(result.metadata["arch"], str(result.path))
-    for key in ("in_channels", "cond_channels", "hidden_size", "num_heads", "depth_double", "depth_single",
-                "text_dim", "pooled_dim", "guidance_embed", "patch_size", "mlp_ratio"):
+    for key in (
+        "in_channels",
+        "cond_channels",
+        "hidden_size",
+        "num_heads",
+        "depth_double",
+        "depth_single",
+        "text_dim",
+        "pooled_dim",
+        "guidance_embed",
+        "patch_size",
+        "mlp_ratio",
+    ):
         assert arch[key] == model.arch[key], key
     rebuilt = MMDiT(**arch)
     rebuilt.load_state_dict(load_file(str(result.path)), strict=True)
@@ -187,9 +222,15 @@ def _ours(model, x, t, text, pooled, guidance):
 def _diffusers(flux, x, t, text, pooled, guidance):
     """The Flux pipeline's view: our patchify as the 2x2 packing, ids (0, h, w), text ids 0, t in [0, 1]."""
     grid = (1, x.shape[3] // 2, x.shape[4] // 2)
-    out = flux(hidden_states=patchify(x, (1, 2, 2)), encoder_hidden_states=text, pooled_projections=pooled,
-               timestep=t, img_ids=video_position_ids(*grid).float(), txt_ids=torch.zeros(text.shape[1], 3),
-               guidance=guidance).sample
+    out = flux(
+        hidden_states=patchify(x, (1, 2, 2)),
+        encoder_hidden_states=text,
+        pooled_projections=pooled,
+        timestep=t,
+        img_ids=video_position_ids(*grid).float(),
+        txt_ids=torch.zeros(text.shape[1], 3),
+        guidance=guidance,
+    ).sample
     return unpatchify(out, grid, (1, 2, 2))
 
 
@@ -221,10 +262,12 @@ def test_diffusers_flux_to_ours_matches(tmp_path, guidance_embed):
     t = torch.tensor([0.5, 0.25])
     guidance16 = guidance.bfloat16() if guidance is not None else None
     reference = _ours(model, x, t, text, pooled, guidance)
-    expected16 = _diffusers(flux.to(torch.bfloat16), x.bfloat16(), t.bfloat16(), text.bfloat16(), pooled.bfloat16(),
-                            guidance16)
-    actual16 = _ours(model.to(torch.bfloat16), x.bfloat16(), t.bfloat16(), text.bfloat16(), pooled.bfloat16(),
-                     guidance16)
+    expected16 = _diffusers(
+        flux.to(torch.bfloat16), x.bfloat16(), t.bfloat16(), text.bfloat16(), pooled.bfloat16(), guidance16
+    )
+    actual16 = _ours(
+        model.to(torch.bfloat16), x.bfloat16(), t.bfloat16(), text.bfloat16(), pooled.bfloat16(), guidance16
+    )
     scale = reference.abs().max()
     assert (actual16.float() - reference).abs().max() < 0.05 * scale
     assert (actual16.float() - expected16.float()).abs().max() < 0.05 * scale

@@ -111,7 +111,11 @@ def test_sample_shapes_range_and_registry(good_csv):
     assert sample["video"].shape == (3, 8, 24, 40) and sample["video"].dtype == torch.float32
     assert -1.0 <= sample["video"].min() <= sample["video"].max() <= 1.0
     assert (sample["text"], sample["fps"], sample["num_frames"], sample["height"], sample["width"]) == (
-        "caption 0", FPS, 8, 24, 40,
+        "caption 0",
+        FPS,
+        8,
+        24,
+        40,
     )
     assert dataset[1]["video"].shape == (3, 4, 16, 16)  # plain int: default clip shape
     assert dataset[(1, 2, 40, 24)]["video"].shape == (3, 2, 40, 24)

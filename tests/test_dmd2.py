@@ -77,8 +77,9 @@ def test_renoise_rollout_lands_on_the_step_time():
     from test_methods_framework import make_components, make_dmd2_roles, tiny_batch
 
     roles = make_dmd2_roles()
-    method = build_module(dict(type="DMD2", step_list=[1.0, 0.5], rollout="renoise"), METHODS, roles=roles,
-                          components=make_components())
+    method = build_module(
+        dict(type="DMD2", step_list=[1.0, 0.5], rollout="renoise"), METHODS, roles=roles, components=make_components()
+    )
     batch = method.adapter.prepare_batch(tiny_batch(1))
     noise = method.adapter.noise(batch)
     torch.manual_seed(5)
@@ -114,7 +115,7 @@ def _write_run_config(tmp: Path) -> Path:
 
     weights = f'dict(path="{tmp / "teacher.safetensors"}")'
     role = lambda extra="": f"dict(model=dict(**_tiny), init_from={weights}{extra})"  # noqa: E731
-    text = f"""_base_ = ["{REPO / 'configs/distill/dmd2_demo.py'}"]
+    text = f"""_base_ = ["{REPO / "configs/distill/dmd2_demo.py"}"]
 _tiny = {TINY!r}
 dataset = dict(_delete_=True, type="VideoTextDataset", data_path="{meta}", frame_interval=1)
 bucket_config = dict(_delete_=True, **{{"16x16": {{4: (1.0, 2)}}}})
@@ -136,7 +137,6 @@ def _train_three_ways(rank, world_size, config, root):
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     from opensora.training.launch import main
-
 
     main([config, "--outputs", f"{root}/full", "--max-steps", "6"])
     main([config, "--outputs", f"{root}/split", "--max-steps", "3"])
@@ -204,6 +204,16 @@ def test_student_exports_alone_and_samples_with_its_step_list(distill_runs, tmp_
     videos = []
     for source in (ckpt, exported):
         sampler = VideoSampler.from_config(cfg, source, role="student", device="cpu", dtype="fp32", progress=False)
-        videos.append(sampler.generate(["a red circle moving left"], [7], num_frames=4, height=16, width=16,
-                                       num_steps=None, step_list=list(cfg.method.step_list), guidance_scale=1.0))
+        videos.append(
+            sampler.generate(
+                ["a red circle moving left"],
+                [7],
+                num_frames=4,
+                height=16,
+                width=16,
+                num_steps=None,
+                step_list=list(cfg.method.step_list),
+                guidance_scale=1.0,
+            )
+        )
     assert torch.equal(videos[0], videos[1])

@@ -37,11 +37,12 @@ print({marker!r} + json.dumps(sorted(sys.modules)))
 
 
 def loaded_modules(target: str, *args) -> list:
-    result = subprocess.run([sys.executable, "-c", PROBE, target, *map(str, args)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, target, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith(MARKER))
-    return json.loads(line[len(MARKER):])
+    return json.loads(line[len(MARKER) :])
 
 
 def assert_not_loaded(modules: list, packages) -> None:
@@ -69,9 +70,22 @@ def test_inference_help_loads_no_training_stack():
 
 
 def test_sampling_from_a_checkpoint_loads_no_training_stack(outputs, tmp_path):
-    modules = loaded_modules(str(ROOT / "scripts/diffusion/inference.py"), SAMPLE_CONFIG, "--ckpt", outputs,
-                             "--prompt", "a red circle moving left", "--num-steps", 1, "--num-frames", 2,
-                             "--save-dir", tmp_path / "samples", "--progress", "false")
+    modules = loaded_modules(
+        str(ROOT / "scripts/diffusion/inference.py"),
+        SAMPLE_CONFIG,
+        "--ckpt",
+        outputs,
+        "--prompt",
+        "a red circle moving left",
+        "--num-steps",
+        1,
+        "--num-frames",
+        2,
+        "--save-dir",
+        tmp_path / "samples",
+        "--progress",
+        "false",
+    )
     assert (tmp_path / "samples" / "samples.csv").is_file()
     assert "opensora.inference.pipeline" in modules and "opensora.models.mmdit.model" in modules
     assert_not_loaded(modules, TRAINING_STACK + ("opensora.methods",))
@@ -79,8 +93,9 @@ def test_sampling_from_a_checkpoint_loads_no_training_stack(outputs, tmp_path):
 
 def test_converter_loads_no_training_stack(outputs, tmp_path):
     step = checkpoint_dir(outputs, 1)
-    modules = loaded_modules(str(ROOT / "tools/convert_checkpoint.py"), step, tmp_path / "model.safetensors",
-                             "--dtype", "bf16")
+    modules = loaded_modules(
+        str(ROOT / "tools/convert_checkpoint.py"), step, tmp_path / "model.safetensors", "--dtype", "bf16"
+    )
     assert (tmp_path / "model.safetensors").is_file()
     assert_not_loaded(modules, TRAINING_STACK + ("opensora.methods",))
 

@@ -44,9 +44,25 @@ def dataset_csv(workdir):
 def checkpoint(workdir, dataset_csv):
     """A real training checkpoint directory (EMA + sharded model) from 2 steps of the demo trainer."""
     outputs = workdir / "train"
-    cmd = [sys.executable, str(ROOT / "scripts/diffusion/train.py"), str(TRAIN_CONFIG), "--outputs", str(outputs),
-           "--max-steps", "2", "--ckpt-every", "2", "--dataset.data_path", str(dataset_csv), "--num-workers", "0",
-           "--bucket_config", "{'32x32': {16: (1.0, 2)}}", "--tensorboard", "false"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/diffusion/train.py"),
+        str(TRAIN_CONFIG),
+        "--outputs",
+        str(outputs),
+        "--max-steps",
+        "2",
+        "--ckpt-every",
+        "2",
+        "--dataset.data_path",
+        str(dataset_csv),
+        "--num-workers",
+        "0",
+        "--bucket_config",
+        "{'32x32': {16: (1.0, 2)}}",
+        "--tensorboard",
+        "false",
+    ]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ckpt = outputs / "checkpoints" / "step-0000002"
@@ -170,8 +186,9 @@ def test_model_passes_per_step(sampler, reference_image):
         sampler.generate(PROMPTS[:2], [0, 1], **GEN)  # t2v with text CFG: 2 passes
         assert counter.batches == [2 * 2] * STEPS
         counter.batches.clear()
-        sampler.generate(PROMPTS[:2], [0, 1], cond_type="i2v_head", ref=reference_image[0],
-                         image_guidance_scale=2.0, **GEN)  # image + text CFG: 3 passes
+        sampler.generate(
+            PROMPTS[:2], [0, 1], cond_type="i2v_head", ref=reference_image[0], image_guidance_scale=2.0, **GEN
+        )  # image + text CFG: 3 passes
         assert counter.batches == [3 * 2] * STEPS
         counter.batches.clear()
         sampler.generate(PROMPTS[:1], [0], **{**GEN, "guidance_scale": 1.0})  # no guidance: 1 pass
@@ -204,14 +221,27 @@ def test_shift_matches_training_method(sampler, cfg):
 
 # ---- CLI -----------------------------------------------------------------------------------------------------
 def _cli(args):
-    return cli.main([str(SAMPLE_CONFIG), "--num-frames", str(FRAMES), "--num-steps", str(STEPS),
-                     "--no-progress", *map(str, args)])
+    return cli.main(
+        [str(SAMPLE_CONFIG), "--num-frames", str(FRAMES), "--num-steps", str(STEPS), "--no-progress", *map(str, args)]
+    )
 
 
 def test_cli_t2v_from_checkpoint_dir(checkpoint, dataset_csv, tmp_path):
     save_dir = tmp_path / "samples"
-    written = _cli(["--ckpt", checkpoint.parent.parent, "--prompt-file", dataset_csv, "--save-dir", save_dir,
-                    "--batch-size", 3, "--seed", 7])  # an outputs dir: its newest checkpoint
+    written = _cli(
+        [
+            "--ckpt",
+            checkpoint.parent.parent,
+            "--prompt-file",
+            dataset_csv,
+            "--save-dir",
+            save_dir,
+            "--batch-size",
+            3,
+            "--seed",
+            7,
+        ]
+    )  # an outputs dir: its newest checkpoint
     prompts = read_prompt_file(dataset_csv)
     assert [p.name for p in written] == [f"{sample_stem(i, p)}.mp4" for i, p in enumerate(prompts)]
     for index, path in enumerate(written):
@@ -236,8 +266,22 @@ def test_cli_i2v_from_random_init_safetensors(cfg, dataset_csv, tmp_path):
     image = read_video(Path(dataset_csv).parent / "videos" / "000001.mp4")[:1]  # a MovingShapes frame
     path = tmp_path / "frame.png"
     write_video(path, image)
-    written = _cli(["--ckpt", file, "--prompt", "a red circle moving left", "--save-dir", save_dir,
-                    "--cond-type", "i2v_head", "--ref", path, "--image-guidance-scale", 2.0])
+    written = _cli(
+        [
+            "--ckpt",
+            file,
+            "--prompt",
+            "a red circle moving left",
+            "--save-dir",
+            save_dir,
+            "--cond-type",
+            "i2v_head",
+            "--ref",
+            path,
+            "--image-guidance-scale",
+            2.0,
+        ]
+    )
     frames = read_video(written[0]).astype(int)
     assert frames.shape == (FRAMES, SIZE, SIZE, 3)
     expected = expected_reference_frames(image)[0].numpy().astype(int)
@@ -245,8 +289,20 @@ def test_cli_i2v_from_random_init_safetensors(cfg, dataset_csv, tmp_path):
     assert np.abs(frames[0] - expected).mean() < 4 < np.abs(frames[1] - expected).mean()
     side = json.loads(written[0].with_suffix(".json").read_text())
     assert side["cond_type"] == "i2v_head" and side["ref"] == str(path) and side["weights_source"] == "file"
-    one = _cli(["--ckpt", file, "--prompt", "a red square", "--save-dir", save_dir, "--num-frames", 1,
-                "--step-list", "1.0,0.5"])
+    one = _cli(
+        [
+            "--ckpt",
+            file,
+            "--prompt",
+            "a red square",
+            "--save-dir",
+            save_dir,
+            "--num-frames",
+            1,
+            "--step-list",
+            "1.0,0.5",
+        ]
+    )
     assert one[0].suffix == ".png" and read_video(one[0]).shape == (1, SIZE, SIZE, 3)
     side = json.loads(one[0].with_suffix(".json").read_text())
     assert side["step_list"] == [1.0, 0.5] and side["num_steps"] == 2

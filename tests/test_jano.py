@@ -27,8 +27,18 @@ GRID = (2, 4, 4)  # latent (2, 8, 8) with patch (1, 2, 2): 32 video tokens
 
 
 def tiny_model(seed=0):
-    cfg = mmdit_config("tiny", text_dim=TEXT_DIM, pooled_dim=POOLED_DIM, in_channels=4, cond_channels=5,
-                       hidden_size=64, num_heads=2, axes_dims=(8, 12, 12), depth_double=2, depth_single=2)  # fmt: skip
+    cfg = mmdit_config(
+        "tiny",
+        text_dim=TEXT_DIM,
+        pooled_dim=POOLED_DIM,
+        in_channels=4,
+        cond_channels=5,
+        hidden_size=64,
+        num_heads=2,
+        axes_dims=(8, 12, 12),
+        depth_double=2,
+        depth_single=2,
+    )
     cfg.pop("type")
     model = MMDiT(**cfg).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -49,9 +59,14 @@ def inputs(batch=2, text_len=6, padded=True, with_cond=True, seed=0):
         cond = torch.zeros(batch, 5, 2, 8, 8)
         cond[:, 0, 0] = 1  # frame 0 given (i2v_head-like)
         cond[:, 1:, 0] = torch.randn(batch, 4, 8, 8, generator=gen)
-    return dict(x=torch.randn(batch, 4, 2, 8, 8, generator=gen), timestep=torch.rand(batch, generator=gen),
-                text_emb=torch.randn(batch, text_len, TEXT_DIM, generator=gen), text_mask=mask,
-                pooled=torch.randn(batch, POOLED_DIM, generator=gen), cond=cond)  # fmt: skip
+    return dict(
+        x=torch.randn(batch, 4, 2, 8, 8, generator=gen),
+        timestep=torch.rand(batch, generator=gen),
+        text_emb=torch.randn(batch, text_len, TEXT_DIM, generator=gen),
+        text_mask=mask,
+        pooled=torch.randn(batch, POOLED_DIM, generator=gen),
+        cond=cond,
+    )
 
 
 def random_plan(rows=2, n=32, seed=0):
@@ -147,11 +162,15 @@ def sampler_for(model):
 
 def denoise(sampler, batch, steps=8, guidance=3.0, image_guidance=1.0):
     text = dict(text_emb=batch["text_emb"], text_mask=batch["text_mask"], pooled=batch["pooled"])
-    null = dict(text_emb=torch.zeros_like(batch["text_emb"]), text_mask=batch["text_mask"],
-                pooled=torch.zeros_like(batch["pooled"]))  # fmt: skip
+    null = dict(
+        text_emb=torch.zeros_like(batch["text_emb"]),
+        text_mask=batch["text_mask"],
+        pooled=torch.zeros_like(batch["pooled"]),
+    )
     condition = PreparedCondition(batch["cond"], torch.zeros_like(batch["cond"]), True)
-    return sampler.denoise(batch["x"], text, null, condition, num_steps=steps, guidance_scale=guidance,
-                           image_guidance_scale=image_guidance)
+    return sampler.denoise(
+        batch["x"], text, null, condition, num_steps=steps, guidance_scale=guidance, image_guidance_scale=image_guidance
+    )
 
 
 def test_sampler_without_jano_is_unchanged_and_all_active_jano_is_bit_identical():
@@ -259,10 +278,30 @@ def test_cli_jano_flag_samples_and_records_its_settings(tmp_path):
     config = root / "configs/diffusion/inference/demo.py"
     file = tmp_path / "random.safetensors"
     save_file(build_module(load_config(config).model, MODELS).state_dict(), str(file))
-    written = cli.main([str(config), "--ckpt", str(file), "--prompt", "a red circle moving left|a blue square",
-                        "--save-dir", str(tmp_path / "jano"), "--num-frames", "4", "--num-steps", "5",
-                        "--batch-size", "2", "--no-progress", "--jano", "--jano-offload",
-                        "--jano-settings.warmup_steps", "2", "--jano-settings.cooldown_steps", "1"])  # fmt: skip
+    written = cli.main(
+        [
+            str(config),
+            "--ckpt",
+            str(file),
+            "--prompt",
+            "a red circle moving left|a blue square",
+            "--save-dir",
+            str(tmp_path / "jano"),
+            "--num-frames",
+            "4",
+            "--num-steps",
+            "5",
+            "--batch-size",
+            "2",
+            "--no-progress",
+            "--jano",
+            "--jano-offload",
+            "--jano-settings.warmup_steps",
+            "2",
+            "--jano-settings.cooldown_steps",
+            "1",
+        ]
+    )
     assert len(written) == 2
     side = json.loads(written[0].with_suffix(".json").read_text())
     assert side["jano"]["warmup_steps"] == 2 and side["jano"]["store"] == "offload"  # a CPU run keeps it on the CPU
@@ -306,8 +345,14 @@ def test_benchmark_copy_overlap_summary(tmp_path):
     spec.loader.exec_module(bench)
     kernel = lambda ts, dur: dict(ph="X", cat="kernel", name="gemm", ts=ts, dur=dur, args=dict(stream=7))  # noqa
     copy = lambda ts, name: dict(ph="X", cat="gpu_memcpy", name=name, ts=ts, dur=10, args=dict(stream=9))  # noqa
-    events = [kernel(0, 10), kernel(5, 10), kernel(30, 10), copy(10, "Memcpy HtoD (Pinned -> Device)"),
-              copy(35, "Memcpy DtoH (Device -> Pinned)"), copy(50, "Memcpy HtoD (Pinned -> Device)")]  # fmt: skip
+    events = [
+        kernel(0, 10),
+        kernel(5, 10),
+        kernel(30, 10),
+        copy(10, "Memcpy HtoD (Pinned -> Device)"),
+        copy(35, "Memcpy DtoH (Device -> Pinned)"),
+        copy(50, "Memcpy HtoD (Pinned -> Device)"),
+    ]
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps(dict(traceEvents=events)))
     summary = bench.copy_overlap(str(trace))

@@ -101,8 +101,18 @@ def test_bad_lora_settings_are_one_line_errors():
     with pytest.raises(ConfigKeyError, match="needs 'models.model.init_from'"):
         role_configs(dict(model=dict(type="MMDiT"), lora=dict(rank=4, target_modules=["qkv"])))
     with pytest.raises(ConfigKeyError, match="frozen role"):
-        role_configs(dict(models=dict(teacher=dict(model=dict(type="MMDiT"), trainable=False, init_from="x",
-                                                   lora=dict(rank=4, target_modules=["qkv"])))))
+        role_configs(
+            dict(
+                models=dict(
+                    teacher=dict(
+                        model=dict(type="MMDiT"),
+                        trainable=False,
+                        init_from="x",
+                        lora=dict(rank=4, target_modules=["qkv"]),
+                    )
+                )
+            )
+        )
     with pytest.raises(ConfigKeyError, match=r"top-level \['lora'\] would be ignored"):
         role_configs(dict(models=dict(student=dict(model=dict(type="MMDiT"))), lora=dict(rank=4)))
     resolved = role_configs(dict(model=dict(type="MMDiT"), init_from="x", lora=dict(rank=4, target_modules="qkv")))
@@ -164,8 +174,9 @@ def test_checkpoint_holds_only_the_adapter_and_resume_is_exact_on_one_rank(one_r
     assert optimizer_bytes < setup["base"].stat().st_size / 3
     split_adapter = load_file(str(one_rank / "split/checkpoints/step-0000004/model/adapter.safetensors"))
     assert all(torch.equal(adapter[k], split_adapter[k]) for k in adapter)
-    assert any(k.split(".lora_")[1].startswith("B") and adapter[k].abs().sum() > 0 for k in adapter), \
+    assert any(k.split(".lora_")[1].startswith("B") and adapter[k].abs().sum() > 0 for k in adapter), (
         "lora_B never moved from zero"
+    )
 
 
 def test_resume_on_a_different_base_is_refused(one_rank, setup, tmp_path):
@@ -175,8 +186,19 @@ def test_resume_on_a_different_base_is_refused(one_rank, setup, tmp_path):
     other = tmp_path / "other.safetensors"
     save_file({k: v.contiguous() for k, v in _base_model(seed=1).state_dict().items()}, str(other))
     with pytest.raises(UserInputError, match="not the ones this adapter was trained on"):
-        main([str(setup["config"]), "--outputs", str(tmp_path / "run"), "--max-steps", "4", "--init_from", str(other),
-              "--load", str(one_rank / "full" / "checkpoints" / "step-0000002")])
+        main(
+            [
+                str(setup["config"]),
+                "--outputs",
+                str(tmp_path / "run"),
+                "--max-steps",
+                "4",
+                "--init_from",
+                str(other),
+                "--load",
+                str(one_rank / "full" / "checkpoints" / "step-0000002"),
+            ]
+        )
 
 
 # ---- two ranks, bf16 (fp32 masters restored): exact resume ----------------------------------------------------
@@ -249,7 +271,7 @@ def test_dmd2_trains_a_lora_student(setup, tmp_path, critic_lora):
     critic_extra = f", lora=dict(rank=2, target_modules={TARGETS!r})" if critic_lora else ""
     config = tmp_path / "dmd2_lora.py"
     config.write_text(f"""_base_ = [{str(DMD2_CONFIG)!r}]
-dataset = dict(_delete_=True, type="VideoTextDataset", data_path={str(setup['csv'])!r}, frame_interval=1)
+dataset = dict(_delete_=True, type="VideoTextDataset", data_path={str(setup["csv"])!r}, frame_interval=1)
 bucket_config = dict(_delete_=True, **{{"32x32": {{4: (1.0, 2)}}}})
 num_workers = 0
 tensorboard = False

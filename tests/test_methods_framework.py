@@ -17,8 +17,17 @@ from opensora.training.role_builder import build_optimizer, warmup_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 
-TINY_MMDIT = mmdit_config("tiny", in_channels=48, cond_channels=49, hidden_size=32, num_heads=2, depth_double=1,
-                          depth_single=1, mlp_ratio=2.0, axes_dims=(4, 6, 6))  # PatchVAE(4) latents, a smaller net
+TINY_MMDIT = mmdit_config(
+    "tiny",
+    in_channels=48,
+    cond_channels=49,
+    hidden_size=32,
+    num_heads=2,
+    depth_double=1,
+    depth_single=1,
+    mlp_ratio=2.0,
+    axes_dims=(4, 6, 6),
+)  # PatchVAE(4) latents, a smaller net
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -27,8 +36,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 def make_components() -> Components:
     vae = build_module(dict(type="PatchVAE", patch_size=4, temporal_patch_size=1), MODELS).eval()
     text = build_module(dict(type="TextConditioner", seed=0), MODELS)
-    return Components(vae=vae, text_encoder=text, device=torch.device("cpu"), dtype=torch.float32,
-                      null_text=text.null_embeddings(1))
+    return Components(
+        vae=vae, text_encoder=text, device=torch.device("cpu"), dtype=torch.float32, null_text=text.null_embeddings(1)
+    )
 
 
 def make_role(name, network, trainable, lr=1e-3, warmup=0) -> Role:
@@ -36,8 +46,14 @@ def make_role(name, network, trainable, lr=1e-3, warmup=0) -> Role:
         return Role(name=name, model=network.eval().requires_grad_(False), trainable=False)
     optimizer = build_optimizer(network.parameters(), dict(lr=lr))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(warmup))
-    return Role(name=name, model=network, trainable=True, optimizer=OptimizerWrapper(optimizer),
-                lr_scheduler=scheduler, grad_clip=1.0)
+    return Role(
+        name=name,
+        model=network,
+        trainable=True,
+        optimizer=OptimizerWrapper(optimizer),
+        lr_scheduler=scheduler,
+        grad_clip=1.0,
+    )
 
 
 def make_dmd2_roles(student_warmup=4, critic_warmup=20, seed=0):
@@ -58,8 +74,10 @@ def make_dmd2_roles(student_warmup=4, critic_warmup=20, seed=0):
 
 def tiny_batch(batch_size=1):
     # video [B, 3, 4, 16, 16] -> PatchVAE(4) latent [B, 48, 4, 4, 4]: 16 tokens
-    return dict(video=torch.rand(batch_size, 3, 4, 16, 16) * 2 - 1,
-                text=["a red circle moves left", "a blue square moves up"][:batch_size])
+    return dict(
+        video=torch.rand(batch_size, 3, 4, 16, 16) * 2 - 1,
+        text=["a red circle moves left", "a blue square moves up"][:batch_size],
+    )
 
 
 def trainer_like_step(method, roles, batch, iteration):
@@ -98,16 +116,24 @@ def test_methods_and_adapters_resolve_through_registries():
     assert METHODS.get("DMD2") is not None and METHODS.get("FlowMatching") is not None
     assert ADAPTERS.get("MMDiTAdapter") is not None
     with pytest.raises(KeyError, match="NoSuchAdapter"):
-        build_module(dict(type="DMD2", adapter=dict(type="NoSuchAdapter")), METHODS, roles=make_dmd2_roles(),
-                     components=make_components())
+        build_module(
+            dict(type="DMD2", adapter=dict(type="NoSuchAdapter")),
+            METHODS,
+            roles=make_dmd2_roles(),
+            components=make_components(),
+        )
 
 
 # ---- two-time-scale schedule: optimizers and schedulers stay aligned -----------------------------------------
 def test_alternation_keeps_schedulers_aligned_over_50_iterations():
     torch.manual_seed(0)
     roles = make_dmd2_roles(student_warmup=4, critic_warmup=20)
-    method = build_module(dict(type="DMD2", student_update_every=5, step_list=[1.0, 0.5], guidance_scale=2.0),
-                          METHODS, roles=roles, components=make_components())
+    method = build_module(
+        dict(type="DMD2", student_update_every=5, step_list=[1.0, 0.5], guidance_scale=2.0),
+        METHODS,
+        roles=roles,
+        components=make_components(),
+    )
     teacher_before = {k: v.clone() for k, v in roles["teacher"].unwrap().state_dict().items()}
     batch = tiny_batch()
     lrs = {"student": [], "critic": []}
@@ -140,20 +166,20 @@ def test_each_loss_reaches_only_its_role():
     critic loss to the critic only (the two terms touch disjoint parameters)."""
     torch.manual_seed(1)
     roles = make_dmd2_roles()
-    method = build_module(dict(type="DMD2", student_update_every=2), METHODS, roles=roles,
-                          components=make_components())
+    method = build_module(dict(type="DMD2", student_update_every=2), METHODS, roles=roles, components=make_components())
     student_params = list(roles["student"].unwrap().parameters())
     critic_params = list(roles["critic"].unwrap().parameters())
     loss_map, _ = method.single_train_step(tiny_batch(2), iteration=0)
-    generator_grads = torch.autograd.grad(loss_map["total_loss"], student_params, retain_graph=True,
-                                          allow_unused=True)
+    generator_grads = torch.autograd.grad(loss_map["total_loss"], student_params, retain_graph=True, allow_unused=True)
     assert any(g is not None and g.abs().sum() > 0 for g in generator_grads)
     # critic gradient of the total loss == critic gradient of the critic loss alone: recompute from scratch
     torch.manual_seed(2)
     loss_map, _ = method.single_train_step(tiny_batch(2), iteration=1)  # critic-only iteration
     assert "generator_loss" not in loss_map
-    assert all(g is None for g in torch.autograd.grad(loss_map["total_loss"], student_params, retain_graph=True,
-                                                      allow_unused=True))
+    assert all(
+        g is None
+        for g in torch.autograd.grad(loss_map["total_loss"], student_params, retain_graph=True, allow_unused=True)
+    )
     assert any(g is not None for g in torch.autograd.grad(loss_map["total_loss"], critic_params, allow_unused=True))
 
 
@@ -187,14 +213,16 @@ def test_adapter_predictions_match_flow_matching_identities():
         v_null = adapter.predict_velocity(handle, noisy, t, batch, conditional=False)
         text = batch.text
         cond = torch.zeros(2, 49, 4, 4, 4)
-        v_direct = network(noisy, timestep=t, text_emb=text["text_emb"], text_mask=text["text_mask"],
-                           pooled=text["pooled"], cond=cond)
+        v_direct = network(
+            noisy, timestep=t, text_emb=text["text_emb"], text_mask=text["text_mask"], pooled=text["pooled"], cond=cond
+        )
     torch.testing.assert_close(v, v_direct)
     torch.testing.assert_close(pred_x0, noisy - t.view(-1, 1, 1, 1, 1) * v)
     assert not torch.allclose(v, v_null)  # the null text is really a different condition
     # timestep mechanics: index / N, shifted, clamped into [min_time, 1]
     index = torch.tensor([0, 500, 1000])
     batch.shift_alpha = 3.0
-    expected = (3.0 * 0.5 / (1 + 2.0 * 0.5))
-    torch.testing.assert_close(adapter.shift_and_clamp_timestep(index, batch),
-                               torch.tensor([adapter.min_time, expected, 1.0]))
+    expected = 3.0 * 0.5 / (1 + 2.0 * 0.5)
+    torch.testing.assert_close(
+        adapter.shift_and_clamp_timestep(index, batch), torch.tensor([adapter.min_time, expected, 1.0])
+    )

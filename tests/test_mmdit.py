@@ -14,8 +14,16 @@ TEXT_DIM, POOLED_DIM = 24, 16
 
 
 def tiny_kwargs(**overrides):
-    cfg = mmdit_config("tiny", text_dim=TEXT_DIM, pooled_dim=POOLED_DIM, in_channels=4, cond_channels=5,
-                       hidden_size=64, num_heads=2, axes_dims=(8, 12, 12))  # fmt: skip
+    cfg = mmdit_config(
+        "tiny",
+        text_dim=TEXT_DIM,
+        pooled_dim=POOLED_DIM,
+        in_channels=4,
+        cond_channels=5,
+        hidden_size=64,
+        num_heads=2,
+        axes_dims=(8, 12, 12),
+    )
     cfg.pop("type")
     cfg.update(overrides)
     return cfg
@@ -106,8 +114,10 @@ def test_rope_matches_complex_reference_and_is_relative():
     freqs = torch.cat([10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d) for d in axes])
     axis_of = torch.repeat_interleave(torch.arange(3), torch.tensor(axes) // 2)
     angle = ids[:, axis_of].double() * freqs
-    ref = torch.view_as_real(torch.view_as_complex(q.double().unflatten(-1, (-1, 2)).contiguous()) * torch.polar(
-        torch.ones_like(angle), angle)).flatten(-2)
+    ref = torch.view_as_real(
+        torch.view_as_complex(q.double().unflatten(-1, (-1, 2)).contiguous())
+        * torch.polar(torch.ones_like(angle), angle)
+    ).flatten(-2)
     torch.testing.assert_close(apply_rope(q, cos, sin), ref.float(), rtol=1e-5, atol=1e-5)
     # Shifting every position by the same (t, h, w) offset leaves all q.k dot products unchanged.
     scores = apply_rope(q, cos, sin) @ apply_rope(k, cos, sin).transpose(-1, -2)
@@ -182,8 +192,9 @@ def test_few_steps_reduce_flow_matching_loss():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def closed_form_params(hidden, heads, depth_double, depth_single, mlp_ratio, in_ch, cond_ch, patch, text_dim,
-                       pooled_dim, out_ch=None):  # fmt: skip
+def closed_form_params(
+    hidden, heads, depth_double, depth_single, mlp_ratio, in_ch, cond_ch, patch, text_dim, pooled_dim, out_ch=None
+):
     """Parameter count of the Flux/Open-Sora-2.0 MMDiT written out from the architecture (biases included)."""
     h, m, hd = hidden, int(hidden * mlp_ratio), hidden // heads
     lin = lambda i, o: i * o + o
@@ -202,9 +213,18 @@ def count_on_meta(name):
     with torch.device("meta"):
         model = build_module(cfg, MODELS)
     got = sum(p.numel() for p in model.parameters())
-    expected = closed_form_params(cfg["hidden_size"], cfg["num_heads"], cfg["depth_double"], cfg["depth_single"],
-                                  cfg["mlp_ratio"], cfg["in_channels"], cfg["cond_channels"], 4, cfg["text_dim"],
-                                  cfg["pooled_dim"])  # fmt: skip
+    expected = closed_form_params(
+        cfg["hidden_size"],
+        cfg["num_heads"],
+        cfg["depth_double"],
+        cfg["depth_single"],
+        cfg["mlp_ratio"],
+        cfg["in_channels"],
+        cfg["cond_channels"],
+        4,
+        cfg["text_dim"],
+        cfg["pooled_dim"],
+    )
     print(f"MMDiT {name}: {got:,} parameters (closed form {expected:,})")
     assert got == expected
     return got
@@ -253,15 +273,18 @@ def joint_layouts(device, dtype):
     gen = torch.Generator(device=device).manual_seed(0)
     layouts = {}
     for heads, head_dim, n_txt, n_img in [(24, 128, 77, 1024), (12, 128, 512, 960), (4, 64, 13, 250)]:
-        qkv = [torch.randn(2, n, 3, heads, head_dim, device=device, dtype=dtype, generator=gen)
-               for n in (n_txt, n_img)]  # fmt: skip
+        qkv = [torch.randn(2, n, 3, heads, head_dim, device=device, dtype=dtype, generator=gen) for n in (n_txt, n_img)]
         per = [t.permute(2, 0, 3, 1, 4).unbind(0) for t in qkv]
         layouts[f"double_h{heads}_d{head_dim}_n{n_txt}+{n_img}"] = (
-            [torch.cat((a, b), dim=2) for a, b in zip(*per)], n_txt)
+            [torch.cat((a, b), dim=2) for a, b in zip(*per)],
+            n_txt,
+        )
         fused = torch.randn(2, n_txt + n_img, 5 * heads * head_dim, device=device, dtype=dtype, generator=gen)
         q, k, v = fused[..., : 3 * heads * head_dim].view(2, -1, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        layouts[f"single_h{heads}_d{head_dim}_n{n_txt}+{n_img}"] = ([q.contiguous(), k.contiguous(), v.contiguous()],
-                                                                     n_txt)  # fmt: skip
+        layouts[f"single_h{heads}_d{head_dim}_n{n_txt}+{n_img}"] = (
+            [q.contiguous(), k.contiguous(), v.contiguous()],
+            n_txt,
+        )
     return layouts
 
 
@@ -318,8 +341,11 @@ def test_attention_mixed_consumers_in_one_graph_on_gpu(backend):
 @pytest.mark.parametrize("backend", ["auto", "cudnn", "flash", "efficient"])
 def test_model_backends_match_math_on_gpu(backend):
     torch.manual_seed(0)
-    kwargs = dict(mmdit_config("tiny", hidden_size=256, num_heads=2, axes_dims=(32, 48, 48)), text_dim=TEXT_DIM,
-                  pooled_dim=POOLED_DIM)  # fmt: skip
+    kwargs = dict(
+        mmdit_config("tiny", hidden_size=256, num_heads=2, axes_dims=(32, 48, 48)),
+        text_dim=TEXT_DIM,
+        pooled_dim=POOLED_DIM,
+    )
     kwargs.pop("type")
     model = MMDiT(**kwargs, grad_ckpt_double=1).cuda().train()
     perturb(model)

@@ -17,8 +17,18 @@ TEXT_DIM, POOLED_DIM = 24, 16
 
 
 def small_model(**overrides):
-    cfg = mmdit_config("tiny", text_dim=TEXT_DIM, pooled_dim=POOLED_DIM, in_channels=4, cond_channels=None,
-                       hidden_size=64, num_heads=2, axes_dims=(8, 12, 12), depth_double=1, depth_single=1)  # fmt: skip
+    cfg = mmdit_config(
+        "tiny",
+        text_dim=TEXT_DIM,
+        pooled_dim=POOLED_DIM,
+        in_channels=4,
+        cond_channels=None,
+        hidden_size=64,
+        num_heads=2,
+        axes_dims=(8, 12, 12),
+        depth_double=1,
+        depth_single=1,
+    )
     cfg.pop("type")
     cfg.update(overrides)
     model = MMDiT(**cfg)
@@ -33,9 +43,13 @@ def batch_inputs(batch, text_len=6, pad_from=4):
     gen = torch.Generator().manual_seed(batch)
     mask = torch.ones(batch, text_len, dtype=torch.bool)
     mask[0, pad_from:] = False  # padded text: the masked attention path
-    return dict(x=torch.randn(batch, 4, 2, 8, 8, generator=gen), timestep=torch.rand(batch, generator=gen),
-                text_emb=torch.randn(batch, text_len, TEXT_DIM, generator=gen), text_mask=mask,
-                pooled=torch.randn(batch, POOLED_DIM, generator=gen))  # fmt: skip
+    return dict(
+        x=torch.randn(batch, 4, 2, 8, 8, generator=gen),
+        timestep=torch.rand(batch, generator=gen),
+        text_emb=torch.randn(batch, text_len, TEXT_DIM, generator=gen),
+        text_mask=mask,
+        pooled=torch.randn(batch, POOLED_DIM, generator=gen),
+    )
 
 
 def loss_and_grads(model, inputs):
@@ -87,8 +101,10 @@ def test_each_block_is_one_graph_without_breaks():
     vec = torch.randn(1, 64)
     rope = model.rope((2, 4, 4), 6, "cpu")
     mask = model.key_mask(inputs["text_mask"], 32)
-    for block, args in ((model.double_blocks[0], (img, txt, vec, rope, mask)),
-                        (model.single_blocks[0], (torch.cat((txt, img), 1), vec, rope, None))):  # fmt: skip
+    for block, args in (
+        (model.double_blocks[0], (img, txt, vec, rope, mask)),
+        (model.single_blocks[0], (torch.cat((txt, img), 1), vec, rope, None)),
+    ):
         explained = torch._dynamo.explain(block)(*args)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 

@@ -12,8 +12,16 @@ TEXT_DIM, POOLED_DIM = 24, 16
 
 
 def small_model(**overrides):
-    cfg = mmdit_config("tiny", hidden_size=256, num_heads=2, axes_dims=(32, 48, 48), text_dim=TEXT_DIM,
-                       pooled_dim=POOLED_DIM, in_channels=4, cond_channels=None)  # fmt: skip
+    cfg = mmdit_config(
+        "tiny",
+        hidden_size=256,
+        num_heads=2,
+        axes_dims=(32, 48, 48),
+        text_dim=TEXT_DIM,
+        pooled_dim=POOLED_DIM,
+        in_channels=4,
+        cond_channels=None,
+    )
     cfg.pop("type")
     cfg.update(overrides)
     model = MMDiT(**cfg)
@@ -26,11 +34,16 @@ def small_model(**overrides):
 
 def batch(text_len=20, pad_from=None, size=2):
     gen = torch.Generator().manual_seed(1)
-    out = dict(x=torch.randn(size, 4, 3, 16, 16, generator=gen), timestep=torch.rand(size, generator=gen),
-               text_emb=torch.randn(size, text_len, TEXT_DIM, generator=gen),
-               pooled=torch.randn(size, POOLED_DIM, generator=gen))  # fmt: skip
-    out = {k: v.cuda().to(torch.bfloat16) if v.is_floating_point() and k != "timestep" else v.cuda()
-           for k, v in out.items()}  # fmt: skip
+    out = dict(
+        x=torch.randn(size, 4, 3, 16, 16, generator=gen),
+        timestep=torch.rand(size, generator=gen),
+        text_emb=torch.randn(size, text_len, TEXT_DIM, generator=gen),
+        pooled=torch.randn(size, POOLED_DIM, generator=gen),
+    )
+    out = {
+        k: v.cuda().to(torch.bfloat16) if v.is_floating_point() and k != "timestep" else v.cuda()
+        for k, v in out.items()
+    }
     mask = torch.ones(size, text_len, dtype=torch.bool, device="cuda")
     if pad_from is not None:
         mask[-1, pad_from:] = False

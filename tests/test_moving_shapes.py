@@ -11,9 +11,21 @@ import numpy as np
 import pytest
 
 from opensora.datasets.moving_shapes import (
-    COLORS, DIRECTIONS, SHAPES, all_captions, all_combinations, caption, clip_motion, parse_caption, read_meta,
+    COLORS,
+    DIRECTIONS,
+    SHAPES,
+    all_captions,
+    all_combinations,
+    caption,
+    clip_motion,
+    parse_caption,
+    read_meta,
     render_video,
-    render_from_attributes, resolve_path, sample_motion, shape_coverage, write_dataset,
+    render_from_attributes,
+    resolve_path,
+    sample_motion,
+    shape_coverage,
+    write_dataset,
 )
 from opensora.datasets.video_io import read_video, write_video
 from opensora.eval.moving_shapes import evaluate_csv, read_shape, score_rows
@@ -103,7 +115,9 @@ def test_motion_is_visible_and_the_shape_stays_in_frame():
             for t in (0, FRAMES - 1):
                 cx, cy = motion.centre(t, FRAMES)
                 assert motion.size / 2 <= min(cx, cy) and max(cx, cy) <= SIZE - motion.size / 2
-                assert shape_coverage(shape, cx, cy, motion.size, SIZE, SIZE).sum() == pytest.approx(full_area, rel=0.06)
+                assert shape_coverage(shape, cx, cy, motion.size, SIZE, SIZE).sum() == pytest.approx(
+                    full_area, rel=0.06
+                )
     frames = render_video(motion, SIZE, SIZE, FRAMES)
     assert frames.dtype == np.uint8 and frames.shape == (FRAMES, SIZE, SIZE, 3)
     # anti-aliased: edge pixels take values between background and shape colour
@@ -170,7 +184,10 @@ def test_evaluator_is_at_most_chance_on_noise(tmp_path):
 def test_static_shapes_never_match_a_direction(tmp_path):
     items = []
     for i, (color, shape, direction) in enumerate(all_combinations()[::3]):
-        write_video(tmp_path / f"{i}.mp4", render_from_attributes(color, shape, direction, SIZE, SIZE, FRAMES, seed=i, moving=False))
+        write_video(
+            tmp_path / f"{i}.mp4",
+            render_from_attributes(color, shape, direction, SIZE, SIZE, FRAMES, seed=i, moving=False),
+        )
         items.append((f"{i}.mp4", caption(color, shape, direction), read_video(tmp_path / f"{i}.mp4"), None))
     report = score_rows(items)
     assert report.direction_acc == 0.0 and report.all_acc == 0.0
@@ -206,16 +223,41 @@ def test_read_shape_rejects_malformed_arrays():
 def test_command_line_tools_end_to_end(tmp_path):
     out = tmp_path / "data"
     subprocess.run(
-        [sys.executable, str(ROOT / "tools/make_demo_dataset.py"), "--out", str(out), "--num", "6", "--seed", "1",
-         "--size", "32", "--num-frames", "8", "--no-progress"],
-        check=True, cwd=tmp_path, capture_output=True, text=True,
+        [
+            sys.executable,
+            str(ROOT / "tools/make_demo_dataset.py"),
+            "--out",
+            str(out),
+            "--num",
+            "6",
+            "--seed",
+            "1",
+            "--size",
+            "32",
+            "--num-frames",
+            "8",
+            "--no-progress",
+        ],
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     rows = read_meta(out / "meta.csv")
     assert len(rows) == 6 and rows[0]["num_frames"] == "8"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools/eval_moving_shapes.py"), str(out / "meta.csv"), "--json",
-         str(tmp_path / "scores.json"), "--no-progress"],
-        check=True, cwd=tmp_path, capture_output=True, text=True,
+        [
+            sys.executable,
+            str(ROOT / "tools/eval_moving_shapes.py"),
+            str(out / "meta.csv"),
+            "--json",
+            str(tmp_path / "scores.json"),
+            "--no-progress",
+        ],
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert "color" in result.stdout
     scores = json.loads((tmp_path / "scores.json").read_text())

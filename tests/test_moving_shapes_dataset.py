@@ -42,8 +42,9 @@ def test_where_keeps_the_same_clips_of_the_chosen_attributes():
     for i, clip in enumerate(left.clip_ids[:3]):
         assert left.texts[i] == full.texts[clip]
         assert np.array_equal(left.read_frames(i, 4, 0)[0], full.read_frames(clip, 4, 0)[0])
-    two = MovingShapesDataset(num=72, seed=0, height=16, width=16, num_frames=4,
-                              where=dict(shape=["triangle", "square"], color="red"))
+    two = MovingShapesDataset(
+        num=72, seed=0, height=16, width=16, num_frames=4, where=dict(shape=["triangle", "square"], color="red")
+    )
     assert len(two) == 8
     with pytest.raises(ValueError, match="unknown attribute"):
         MovingShapesDataset(num=72, where=dict(colour="red"))

@@ -22,11 +22,29 @@ def launch_two_nodes(config: Path, outputs: Path, *flags: str) -> None:
     port = str(find_free_port())
     agents = []
     for node_rank in (0, 1):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
-                   "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
-                   str(TRAIN_SCRIPT), str(config), "--outputs", str(outputs), *flags]  # fmt: skip
-        agents.append(subprocess.Popen(command, env=launcher_env(), stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node_rank),
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            str(TRAIN_SCRIPT),
+            str(config),
+            "--outputs",
+            str(outputs),
+            *flags,
+        ]
+        agents.append(
+            subprocess.Popen(command, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     logs = []
     try:
         for agent in agents:
@@ -45,8 +63,13 @@ def two_node_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("multinode")
     csv = write_dataset(root / "data", num=8, seed=1, height=32, width=32, num_frames=4, progress=False)
-    config = write_config(root / "tiny.py", DEMO_CONFIG, dataset=dict(data_path=str(csv)),
-                          bucket_config={"_delete_": True, "32x32": {4: (1.0, 2)}}, num_workers=0)  # fmt: skip
+    config = write_config(
+        root / "tiny.py",
+        DEMO_CONFIG,
+        dataset=dict(data_path=str(csv)),
+        bucket_config={"_delete_": True, "32x32": {4: (1.0, 2)}},
+        num_workers=0,
+    )
     full = root / "full"
     launch_two_nodes(config, full, "--max-steps", "4", "--ckpt-every", "2")
     resumed = root / "resumed"

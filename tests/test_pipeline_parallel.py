@@ -96,9 +96,11 @@ def test_choose_split_balances_the_simulated_pipeline():
 
 
 def test_summarize_timeline_busy_fraction():
-    rows = [dict(lane=0, start_ms=0, end_ms=2, chunk=0, kind="stage0", host_ms=0),
-            dict(lane=1, start_ms=1, end_ms=4, chunk=0, kind="stage1", host_ms=0),
-            dict(lane=0, start_ms=1, end_ms=3, chunk=0, kind="prep", host_ms=0)]
+    rows = [
+        dict(lane=0, start_ms=0, end_ms=2, chunk=0, kind="stage0", host_ms=0),
+        dict(lane=1, start_ms=1, end_ms=4, chunk=0, kind="stage1", host_ms=0),
+        dict(lane=0, start_ms=1, end_ms=3, chunk=0, kind="prep", host_ms=0),
+    ]
     summary = summarize_timeline(rows)
     assert summary["span_ms"] == 4
     assert summary["lanes"]["gpu0"]["busy_ms"] == 3 and summary["lanes"]["gpu1"]["busy_fraction"] == 0.75
@@ -118,17 +120,23 @@ def text_inputs(batch, length, seed, masked):
     mask = None
     if masked:
         mask = torch.ones(batch, length, dtype=torch.bool)
-        mask[:, length - 2:] = False
-    return dict(text_emb=torch.randn(batch, length, 64, generator=g), text_mask=mask,
-                pooled=torch.randn(batch, 64, generator=g))
+        mask[:, length - 2 :] = False
+    return dict(
+        text_emb=torch.randn(batch, length, 64, generator=g), text_mask=mask, pooled=torch.randn(batch, 64, generator=g)
+    )
 
 
 @pytest.mark.parametrize("mode", OVERLAP_MODES)
 @pytest.mark.parametrize("split", [0, 1, 2])
 def test_bidirectional_cfg_pipeline_is_bit_identical_on_cpu(mode, split, one_thread):
     model = tiny_model()
-    groups = [dict(seeds=[10 + g, 20 + g], branches=[text_inputs(2, 6, g, masked=True),
-                                                     text_inputs(2, 6, 100 + g, masked=False)]) for g in range(2)]
+    groups = [
+        dict(
+            seeds=[10 + g, 20 + g],
+            branches=[text_inputs(2, 6, g, masked=True), text_inputs(2, 6, 100 + g, masked=False)],
+        )
+        for g in range(2)
+    ]
     shape, times, scale = (12, 2, 8, 8), [1.0, 0.7, 0.3, 0.0], 4.0
     decode = lambda x: (x * 10).round().to(torch.int16)  # noqa: E731 - a stand-in decoder
     refs = [sample_microbatched(model, g, shape, times, scale, "cpu", decode) for g in groups]
@@ -163,8 +171,14 @@ def generator_reference(sampler, case, num_frames, size):
     from opensora.inference.streaming import StreamingGenerator
 
     prompt_groups, steps, guidance, rollout, window, context_time = case
-    gen = StreamingGenerator(sampler, step_list=steps, rollout=rollout, guidance_scale=guidance,
-                             window_frames=window, context_time=context_time)
+    gen = StreamingGenerator(
+        sampler,
+        step_list=steps,
+        rollout=rollout,
+        guidance_scale=guidance,
+        window_frames=window,
+        context_time=context_time,
+    )
     refs, groups, seed = [], [], 0
     for prompts in prompt_groups:
         seeds = list(range(seed, seed + len(prompts)))
@@ -188,9 +202,19 @@ def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(c
     split = 1  # last double block on lane 0, single blocks on lane 1: the (img, txt) -> tokens hand-over
     place_model(sampler.model, split, ["cpu", "cpu"])
     lanes = Lanes(["cpu", "cpu"])
-    stages = CausalStreamingStages(sampler.model, lanes, split, groups, latent_size, gen.schedule(latent_size[1:]),
-                                   rule=rollout, guidance_scale=guidance, context_t=context_time,
-                                   window_frames=window, make_decoder=lambda: ChunkDecoder(sampler.decode, sampler.vae))
+    stages = CausalStreamingStages(
+        sampler.model,
+        lanes,
+        split,
+        groups,
+        latent_size,
+        gen.schedule(latent_size[1:]),
+        rule=rollout,
+        guidance_scale=guidance,
+        context_t=context_time,
+        window_frames=window,
+        make_decoder=lambda: ChunkDecoder(sampler.decode, sampler.vae),
+    )
     result, _ = run_plan(stages, mode, lanes, threads=True)  # one issuing thread per lane, as on two GPUs
     assert stages.plan.num_chunks == 4
     for g, chunks in enumerate(refs):
@@ -208,10 +232,11 @@ def test_streaming_pipeline_variants_match_the_single_device_loop(refill, cfg_ro
     from opensora.inference.pipeline_stages import CausalStreamingStages, stream_reference
 
     model = tiny_model(causal_chunk_frames=2)
-    groups = [dict(seeds=[7 + g], branches=[text_inputs(1, 5, 3 * g + b, masked=b == 0) for b in range(2)])
-              for g in range(2)]
+    groups = [
+        dict(seeds=[7 + g], branches=[text_inputs(1, 5, 3 * g + b, masked=b == 0) for b in range(2)]) for g in range(2)
+    ]
     latent_size, times = (12, 6, 8, 8), [1.0, 0.6, 0.3, 0.0]
-    decode = lambda: (lambda x: (x * 10).round().to(torch.int16))  # noqa: E731
+    decode = lambda: lambda x: (x * 10).round().to(torch.int16)  # noqa: E731
     kw = dict(refill=refill, guidance_scale=3.0, make_decoder=decode, cfg_rows=cfg_rows)
     refs = [stream_reference(model, g, latent_size, times, **kw) for g in groups]
     place_model(model, 2, ["cpu", "cpu"])
@@ -238,8 +263,7 @@ def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path
 
     root = Path(__file__).resolve().parents[1]
     config = tmp_path / "causal_demo.py"
-    config.write_text(f'_base_ = ["{root}/configs/diffusion/inference/demo.py"]\n'
-                      "model = dict(causal_chunk_frames=2)\n")
+    config.write_text(f'_base_ = ["{root}/configs/diffusion/inference/demo.py"]\nmodel = dict(causal_chunk_frames=2)\n')
     cfg = load_config(config)
     model = build_module(cfg.model, MODELS)
     for p in model.parameters():
@@ -248,11 +272,36 @@ def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path
     save_file(model.state_dict(), str(ckpt))
 
     def sample(mode, split, save_dir):
-        return cli.main([str(config), "--ckpt", str(ckpt), "--prompt", "a red circle|a blue square",
-                         "--num-frames", "4",
-                         "--resolution", "32x32", "--step-list", "1.0,0.5", "--guidance-scale", "3.0", "--batch-size",
-                         "1", "--streaming", "--pp-devices", "cpu,cpu", "--pp-overlap", mode, "--pp-split", split,
-                         "--profile", "--save-dir", str(tmp_path / save_dir), "--no-progress"])
+        return cli.main(
+            [
+                str(config),
+                "--ckpt",
+                str(ckpt),
+                "--prompt",
+                "a red circle|a blue square",
+                "--num-frames",
+                "4",
+                "--resolution",
+                "32x32",
+                "--step-list",
+                "1.0,0.5",
+                "--guidance-scale",
+                "3.0",
+                "--batch-size",
+                "1",
+                "--streaming",
+                "--pp-devices",
+                "cpu,cpu",
+                "--pp-overlap",
+                mode,
+                "--pp-split",
+                split,
+                "--profile",
+                "--save-dir",
+                str(tmp_path / save_dir),
+                "--no-progress",
+            ]
+        )
 
     written = sample("aggressive", "auto", "aggr")
     assert len(written) == 2 and read_video(written[0]).shape == (4, 32, 32, 3)

@@ -34,8 +34,7 @@ def gpu_sampler(**overrides):
     from test_streaming import tiny_sampler  # tests/ is on sys.path under pytest's default import mode
 
     cpu = tiny_sampler(**SHAPE, **overrides)
-    return VideoSampler(cpu.model.to("cuda:0", torch.bfloat16), cpu.vae.to("cuda:0"), cpu.text_encoder,
-                        progress=False)
+    return VideoSampler(cpu.model.to("cuda:0", torch.bfloat16), cpu.vae.to("cuda:0"), cpu.text_encoder, progress=False)
 
 
 def lane1_decoder(sampler):
@@ -49,8 +48,9 @@ def pipelined(sampler, groups, latent_size, times, split, make_decoder, **kw):
     for mode in OVERLAP_MODES:
         for run in range(REPEATS):
             lanes = Lanes(DEVICES, profile=run == 0)
-            stages = CausalStreamingStages(pp, lanes, split, groups, latent_size, times, make_decoder=make_decoder,
-                                           **kw)
+            stages = CausalStreamingStages(
+                pp, lanes, split, groups, latent_size, times, make_decoder=make_decoder, **kw
+            )
             yield mode, run, run_plan(stages, mode, lanes)[0]
 
 
@@ -71,9 +71,18 @@ def test_two_gpu_streaming_is_bit_identical_to_the_one_gpu_streaming_generator(c
     num_frames, size = 9, 32  # 9 latent frames of 8x8: chunks of 2, the last one of 1
     gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
     assert all(torch.isfinite(c.latents).all() for chunks in refs for c in chunks)
-    for mode, run, result in pipelined(sampler, groups, latent_size, gen.schedule(latent_size[1:]), 2,
-                                       lane1_decoder(sampler), rule=rollout, guidance_scale=guidance,
-                                       context_t=context_time, window_frames=window):
+    for mode, run, result in pipelined(
+        sampler,
+        groups,
+        latent_size,
+        gen.schedule(latent_size[1:]),
+        2,
+        lane1_decoder(sampler),
+        rule=rollout,
+        guidance_scale=guidance,
+        context_t=context_time,
+        window_frames=window,
+    ):
         for g, chunks in enumerate(refs):
             for chunk in chunks:
                 diff = (result.latents[(g, chunk.index)] - chunk.latents.cpu()).abs().max().item()
@@ -92,8 +101,10 @@ def test_two_gpu_streaming_variants_match_the_one_gpu_loop(refill, cfg_rows):
     latent_size, times = (sampler.vae.latent_channels, 6, 8, 8), [1.0, 0.5, 0.0]
     make_ref_decoder = lambda: ChunkDecoder(lambda x: _uint8_on_device(sampler.vae.decode(x)), sampler.vae)  # noqa
     kw = dict(refill=refill, guidance_scale=3.0, cfg_rows=cfg_rows)
-    refs = [stream_reference(sampler.model, g, latent_size, times, make_decoder=make_ref_decoder, device="cuda:0",
-                             **kw) for g in groups]
+    refs = [
+        stream_reference(sampler.model, g, latent_size, times, make_decoder=make_ref_decoder, device="cuda:0", **kw)
+        for g in groups
+    ]
     for mode, run, result in pipelined(sampler, groups, latent_size, times, 1, lane1_decoder(sampler), **kw):
         for g, (latents, frames) in enumerate(refs):
             for c in range(3):

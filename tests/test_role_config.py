@@ -62,6 +62,11 @@ def test_distillation_config_sets_every_role_itself():
 
 
 def test_train_script_reports_an_ignored_key_in_one_line():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts/diffusion/train.py"), str(DMD2_DEMO), "--lr", "1e-3"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/diffusion/train.py"), str(DMD2_DEMO), "--lr", "1e-3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0 and "'lr'" in result.stderr and "Traceback" not in result.stderr

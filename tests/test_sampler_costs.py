@@ -17,9 +17,21 @@ def test_threaded_seeded_noise_equals_the_per_row_draws():
 
 def test_sampler_passes_the_padding_flag_so_no_pass_inspects_the_mask(monkeypatch):
     torch.manual_seed(0)
-    model = build_module(dict(type="MMDiT", in_channels=48, patch_size=(1, 2, 2), hidden_size=32, num_heads=2,
-                              depth_double=1, depth_single=1, text_dim=64, pooled_dim=64, axes_dims=(4, 6, 6)),
-                         MODELS).eval()  # fmt: skip
+    model = build_module(
+        dict(
+            type="MMDiT",
+            in_channels=48,
+            patch_size=(1, 2, 2),
+            hidden_size=32,
+            num_heads=2,
+            depth_double=1,
+            depth_single=1,
+            text_dim=64,
+            pooled_dim=64,
+            axes_dims=(4, 6, 6),
+        ),
+        MODELS,
+    ).eval()
     vae = build_module(dict(type="PatchVAE", patch_size=4, temporal_patch_size=1), MODELS).eval()
     text = build_module(dict(type="TextConditioner", seed=0), MODELS)
     sampler = VideoSampler(model, vae, text, progress=False)
@@ -31,6 +43,7 @@ def test_sampler_passes_the_padding_flag_so_no_pass_inspects_the_mask(monkeypatc
         return original(text_mask, num_video_tokens, has_padding)
 
     monkeypatch.setattr(MMDiT, "key_mask", staticmethod(spy))
-    sampler.generate(["a red circle moving left"], [0], num_frames=2, height=16, width=16, num_steps=3,
-                     guidance_scale=2.0)  # fmt: skip
+    sampler.generate(
+        ["a red circle moving left"], [0], num_frames=2, height=16, width=16, num_steps=3, guidance_scale=2.0
+    )
     assert len(flags) == 3 and None not in flags

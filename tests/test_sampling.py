@@ -71,7 +71,11 @@ def test_sampler_parity_with_diffusers_flow_match_euler(shift, num_steps):
         reference.append(x_ref)
 
     x_ours, trajectory = sample(
-        lambda x, t: field(x, t), noise, num_steps=num_steps, shift_alpha=shift, progress=False,
+        lambda x, t: field(x, t),
+        noise,
+        num_steps=num_steps,
+        shift_alpha=shift,
+        progress=False,
         return_trajectory=True,
     )
     assert len(trajectory) == len(reference) == num_steps + 1
@@ -81,8 +85,9 @@ def test_sampler_parity_with_diffusers_flow_match_euler(shift, num_steps):
     torch.testing.assert_close(x_ours, x_ref, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", [dict(num_steps=1), dict(num_steps=7, shift_alpha=3.0),
-                                      dict(step_list=[1.0, 0.8, 0.4, 0.1])])
+@pytest.mark.parametrize(
+    "schedule", [dict(num_steps=1), dict(num_steps=7, shift_alpha=3.0), dict(step_list=[1.0, 0.8, 0.4, 0.1])]
+)
 def test_exact_velocity_of_a_point_mass_recovers_the_data(schedule):
     """Flow paths are straight lines, so Euler with the exact velocity (x - x0) / t lands on x0."""
     g = torch.Generator().manual_seed(0)
@@ -94,8 +99,11 @@ def test_exact_velocity_of_a_point_mass_recovers_the_data(schedule):
 
     out, trajectory = sample(exact_velocity, noise, progress=False, return_trajectory=True, **schedule)
     torch.testing.assert_close(out, x0.float(), rtol=0, atol=1e-5)
-    times = (timesteps_from_list(schedule["step_list"]) if "step_list" in schedule
-             else timesteps_for_sampling(schedule["num_steps"], schedule.get("shift_alpha", 1.0)))
+    times = (
+        timesteps_from_list(schedule["step_list"])
+        if "step_list" in schedule
+        else timesteps_for_sampling(schedule["num_steps"], schedule.get("shift_alpha", 1.0))
+    )
     for x, t in zip(trajectory, times):  # every intermediate state lies on the interpolation path
         torch.testing.assert_close(x, add_noise(x0, noise, float(t)).float(), rtol=0, atol=1e-5)
 

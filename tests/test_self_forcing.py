@@ -29,14 +29,20 @@ def test_methods_refuse_the_ambiguous_guidance_key():
 
     for name in ("CausVid", "SelfForcing"):
         with pytest.raises(ValueError, match="real_guidance_scale"):
-            build_module(dict(type=name, guidance_scale=4.0), METHODS, roles=make_dmd2_roles(),
-                         components=make_components())
-        method = build_module(dict(type=name, real_guidance_scale=4.0, num_frames_per_chunk=2), METHODS,
-                              roles=causal_student(make_dmd2_roles(), 2), components=make_components())
+            build_module(
+                dict(type=name, guidance_scale=4.0), METHODS, roles=make_dmd2_roles(), components=make_components()
+            )
+        method = build_module(
+            dict(type=name, real_guidance_scale=4.0, num_frames_per_chunk=2),
+            METHODS,
+            roles=causal_student(make_dmd2_roles(), 2),
+            components=make_components(),
+        )
         assert method.real_guidance_scale == 4.0 == method.guidance_scale  # DMD2 applies it with text_cfg
         with pytest.raises(ValueError, match="causal_chunk_frames=2"):  # the student must be built causal
-            build_module(dict(type=name, num_frames_per_chunk=2), METHODS, roles=make_dmd2_roles(),
-                         components=make_components())
+            build_module(
+                dict(type=name, num_frames_per_chunk=2), METHODS, roles=make_dmd2_roles(), components=make_components()
+            )
 
 
 # ---- exit step: drawn on rank 0, broadcast, RNG streams advance alike -------------------------------------------
@@ -86,8 +92,11 @@ class StreamingSpy:
         adapter.predict_x0_streaming = self.predict
 
     def new_kv_cache(self, handle, batch, window_frames=None, sink_frames=0):
-        cache = SpyCache() if self.fake else self._real_new(handle, batch, window_frames=window_frames,
-                                                             sink_frames=sink_frames)
+        cache = (
+            SpyCache()
+            if self.fake
+            else self._real_new(handle, batch, window_frames=window_frames, sink_frames=sink_frames)
+        )
         self.caches.append(cache)
         return cache
 
@@ -98,9 +107,17 @@ class StreamingSpy:
                 cache.stored.append((start_frame, noisy.detach().clone()))
         else:
             out = self._real_predict(handle, noisy, t, batch, cache, start_frame, store_kv, conditional=conditional)
-        self.calls.append(dict(start=start_frame, t=float(t.flatten()[0]), store=bool(store_kv),
-                               grad=torch.is_grad_enabled(), graph=out.requires_grad, input=noisy.detach().clone(),
-                               output=out.detach().clone()))
+        self.calls.append(
+            dict(
+                start=start_frame,
+                t=float(t.flatten()[0]),
+                store=bool(store_kv),
+                grad=torch.is_grad_enabled(),
+                graph=out.requires_grad,
+                input=noisy.detach().clone(),
+                output=out.detach().clone(),
+            )
+        )
         return out
 
 
@@ -189,8 +206,12 @@ def test_one_chunk_rollout_is_dmd2_backward_simulation(rollout):
     from test_methods_framework import make_components, tiny_batch
 
     method, roles, _ = make_self_forcing(num_frames_per_chunk=4, rollout=rollout)
-    dmd2 = build_module(dict(type="DMD2", step_list=[1.0, 0.75, 0.5, 0.25], rollout=rollout), METHODS, roles=roles,
-                        components=make_components())
+    dmd2 = build_module(
+        dict(type="DMD2", step_list=[1.0, 0.75, 0.5, 0.25], rollout=rollout),
+        METHODS,
+        roles=roles,
+        components=make_components(),
+    )
     batch = method.adapter.prepare_batch(tiny_batch(2))
     noise = method.adapter.noise(batch)
     for j in range(4):
@@ -264,8 +285,9 @@ def test_rollout_exiting_at_the_last_step_is_what_the_streaming_sampler_generate
     streamed = torch.cat([chunk.latents for chunk in chunks], dim=2)
     # the sampler's noise: per sample its own generator, one draw per chunk in order
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    noise = torch.cat([torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators]) for _ in range(2)],
-                      dim=2)
+    noise = torch.cat(
+        [torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators]) for _ in range(2)], dim=2
+    )
     rolled = method.rollout_chunks(noise, prepared, exit_index=3, with_grad=False)
     torch.testing.assert_close(rolled, streamed, rtol=1e-4, atol=1e-5)
 
@@ -277,8 +299,12 @@ def test_student_samples_are_causal_in_chunks(name):
     from test_methods_framework import make_components, make_dmd2_roles, tiny_batch
 
     roles = causal_student(make_dmd2_roles(), 2)
-    method = build_module(dict(type=name, step_list=[1.0, 0.5], num_frames_per_chunk=2, rollout="euler"), METHODS,
-                          roles=roles, components=make_components())
+    method = build_module(
+        dict(type=name, step_list=[1.0, 0.5], num_frames_per_chunk=2, rollout="euler"),
+        METHODS,
+        roles=roles,
+        components=make_components(),
+    )
     batch = method.adapter.prepare_batch(tiny_batch(2))
     noise = method.adapter.noise(batch)
     other = noise.clone()

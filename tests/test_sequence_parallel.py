@@ -13,9 +13,20 @@ TEXT_DIM, POOLED_DIM = 24, 16
 
 
 def model_and_inputs(padded_text: bool, cond: bool, grad_ckpt: int, uneven: bool = False):
-    cfg = mmdit_config("tiny", text_dim=TEXT_DIM, pooled_dim=POOLED_DIM, in_channels=4, cond_channels=5,
-                       hidden_size=64, num_heads=4, axes_dims=(4, 6, 6), depth_double=2, depth_single=2,
-                       grad_ckpt_double=grad_ckpt, grad_ckpt_single=grad_ckpt)  # fmt: skip
+    cfg = mmdit_config(
+        "tiny",
+        text_dim=TEXT_DIM,
+        pooled_dim=POOLED_DIM,
+        in_channels=4,
+        cond_channels=5,
+        hidden_size=64,
+        num_heads=4,
+        axes_dims=(4, 6, 6),
+        depth_double=2,
+        depth_single=2,
+        grad_ckpt_double=grad_ckpt,
+        grad_ckpt_single=grad_ckpt,
+    )
     cfg.pop("type")
     torch.manual_seed(0)
     model = MMDiT(**cfg)
@@ -29,9 +40,13 @@ def model_and_inputs(padded_text: bool, cond: bool, grad_ckpt: int, uneven: bool
     if padded_text:
         mask[0, 5:] = False
         mask[1, 3:] = False
-    inputs = dict(x=torch.randn(batch, 4, frames, size, size, generator=gen), timestep=torch.rand(batch, generator=gen),
-                  text_emb=torch.randn(batch, text_len, TEXT_DIM, generator=gen), text_mask=mask,
-                  pooled=torch.randn(batch, POOLED_DIM, generator=gen))  # fmt: skip
+    inputs = dict(
+        x=torch.randn(batch, 4, frames, size, size, generator=gen),
+        timestep=torch.rand(batch, generator=gen),
+        text_emb=torch.randn(batch, text_len, TEXT_DIM, generator=gen),
+        text_mask=mask,
+        pooled=torch.randn(batch, POOLED_DIM, generator=gen),
+    )
     if cond:
         inputs["cond"] = torch.randn(batch, 5, frames, size, size, generator=gen)
     target = torch.randn(inputs["x"].shape, generator=gen)
@@ -63,21 +78,32 @@ def _sp_body(rank, world_size, padded_text, cond, grad_ckpt, uneven=False, cuda=
     assert model.sp.size == world_size and all(b.sp is model.sp for b in model.double_blocks)
     out, loss, grads = loss_and_grads(model, inputs, target)
     # each rank saw only its tokens: its own gradients are partial until averaged over the ranks
-    partial = max(((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()).item() for n in ("img_in.weight",
-                                                                                            "txt_in.weight"))
+    partial = max(
+        ((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()).item() for n in ("img_in.weight", "txt_in.weight")
+    )
     assert set(grads) == set(ref_grads) and len(grads) >= len(list(model.parameters())) - 2  # cond_in unused w/o cond
     for g in grads.values():  # what DDP / ZeRO do with the gradients of replicated parameters
         dist.all_reduce(g)
         g /= world_size
     errors = {n: ((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12)).item() for n in grads}
-    return dict(out_err=(out - ref_out).abs().max().item(), loss=loss.item(), ref_loss=ref_loss.item(), partial=partial,
-                worst_grad=max(errors.items(), key=lambda kv: kv[1]))  # fmt: skip
+    return dict(
+        out_err=(out - ref_out).abs().max().item(),
+        loss=loss.item(),
+        ref_loss=ref_loss.item(),
+        partial=partial,
+        worst_grad=max(errors.items(), key=lambda kv: kv[1]),
+    )
 
 
 @pytest.mark.parametrize(
     "world_size, padded_text, cond, grad_ckpt, uneven",
-    [(2, False, False, 0, False), (2, True, True, 1, False), (4, True, False, 0, False), (4, False, True, 1, True),
-     (2, True, False, 0, True)],
+    [
+        (2, False, False, 0, False),
+        (2, True, True, 1, False),
+        (4, True, False, 0, False),
+        (4, False, True, 1, True),
+        (2, True, False, 0, True),
+    ],
 )
 def test_sequence_parallel_matches_one_process(world_size, padded_text, cond, grad_ckpt, uneven):
     """uneven: token counts the group does not divide (7 text, 27 video tokens) are padded and masked."""
@@ -105,8 +131,13 @@ def test_sequence_group_slices_and_rejects_uneven_splits():
     assert sp.local_slice(16, "tokens") == slice(8, 12)  # the model pads to a multiple first
     with pytest.raises(ValueError, match="divisible by 4"):
         sp.local_slice(10, "the video token count")
-    model = MMDiT(**{k: v for k, v in mmdit_config("tiny", num_heads=2, hidden_size=32, axes_dims=(4, 6, 6)).items()
-                     if k != "type"})  # fmt: skip
+    model = MMDiT(
+        **{
+            k: v
+            for k, v in mmdit_config("tiny", num_heads=2, hidden_size=32, axes_dims=(4, 6, 6)).items()
+            if k != "type"
+        }
+    )
     with pytest.raises(ValueError, match="num_heads"):
         model.set_sequence_parallel(SequenceGroup(group=None, size=4, rank=0))
     model.set_sequence_parallel(SequenceGroup(group=None, size=2, rank=0))

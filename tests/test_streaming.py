@@ -11,9 +11,22 @@ from opensora.registry import MODELS, build_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
-TINY = dict(type="MMDiT", in_channels=48, cond_channels=49, patch_size=(1, 2, 2), hidden_size=32, num_heads=2,
-            depth_double=1, depth_single=1, mlp_ratio=2.0, text_dim=64, pooled_dim=64, axes_dims=(4, 6, 6),
-            attn_backend="math", causal_chunk_frames=2)
+TINY = dict(
+    type="MMDiT",
+    in_channels=48,
+    cond_channels=49,
+    patch_size=(1, 2, 2),
+    hidden_size=32,
+    num_heads=2,
+    depth_double=1,
+    depth_single=1,
+    mlp_ratio=2.0,
+    text_dim=64,
+    pooled_dim=64,
+    axes_dims=(4, 6, 6),
+    attn_backend="math",
+    causal_chunk_frames=2,
+)
 PROMPTS = ["a red circle moving left", "a blue square moving up"]
 
 
@@ -131,9 +144,11 @@ def test_cli_streaming_appends_each_chunk_to_the_mp4_before_the_next_is_made(tmp
 
     root = Path(__file__).resolve().parents[1]
     config = tmp_path / "causal_demo.py"
-    config.write_text(f"_base_ = [{str(root / 'configs/diffusion/inference/demo.py')!r}]\n"
-                      "model = dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6),"
-                      " causal_chunk_frames=4)\n")  # fmt: skip
+    config.write_text(
+        f"_base_ = [{str(root / 'configs/diffusion/inference/demo.py')!r}]\n"
+        "model = dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6),"
+        " causal_chunk_frames=4)\n"
+    )
     model = build_module(role_model_config(load_config(str(config))), MODELS)
     torch.manual_seed(0)
     weights = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
@@ -146,11 +161,35 @@ def test_cli_streaming_appends_each_chunk_to_the_mp4_before_the_next_is_made(tmp
         assert readable == frames_so_far - 1
         seen.append((chunk.index, readable, chunk.cached_frames))
 
-    written = cli.main([str(config), "--ckpt", str(tmp_path / "causal.safetensors"),
-                        "--prompt", "a red circle moving left",
-                        "--streaming", "--num-frames", "64", "--resolution", "32x32", "--step-list", "1.0",
-                        "--guidance-scale", "2.0", "--window-frames", "12", "--sink-frames", "4", "--device", "cpu",
-                        "--save-dir", str(tmp_path / "out"), "--progress", "false"], on_chunk=on_chunk)  # fmt: skip
+    written = cli.main(
+        [
+            str(config),
+            "--ckpt",
+            str(tmp_path / "causal.safetensors"),
+            "--prompt",
+            "a red circle moving left",
+            "--streaming",
+            "--num-frames",
+            "64",
+            "--resolution",
+            "32x32",
+            "--step-list",
+            "1.0",
+            "--guidance-scale",
+            "2.0",
+            "--window-frames",
+            "12",
+            "--sink-frames",
+            "4",
+            "--device",
+            "cpu",
+            "--save-dir",
+            str(tmp_path / "out"),
+            "--progress",
+            "false",
+        ],
+        on_chunk=on_chunk,
+    )
     assert len(seen) == 16 and seen[0][1] >= 3  # the first frames were on disk 15 chunks before the end
     assert max(cached for _, _, cached in seen) == 12
     assert read_video(written[0]).shape == (64, 32, 32, 3)
@@ -174,38 +213,96 @@ def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
     import streaming as bench
 
     tiny = "hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6)"
-    base = (f"_base_ = [{str(root / 'configs/diffusion/train/demo.py')!r}]\n"
-            "bucket_config = {'_delete_': True, '32x32': {8: (1.0, 2)}}\n")
+    base = (
+        f"_base_ = [{str(root / 'configs/diffusion/train/demo.py')!r}]\n"
+        "bucket_config = {'_delete_': True, '32x32': {8: (1.0, 2)}}\n"
+    )
     (tmp_path / "teacher.py").write_text(base + f"model = dict({tiny})\n")
-    (tmp_path / "student.py").write_text(base + f"model = dict({tiny}, causal_chunk_frames=2)\nrole = 'model'\n"
-                                         "step_list = [1.0, 0.5]\nguidance_scale = 1.0\nstreaming = True\n"
-                                         "rollout = 'euler'\n")  # fmt: skip
+    (tmp_path / "student.py").write_text(
+        base + f"model = dict({tiny}, causal_chunk_frames=2)\nrole = 'model'\n"
+        "step_list = [1.0, 0.5]\nguidance_scale = 1.0\nstreaming = True\n"
+        "rollout = 'euler'\n"
+    )
     for name in ("teacher", "student"):
         model = build_module(role_model_config(load_config(str(tmp_path / f"{name}.py"))), MODELS)
-        save_file({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()},
-                  tmp_path / f"{name}.safetensors")  # fmt: skip
+        save_file(
+            {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}, tmp_path / f"{name}.safetensors"
+        )
     common = ["--device", "cpu", "--out", str(tmp_path / "out")]
-    bench.main(["quality", "--student-config", str(tmp_path / "student.py"), "--student-ckpt",
-                str(tmp_path / "student.safetensors"), "--teacher-config", str(tmp_path / "teacher.py"),
-                "--teacher-ckpt", str(tmp_path / "teacher.safetensors"), "--teacher-steps", "2", "--num-prompts", "2",
-                "--repeats", "1", "--long-multiple", "2", *common])  # fmt: skip
+    bench.main(
+        [
+            "quality",
+            "--student-config",
+            str(tmp_path / "student.py"),
+            "--student-ckpt",
+            str(tmp_path / "student.safetensors"),
+            "--teacher-config",
+            str(tmp_path / "teacher.py"),
+            "--teacher-ckpt",
+            str(tmp_path / "teacher.safetensors"),
+            "--teacher-steps",
+            "2",
+            "--num-prompts",
+            "2",
+            "--repeats",
+            "1",
+            "--long-multiple",
+            "2",
+            *common,
+        ]
+    )
     quality = json.loads((tmp_path / "out" / "quality.json").read_text())
     assert quality["student"]["chunks"] == 4 and quality["long"]["frames"] == 16
     assert quality["student"]["rollout"] == "euler"  # read from the student config, like inference.py
     assert len(quality["long"]["windows"]) == 3 and quality["long"]["flicker"]["edge_over_inside"] > 0
-    bench.main(["speed", "--config", str(tmp_path / "student.py"), "--chunk-frames", "2", "--lengths", "1", "2",
-                "--teacher-steps", "1", "--step-list", "1.0", "--cuda-graphs", "on", *common])  # fmt: skip
+    bench.main(
+        [
+            "speed",
+            "--config",
+            str(tmp_path / "student.py"),
+            "--chunk-frames",
+            "2",
+            "--lengths",
+            "1",
+            "2",
+            "--teacher-steps",
+            "1",
+            "--step-list",
+            "1.0",
+            "--cuda-graphs",
+            "on",
+            *common,
+        ]
+    )
     speed = json.loads((tmp_path / "out" / "speed.json").read_text())
     assert speed["lengths"]["2x-window"]["max_cached_frames"] == speed["window_frames"] == 6
     for name in ("window", "window-recompute-text", "window-graphs"):  # graphs fall back to eager on the CPU
         assert speed["lengths"][f"1x-{name}"]["chunks"] == 4
-    assert speed["lengths"]["1x-window"]["text_cache_mib"] > 0 == speed["lengths"]["1x-window-recompute-text"][
-        "text_cache_mib"]  # fmt: skip
+    assert (
+        speed["lengths"]["1x-window"]["text_cache_mib"]
+        > 0
+        == speed["lengths"]["1x-window-recompute-text"]["text_cache_mib"]
+    )
     assert speed["lengths"]["1x-window-graphs"]["cuda_graphs"]["eager"] > 0
     assert {"speedup_end_to_end_1x", "speedup_end_to_end_1x_recompute_text", "speedup_end_to_end_1x_graphs"} <= set(
-        speed)  # fmt: skip
-    bench.main(["costs", "--config", str(tmp_path / "teacher.py"), "--num-prompts", "2", "--teacher-steps", "2",
-                "--step-list", "1.0", "--repeats", "1", *common])  # fmt: skip
+        speed
+    )
+    bench.main(
+        [
+            "costs",
+            "--config",
+            str(tmp_path / "teacher.py"),
+            "--num-prompts",
+            "2",
+            "--teacher-steps",
+            "2",
+            "--step-list",
+            "1.0",
+            "--repeats",
+            "1",
+            *common,
+        ]
+    )
     costs = json.loads((tmp_path / "out" / "costs.json").read_text())
     assert costs["runs"]["teacher"]["model_passes"] == 2 and costs["runs"]["few-step"]["model_passes"] == 1
 

@@ -29,8 +29,17 @@ BIN = Path(sys.executable).parent
 TIMEOUT_S = 240
 RECORD_FIELDS = ("step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s")
 # the torchrun variables an in-process run leaves in os.environ: a launcher must set its own
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+_LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
@@ -111,7 +120,8 @@ def workdir(tmp_path_factory):
     subset = Path(csv).with_name("meta4.csv")
     subset.write_text("\n".join(rows[:5]) + "\n")  # header + 4 clips (paths are relative to the csv's folder)
     tiny = write_config(
-        root / "tiny.py", DEMO_CONFIG,
+        root / "tiny.py",
+        DEMO_CONFIG,
         dataset=dict(data_path=str(csv)),
         bucket_config={"_delete_": True, "32x32": {4: (1.0, 2)}},  # 4 frames, 2 clips per rank and step
         num_workers=0,
@@ -139,8 +149,7 @@ def inprocess_run(workdir):
     outputs.mkdir()
     # left by an earlier run that died before its first checkpoint: a fresh start must not append to it
     (outputs / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 99.0}) + "\n")
-    main([str(workdir["tiny"]), "--outputs", str(outputs), "--max-steps", "6", "--ckpt-every", "2",
-          "--resume", "auto"])
+    main([str(workdir["tiny"]), "--outputs", str(outputs), "--max-steps", "6", "--ckpt-every", "2", "--resume", "auto"])
     return outputs
 
 
@@ -198,20 +207,30 @@ def test_metrics_config_and_tensorboard_are_written(zero2_run):
 def test_resume_with_load_under_torchrun_is_exact(zero2_run, workdir):
     """Steps 7-12 resumed from step 6's checkpoint (a fresh 2-rank torchrun process) equal the uninterrupted ones."""
     outputs = workdir["root"] / "resumed"
-    launch("torchrun", workdir["tiny"], outputs, "--max-steps", "12",
-           "--load", str(zero2_run / "checkpoints" / "step-0000006"))
+    launch(
+        "torchrun",
+        workdir["tiny"],
+        outputs,
+        "--max-steps",
+        "12",
+        "--load",
+        str(zero2_run / "checkpoints" / "step-0000006"),
+    )
     resumed = by_step(read_metrics(outputs))
     assert sorted(resumed) == list(range(7, 13))
     assert_same_records(resumed, by_step(read_metrics(zero2_run)), range(7, 13))
-    final, reference = (safetensors_weights(path / "checkpoints" / "step-0000012" / "model")
-                        for path in (outputs, zero2_run))
+    final, reference = (
+        safetensors_weights(path / "checkpoints" / "step-0000012" / "model") for path in (outputs, zero2_run)
+    )
     assert final.keys() == reference.keys()
     for name in final:
         assert torch.equal(final[name], reference[name]), name
 
 
 def test_ddp_and_zero2_give_the_same_losses_in_fp32(zero2_run, workdir):
-    config = write_config(workdir["root"] / "ddp.py", workdir["tiny"], plugin=dict(_delete_=True, type="TorchDDPPlugin"))
+    config = write_config(
+        workdir["root"] / "ddp.py", workdir["tiny"], plugin=dict(_delete_=True, type="TorchDDPPlugin")
+    )
     outputs = workdir["root"] / "ddp"
     launch("torchrun", config, outputs, "--max-steps", "6")
     ddp, zero = by_step(read_metrics(outputs)), by_step(read_metrics(zero2_run))
@@ -355,8 +374,13 @@ def _fixed_input_step(method, nan_on_call=None):
         batch_size, channels, *grid = x0.shape
         cond = x0.new_zeros(batch_size, channels + 1, *grid) if method.uses_condition else None
         prediction = method.roles["model"].model(
-            add_noise(x0, noise, t), timestep=t, text_emb=text["text_emb"], text_mask=text["text_mask"],
-            pooled=text["pooled"], cond=cond)
+            add_noise(x0, noise, t),
+            timestep=t,
+            text_emb=text["text_emb"],
+            text_mask=text["text_mask"],
+            pooled=text["pooled"],
+            cond=cond,
+        )
         loss = torch.mean((prediction - velocity_target(x0, noise)) ** 2)
         if counter["calls"] == nan_on_call:
             loss = loss * float("nan")
@@ -396,8 +420,13 @@ def _deterministic_flow_matching_step(method):
         batch_size, channels, *grid = x0.shape
         cond = x0.new_zeros(batch_size, channels + 1, *grid) if method.uses_condition else None
         prediction = method.roles["model"].model(
-            add_noise(x0, noise, t), timestep=t, text_emb=text["text_emb"], text_mask=text["text_mask"],
-            pooled=text["pooled"], cond=cond)
+            add_noise(x0, noise, t),
+            timestep=t,
+            text_emb=text["text_emb"],
+            text_mask=text["text_mask"],
+            pooled=text["pooled"],
+            cond=cond,
+        )
         loss = torch.mean((prediction.float() - velocity_target(x0, noise)) ** 2)
         return {"total_loss": loss}, dict(num_samples=x0.shape[0], num_tokens=0)
 
@@ -406,7 +435,8 @@ def _deterministic_flow_matching_step(method):
 
 def _accumulation_run(workdir, name, batch_size, grad_accum, steps=3):
     config = write_config(
-        workdir["root"] / f"{name}.py", workdir["tiny"],
+        workdir["root"] / f"{name}.py",
+        workdir["tiny"],
         dataset=dict(data_path=str(workdir["subset"])),  # 4 clips: one window always sees all of them
         bucket_config={"_delete_": True, "32x32": {4: (1.0, batch_size)}},
         grad_accum=grad_accum,
@@ -439,7 +469,11 @@ def test_gradient_accumulation_matches_the_large_batch(workdir):
 def test_unknown_cli_key_names_the_nearest_key():
     result = subprocess.run(
         [sys.executable, str(TRAIN_SCRIPT), str(DEMO_CONFIG), "--model.hiden_size", "3"],
-        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode != 0
     assert "unknown config key 'model.hiden_size'" in result.stderr
@@ -480,10 +514,23 @@ def test_mmdit_1b_synthetic_step_time_and_mfu(tmp_path):
     outputs = tmp_path / "mmdit_1b"
     config = ROOT / "configs" / "diffusion" / "train" / "mmdit_1b_synthetic.py"
     gpus = os.environ.get("OPENSORA_TEST_GPUS", "1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", gpus,
-               "--master_port", str(find_free_port()), str(TRAIN_SCRIPT), str(config),
-               "--outputs", str(outputs), "--max-steps", "8",
-               "--save-at-end", "False"]  # a 1B final checkpoint is ~23 GB (model, optimizer, fp32 masters, EMA)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        gpus,
+        "--master_port",
+        str(find_free_port()),
+        str(TRAIN_SCRIPT),
+        str(config),
+        "--outputs",
+        str(outputs),
+        "--max-steps",
+        "8",
+        "--save-at-end",
+        "False",
+    ]  # a 1B final checkpoint is ~23 GB (model, optimizer, fp32 masters, EMA)
     env = launcher_env()
     env.pop("OMP_NUM_THREADS")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -494,9 +541,11 @@ def test_mmdit_1b_synthetic_step_time_and_mfu(tmp_path):
     timed = records[2:]
     step_time = sorted(r["step_time"] for r in timed)[len(timed) // 2]
     mfu = [r["mfu"] for r in timed if "mfu" in r]
-    print(f"\nmmdit_1b_synthetic on {torch.cuda.get_device_name()}: median step time {step_time:.3f} s, "
-          f"samples/s {timed[-1]['samples_per_s']:.2f}, tokens/s {timed[-1]['tokens_per_s']:.0f}, "
-          f"MFU {(sum(mfu) / len(mfu)) if mfu else float('nan'):.3f}")
+    print(
+        f"\nmmdit_1b_synthetic on {torch.cuda.get_device_name()}: median step time {step_time:.3f} s, "
+        f"samples/s {timed[-1]['samples_per_s']:.2f}, tokens/s {timed[-1]['tokens_per_s']:.0f}, "
+        f"MFU {(sum(mfu) / len(mfu)) if mfu else float('nan'):.3f}"
+    )
     if "H100" in torch.cuda.get_device_name() or "H200" in torch.cuda.get_device_name():
         assert mfu and all(0 < value < 1 for value in mfu)
 

@@ -132,9 +132,7 @@ def test_hunyuan_seeded_init_and_pretrained_round_trip(hunyuan, tmp_path):
     same_seed = HunyuanVideoVAE(config=TINY_HUNYUAN, seed=0)
     assert torch.equal(same_seed.encode(video), hunyuan.encode(video))
     hunyuan.vae.save_pretrained(tmp_path / "vae")
-    loaded = build_module(
-        dict(type="HunyuanVideoVAE", from_pretrained=str(tmp_path), subfolder="vae"), MODELS
-    )
+    loaded = build_module(dict(type="HunyuanVideoVAE", from_pretrained=str(tmp_path), subfolder="vae"), MODELS)
     assert torch.equal(loaded.encode(video), hunyuan.encode(video))
 
 

@@ -38,10 +38,17 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("validation")
     data = write_dataset(root / "data", num=8, seed=0, height=32, width=32, num_frames=4, progress=False)
     prompts = [row["text"] for row in csv.DictReader(open(data))][:3]
-    plain = write_config(root / "plain.py", DEMO_CONFIG, dataset=dict(data_path=str(data)),
-                         bucket_config={"_delete_": True, "32x32": {4: (1.0, 2)}}, num_workers=0, warmup_steps=5)
-    validated = write_config(root / "val.py", plain,
-                             validation=dict(every=2, prompts=prompts, num_steps=3, score="moving_shapes"))
+    plain = write_config(
+        root / "plain.py",
+        DEMO_CONFIG,
+        dataset=dict(data_path=str(data)),
+        bucket_config={"_delete_": True, "32x32": {4: (1.0, 2)}},
+        num_workers=0,
+        warmup_steps=5,
+    )
+    validated = write_config(
+        root / "val.py", plain, validation=dict(every=2, prompts=prompts, num_steps=3, score="moving_shapes")
+    )
     flags = ("--max-steps", "4", "--ckpt-every", "2")
     outputs = dict(val=root / "val", plain=root / "plain", resumed=root / "resumed")
     build_trainer(validated, outputs["val"], *flags).train()
@@ -122,7 +129,13 @@ def test_settings_default_to_the_first_bucket_and_a_distilled_students_sampling_
     cfg = load_config(DEMO_CONFIG)
     cfg.validation = dict(every=5, prompts=["a red circle moving left"])
     s = validation_settings(cfg)
-    assert (s["role"], s["resolution"], s["num_frames"], s["step_list"], s["seeds"]) == ("model", "32x32", 16, None, [0])
+    assert (s["role"], s["resolution"], s["num_frames"], s["step_list"], s["seeds"]) == (
+        "model",
+        "32x32",
+        16,
+        None,
+        [0],
+    )
     cfg.validation = dict(every=0, prompts=["x"])
     assert validation_settings(cfg) is None
     distill = load_config(ROOT / "configs" / "distill" / "dmd2_demo.py")
@@ -146,7 +159,9 @@ def test_distillation_run_validates_the_student_on_its_step_list(tmp_path):
     from test_dmd2 import _write_run_config
 
     base = _write_run_config(tmp_path)
-    config = write_config(tmp_path / "dmd2_val.py", base, validation=dict(every=2, prompts=["a red circle moving left"]))
+    config = write_config(
+        tmp_path / "dmd2_val.py", base, validation=dict(every=2, prompts=["a red circle moving left"])
+    )
     outputs = tmp_path / "run"
     build_trainer(config, outputs, "--max-steps", "2").train()
     train, val = split_records(outputs)

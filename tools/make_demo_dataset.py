@@ -21,8 +21,12 @@ def parse_args(argv=None):
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--num-frames", type=int, default=16)
     parser.add_argument("--fps", type=float, default=8.0)
-    parser.add_argument("--image-fraction", type=float, default=0.0,
-                        help="fraction of samples written as single png frames captioned without a direction")
+    parser.add_argument(
+        "--image-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of samples written as single png frames captioned without a direction",
+    )
     parser.add_argument("--crf", type=int, default=18, help="H.264 quality (lower is better)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -34,8 +38,16 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     meta = write_dataset(
-        args.out, num=args.num, seed=args.seed, height=args.height, width=args.width, num_frames=args.num_frames,
-        fps=args.fps, image_fraction=args.image_fraction, crf=args.crf, progress=not args.no_progress,
+        args.out,
+        num=args.num,
+        seed=args.seed,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        fps=args.fps,
+        image_fraction=args.image_fraction,
+        crf=args.crf,
+        progress=not args.no_progress,
     )
     print(f"wrote {args.num} clips; index: {meta}")
 

@@ -37,8 +37,17 @@ def main(argv=None) -> None:
     started = time.time()
 
     run([py, "tools/make_demo_dataset.py", "--out", data, "--num", args.num_videos, "--seed", 0, "--no-progress"])
-    train_cmd = [py, "scripts/diffusion/train.py", args.train_config, "--outputs", train, "--resume", "auto",
-                 "--dataset.data_path", data / "meta.csv"]
+    train_cmd = [
+        py,
+        "scripts/diffusion/train.py",
+        args.train_config,
+        "--outputs",
+        train,
+        "--resume",
+        "auto",
+        "--dataset.data_path",
+        data / "meta.csv",
+    ]
     if args.max_steps is not None:
         train_cmd += ["--max-steps", args.max_steps]
     run(train_cmd)
@@ -47,16 +56,33 @@ def main(argv=None) -> None:
 
     ckpt = find_latest_checkpoint(train)
     # held prompts: every colour x shape x direction caption, one sample each, seeds never used in training
-    run([py, "scripts/diffusion/inference.py", args.sample_config, "--ckpt", ckpt, "--prompt-file",
-         data / "prompts.txt", "--save-dir", samples, "--num-steps", args.num_steps, "--seed", 1000])
+    run(
+        [
+            py,
+            "scripts/diffusion/inference.py",
+            args.sample_config,
+            "--ckpt",
+            ckpt,
+            "--prompt-file",
+            data / "prompts.txt",
+            "--save-dir",
+            samples,
+            "--num-steps",
+            args.num_steps,
+            "--seed",
+            1000,
+        ]
+    )
     scores = out / "eval.json"
     run([py, "tools/eval_moving_shapes.py", samples / "samples.csv", "--json", scores, "--no-progress"])
 
     report = json.loads(scores.read_text())
     minutes = (time.time() - started) / 60
-    print(f"\nMovingShapes demo ({minutes:.1f} min): n={report['n']}  colour {report['color_acc']:.3f}  "
-          f"shape {report['shape_acc']:.3f}  direction {report['direction_acc']:.3f}  "
-          f"(chance 0.167 / 0.333 / 0.250)")
+    print(
+        f"\nMovingShapes demo ({minutes:.1f} min): n={report['n']}  colour {report['color_acc']:.3f}  "
+        f"shape {report['shape_acc']:.3f}  direction {report['direction_acc']:.3f}  "
+        f"(chance 0.167 / 0.333 / 0.250)"
+    )
 
 
 if __name__ == "__main__":

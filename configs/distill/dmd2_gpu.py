@@ -23,11 +23,24 @@ _mmdit = {{_base_.model}}
 # the teacher config's single-role keys do not apply here (each role sets its own): unset, or they are an error
 model = lr = warmup_steps = grad_clip = ema_decay = ema_start_step = None
 models = dict(
-    student=dict(model=_mmdit, precision="bf16", init_from=_teacher_weights, warmup_steps=10, grad_clip=1.0,
-                 optimizer=dict(lr=2e-5, betas=(0.9, 0.999)), ema=dict(decay=0.99, start_step=0)),
+    student=dict(
+        model=_mmdit,
+        precision="bf16",
+        init_from=_teacher_weights,
+        warmup_steps=10,
+        grad_clip=1.0,
+        optimizer=dict(lr=2e-5, betas=(0.9, 0.999)),
+        ema=dict(decay=0.99, start_step=0),
+    ),
     teacher=dict(model=_mmdit, trainable=False, precision="bf16", init_from=_teacher_weights),
-    critic=dict(model=_mmdit, precision="bf16", init_from=_teacher_weights, warmup_steps=50, grad_clip=1.0,
-                optimizer=dict(lr=4e-5, betas=(0.9, 0.999))),
+    critic=dict(
+        model=_mmdit,
+        precision="bf16",
+        init_from=_teacher_weights,
+        warmup_steps=50,
+        grad_clip=1.0,
+        optimizer=dict(lr=4e-5, betas=(0.9, 0.999)),
+    ),
 )
 
 method = dict(

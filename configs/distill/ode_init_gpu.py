@@ -20,8 +20,15 @@ _mmdit = {{_base_.model}}
 # the teacher config's single-role keys do not apply here (each role sets its own): unset, or they are an error
 model = lr = warmup_steps = grad_clip = ema_decay = ema_start_step = None
 models = dict(
-    student=dict(model=_mmdit, precision="bf16", init_from=_teacher_weights, warmup_steps=20, grad_clip=1.0,
-                 optimizer=dict(lr=1e-4, betas=(0.9, 0.999)), ema=dict(decay=0.99, start_step=0)),
+    student=dict(
+        model=_mmdit,
+        precision="bf16",
+        init_from=_teacher_weights,
+        warmup_steps=20,
+        grad_clip=1.0,
+        optimizer=dict(lr=1e-4, betas=(0.9, 0.999)),
+        ema=dict(decay=0.99, start_step=0),
+    ),
     teacher=dict(model=_mmdit, trainable=False, precision="bf16", init_from=_teacher_weights),
 )
 

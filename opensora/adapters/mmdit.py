@@ -59,8 +59,10 @@ class MMDiTAdapter:
         min_time: float = 1e-3,
     ):
         if components.text_encoder is None or components.null_text is None:
-            raise ValueError("MMDiTAdapter needs components.text_encoder and components.null_text (computed once at "
-                             "start-up from text_encoder.null_embeddings(1)); the config has no text_encoder")
+            raise ValueError(
+                "MMDiTAdapter needs components.text_encoder and components.null_text (computed once at "
+                "start-up from text_encoder.null_embeddings(1)); the config has no text_encoder"
+            )
         if components.vae is None:
             raise ValueError("MMDiTAdapter needs components.vae to know the latent size; the config has no vae")
         self.components = components
@@ -107,9 +109,15 @@ class MMDiTAdapter:
 
     # ---- network calls ------------------------------------------------------------------------------------
     @staticmethod
-    def call_network(network, x: torch.Tensor, t: torch.Tensor, text: Mapping[str, torch.Tensor],
-                     cond: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
-                     **extra) -> torch.Tensor:
+    def call_network(
+        network,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        text: Mapping[str, torch.Tensor],
+        cond: Optional[torch.Tensor] = None,
+        dtype: Optional[torch.dtype] = None,
+        **extra,
+    ) -> torch.Tensor:
         """One forward of an MMDiT (plain or boosted): floating inputs cast to its compute ``dtype`` (default:
         its parameters'), text features from ``text`` (``text_emb``, ``text_mask``, ``pooled``); returns the
         network's output as it comes (the velocity, in ``dtype``). ``extra``: further forward keywords (the
@@ -125,8 +133,9 @@ class MMDiTAdapter:
             **extra,
         )
 
-    def predict_velocity(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
-                         conditional: bool = True) -> torch.Tensor:
+    def predict_velocity(
+        self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, conditional: bool = True
+    ) -> torch.Tensor:
         """The network's velocity for ``noisy`` at time ``t`` [B] with the prompt (or the null text); float32.
 
         Gradients flow when the caller has grad enabled and the handle's parameters require grad.
@@ -147,8 +156,9 @@ class MMDiTAdapter:
         t = t.expand(noisy.shape[0]) if t.dim() == 0 else t
         return t, text, cond, dtype
 
-    def predict_x0(self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch,
-                   conditional: bool = True) -> torch.Tensor:
+    def predict_x0(
+        self, handle, noisy: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, conditional: bool = True
+    ) -> torch.Tensor:
         """x0 implied by the velocity: ``x_t - t * v`` (float32)."""
         t = t.expand(noisy.shape[0]) if t.dim() == 0 else t
         velocity = self.predict_velocity(handle, noisy, t, batch, conditional=conditional)
@@ -167,15 +177,33 @@ class MMDiTAdapter:
             raise ValueError("new_kv_cache needs a causal MMDiT (built with causal_chunk_frames > 0)")
         return network.new_kv_cache(window_frames=window_frames, sink_frames=sink_frames)
 
-    def predict_x0_streaming(self, handle, noisy_chunk: torch.Tensor, t: torch.Tensor, batch: PreparedBatch, cache,
-                             start_frame: int, store_kv: bool, conditional: bool = True) -> torch.Tensor:
+    def predict_x0_streaming(
+        self,
+        handle,
+        noisy_chunk: torch.Tensor,
+        t: torch.Tensor,
+        batch: PreparedBatch,
+        cache,
+        start_frame: int,
+        store_kv: bool,
+        conditional: bool = True,
+    ) -> torch.Tensor:
         """x0 (float32) of one chunk ``noisy_chunk`` [B, C, Tc, H, W] at time ``t`` and absolute latent frame
         ``start_frame``, attending to the frames in ``cache`` (``MMDiT.forward_chunk``); ``store_kv=True`` appends
         the chunk to the cache. Gradients flow through the chunk (not the cache) when grad is enabled."""
         t, text, cond, dtype = self._t2v_inputs(handle, noisy_chunk, t, batch, conditional)
         # through handle.model (not unwrap()), so a booster wrapper's forward hooks run as for any forward
-        velocity = self.call_network(handle.model, noisy_chunk, t, text, cond, dtype, kv_cache=cache,
-                                     start_frame=int(start_frame), store_kv=bool(store_kv)).float()
+        velocity = self.call_network(
+            handle.model,
+            noisy_chunk,
+            t,
+            text,
+            cond,
+            dtype,
+            kv_cache=cache,
+            start_frame=int(start_frame),
+            store_kv=bool(store_kv),
+        ).float()
         return fm.predict_x0(noisy_chunk.float(), velocity, t.float())
 
     # ---- accounting ---------------------------------------------------------------------------------------

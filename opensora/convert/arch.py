@@ -47,10 +47,15 @@ def arch_from_json(text: str, where: str) -> dict:
 
 def no_arch_error(where: str, has_config_text: bool) -> UserInputError:
     """The refusal for a checkpoint without a plain-data architecture (older files carry only config text)."""
-    detail = ("it carries only config text, which is Python code and is never run when reading a checkpoint"
-              if has_config_text else "it carries no architecture")
-    return UserInputError(f"{where}: {detail}; pass --config CONFIG.py (your own copy of the training config, run as "
-                          "your config) to take the architecture from it")
+    detail = (
+        "it carries only config text, which is Python code and is never run when reading a checkpoint"
+        if has_config_text
+        else "it carries no architecture"
+    )
+    return UserInputError(
+        f"{where}: {detail}; pass --config CONFIG.py (your own copy of the training config, run as "
+        "your config) to take the architecture from it"
+    )
 
 
 def arch_from_config_file(path, role: str = "model") -> dict:

@@ -80,8 +80,11 @@ def _rules() -> List[Rule]:
     ours, theirs = "single_blocks.{i}.", "single_transformer_blocks.{i}."
     rules += [
         Rule(ours + "modulation.lin", theirs + "norm.linear"),
-        Rule(ours + "linear1", tuple(theirs + p for p in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")),
-             split=(1, 1, 1, None)),
+        Rule(
+            ours + "linear1",
+            tuple(theirs + p for p in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")),
+            split=(1, 1, 1, None),
+        ),
         Rule(ours + "norm.query_scale", theirs + "attn.norm_q.weight"),
         Rule(ours + "norm.key_scale", theirs + "attn.norm_k.weight"),
         Rule(ours + "linear2", theirs + "proj_out"),

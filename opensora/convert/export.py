@@ -26,6 +26,8 @@ from .weights import LORA_KEY, LoadedWeights, load_role_weights, read_metadata
 
 OUR_LAYOUT = "opensora"
 LAYOUTS = (OUR_LAYOUT, opensora2.LAYOUT, diffusers_flux.LAYOUT)
+
+
 def resolve_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     """``None`` keeps the source dtypes; otherwise a dtype name (see ``opensora.dtypes``)."""
     return None if name is None else dtypes.resolve_dtype(name)
@@ -110,8 +112,9 @@ def export_weights(
     if to not in LAYOUTS:
         raise ValueError(f"unknown target layout '{to}'; choose one of {LAYOUTS} (or 'diffusers')")
     if lora == "only" and to != OUR_LAYOUT:
-        raise UserInputError(f"--lora-only writes the adapter in our layout; --to {to} needs merged weights "
-                             "(--merge-lora)")
+        raise UserInputError(
+            f"--lora-only writes the adapter in our layout; --to {to} needs merged weights (--merge-lora)"
+        )
     loaded = load_role_weights(src, role=role, ema=ema, lora=lora, base=base)
     if loaded.metadata.get("layout", OUR_LAYOUT) != OUR_LAYOUT:
         raise ValueError(f"{src} is in the {loaded.metadata['layout']} layout; import it first (--from)")
@@ -157,10 +160,13 @@ def _axes_dims_for(head_dim: int, axes_dims: Optional[tuple]) -> tuple:
     if axes_dims is None:
         raise UserInputError(
             f"the RoPE axis split of a foreign checkpoint cannot be read off its shapes (head size {head_dim}): pass "
-            f"--axes-dims T,H,W summing to {head_dim} (Open-Sora 2.0's released model: --axes-dims 16,56,56)")
+            f"--axes-dims T,H,W summing to {head_dim} (Open-Sora 2.0's released model: --axes-dims 16,56,56)"
+        )
     if len(axes_dims) != 3 or sum(axes_dims) != head_dim or any(d <= 0 or d % 2 for d in axes_dims):
-        raise UserInputError(f"--axes-dims {','.join(map(str, axes_dims))}: need 3 positive even numbers summing to "
-                             f"the head size {head_dim}")
+        raise UserInputError(
+            f"--axes-dims {','.join(map(str, axes_dims))}: need 3 positive even numbers summing to "
+            f"the head size {head_dim}"
+        )
     return tuple(axes_dims)
 
 
@@ -194,8 +200,15 @@ def infer_opensora2_kwargs(state: Dict[str, torch.Tensor], patch: int = 2, axes_
     return kwargs
 
 
-def import_weights(src, dst, from_: str, dtype: Optional[str] = None, opensora2_patch: int = 2,
-                   axes_dims=None, rope_pairing: Optional[str] = None) -> ExportResult:
+def import_weights(
+    src,
+    dst,
+    from_: str,
+    dtype: Optional[str] = None,
+    opensora2_patch: int = 2,
+    axes_dims=None,
+    rope_pairing: Optional[str] = None,
+) -> ExportResult:
     """Convert foreign weights to one our-layout safetensors file with a ``model = dict(...)`` config.
 
     ``from_="diffusers"``: a ``FluxTransformer2DModel`` directory (or a pipeline directory with ``transformer/``),
@@ -231,8 +244,13 @@ def import_weights(src, dst, from_: str, dtype: Optional[str] = None, opensora2_
     else:
         raise ValueError(f"unknown source layout '{from_}'; choose diffusers or opensora")
     state = cast_state_dict(state, resolve_dtype(dtype))
-    metadata = {"format": "pt", "role": "model", "dtype": dtype or dtype_label(state), "layout": OUR_LAYOUT,
-                "source": layout}
+    metadata = {
+        "format": "pt",
+        "role": "model",
+        "dtype": dtype or dtype_label(state),
+        "layout": OUR_LAYOUT,
+        "source": layout,
+    }
     if kwargs is not None:
         metadata[ARCH_KEY] = arch_to_json({k: v for k, v in kwargs.items() if k != "type"})
     if "config" in source_meta:  # text for the record, never executed
@@ -275,8 +293,10 @@ def inspect_weights(src, role: str = "model", ema: bool = True) -> dict:
 def format_summary(summary: dict) -> str:
     lines = [f"path:       {summary['path']}"]
     if "roles" in summary:
-        lines.append(f"roles:      {', '.join(summary['roles'])} (EMA for '{summary['role']}': "
-                     f"{'yes' if summary['has_ema'] else 'no'})")
+        lines.append(
+            f"roles:      {', '.join(summary['roles'])} (EMA for '{summary['role']}': "
+            f"{'yes' if summary['has_ema'] else 'no'})"
+        )
     lines += [
         f"role:       {summary['role']}  source: {summary['source']}  layout: {summary['layout']}",
         f"step:       {summary['step'] if summary['step'] is not None else 'unknown'}",

@@ -41,9 +41,17 @@ LAYOUT = "opensora2"
 
 def _rules(fused_qkv: bool) -> List[Rule]:
     same = [
-        "img_in", "cond_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "vector_in.in_layer",
-        "vector_in.out_layer", "guidance_in.in_layer", "guidance_in.out_layer", "final_layer.linear",
-    ]  # fmt: skip
+        "img_in",
+        "cond_in",
+        "txt_in",
+        "time_in.in_layer",
+        "time_in.out_layer",
+        "vector_in.in_layer",
+        "vector_in.out_layer",
+        "guidance_in.in_layer",
+        "guidance_in.out_layer",
+        "final_layer.linear",
+    ]
     rules = [Rule(name, name) for name in same]
     rules.append(Rule("final_layer.adaLN_modulation", "final_layer.adaLN_modulation.1"))
     for stream in ("img", "txt"):

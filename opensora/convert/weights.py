@@ -74,7 +74,7 @@ def load_sharded_safetensors(directory: Path) -> Dict[str, torch.Tensor]:
 def check_shapes_fit(saved: Dict[str, tuple], module: torch.nn.Module, where, what: str = "model") -> None:
     """Raise ``UserInputError`` naming the first tensor whose saved shape differs from ``module``'s (with both shapes
     and how many differ), or the tensors one side lacks. ``saved``: key -> shape (``module.`` prefixes ignored)."""
-    strip = lambda key: key[len("module."):] if key.startswith("module.") else key  # noqa: E731
+    strip = lambda key: key[len("module.") :] if key.startswith("module.") else key  # noqa: E731
     saved = {strip(k): tuple(v) for k, v in saved.items()}
     ours = {strip(k): tuple(v.shape) for k, v in module.state_dict().items()}
     differ = [k for k in ours if k in saved and saved[k] != ours[k]]
@@ -83,12 +83,14 @@ def check_shapes_fit(saved: Dict[str, tuple], module: torch.nn.Module, where, wh
         first = differ[0]
         raise UserInputError(
             f"{where} does not fit this {what}: {first} has shape {list(saved[first])} in the checkpoint but "
-            f"{list(ours[first])} in the model built from the config ({len(differ)} tensor(s) differ); {advice}")
+            f"{list(ours[first])} in the model built from the config ({len(differ)} tensor(s) differ); {advice}"
+        )
     missing, unexpected = [k for k in ours if k not in saved], [k for k in saved if k not in ours]
     if missing or unexpected:
         more = lambda keys: f"{keys[:3]}{' ...' if len(keys) > 3 else ''}"  # noqa: E731
-        raise UserInputError(f"{where} does not fit this {what}: missing {more(missing)}, unexpected "
-                             f"{more(unexpected)}; {advice}")
+        raise UserInputError(
+            f"{where} does not fit this {what}: missing {more(missing)}, unexpected {more(unexpected)}; {advice}"
+        )
 
 
 def read_metadata(path: Path) -> Dict[str, str]:
@@ -99,8 +101,10 @@ def read_metadata(path: Path) -> Dict[str, str]:
     except FileNotFoundError:
         raise
     except Exception as error:  # safetensors raises its own error types for a file of another format
-        raise UserInputError(f"{path} is not a safetensors file ({type(error).__name__}: {error}); give a "
-                             ".safetensors file or a checkpoint directory (.../checkpoints/step-XXXXXXX)") from None
+        raise UserInputError(
+            f"{path} is not a safetensors file ({type(error).__name__}: {error}); give a "
+            ".safetensors file or a checkpoint directory (.../checkpoints/step-XXXXXXX)"
+        ) from None
 
 
 def load_role_weights(path, role: str = "model", ema: bool = True, lora: str = "merge", base=None) -> LoadedWeights:
@@ -129,16 +133,26 @@ def _merged(adapter: LoadedWeights, base) -> LoadedWeights:
     base_path = Path(base) if base is not None else Path(spec.pop("path"))
     spec.pop("path", None)
     if not base_path.exists():
-        raise UserInputError(f"the base weights of LoRA adapter {adapter.path} ({base_path}) do not exist: give "
-                             "them with --base PATH (base=...)")
+        raise UserInputError(
+            f"the base weights of LoRA adapter {adapter.path} ({base_path}) do not exist: give "
+            "them with --base PATH (base=...)"
+        )
     base_weights = load_role_weights(base_path, lora="merge", **spec)
-    check_same_base(record, base_fingerprint(base_weights.state_dict), f"LoRA adapter {adapter.path}",
-                    base_name=str(base_path))
+    check_same_base(
+        record, base_fingerprint(base_weights.state_dict), f"LoRA adapter {adapter.path}", base_name=str(base_path)
+    )
     merged = merge_adapter(base_weights.state_dict, adapter.state_dict, record)
     metadata = {k: v for k, v in adapter.metadata.items() if k != LORA_KEY}
     metadata["merged_lora"] = adapter.metadata[LORA_KEY]
-    return LoadedWeights(merged, adapter.source, adapter.path, adapter.step, adapter.config_text, metadata,
-                         adapter.arch or base_weights.arch)
+    return LoadedWeights(
+        merged,
+        adapter.source,
+        adapter.path,
+        adapter.step,
+        adapter.config_text,
+        metadata,
+        adapter.arch or base_weights.arch,
+    )
 
 
 def _load_stored(path: Path, role: str, ema: bool) -> LoadedWeights:
@@ -164,8 +178,9 @@ def _load_stored(path: Path, role: str, ema: bool) -> LoadedWeights:
     lora_meta = {LORA_KEY: lora_file.read_text()} if lora_file.is_file() else {}
     ema_file = role_dir / EMA_FILE
     if ema and ema_file.is_file():
-        return LoadedWeights(load_file(str(ema_file)), "ema", ema_file, step, config_text,
-                             {**read_metadata(ema_file), **lora_meta}, arch)
+        return LoadedWeights(
+            load_file(str(ema_file)), "ema", ema_file, step, config_text, {**read_metadata(ema_file), **lora_meta}, arch
+        )
     if ema:
         raise FileNotFoundError(f"{ema_file} missing (trained without EMA?); pass ema=False / --no-ema for raw weights")
     if lora_meta:

@@ -100,7 +100,8 @@ class ResumableDataLoader:
                 example = next(iter(self.bad_paths.items()), None)
                 raise UserInputError(
                     f"epoch {self.epoch} yielded no batch: every sample planned for it was bad ({len(self.bad_paths)} "
-                    f"bad file(s), e.g. {': '.join(example) if example else 'none recorded'}); fix or remove them")
+                    f"bad file(s), e.g. {': '.join(example) if example else 'none recorded'}); fix or remove them"
+                )
             self.set_epoch(self.epoch + 1)
 
     def _record_skips(self, skipped: Sequence[Tuple[str, str]]) -> None:

@@ -256,7 +256,8 @@ class VideoTextDataset(torch.utils.data.Dataset):
         if text_column is None and not allow_empty_text:
             raise UserInputError(
                 f"dataset table {data_path} has no 'text' (or 'caption') column (columns: {list(table.columns)}): "
-                "add the captions, or set dataset.allow_empty_text=True to train without text on purpose")
+                "add the captions, or set dataset.allow_empty_text=True to train without text on purpose"
+            )
         self.texts: List[str] = (
             table[text_column].fillna("").astype(str).tolist() if text_column else [""] * len(self.paths)
         )

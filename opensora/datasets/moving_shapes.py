@@ -54,8 +54,20 @@ TRAVEL_RANGE = (0.30, 0.45)
 SUPERSAMPLE = 4  # anti-aliasing: samples per pixel along each axis
 
 META_COLUMNS = (
-    "path", "text", "num_frames", "height", "width", "fps",
-    "color", "shape", "direction", "size", "x0", "y0", "dx", "dy",
+    "path",
+    "text",
+    "num_frames",
+    "height",
+    "width",
+    "fps",
+    "color",
+    "shape",
+    "direction",
+    "size",
+    "x0",
+    "y0",
+    "dx",
+    "dy",
 )
 
 
@@ -188,8 +200,14 @@ def render_video(motion: ShapeMotion, height: int, width: int, num_frames: int) 
 
 
 def render_from_attributes(
-    color: str, shape: str, direction: str, height: int = 32, width: int = 32, num_frames: int = 16,
-    seed: int = 0, moving: bool = True,
+    color: str,
+    shape: str,
+    direction: str,
+    height: int = 32,
+    width: int = 32,
+    num_frames: int = 16,
+    seed: int = 0,
+    moving: bool = True,
 ) -> np.ndarray:
     """Convenience: sample a motion for these attributes with ``seed`` and render it [T, H, W, 3] uint8."""
     rng = np.random.default_rng(seed)
@@ -224,8 +242,16 @@ def clip_motion(index: int, combo: Tuple[str, str, str], seed: int, height: int,
 
 
 def write_dataset(
-    out_dir, num: int, seed: int = 0, height: int = 32, width: int = 32, num_frames: int = 16, fps: float = 8.0,
-    image_fraction: float = 0.0, crf: int = 18, progress: bool = True,
+    out_dir,
+    num: int,
+    seed: int = 0,
+    height: int = 32,
+    width: int = 32,
+    num_frames: int = 16,
+    fps: float = 8.0,
+    image_fraction: float = 0.0,
+    crf: int = 18,
+    progress: bool = True,
 ) -> Path:
     """Render ``num`` clips to ``out_dir`` (see the module docstring for the layout); returns meta.csv's path.
 
@@ -234,7 +260,9 @@ def write_dataset(
     from opensora.datasets.video_io import write_video
 
     if num < 1 or height < 8 or width < 8 or num_frames < 2:
-        raise ValueError(f"need num >= 1, height/width >= 8, num_frames >= 2; got {num}, {height}x{width}, {num_frames}")
+        raise ValueError(
+            f"need num >= 1, height/width >= 8, num_frames >= 2; got {num}, {height}x{width}, {num_frames}"
+        )
     if not 0.0 <= image_fraction <= 1.0:
         raise ValueError(f"image_fraction must be in [0, 1], got {image_fraction}")
     fps = float(fps)
@@ -270,8 +298,16 @@ def write_dataset(
         writer = csv.DictWriter(f, fieldnames=list(META_COLUMNS))
         writer.writeheader()
         writer.writerows(rows)
-    settings = dict(num=num, seed=seed, height=height, width=width, num_frames=num_frames, fps=fps,
-                    image_fraction=image_fraction, crf=crf)
+    settings = dict(
+        num=num,
+        seed=seed,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        fps=fps,
+        image_fraction=image_fraction,
+        crf=crf,
+    )
     attributes = {
         "palette": {name: list(rgb) for name, rgb in PALETTE.items()},
         "shapes": list(SHAPES),
@@ -300,7 +336,23 @@ def resolve_path(csv_path, path: str) -> Path:
 
 
 __all__: Sequence[str] = (
-    "PALETTE", "COLORS", "SHAPES", "DIRECTIONS", "BACKGROUND", "NO_DIRECTION", "ShapeMotion",
-    "caption", "all_captions", "all_combinations", "parse_caption", "sample_motion", "shape_coverage",
-    "render_video", "render_from_attributes", "dataset_attributes", "write_dataset", "read_meta", "resolve_path",
+    "PALETTE",
+    "COLORS",
+    "SHAPES",
+    "DIRECTIONS",
+    "BACKGROUND",
+    "NO_DIRECTION",
+    "ShapeMotion",
+    "caption",
+    "all_captions",
+    "all_combinations",
+    "parse_caption",
+    "sample_motion",
+    "shape_coverage",
+    "render_video",
+    "render_from_attributes",
+    "dataset_attributes",
+    "write_dataset",
+    "read_meta",
+    "resolve_path",
 )

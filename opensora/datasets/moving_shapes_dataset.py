@@ -20,16 +20,27 @@ from opensora.registry import DATASETS
 
 @DATASETS.register_module()
 class MovingShapesDataset(VideoTextDataset):
-    def __init__(self, num: int = 720, seed: int = 0, height: int = 32, width: int = 32, num_frames: int = 16,
-                 fps: float = 8.0, frame_interval: int = 1, interpolation: str = "bilinear",
-                 where: Optional[Mapping] = None):
+    def __init__(
+        self,
+        num: int = 720,
+        seed: int = 0,
+        height: int = 32,
+        width: int = 32,
+        num_frames: int = 16,
+        fps: float = 8.0,
+        frame_interval: int = 1,
+        interpolation: str = "bilinear",
+        where: Optional[Mapping] = None,
+    ):
         if num < 1:
             raise ValueError(f"num must be >= 1, got {num}")
         combos = shapes.dataset_attributes(num, seed)
         self.clip_ids = _matching(combos, where)
         num = len(self.clip_ids)
-        self.data_path = (f"moving_shapes(num={num}, seed={seed}, {height}x{width}x{num_frames}"
-                          f"{f', where={dict(where)}' if where else ''})")
+        self.data_path = (
+            f"moving_shapes(num={num}, seed={seed}, {height}x{width}x{num_frames}"
+            f"{f', where={dict(where)}' if where else ''})"
+        )
         self.num_frames_default = int(num_frames)
         self.image_size = (int(height), int(width))
         self.seed = int(seed)
@@ -46,9 +57,17 @@ class MovingShapesDataset(VideoTextDataset):
         self.frame_intervals = np.full(num, int(frame_interval), dtype=np.int64)
 
     def read_frames(self, index: int, num_frames: int, epoch: int) -> Tuple[np.ndarray, float]:
-        motion = shapes.clip_motion(self.clip_ids[index], self.combos[index], self.seed, int(self.heights[index]),
-                                    int(self.widths[index]), image=False)
-        clip = shapes.render_video(motion, int(self.heights[index]), int(self.widths[index]), int(self.num_frames[index]))
+        motion = shapes.clip_motion(
+            self.clip_ids[index],
+            self.combos[index],
+            self.seed,
+            int(self.heights[index]),
+            int(self.widths[index]),
+            image=False,
+        )
+        clip = shapes.render_video(
+            motion, int(self.heights[index]), int(self.widths[index]), int(self.num_frames[index])
+        )
         frames = clip[self.frame_indices(index, num_frames, epoch)]
         fps = float(self.fps[index]) / float(self.frame_intervals[index]) if num_frames > 1 else IMAGE_FPS
         return frames, fps
@@ -66,10 +85,15 @@ def _matching(combos, where: Optional[Mapping]) -> list:
     vocab = dict(color=set(shapes.PALETTE), shape=set(shapes.SHAPES), direction=set(shapes.DIRECTIONS))
     for key, values in allowed.items():
         if not values <= vocab[key]:
-            raise ValueError(f"MovingShapesDataset where: {key} {sorted(values - vocab[key])} unknown; "
-                             f"choose from {sorted(vocab[key])}")
-    kept = [i for i, combo in enumerate(combos)
-            if all(combo[columns.index(key)] in values for key, values in allowed.items())]
+            raise ValueError(
+                f"MovingShapesDataset where: {key} {sorted(values - vocab[key])} unknown; "
+                f"choose from {sorted(vocab[key])}"
+            )
+    kept = [
+        i
+        for i, combo in enumerate(combos)
+        if all(combo[columns.index(key)] in values for key, values in allowed.items())
+    ]
     if not kept:
         raise ValueError(f"MovingShapesDataset where={dict(where)} keeps no clip")
     return kept

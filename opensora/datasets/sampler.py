@@ -134,14 +134,17 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         needs = []
         for j, bucket in enumerate(self.table.frame_buckets):
             need = bucket.batch_size * (self.num_replicas if self.drop_last else 1)
-            needs.append(f"{bucket.resolution.name} x {bucket.num_frames} frames: batch size {bucket.batch_size} x "
-                         f"{self.num_replicas} rank(s) = {need} samples, {int(fits[:, j].sum())} fit it")
+            needs.append(
+                f"{bucket.resolution.name} x {bucket.num_frames} frames: batch size {bucket.batch_size} x "
+                f"{self.num_replicas} rank(s) = {need} samples, {int(fits[:, j].sum())} fit it"
+            )
         usable = len(self.usable_frames) - len(self.unbucketable_indices)
         raise UserInputError(
             f"{name}: no full global batch: {usable} usable sample(s) of {len(self.usable_frames)} "
             f"({len(self.unbucketable_indices)} fit no bucket: too small, too short or unreadable); one global batch "
             f"needs one batch per rank from a single bucket ({'; '.join(needs)}). Add data, lower the batch sizes "
-            "in bucket_config, or use fewer ranks")
+            "in bucket_config, or use fewer ranks"
+        )
 
     # -- planning (pure in seed, epoch)
 
@@ -198,7 +201,11 @@ class BucketBatchSampler(torch.utils.data.Sampler):
             batch_order = np.concatenate([batch_order, batch_order[np.arange(padding) % len(batch_order)]])
         mine = batch_order[self.rank :: self.num_replicas]
         return EpochPlan(
-            members, group_offsets, [shape for _, shape in buckets], batch_group[mine], batch_start[mine],
+            members,
+            group_offsets,
+            [shape for _, shape in buckets],
+            batch_group[mine],
+            batch_start[mine],
             batch_length[mine],
         )
 

@@ -106,9 +106,7 @@ def effective_type_ids(type_ids: torch.Tensor, table: torch.Tensor) -> torch.Ten
     return torch.where(is_empty[type_ids], torch.full_like(type_ids, T2V), type_ids)
 
 
-def condition_mask_for_types(
-    type_ids: torch.Tensor, num_frames: int, v2v_frames: int | float = 0.5
-) -> torch.Tensor:
+def condition_mask_for_types(type_ids: torch.Tensor, num_frames: int, v2v_frames: int | float = 0.5) -> torch.Tensor:
     """Float ``[B, 1, T, 1, 1]`` condition mask (1 = given frame) gathered from the per-type table."""
     table = condition_frame_table(num_frames, v2v_frames, device=type_ids.device)
     return table[type_ids].float().view(type_ids.shape[0], 1, num_frames, 1, 1)

@@ -73,7 +73,13 @@ def largest_components(masks: np.ndarray) -> np.ndarray:
     while True:
         padded = np.pad(labels, ((0, 0), (1, 1), (1, 1)), constant_values=big)
         neighbours = np.minimum.reduce(
-            [padded[:, 1:-1, 1:-1], padded[:, :-2, 1:-1], padded[:, 2:, 1:-1], padded[:, 1:-1, :-2], padded[:, 1:-1, 2:]]
+            [
+                padded[:, 1:-1, 1:-1],
+                padded[:, :-2, 1:-1],
+                padded[:, 2:, 1:-1],
+                padded[:, 1:-1, :-2],
+                padded[:, 1:-1, 2:],
+            ]
         )
         updated = np.where(masks, neighbours, big)
         if np.array_equal(updated, labels):
@@ -145,8 +151,12 @@ def bilinear_shift(image: np.ndarray, dy: float, dx: float) -> np.ndarray:
         oy, ox = int(np.clip(oy, -h - 1, h)), int(np.clip(ox, -w - 1, w))
         return padded[h + 1 + oy : 2 * h + 1 + oy, w + 1 + ox : 2 * w + 1 + ox]
 
-    return ((1 - fy) * (1 - fx) * window(y0, x0) + (1 - fy) * fx * window(y0, x0 + 1)
-            + fy * (1 - fx) * window(y0 + 1, x0) + fy * fx * window(y0 + 1, x0 + 1))
+    return (
+        (1 - fy) * (1 - fx) * window(y0, x0)
+        + (1 - fy) * fx * window(y0, x0 + 1)
+        + fy * (1 - fx) * window(y0 + 1, x0)
+        + fy * fx * window(y0 + 1, x0 + 1)
+    )
 
 
 def gaussian_blur(image: np.ndarray, sigma: float) -> np.ndarray:
@@ -398,6 +408,14 @@ def evaluate_csv(csv_path, json_out=None, progress: bool = True) -> EvalReport:
 
 
 __all__ = [
-    "ShapeReading", "EvalReport", "read_shape", "score_rows", "evaluate_csv", "foreground_masks",
-    "largest_components", "classify_color", "fit_shape", "classify_direction",
+    "ShapeReading",
+    "EvalReport",
+    "read_shape",
+    "score_rows",
+    "evaluate_csv",
+    "foreground_masks",
+    "largest_components",
+    "classify_color",
+    "fit_shape",
+    "classify_direction",
 ]

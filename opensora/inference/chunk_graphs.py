@@ -117,30 +117,71 @@ class ChunkGraphs:
     def _rope_mask(self, x, text_mask, num_text: int, past: int, start_frame: int):
         """``chunk_rope_mask``, kept for the passes of one chunk (same start frame, cached frames and text mask): the
         same tensor objects then need no copy into the static buffers either."""
-        key = (tuple(x.shape[2:]), x.device, num_text, past, start_frame, id(text_mask),
-               None if text_mask is None else text_mask._version)  # fmt: skip
+        key = (
+            tuple(x.shape[2:]),
+            x.device,
+            num_text,
+            past,
+            start_frame,
+            id(text_mask),
+            None if text_mask is None else text_mask._version,
+        )
         hit = self._preludes.get(key)
         if hit is None or hit[0] is not text_mask:
             if len(self._preludes) >= 8:
                 self._preludes.clear()
-            hit = self._preludes[key] = (text_mask, *self.model.chunk_rope_mask(x, text_mask, num_text, past,
-                                                                                start_frame))  # fmt: skip
+            hit = self._preludes[key] = (
+                text_mask,
+                *self.model.chunk_rope_mask(x, text_mask, num_text, past, start_frame),
+            )
         return hit[1], hit[2]
 
-    def __call__(self, x, *, timestep, text_emb, text_mask=None, pooled=None, cond=None, cache, start_frame: int,
-                 store_kv: bool, text_cache=None, text_key=None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self,
+        x,
+        *,
+        timestep,
+        text_emb,
+        text_mask=None,
+        pooled=None,
+        cond=None,
+        cache,
+        start_frame: int,
+        store_kv: bool,
+        text_cache=None,
+        text_key=None,
+    ) -> torch.Tensor:
         model = self.model
-        eager = dict(timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled, cond=cond, cache=cache,
-                     start_frame=start_frame, store_kv=store_kv, text_cache=text_cache, text_key=text_key)  # fmt: skip
+        eager = dict(
+            timestep=timestep,
+            text_emb=text_emb,
+            text_mask=text_mask,
+            pooled=pooled,
+            cond=cond,
+            cache=cache,
+            start_frame=start_frame,
+            store_kv=store_kv,
+            text_cache=text_cache,
+            text_key=text_key,
+        )
         if not self.usable(x) or torch.is_grad_enabled() or text_cache is None:
             self.eager += 1
             return model.forward_chunk(x, **eager)
         model.check_chunk(cache, start_frame, text_cache, text_key)
         text_cache.validate(model, (text_emb, text_mask, pooled, None), model.img_in.weight.dtype, x.device)
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
-        shape = (tuple(x.shape), x.dtype, tuple(timestep.shape), tuple(text_emb.shape), text_emb.dtype,
-                 None if text_mask is None else tuple(text_mask.shape), tuple(pooled.shape),
-                 None if cond is None else tuple(cond.shape), past, x.device)  # fmt: skip
+        shape = (
+            tuple(x.shape),
+            x.dtype,
+            tuple(timestep.shape),
+            tuple(text_emb.shape),
+            text_emb.dtype,
+            None if text_mask is None else tuple(text_mask.shape),
+            tuple(pooled.shape),
+            None if cond is None else tuple(cond.shape),
+            past,
+            x.device,
+        )
         hit = text_key in text_cache.entries
         key = (shape, text_key if hit else None, hit)
         if shape in self.failed:
@@ -148,12 +189,24 @@ class ChunkGraphs:
             return model.forward_chunk(x, **eager)
         text_kv = text_cache.get(text_key)
         rope, mask = self._rope_mask(x, text_mask, text_emb.shape[1], past, start_frame)
-        inputs = dict(x=x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled, cond=cond,
-                      cos=rope[0], sin=rope[1], mask=mask)  # fmt: skip
+        inputs = dict(
+            x=x,
+            timestep=timestep,
+            text_emb=text_emb,
+            text_mask=text_mask,
+            pooled=pooled,
+            cond=cond,
+            cos=rope[0],
+            sin=rope[1],
+            mask=mask,
+        )
         statics = self.statics.get(shape)
         if statics is None:
-            statics = self.statics[shape] = _Statics(inputs, cache.keys if past else [None] * cache.num_blocks,
-                                                     cache.values if past else [None] * cache.num_blocks)  # fmt: skip
+            statics = self.statics[shape] = _Statics(
+                inputs,
+                cache.keys if past else [None] * cache.num_blocks,
+                cache.values if past else [None] * cache.num_blocks,
+            )
         for name, source in inputs.items():
             if source is not None:
                 statics.load(name, source, always=name in ("x", "timestep"))
@@ -193,9 +246,20 @@ class ChunkGraphs:
         def body():
             graph.pending = {}
             graph.entry = {} if text_kv is None else None
-            graph.out = model.chunk_body(s["x"], s["timestep"], s["text_emb"], s["pooled"], s["cond"], None,
-                                         (s["cos"], s["sin"]), s["mask"], statics.past, graph.text_kv, graph.pending,
-                                         graph.entry)  # fmt: skip
+            graph.out = model.chunk_body(
+                s["x"],
+                s["timestep"],
+                s["text_emb"],
+                s["pooled"],
+                s["cond"],
+                None,
+                (s["cos"], s["sin"]),
+                s["mask"],
+                statics.past,
+                graph.text_kv,
+                graph.pending,
+                graph.entry,
+            )
 
         self._record(graph, body)
         return graph
@@ -224,5 +288,10 @@ class ChunkGraphs:
 
     @property
     def summary(self) -> dict:
-        return dict(graphs=len(self.graphs), captures=self.captures, replays=self.replays, eager=self.eager,
-                    failures=list(self.failures))  # fmt: skip
+        return dict(
+            graphs=len(self.graphs),
+            captures=self.captures,
+            replays=self.replays,
+            eager=self.eager,
+            failures=list(self.failures),
+        )

@@ -46,9 +46,18 @@ INFERENCE_FLAGS = {
     "jano": False,  # Jano region-aware caching (opensora/inference/jano.py); settings under jano_settings
     "jano_offload": False,  # with --jano: keep its caches in pinned CPU memory, prefetched on a side stream
     # JanoConfig's fields; override one with e.g. --jano-settings.warmup_steps 4
-    "jano_settings": dict(warmup_steps=6, cooldown_steps=2, refresh_interval=5, medium_interval=2,
-                          static_threshold=0.2, medium_threshold=0.6, analysis_steps=3, dilation=1,
-                          batch_quantile=1.0, share_branches=True),
+    "jano_settings": dict(
+        warmup_steps=6,
+        cooldown_steps=2,
+        refresh_interval=5,
+        medium_interval=2,
+        static_threshold=0.2,
+        medium_threshold=0.6,
+        analysis_steps=3,
+        dilation=1,
+        batch_quantile=1.0,
+        share_branches=True,
+    ),
     # streaming (causal models): chunk by chunk with a KV cache, each chunk appended to the mp4 as it finishes
     "streaming": False,
     "window_frames": None,  # latent frames the KV cache keeps (sinks included); None: all (memory grows)
@@ -87,8 +96,10 @@ def parse_step_list(value):
 
 def _steps_record(args) -> dict:
     if args.step_list is not None:
-        return dict(num_steps=len(args.step_list) - 1 if float(args.step_list[-1]) == 0.0 else len(args.step_list),
-                    step_list=[float(t) for t in args.step_list])
+        return dict(
+            num_steps=len(args.step_list) - 1 if float(args.step_list[-1]) == 0.0 else len(args.step_list),
+            step_list=[float(t) for t in args.step_list],
+        )
     return dict(num_steps=int(args.num_steps), step_list=None)
 
 
@@ -111,14 +122,20 @@ def check_inference_flags(args) -> None:
     if save_dir.exists() and not save_dir.is_dir():
         raise UserInputError(f"--save-dir {save_dir} is a file; give a directory (it is created if missing)")
     if args.streaming and args.jano:
-        raise UserInputError("--jano caches a bidirectional sampler's steps; --streaming has its own KV cache: pick one")
+        raise UserInputError(
+            "--jano caches a bidirectional sampler's steps; --streaming has its own KV cache: pick one"
+        )
 
 
 def main(argv=None, on_chunk=None) -> list:
     """Run the sampling CLI; returns the written sample paths. ``on_chunk(chunk, paths)`` (streaming only) is
     called after each chunk's frames are in the files."""
-    cfg, args = load_config_from_cli(argv, script_flags=INFERENCE_FLAGS, prog="inference.py",
-                                     description="Sample videos from a trained (or distilled) model.")
+    cfg, args = load_config_from_cli(
+        argv,
+        script_flags=INFERENCE_FLAGS,
+        prog="inference.py",
+        description="Sample videos from a trained (or distilled) model.",
+    )
     check_inference_flags(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
@@ -144,14 +161,40 @@ def main(argv=None, on_chunk=None) -> list:
     if args.pp_devices:
         from opensora.inference.pipeline_cli import run_pipelined
 
-        common = dict(config=str(args.config), checkpoint=str(ckpt), role=args.role, **_steps_record(args),
-                      guidance_scale=float(args.guidance_scale), num_frames=num_frames, height=height, width=width,
-                      fps=float(args.fps))
-        return run_pipelined(cfg, args, prompts, per_sample_seeds(args.seed, len(prompts)), ckpt, num_frames,
-                             height, width, save_dir, common)
+        common = dict(
+            config=str(args.config),
+            checkpoint=str(ckpt),
+            role=args.role,
+            **_steps_record(args),
+            guidance_scale=float(args.guidance_scale),
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            fps=float(args.fps),
+        )
+        return run_pipelined(
+            cfg,
+            args,
+            prompts,
+            per_sample_seeds(args.seed, len(prompts)),
+            ckpt,
+            num_frames,
+            height,
+            width,
+            save_dir,
+            common,
+        )
 
-    sampler = VideoSampler.from_config(cfg, ckpt, role=args.role, ema=bool(args.ema), device=args.device,
-                                       dtype=args.dtype, offload=bool(args.offload), progress=bool(args.progress))
+    sampler = VideoSampler.from_config(
+        cfg,
+        ckpt,
+        role=args.role,
+        ema=bool(args.ema),
+        device=args.device,
+        dtype=args.dtype,
+        offload=bool(args.offload),
+        progress=bool(args.progress),
+    )
     if args.jano or args.jano_offload:
         from opensora.inference.jano import JanoCache, JanoConfig
 
@@ -159,16 +202,37 @@ def main(argv=None, on_chunk=None) -> list:
         sampler.accelerator = JanoCache(JanoConfig(**dict(args.jano_settings or {}), store=store))
     weights = sampler.weights
     latent_size = sampler.latent_size(num_frames, height, width)
-    logger.info("sampling %d prompt(s) at %dx%dx%d (latent %s) from %s [%s] on %s/%s", len(prompts), num_frames,
-                height, width, latent_size, weights.path, weights.source, sampler.device, sampler.dtype)
+    logger.info(
+        "sampling %d prompt(s) at %dx%dx%d (latent %s) from %s [%s] on %s/%s",
+        len(prompts),
+        num_frames,
+        height,
+        width,
+        latent_size,
+        weights.path,
+        weights.source,
+        sampler.device,
+        sampler.dtype,
+    )
     seeds = per_sample_seeds(args.seed, len(prompts))
     common = dict(
-        config=str(args.config), checkpoint=str(ckpt), weights=str(weights.path), weights_source=weights.source,
-        checkpoint_step=weights.step, role=args.role, **_steps_record(args),
+        config=str(args.config),
+        checkpoint=str(ckpt),
+        weights=str(weights.path),
+        weights_source=weights.source,
+        checkpoint_step=weights.step,
+        role=args.role,
+        **_steps_record(args),
         shift_alpha=None if step_list is not None else sampler.shift_alpha(latent_size),  # a step_list is unshifted
-        guidance_scale=float(args.guidance_scale), image_guidance_scale=float(args.image_guidance_scale),
-        cond_type=args.cond_type, ref=None if args.ref is None else str(args.ref), num_frames=num_frames,
-        height=height, width=width, fps=float(args.fps), dtype=str(sampler.dtype).replace("torch.", ""),
+        guidance_scale=float(args.guidance_scale),
+        image_guidance_scale=float(args.image_guidance_scale),
+        cond_type=args.cond_type,
+        ref=None if args.ref is None else str(args.ref),
+        num_frames=num_frames,
+        height=height,
+        width=width,
+        fps=float(args.fps),
+        dtype=str(sampler.dtype).replace("torch.", ""),
         device=str(sampler.device),
         **({} if sampler.accelerator is None else dict(jano=dict(vars(sampler.accelerator.config)))),
     )
@@ -178,16 +242,25 @@ def main(argv=None, on_chunk=None) -> list:
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         videos = sampler.generate(
-            chunk, seeds[start : start + batch_size], num_frames, height, width,
-            num_steps=int(args.num_steps), step_list=step_list, guidance_scale=float(args.guidance_scale),
-            image_guidance_scale=float(args.image_guidance_scale), cond_type=args.cond_type, ref=args.ref,
+            chunk,
+            seeds[start : start + batch_size],
+            num_frames,
+            height,
+            width,
+            num_steps=int(args.num_steps),
+            step_list=step_list,
+            guidance_scale=float(args.guidance_scale),
+            image_guidance_scale=float(args.image_guidance_scale),
+            cond_type=args.cond_type,
+            ref=args.ref,
         )
         for offset, (prompt, frames) in enumerate(zip(chunk, videos.numpy())):
             index = start + offset
             stem = save_dir / sample_stem(index, prompt)
             path = save_sample(stem, frames, fps=float(args.fps))
-            write_sidecar(stem.with_suffix(".json"),
-                          dict(index=index, prompt=prompt, seed=seeds[index], path=path.name, **common))
+            write_sidecar(
+                stem.with_suffix(".json"), dict(index=index, prompt=prompt, seed=seeds[index], path=path.name, **common)
+            )
             written.append(path)
             rows.append(dict(path=path.name, text=prompt))
         write_samples_csv(save_dir, rows)  # rewritten after each batch: usable even if the run stops early
@@ -207,16 +280,27 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
     if args.cond_type != "t2v" or args.ref is not None:
         raise UserInputError("--streaming generates text-to-video only (no --cond-type / --ref)")
     if sampler.accelerator is not None:
-        raise UserInputError("--streaming and --jano do not combine (the KV cache and the region cache share the "
-                             "attention seam)")  # fmt: skip
+        raise UserInputError(
+            "--streaming and --jano do not combine (the KV cache and the region cache share the attention seam)"
+        )
     generator = StreamingGenerator(
-        sampler, step_list=args.step_list, num_steps=int(args.num_steps), rollout=str(args.rollout),
-        guidance_scale=float(args.guidance_scale), sink_frames=int(args.sink_frames),
+        sampler,
+        step_list=args.step_list,
+        num_steps=int(args.num_steps),
+        rollout=str(args.rollout),
+        guidance_scale=float(args.guidance_scale),
+        sink_frames=int(args.sink_frames),
         window_frames=None if args.window_frames is None else int(args.window_frames),
         context_time=float(args.context_time),
-    )  # fmt: skip
-    record = dict(common, streaming=True, window_frames=args.window_frames, sink_frames=int(args.sink_frames),
-                  rollout=str(args.rollout), chunk_frames=generator.chunk_frames)  # fmt: skip
+    )
+    record = dict(
+        common,
+        streaming=True,
+        window_frames=args.window_frames,
+        sink_frames=int(args.sink_frames),
+        rollout=str(args.rollout),
+        chunk_frames=generator.chunk_frames,
+    )
     batch_size = max(1, int(args.batch_size))
     written, rows = [], []
     for start in range(0, len(prompts), batch_size):
@@ -224,11 +308,20 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
         stems = [save_dir / sample_stem(i, prompts[i]) for i in batch]
         writers, seconds = [], []
         try:
-            for chunk in generator.stream([prompts[i] for i in batch], [seeds[i] for i in batch], num_frames,
-                                          height, width):  # fmt: skip
+            for chunk in generator.stream(
+                [prompts[i] for i in batch], [seeds[i] for i in batch], num_frames, height, width
+            ):
                 if not writers:  # sized by the first chunk: every chunk but a causal VAE's first has this count
-                    writers = [StreamingVideoWriter(stem.with_suffix(".mp4"), height, width, fps=float(args.fps),
-                                                    keyframe_interval=chunk.frames.shape[1]) for stem in stems]
+                    writers = [
+                        StreamingVideoWriter(
+                            stem.with_suffix(".mp4"),
+                            height,
+                            width,
+                            fps=float(args.fps),
+                            keyframe_interval=chunk.frames.shape[1],
+                        )
+                        for stem in stems
+                    ]
                 for writer, frames in zip(writers, chunk.frames.numpy()):
                     writer.write(frames)
                 seconds.append(round(chunk.seconds, 4))
@@ -238,9 +331,17 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
             for writer in writers:
                 writer.close()
         for i, stem in zip(batch, stems):
-            write_sidecar(stem.with_suffix(".json"), dict(index=i, prompt=prompts[i], seed=seeds[i],
-                                                         path=stem.with_suffix(".mp4").name, chunk_seconds=seconds,
-                                                         **record))  # fmt: skip
+            write_sidecar(
+                stem.with_suffix(".json"),
+                dict(
+                    index=i,
+                    prompt=prompts[i],
+                    seed=seeds[i],
+                    path=stem.with_suffix(".mp4").name,
+                    chunk_seconds=seconds,
+                    **record,
+                ),
+            )
             written.append(stem.with_suffix(".mp4"))
             rows.append(dict(path=stem.with_suffix(".mp4").name, text=prompts[i]))
         write_samples_csv(save_dir, rows)

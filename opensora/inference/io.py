@@ -14,6 +14,7 @@ import torch
 from opensora.datasets.transforms import resize_center_crop
 from opensora.datasets.video_io import read_video, write_video
 
+
 def read_reference_frames(path) -> np.ndarray:
     """uint8 ``[T, H, W, 3]`` from an image (T = 1) or a video file."""
     path = Path(path)

@@ -79,14 +79,18 @@ class JanoConfig:
 
     def __post_init__(self):
         if self.warmup_steps < 2:
-            raise ValueError(f"jano warmup_steps must be >= 2 (the analysis needs two outputs), got {self.warmup_steps}")
+            raise ValueError(
+                f"jano warmup_steps must be >= 2 (the analysis needs two outputs), got {self.warmup_steps}"
+            )
         if self.refresh_interval < 1 or self.medium_interval < 1:
             raise ValueError("jano refresh_interval and medium_interval must be >= 1")
         if not 0 < self.batch_quantile <= 1:
             raise ValueError(f"jano batch_quantile must lie in (0, 1], got {self.batch_quantile}")
         if not 0 <= self.static_threshold <= self.medium_threshold <= 1:
-            raise ValueError(f"jano thresholds must satisfy 0 <= static ({self.static_threshold}) <= medium "
-                             f"({self.medium_threshold}) <= 1")  # fmt: skip
+            raise ValueError(
+                f"jano thresholds must satisfy 0 <= static ({self.static_threshold}) <= medium "
+                f"({self.medium_threshold}) <= 1"
+            )
 
 
 def step_levels(num_steps: int, config: JanoConfig) -> List[int]:
@@ -134,8 +138,9 @@ class RegionPlan:
     k_medium: int
 
     @classmethod
-    def from_classes(cls, classes: torch.Tensor, score: Optional[torch.Tensor] = None,
-                     batch_quantile: float = 1.0) -> "RegionPlan":  # fmt: skip
+    def from_classes(
+        cls, classes: torch.Tensor, score: Optional[torch.Tensor] = None, batch_quantile: float = 1.0
+    ) -> "RegionPlan":
         """``score`` [R, N] (optional) orders tokens inside a class, most changing first. ``batch_quantile`` picks
         the counts over rows: 1 = the largest (every row computes all its dynamic tokens); below 1, rows above it
         leave their least changing dynamic tokens to the cache (an approximation that bounds the cost)."""
@@ -199,13 +204,27 @@ class RegionForward:
         if getattr(model, "sp", None) is not None:
             raise ValueError("region caching cannot be combined with sequence parallelism")
         if getattr(model, "compile_blocks", False):
-            raise ValueError("region caching runs Python cache hooks inside every block; build the model with "
-                             "compile_blocks=False (or call model.set_compile_blocks(False))")
+            raise ValueError(
+                "region caching runs Python cache hooks inside every block; build the model with "
+                "compile_blocks=False (or call model.set_compile_blocks(False))"
+            )
         self.model = model
         self.num_layers = len(model.double_blocks) + len(model.single_blocks)
 
-    def __call__(self, level, x, timestep, text_emb, text_mask=None, pooled=None, cond=None, guidance=None,
-                 text_mask_has_padding=None, plan: Optional[RegionPlan] = None, store=None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self,
+        level,
+        x,
+        timestep,
+        text_emb,
+        text_mask=None,
+        pooled=None,
+        cond=None,
+        guidance=None,
+        text_mask_has_padding=None,
+        plan: Optional[RegionPlan] = None,
+        store=None,
+    ) -> torch.Tensor:
         m = self.model
         if x.dim() != 5 or x.shape[1] != m.in_channels:
             raise ValueError(f"x must be [B, {m.in_channels}, T, H, W], got {tuple(x.shape)}")
@@ -233,8 +252,9 @@ class RegionForward:
             index = plan.order[:, : plan.computed(level)]
             patches = _gather_tokens(patches, index)
             cond_patches = None if cond_patches is None else _gather_tokens(cond_patches, index)
-            rope = tuple(torch.cat((table[:n_txt].expand(b, -1, -1), table[n_txt:][index]), 1)[:, None]
-                         for table in rope)  # fmt: skip
+            rope = tuple(
+                torch.cat((table[:n_txt].expand(b, -1, -1), table[n_txt:][index]), 1)[:, None] for table in rope
+            )
         img = m.img_in(patches)
         if cond_patches is not None:
             img = img + m.cond_in(cond_patches)
@@ -268,8 +288,9 @@ class RegionForward:
                     store.store_async(torch.stack((_gather_heads(k, pos), _gather_heads(v, pos))), s_key)
                 return k, v, mask
             if level == MEDIUM and k1 < k2:  # the medium tokens were computed: they refresh the medium cache
-                store.store_async(torch.stack((k[:, :, n_txt + k1 : n_txt + k2], v[:, :, n_txt + k1 : n_txt + k2])),
-                                  m_key)  # fmt: skip
+                store.store_async(
+                    torch.stack((k[:, :, n_txt + k1 : n_txt + k2], v[:, :, n_txt + k1 : n_txt + k2])), m_key
+                )
             keys = plan.reads(level, f"kv_{layer}")
             cached = [store.fetch(key) for key in keys]
             k = torch.cat([k] + [entry[0] for entry in cached], dim=2)
@@ -299,8 +320,14 @@ class RegionForward:
         return torch.empty_like(permuted).scatter_(1, plan.order[..., None].expand_as(permuted), permuted)
 
 
-def region_forward_flops(model, num_video_tokens: int, num_text_tokens: int, rows: int,
-                         computed_video_tokens: Optional[int] = None, with_cond: Optional[bool] = None) -> int:  # fmt: skip
+def region_forward_flops(
+    model,
+    num_video_tokens: int,
+    num_text_tokens: int,
+    rows: int,
+    computed_video_tokens: Optional[int] = None,
+    with_cond: Optional[bool] = None,
+) -> int:
     """Matmul FLOPs of one forward of ``rows`` rows computing ``computed_video_tokens`` of ``num_video_tokens``
     (queries) against all keys; equals ``mmdit_forward_flops(...)["total"]`` when every token is computed."""
     k = num_video_tokens if computed_video_tokens is None else computed_video_tokens
@@ -387,13 +414,25 @@ class JanoCache(_Accelerator):
 
     def begin(self, num_steps: int, batch: Optional[int] = None) -> None:
         super().begin(num_steps, batch)
-        self.levels = list(self.forced_levels) if self.forced_levels is not None else step_levels(num_steps, self.config)
+        self.levels = (
+            list(self.forced_levels) if self.forced_levels is not None else step_levels(num_steps, self.config)
+        )
         self._reset_trajectory()
         if self.store is not None:
             self.store.clear()
 
-    def __call__(self, model, x, timestep, text_emb, text_mask=None, pooled=None, cond=None, guidance=None,
-                 text_mask_has_padding=None):  # fmt: skip
+    def __call__(
+        self,
+        model,
+        x,
+        timestep,
+        text_emb,
+        text_mask=None,
+        pooled=None,
+        cond=None,
+        guidance=None,
+        text_mask_has_padding=None,
+    ):
         if self._forward is None or self._forward.model is not model:
             self._forward = RegionForward(model)
         if self.store is None:
@@ -405,10 +444,26 @@ class JanoCache(_Accelerator):
         if level in (ACTIVE, MEDIUM):  # a no-op for the entries the previous step already queued
             self.store.begin_fetch_step(self.plan.entry_keys(self._forward.num_layers, level))
         n, full = self._count(model, x, text_emb, cond, level, None if self.plan is None else self.plan.computed(level))
-        out = self._forward(level, x, timestep, text_emb, text_mask, pooled, cond, guidance, text_mask_has_padding,
-                            plan=self.plan, store=self.store)  # fmt: skip
-        self.stats.flops += full if level in (FULL, REFRESH) else region_forward_flops(
-            model, n, text_emb.shape[1], x.shape[0], self.plan.computed(level), cond is not None)
+        out = self._forward(
+            level,
+            x,
+            timestep,
+            text_emb,
+            text_mask,
+            pooled,
+            cond,
+            guidance,
+            text_mask_has_padding,
+            plan=self.plan,
+            store=self.store,
+        )
+        self.stats.flops += (
+            full
+            if level in (FULL, REFRESH)
+            else region_forward_flops(
+                model, n, text_emb.shape[1], x.shape[0], self.plan.computed(level), cond is not None
+            )
+        )
         if self.plan is None and self.forced_classes is None and self.step < self.config.warmup_steps:
             self._observe(out, model.patch_size)
         self.step += 1
@@ -452,8 +507,9 @@ class JanoCache(_Accelerator):
             classes = region_classes(score, grid, self.config, fixed)
             if branches > 1:
                 classes, score = classes.repeat(branches, 1), score.repeat(branches, 1)
-        self.region_counts = {name: (classes == c).sum(1).tolist()
-                              for name, c in (("static", 1), ("medium", 2), ("active", 3))}  # fmt: skip
+        self.region_counts = {
+            name: (classes == c).sum(1).tolist() for name, c in (("static", 1), ("medium", 2), ("active", 3))
+        }
         self._previous = self._score = None
         plan = RegionPlan.from_classes(classes, score, self.config.batch_quantile)
         self._reserve(model, x, plan)
@@ -499,8 +555,18 @@ class StepCache(_Accelerator):
         super().begin(num_steps, batch)
         self._reset_trajectory()
 
-    def __call__(self, model, x, timestep, text_emb, text_mask=None, pooled=None, cond=None, guidance=None,
-                 text_mask_has_padding=None):  # fmt: skip
+    def __call__(
+        self,
+        model,
+        x,
+        timestep,
+        text_emb,
+        text_mask=None,
+        pooled=None,
+        cond=None,
+        guidance=None,
+        text_mask_has_padding=None,
+    ):
         img = model.img_in(patchify(x, model.patch_size))
         if cond is not None:
             img = img + model.cond_in(patchify(cond, model.patch_size))
@@ -526,8 +592,16 @@ class StepCache(_Accelerator):
         else:
             self._accumulated = 0.0
             self.stats.flops += full + linear_flops(x.shape[0], h, 6 * h)
-            out = model(x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled, cond=cond,
-                        guidance=guidance, text_mask_has_padding=text_mask_has_padding)
+            out = model(
+                x,
+                timestep=timestep,
+                text_emb=text_emb,
+                text_mask=text_mask,
+                pooled=pooled,
+                cond=cond,
+                guidance=guidance,
+                text_mask_has_padding=text_mask_has_padding,
+            )
             self._previous_output = out
         self.step += 1
         return out

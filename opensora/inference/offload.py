@@ -201,8 +201,10 @@ class OffloadManager:
     def _ensure_ring(self) -> None:
         if self._resize and self._ring is not None:
             if self._issued or self._held:
-                raise RuntimeError("entries grew while prefetched ones are outstanding: release them (or reserve "
-                                   "every entry before sampling) so the staging ring can be re-made")  # fmt: skip
+                raise RuntimeError(
+                    "entries grew while prefetched ones are outstanding: release them (or reserve "
+                    "every entry before sampling) so the staging ring can be re-made"
+                )
             self._ring = None
             self._free_slots.clear()
             self._slot_released.clear()
@@ -268,7 +270,8 @@ class OffloadManager:
                 raise RuntimeError(
                     f"no free staging slot for '{key}': held (fetched, not released) {sorted(self._held)[:4]}, "
                     f"prefetched ahead {list(self._issued)[:4]}; release entries after reading them, fetch in the "
-                    f"order given to begin_fetch_step, or raise ring_size")
+                    f"order given to begin_fetch_step, or raise ring_size"
+                )
             self._issue(key)
             self.stats["sync_fetches"] += 1
         slot, ready = self._issued.pop(key)

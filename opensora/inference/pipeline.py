@@ -220,8 +220,12 @@ class VideoSampler:
         ``ema=False``; or one safetensors file), strictly loaded; autoencoder and text conditioner from ``cfg``."""
         model = build_module(role_model_config(cfg, role), MODELS)
         weights = load_role_weights(ckpt, role=role, ema=ema)
-        check_shapes_fit({k: v.shape for k, v in weights.state_dict.items()}, model, f"weights in {weights.path}",
-                         f"'{role}' network of this config")  # names the first mismatching tensor, one line
+        check_shapes_fit(
+            {k: v.shape for k, v in weights.state_dict.items()},
+            model,
+            f"weights in {weights.path}",
+            f"'{role}' network of this config",
+        )  # names the first mismatching tensor, one line
         model.load_state_dict(weights.state_dict, strict=True)
         device = resolve_device(device)
         dtype = resolve_sampling_dtype(dtype, device)
@@ -232,8 +236,17 @@ class VideoSampler:
         method = cfg.get("method") or {}
         shift = method.get("shift") or {}
         v2v_frames = (method.get("condition_kwargs") or {}).get("v2v_frames", 0.5)
-        return cls(model, vae, text_encoder, shift=shift, device=device, offload=offload,
-                   v2v_frames=v2v_frames, progress=progress, weights=weights)
+        return cls(
+            model,
+            vae,
+            text_encoder,
+            shift=shift,
+            device=device,
+            offload=offload,
+            v2v_frames=v2v_frames,
+            progress=progress,
+            weights=weights,
+        )
 
     # ---- helpers ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -293,7 +306,8 @@ class VideoSampler:
             if reference.shape[1] < pixel_frames:
                 raise ValueError(
                     f"{cond_type} needs a reference video of at least {pixel_frames} frames "
-                    f"({latent_frames} latent frames), got {reference.shape[1]}")
+                    f"({latent_frames} latent frames), got {reference.shape[1]}"
+                )
             clip = reference[:, :pixel_frames] if cond_type == "v2v_head" else reference[:, -pixel_frames:]
         latent = self.encode_video(clip.unsqueeze(0))
         if latent.shape[2] != latent_frames:
@@ -320,8 +334,9 @@ class VideoSampler:
 
     def _model_fn(self, x, t, cond=None, text_mask_has_padding=None, **text):
         network = self.model if self.accelerator is None else functools.partial(self.accelerator, self.model)
-        return MMDiTAdapter.call_network(network, x, t, text, cond, self.dtype,
-                                         text_mask_has_padding=text_mask_has_padding)
+        return MMDiTAdapter.call_network(
+            network, x, t, text, cond, self.dtype, text_mask_has_padding=text_mask_has_padding
+        )
 
     def denoise(
         self,
@@ -350,16 +365,22 @@ class VideoSampler:
         if condition.has_reference and image_guidance_scale != 1.0:
             uncond_all = kwargs(null_text, condition.null)  # neither
         if self.accelerator is not None:  # one model call per step: the cache needs the step count
-            self.accelerator.begin(num_steps if step_list is None
-                                   else len(step_list) - (1 if float(step_list[-1]) == 0.0 else 0), noise.shape[0])
+            self.accelerator.begin(
+                num_steps if step_list is None else len(step_list) - (1 if float(step_list[-1]) == 0.0 else 0),
+                noise.shape[0],
+            )
         latents = sample(
-            self._model_fn, noise,
+            self._model_fn,
+            noise,
             num_steps=None if step_list is not None else num_steps,
             shift_alpha=self.shift_alpha(noise.shape[2:]),
-            cond_kwargs=cond_kwargs, uncond_kwargs=uncond_kwargs, uncond_all_kwargs=uncond_all,
+            cond_kwargs=cond_kwargs,
+            uncond_kwargs=uncond_kwargs,
+            uncond_all_kwargs=uncond_all,
             guidance_scale=guidance_scale,
             image_guidance_scale=image_guidance_scale if uncond_all is not None else 1.0,
-            step_list=step_list, progress=self.progress,
+            step_list=step_list,
+            progress=self.progress,
         )
         if condition.has_reference:
             latents = paste_condition_frames(latents, condition.cond)
@@ -415,8 +436,9 @@ class VideoSampler:
             text, null_text = self.encode_text(chunk_prompts)
             condition = self.prepare_condition(len(chunk_prompts), latent_size, cond_type, ref_latent)
             noise = seeded_noise(chunk_seeds, (self.vae.latent_channels, *latent_size), device=self.device)
-            latents = self.denoise(noise, text, null_text, condition, num_steps, step_list,
-                                   guidance_scale, image_guidance_scale)
+            latents = self.denoise(
+                noise, text, null_text, condition, num_steps, step_list, guidance_scale, image_guidance_scale
+            )
             videos.append(self.decode(latents))
             if return_latents:
                 latents_out.append(latents.cpu())

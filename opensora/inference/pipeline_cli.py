@@ -38,9 +38,15 @@ PIPELINE_FLAGS = {  # the streaming flags themselves (--streaming, --window-fram
 def streaming_options(args) -> dict:
     """``StreamingGenerator`` keyword arguments from the CLI's streaming flags."""
     window = args.window_frames
-    return dict(step_list=args.step_list, num_steps=int(args.num_steps), rollout=str(args.rollout),
-                guidance_scale=float(args.guidance_scale), window_frames=None if window is None else int(window),
-                sink_frames=int(args.sink_frames), context_time=float(args.context_time))
+    return dict(
+        step_list=args.step_list,
+        num_steps=int(args.num_steps),
+        rollout=str(args.rollout),
+        guidance_scale=float(args.guidance_scale),
+        window_frames=None if window is None else int(window),
+        sink_frames=int(args.sink_frames),
+        context_time=float(args.context_time),
+    )
 
 
 def _uint8_on_device(video: torch.Tensor) -> torch.Tensor:
@@ -82,8 +88,9 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     mode = str(args.pp_overlap)
     if mode not in OVERLAP_MODES:
         raise SystemExit(f"--pp-overlap must be one of {OVERLAP_MODES}, got {mode!r}")
-    sampler = VideoSampler.from_config(cfg, ckpt, role=args.role, ema=bool(args.ema), device=devices[0],
-                                       dtype=args.dtype, progress=False)
+    sampler = VideoSampler.from_config(
+        cfg, ckpt, role=args.role, ema=bool(args.ema), device=devices[0], dtype=args.dtype, progress=False
+    )
     model = sampler.model
     generator = StreamingGenerator(sampler, **streaming_options(args))
     latent = sampler.latent_size(num_frames, height, width)
@@ -92,8 +99,8 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     batch = max(1, int(args.batch_size))
     groups = []
     for start in range(0, len(prompts), batch):
-        text, null = sampler.encode_text(prompts[start:start + batch])
-        groups.append(dict(seeds=seeds[start:start + batch], branches=[text] + ([null] if guidance != 1.0 else [])))
+        text, null = sampler.encode_text(prompts[start : start + batch])
+        groups.append(dict(seeds=seeds[start : start + batch], branches=[text] + ([null] if guidance != 1.0 else [])))
     vae = sampler.vae.to(devices[0])
     vae_dtype = next(vae.parameters(), torch.empty(0, dtype=sampler.dtype)).dtype
 
@@ -104,9 +111,16 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         return ChunkDecoder(decode_fn, vae)
 
     latent_size = (sampler.vae.latent_channels, *latent)
-    kw = dict(refill=bool(args.stream_refill), rule=str(args.rollout), guidance_scale=guidance,
-              context_t=float(args.context_time), window_frames=generator.window_frames,
-              sink_frames=generator.sink_frames, cfg_rows=bool(args.pp_cfg_rows), make_decoder=make_decoder)
+    kw = dict(
+        refill=bool(args.stream_refill),
+        rule=str(args.rollout),
+        guidance_scale=guidance,
+        context_t=float(args.context_time),
+        window_frames=generator.window_frames,
+        sink_frames=generator.sink_frames,
+        cfg_rows=bool(args.pp_cfg_rows),
+        make_decoder=make_decoder,
+    )
     split = parse_split(args.pp_split, len(all_blocks(model)))
     split_report = dict(requested=str(args.pp_split))
     if split is None:
@@ -115,14 +129,28 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         rows = probe.text[0][0]
         x = torch.cat([x] * (rows["text_emb"].shape[0] // x.shape[0])).to(devices[0])
         times_ms = measure_stage_times(model, x, rows, decode=decode_fn)
-        split, table = choose_split(probe.plan, mode, times_ms["block_ms"], times_ms["embed_ms"], times_ms["final_ms"],
-                                    decode_ms=times_ms["decode_ms"])
+        split, table = choose_split(
+            probe.plan,
+            mode,
+            times_ms["block_ms"],
+            times_ms["embed_ms"],
+            times_ms["final_ms"],
+            decode_ms=times_ms["decode_ms"],
+        )
         split_report.update(stage_times=times_ms, candidates=table)
-        logger.info("pp-split auto: GPU0 = embed + blocks[0..%d], GPU1 = blocks[%d..] + final + decode (stage times "
-                    "of a warm-up chunk: embed %.2f ms, blocks %s ms, final %.2f ms, decode %.2f ms; simulated plan "
-                    "time %.1f ms, the shortest of %d splits)", split, split + 1, times_ms["embed_ms"],
-                    [round(t, 2) for t in times_ms["block_ms"]], times_ms["final_ms"], times_ms["decode_ms"],
-                    table[split]["simulated_ms"], len(table))
+        logger.info(
+            "pp-split auto: GPU0 = embed + blocks[0..%d], GPU1 = blocks[%d..] + final + decode (stage times "
+            "of a warm-up chunk: embed %.2f ms, blocks %s ms, final %.2f ms, decode %.2f ms; simulated plan "
+            "time %.1f ms, the shortest of %d splits)",
+            split,
+            split + 1,
+            times_ms["embed_ms"],
+            [round(t, 2) for t in times_ms["block_ms"]],
+            times_ms["final_ms"],
+            times_ms["decode_ms"],
+            table[split]["simulated_ms"],
+            len(table),
+        )
         del probe
     split_report["split"] = split
     place_model(model, split, devices)
@@ -131,18 +159,41 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     stages = CausalStreamingStages(model, lanes, split, groups, latent_size, times, **kw)
     result, sim = run_plan(stages, mode, lanes)
     num_chunks = stages.plan.num_chunks
-    logger.info("two-GPU streaming (%s, split %d): %d prompt(s) x %d chunks in %.2f s (%.1f latent frames/s; "
-                "simulated busy GPU0/GPU1 %.2f/%.2f)", mode, split, len(prompts), num_chunks, result.seconds,
-                len(prompts) * latent[0] / result.seconds, *sim.busy_fraction)
-    pp_record = dict(pp_devices=devices, pp_overlap=mode, pp_split=split_report, stream_times=times,
-                     stream_refill=bool(args.stream_refill), rollout=str(args.rollout), seconds=result.seconds,
-                     streaming=True, window_frames=args.window_frames, sink_frames=int(args.sink_frames),
-                     context_time=float(args.context_time), chunk_frames=generator.chunk_frames)
+    logger.info(
+        "two-GPU streaming (%s, split %d): %d prompt(s) x %d chunks in %.2f s (%.1f latent frames/s; "
+        "simulated busy GPU0/GPU1 %.2f/%.2f)",
+        mode,
+        split,
+        len(prompts),
+        num_chunks,
+        result.seconds,
+        len(prompts) * latent[0] / result.seconds,
+        *sim.busy_fraction,
+    )
+    pp_record = dict(
+        pp_devices=devices,
+        pp_overlap=mode,
+        pp_split=split_report,
+        stream_times=times,
+        stream_refill=bool(args.stream_refill),
+        rollout=str(args.rollout),
+        seconds=result.seconds,
+        streaming=True,
+        window_frames=args.window_frames,
+        sink_frames=int(args.sink_frames),
+        context_time=float(args.context_time),
+        chunk_frames=generator.chunk_frames,
+    )
     if args.profile:
         dump_json(save_dir / "pp_profile.json", dict(summary=result.summary, timeline=result.timeline, **pp_record))
         for lane, s in result.summary.get("lanes", {}).items():
-            logger.info("profile %s: busy %.1f ms, idle %.1f ms, busy fraction %.2f", lane, s["busy_ms"], s["idle_ms"],
-                        s["busy_fraction"])
+            logger.info(
+                "profile %s: busy %.1f ms, idle %.1f ms, busy fraction %.2f",
+                lane,
+                s["busy_ms"],
+                s["idle_ms"],
+                s["busy_fraction"],
+            )
         logger.info("profile ms per stage: %s", {k: round(v, 2) for k, v in result.summary["ms_per_kind"].items()})
     written, rows = [], []
     for g, group in enumerate(groups):
@@ -151,8 +202,10 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
             index = g * batch + i
             stem = save_dir / sample_stem(index, prompts[index])
             path = save_sample(stem, frames, fps=float(args.fps))
-            write_sidecar(stem.with_suffix(".json"), dict(index=index, prompt=prompts[index], seed=seeds[index],
-                                                          path=path.name, **common, **pp_record))
+            write_sidecar(
+                stem.with_suffix(".json"),
+                dict(index=index, prompt=prompts[index], seed=seeds[index], path=path.name, **common, **pp_record),
+            )
             written.append(path)
             rows.append(dict(path=path.name, text=prompts[index]))
     write_samples_csv(save_dir, rows)

@@ -226,8 +226,13 @@ class Simulation:
         return tuple(b / self.makespan if self.makespan else 0.0 for b in self.busy)
 
 
-def simulate(plan: Plan, mode: str = "basic", costs: Optional[Mapping[str, float]] = None, prefetch: int = 1,
-             serial: Optional[bool] = None) -> Simulation:
+def simulate(
+    plan: Plan,
+    mode: str = "basic",
+    costs: Optional[Mapping[str, float]] = None,
+    prefetch: int = 1,
+    serial: Optional[bool] = None,
+) -> Simulation:
     """List-schedule the task graph on two devices with per-kind ``costs`` (a device never idles while one of its
     tasks is ready; ties go to the oldest work). ``serial`` (default: ``mode == "off"``) runs the natural order
     one task at a time instead. Returns the issue order and the predicted timeline."""
@@ -341,8 +346,9 @@ class Lanes:
         self.devices = tuple(torch.device(d) for d in devices)
         for i, d in enumerate(self.devices):
             if d.type == "cuda" and d.index is None:
-                self.devices = self.devices[:i] + (torch.device("cuda", torch.cuda.current_device()),) \
-                    + self.devices[i + 1:]
+                self.devices = (
+                    self.devices[:i] + (torch.device("cuda", torch.cuda.current_device()),) + self.devices[i + 1 :]
+                )
         self.cuda = all(d.type == "cuda" for d in self.devices)
         if not self.cuda and any(d.type == "cuda" for d in self.devices):
             raise ValueError(f"mixing CPU and CUDA pipeline devices is not supported: {self.devices}")
@@ -457,8 +463,20 @@ class Lanes:
                 s, e = self.origin[lane].elapsed_time(start), self.origin[lane].elapsed_time(end)
             else:
                 s, e = (start - self.origin[lane]) * 1e3, (end - self.origin[lane]) * 1e3
-            rows.append(dict(task=str(task), kind=task.kind, group=task.group, chunk=task.chunk, step=task.step,
-                             branch=task.branch, lane=lane, start_ms=s, end_ms=e, host_ms=host * 1e3))
+            rows.append(
+                dict(
+                    task=str(task),
+                    kind=task.kind,
+                    group=task.group,
+                    chunk=task.chunk,
+                    step=task.step,
+                    branch=task.branch,
+                    lane=lane,
+                    start_ms=s,
+                    end_ms=e,
+                    host_ms=host * 1e3,
+                )
+            )
         return rows
 
 
@@ -487,9 +505,13 @@ def summarize_timeline(rows: Sequence[dict]) -> dict:
     per_kind = defaultdict(float)
     for r in rows:
         per_kind[r["kind"]] += r["end_ms"] - r["start_ms"]
-    return dict(span_ms=span, lanes=lanes, ms_per_kind=dict(per_kind),
-                ms_per_chunk={c: dict(v) for c, v in sorted(per_chunk.items())},
-                host_issue_ms=sum(r["host_ms"] for r in rows))
+    return dict(
+        span_ms=span,
+        lanes=lanes,
+        ms_per_kind=dict(per_kind),
+        ms_per_chunk={c: dict(v) for c, v in sorted(per_chunk.items())},
+        host_issue_ms=sum(r["host_ms"] for r in rows),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -645,8 +667,12 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
     lanes.begin()
     t0 = time.perf_counter()
     if threads:
-        workers = [threading.Thread(target=issue, args=([t for t in order if t.device == lane], True),
-                                    name=f"pp-lane{lane}", daemon=True) for lane in (0, 1)]
+        workers = [
+            threading.Thread(
+                target=issue, args=([t for t in order if t.device == lane], True), name=f"pp-lane{lane}", daemon=True
+            )
+            for lane in (0, 1)
+        ]
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, 5e-4))  # hand the GIL over often: each thread feeds a GPU
         try:
@@ -664,12 +690,23 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
     timeline = lanes.timeline() if lanes.profile else []
     lanes.synchronize()
     seconds = time.perf_counter() - t0
-    return RunResult(latents={key: v[0] for key, v in latents.items()}, frames={key: v[0] for key, v in frames.items()},
-                     seconds=seconds, timeline=timeline, summary=summarize_timeline(timeline))
+    return RunResult(
+        latents={key: v[0] for key, v in latents.items()},
+        frames={key: v[0] for key, v in frames.items()},
+        seconds=seconds,
+        timeline=timeline,
+        summary=summarize_timeline(timeline),
+    )
 
 
-def run_plan(stages, mode: str, lanes: Lanes, costs: Optional[Mapping[str, float]] = None,
-             prefetch: int = 1, threads: Optional[bool] = None) -> Tuple[RunResult, Simulation]:
+def run_plan(
+    stages,
+    mode: str,
+    lanes: Lanes,
+    costs: Optional[Mapping[str, float]] = None,
+    prefetch: int = 1,
+    threads: Optional[bool] = None,
+) -> Tuple[RunResult, Simulation]:
     """Schedule ``stages.plan`` for ``mode`` and run it."""
     sim = schedule(stages.plan, mode, costs, prefetch)
     return run(stages, sim.order, lanes, serial=(mode == "off"), threads=threads), sim
@@ -678,15 +715,35 @@ def run_plan(stages, mode: str, lanes: Lanes, costs: Optional[Mapping[str, float
 # ----------------------------------------------------------------------------------------------------------
 # 4. Choosing the split
 # ----------------------------------------------------------------------------------------------------------
-def stage_costs(block_ms: Sequence[float], split: int, embed_ms: float, final_ms: float, update_ms: float,
-                decode_ms: float, prep_ms: float) -> dict:
+def stage_costs(
+    block_ms: Sequence[float],
+    split: int,
+    embed_ms: float,
+    final_ms: float,
+    update_ms: float,
+    decode_ms: float,
+    prep_ms: float,
+) -> dict:
     """Per-kind costs for a split where GPU0 holds blocks[0..split] (inclusive)."""
-    return dict(prep=prep_ms, stage0=embed_ms + sum(block_ms[: split + 1]),
-                stage1=sum(block_ms[split + 1:]) + final_ms, update=update_ms, decode=decode_ms)
+    return dict(
+        prep=prep_ms,
+        stage0=embed_ms + sum(block_ms[: split + 1]),
+        stage1=sum(block_ms[split + 1 :]) + final_ms,
+        update=update_ms,
+        decode=decode_ms,
+    )
 
 
-def choose_split(plan: Plan, mode: str, block_ms: Sequence[float], embed_ms: float, final_ms: float,
-                 update_ms: float = 0.0, decode_ms: float = 0.0, prep_ms: float = 0.0) -> Tuple[int, List[dict]]:
+def choose_split(
+    plan: Plan,
+    mode: str,
+    block_ms: Sequence[float],
+    embed_ms: float,
+    final_ms: float,
+    update_ms: float = 0.0,
+    decode_ms: float = 0.0,
+    prep_ms: float = 0.0,
+) -> Tuple[int, List[dict]]:
     """The split (index of GPU0's last block) with the smallest simulated time for ``plan`` under ``mode``, from
     measured per-block times; ties go to the most balanced split. Returns (split, one row per candidate)."""
     n = len(block_ms)
@@ -698,8 +755,16 @@ def choose_split(plan: Plan, mode: str, block_ms: Sequence[float], embed_ms: flo
         sim = simulate(plan, mode if mode != "off" else "basic", costs)
         gpu0 = plan.forwards_per_chunk * costs["stage0"] + costs["prep"]
         gpu1 = plan.forwards_per_chunk * costs["stage1"] + plan.num_steps * costs["update"] + costs["decode"]
-        rows.append(dict(split=split, stage0_ms=costs["stage0"], stage1_ms=costs["stage1"], gpu0_ms_per_chunk=gpu0,
-                         gpu1_ms_per_chunk=gpu1, simulated_ms=sim.makespan))
+        rows.append(
+            dict(
+                split=split,
+                stage0_ms=costs["stage0"],
+                stage1_ms=costs["stage1"],
+                gpu0_ms_per_chunk=gpu0,
+                gpu1_ms_per_chunk=gpu1,
+                simulated_ms=sim.makespan,
+            )
+        )
     best = min(rows, key=lambda r: (round(r["simulated_ms"], 6), abs(r["gpu0_ms_per_chunk"] - r["gpu1_ms_per_chunk"])))
     return best["split"], rows
 
@@ -710,8 +775,10 @@ def parse_split(value, num_blocks: int) -> Optional[int]:
         return None
     split = int(value)
     if not 0 <= split < num_blocks - 1:
-        raise ValueError(f"--pp-split {split} must lie in [0, {num_blocks - 2}] (index of GPU0's last block; "
-                         f"the model has {num_blocks} blocks)")
+        raise ValueError(
+            f"--pp-split {split} must lie in [0, {num_blocks - 2}] (index of GPU0's last block; "
+            f"the model has {num_blocks} blocks)"
+        )
     return split
 
 

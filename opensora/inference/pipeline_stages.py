@@ -68,17 +68,19 @@ def run_blocks(model, state: dict, lo: int, hi: int, vec, rope, mask, kv_hook_fo
         else:
             if "tokens" not in state:
                 state = dict(tokens=torch.cat((state["txt"], state["img"]), dim=1), num_text=state["txt"].shape[1])
-            state = dict(tokens=model.single_blocks[i - depth_double](state["tokens"], vec, rope, mask, **extra),
-                         num_text=state["num_text"])
+            state = dict(
+                tokens=model.single_blocks[i - depth_double](state["tokens"], vec, rope, mask, **extra),
+                num_text=state["num_text"],
+            )
     return state
 
 
 def finish(model, state: dict, vec, grid) -> torch.Tensor:
     """Final layer + unpatchify of the video tokens."""
     if "tokens" in state:
-        img = state["tokens"][:, state["num_text"]:]
+        img = state["tokens"][:, state["num_text"] :]
     else:
-        img = torch.cat((state["txt"], state["img"]), dim=1)[:, state["txt"].shape[1]:]
+        img = torch.cat((state["txt"], state["img"]), dim=1)[:, state["txt"].shape[1] :]
     return unpatchify(model.final_layer(img, vec), grid, model.patch_size)
 
 
@@ -89,8 +91,7 @@ def latent_grid(model, shape) -> tuple:
 
 def seeded_latent_noise(seeds: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
     """Row i from a CPU generator seeded with seeds[i] (as ``pipeline.seeded_noise``)."""
-    return torch.stack([torch.randn(tuple(shape), generator=torch.Generator("cpu").manual_seed(int(s)))
-                        for s in seeds])
+    return torch.stack([torch.randn(tuple(shape), generator=torch.Generator("cpu").manual_seed(int(s))) for s in seeds])
 
 
 def to_device_async(x: torch.Tensor, device) -> torch.Tensor:
@@ -116,8 +117,17 @@ class BidirectionalStages:
         guidance_scale: CFG scale (2 branches) or ignored with 1 branch. decode: x0 (lane 1) -> frames, or None.
     """
 
-    def __init__(self, model, lanes: Lanes, split: int, groups: Sequence[Mapping], latent_shape: Sequence[int],
-                 times: Sequence[float], guidance_scale: float = 1.0, decode: Optional[Callable] = None):
+    def __init__(
+        self,
+        model,
+        lanes: Lanes,
+        split: int,
+        groups: Sequence[Mapping],
+        latent_shape: Sequence[int],
+        times: Sequence[float],
+        guidance_scale: float = 1.0,
+        decode: Optional[Callable] = None,
+    ):
         self.model, self.lanes, self.split = model, lanes, split
         self.num_blocks = len(all_blocks(model))
         self.groups = list(groups)
@@ -129,8 +139,15 @@ class BidirectionalStages:
         branches = {len(g["branches"]) for g in self.groups}
         if len(branches) != 1 or branches.pop() not in (1, 2):
             raise ValueError("every group needs the same number of CFG branches (1 or 2)")
-        self.plan = Plan(num_groups=len(self.groups), num_branches=len(self.groups[0]["branches"]), num_chunks=1,
-                         num_steps=len(self.times) - 1, refill=False, cached=False, decode=decode is not None)
+        self.plan = Plan(
+            num_groups=len(self.groups),
+            num_branches=len(self.groups[0]["branches"]),
+            num_chunks=1,
+            num_steps=len(self.times) - 1,
+            refill=False,
+            cached=False,
+            decode=decode is not None,
+        )
 
     def prepare(self, group: int, chunk: int) -> dict:
         model, lanes, dev0 = self.model, self.lanes, self.lanes.devices[0]
@@ -143,14 +160,18 @@ class BidirectionalStages:
             text_emb = text["text_emb"].to(dev0, self.dtype)
             pooled = text["pooled"].to(dev0, self.dtype)
             mask = None if text.get("text_mask") is None else text["text_mask"].to(dev0)
-            vecs = [model.conditioning_vector(torch.full((batch,), t, device=dev0).to(self.dtype), pooled, None)
-                    for t in self.times[:-1]]
+            vecs = [
+                model.conditioning_vector(torch.full((batch,), t, device=dev0).to(self.dtype), pooled, None)
+                for t in self.times[:-1]
+            ]
             key_mask = model.key_mask(mask, grid[0] * grid[1] * grid[2])
             branches.append(dict(text_emb=text_emb, mask=key_mask, vec=vecs))
         rope = model.rope(grid, branches[0]["text_emb"].shape[1], dev0)
         ready = lanes.event(0)
-        lane1 = dict(rope=lanes.pull(rope, ready, 1),
-                     branches=[lanes.pull(dict(mask=b["mask"], vec=b["vec"]), ready, 1) for b in branches])
+        lane1 = dict(
+            rope=lanes.pull(rope, ready, 1),
+            branches=[lanes.pull(dict(mask=b["mask"], vec=b["vec"]), ready, 1) for b in branches],
+        )
         return dict(x=x, grid=grid, rope=rope, branches=branches, lane1=lane1)
 
     def stage0(self, ctx, branch: int, step: int, x, store_kv: bool) -> dict:
@@ -160,8 +181,9 @@ class BidirectionalStages:
 
     def stage1(self, ctx, branch: int, step: int, state, store_kv: bool) -> torch.Tensor:
         b = ctx["lane1"]["branches"][branch]
-        state = run_blocks(self.model, state, self.split + 1, self.num_blocks, b["vec"][step], ctx["lane1"]["rope"],
-                           b["mask"])
+        state = run_blocks(
+            self.model, state, self.split + 1, self.num_blocks, b["vec"][step], ctx["lane1"]["rope"], b["mask"]
+        )
         return finish(self.model, state, b["vec"][step], ctx["grid"])
 
     def update(self, ctx, step: int, outputs: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -174,8 +196,15 @@ class BidirectionalStages:
 
 
 @torch.no_grad()
-def sample_microbatched(model, group: Mapping, latent_shape, times: Sequence[float], guidance_scale: float,
-                        device, decode: Optional[Callable] = None):
+def sample_microbatched(
+    model,
+    group: Mapping,
+    latent_shape,
+    times: Sequence[float],
+    guidance_scale: float,
+    device,
+    decode: Optional[Callable] = None,
+):
     """Single-device reference for one group of ``BidirectionalStages``: ``model.forward`` once per branch per
     step, CFG and Euler as ``sampling.sample``. Returns (x0, frames or None)."""
     dtype = model.img_in.weight.dtype
@@ -186,8 +215,15 @@ def sample_microbatched(model, group: Mapping, latent_shape, times: Sequence[flo
         for text in group["branches"]:
             t_vec = torch.full((x.shape[0],), times[k], device=device).to(dtype)
             mask = None if text.get("text_mask") is None else text["text_mask"].to(device)
-            outs.append(model(x.to(dtype), timestep=t_vec, text_emb=text["text_emb"].to(device, dtype), text_mask=mask,
-                              pooled=text["pooled"].to(device, dtype)).float())
+            outs.append(
+                model(
+                    x.to(dtype),
+                    timestep=t_vec,
+                    text_emb=text["text_emb"].to(device, dtype),
+                    text_mask=mask,
+                    pooled=text["pooled"].to(device, dtype),
+                ).float()
+            )
         v = outs[0] if len(outs) == 1 else text_cfg(outs[0], outs[1], guidance_scale)
         x = euler_step(x, v, times[k], times[k + 1])
     return x, (decode(x) if decode is not None else None)
@@ -199,8 +235,9 @@ def sample_microbatched(model, group: Mapping, latent_shape, times: Sequence[flo
 STEP_RULES = ("renoise", "euler")
 
 
-def chunk_update(x: torch.Tensor, v: torch.Tensor, t: float, t_next: float, rule: str,
-                 noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+def chunk_update(
+    x: torch.Tensor, v: torch.Tensor, t: float, t_next: float, rule: str, noise: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """One step of ``StreamingGenerator``'s chunk loop, with its exact expressions (host floats ``t``, ``t_next``):
     ``euler``: ``x + (t_next - t) v``; ``renoise``: ``x0 = x - t v``, then ``x0`` at ``t_next == 0`` else
     ``add_noise(x0, noise, t_next)``."""
@@ -217,8 +254,15 @@ class StreamNoise:
     re-noised step (``renoise``, next time > 0), then one for the context time when it is > 0. One CPU generator per
     sample, so a sample's noise does not depend on its batch."""
 
-    def __init__(self, seeds: Sequence[int], channels: int, hw: Sequence[int], times: Sequence[float], rule: str,
-                 context_t: float):
+    def __init__(
+        self,
+        seeds: Sequence[int],
+        channels: int,
+        hw: Sequence[int],
+        times: Sequence[float],
+        rule: str,
+        context_t: float,
+    ):
         self.gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
         self.channels, self.hw, self.times = channels, tuple(hw), list(times)
         self.rule, self.context_t = rule, context_t
@@ -242,8 +286,10 @@ def _rows(texts: Sequence[Mapping], key: str):
     if all(p is None for p in parts):
         return None
     if key == "text_mask":
-        parts = [torch.ones(t["text_emb"].shape[:2], dtype=torch.bool, device=t["text_emb"].device) if p is None else p
-                 for t, p in zip(texts, parts)]
+        parts = [
+            torch.ones(t["text_emb"].shape[:2], dtype=torch.bool, device=t["text_emb"].device) if p is None else p
+            for t, p in zip(texts, parts)
+        ]
     return torch.cat(parts)
 
 
@@ -273,10 +319,23 @@ class CausalStreamingStages:
         window_frames / sink_frames: the caches' rolling window (see ``KVCache``).
     """
 
-    def __init__(self, model, lanes: Lanes, split: int, groups: Sequence[Mapping], latent_size: Sequence[int],
-                 times: Sequence[float], refill: bool = True, rule: str = "renoise", guidance_scale: float = 1.0,
-                 make_decoder: Optional[Callable] = None, context_t: float = 0.0, window_frames: Optional[int] = None,
-                 sink_frames: int = 0, cfg_rows: bool = True):
+    def __init__(
+        self,
+        model,
+        lanes: Lanes,
+        split: int,
+        groups: Sequence[Mapping],
+        latent_size: Sequence[int],
+        times: Sequence[float],
+        refill: bool = True,
+        rule: str = "renoise",
+        guidance_scale: float = 1.0,
+        make_decoder: Optional[Callable] = None,
+        context_t: float = 0.0,
+        window_frames: Optional[int] = None,
+        sink_frames: int = 0,
+        cfg_rows: bool = True,
+    ):
         from opensora.models.mmdit.causal import KVCache
 
         if not getattr(model, "causal_chunk_frames", 0):
@@ -299,32 +358,67 @@ class CausalStreamingStages:
             raise ValueError("every group needs the same number of CFG passes (1 or 2)")
         self.guided = passes == 2
         self.cfg_rows = bool(cfg_rows) and self.guided
-        self.plan = self.plan_for(len(self.groups), 1 if self.cfg_rows else passes, latent_size, self.chunk_frames,
-                                  self.times, refill, make_decoder is not None)
+        self.plan = self.plan_for(
+            len(self.groups),
+            1 if self.cfg_rows else passes,
+            latent_size,
+            self.chunk_frames,
+            self.times,
+            refill,
+            make_decoder is not None,
+        )
         dev0 = lanes.devices[0]
         self.text = []  # per group, per branch: text tensors on lane 0 (rows mode: one branch of all passes)
         for g in self.groups:
             branches = [g["branches"]] if self.cfg_rows else [[b] for b in g["branches"]]
-            self.text.append([dict(text_emb=_rows(b, "text_emb").to(dev0, self.dtype),
-                                   pooled=_rows(b, "pooled").to(dev0, self.dtype),
-                                   text_mask=None if _rows(b, "text_mask") is None else _rows(b, "text_mask").to(dev0))
-                              for b in branches])
+            self.text.append(
+                [
+                    dict(
+                        text_emb=_rows(b, "text_emb").to(dev0, self.dtype),
+                        pooled=_rows(b, "pooled").to(dev0, self.dtype),
+                        text_mask=None if _rows(b, "text_mask") is None else _rows(b, "text_mask").to(dev0),
+                    )
+                    for b in branches
+                ]
+            )
         self.text_mask1 = [[lanes.pull(t["text_mask"], None, 1) for t in g] for g in self.text]
-        self.caches = [[(KVCache(split + 1, window_frames, sink_frames),
-                         KVCache(self.num_blocks - split - 1, window_frames, sink_frames))
-                        for _ in g] for g in self.text]
-        self.noise = [StreamNoise(g["seeds"], self.channels, self.hw, self.times, rule, self.context_t)
-                      for g in self.groups]
+        self.caches = [
+            [
+                (
+                    KVCache(split + 1, window_frames, sink_frames),
+                    KVCache(self.num_blocks - split - 1, window_frames, sink_frames),
+                )
+                for _ in g
+            ]
+            for g in self.text
+        ]
+        self.noise = [
+            StreamNoise(g["seeds"], self.channels, self.hw, self.times, rule, self.context_t) for g in self.groups
+        ]
         self.decoders = [make_decoder() for _ in self.groups] if make_decoder is not None else None
         self.rows = [len(g["seeds"]) * (2 if self.cfg_rows else 1) for g in self.groups]
 
     @staticmethod
-    def plan_for(num_groups: int, num_branches: int, latent_size: Sequence[int], chunk_frames: int,
-                 times: Sequence[float], refill: bool = True, decode: bool = True) -> Plan:
+    def plan_for(
+        num_groups: int,
+        num_branches: int,
+        latent_size: Sequence[int],
+        chunk_frames: int,
+        times: Sequence[float],
+        refill: bool = True,
+        decode: bool = True,
+    ) -> Plan:
         """The ``Plan`` such stages run (for ``choose_split`` before building them)."""
         num_chunks = -(-int(latent_size[1]) // chunk_frames)
-        return Plan(num_groups=num_groups, num_branches=num_branches, num_chunks=num_chunks,
-                    num_steps=len(times) - 1, refill=refill, cached=True, decode=decode)
+        return Plan(
+            num_groups=num_groups,
+            num_branches=num_branches,
+            num_chunks=num_chunks,
+            num_steps=len(times) - 1,
+            refill=refill,
+            cached=True,
+            decode=decode,
+        )
 
     def prepare(self, group: int, chunk: int) -> dict:
         """Stage A: the chunk's noise (host RNG, pinned copies), RoPE tables on both lanes, timestep tensors."""
@@ -347,8 +441,19 @@ class CausalStreamingStages:
         if getattr(model, "cond_channels", None):  # text-to-video: the all-zero condition
             cond = torch.zeros(rows, model.cond_channels, frames, *self.hw, device=dev0, dtype=self.dtype)
         rope1 = lanes.pull(rope, lanes.event(0), 1)
-        return dict(x=x, steps=steps, context=context, start=start, frames=frames, grid=grid, rope=rope, rope1=rope1,
-                    t=t, cond=cond, group=group)
+        return dict(
+            x=x,
+            steps=steps,
+            context=context,
+            start=start,
+            frames=frames,
+            grid=grid,
+            rope=rope,
+            rope1=rope1,
+            t=t,
+            cond=cond,
+            group=group,
+        )
 
     def _blocks(self, ctx, cache, state, lo, hi, vec, rope, text_mask, store_kv, device):
         from opensora.models.mmdit.causal import joint_attention_mask, streaming_kv_hooks
@@ -371,17 +476,38 @@ class CausalStreamingStages:
         if self.cfg_rows:
             x = torch.cat([x] * 2)
         text = self.text[ctx["group"]][branch]
-        img, txt, vec, _ = self.model.embed(x.to(self.dtype), ctx["t"][step], text["text_emb"], text["pooled"],
-                                            ctx["cond"])
+        img, txt, vec, _ = self.model.embed(
+            x.to(self.dtype), ctx["t"][step], text["text_emb"], text["pooled"], ctx["cond"]
+        )
         cache = self.caches[ctx["group"]][branch][0]
-        state = self._blocks(ctx, cache, dict(img=img, txt=txt), 0, self.split + 1, vec, ctx["rope"],
-                             text["text_mask"], store_kv, self.lanes.devices[0])
+        state = self._blocks(
+            ctx,
+            cache,
+            dict(img=img, txt=txt),
+            0,
+            self.split + 1,
+            vec,
+            ctx["rope"],
+            text["text_mask"],
+            store_kv,
+            self.lanes.devices[0],
+        )
         return dict(state=state, vec=vec)
 
     def stage1(self, ctx, branch: int, step: int, act, store_kv: bool) -> Optional[torch.Tensor]:
         cache = self.caches[ctx["group"]][branch][1]
-        state = self._blocks(ctx, cache, act["state"], self.split + 1, self.num_blocks, act["vec"], ctx["rope1"],
-                             self.text_mask1[ctx["group"]][branch], store_kv, self.lanes.devices[1])
+        state = self._blocks(
+            ctx,
+            cache,
+            act["state"],
+            self.split + 1,
+            self.num_blocks,
+            act["vec"],
+            ctx["rope1"],
+            self.text_mask1[ctx["group"]][branch],
+            store_kv,
+            self.lanes.devices[1],
+        )
         if step >= self.plan.num_steps:
             return None  # the refill's output is never read: only its cache writes matter
         return finish(self.model, state, act["vec"], ctx["grid"])
@@ -400,10 +526,21 @@ class CausalStreamingStages:
 
 
 @torch.no_grad()
-def stream_reference(model, group: Mapping, latent_size: Sequence[int], times: Sequence[float], refill: bool = True,
-                     rule: str = "renoise", guidance_scale: float = 1.0, make_decoder: Optional[Callable] = None,
-                     context_t: float = 0.0, window_frames: Optional[int] = None, sink_frames: int = 0,
-                     cfg_rows: bool = True, device="cpu"):
+def stream_reference(
+    model,
+    group: Mapping,
+    latent_size: Sequence[int],
+    times: Sequence[float],
+    refill: bool = True,
+    rule: str = "renoise",
+    guidance_scale: float = 1.0,
+    make_decoder: Optional[Callable] = None,
+    context_t: float = 0.0,
+    window_frames: Optional[int] = None,
+    sink_frames: int = 0,
+    cfg_rows: bool = True,
+    device="cpu",
+):
     """A single-device streaming loop with ``CausalStreamingStages``'s options: ``StreamingGenerator``'s math on
     ``forward_chunk`` (its own test checks it against the generator), plus the variants the generator does not
     have (``refill=False``: the last step stores the keys/values; ``cfg_rows=False``: one cache per CFG pass).
@@ -415,9 +552,14 @@ def stream_reference(model, group: Mapping, latent_size: Sequence[int], times: S
     guided = len(group["branches"]) == 2
     rows_mode = cfg_rows and guided
     branch_sets = [group["branches"]] if rows_mode else [[b] for b in group["branches"]]
-    texts = [dict(text_emb=_rows(b, "text_emb").to(device, dtype), pooled=_rows(b, "pooled").to(device, dtype),
-                  text_mask=None if _rows(b, "text_mask") is None else _rows(b, "text_mask").to(device))
-             for b in branch_sets]
+    texts = [
+        dict(
+            text_emb=_rows(b, "text_emb").to(device, dtype),
+            pooled=_rows(b, "pooled").to(device, dtype),
+            text_mask=None if _rows(b, "text_mask") is None else _rows(b, "text_mask").to(device),
+        )
+        for b in branch_sets
+    ]
     caches = [model.new_kv_cache(window_frames, sink_frames) for _ in texts]
     noise = StreamNoise(group["seeds"], channels, hw, times, rule, context_t)
     decoder = make_decoder() if make_decoder is not None else None
@@ -437,9 +579,19 @@ def stream_reference(model, group: Mapping, latent_size: Sequence[int], times: S
             outs = []
             for text, cache in zip(texts, caches):
                 t_vec = torch.full((rows,), t, device=device, dtype=dtype)
-                outs.append(model.forward_chunk(x_in.to(dtype), timestep=t_vec, text_emb=text["text_emb"],
-                                                text_mask=text["text_mask"], pooled=text["pooled"], cond=cond,
-                                                cache=cache, start_frame=start, store_kv=store).float())
+                outs.append(
+                    model.forward_chunk(
+                        x_in.to(dtype),
+                        timestep=t_vec,
+                        text_emb=text["text_emb"],
+                        text_mask=text["text_mask"],
+                        pooled=text["pooled"],
+                        cond=cond,
+                        cache=cache,
+                        start_frame=start,
+                        store_kv=store,
+                    ).float()
+                )
             if rows_mode:
                 return text_cfg(*outs[0].chunk(2), guidance_scale)
             return text_cfg(outs[0], outs[1], guidance_scale) if guided else outs[0]
@@ -487,8 +639,9 @@ class _Timer:
 
 
 @torch.no_grad()
-def measure_stage_times(model, x: torch.Tensor, text: Mapping, decode: Optional[Callable] = None,
-                        repeats: int = 3) -> dict:
+def measure_stage_times(
+    model, x: torch.Tensor, text: Mapping, decode: Optional[Callable] = None, repeats: int = 3
+) -> dict:
     """Median time of the embedding, every block, the final layer and the decode of one forward of ``x`` (a chunk
     at frame 0 for a causal model, with the streaming mask; the whole clip otherwise) on the model's device.
     Feed the result to ``pipeline_parallel.choose_split``."""
@@ -510,8 +663,9 @@ def measure_stage_times(model, x: torch.Tensor, text: Mapping, decode: Optional[
         if getattr(model, "causal_chunk_frames", 0):
             from opensora.models.mmdit.causal import joint_attention_mask, streaming_kv_hooks
 
-            mask = joint_attention_mask(text_mask, txt.shape[1],
-                                        torch.ones(img.shape[1], img.shape[1], dtype=torch.bool, device=device))
+            mask = joint_attention_mask(
+                text_mask, txt.shape[1], torch.ones(img.shape[1], img.shape[1], dtype=torch.bool, device=device)
+            )
             hooks = streaming_kv_hooks(model.new_kv_cache(), txt.shape[1], mask, None)
         else:
             mask = model.key_mask(text_mask, img.shape[1])
@@ -528,4 +682,4 @@ def measure_stage_times(model, x: torch.Tensor, text: Mapping, decode: Optional[
         samples.append(timer.read())
     samples = samples[1:]
     med = [median(s[i] for s in samples) for i in range(len(samples[0]))]
-    return dict(embed_ms=med[0], block_ms=med[1:1 + n], final_ms=med[1 + n], decode_ms=med[2 + n])
+    return dict(embed_ms=med[0], block_ms=med[1 : 1 + n], final_ms=med[1 + n], decode_ms=med[2 + n])

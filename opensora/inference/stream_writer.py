@@ -18,15 +18,17 @@ import numpy as np
 class StreamingVideoWriter:
     """``write(frames)`` uint8 [T, H, W, 3] as often as needed, then ``close()`` (or use it as a context manager)."""
 
-    def __init__(self, path, height: int, width: int, fps: float = 8.0, crf: int = 18,
-                 keyframe_interval: Optional[int] = None):
+    def __init__(
+        self, path, height: int, width: int, fps: float = 8.0, crf: int = 18, keyframe_interval: Optional[int] = None
+    ):
         import av  # imported where used, as in datasets/video_io.py
 
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "wb")
-        self._container = av.open(self._file, mode="w", format="mp4",
-                                  options={"movflags": "frag_every_frame+empty_moov+default_base_moof"})  # fmt: skip
+        self._container = av.open(
+            self._file, mode="w", format="mp4", options={"movflags": "frag_every_frame+empty_moov+default_base_moof"}
+        )
         stream = self._container.add_stream("libx264", rate=int(round(fps)))
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p" if width % 2 == 0 and height % 2 == 0 else "yuv444p"  # as write_video

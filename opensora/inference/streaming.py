@@ -69,7 +69,8 @@ class ChunkDecoder:
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         start, end = self.decoded_latents, self.decoded_latents + latents.shape[2]
         new_pixels = video_num_frames(end, self.compression, self.causal) - (
-            video_num_frames(start, self.compression, self.causal) if start else 0)  # fmt: skip
+            video_num_frames(start, self.compression, self.causal) if start else 0
+        )
         inputs = latents if self.context is None else torch.cat((self.context, latents), dim=2)
         frames = self.decode_fn(inputs)[:, -new_pixels:]
         if self.overlap:
@@ -101,10 +102,20 @@ class StreamingGenerator:
             GPU it is the eager path. Off by default: equal to eager within bf16 tolerance, not bitwise.
     """
 
-    def __init__(self, sampler, step_list: Optional[Sequence[float]] = None, num_steps: int = 4,
-                 rollout: str = "renoise", guidance_scale: float = 1.0, window_frames: Optional[int] = None,
-                 sink_frames: int = 0, context_time: float = 0.0, decode_overlap: Optional[int] = None,
-                 text_cache: bool = True, cuda_graphs: bool = False):
+    def __init__(
+        self,
+        sampler,
+        step_list: Optional[Sequence[float]] = None,
+        num_steps: int = 4,
+        rollout: str = "renoise",
+        guidance_scale: float = 1.0,
+        window_frames: Optional[int] = None,
+        sink_frames: int = 0,
+        context_time: float = 0.0,
+        decode_overlap: Optional[int] = None,
+        text_cache: bool = True,
+        cuda_graphs: bool = False,
+    ):
         model = sampler.model
         if not getattr(model, "causal_chunk_frames", 0):
             raise ValueError("streaming needs a causal model (MMDiT with causal_chunk_frames > 0)")
@@ -137,8 +148,15 @@ class StreamingGenerator:
             times = timesteps_for_sampling(self.num_steps, self.sampler.shift_alpha(chunk_size))
         return [float(t) for t in times]
 
-    def stream(self, prompts: Sequence[str], seeds: Sequence[int], num_frames: int, height: int, width: int,
-               decode: bool = True) -> Iterator[StreamChunk]:
+    def stream(
+        self,
+        prompts: Sequence[str],
+        seeds: Sequence[int],
+        num_frames: int,
+        height: int,
+        width: int,
+        decode: bool = True,
+    ) -> Iterator[StreamChunk]:
         """Yield the video's chunks in order as they finish (``num_frames`` pixel frames, any length the
         autoencoder accepts; the last chunk may be shorter)."""
         prompts, seeds = list(prompts), [int(s) for s in seeds]
@@ -159,8 +177,9 @@ class StreamingGenerator:
         rows = len(prompts) * len(branches)
         cond = None
         if getattr(model, "cond_channels", None):  # text-to-video: the all-zero condition
-            cond = torch.zeros(rows, model.cond_channels, self.chunk_frames, *latent_size[1:], device=device,
-                               dtype=dtype)  # fmt: skip
+            cond = torch.zeros(
+                rows, model.cond_channels, self.chunk_frames, *latent_size[1:], device=device, dtype=dtype
+            )
         cache = model.new_kv_cache(self.window_frames, self.sink_frames)
         text_cache = model.new_text_cache() if self.text_cache else None
         generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
@@ -175,8 +194,17 @@ class StreamingGenerator:
             t_in = torch.full((rows,), t, device=device, dtype=dtype)
             c = None if cond is None else cond[:, :, : x.shape[2]]
             forward = self.cuda_graphs if self.cuda_graphs is not None else model.forward_chunk
-            out = forward(x_in.to(dtype), timestep=t_in, **text_args, cond=c, cache=cache, start_frame=start,
-                          store_kv=store, text_cache=text_cache, text_key=t).float()  # fmt: skip
+            out = forward(
+                x_in.to(dtype),
+                timestep=t_in,
+                **text_args,
+                cond=c,
+                cache=cache,
+                start_frame=start,
+                store_kv=store,
+                text_cache=text_cache,
+                text_key=t,
+            ).float()
             return text_cfg(*out.chunk(2), self.guidance_scale) if guided else out
 
         with torch.no_grad():
@@ -194,11 +222,18 @@ class StreamingGenerator:
                 velocity(context, self.context_time, store=True)  # refill the cache with the finished chunk
                 pixels = decoder(x) if decoder is not None else None
                 now = time.perf_counter()
-                yield StreamChunk(index, start, x, pixels, now - clock, cache.num_frames, cache.nbytes,
-                                  text_cache.nbytes if text_cache is not None else 0)
+                yield StreamChunk(
+                    index,
+                    start,
+                    x,
+                    pixels,
+                    now - clock,
+                    cache.num_frames,
+                    cache.nbytes,
+                    text_cache.nbytes if text_cache is not None else 0,
+                )
                 clock = now
 
     def generate(self, prompts, seeds, num_frames, height, width) -> torch.Tensor:
         """The whole video, uint8 [B, T, H, W, 3] (the chunks of ``stream`` concatenated)."""
         return torch.cat([chunk.frames for chunk in self.stream(prompts, seeds, num_frames, height, width)], dim=1)
-

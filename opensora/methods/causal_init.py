@@ -88,18 +88,22 @@ class CausalODEInit(TrainingMethod):
         if pairs not in PAIR_MODES:
             raise ValueError(f"CausalODEInit: pairs must be one of {PAIR_MODES}, got {pairs!r}")
         if pairs == "cache" and not prompts:
-            raise ValueError("CausalODEInit: pairs='cache' needs a `prompts` list (the cache is built once, before "
-                             "any batch is seen, so that a resumed run rebuilds the same pairs)")
+            raise ValueError(
+                "CausalODEInit: pairs='cache' needs a `prompts` list (the cache is built once, before "
+                "any batch is seen, so that a resumed run rebuilds the same pairs)"
+            )
         if int(teacher_num_steps) < 1 or int(num_cached_pairs) < 1:
             raise ValueError("CausalODEInit: teacher_num_steps and num_cached_pairs must be >= 1")
         self.student, self.teacher = self.roles["student"], self.roles["teacher"]
         self.num_frames_per_chunk = (
-            None if num_frames_per_chunk is None
+            None
+            if num_frames_per_chunk is None
             else check_causal_student("CausalODEInit", self.student, num_frames_per_chunk)
         )
         if chunk_timesteps not in CHUNK_TIMESTEPS:
-            raise ValueError(f"CausalODEInit: chunk_timesteps must be one of {CHUNK_TIMESTEPS}, "
-                             f"got {chunk_timesteps!r}")
+            raise ValueError(
+                f"CausalODEInit: chunk_timesteps must be one of {CHUNK_TIMESTEPS}, got {chunk_timesteps!r}"
+            )
         # a bidirectional student (no num_frames_per_chunk) has no chunks: one time per sample
         self.chunk_timesteps = "shared" if self.num_frames_per_chunk is None else chunk_timesteps
         self.step_times = timesteps_from_list(step_list)  # with the final 0
@@ -154,7 +158,9 @@ class CausalODEInit(TrainingMethod):
             prompts = [self.prompts[(start + i) % len(self.prompts)] for i in range(count)]
             text = {k: v.to(device) for k, v in self.components.text_encoder.encode(prompts).items()}
             sub = dataclasses.replace(
-                batch, latent_shape=(count, *shape), text=text,
+                batch,
+                latent_shape=(count, *shape),
+                text=text,
                 null_text={k: v.to(device).expand(count, *v.shape[1:]) for k, v in null.items()},
             )
             noise = torch.randn((count, *shape), generator=generator, dtype=torch.float32).to(device)
@@ -162,8 +168,11 @@ class CausalODEInit(TrainingMethod):
             states.append(torch.stack(trajectory, dim=1))  # [n, K, C, T, H, W]
             finals.append(final)
             texts.append(text)
-        cache = dict(states=torch.cat(states), final=torch.cat(finals),
-                     text={k: torch.cat([t[k] for t in texts]) for k in texts[0]})
+        cache = dict(
+            states=torch.cat(states),
+            final=torch.cat(finals),
+            text={k: torch.cat([t[k] for t in texts]) for k in texts[0]},
+        )
         self._cache[shape] = cache
         return cache
 

@@ -32,8 +32,9 @@ def _refuse_bare_guidance(name: str, kwargs: dict) -> None:
 
 @METHODS.register_module()
 class CausVid(DMD2):
-    def __init__(self, roles, components, num_frames_per_chunk: int = 2, real_guidance_scale: float = 5.0,
-                 **dmd2_kwargs):
+    def __init__(
+        self, roles, components, num_frames_per_chunk: int = 2, real_guidance_scale: float = 5.0, **dmd2_kwargs
+    ):
         _refuse_bare_guidance(type(self).__name__, dmd2_kwargs)
         super().__init__(roles, components, guidance_scale=real_guidance_scale, **dmd2_kwargs)
         self.num_frames_per_chunk = check_causal_student(type(self).__name__, self.student, num_frames_per_chunk)

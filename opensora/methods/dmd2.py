@@ -80,8 +80,10 @@ class DMD2(TrainingMethod):
     ):
         super().__init__(roles, components)
         if self.roles["teacher"].trainable:
-            raise MissingRoleError("DMD2: role 'teacher' must be frozen (trainable=False); it is the fixed real "
-                                   "score and is never boosted or optimised")
+            raise MissingRoleError(
+                "DMD2: role 'teacher' must be frozen (trainable=False); it is the fixed real "
+                "score and is never boosted or optimised"
+            )
         if rollout not in ROLLOUTS:
             raise ValueError(f"DMD2: rollout must be one of {ROLLOUTS}, got {rollout!r}")
         if int(student_update_every) < 1:

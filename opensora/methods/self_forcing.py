@@ -37,9 +37,17 @@ from opensora.registry import METHODS
 
 @METHODS.register_module()
 class SelfForcing(CausVid):
-    def __init__(self, roles, components, rollout: str = "renoise", grad_frames: Optional[int] = None,
-                 context_noise: float = 0.0, kv_window_frames: Optional[int] = None, kv_sink_frames: int = 0,
-                 **causvid_kwargs):
+    def __init__(
+        self,
+        roles,
+        components,
+        rollout: str = "renoise",
+        grad_frames: Optional[int] = None,
+        context_noise: float = 0.0,
+        kv_window_frames: Optional[int] = None,
+        kv_sink_frames: int = 0,
+        **causvid_kwargs,
+    ):
         super().__init__(roles, components, rollout=rollout, **causvid_kwargs)
         if grad_frames is not None and int(grad_frames) < 1:
             raise ValueError(f"SelfForcing: grad_frames must be >= 1 latent frame or None (all), got {grad_frames}")
@@ -79,8 +87,9 @@ class SelfForcing(CausVid):
         b = noise.shape[0]
         t_exit = self.step_times[exit_index].to(noise.device).expand(b)
         t_context = torch.full((b,), self.context_noise, device=noise.device)
-        cache = self.adapter.new_kv_cache(self.student, batch, window_frames=self.kv_window_frames,
-                                          sink_frames=self.kv_sink_frames)
+        cache = self.adapter.new_kv_cache(
+            self.student, batch, window_frames=self.kv_window_frames, sink_frames=self.kv_sink_frames
+        )
         outputs = []
         try:
             for c in range(count):

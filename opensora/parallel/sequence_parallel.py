@@ -34,8 +34,9 @@ class SequenceGroup:
 
     def local_slice(self, length: int, what: str) -> slice:
         if length % self.size:
-            raise ValueError(f"sequence parallelism over {self.size} ranks needs {what} divisible by "
-                             f"{self.size}, got {length}")  # fmt: skip
+            raise ValueError(
+                f"sequence parallelism over {self.size} ranks needs {what} divisible by {self.size}, got {length}"
+            )
         chunk = length // self.size
         return slice(self.rank * chunk, (self.rank + 1) * chunk)
 
@@ -87,8 +88,9 @@ class _AllToAll(torch.autograd.Function):
 def tokens_to_heads(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
     """[B, H, N/S, D] (all heads, my tokens) -> [B, H/S, N, D] (my heads, all tokens in rank-major order)."""
     if x.shape[1] % sp.size:
-        raise ValueError(f"sequence parallelism over {sp.size} ranks needs the head count divisible by it, "
-                         f"got {x.shape[1]} heads")  # fmt: skip
+        raise ValueError(
+            f"sequence parallelism over {sp.size} ranks needs the head count divisible by it, got {x.shape[1]} heads"
+        )
     return _AllToAll.apply(x, sp, 1, 2)
 
 

@@ -82,25 +82,31 @@ def _force_off_on_cpu(kwargs: dict, plugin: str, flags: tuple[str, ...], why: st
 
 def _cpu_zero(kwargs: dict) -> dict:
     # Overlap reduces gradients on a side CUDA stream; the shim's CPU streams are no-ops, so keep it off.
-    return _force_off_on_cpu(kwargs, "LowLevelZeroPlugin", ("overlap_communication", "overlap_allgather"),
-                             "needs CUDA streams")
+    return _force_off_on_cpu(
+        kwargs, "LowLevelZeroPlugin", ("overlap_communication", "overlap_allgather"), "needs CUDA streams"
+    )
 
 
 def _cpu_hybrid(kwargs: dict) -> dict:
-    kwargs = _force_off_on_cpu(kwargs, "HybridParallelPlugin", ("overlap_communication", "overlap_allgather"),
-                               "needs CUDA streams")
+    kwargs = _force_off_on_cpu(
+        kwargs, "HybridParallelPlugin", ("overlap_communication", "overlap_allgather"), "needs CUDA streams"
+    )
     return _force_off_on_cpu(
-        kwargs, "HybridParallelPlugin",
+        kwargs,
+        "HybridParallelPlugin",
         ("enable_all_optimization", "enable_fused_normalization", "enable_flash_attention", "enable_jit_fused"),
-        "needs CUDA kernels")
+        "needs CUDA kernels",
+    )
 
 
 def _hybrid_defaults(kwargs: dict) -> dict:
     kwargs.setdefault("tp_size", 1)
     kwargs.setdefault("pp_size", 1)
     if kwargs.get("zero_stage", 0) > 0 and kwargs.get("precision") == "fp32":
-        raise ValueError("HybridParallelPlugin with zero_stage > 0 needs precision bf16 or fp16 (ColossalAI "
-                         "asserts this); use zero_stage=0 or LowLevelZeroPlugin for fp32")
+        raise ValueError(
+            "HybridParallelPlugin with zero_stage > 0 needs precision bf16 or fp16 (ColossalAI "
+            "asserts this); use zero_stage=0 or LowLevelZeroPlugin for fp32"
+        )
     if kwargs.get("custom_policy") is None:
         if kwargs["tp_size"] != 1 or kwargs.get("enable_sequence_parallelism") or (kwargs.get("sp_size") or 1) > 1:
             raise NotImplementedError(
@@ -140,7 +146,8 @@ def _register_fsdp() -> None:
     except ImportError:  # FSDP plugin import can fail on exotic torch builds; it is optional
         return
     PLUGIN_REGISTRY["TorchFSDPPlugin"] = _PluginSpec(
-        TorchFSDPPlugin, False, cpu_adjust=_cpu_unsupported("TorchFSDPPlugin"))
+        TorchFSDPPlugin, False, cpu_adjust=_cpu_unsupported("TorchFSDPPlugin")
+    )
 
 
 _register_fsdp()

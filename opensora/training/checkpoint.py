@@ -89,8 +89,7 @@ def _master_params(model, optimizer) -> list[torch.Tensor]:
     from .ema import unwrap_model
 
     inner = getattr(optimizer, "optim", None)
-    low_precision = any(p.is_floating_point() and p.dtype != torch.float32
-                        for p in unwrap_model(model).parameters())
+    low_precision = any(p.is_floating_point() and p.dtype != torch.float32 for p in unwrap_model(model).parameters())
     if inner is None or not low_precision:
         return []
     return [p for group in inner.param_groups for p in group["params"]]
@@ -108,8 +107,10 @@ def _load_master_params(model, optimizer, directory: Path, rank: int, saved_worl
     if not masters or not directory.is_dir():
         return
     if saved_world_size != get_world_size() or not path.is_file():
-        warnings.warn(f"fp32 master weights were saved with world size {saved_world_size}, now "
-                      f"{get_world_size()}: rebuilding them from the low-precision model weights")
+        warnings.warn(
+            f"fp32 master weights were saved with world size {saved_world_size}, now "
+            f"{get_world_size()}: rebuilding them from the low-precision model weights"
+        )
         return
     saved = torch.load(path, weights_only=True)
     if len(saved) != len(masters) or any(a.shape != b.shape for a, b in zip(saved, masters)):
@@ -182,15 +183,20 @@ def _load_adapter(name: str, role, directory: Path) -> None:
 
     record_file = directory / LORA_FILE
     if not record_file.is_file():
-        raise UserInputError(f"role '{name}' trains a LoRA adapter but {directory} holds full weights (no "
-                             f"{LORA_FILE}); start from it with init_from instead of --load/--resume")
+        raise UserInputError(
+            f"role '{name}' trains a LoRA adapter but {directory} holds full weights (no "
+            f"{LORA_FILE}); start from it with init_from instead of --load/--resume"
+        )
     saved = record_from_json(record_file.read_text(), str(record_file))
     changed = [key for key in LORA_KEYS if saved.get(key) != role.lora[key]]
     if changed:
-        raise UserInputError(f"role '{name}': the checkpoint's LoRA settings differ from the config in {changed} "
-                             f"(saved {[saved.get(k) for k in changed]}, config {[role.lora[k] for k in changed]})")
-    check_same_base(saved, role.lora["base_sha256"], f"role '{name}' in {directory}",
-                    base_name=role.lora["init_from"]["path"])
+        raise UserInputError(
+            f"role '{name}': the checkpoint's LoRA settings differ from the config in {changed} "
+            f"(saved {[saved.get(k) for k in changed]}, config {[role.lora[k] for k in changed]})"
+        )
+    check_same_base(
+        saved, role.lora["base_sha256"], f"role '{name}' in {directory}", base_name=role.lora["init_from"]["path"]
+    )
     load_adapter_state_dict(role.unwrap(), load_file(str(directory / ADAPTER_FILE)), str(directory / ADAPTER_FILE))
     update_masters = getattr(role.model, "update_master_params", None)  # LowLevelZero: refresh its fp32 masters
     if update_masters is not None:
@@ -202,8 +208,9 @@ def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int) -> None
     if getattr(role, "lora", None) is not None:
         _save_adapter(role, directory, rank)
     else:
-        booster.save_model(model, str(directory / MODEL_DIR), shard=True, use_safetensors=True,
-                           size_per_shard=size_per_shard_mb)
+        booster.save_model(
+            model, str(directory / MODEL_DIR), shard=True, use_safetensors=True, size_per_shard=size_per_shard_mb
+        )
     if optimizer is not None:
         _materialise_adam_state(optimizer)
         booster.save_optimizer(optimizer, str(directory / "optimizer"), shard=True, size_per_shard=size_per_shard_mb)
@@ -269,8 +276,12 @@ def save_checkpoint(
         raise failure from error
 
     if rank == 0:
-        meta = {"step": int(step), "world_size": world_size, "roles": sorted(trained),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        meta = {
+            "step": int(step),
+            "world_size": world_size,
+            "roles": sorted(trained),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _publish(tmp, final, meta)
         prune_checkpoints(outputs, keep_last)
@@ -295,8 +306,9 @@ def _load_role(name: str, role, directory: Path, saved_world_size: int, load_opt
     if getattr(role, "lora", None) is not None:
         _load_adapter(name, role, directory)
     else:
-        check_model_fits(directory / MODEL_DIR, role.unwrap() if hasattr(role, "unwrap") else model,
-                         f"'{name}' network")
+        check_model_fits(
+            directory / MODEL_DIR, role.unwrap() if hasattr(role, "unwrap") else model, f"'{name}' network"
+        )
         booster.load_model(model, str(directory / MODEL_DIR))
     if load_optimizer and optimizer is not None:
         booster.load_optimizer(optimizer, str(directory / "optimizer"))
@@ -340,8 +352,9 @@ def load_checkpoint(
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=True))
         else:
-            warnings.warn(f"{rng_file} missing (saved with world size {meta.get('world_size')}); "
-                          "this rank's RNG is not restored")
+            warnings.warn(
+                f"{rng_file} missing (saved with world size {meta.get('world_size')}); this rank's RNG is not restored"
+            )
     barrier()
     return LoadedState(path=path, step=int(meta["step"]), extra_state=extra_state, meta=meta)
 

@@ -65,7 +65,8 @@ def save_failure(tmp: Path, final: Path, error: BaseException) -> CheckpointSave
     cause = "no space left on device" if getattr(error, "errno", None) == errno.ENOSPC else str(error)
     return CheckpointSaveError(
         f"saving checkpoint {final} failed: {cause} ({free:,} bytes free on that filesystem); the partial "
-        f"temporary directory {tmp} was removed and earlier checkpoints are untouched")
+        f"temporary directory {tmp} was removed and earlier checkpoints are untouched"
+    )
 
 
 def any_rank_failed(error) -> bool:

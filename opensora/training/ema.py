@@ -87,7 +87,8 @@ class EMA:
             with torch.no_grad():
                 for name, param in self._tracked(model):
                     self.shadow[name] = param.detach().to(
-                        device=self.device or param.device, dtype=self.dtype, copy=True)
+                        device=self.device or param.device, dtype=self.dtype, copy=True
+                    )
 
     @staticmethod
     def _tracked(model: nn.Module):
@@ -143,8 +144,7 @@ class EMA:
         if not self.enabled:
             return
         tensors = {name: t.detach().cpu().contiguous() for name, t in self.shadow.items()}
-        metadata = {"decay": repr(self.decay), "start_step": str(self.start_step),
-                    "num_updates": str(self.num_updates)}
+        metadata = {"decay": repr(self.decay), "start_step": str(self.start_step), "num_updates": str(self.num_updates)}
         save_file(tensors, str(path), metadata=metadata)
 
     def load(self, path: str | Path, strict: bool = True) -> None:

@@ -11,8 +11,15 @@ from opensora.training.defaults import TRAINER_DEFAULTS
 from opensora.training.run_dir import check_load_path, prepare_outputs
 from opensora.training.validation import validation_settings
 
-_FLAG_SETTINGS = ("outputs", "max_steps", "ckpt_every", "max_minutes", "save_at_end", "profile_steps",
-                  "sequence_parallel_size")
+_FLAG_SETTINGS = (
+    "outputs",
+    "max_steps",
+    "ckpt_every",
+    "max_minutes",
+    "save_at_end",
+    "profile_steps",
+    "sequence_parallel_size",
+)
 TRAIN_FLAGS = {
     **{name: TRAINER_DEFAULTS[name] for name in _FLAG_SETTINGS},
     "load": None,  # a checkpoint directory to resume from
@@ -39,8 +46,11 @@ def check_train_flags(cfg, args) -> None:
 def main(argv=None) -> None:
     try:
         cfg, args = load_config_from_cli(
-            argv, script_flags=TRAIN_FLAGS, prog="train.py",
-            description="Train a video diffusion model (flow matching or a distillation method).")
+            argv,
+            script_flags=TRAIN_FLAGS,
+            prog="train.py",
+            description="Train a video diffusion model (flow matching or a distillation method).",
+        )
         role_configs(cfg)  # a role key that would be ignored is reported here, before anything heavy loads
         validation_settings(cfg)  # so is a validation key that does not exist
     except (ConfigKeyError, ConfigValueError) as error:
@@ -53,8 +63,13 @@ def main(argv=None) -> None:
     check_train_flags(cfg, args)
     if args.load is not None:
         check_load_path(args.load)
-    aside = prepare_outputs(cfg.outputs, args.load, args.resume == "auto", bool(args.overwrite),
-                            is_main=int(os.environ.get("RANK", "0")) == 0)
+    aside = prepare_outputs(
+        cfg.outputs,
+        args.load,
+        args.resume == "auto",
+        bool(args.overwrite),
+        is_main=int(os.environ.get("RANK", "0")) == 0,
+    )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if aside is not None:
         logging.getLogger(__name__).warning("--overwrite: moved the earlier run in %s to %s", cfg.outputs, aside)

@@ -12,8 +12,14 @@ from typing import Mapping, Optional
 
 
 class MetricsLogger:
-    def __init__(self, outputs, enabled: bool, tensorboard: bool = True, wandb_cfg: Optional[Mapping] = None,
-                 run_config: Optional[dict] = None):
+    def __init__(
+        self,
+        outputs,
+        enabled: bool,
+        tensorboard: bool = True,
+        wandb_cfg: Optional[Mapping] = None,
+        run_config: Optional[dict] = None,
+    ):
         self.enabled = enabled
         self.path = Path(outputs) / "metrics.jsonl"
         self._tb = None
@@ -73,9 +79,13 @@ class MetricsLogger:
         if self._wandb is not None:
             import wandb
 
-            self._wandb.log({"val/samples": wandb.Image(grid),
-                             "val/videos": [wandb.Video(str(p), caption=c) for p, c in zip(paths, captions)]},
-                            step=step)
+            self._wandb.log(
+                {
+                    "val/samples": wandb.Image(grid),
+                    "val/videos": [wandb.Video(str(p), caption=c) for p, c in zip(paths, captions)],
+                },
+                step=step,
+            )
 
     def close(self) -> None:
         if self._tb is not None:

@@ -48,14 +48,21 @@ def summarize_kernels(kernels: Iterable[Tuple[str, float, int]], steps: int, wal
     compute = sum(ms for category, ms in by_category.items() if category != "communication")
     ranked = sorted(kernels, key=lambda k: -k[1])[:top]
     return dict(
-        steps=steps, wall_ms_per_step=wall_ms, kernel_ms_per_step=sum(by_category.values()),
-        compute_ms_per_step=compute, exposed_ms_per_step=max(wall_ms - compute, 0.0),
+        steps=steps,
+        wall_ms_per_step=wall_ms,
+        kernel_ms_per_step=sum(by_category.values()),
+        compute_ms_per_step=compute,
+        exposed_ms_per_step=max(wall_ms - compute, 0.0),
         communication_ms_per_step=by_category.get("communication", 0.0),
         ms_by_category={k: round(v, 2) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
         launches_per_step=sum(k[2] for k in kernels) / steps,
-        top_kernels=[dict(name=n[:140], ms_per_step=round(per_step(us), 2), calls_per_step=c / steps,
-                          category=kernel_category(n)) for n, us, c in ranked],
-    )  # fmt: skip
+        top_kernels=[
+            dict(
+                name=n[:140], ms_per_step=round(per_step(us), 2), calls_per_step=c / steps, category=kernel_category(n)
+            )
+            for n, us, c in ranked
+        ],
+    )
 
 
 def cuda_kernels(prof) -> list:
@@ -65,18 +72,26 @@ def cuda_kernels(prof) -> list:
     device time, spanning the kernels they enclose: counting them too would count those kernels twice."""
     from torch.autograd import DeviceType
 
-    return [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
-            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
-            and not getattr(e, "is_user_annotation", False)]  # fmt: skip
+    return [
+        (e.key, e.self_device_time_total, e.count)
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA
+        and e.self_device_time_total > 0
+        and not getattr(e, "is_user_annotation", False)
+    ]
 
 
 def format_profile(p: dict) -> str:
-    head = (f"profile: {p['wall_ms_per_step']:.1f} ms/step wall, {p['compute_ms_per_step']:.1f} ms compute kernels, "
-            f"{p['exposed_ms_per_step']:.1f} ms exposed, {p['communication_ms_per_step']:.1f} ms communication, "
-            f"{p['launches_per_step']:.0f} launches/step")  # fmt: skip
+    head = (
+        f"profile: {p['wall_ms_per_step']:.1f} ms/step wall, {p['compute_ms_per_step']:.1f} ms compute kernels, "
+        f"{p['exposed_ms_per_step']:.1f} ms exposed, {p['communication_ms_per_step']:.1f} ms communication, "
+        f"{p['launches_per_step']:.0f} launches/step"
+    )
     rows = [f"  {c:16s} {ms:8.2f} ms" for c, ms in p["ms_by_category"].items()]
-    rows += [f"  top: {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:.0f} [{k['category']}] {k['name'][:90]}"
-             for k in p["top_kernels"]]  # fmt: skip
+    rows += [
+        f"  top: {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:.0f} [{k['category']}] {k['name'][:90]}"
+        for k in p["top_kernels"]
+    ]
     return "\n".join([head] + rows)
 
 

@@ -26,8 +26,9 @@ def run_checkpoints(outputs) -> List[Path]:
     root = Path(outputs) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), child) for child in root.iterdir()
-             if child.is_dir() and (m := _STEP_DIR.match(child.name))]
+    found = [
+        (int(m.group(1)), child) for child in root.iterdir() if child.is_dir() and (m := _STEP_DIR.match(child.name))
+    ]
     return [path for _, path in sorted(found)]
 
 
@@ -54,9 +55,11 @@ def check_load_path(load) -> None:
     if not path.is_dir():
         raise UserInputError(f"--load {path} is a file; give a checkpoint directory (.../checkpoints/step-XXXXXXX)")
     if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
-        raise UserInputError(f"--load {path} is a run (outputs) directory, not a checkpoint; "
-                             f"{describe_checkpoints(path)}: pass one of them to --load, or --outputs {path} "
-                             "--resume auto to continue that run")
+        raise UserInputError(
+            f"--load {path} is a run (outputs) directory, not a checkpoint; "
+            f"{describe_checkpoints(path)}: pass one of them to --load, or --outputs {path} "
+            "--resume auto to continue that run"
+        )
 
 
 def prepare_outputs(outputs, load: Optional[str], resume_auto: bool, overwrite: bool, is_main: bool) -> Optional[Path]:
@@ -73,7 +76,8 @@ def prepare_outputs(outputs, load: Optional[str], resume_auto: bool, overwrite: 
         raise UserInputError(
             f"--outputs {outputs} already holds a run ({describe_checkpoints(outputs)}); a fresh run would mix "
             f"with it. Continue it with --resume auto, write elsewhere with --outputs NEW_DIR, or pass --overwrite "
-            f"to move the old run aside to {outputs}.replaced-<time> and start fresh")
+            f"to move the old run aside to {outputs}.replaced-<time> and start fresh"
+        )
     if not is_main:
         return None
     aside = outputs.with_name(f"{outputs.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -68,8 +68,9 @@ class Trainer:
         vae = vae.to(self.device, dtype).eval().requires_grad_(False) if vae is not None else None
         text_encoder = text_encoder.to(self.device) if text_encoder is not None else None
         null_text = text_encoder.null_embeddings(1) if text_encoder is not None else None
-        self.components = Components(vae=vae, text_encoder=text_encoder, device=self.device, dtype=dtype,
-                                     null_text=null_text)
+        self.components = Components(
+            vae=vae, text_encoder=text_encoder, device=self.device, dtype=dtype, null_text=null_text
+        )
 
         self.roles: Dict[str, Role] = {
             name: build_role(name, role_cfg, self.components, cfg.plugin, self.is_main)
@@ -91,13 +92,19 @@ class Trainer:
             num_workers=int(self.setting("num_workers")),
             pin_memory=self.device.type == "cuda",
         )
-        self.metrics = MetricsLogger(self.outputs, enabled=self.is_main, tensorboard=self.setting("tensorboard"),
-                                     wandb_cfg=self.setting("wandb"), run_config=cfg.to_dict())
+        self.metrics = MetricsLogger(
+            self.outputs,
+            enabled=self.is_main,
+            tensorboard=self.setting("tensorboard"),
+            wandb_cfg=self.setting("wandb"),
+            run_config=cfg.to_dict(),
+        )
         self.throughput = ThroughputMeter(self.device, world_size=self.dp_size, ranks_per_sample=sp_size)
         self.profiler = StepProfiler(self.setting("profile_steps"), self.outputs, self.rank, self.device)
         # samples during training (rank 0; other ranks meet it at the next collective): None when off
-        self.validator = Validator.from_config(cfg, self.roles, self.components, self.metrics, self.outputs,
-                                               is_main=self.is_main)
+        self.validator = Validator.from_config(
+            cfg, self.roles, self.components, self.metrics, self.outputs, is_main=self.is_main
+        )
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
@@ -110,12 +117,18 @@ class Trainer:
         for name, role in self.roles.items():
             module = role.unwrap()
             if not isinstance(module, SequenceParallelModel):
-                raise ValueError(f"sequence_parallel_size={self.sp.size}: role '{name}' ({type(module).__name__}) "
-                                 "is not a SequenceParallelModel")  # fmt: skip
+                raise ValueError(
+                    f"sequence_parallel_size={self.sp.size}: role '{name}' ({type(module).__name__}) "
+                    "is not a SequenceParallelModel"
+                )
             module.set_sequence_parallel(self.sp)
         if self.is_main:
-            logger.info("sequence parallel: %d ranks per sample (roles %s), %d data-parallel ranks", self.sp.size,
-                        ", ".join(self.roles), self.dp_size)
+            logger.info(
+                "sequence parallel: %d ranks per sample (roles %s), %d data-parallel ranks",
+                self.sp.size,
+                ", ".join(self.roles),
+                self.dp_size,
+            )
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def resume(self, load: Optional[str] = None, auto: bool = False) -> None:
@@ -139,9 +152,12 @@ class Trainer:
     def save(self) -> Path:
         trainer_state = dict(step=self.step, nonfinite_total=self.nonfinite_total)
         return ckpt.save_checkpoint(
-            self.outputs, self.step, self.roles,
+            self.outputs,
+            self.step,
+            self.roles,
             extra_state=dict(trainer=trainer_state, data=self.loader.state_dict()),
-            config_text=self.cfg.pretty_text, keep_last=int(self.setting("keep_last")),
+            config_text=self.cfg.pretty_text,
+            keep_last=int(self.setting("keep_last")),
         )
 
     # ---- the loop -------------------------------------------------------------------------------------------
@@ -187,8 +203,9 @@ class Trainer:
     def train(self) -> None:
         """The loop. Per optimizer step the host waits for the GPU once (``_step_verdict``); the step's metrics are
         all-reduced on the device and read one step later (``_flush``), so no ``.item()`` stalls the next step."""
-        progress = tqdm(total=self.max_steps, initial=self.step, disable=not self.is_main, desc="train",
-                        dynamic_ncols=True)
+        progress = tqdm(
+            total=self.max_steps, initial=self.step, disable=not self.is_main, desc="train", dynamic_ncols=True
+        )
         batches = self._batches()
         started = time.monotonic()
         pending = None  # the previous step's metrics, still on the device

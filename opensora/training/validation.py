@@ -85,8 +85,10 @@ def validation_settings(cfg: Mapping) -> Optional[Dict[str, Any]]:
     if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
         raise ConfigValueError("validation prompts must be non-empty strings")
     if len(prompts) > int(s["max_prompts"]):
-        raise ConfigValueError(f"validation lists {len(prompts)} prompts, more than validation.max_prompts="
-                               f"{s['max_prompts']}: rank 0 would keep the other ranks waiting too long")
+        raise ConfigValueError(
+            f"validation lists {len(prompts)} prompts, more than validation.max_prompts="
+            f"{s['max_prompts']}: rank 0 would keep the other ranks waiting too long"
+        )
     s["prompts"] = prompts
     if s["seeds"] is None:
         s["seeds"] = [int(s["seed"]) + i for i in range(len(prompts))]
@@ -184,8 +186,13 @@ class Validator:
             return None
         finally:
             set_rng_state(rng)
-        logger.info("validation at step %d: %d samples in %.1f s%s", step, len(prompts), record["val/seconds"],
-                    "".join(f", {k} {v:.3f}" for k, v in record.items() if k.endswith("_acc")))
+        logger.info(
+            "validation at step %d: %d samples in %.1f s%s",
+            step,
+            len(prompts),
+            record["val/seconds"],
+            "".join(f", {k} {v:.3f}" for k, v in record.items() if k.endswith("_acc")),
+        )
         return record
 
     # ---- sampling ----------------------------------------------------------------------------------------------
@@ -214,26 +221,44 @@ class Validator:
         from opensora.inference.pipeline import VideoSampler, video_size_for
 
         s = self.settings
-        sampler = VideoSampler(self._refreshed_network(), self.components.vae, self.components.text_encoder,
-                               shift=(self.cfg.get("method") or {}).get("shift") or {}, progress=False)
+        sampler = VideoSampler(
+            self._refreshed_network(),
+            self.components.vae,
+            self.components.text_encoder,
+            shift=(self.cfg.get("method") or {}).get("shift") or {},
+            progress=False,
+        )
         height, width = video_size_for(s["resolution"], s["aspect_ratio"])
         prompts, seeds, batch = s["prompts"], s["seeds"], int(s["batch_size"])
         videos = []
         for start in range(0, len(prompts), batch):
             if start and time.monotonic() - started > float(s["max_seconds"]):
-                logger.warning("validation: max_seconds=%s spent after %d of %d samples; the rest are skipped",
-                               s["max_seconds"], start, len(prompts))
+                logger.warning(
+                    "validation: max_seconds=%s spent after %d of %d samples; the rest are skipped",
+                    s["max_seconds"],
+                    start,
+                    len(prompts),
+                )
                 prompts, seeds = prompts[:start], seeds[:start]
                 break
-            videos.append(sampler.generate(
-                prompts[start:start + batch], seeds[start:start + batch], num_frames=s["num_frames"], height=height,
-                width=width, num_steps=s["num_steps"], step_list=s["step_list"],
-                guidance_scale=s["guidance_scale"]))
+            videos.append(
+                sampler.generate(
+                    prompts[start : start + batch],
+                    seeds[start : start + batch],
+                    num_frames=s["num_frames"],
+                    height=height,
+                    width=width,
+                    num_steps=s["num_steps"],
+                    step_list=s["step_list"],
+                    guidance_scale=s["guidance_scale"],
+                )
+            )
         return torch.cat(videos).numpy(), list(prompts), list(seeds)
 
     # ---- outputs -----------------------------------------------------------------------------------------------
-    def _write_and_log(self, step: int, videos: np.ndarray, prompts: List[str], seeds: List[int],
-                       started: float) -> dict:
+    def _write_and_log(
+        self, step: int, videos: np.ndarray, prompts: List[str], seeds: List[int], started: float
+    ) -> dict:
         from opensora.inference.io import save_sample, write_samples_csv
         from opensora.inference.prompts import sample_stem
 
@@ -251,13 +276,18 @@ class Validator:
             from opensora.eval.moving_shapes import score_rows
 
             report = score_rows([(row["path"], row["text"], frames, None) for row, frames in zip(rows, videos)])
-            record.update({f"val/{a}_acc": getattr(report, f"{a}_acc")
-                           for a in ("color", "shape", "direction", "all")})
+            record.update({f"val/{a}_acc": getattr(report, f"{a}_acc") for a in ("color", "shape", "direction", "all")})
         record["val/num_samples"] = len(prompts)
         record["val/seconds"] = time.monotonic() - started  # sampling, writing and scoring
         settings = {k: s[k] for k in ("role", "num_frames", "resolution", "num_steps", "step_list", "guidance_scale")}
-        summary = dict(step=step, **settings, seeds=seeds, ema=self.role.ema is not None, metrics=record,
-                       rows=report.rows if report is not None else rows)
+        summary = dict(
+            step=step,
+            **settings,
+            seeds=seeds,
+            ema=self.role.ema is not None,
+            metrics=record,
+            rows=report.rows if report is not None else rows,
+        )
         (save_dir / "validation.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
         self.metrics.log(step, record, prefix="")
         self.metrics.log_samples(step, frame_grid(videos), videos, paths, prompts, fps=s["fps"])

@@ -48,10 +48,18 @@ wandb = dict(enable=False, mode="offline", project="opensora-demo")
 validation = dict(
     every=0,
     prompts=[
-        "a red circle moving left", "a yellow square moving right", "a green triangle moving up",
-        "a cyan circle moving down", "a blue square moving left", "a magenta triangle moving right",
-        "a red square moving up", "a yellow triangle moving down", "a green circle moving left",
-        "a cyan square moving right", "a blue triangle moving up", "a magenta circle moving down",
+        "a red circle moving left",
+        "a yellow square moving right",
+        "a green triangle moving up",
+        "a cyan circle moving down",
+        "a blue square moving left",
+        "a magenta triangle moving right",
+        "a red square moving up",
+        "a yellow triangle moving down",
+        "a green circle moving left",
+        "a cyan square moving right",
+        "a blue triangle moving up",
+        "a magenta circle moving down",
     ],
     prompt_file=None,  # a txt / csv of prompts replaces the list
     num_steps=10,

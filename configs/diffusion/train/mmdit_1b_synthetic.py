@@ -33,8 +33,9 @@ text_encoder = dict(
     _delete_=True,
     type="TextConditioner",
     t5=dict(config=dict(d_model=4096, d_kv=128, num_heads=32, d_ff=1024, num_layers=1), max_length=512),
-    clip=dict(config=dict(hidden_size=768, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=12),
-              max_length=77),
+    clip=dict(
+        config=dict(hidden_size=768, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=12), max_length=77
+    ),
     seed=0,
     dtype="bf16",
 )

@@ -6,6 +6,13 @@ from .flops import mmdit_forward_flops, mmdit_train_flops
 from .model import MMDiT, patchify, unpatchify
 
 __all__ = [
-    "ATTENTION_BACKENDS", "MMDIT_CONFIGS", "MMDiT", "attention", "mmdit_config", "mmdit_forward_flops",
-    "mmdit_train_flops", "patchify", "unpatchify",
+    "ATTENTION_BACKENDS",
+    "MMDIT_CONFIGS",
+    "MMDiT",
+    "attention",
+    "mmdit_config",
+    "mmdit_forward_flops",
+    "mmdit_train_flops",
+    "patchify",
+    "unpatchify",
 ]

@@ -24,9 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 
-def joint_attention_mask(
-    text_mask: Optional[torch.Tensor], num_text: int, video_allowed: torch.Tensor
-) -> torch.Tensor:
+def joint_attention_mask(text_mask: Optional[torch.Tensor], num_text: int, video_allowed: torch.Tensor) -> torch.Tensor:
     """Boolean mask [B or 1, 1, L + Nq, L + Nk] for the joint sequence (text first, then video).
 
     ``video_allowed`` [Nq, Nk]: which video keys each video query may see. Text queries see text keys only;
@@ -34,8 +32,13 @@ def joint_attention_mask(
     """
     nq, nk = video_allowed.shape
     device = video_allowed.device
-    text_rows = torch.cat((torch.ones(num_text, num_text, dtype=torch.bool, device=device),
-                           torch.zeros(num_text, nk, dtype=torch.bool, device=device)), dim=1)  # fmt: skip
+    text_rows = torch.cat(
+        (
+            torch.ones(num_text, num_text, dtype=torch.bool, device=device),
+            torch.zeros(num_text, nk, dtype=torch.bool, device=device),
+        ),
+        dim=1,
+    )
     video_rows = torch.cat((torch.ones(nq, num_text, dtype=torch.bool, device=device), video_allowed), dim=1)
     mask = torch.cat((text_rows, video_rows), dim=0)[None, None]
     if text_mask is not None:
@@ -71,8 +74,10 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if sink_frames < 0 or (window_frames is not None and window_frames < max(sink_frames, 1)):
-            raise ValueError(f"need 0 <= sink_frames <= window_frames and window_frames >= 1, "
-                             f"got window_frames={window_frames}, sink_frames={sink_frames}")  # fmt: skip
+            raise ValueError(
+                f"need 0 <= sink_frames <= window_frames and window_frames >= 1, "
+                f"got window_frames={window_frames}, sink_frames={sink_frames}"
+            )
         self.num_blocks = int(num_blocks)
         self.window_frames = None if window_frames is None else int(window_frames)
         self.sink_frames = int(sink_frames)
@@ -106,8 +111,13 @@ class KVCache:
         return self.keys[index], self.values[index]
 
     # ---- updates --------------------------------------------------------------------------------------------
-    def append(self, new: Dict[int, Tuple[torch.Tensor, torch.Tensor]], start_frame: int, num_frames: int,
-               frames_per_group: int = 1) -> None:
+    def append(
+        self,
+        new: Dict[int, Tuple[torch.Tensor, torch.Tensor]],
+        start_frame: int,
+        num_frames: int,
+        frames_per_group: int = 1,
+    ) -> None:
         """Add ``num_frames`` frames starting at absolute frame ``start_frame``; ``new[i]`` holds block ``i``'s
         (keys, values) [B, heads, tokens, head_dim] of those frames. Applies the rolling window."""
         if sorted(new) != list(range(self.num_blocks)):
@@ -115,8 +125,10 @@ class KVCache:
         if num_frames % frames_per_group:
             raise ValueError(f"{num_frames} frames are not whole groups of {frames_per_group} (temporal patch)")
         if self.frame_ids and start_frame < self.end_frame:
-            raise ValueError(f"frames from {start_frame} overlap the cache, which holds frames up to "
-                             f"{self.end_frame - 1}; clear() it to start a new video")  # fmt: skip
+            raise ValueError(
+                f"frames from {start_frame} overlap the cache, which holds frames up to "
+                f"{self.end_frame - 1}; clear() it to start a new video"
+            )
         tokens = new[0][0].shape[2]
         per_group = tokens // (num_frames // frames_per_group)
         if self.frame_ids and (per_group, frames_per_group) != (self.tokens_per_frame_group, self.frames_per_group):
@@ -143,8 +155,10 @@ class KVCache:
         sinks = min(self.sink_frames, self.num_frames)
         newest = keep_frames - sinks
         if sinks % group or newest % group:
-            raise ValueError(f"keep_frames={keep_frames} / sink_frames={self.sink_frames} must be multiples of the "
-                             f"temporal patch size {group}")  # fmt: skip
+            raise ValueError(
+                f"keep_frames={keep_frames} / sink_frames={self.sink_frames} must be multiples of the "
+                f"temporal patch size {group}"
+            )
         tpf = self.tokens_per_frame_group // group  # tokens per latent frame (exact: groups are whole)
         sink_tokens, drop_tokens = sinks * tpf, (self.num_frames - keep_frames) * tpf
         for i in range(self.num_blocks):
@@ -221,8 +235,7 @@ class TextKVCache:
     def validate(self, model, text_inputs: Tuple[Optional[torch.Tensor], ...], dtype, device) -> None:
         """Drop every entry unless ``text_inputs`` (text_emb, text_mask, pooled, guidance) are the tensors the
         entries were made from and the dtype, device and weights are unchanged (metadata checks only)."""
-        same_inputs = len(self._inputs) == len(text_inputs) and all(
-            a is b for a, b in zip(self._inputs, text_inputs))  # fmt: skip
+        same_inputs = len(self._inputs) == len(text_inputs) and all(a is b for a, b in zip(self._inputs, text_inputs))
         versions = tuple(t._version if t is not None else None for t in text_inputs)
         if self._model is not model:  # walking the module tree costs ~0.5 ms a pass at 24 blocks: once per model
             self._model, self._params = model, list(model.parameters())
@@ -255,8 +268,12 @@ def text_filling_hooks(hooks: List, text_cache_entry: Dict[int, tuple], num_text
     return [wrap(i, h) for i, h in enumerate(hooks)]
 
 
-def cached_text_kv_hooks(cache: KVCache, text_kv: List[Tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
-                         pending: Optional[Dict[int, tuple]]):  # fmt: skip
+def cached_text_kv_hooks(
+    cache: KVCache,
+    text_kv: List[Tuple[torch.Tensor, torch.Tensor]],
+    mask: torch.Tensor,
+    pending: Optional[Dict[int, tuple]],
+):
     """``kv_hook`` per block of a video-only pass (the text rows were not run): keys/values become [cached text,
     cached video, chunk video] -- the order ``streaming_kv_hooks`` builds -- and ``mask`` holds the video query
     rows only. With ``pending`` each hook records the chunk's video keys/values for ``KVCache.append``."""
@@ -322,13 +339,21 @@ def per_chunk_timestep_forward(model, x, timestep, text_emb, text_mask, pooled, 
     b, _, t, h, w = x.shape
     n = t // chunk
     if t % chunk or timestep.shape != (b, n):
-        raise ValueError(f"per-chunk timesteps for {t} frames in chunks of {chunk} must be [B, {t // chunk}] and the "
-                         f"frames a multiple of the chunk, got timestep {tuple(timestep.shape)}")  # fmt: skip
+        raise ValueError(
+            f"per-chunk timesteps for {t} frames in chunks of {chunk} must be [B, {t // chunk}] and the "
+            f"frames a multiple of the chunk, got timestep {tuple(timestep.shape)}"
+        )
     if model.sp is not None:
         raise ValueError("a causal MMDiT does not support sequence parallelism")
     rows = lambda a: None if a is None else a.repeat_interleave(n, dim=0)  # noqa: E731
-    img, txt, vec, grid = model.embed(fold_chunks(x, n), timestep.reshape(-1), rows(text_emb), rows(pooled),
-                                      None if cond is None else fold_chunks(cond, n), rows(guidance))  # fmt: skip
+    img, txt, vec, grid = model.embed(
+        fold_chunks(x, n),
+        timestep.reshape(-1),
+        rows(text_emb),
+        rows(pooled),
+        None if cond is None else fold_chunks(cond, n),
+        rows(guidance),
+    )
     num_text, chunk_tokens = txt.shape[1], img.shape[1]
     cos, sin = zip(*(model.rope(grid, num_text, x.device, time_offset=c * (chunk // pt)) for c in range(n)))
     rope = tuple(torch.stack(table).repeat(b, 1, 1)[:, None] for table in (cos, sin))  # [B n, 1, L + Nc, D/2]

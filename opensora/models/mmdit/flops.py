@@ -10,9 +10,14 @@ from typing import Mapping, Union
 TIMESTEP_FEATURES = 256
 
 _DEFAULTS = dict(
-    out_channels=None, cond_channels=None, patch_size=(1, 2, 2), mlp_ratio=4.0, guidance_embed=False,
-    grad_ckpt_double=0, grad_ckpt_single=0,
-)  # fmt: skip
+    out_channels=None,
+    cond_channels=None,
+    patch_size=(1, 2, 2),
+    mlp_ratio=4.0,
+    guidance_embed=False,
+    grad_ckpt_double=0,
+    grad_ckpt_single=0,
+)
 
 
 def _arch(cfg_or_model) -> dict:
@@ -30,7 +35,10 @@ def linear_flops(tokens: int, in_features: int, out_features: int) -> int:
 
 
 def mmdit_forward_flops(
-    cfg_or_model: Union[Mapping, object], num_video_tokens: int, num_text_tokens: int, batch: int = 1,
+    cfg_or_model: Union[Mapping, object],
+    num_video_tokens: int,
+    num_text_tokens: int,
+    batch: int = 1,
     with_cond: bool = None,
 ) -> dict:
     """Forward matmul FLOPs split into parts: embed, double (per block), single (per block), final, total.
@@ -59,16 +67,21 @@ def mmdit_forward_flops(
     double = per_stream(nv) + per_stream(nt) + 2 * linear_flops(batch, h, 6 * h) + attn
     m = batch * n
     single = (
-        linear_flops(m, h, 3 * h + mlp_hidden) + linear_flops(m, h + mlp_hidden, h)
-        + linear_flops(batch, h, 3 * h) + attn
-    )  # fmt: skip
+        linear_flops(m, h, 3 * h + mlp_hidden)
+        + linear_flops(m, h + mlp_hidden, h)
+        + linear_flops(batch, h, 3 * h)
+        + attn
+    )
     final = linear_flops(batch, h, 2 * h) + linear_flops(nv, h, a["out_channels"] * patch)
     total = embed + a["depth_double"] * double + a["depth_single"] * single + final
     return dict(embed=embed, double=double, single=single, final=final, total=total)
 
 
 def mmdit_train_flops(
-    cfg_or_model: Union[Mapping, object], num_video_tokens: int, num_text_tokens: int, batch: int = 1,
+    cfg_or_model: Union[Mapping, object],
+    num_video_tokens: int,
+    num_text_tokens: int,
+    batch: int = 1,
     with_cond: bool = None,
 ) -> int:
     """Matmul FLOPs of one training step (forward + backward + checkpoint recompute) for ``batch`` samples."""

@@ -96,11 +96,15 @@ class MMDiT(nn.Module, SequenceParallelModel):
             )
         check_backend(attn_backend)
         if causal_chunk_frames < 0 or causal_chunk_frames % patch_size[0]:
-            raise ValueError(f"causal_chunk_frames={causal_chunk_frames} must be 0 or a positive multiple of the "
-                             f"temporal patch size {patch_size[0]}")  # fmt: skip
+            raise ValueError(
+                f"causal_chunk_frames={causal_chunk_frames} must be 0 or a positive multiple of the "
+                f"temporal patch size {patch_size[0]}"
+            )
         if causal_chunk_frames and attn_backend == "flash":
-            raise ValueError("a causal MMDiT attends with a mask, which the flash kernel does not take; use "
-                             "attn_backend 'auto', 'cudnn', 'efficient' or 'math'")  # fmt: skip
+            raise ValueError(
+                "a causal MMDiT attends with a mask, which the flash kernel does not take; use "
+                "attn_backend 'auto', 'cudnn', 'efficient' or 'math'"
+            )
         out_channels = in_channels if out_channels is None else out_channels
         self.arch["out_channels"] = out_channels
         self.causal_chunk_frames = int(causal_chunk_frames)
@@ -124,9 +128,13 @@ class MMDiT(nn.Module, SequenceParallelModel):
         self.guidance_in = MLPEmbedder(TIMESTEP_FEATURES, hidden_size) if guidance_embed else None
 
         block_args = dict(
-            hidden_size=hidden_size, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
-            qk_norm=qk_norm, attn_backend=attn_backend,
-        )  # fmt: skip
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            attn_backend=attn_backend,
+        )
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(**block_args) for _ in range(depth_double))
         self.single_blocks = nn.ModuleList(SingleStreamBlock(**block_args) for _ in range(depth_single))
         self.final_layer = FinalLayer(hidden_size, out_channels * patch_volume)
@@ -140,11 +148,14 @@ class MMDiT(nn.Module, SequenceParallelModel):
         if sp is not None and sp.size == 1:
             sp = None
         if sp is not None and self.compile_blocks:
-            raise ValueError("sequence parallelism with compile_blocks=True is not supported (the all-to-all would "
-                             "split every compiled block); turn one off")  # fmt: skip
+            raise ValueError(
+                "sequence parallelism with compile_blocks=True is not supported (the all-to-all would "
+                "split every compiled block); turn one off"
+            )
         if sp is not None and self.arch["num_heads"] % sp.size:
-            raise ValueError(f"sequence parallelism over {sp.size} ranks needs num_heads ({self.arch['num_heads']}) "
-                             f"divisible by it")  # fmt: skip
+            raise ValueError(
+                f"sequence parallelism over {sp.size} ranks needs num_heads ({self.arch['num_heads']}) divisible by it"
+            )
         self.sp = sp
         for block in [*self.double_blocks, *self.single_blocks]:
             block.sp = sp
@@ -259,9 +270,20 @@ class MMDiT(nn.Module, SequenceParallelModel):
         its own time (``per_chunk_timestep_forward``).
         """
         if kv_cache is not None:
-            return self.forward_chunk(x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled,
-                                      cond=cond, guidance=guidance, cache=kv_cache, start_frame=start_frame,
-                                      store_kv=store_kv, text_cache=text_cache, text_key=text_key)  # fmt: skip
+            return self.forward_chunk(
+                x,
+                timestep=timestep,
+                text_emb=text_emb,
+                text_mask=text_mask,
+                pooled=pooled,
+                cond=cond,
+                guidance=guidance,
+                cache=kv_cache,
+                start_frame=start_frame,
+                store_kv=store_kv,
+                text_cache=text_cache,
+                text_key=text_key,
+            )
         if self.causal_chunk_frames and timestep.dim() == 2:
             return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
@@ -269,8 +291,9 @@ class MMDiT(nn.Module, SequenceParallelModel):
         if self.causal_chunk_frames:
             if self.sp is not None:
                 raise ValueError("a causal MMDiT does not support sequence parallelism")
-            video = block_causal_video_mask(grid[0], grid[1] * grid[2], self.causal_chunk_frames // self.patch_size[0],
-                                            x.device)  # fmt: skip
+            video = block_causal_video_mask(
+                grid[0], grid[1] * grid[2], self.causal_chunk_frames // self.patch_size[0], x.device
+            )
             mask = joint_attention_mask(text_mask, txt.shape[1], video)
         else:
             mask = self.key_mask(text_mask, img.shape[1], text_mask_has_padding)
@@ -432,16 +455,26 @@ class MMDiT(nn.Module, SequenceParallelModel):
             if mask is None:
                 mask = torch.ones(img.shape[0], 1, 1, n_txt + n_img, dtype=torch.bool, device=img.device)
             mask = torch.cat((F.pad(mask[..., :n_txt], (0, pad_txt)), F.pad(mask[..., n_txt:], (0, pad_img))), -1)
-            rope = tuple(torch.cat((table[:n_txt], table.new_full((pad_txt, table.shape[1]), fill), table[n_txt:],
-                                    table.new_full((pad_img, table.shape[1]), fill)))
-                         for table, fill in zip(rope, (1.0, 0.0)))  # cos 1, sin 0: no rotation  # fmt: skip
+            rope = tuple(
+                torch.cat(
+                    (
+                        table[:n_txt],
+                        table.new_full((pad_txt, table.shape[1]), fill),
+                        table[n_txt:],
+                        table.new_full((pad_img, table.shape[1]), fill),
+                    )
+                )
+                for table, fill in zip(rope, (1.0, 0.0))
+            )  # cos 1, sin 0: no rotation
             txt, img = F.pad(txt, (0, 0, 0, pad_txt)), F.pad(img, (0, 0, 0, pad_img))
             n_txt, n_img = n_txt + pad_txt, n_img + pad_img
         txt_part = sp.local_slice(n_txt, "the text token count")
         img_part = sp.local_slice(n_img, "the video token count")
         # joint-sequence positions (text first, then video) of each rank's tokens, in rank order
-        per_rank = [torch.cat((t, n_txt + i)) for t, i in zip(torch.arange(n_txt).chunk(sp.size),
-                                                               torch.arange(n_img).chunk(sp.size))]  # fmt: skip
+        per_rank = [
+            torch.cat((t, n_txt + i))
+            for t, i in zip(torch.arange(n_txt).chunk(sp.size), torch.arange(n_img).chunk(sp.size))
+        ]
         rope = tuple(table.index_select(0, per_rank[sp.rank].to(table.device)) for table in rope)
         if mask is not None:
             mask = mask.index_select(-1, torch.cat(per_rank).to(mask.device))

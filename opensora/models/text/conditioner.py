@@ -30,11 +30,11 @@ def _tokenize(encoder: LoadedEncoder, prompts: Sequence[str], device) -> Dict[st
 @MODELS.register_module()
 class TextConditioner(nn.Module):
     """Args:
-        t5 / clip: dict(from_pretrained=PATH or None, tokenizer=PATH or None, config=dict(...) for the tiny random
-            model, max_length=N). ``None`` or ``{}`` means the tiny default.
-        seed: initialises the tiny random models (the global RNG is left untouched).
-        dtype: "fp32" / "bf16" / "fp16" or a torch.dtype. device: where the encoders run.
-        cache_size: how many distinct prompts to keep encoded (0 disables the cache).
+    t5 / clip: dict(from_pretrained=PATH or None, tokenizer=PATH or None, config=dict(...) for the tiny random
+        model, max_length=N). ``None`` or ``{}`` means the tiny default.
+    seed: initialises the tiny random models (the global RNG is left untouched).
+    dtype: "fp32" / "bf16" / "fp16" or a torch.dtype. device: where the encoders run.
+    cache_size: how many distinct prompts to keep encoded (0 disables the cache).
     """
 
     def __init__(
@@ -94,9 +94,14 @@ class TextConditioner(nn.Module):
         longest = max(lengths, default=0)
         if longest > self.max_length:
             self._warned_long_prompt = True
-            logger.warning("a prompt has %d tokens, more than the text encoder's limit of %d: it is cut to %d "
-                           "tokens (%d prompt(s) of this batch are too long; later ones are cut without a warning)",
-                           longest, self.max_length, self.max_length, sum(n > self.max_length for n in lengths))
+            logger.warning(
+                "a prompt has %d tokens, more than the text encoder's limit of %d: it is cut to %d "
+                "tokens (%d prompt(s) of this batch are too long; later ones are cut without a warning)",
+                longest,
+                self.max_length,
+                self.max_length,
+                sum(n > self.max_length for n in lengths),
+            )
 
     def _encode_uncached(self, prompts: List[str]) -> tuple:
         device = self.device

@@ -18,7 +18,11 @@ TINY_T5_CONFIG = dict(
     vocab_size=BYTE_VOCAB_SIZE, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0
 )
 TINY_CLIP_CONFIG = dict(
-    vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    vocab_size=BYTE_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
     attention_dropout=0.0,
 )
 
@@ -83,7 +87,9 @@ def load_clip(spec: dict, dtype: torch.dtype) -> LoadedEncoder:
         eos_id = overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
         if eos_id != tokenizer.eos_token_id:
             # CLIP pools the hidden state at the first eos_token_id: any other id pools the wrong token.
-            raise ValueError(f"clip config eos_token_id={eos_id} must be the tokenizer's EOS id {tokenizer.eos_token_id}")
+            raise ValueError(
+                f"clip config eos_token_id={eos_id} must be the tokenizer's EOS id {tokenizer.eos_token_id}"
+            )
         overrides.setdefault("pad_token_id", tokenizer.pad_token_id)
         overrides.setdefault("bos_token_id", None)  # the byte tokenizer adds no BOS
         overrides.setdefault("max_position_embeddings", max_length)

@@ -13,6 +13,7 @@ from torch import nn
 
 from opensora.dtypes import resolve_dtype  # noqa: F401  (re-exported: opensora.models.vae.resolve_dtype)
 
+
 def latent_num_frames(num_frames: int, compression: int, causal: bool) -> int:
     """Latent frames for ``num_frames`` video frames.
 

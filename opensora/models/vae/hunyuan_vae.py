@@ -14,8 +14,9 @@ from opensora.registry import MODELS
 from .base import VideoAutoencoder, resolve_dtype
 
 
-def _load_diffusers_vae(from_pretrained: Optional[str], subfolder: Optional[str], config: Optional[dict],
-                        seed: int, dtype: torch.dtype):
+def _load_diffusers_vae(
+    from_pretrained: Optional[str], subfolder: Optional[str], config: Optional[dict], seed: int, dtype: torch.dtype
+):
     from diffusers import AutoencoderKLHunyuanVideo
 
     if (from_pretrained is None) == (config is None):
