@@ -8,24 +8,12 @@ tests/test_streaming.py). The text cache on the GPU is compared the same way (di
 
 import pytest
 import torch
+from test_causal_gpu import ARCH  # the same small causal-capable architecture
 
 from opensora.models.mmdit import MMDiT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-ARCH = dict(
-    in_channels=12,
-    cond_channels=None,
-    patch_size=(1, 2, 2),
-    hidden_size=256,
-    num_heads=4,
-    depth_double=2,
-    depth_single=2,
-    mlp_ratio=4.0,
-    text_dim=64,
-    pooled_dim=64,
-    axes_dims=(16, 24, 24),
-)
 CHUNK = 3
 
 
