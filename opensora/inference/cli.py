@@ -64,6 +64,8 @@ INFERENCE_FLAGS = {
     "sink_frames": 0,  # first latent frames kept for good when the window rolls
     "rollout": "renoise",  # renoise (x0 + fresh noise at the next time, Self-Forcing) | euler
     "context_time": 0.0,  # time at which a finished chunk re-runs to fill the cache
+    # under torchrun: split each video's tokens over this many ranks (must equal the world size); rank 0 writes
+    "sequence_parallel_size": 1,
 }
 INFERENCE_FLAGS.update(PIPELINE_FLAGS)  # --streaming --pp-devices ... (two-GPU pipeline overlap, pipeline_cli.py)
 
@@ -121,6 +123,19 @@ def check_inference_flags(args) -> None:
     save_dir = Path(str(args.save_dir))
     if save_dir.exists() and not save_dir.is_dir():
         raise UserInputError(f"--save-dir {save_dir} is a file; give a directory (it is created if missing)")
+    check_range("sequence_parallel_size", args.sequence_parallel_size, 1, integer=True)
+    if int(args.sequence_parallel_size) > 1:
+        others = [
+            flag
+            for flag, on in (
+                ("--jano", args.jano or args.jano_offload),
+                ("--streaming", args.streaming),
+                ("--pp-devices", args.pp_devices),
+            )
+            if on
+        ]
+        if others:
+            raise UserInputError(f"--sequence-parallel-size > 1 does not combine with {' / '.join(others)}: pick one")
     if args.streaming and args.jano:
         raise UserInputError(
             "--jano caches a bidirectional sampler's steps; --streaming has its own KV cache: pick one"
@@ -138,9 +153,8 @@ def main(argv=None, on_chunk=None) -> list:
     )
     check_inference_flags(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
-    from opensora.inference.pipeline import VideoSampler, video_size_for
-    from opensora.inference.prompts import per_sample_seeds, resolve_prompts, sample_stem
+    from opensora.inference.pipeline import video_size_for
+    from opensora.inference.prompts import resolve_prompts
 
     try:
         prompts = resolve_prompts(None if args.prompt is None else str(args.prompt), args.prompt_file)
@@ -156,8 +170,66 @@ def main(argv=None, on_chunk=None) -> list:
     num_frames = int(args.num_frames)
     batch_size = max(1, int(args.batch_size))
     save_dir = Path(args.save_dir)
-    save_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, save_dir)
+    sp, device = start_sequence_parallel(int(args.sequence_parallel_size), args.device)
+    if sp is not None:
+        try:
+            return _sample(
+                cfg,
+                args,
+                prompts,
+                ckpt,
+                step_list,
+                num_frames,
+                height,
+                width,
+                batch_size,
+                save_dir,
+                on_chunk,
+                sp,
+                device,
+            )
+        finally:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return _sample(cfg, args, prompts, ckpt, step_list, num_frames, height, width, batch_size, save_dir, on_chunk)
+
+
+def start_sequence_parallel(size: int, device):
+    """``(SequenceGroup, device)`` of this rank for ``--sequence-parallel-size`` > 1 under torchrun, else
+    ``(None, device)``. Starts torch.distributed itself (no ColossalAI, no training stack)."""
+    if size == 1:
+        return None, device
+    from opensora.inference.pipeline import resolve_device
+    from opensora.parallel.process_group import init_process_group_from_env
+    from opensora.parallel.sequence_parallel import build_sequence_groups
+
+    try:
+        _, world, device = init_process_group_from_env(resolve_device(device))
+    except RuntimeError as error:
+        raise UserInputError(f"--sequence-parallel-size {size}: {error}") from None
+    if world != size:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        raise UserInputError(
+            f"--sequence-parallel-size {size} must equal the number of ranks ({world}): "
+            "data parallelism over prompts across groups is not implemented"
+        )
+    return build_sequence_groups(size), device
+
+
+def _sample(
+    cfg, args, prompts, ckpt, step_list, num_frames, height, width, batch_size, save_dir, on_chunk, sp=None, device=None
+):
+    from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
+    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.prompts import per_sample_seeds, sample_stem
+
+    writes = sp is None or sp.rank == 0
+    if writes:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, save_dir)
     if args.pp_devices:
         from opensora.inference.pipeline_cli import run_pipelined
 
@@ -190,11 +262,12 @@ def main(argv=None, on_chunk=None) -> list:
         ckpt,
         role=args.role,
         ema=bool(args.ema),
-        device=args.device,
+        device=args.device if device is None else device,
         dtype=args.dtype,
         offload=bool(args.offload),
-        progress=bool(args.progress),
+        progress=bool(args.progress) and writes,
     )
+    sampler.set_sequence_parallel(sp)
     if args.jano or args.jano_offload:
         from opensora.inference.jano import JanoCache, JanoConfig
 
@@ -232,6 +305,7 @@ def main(argv=None, on_chunk=None) -> list:
         height=height,
         width=width,
         fps=float(args.fps),
+        **({} if sp is None else dict(sequence_parallel_size=sp.size)),
         dtype=str(sampler.dtype).replace("torch.", ""),
         device=str(sampler.device),
         **({} if sampler.accelerator is None else dict(jano=dict(vars(sampler.accelerator.config)))),
@@ -254,6 +328,8 @@ def main(argv=None, on_chunk=None) -> list:
             cond_type=args.cond_type,
             ref=args.ref,
         )
+        if not writes:  # a sequence-parallel rank > 0: it took part in the denoising, rank 0 writes
+            continue
         for offset, (prompt, frames) in enumerate(zip(chunk, videos.numpy())):
             index = start + offset
             stem = save_dir / sample_stem(index, prompt)
@@ -264,7 +340,8 @@ def main(argv=None, on_chunk=None) -> list:
             written.append(path)
             rows.append(dict(path=path.name, text=prompt))
         write_samples_csv(save_dir, rows)  # rewritten after each batch: usable even if the run stops early
-    logger.info("wrote %d sample(s) and samples.csv to %s", len(written), save_dir)
+    if writes:
+        logger.info("wrote %d sample(s) and samples.csv to %s", len(written), save_dir)
     return written
 
 
