@@ -57,6 +57,8 @@ def _sampler_body(rank, world_size, weights, cond_type, cuda=False):
     assert sampler.model.sp.size == world_size
     videos, latents = sampler.generate(PROMPTS, [3, 4], **kwargs)
     assert (videos is None) == (rank != 0)
+    loaded = [m for m in sys.modules if m.split(".")[0] == "colossalai" or m.startswith("opensora.training")]
+    assert not loaded, loaded[:5]  # a fresh spawned process: SP sampling needs neither
     return dict(
         latent_err=(latents - one_latents).abs().max().item(),
         latent_scale=one_latents.abs().max().item(),
