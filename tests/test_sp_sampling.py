@@ -25,6 +25,7 @@ SAMPLE_CONFIG = ROOT / "configs/diffusion/inference/demo.py"
 FRAMES, SIZE, STEPS = 4, 32, 2
 GEN = dict(num_frames=FRAMES, height=SIZE, width=SIZE, num_steps=STEPS, guidance_scale=4.0)
 PROMPTS = ["a red circle moving left", "a blue square moving up"]
+DP_PROMPTS = [*PROMPTS, "a green triangle moving down"]
 LATENT_ATOL = 1e-4
 
 
@@ -103,13 +104,13 @@ def _launcher_env() -> dict:
     return env
 
 
-def _cli_args(weights, save_dir):
+def _cli_args(weights, save_dir, prompts=PROMPTS):
     return [
         str(SAMPLE_CONFIG),
         "--ckpt",
         str(weights),
         "--prompt",
-        "|".join(PROMPTS),
+        "|".join(prompts),
         "--save-dir",
         str(save_dir),
         "--num-frames",
@@ -122,22 +123,24 @@ def _cli_args(weights, save_dir):
     ]
 
 
-@pytest.mark.parametrize("frames", [4, 1])
-def test_torchrun_cli_writes_the_one_process_videos(weights, tmp_path, frames):
-    """4 frames: mp4 (codec noise); 1 frame: a lossless png, compared with the 1-process sampler's frames."""
-    one = cli.main([*_cli_args(weights, tmp_path / "one"), "--num-frames", str(frames)])
+@pytest.mark.parametrize("frames, ranks", [(4, 2), (1, 4)])
+def test_torchrun_cli_writes_the_one_process_videos(weights, tmp_path, frames, ranks):
+    """4 frames: mp4 (codec noise); 1 frame: a lossless png, compared with the 1-process sampler's frames.
+    4 ranks: 2 sequence-parallel groups of 2, the prompts shared between them (data parallel)."""
+    prompts = DP_PROMPTS if ranks > 2 else PROMPTS
+    one = cli.main([*_cli_args(weights, tmp_path / "one", prompts), "--num-frames", str(frames)])
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
-        "2",
+        str(ranks),
         "--master_addr",
         "127.0.0.1",
         "--master_port",
         str(find_free_port()),
         str(ROOT / "scripts/diffusion/inference.py"),
-        *_cli_args(weights, tmp_path / "sp"),
+        *_cli_args(weights, tmp_path / "sp", prompts),
         "--num-frames",
         str(frames),
         "--sequence-parallel-size",
@@ -146,9 +149,12 @@ def test_torchrun_cli_writes_the_one_process_videos(weights, tmp_path, frames):
     result = subprocess.run(command, cwd=ROOT, env=_launcher_env(), capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     written = sorted(p.name for p in (tmp_path / "sp").iterdir())
-    assert written == sorted(p.name for p in (tmp_path / "one").iterdir())  # rank 0 alone wrote, the same files
+    assert written == sorted(p.name for p in (tmp_path / "one").iterdir())  # the same files, written once
+    assert (tmp_path / "sp" / "samples.csv").read_text() == (tmp_path / "one" / "samples.csv").read_text()
     sampler = VideoSampler.from_config(load_config(SAMPLE_CONFIG), weights, device="cpu", progress=False)
-    raw = sampler.generate(PROMPTS, [0, 1], frames, SIZE, SIZE, num_steps=STEPS, guidance_scale=4.0).numpy()
+    raw = sampler.generate(
+        prompts, list(range(len(prompts))), frames, SIZE, SIZE, num_steps=STEPS, guidance_scale=4.0
+    ).numpy()
     for path, want in zip(one, raw.astype(int)):
         a, b = read_video(path).astype(int), read_video(tmp_path / "sp" / path.name).astype(int)
         assert a.shape == b.shape == want.shape == (frames, SIZE, SIZE, 3)
@@ -174,3 +180,12 @@ def test_torchrun_cli_writes_the_one_process_videos(weights, tmp_path, frames):
 def test_sequence_parallel_refuses_other_samplers(weights, tmp_path, flags, match):
     with pytest.raises(UserInputError, match=match):
         cli.main([*_cli_args(weights, tmp_path), "--sequence-parallel-size", "2", *flags])
+
+
+def _mismatch_body(rank, world_size, weights, tmp):
+    cli.main([*_cli_args(weights, Path(tmp)), "--sequence-parallel-size", "4"])
+
+
+def test_sequence_parallel_size_must_divide_the_world(weights, tmp_path):
+    with pytest.raises(ChildProcessError, match="must divide the number of ranks"):
+        run_distributed(_mismatch_body, world_size=2, args=(str(weights), str(tmp_path)))

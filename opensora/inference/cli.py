@@ -64,7 +64,8 @@ INFERENCE_FLAGS = {
     "sink_frames": 0,  # first latent frames kept for good when the window rolls
     "rollout": "renoise",  # renoise (x0 + fresh noise at the next time, Self-Forcing) | euler
     "context_time": 0.0,  # time at which a finished chunk re-runs to fill the cache
-    # under torchrun: split each video's tokens over this many ranks (must equal the world size); rank 0 writes
+    # under torchrun: split each video's tokens over groups of this many ranks (must divide the world size); the
+    # groups share the prompts (data parallel), each group's rank 0 writes
     "sequence_parallel_size": 1,
 }
 INFERENCE_FLAGS.update(PIPELINE_FLAGS)  # --streaming --pp-devices ... (two-GPU pipeline overlap, pipeline_cli.py)
@@ -208,27 +209,27 @@ def start_sequence_parallel(size: int, device):
         _, world, device = init_process_group_from_env(resolve_device(device))
     except RuntimeError as error:
         raise UserInputError(f"--sequence-parallel-size {size}: {error}") from None
-    if world != size:
+    if world % size:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-        raise UserInputError(
-            f"--sequence-parallel-size {size} must equal the number of ranks ({world}): "
-            "data parallelism over prompts across groups is not implemented"
-        )
+        raise UserInputError(f"--sequence-parallel-size {size} must divide the number of ranks ({world})")
     return build_sequence_groups(size), device
 
 
 def _sample(
     cfg, args, prompts, ckpt, step_list, num_frames, height, width, batch_size, save_dir, on_chunk, sp=None, device=None
 ):
+    import torch.distributed as dist
+
     from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
     from opensora.inference.pipeline import VideoSampler
     from opensora.inference.prompts import per_sample_seeds, sample_stem
 
-    writes = sp is None or sp.rank == 0
+    writes = sp is None or sp.rank == 0  # this group's rank 0 writes its samples
     if writes:
         save_dir.mkdir(parents=True, exist_ok=True)
+    if sp is None or dist.get_rank() == 0:
         save_config(cfg, save_dir)
     if args.pp_devices:
         from opensora.inference.pipeline_cli import run_pipelined
@@ -312,12 +313,16 @@ def _sample(
     )
     if args.streaming:
         return stream_samples(sampler, args, prompts, seeds, (num_frames, height, width), common, save_dir, on_chunk)
+    # data parallelism over prompts: with G = world / S groups, group g samples prompts g, g + G, g + 2G, ...
+    groups, group = (1, 0) if sp is None else (dist.get_world_size() // sp.size, dist.get_rank() // sp.size)
+    mine = list(range(group, len(prompts), groups))
     written, rows = [], []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
+    for start in range(0, len(mine), batch_size):
+        indices = mine[start : start + batch_size]
+        chunk = [prompts[i] for i in indices]
         videos = sampler.generate(
             chunk,
-            seeds[start : start + batch_size],
+            [seeds[i] for i in indices],
             num_frames,
             height,
             width,
@@ -328,20 +333,27 @@ def _sample(
             cond_type=args.cond_type,
             ref=args.ref,
         )
-        if not writes:  # a sequence-parallel rank > 0: it took part in the denoising, rank 0 writes
+        if not writes:  # a sequence-parallel rank > 0: it took part in the denoising, its group's rank 0 writes
             continue
-        for offset, (prompt, frames) in enumerate(zip(chunk, videos.numpy())):
-            index = start + offset
+        for index, prompt, frames in zip(indices, chunk, videos.numpy()):
             stem = save_dir / sample_stem(index, prompt)
             path = save_sample(stem, frames, fps=float(args.fps))
             write_sidecar(
                 stem.with_suffix(".json"), dict(index=index, prompt=prompt, seed=seeds[index], path=path.name, **common)
             )
             written.append(path)
-            rows.append(dict(path=path.name, text=prompt))
-        write_samples_csv(save_dir, rows)  # rewritten after each batch: usable even if the run stops early
+            rows.append(dict(index=index, path=path.name, text=prompt))
+        if groups == 1:
+            write_samples_csv(save_dir, rows)  # rewritten after each batch: usable even if the run stops early
+    if groups > 1:  # one samples.csv in prompt order, written by rank 0 from every group's rows
+        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(rows, everyone, dst=0)
+        if dist.get_rank() == 0:
+            rows = sorted((row for part in everyone for row in part), key=lambda row: row["index"])
+    if (groups == 1 and writes) or (groups > 1 and dist.get_rank() == 0):
+        write_samples_csv(save_dir, [dict(path=r["path"], text=r["text"]) for r in rows])
     if writes:
-        logger.info("wrote %d sample(s) and samples.csv to %s", len(written), save_dir)
+        logger.info("wrote %d sample(s) to %s", len(written), save_dir)
     return written
 
 
