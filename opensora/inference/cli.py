@@ -64,6 +64,9 @@ INFERENCE_FLAGS = {
     "sink_frames": 0,  # first latent frames kept for good when the window rolls
     "rollout": "renoise",  # renoise (x0 + fresh noise at the next time, Self-Forcing) | euler
     "context_time": 0.0,  # time at which a finished chunk re-runs to fill the cache
+    # under torchrun: split each video's tokens over groups of this many ranks (must divide the world size); the
+    # groups share the prompts (data parallel), each group's rank 0 writes
+    "sequence_parallel_size": 1,
 }
 INFERENCE_FLAGS.update(PIPELINE_FLAGS)  # --streaming --pp-devices ... (two-GPU pipeline overlap, pipeline_cli.py)
 
@@ -121,6 +124,19 @@ def check_inference_flags(args) -> None:
     save_dir = Path(str(args.save_dir))
     if save_dir.exists() and not save_dir.is_dir():
         raise UserInputError(f"--save-dir {save_dir} is a file; give a directory (it is created if missing)")
+    check_range("sequence_parallel_size", args.sequence_parallel_size, 1, integer=True)
+    if int(args.sequence_parallel_size) > 1:
+        others = [
+            flag
+            for flag, on in (
+                ("--jano", args.jano or args.jano_offload),
+                ("--streaming", args.streaming),
+                ("--pp-devices", args.pp_devices),
+            )
+            if on
+        ]
+        if others:
+            raise UserInputError(f"--sequence-parallel-size > 1 does not combine with {' / '.join(others)}: pick one")
     if args.streaming and args.jano:
         raise UserInputError(
             "--jano caches a bidirectional sampler's steps; --streaming has its own KV cache: pick one"
@@ -138,9 +154,8 @@ def main(argv=None, on_chunk=None) -> list:
     )
     check_inference_flags(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
-    from opensora.inference.pipeline import VideoSampler, video_size_for
-    from opensora.inference.prompts import per_sample_seeds, resolve_prompts, sample_stem
+    from opensora.inference.pipeline import video_size_for
+    from opensora.inference.prompts import resolve_prompts
 
     try:
         prompts = resolve_prompts(None if args.prompt is None else str(args.prompt), args.prompt_file)
@@ -156,8 +171,66 @@ def main(argv=None, on_chunk=None) -> list:
     num_frames = int(args.num_frames)
     batch_size = max(1, int(args.batch_size))
     save_dir = Path(args.save_dir)
-    save_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, save_dir)
+    sp, device = start_sequence_parallel(int(args.sequence_parallel_size), args.device)
+    if sp is not None:
+        try:
+            return _sample(
+                cfg,
+                args,
+                prompts,
+                ckpt,
+                step_list,
+                num_frames,
+                height,
+                width,
+                batch_size,
+                save_dir,
+                on_chunk,
+                sp,
+                device,
+            )
+        finally:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return _sample(cfg, args, prompts, ckpt, step_list, num_frames, height, width, batch_size, save_dir, on_chunk)
+
+
+def start_sequence_parallel(size: int, device):
+    """``(SequenceGroup, device)`` of this rank for ``--sequence-parallel-size`` > 1 under torchrun, else
+    ``(None, device)``. Starts torch.distributed itself (no ColossalAI, no training stack)."""
+    if size == 1:
+        return None, device
+    from opensora.inference.pipeline import resolve_device
+    from opensora.parallel.process_group import init_process_group_from_env
+    from opensora.parallel.sequence_parallel import build_sequence_groups
+
+    try:
+        _, world, device = init_process_group_from_env(resolve_device(device))
+    except RuntimeError as error:
+        raise UserInputError(f"--sequence-parallel-size {size}: {error}") from None
+    if world % size:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        raise UserInputError(f"--sequence-parallel-size {size} must divide the number of ranks ({world})")
+    return build_sequence_groups(size), device
+
+
+def _sample(
+    cfg, args, prompts, ckpt, step_list, num_frames, height, width, batch_size, save_dir, on_chunk, sp=None, device=None
+):
+    import torch.distributed as dist
+
+    from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
+    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.prompts import per_sample_seeds, sample_stem
+
+    writes = sp is None or sp.rank == 0  # this group's rank 0 writes its samples
+    if writes:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    if sp is None or dist.get_rank() == 0:
+        save_config(cfg, save_dir)
     if args.pp_devices:
         from opensora.inference.pipeline_cli import run_pipelined
 
@@ -190,11 +263,12 @@ def main(argv=None, on_chunk=None) -> list:
         ckpt,
         role=args.role,
         ema=bool(args.ema),
-        device=args.device,
+        device=args.device if device is None else device,
         dtype=args.dtype,
         offload=bool(args.offload),
-        progress=bool(args.progress),
+        progress=bool(args.progress) and writes,
     )
+    sampler.set_sequence_parallel(sp)
     if args.jano or args.jano_offload:
         from opensora.inference.jano import JanoCache, JanoConfig
 
@@ -232,18 +306,23 @@ def main(argv=None, on_chunk=None) -> list:
         height=height,
         width=width,
         fps=float(args.fps),
+        **({} if sp is None else dict(sequence_parallel_size=sp.size)),
         dtype=str(sampler.dtype).replace("torch.", ""),
         device=str(sampler.device),
         **({} if sampler.accelerator is None else dict(jano=dict(vars(sampler.accelerator.config)))),
     )
     if args.streaming:
         return stream_samples(sampler, args, prompts, seeds, (num_frames, height, width), common, save_dir, on_chunk)
+    # data parallelism over prompts: with G = world / S groups, group g samples prompts g, g + G, g + 2G, ...
+    groups, group = (1, 0) if sp is None else (dist.get_world_size() // sp.size, dist.get_rank() // sp.size)
+    mine = list(range(group, len(prompts), groups))
     written, rows = [], []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
+    for start in range(0, len(mine), batch_size):
+        indices = mine[start : start + batch_size]
+        chunk = [prompts[i] for i in indices]
         videos = sampler.generate(
             chunk,
-            seeds[start : start + batch_size],
+            [seeds[i] for i in indices],
             num_frames,
             height,
             width,
@@ -254,17 +333,27 @@ def main(argv=None, on_chunk=None) -> list:
             cond_type=args.cond_type,
             ref=args.ref,
         )
-        for offset, (prompt, frames) in enumerate(zip(chunk, videos.numpy())):
-            index = start + offset
+        if not writes:  # a sequence-parallel rank > 0: it took part in the denoising, its group's rank 0 writes
+            continue
+        for index, prompt, frames in zip(indices, chunk, videos.numpy()):
             stem = save_dir / sample_stem(index, prompt)
             path = save_sample(stem, frames, fps=float(args.fps))
             write_sidecar(
                 stem.with_suffix(".json"), dict(index=index, prompt=prompt, seed=seeds[index], path=path.name, **common)
             )
             written.append(path)
-            rows.append(dict(path=path.name, text=prompt))
-        write_samples_csv(save_dir, rows)  # rewritten after each batch: usable even if the run stops early
-    logger.info("wrote %d sample(s) and samples.csv to %s", len(written), save_dir)
+            rows.append(dict(index=index, path=path.name, text=prompt))
+        if groups == 1:
+            write_samples_csv(save_dir, rows)  # rewritten after each batch: usable even if the run stops early
+    if groups > 1:  # one samples.csv in prompt order, written by rank 0 from every group's rows
+        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(rows, everyone, dst=0)
+        if dist.get_rank() == 0:
+            rows = sorted((row for part in everyone for row in part), key=lambda row: row["index"])
+    if (groups == 1 and writes) or (groups > 1 and dist.get_rank() == 0):
+        write_samples_csv(save_dir, [dict(path=r["path"], text=r["text"]) for r in rows])
+    if writes:
+        logger.info("wrote %d sample(s) to %s", len(written), save_dir)
     return written
 
 

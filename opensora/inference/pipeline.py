@@ -18,6 +18,10 @@ Choices that matter for reproducing training:
   term vanishes and only 2 passes run. ``w_txt == 1`` (and no image guidance) runs 1 pass.
 * Seeds: sample ``i`` draws its noise from its own CPU ``torch.Generator`` seeded with ``seeds[i]``, so the
   batch size and the device never change which noise a sample gets.
+* Sequence parallelism (``set_sequence_parallel``): the ranks of one group get the same prompts and seeds, so
+  the same noise; the network splits every sample's tokens over them (the trainer's all-to-all) and each rank
+  gets the whole velocity, so all run the same Euler loop. Only the group's rank 0 decodes: ``generate``
+  returns ``None`` for the videos on the other ranks.
 """
 
 from __future__ import annotations
@@ -203,6 +207,28 @@ class VideoSampler:
         self.uses_condition = getattr(model, "cond_channels", None) is not None
         # Optional inference cache (opensora.inference.jano: JanoCache, StepCache, FullCompute); None = plain model.
         self.accelerator = None
+        self.sp = None  # opensora.parallel.sequence_parallel.SequenceGroup while the network is split
+
+    def set_sequence_parallel(self, sp) -> None:
+        """Split the network's tokens over the ranks of ``sp`` (a ``SequenceGroup``; None or size 1: off).
+
+        Every rank of the group must call ``generate`` with the same arguments; only ``sp.rank == 0`` decodes.
+        """
+        if sp is not None and sp.size == 1:
+            sp = None
+        if sp is not None:
+            if not callable(getattr(self.model, "set_sequence_parallel", None)):
+                raise ValueError(f"{type(self.model).__name__} cannot split its sequence (no set_sequence_parallel)")
+            if self.accelerator is not None:
+                raise ValueError("sequence parallelism does not combine with an inference cache (Jano / step cache)")
+        if sp is not None or self.sp is not None:
+            self.model.set_sequence_parallel(sp)
+        self.sp = sp
+
+    @property
+    def decodes(self) -> bool:
+        """Whether this process decodes (and writes) samples: always, except on sequence-parallel ranks > 0."""
+        return self.sp is None or self.sp.rank == 0
 
     @classmethod
     def from_config(
@@ -408,7 +434,8 @@ class VideoSampler:
         ``ref``: a path to an image/video or a float ``[3, T, H, W]`` tensor in [-1, 1] at ``(height, width)``;
         required for every ``cond_type`` but ``t2v``, shared by all prompts. ``step_list`` (explicit t values,
         few-step students) replaces ``num_steps``. ``batch_size`` (default: all at once) never changes the
-        result. With ``return_latents`` returns ``(videos, latents)``.
+        result. With ``return_latents`` returns ``(videos, latents)``. On a sequence-parallel rank other than 0
+        (``not self.decodes``) nothing is decoded and ``videos`` is None; the latents are returned everywhere.
         """
         prompts, seeds = list(prompts), [int(s) for s in seeds]
         if len(prompts) != len(seeds) or not prompts:
@@ -439,8 +466,9 @@ class VideoSampler:
             latents = self.denoise(
                 noise, text, null_text, condition, num_steps, step_list, guidance_scale, image_guidance_scale
             )
-            videos.append(self.decode(latents))
+            if self.decodes:
+                videos.append(self.decode(latents))
             if return_latents:
                 latents_out.append(latents.cpu())
-        videos = torch.cat(videos)
+        videos = torch.cat(videos) if videos else None
         return (videos, torch.cat(latents_out)) if return_latents else videos

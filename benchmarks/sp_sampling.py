@@ -1,0 +1,143 @@
+"""Sequence-parallel sampling vs one GPU at the 1B long-video shape (NOT RUN YET: no numbers exist).
+
+The 1B MMDiT of ``configs/diffusion/train/mmdit_1b_long_synthetic.py`` (random weights, bf16) denoises one
+512x512 x 129-frame video: 33 x 32 x 32 = 33,792 video tokens + 512 text tokens, Euler with text CFG (2 passes per
+step, batched), through ``VideoSampler.denoise`` -- the loop ``scripts/diffusion/inference.py`` runs. Text
+encoding and decoding (the config's stand-in encoders) are outside the timed region.
+
+  python benchmarks/sp_sampling.py --out benchmarks/results/sp_sampling_1gpu.json                    # 1 GPU
+  torchrun --nproc_per_node 2 benchmarks/sp_sampling.py --out benchmarks/results/sp_sampling_2gpu.json
+  python benchmarks/sp_sampling.py --tiny                                                            # CPU smoke
+  torchrun --nproc_per_node 2 benchmarks/sp_sampling.py --tiny
+
+Under torchrun the world is one sequence-parallel group (``--sequence-parallel-size`` = world size). Each run
+reports the median of ``--repeats`` timed denoising loops after one warm-up loop, and saves the final latents
+(``--latents PATH``, rank 0) so the two runs' outputs can be compared: ``--compare A.pt B.pt`` prints the max and
+relative differences (bf16: expect agreement to bf16 precision, not bit equality). Speed-up = 1-GPU seconds /
+2-GPU seconds from the two JSON files.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from opensora.config import load_config  # noqa: E402
+from opensora.inference.pipeline import VideoSampler, role_model_config, seeded_noise  # noqa: E402
+from opensora.parallel.process_group import init_process_group_from_env  # noqa: E402
+from opensora.parallel.sequence_parallel import build_sequence_groups  # noqa: E402
+from opensora.registry import MODELS, build_module  # noqa: E402
+
+CONFIG = ROOT / "configs/diffusion/train/mmdit_1b_long_synthetic.py"
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(CONFIG))
+    parser.add_argument("--frames", type=int, default=129)
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=4, help="Euler steps per timed loop (2 passes each, batched)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--guidance-scale", type=float, default=7.5)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the demo config at 4x32x32")
+    parser.add_argument("--out", default=None, help="JSON results (rank 0)")
+    parser.add_argument("--latents", default=None, help="save the final latents here (rank 0)")
+    parser.add_argument("--compare", nargs=2, default=None, help="two saved latents files: print their difference")
+    args = parser.parse_args()
+    if args.compare:
+        a, b = (torch.load(p).float() for p in args.compare)
+        diff = (a - b).abs()
+        print(json.dumps(dict(max_abs=diff.max().item(), rel_l2=(diff.norm() / a.norm()).item())))
+        return
+
+    if args.tiny:
+        args.config, args.frames, args.size, args.steps = str(ROOT / "configs/diffusion/train/demo.py"), 4, 32, 2
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    world, rank, sp = 1, 0, None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        rank, world, device = init_process_group_from_env(device)
+        sp = build_sequence_groups(world)
+    cfg = load_config(args.config)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)  # the same random weights on every rank and in every run
+    model = build_module(role_model_config(cfg), MODELS)
+    gen = torch.Generator().manual_seed(1)
+    with (
+        torch.no_grad()
+    ):  # zero-initialised layers (output, modulation gates) too: else v = 0 and outputs match trivially
+        for param in model.parameters():
+            if not param.any():
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    model = model.to(device, dtype).eval().requires_grad_(False)
+    vae = build_module(cfg["vae"], MODELS).to(device, dtype).eval()
+    text_encoder = build_module(cfg["text_encoder"], MODELS).to(device).eval()
+    sampler = VideoSampler(model, vae, text_encoder, shift=(cfg.get("method") or {}).get("shift"), progress=False)
+    sampler.set_sequence_parallel(sp)
+    latent_size = sampler.latent_size(args.frames, args.size, args.size)
+    tokens = 1
+    for n, p in zip(latent_size, sampler.patch_size):
+        tokens *= n // p
+    text, null_text = sampler.encode_text(["a long video"])
+    condition = sampler.prepare_condition(1, latent_size)
+    noise = seeded_noise([0], (vae.latent_channels, *latent_size), device=device)
+
+    def loop():
+        sync(device)
+        start = time.perf_counter()
+        out = sampler.denoise(
+            noise, text, null_text, condition, num_steps=args.steps, guidance_scale=args.guidance_scale
+        )
+        sync(device)
+        return time.perf_counter() - start, out
+
+    loop()  # warm-up (kernels, allocator)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    runs = [loop() for _ in range(args.repeats)]
+    seconds = [s for s, _ in runs]
+    result = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        config=str(args.config),
+        world_size=world,
+        sequence_parallel_size=1 if sp is None else sp.size,
+        device=torch.cuda.get_device_name(device) if cuda else "cpu",
+        dtype=str(dtype).replace("torch.", ""),
+        latent_size=list(latent_size),
+        video_tokens=tokens,
+        text_tokens=int(text["text_emb"].shape[1]),
+        steps=args.steps,
+        passes_per_step=2 if args.guidance_scale != 1 else 1,
+        seconds=seconds,
+        median_s=statistics.median(seconds),
+        s_per_step=statistics.median(seconds) / args.steps,
+        peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+    )
+    if rank == 0:
+        print(json.dumps(result, indent=1))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        if args.latents:
+            torch.save(runs[-1][1].cpu(), args.latents)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
