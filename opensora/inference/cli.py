@@ -10,6 +10,7 @@ Outputs: ``{save_dir}/{index:04d}_{slug}.mp4`` (``.png`` for one frame) with a `
 """
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -205,15 +206,17 @@ def start_sequence_parallel(size: int, device):
     from opensora.parallel.process_group import init_process_group_from_env
     from opensora.parallel.sequence_parallel import build_sequence_groups
 
+    # checked before any process group starts (a plain process may carry a launcher's leftover variables)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % size:
+        raise UserInputError(
+            f"--sequence-parallel-size {size} must divide the number of ranks ({world}); "
+            f"launch with torchrun --nproc_per_node N, N a multiple of {size}"
+        )
     try:
         _, world, device = init_process_group_from_env(resolve_device(device))
     except RuntimeError as error:
         raise UserInputError(f"--sequence-parallel-size {size}: {error}") from None
-    if world % size:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-        raise UserInputError(f"--sequence-parallel-size {size} must divide the number of ranks ({world})")
     return build_sequence_groups(size), device
 
 
