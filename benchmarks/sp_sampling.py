@@ -46,6 +46,37 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+KERNEL_KINDS = [  # first match wins; names of the kernels PyTorch / NCCL / cuBLAS / FlashAttention launch
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+    ("copy", ("copy", "cat", "memcpy", "memset")),
+]
+
+
+def kernel_time_by_kind(loop, cuda: bool) -> dict:
+    """GPU (on CPU: operator self-time) milliseconds of one denoising loop by kernel kind (sum of kernel durations; overlapping NCCL and compute
+    kernels both count), plus the loop's wall milliseconds and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        wall, _ = loop()
+    totals, kernels = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}, []
+    for event in prof.key_averages():
+        ms = (event.device_time_total if cuda else event.self_cpu_time_total) / 1e3
+        if ms <= 0:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+        totals[kind] += ms
+        kernels.append((ms, event.key[:90]))
+    return dict(
+        wall_ms=wall * 1e3,
+        by_kind=totals,
+        top=[dict(ms=round(ms, 2), name=n) for ms, n in sorted(kernels, reverse=True)[:15]],
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(CONFIG))
@@ -57,6 +88,7 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the demo config at 4x32x32")
     parser.add_argument("--out", default=None, help="JSON results (rank 0)")
     parser.add_argument("--latents", default=None, help="save the final latents here (rank 0)")
+    parser.add_argument("--profile", action="store_true", help="profile one more loop: GPU time by kernel kind")
     parser.add_argument("--compare", nargs=2, default=None, help="two saved latents files: print their difference")
     args = parser.parse_args()
     if args.compare:
@@ -113,7 +145,7 @@ def main():
     seconds = [s for s, _ in runs]
     result = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        config=str(args.config),
+        config=os.path.relpath(args.config, ROOT),
         world_size=world,
         sequence_parallel_size=1 if sp is None else sp.size,
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -128,6 +160,8 @@ def main():
         s_per_step=statistics.median(seconds) / args.steps,
         peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
     )
+    if args.profile:
+        result["profile_ms"] = kernel_time_by_kind(loop, cuda)
     if rank == 0:
         print(json.dumps(result, indent=1))
         if args.out:

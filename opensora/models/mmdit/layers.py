@@ -125,7 +125,7 @@ def joint_attention(q, k, v, rope, mask, backend, sp=None, kv_hook=None):
         k, v, mask = kv_hook(k, v, mask)
     if sp is None:
         return attention(q, k, v.contiguous(), mask=mask, backend=backend)
-    q, k, v = (tokens_to_heads(t, sp) for t in (q, k, v))
+    q, k, v = tokens_to_heads(q, k, v, sp=sp)
     return heads_to_tokens(attention(q, k, v, mask=mask, backend=backend), sp)
 
 
