@@ -40,7 +40,8 @@ init_from = dict(path="$teacher", role="model", ema=True)
 dataset = dict(where=dict(_delete_=True, $key="$value"))
 CFG
 torchrun --standalone --nproc_per_node 1 scripts/diffusion/train.py "$out/lora_config.py" --outputs "$out/run" \
-    --overwrite --max-steps 1000000 --ckpt-every 0 --max-minutes "$minutes" 2>&1 | grep -v -i "warn" | tail -n 5
+    --overwrite --max-steps 1000000 --ckpt-every 0 --max-minutes "$minutes" \
+    ${VALIDATE_EVERY:+--validation.every $VALIDATE_EVERY} 2>&1 | grep -v -i "warn" | tail -n 5
 lora=$(ls -d "$out"/run/checkpoints/step-* | tail -n 1)
 
 "${quality[@]}" "$base_cfg" --ckpt "$lora" --where "$subset" --seeds-per-prompt "$seeds" \

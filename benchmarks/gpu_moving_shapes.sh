@@ -3,6 +3,7 @@
 # (30 Euler steps + CFG), distil it with DMD2 into a 4-step student, score the student, and time both samplers on
 # the same device and batch. Results: JSON under ${RESULTS:-benchmarks/results}/.
 #   bash benchmarks/gpu_moving_shapes.sh [TEACHER_MINUTES] [DISTILL_MINUTES]   (DISTILL_MINUTES 0: teacher only)
+# VALIDATE_EVERY=N: the teacher run samples and scores the config's validation prompts every N steps (issue 17).
 set -euo pipefail
 teacher_minutes=${1:-4}
 distill_minutes=${2:-2.5}
@@ -14,7 +15,7 @@ launch=(torchrun --standalone --nproc_per_node 1 scripts/diffusion/train.py)
 
 teacher_cfg=configs/diffusion/train/moving_shapes_gpu.py
 "${launch[@]}" "$teacher_cfg" --outputs "$runs/teacher" --overwrite --max-steps 1000000 --ckpt-every 0 \
-    --max-minutes "$teacher_minutes" 2>&1 | grep -v -i "warn" | tail -n 5
+    --max-minutes "$teacher_minutes" ${VALIDATE_EVERY:+--validation.every $VALIDATE_EVERY} 2>&1 | grep -v -i "warn" | tail -n 5
 cp "$runs/teacher/metrics.jsonl" "$results/moving_shapes_teacher_metrics.jsonl"
 teacher=$(ls -d "$runs"/teacher/checkpoints/step-* | tail -n 1)
 python benchmarks/moving_shapes_quality.py "$teacher_cfg" --ckpt "$teacher" --num-steps "${TEACHER_STEPS:-30}" --guidance-scale 4 --repeats "${REPEATS:-3}" ${PROMPTS:+--num-prompts $PROMPTS} \
