@@ -143,3 +143,29 @@ def test_sequence_group_slices_and_rejects_uneven_splits():
     model.set_sequence_parallel(SequenceGroup(group=None, size=2, rank=0))
     with pytest.raises(ValueError, match="compile_blocks"):
         model.set_compile_blocks(True)
+
+
+def _row_by_row_body(rank, world_size, cuda=False):
+    """The overlapped sampling exchange (row by row, async) against the batched one, on this rank's slice."""
+    from opensora.models.mmdit.attention import attention
+    from opensora.parallel.process_group import init_process_group_from_env
+    from opensora.parallel.sequence_parallel import attention_row_by_row, heads_to_tokens, tokens_to_heads
+
+    _, _, device = init_process_group_from_env("cuda" if cuda else "cpu")
+    sp = build_sequence_groups(world_size)
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(3, 4, 6, 8, generator=gen).to(device) for _ in range(3))  # rows, heads, tokens/S, dim
+    mask = torch.rand(3, 1, 1, 6 * world_size, generator=torch.Generator().manual_seed(7)).to(device) > 0.3
+    with torch.no_grad():
+        batched = heads_to_tokens(attention(*tokens_to_heads(q, k, v, sp=sp), mask=mask), sp)
+        rows = attention_row_by_row(q, k, v, sp, lambda q, k, v, r: attention(q, k, v, mask=mask[r : r + 1]))
+    return dict(shape=list(rows.shape), diff=(rows - batched).abs().max().item(), scale=batched.abs().max().item())
+
+
+@pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=[pytest.mark.gpu])])
+def test_row_by_row_sampling_exchange_equals_the_batched_one(cuda):
+    if cuda and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for r in run_distributed(_row_by_row_body, world_size=2, kwargs=dict(cuda=cuda)):
+        assert r["shape"] == [3, 6, 32] and r["scale"] > 0.1, r
+        assert r["diff"] == 0, r  # each row's attention is the batched path's row: bit-identical

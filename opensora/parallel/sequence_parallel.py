@@ -66,15 +66,27 @@ def build_sequence_groups(size: int) -> SequenceGroup:
     return SequenceGroup(group=mine, size=size, rank=rank % size)
 
 
+class _Exchange:
+    """One all-to-all in flight: scatter each tensor's ``scatter_dim`` over the group, concatenate what arrives along
+    ``gather_dim`` (rank-major). Same-shaped tensors travel in ONE collective: a contiguous send buffer [S, T, ...]
+    written by one copy, one ``all_to_all_single``, one copy out per tensor -- q, k and v cost one NCCL call, not
+    three. ``async_op`` returns at once; ``finish()`` makes the current stream wait for it (the host does not)."""
+
+    def __init__(self, tensors, sp: SequenceGroup, scatter_dim: int, gather_dim: int, async_op: bool = False):
+        self.count, self.gather_dim = len(tensors), gather_dim
+        send = torch.stack([t.unflatten(scatter_dim, (sp.size, -1)).movedim(scatter_dim, 0) for t in tensors], dim=1)
+        self.recv = torch.empty_like(send)
+        self.work = dist.all_to_all_single(self.recv, send, group=sp.group, async_op=async_op)
+
+    def finish(self):
+        if self.work is not None:
+            self.work.wait()
+        d = self.gather_dim  # recv[j, i] = tensor i's slice from rank j, which goes j-th along gather_dim
+        return tuple(self.recv[:, i].movedim(0, d).flatten(d, d + 1) for i in range(self.count))
+
+
 def _all_to_all(tensors, sp: SequenceGroup, scatter_dim: int, gather_dim: int):
-    """Scatter each tensor's ``scatter_dim`` over the group and concatenate what arrives along ``gather_dim``
-    (rank-major). Same-shaped tensors travel in ONE collective: a single contiguous send buffer [S, T, ...] written by
-    one copy, one ``all_to_all_single``, one copy out per tensor -- q, k and v cost one NCCL call instead of three."""
-    send = torch.stack([t.unflatten(scatter_dim, (sp.size, -1)).movedim(scatter_dim, 0) for t in tensors], dim=1)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=sp.group)
-    # recv[j, i] = tensor i's slice from rank j; rank j's slice goes j-th along gather_dim
-    return tuple(recv[:, i].movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1) for i in range(len(tensors)))
+    return _Exchange(tensors, sp, scatter_dim, gather_dim).finish()
 
 
 class _AllToAll(torch.autograd.Function):
@@ -103,6 +115,18 @@ def tokens_to_heads(*tensors: torch.Tensor, sp: SequenceGroup):
 def heads_to_tokens(x: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
     """[B, N, (H/S)*D] (attention output: all tokens, my heads) -> [B, N/S, H*D] (my tokens, all heads)."""
     return _AllToAll.apply(sp, 1, 2, x)[0]
+
+
+def attention_row_by_row(q, k, v, sp: SequenceGroup, attend) -> torch.Tensor:
+    """``heads_to_tokens(attend(*tokens_to_heads(q, k, v)))`` for sampling (no autograd), with the exchanges overlapped
+    with attention: every batch row's q/k/v exchange is issued up front, and row b's output goes back while row b+1
+    is attended, so of the exchanges only the first row's inputs and the last row's output stay exposed (the CFG
+    branches are two rows). ``attend(q, k, v, row)`` attends one row. Each row's math is that of the batched path."""
+    if q.shape[1] % sp.size:
+        tokens_to_heads(q, k, v, sp=sp)  # raises the head-count error
+    inbound = [_Exchange((q[r : r + 1], k[r : r + 1], v[r : r + 1]), sp, 1, 2, async_op=True) for r in range(len(q))]
+    outbound = [_Exchange((attend(*x.finish(), row),), sp, 1, 2, async_op=True) for row, x in enumerate(inbound)]
+    return torch.cat([x.finish()[0] for x in outbound])
 
 
 class _GatherTokens(torch.autograd.Function):

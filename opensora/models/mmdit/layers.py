@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from opensora.parallel.sequence_parallel import heads_to_tokens, tokens_to_heads
+from opensora.parallel.sequence_parallel import attention_row_by_row, heads_to_tokens, tokens_to_heads
 
 from .attention import attention
 from .rope import apply_rope
@@ -125,6 +125,13 @@ def joint_attention(q, k, v, rope, mask, backend, sp=None, kv_hook=None):
         k, v, mask = kv_hook(k, v, mask)
     if sp is None:
         return attention(q, k, v.contiguous(), mask=mask, backend=backend)
+    if len(q) > 1 and not torch.is_grad_enabled():  # sampling: overlap the exchanges with attention, row by row
+
+        def attend_row(q, k, v, row):
+            row_mask = mask[row : row + 1] if mask is not None and len(mask) > 1 else mask
+            return attention(q, k, v, mask=row_mask, backend=backend)
+
+        return attention_row_by_row(q, k, v, sp, attend_row)
     q, k, v = tokens_to_heads(q, k, v, sp=sp)
     return heads_to_tokens(attention(q, k, v, mask=mask, backend=backend), sp)
 
