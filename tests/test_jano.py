@@ -219,7 +219,7 @@ def test_step_cache_baseline():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("store", ["offload", "naive"])
+@pytest.mark.parametrize("store", ["offload", "offload_all_slots", "offload_v1", "naive"])
 def test_offloaded_caches_equal_the_on_gpu_cache(store):
     model = tiny_model().cuda().to(torch.bfloat16)
     batch = {k: v.cuda() if v is not None else None for k, v in inputs().items()}
@@ -227,12 +227,19 @@ def test_offloaded_caches_equal_the_on_gpu_cache(store):
     config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)
     sampler.accelerator = JanoCache(config, store=DeviceStore())
     on_gpu = denoise(sampler, batch, steps=12)
-    other = OffloadManager("cuda", ring_size=2) if store == "offload" else NaiveOffload("cuda")
+    other = {
+        "offload": lambda: OffloadManager("cuda", ring_size=2),
+        "offload_all_slots": lambda: OffloadManager("cuda", ring_size=None),  # unchanged entries reuse their slot
+        "offload_v1": lambda: OffloadManager("cuda", ring_size=2, reuse_slots=False),
+        "naive": lambda: NaiveOffload("cuda"),
+    }[store]()
     sampler.accelerator = JanoCache(config, store=other)
     assert torch.equal(denoise(sampler, batch, steps=12), on_gpu)
-    if store == "offload":
+    if store != "naive":
         torch.cuda.synchronize()
         assert other.stats["sync_fetches"] == 0 and other.inflight() == 0
+    if store == "offload_all_slots":
+        assert other.stats["slot_hits"] > 0
 
 
 def test_cli_jano_settings_are_the_config_fields():
@@ -372,3 +379,42 @@ def test_counted_flops_are_the_flops_the_region_forward_spends(level):
     with FlopCounterMode(display=False) as counter:
         forward(level, **batch, plan=plan, store=store)
     assert counter.get_total_flops() == region_forward_flops(model, 32, 6, 2, plan.computed(level), True)
+
+
+def test_medium_entries_that_no_level_one_step_reads_are_not_stored(monkeypatch):
+    from opensora.inference import jano
+
+    levels = [3, 1, 2, 1, 2, 3, 2, 2, 1, 0]
+    assert [jano.medium_read_later(lambda j: levels[j], i, len(levels)) for i in (2, 4, 6, 7)] == [
+        True,
+        False,
+        False,
+        True,
+    ]
+
+    class Counting(DeviceStore):
+        def __init__(self):
+            super().__init__()
+            self.keys = []
+
+        def store_async(self, tensor, key):
+            self.keys.append(key)
+            super().store_async(tensor, key)
+
+    model, batch = tiny_model(), inputs()
+    sampler = sampler_for(model)
+    config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=3, medium_interval=2, dilation=0)
+    runs = {}
+    for always in (False, True):
+        if always:
+            monkeypatch.setattr(jano, "medium_read_later", lambda *args: True)
+        store = Counting()
+        cache = JanoCache(config, store=store)
+        cache.forced_classes = torch.ones(4, 32, dtype=torch.int8)  # 2 samples x 2 CFG branches
+        cache.forced_classes[:, :8], cache.forced_classes[:, 8:20] = 3, 2
+        sampler.accelerator = cache
+        runs[always] = denoise(sampler, batch, steps=12), store.keys
+    assert cache.stats.levels == [0, 0, 0, 3, 1, 2, 3, 2, 1, 3, 1, 0]  # the first level-2 step precedes a refresh
+    assert torch.equal(runs[False][0], runs[True][0])
+    skipped = [k for k in runs[True][1] if k.startswith("m_")]
+    assert len(skipped) - len([k for k in runs[False][1] if k.startswith("m_")]) == cache._forward.num_layers + 1
