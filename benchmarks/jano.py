@@ -410,6 +410,42 @@ def part_bandwidth(args) -> dict:
         together_ms=both_s * 1e3,
         hidden_fraction=max(0.0, min(1.0, (copy_s + mm_s - both_s) / min(copy_s, mm_s))),
     )
+    # Launch-bound work (many tiny kernels, as the region forward's level-1 step at this shape) next to a copy:
+    # does a saturated host -> device link delay kernel launches (the GPU fetches its commands over the same link)?
+    small = torch.zeros(1024, device=device)
+
+    def tiny_kernels():
+        for _ in range(3000):
+            small.add_(1.0)
+
+    alone_s = rate(tiny_kernels)
+    results = dict(kernels=3000, alone_ms=alone_s * 1e3)
+    for name, fn in (
+        ("with_h2d", lambda: dev.copy_(pinned, non_blocking=True)),
+        ("with_d2h", lambda: pinned_out.copy_(dev_src, non_blocking=True)),
+    ):
+
+        def next_to_copy(fn=fn):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(4):  # ~20 ms of copying: longer than the kernels alone
+                    fn()
+            tiny_kernels()
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            torch.cuda.current_stream().wait_stream(side)
+            return done
+
+        start = torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(4):
+            sync()
+            start.record()
+            done = next_to_copy()
+            sync()
+            times.append(start.elapsed_time(done))
+        results[f"{name}_ms"] = statistics.median(times[1:])
+    out["tiny_kernels_next_to_copy"] = results
     return out
 
 
@@ -445,7 +481,8 @@ def compute_gaps(trace_path: str, min_gap_us: float = 5.0) -> dict:
     compute = max(streams, key=streams.get)
     mine = sorted(k for k in kernels if k[2] == compute)
     h2d = sorted((s, e) for s, e, stream, name in copies if "HtoD" in name)
-    host = wait = wait_under_h2d = 0.0
+    h2d_ends = sorted(e for _, e in h2d)
+    host = wait = wait_under_h2d = wait_released_by_copy = 0.0
     for (_, prev_end, _, _), (start, _, _, corr) in zip(mine[:-1], mine[1:]):
         gap = start - prev_end
         if gap < min_gap_us:
@@ -458,6 +495,11 @@ def compute_gaps(trace_path: str, min_gap_us: float = 5.0) -> dict:
         for cs, ce in h2d:  # few hundred copies: a plain scan is fine
             if cs < start and ce > wait_start:
                 wait_under_h2d += min(ce, start) - max(cs, wait_start)
+        # a wait that ends right after a copy ends is the compute stream waiting on that copy's event; one that does
+        # not was held back by something else (e.g. launches delayed by a busy host -> device link)
+        i = bisect.bisect_right(h2d_ends, start)
+        if i and start - h2d_ends[i - 1] <= 15.0 and h2d_ends[i - 1] > wait_start:
+            wait_released_by_copy += start - wait_start
     for s, e, stream, name in copies:
         if stream == compute:
             kind = name.split(" ")[1] if " " in name else name
@@ -472,6 +514,7 @@ def compute_gaps(trace_path: str, min_gap_us: float = 5.0) -> dict:
         gap_host_us=host,
         gap_wait_us=wait,
         gap_wait_under_h2d_us=wait_under_h2d,
+        gap_wait_ended_by_h2d_us=wait_released_by_copy,
         compute_stream_copies={k: dict(count=v[0], us=v[1]) for k, v in compute_memcpy.items()},
         streams=len(streams),
     )
@@ -554,6 +597,7 @@ def offload_variants(device) -> dict:
             {
                 "offload": (lambda: make_store("offload", device), False),
                 "offload_v1": (lambda: OffloadManager(device, reuse_slots=False), True),
+                "offload_ring4": (lambda: OffloadManager(device, ring_size=4), False),
                 "offload_ring16": (lambda: OffloadManager(device, ring_size=16), False),
                 "offload_ring32": (lambda: OffloadManager(device, ring_size=32), False),
                 "offload_static": (lambda: make_store("offload_static", device), False),
@@ -716,6 +760,11 @@ def summary(result: dict) -> list:
             f"at once {bandwidth['h2d_plus_d2h_concurrent_GBps']:.1f}, H2D pageable {bandwidth['h2d_pageable_GBps']:.1f}; "
             f"H2D next to matmuls hidden {hide['hidden_fraction']:.0%}"
         )
+        tiny = bandwidth["tiny_kernels_next_to_copy"]
+        lines.append(
+            f"{tiny['kernels']} tiny kernels: alone {tiny['alone_ms']:.2f} ms, next to H2D {tiny['with_h2d_ms']:.2f} ms, "
+            f"next to D2H {tiny['with_d2h_ms']:.2f} ms"
+        )
     offload = result.get("offload")
     if offload:
         lines.append("(c) offload: fixed schedule " + "".join(str(level) for level in offload["schedule"]))
@@ -752,7 +801,8 @@ def summary(result: dict) -> list:
             if gaps:
                 lines.append(
                     f"    compute stream idle: host {gaps['gap_host_us'] / 1e3:.2f} ms, waiting "
-                    f"{gaps['gap_wait_us'] / 1e3:.2f} ms ({gaps['gap_wait_under_h2d_us'] / 1e3:.2f} under H2D) of "
+                    f"{gaps['gap_wait_us'] / 1e3:.2f} ms ({gaps['gap_wait_under_h2d_us'] / 1e3:.2f} under H2D, "
+                    f"{gaps['gap_wait_ended_by_h2d_us'] / 1e3:.2f} ended by an H2D copy's end) of "
                     f"{gaps['compute_span_us'] / 1e3:.1f} ms; copies on the compute stream "
                     f"{gaps['compute_stream_copies']}"
                 )
