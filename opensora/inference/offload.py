@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -158,7 +158,7 @@ class OffloadManager:
         self.ring_size = ring_size
         self._pinned: Dict[str, torch.Tensor] = {}
         self._stored: set = set()  # keys whose pinned buffer holds a stored value
-        self._inflight: List[Tuple[object, torch.Tensor]] = []  # (copy-done event on data_stream, source) pairs
+        self._inflight: deque = deque()  # (copy-done event on the store stream, source) pairs, in store order
         self._ring: Optional[torch.Tensor] = None  # flat byte buffer: ring_size slots of _slot_bytes
         self._slot_bytes = 0
         self._ring_slot_bytes = 0
@@ -171,7 +171,10 @@ class OffloadManager:
         self.reuse_slots = reuse_slots
         self._version: Dict[str, int] = {}  # key -> bumped by every store (and a re-allocated pinned buffer)
         self._slot_holds: Dict[int, Tuple[str, int, object]] = {}  # slot -> (key, version, H2D-done event)
-        self._upcoming: List[str] = []  # keys later steps will read (hint_upcoming): ranks staging-slot victims
+        self._upcoming: Dict[str, int] = {}  # key -> position among the keys later steps read (hint_upcoming)
+        self._views: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, key) -> (pinned, view)
+        self._queued_at: Dict[str, int] = {}  # pending key -> queue sequence number (FIFO: smaller = read sooner)
+        self._sequence = 0
         self.stats = dict(
             pinned_allocations=0, stores=0, prefetches=0, sync_fetches=0, slot_hits=0, h2d_bytes=0, d2h_bytes=0
         )
@@ -221,7 +224,9 @@ class OffloadManager:
         return pinned.numel() * pinned.element_size()
 
     def _prune(self) -> None:
-        self._inflight = [(event, source) for event, source in self._inflight if not self.backend.done(event)]
+        # stores complete in the order they were queued on one stream: drop completed ones from the front
+        while self._inflight and self.backend.done(self._inflight[0][0]):
+            self._inflight.popleft()
 
     def inflight(self) -> int:
         """Stores whose source tensor is still referenced (copy not known to be complete)."""
@@ -240,6 +245,7 @@ class OffloadManager:
             self._free_slots.clear()
             self._slot_released.clear()
             self._slot_holds.clear()
+            self._views.clear()
         self._resize = False
         if self._ring is None and self._slot_bytes:
             slots = self.ring_size or len(self._pinned)
@@ -249,11 +255,16 @@ class OffloadManager:
 
     def _slot_view(self, slot: int, key: str) -> torch.Tensor:
         pinned = self._pinned[key]
+        cached = self._views.get((slot, key))
+        if cached is not None and cached[0] is pinned:
+            return cached[1]  # views are made once: fewer host-side tensor ops per copy
         nbytes = pinned.numel() * pinned.element_size()
         if nbytes > self._ring_slot_bytes:
             raise RuntimeError(f"entry '{key}' ({nbytes} bytes) outgrew the staging slots ({self._ring_slot_bytes})")
         start = slot * self._ring_slot_bytes
-        return self._ring[start : start + nbytes].view(pinned.dtype).view(pinned.shape)
+        view = self._ring[start : start + nbytes].view(pinned.dtype).view(pinned.shape)
+        self._views[(slot, key)] = (pinned, view)
+        return view
 
     def _holds_current(self, slot: int) -> Optional[str]:
         """The key whose current version ``slot`` holds, or None."""
@@ -272,15 +283,16 @@ class OffloadManager:
                     return slot, True
             # A victim: empty or stale first, then the entry read furthest in the known future (queued prefetches,
             # then the ``hint_upcoming`` keys; never = furthest); among equals the least recently released.
-            future = list(self._pending) + self._upcoming
-            next_use: Dict[str, int] = {}
-            for position, name in enumerate(future):
-                next_use.setdefault(name, position)
-            never = len(future)
+            later, never = 1 << 40, 1 << 62
             best, best_rank = None, None
             for slot in free:  # free is in release order: the first of equal rank is the least recently released
                 holder = self._holds_current(slot)
-                rank = (0, 0) if holder is None else (1, -next_use.get(holder, never))
+                if holder is None:
+                    rank = (0, 0)
+                elif holder in self._queued_at:
+                    rank = (1, -self._queued_at[holder])
+                else:
+                    rank = (1, -(later + self._upcoming[holder]) if holder in self._upcoming else -never)
                 if best_rank is None or rank < best_rank:
                     best, best_rank = slot, rank
             free.remove(best)
@@ -316,7 +328,9 @@ class OffloadManager:
 
     def _issue_pending(self) -> None:
         while self._pending and self._free_slots and not self._resize:  # a pending resize waits for the next step
-            self._issue(self._pending.popleft())
+            key = self._pending.popleft()
+            self._queued_at.pop(key, None)
+            self._issue(key)
 
     def begin_fetch_step(self, keys: Iterable[str]) -> None:
         """Queue host -> device copies of ``keys`` (in the order the step reads them) on the data stream."""
@@ -326,13 +340,18 @@ class OffloadManager:
         if missing:
             raise KeyError(f"prefetch of entries never stored: {missing[:4]}")
         self._ensure_ring()
+        for key in keys:
+            self._queued_at[key] = self._sequence
+            self._sequence += 1
         self._pending.extend(keys)
         self._issue_pending()
 
     def hint_upcoming(self, keys: Iterable[str]) -> None:
         """Keys the steps after the queued ones will read, in order: only used to choose which staging slot to
         refill (keep the entries read soonest), so a ring that can hold them keeps unchanged entries off the bus."""
-        self._upcoming = list(keys)
+        self._upcoming = {}
+        for position, key in enumerate(keys):
+            self._upcoming.setdefault(key, position)
 
     def fetch(self, key: str) -> torch.Tensor:
         """The entry on the device (a staging slot: read it, then ``release`` it; do not write it)."""
@@ -344,6 +363,7 @@ class OffloadManager:
             # Not prefetched (or still queued behind a full ring): issue it now, out of order, and wait below.
             if key in self._pending:
                 self._pending.remove(key)
+                self._queued_at.pop(key, None)
             self._ensure_ring()
             if not self._free_slots:
                 raise RuntimeError(
@@ -378,7 +398,8 @@ class OffloadManager:
     def clear(self) -> None:
         """Forget outstanding prefetches and stored values (pinned buffers and the ring are kept for reuse)."""
         self._pending.clear()
-        self._upcoming = []
+        self._queued_at.clear()
+        self._upcoming = {}
         for key in list(self._held):
             self.release(key)
         self.synchronize()
