@@ -366,6 +366,35 @@ def test_benchmark_copy_overlap_summary(tmp_path):
     assert summary["HtoD"] == dict(copy_us=20.0, overlapped_fraction=0.25)  # 5 of [10, 20], none of [50, 60]
     assert summary["DtoH"]["overlapped_fraction"] == 0.5 and summary["copies"] == 3
 
+    # compute-stream idle time: host (the launch returned after the gap began) vs waiting (queued but held back)
+    launch = lambda ts, corr: dict(
+        ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=5, args=dict(correlation=corr)
+    )  # noqa
+    timed_kernel = lambda ts, dur, corr: dict(
+        ph="X", cat="kernel", name="k", ts=ts, dur=dur, args=dict(stream=7, correlation=corr)
+    )  # noqa
+    events = [launch(0, 1), launch(10, 2), launch(200, 3), launch(300, 4)]
+    events += [timed_kernel(10, 40, 1), timed_kernel(100, 10, 2), timed_kernel(250, 10, 3), timed_kernel(400, 10, 4)]
+    events += [copy(40, "Memcpy HtoD (Pinned -> Device)") | dict(dur=60), copy(320, "Memcpy HtoD (Pinned -> Device)")]
+    events[-1]["dur"] = 75  # ends at 395, 5 us before kernel 4 starts
+    trace.write_text(json.dumps(dict(traceEvents=events)))
+    gaps = bench.compute_gaps(str(trace))
+    # gap 50-100: queued at 15, all waiting, under the first copy (ends at 100: the wait ended with it);
+    # gap 110-250: host until 205, then waiting; gap 260-400: host until 305, waiting, ended by the second copy
+    assert gaps["gap_host_us"] == 95 + 45 and gaps["gap_wait_us"] == 50 + 45 + 95
+    assert gaps["gap_wait_under_h2d_us"] == 50 + 75 and gaps["gap_wait_ended_by_h2d_us"] == 50 + 95
+
+    # the floor per level: max(compute, H2D bytes / rate, D2H bytes / rate)
+    floor = bench.floors(
+        [REFRESH, ACTIVE],
+        [(0, 10e6), (30e6, 0)],
+        {"L3 full+refresh": 5.0, "L1 active": 2.0},
+        dict(h2d_pinned_GBps=10, d2h_pinned_GBps=10),
+    )
+    assert floor["per_level"]["L3 full+refresh"]["floor_ms"] == 5.0
+    assert floor["per_level"]["L1 active"]["floor_ms"] == pytest.approx(3.0)
+    assert floor["per_level"]["L1 active"]["bound"] == "copy" and floor["floor_ms_per_step"] == pytest.approx(4.0)
+
 
 @pytest.mark.parametrize("level", [ACTIVE, MEDIUM, REFRESH])
 def test_counted_flops_are_the_flops_the_region_forward_spends(level):
