@@ -430,6 +430,9 @@ def test_medium_entries_that_no_level_one_step_reads_are_not_stored(monkeypatch)
             self.keys.append(key)
             super().store_async(tensor, key)
 
+        def hint_upcoming(self, keys):
+            self.hints = getattr(self, "hints", []) + [list(keys)]
+
     model, batch = tiny_model(), inputs()
     sampler = sampler_for(model)
     config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=3, medium_interval=2, dilation=0)
@@ -447,3 +450,7 @@ def test_medium_entries_that_no_level_one_step_reads_are_not_stored(monkeypatch)
     assert torch.equal(runs[False][0], runs[True][0])
     skipped = [k for k in runs[True][1] if k.startswith("m_")]
     assert len(skipped) - len([k for k in runs[False][1] if k.startswith("m_")]) == cache._forward.num_layers + 1
+    # after each step that queues the next one's prefetches, the store hears the keys of the steps after it (up to
+    # two, stopping at a refresh): after step 3 those of step 5 (level 2; step 6 refreshes), after step 6 step 8's
+    layers = cache._forward.num_layers
+    assert store.hints == [cache.plan.entry_keys(layers, 2), [], cache.plan.entry_keys(layers, 1), [], []]

@@ -488,7 +488,7 @@ class JanoCache(_Accelerator):
             # Queue the next step's prefetches now: the first ring slots fill while this step's tail still computes
             # (this step's stores were queued before them, and each key's prefetch waits for its store).
             self.store.begin_fetch_step(self.plan.entry_keys(self._forward.num_layers, following))
-            self.store.hint_upcoming(self._keys_after(self.step + 1))
+            self.store.hint_upcoming(self._keys_after(self.step))  # the steps after the queued one
         return out
 
     def _keys_after(self, step: int, steps: int = 2) -> List[str]:
