@@ -23,8 +23,10 @@ the ring (``ring_size`` slots of the largest entry), the copies run ``ring_size`
 Staging slots are also a cache keyed by entry *version* (``reuse_slots``): every ``store_async`` bumps the key's
 version, a slot remembers the (key, version) it was last filled with, and a prefetch of a key whose current version
 still sits in a free slot takes that slot without a copy. A refill picks, among the free slots, first one that holds
-nothing or a stale version, then one whose entry is not queued for a prefetch, then the least recently released.
-Static entries change only at refreshes, so with a ring that can hold them they cross the bus once per refresh.
+nothing or a stale version, then the one whose entry is read furthest ahead (queued prefetches, then the keys
+``hint_upcoming`` names, then never), the least recently released among equals. Static entries change only at
+refreshes, so with a ring that holds a step's entries they cross the bus once per refresh; a ring smaller than a
+step's reads refills every freed slot at once and so gets no hits (the slots stream).
 
 The CUDA calls live behind ``CudaBackend``; tests drive the same bookkeeping with a recording CPU backend.
 """
