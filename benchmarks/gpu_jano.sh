@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_jano.sh [TEACHER_CKPT_DIR]
 # Without a checkpoint it first trains the teacher for TEACHER_MINUTES (default 4) as gpu_moving_shapes.sh does (without
 # that script's own scoring). Env: PARTS (default quality,levels,offload), TESTS=0 skips the pytest GPU tests,
-# RESULTS (default benchmarks/results) receives jano_<parts>.json; the summary table goes to stdout.
+# RESULTS (default benchmarks/results) receives jano_<parts>.json; TRACE=DIR also writes the offload profiles (gzip
+# chrome traces) there; the summary table goes to stdout.
 set -euo pipefail
 results=${RESULTS:-benchmarks/results}
 runs=${RUNS:-outputs/gpu_moving_shapes}
@@ -22,5 +23,6 @@ if [ -z "$ckpt" ] && [[ "$parts" == *quality* ]]; then
     ckpt=$(ls -d "$runs"/teacher/checkpoints/step-* | tail -n 1)
 fi
 python3 benchmarks/jano.py --config configs/diffusion/train/moving_shapes_gpu.py ${ckpt:+--ckpt "$ckpt"} \
-    --parts "$parts" --num-steps "${TEACHER_STEPS:-30}" --repeats "${REPEATS:-2}" --out "$results/jano_${parts//,/_}.json" 2>&1 \
+    --parts "$parts" --num-steps "${TEACHER_STEPS:-30}" --repeats "${REPEATS:-2}" ${TRACE:+--trace "$TRACE"} \
+    --out "$results/jano_${parts//,/_}.json" 2>&1 \
     | grep -v -i "warn"

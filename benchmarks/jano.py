@@ -244,13 +244,15 @@ def build_big(args):
     return model, inputs, jano.RegionPlan.from_classes(classes.to(device))
 
 
-def run_level(forward, store, plan, inputs, level, following=None):
-    """One forward at ``level``; like JanoCache, queue the ``following`` step's prefetches right after it."""
+def run_level(forward, store, plan, inputs, level, following=None, store_medium=True, upcoming=()):
+    """One forward at ``level``; like JanoCache, queue the ``following`` step's prefetches right after it (and hint
+    the keys of the steps after that)."""
     if level in (ACTIVE, MEDIUM):
         store.begin_fetch_step(plan.entry_keys(forward.num_layers, level))
-    out = forward(level, **inputs, plan=plan, store=store)
+    out = forward(level, **inputs, plan=plan, store=store, store_medium=store_medium)
     if following in (ACTIVE, MEDIUM):
         store.begin_fetch_step(plan.entry_keys(forward.num_layers, following))
+        store.hint_upcoming(list(upcoming))
     return out
 
 
@@ -332,51 +334,333 @@ def copy_overlap(trace_path: str) -> dict:
     return out
 
 
-def part_offload(model, inputs, plan, args) -> dict:
-    schedule = [REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM, REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM]
-    device = inputs["x"].device
-    stores = {kind: (lambda kind=kind: make_store(kind, device)) for kind in ("device", "naive")}
+def part_bandwidth(args) -> dict:
+    """Raw copy rates on this machine: pinned and pageable host -> device, pinned device -> host, both directions at
+    once (two streams), entry-sized pinned copies, and a pinned H2D copy on a side stream next to matmuls on the
+    compute stream (how much of it hides). GB/s are 1e9 bytes per second."""
+    if not CUDA:
+        return {}
+    nbytes = 256 * 2**20
+    device = torch.device("cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pinned_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    dev, dev_src = (
+        torch.empty(nbytes, dtype=torch.uint8, device=device),
+        torch.ones(nbytes, dtype=torch.uint8, device=device),
+    )
+    side, other = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def rate(fn, repeats=5):
+        seconds, _, _ = timed(fn, repeats, warmup=1)
+        return seconds
+
+    def on(stream, fn):
+        def run():
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+
+        return run
+
+    out = {}
+    out["h2d_pinned_GBps"] = nbytes / rate(on(side, lambda: dev.copy_(pinned, non_blocking=True))) / 1e9
+    out["d2h_pinned_GBps"] = nbytes / rate(on(other, lambda: pinned_out.copy_(dev_src, non_blocking=True))) / 1e9
+    out["h2d_pageable_GBps"] = nbytes / rate(lambda: dev.copy_(pageable)) / 1e9
+    chunk = 14 * 2**20  # about one static K/V entry of the 1B shape
+
+    def chunks():
+        for start in range(0, nbytes - chunk + 1, chunk):
+            dev[start : start + chunk].copy_(pinned[start : start + chunk], non_blocking=True)
+
+    out["h2d_pinned_14MiB_copies_GBps"] = (nbytes // chunk) * chunk / rate(on(side, chunks)) / 1e9
+
+    def both():
+        side.wait_stream(torch.cuda.current_stream())
+        other.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dev.copy_(pinned, non_blocking=True)
+        with torch.cuda.stream(other):
+            pinned_out.copy_(dev_src, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(other)
+
+    out["h2d_plus_d2h_concurrent_GBps"] = 2 * nbytes / rate(both) / 1e9
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+
+    def matmuls():
+        for _ in range(40):
+            a @ a
+
+    copy_s = rate(on(side, lambda: dev.copy_(pinned, non_blocking=True)))
+    mm_s = rate(matmuls)
+
+    def together():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dev.copy_(pinned, non_blocking=True)
+        matmuls()
+        torch.cuda.current_stream().wait_stream(side)
+
+    both_s = rate(together)
+    out["copy_next_to_matmuls"] = dict(
+        copy_ms=copy_s * 1e3,
+        matmul_ms=mm_s * 1e3,
+        together_ms=both_s * 1e3,
+        hidden_fraction=max(0.0, min(1.0, (copy_s + mm_s - both_s) / min(copy_s, mm_s))),
+    )
+    # Launch-bound work (many tiny kernels, as the region forward's level-1 step at this shape) next to a copy:
+    # does a saturated host -> device link delay kernel launches (the GPU fetches its commands over the same link)?
+    small = torch.zeros(1024, device=device)
+
+    def tiny_kernels():
+        for _ in range(3000):
+            small.add_(1.0)
+
+    alone_s = rate(tiny_kernels)
+    results = dict(kernels=3000, alone_ms=alone_s * 1e3)
+    for name, fn in (
+        ("with_h2d", lambda: dev.copy_(pinned, non_blocking=True)),
+        ("with_d2h", lambda: pinned_out.copy_(dev_src, non_blocking=True)),
+    ):
+
+        def next_to_copy(fn=fn):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(4):  # ~20 ms of copying: longer than the kernels alone
+                    fn()
+            tiny_kernels()
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            torch.cuda.current_stream().wait_stream(side)
+            return done
+
+        start = torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(4):
+            sync()
+            start.record()
+            done = next_to_copy()
+            sync()
+            times.append(start.elapsed_time(done))
+        results[f"{name}_ms"] = statistics.median(times[1:])
+    out["tiny_kernels_next_to_copy"] = results
+    return out
+
+
+def _trace_events(trace_path: str) -> list:
+    return json.loads(Path(trace_path).read_text()).get("traceEvents", [])
+
+
+def compute_gaps(trace_path: str, min_gap_us: float = 5.0) -> dict:
+    """Where the compute stream (the stream with the most kernels) sat idle, from a chrome trace: each gap between
+    two of its kernels counts as *host* time up to the moment the next kernel's launch call returned on the CPU (the
+    GPU had nothing queued) and as *wait* time after it (queued but held back: an event wait on a copy, or a copy
+    engine); the wait time overlapped by host -> device copies is reported apart. Memcpy/memset on the compute
+    stream are counted too (a device-to-device copy there shares the copy engines with the offload copies)."""
+    events = _trace_events(trace_path)
+    launches, kernels, copies, compute_memcpy = {}, [], [], {}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        args, cat = e.get("args") or {}, e.get("cat", "")
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if cat == "cuda_runtime" or cat == "cuda_driver":
+            if "correlation" in args:
+                launches[args["correlation"]] = end
+        elif cat == "kernel":
+            kernels.append((start, end, args.get("stream"), args.get("correlation")))
+        elif cat in ("gpu_memcpy", "gpu_memset"):
+            copies.append((start, end, args.get("stream"), e.get("name", "")))
+    if not kernels:
+        return {}
+    streams = {}
+    for k in kernels:
+        streams[k[2]] = streams.get(k[2], 0) + 1
+    compute = max(streams, key=streams.get)
+    mine = sorted(k for k in kernels if k[2] == compute)
+    h2d = sorted((s, e) for s, e, stream, name in copies if "HtoD" in name)
+    h2d_ends = sorted(e for _, e in h2d)
+    host = wait = wait_under_h2d = wait_released_by_copy = 0.0
+    for (_, prev_end, _, _), (start, _, _, corr) in zip(mine[:-1], mine[1:]):
+        gap = start - prev_end
+        if gap < min_gap_us:
+            continue
+        launched = launches.get(corr, prev_end)
+        host_part = min(gap, max(0.0, launched - prev_end))
+        host += host_part
+        wait_start = prev_end + host_part
+        wait += start - wait_start
+        for cs, ce in h2d:  # few hundred copies: a plain scan is fine
+            if cs < start and ce > wait_start:
+                wait_under_h2d += min(ce, start) - max(cs, wait_start)
+        # a wait that ends right after a copy ends is the compute stream waiting on that copy's event; one that does
+        # not was held back by something else (e.g. launches delayed by a busy host -> device link)
+        i = bisect.bisect_right(h2d_ends, start)
+        if i and start - h2d_ends[i - 1] <= 15.0 and h2d_ends[i - 1] > wait_start:
+            wait_released_by_copy += start - wait_start
+    for s, e, stream, name in copies:
+        if stream == compute:
+            kind = name.split(" ")[1] if " " in name else name
+            entry = compute_memcpy.setdefault(kind, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e - s
+    span = mine[-1][1] - mine[0][0]
+    busy = sum(e - s for s, e, _, _ in mine)
+    return dict(
+        compute_span_us=span,
+        compute_kernel_us=busy,
+        gap_host_us=host,
+        gap_wait_us=wait,
+        gap_wait_under_h2d_us=wait_under_h2d,
+        gap_wait_ended_by_h2d_us=wait_released_by_copy,
+        compute_stream_copies={k: dict(count=v[0], us=v[1]) for k, v in compute_memcpy.items()},
+        streams=len(streams),
+    )
+
+
+def entry_bytes(model, inputs, plan) -> dict:
+    """Bytes of every cache entry (the layout ``reserve`` announces)."""
+    rows, heads = inputs["x"].shape[0], model.num_heads
+    head_dim, size = model.hidden_size // heads, model.img_in.weight.element_size()
+    layers = len(model.double_blocks) + len(model.single_blocks)
+    out = {}
+    for part, count in (("m", plan.k_medium - plan.k_active), ("s", plan.num_tokens - plan.k_medium)):
+        for layer in range(layers):
+            out[f"{part}_kv_{layer}"] = 2 * rows * heads * count * head_dim * size
+        out[f"{part}_x"] = rows * count * model.final_layer.linear.out_features * size
+    return out
+
+
+def level_traffic(schedule, plan, layers, sizes) -> list:
+    """Per step of ``schedule``: (H2D bytes the step reads from the cache, D2H bytes it stores) when every read
+    crosses the bus and medium entries are stored only when a later level-1 step reads them."""
+    out = []
+    for i, level in enumerate(schedule):
+        h2d = sum(sizes[k] for k in plan.entry_keys(layers, level)) if level in (ACTIVE, MEDIUM) else 0
+        if level == REFRESH:
+            d2h = sum(sizes.values())
+        elif level == MEDIUM and jano.medium_read_later(lambda j: schedule[j], i, len(schedule)):
+            d2h = sum(v for k, v in sizes.items() if k.startswith("m_"))
+        else:
+            d2h = 0
+        out.append((h2d, d2h))
+    return out
+
+
+def floors(schedule, traffic, device_ms_per_level, bandwidth) -> dict:
+    """Per level: compute (caches on the GPU), H2D and D2H bytes, copy ms at the measured pinned rates, and the floor
+    max(compute, H2D ms, D2H ms) a perfectly overlapped offload could reach; totals over the schedule."""
+    h2d_rate = bandwidth.get("h2d_pinned_GBps") or float("nan")
+    d2h_rate = bandwidth.get("d2h_pinned_GBps") or float("nan")
+    per_level, total_floor, total_compute = {}, 0.0, 0.0
+    for level, (h2d, d2h) in zip(schedule, traffic):
+        name = LEVEL_NAMES[level]
+        compute = device_ms_per_level.get(name, float("nan"))
+        h2d_ms, d2h_ms = h2d / h2d_rate / 1e6, d2h / d2h_rate / 1e6
+        floor = max(compute, h2d_ms, d2h_ms)
+        total_floor += floor
+        total_compute += compute
+        per_level.setdefault(
+            name,
+            dict(
+                compute_ms=compute,
+                h2d_MB=h2d / 1e6,
+                d2h_MB=d2h / 1e6,
+                h2d_ms=h2d_ms,
+                d2h_ms=d2h_ms,
+                floor_ms=floor,
+                bound="copy" if floor > compute else "compute",
+            ),
+        )
+    return dict(
+        per_level=per_level,
+        floor_ms_per_step=total_floor / len(schedule),
+        compute_ms_per_step=total_compute / len(schedule),
+        floor_slowdown_vs_device=total_floor / total_compute - 1,
+    )
+
+
+OFFLOAD_SCHEDULE = [REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM, REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM]
+
+
+def offload_variants(device) -> dict:
+    """Name -> (store factory, whether unread medium entries are stored anyway). ``offload`` is what --jano-offload
+    runs; ``offload_v1`` is the manager as first measured (no slot reuse, every medium entry stored)."""
+    variants = {
+        "device": (lambda: make_store("device", device), False),
+        "naive": (lambda: make_store("naive", device), False),
+    }
     if CUDA:
-        stores.update(
+        variants.update(
             {
-                "offload": lambda: make_store("offload", device),  # the default: 8-slot staging ring
-                "offload_static": lambda: make_store("offload_static", device),  # medium entries stay on the GPU
-                "offload_slot_per_entry": lambda: OffloadManager(device, ring_size=None),  # every copy at once
-                "offload_one_stream": lambda: OffloadManager(device, separate_store_stream=False),  # the spec's stream
+                "offload": (lambda: make_store("offload", device), False),
+                "offload_v1": (lambda: OffloadManager(device, reuse_slots=False), True),
+                "offload_ring4": (lambda: OffloadManager(device, ring_size=4), False),
+                "offload_ring16": (lambda: OffloadManager(device, ring_size=16), False),
+                "offload_ring32": (lambda: OffloadManager(device, ring_size=32), False),
+                "offload_static": (lambda: make_store("offload_static", device), False),
+                "offload_slot_per_entry": (lambda: OffloadManager(device, ring_size=None), False),
+                "offload_one_stream": (lambda: OffloadManager(device, separate_store_stream=False), False),
             }
         )
+    return variants
+
+
+def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
+    schedule = OFFLOAD_SCHEDULE
+    device = inputs["x"].device
+    profiled = {"offload", "offload_v1", "offload_slot_per_entry"}
     results, outputs = {}, {}
     forward = jano.RegionForward(model)
+    layers = forward.num_layers
+
+    def upcoming(i):  # what JanoCache hints: the cached steps after the following one, up to a refresh
+        keys = []
+        for level in schedule[i + 2 : i + 4]:
+            if level == REFRESH:
+                break
+            if level in (ACTIVE, MEDIUM):
+                keys += plan.entry_keys(layers, level)
+        return keys
+
     with torch.no_grad():
-        for kind, make in stores.items():
+        for kind, (make, store_all_medium) in offload_variants(device).items():
             store = make()
             reserve(forward, store, plan, model, inputs)
 
-            marks = []  # CUDA events between the steps of the last trajectory: per-level times
+            marks, host = [], []  # CUDA events between the steps of the last trajectory; host seconds to queue it
 
-            def trajectory(store=store):
+            def trajectory(store=store, store_all_medium=store_all_medium):
                 marks.clear()
                 outs = []
+                t0 = time.perf_counter()
                 for i, level in enumerate(schedule):
                     if CUDA:
                         marks.append(torch.cuda.Event(enable_timing=True))
                         marks[-1].record()
                     following = schedule[i + 1] if i + 1 < len(schedule) else None
-                    outs.append(run_level(forward, store, plan, inputs, level, following))
+                    medium = store_all_medium or jano.medium_read_later(lambda j: schedule[j], i, len(schedule))
+                    outs.append(run_level(forward, store, plan, inputs, level, following, medium, upcoming(i)))
                 if CUDA:
                     marks.append(torch.cuda.Event(enable_timing=True))
                     marks[-1].record()
+                host.append(time.perf_counter() - t0)
                 return outs
 
             if CUDA:
                 torch.cuda.reset_peak_memory_stats()
+            stats_before = dict(getattr(store, "stats", {}) or {})
             seconds, all_seconds, outs = timed(trajectory, args.offload_repeats, warmup=1)
             outputs[kind] = outs[-1]
             results[kind] = dict(
                 ms_per_step=seconds * 1000 / len(schedule),
                 ms_all=[s * 1000 for s in all_seconds],
+                host_ms_per_step=statistics.median(host[1:] or host) * 1000 / len(schedule),
                 cache_device_bytes=store.device_bytes(),
                 peak_allocated_bytes=torch.cuda.max_memory_allocated() if CUDA else None,
+                medium_stored_always=store_all_medium,
             )
             if CUDA:
                 torch.cuda.synchronize()
@@ -384,10 +668,16 @@ def part_offload(model, inputs, plan, args) -> dict:
                 for level, start, end in zip(schedule, marks[:-1], marks[1:]):
                     per_level.setdefault(LEVEL_NAMES[level], []).append(start.elapsed_time(end))
                 results[kind]["ms_per_level"] = {k: statistics.median(v) for k, v in per_level.items()}
-            if isinstance(store, OffloadManager):
-                results[kind]["host_bytes"] = store.host_bytes()
-                results[kind]["stats"] = dict(store.stats)
-            if kind == "offload" and CUDA:
+            manager = store if isinstance(store, OffloadManager) else getattr(store, "offload", None)
+            if isinstance(manager, OffloadManager):
+                runs = 1 + args.offload_repeats
+                results[kind]["host_bytes"] = manager.host_bytes()
+                results[kind]["stats"] = dict(manager.stats)
+                results[kind]["ring_size"] = manager.ring_size
+                for name in ("h2d_bytes", "d2h_bytes", "slot_hits"):
+                    done = manager.stats[name] - stats_before.get(name, 0)
+                    results[kind][f"{name}_per_step"] = done / runs / len(schedule)
+            if kind in profiled and CUDA:
                 from torch.profiler import ProfilerActivity, profile
 
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -397,14 +687,33 @@ def part_offload(model, inputs, plan, args) -> dict:
                     path = str(Path(tmp) / "trace.json")
                     prof.export_chrome_trace(path)
                     results[kind]["profile"] = copy_overlap(path)
-                if args.trace:
-                    prof.export_chrome_trace(args.trace)
+                    results[kind]["profile"]["compute_gaps"] = compute_gaps(path)
+                    if args.trace:
+                        trace = Path(args.trace)
+                        trace.mkdir(parents=True, exist_ok=True)
+                        import gzip
+
+                        with gzip.open(trace / f"trace_{kind}.json.gz", "wt") as f:
+                            f.write(Path(path).read_text())
             del store
     base = results["device"]["ms_per_step"]
     for kind, row in results.items():
         row["slowdown_vs_device"] = row["ms_per_step"] / base - 1
         row["output_equal_to_device"] = bool(torch.equal(outputs[kind], outputs["device"]))
-    return dict(schedule=schedule, stores=results)
+    sizes = entry_bytes(model, inputs, plan)
+    out = dict(schedule=schedule, stores=results, cache_bytes=sum(sizes.values()))
+    if bandwidth and "ms_per_level" in results["device"]:
+        out["floor"] = floors(
+            schedule, level_traffic(schedule, plan, layers, sizes), results["device"]["ms_per_level"], bandwidth
+        )
+        for row in results.values():
+            row["vs_floor"] = row["ms_per_step"] / out["floor"]["floor_ms_per_step"] - 1
+            if "ms_per_level" in row:
+                row["per_level_vs_floor"] = {
+                    name: ms / out["floor"]["per_level"][name]["floor_ms"] - 1
+                    for name, ms in row["ms_per_level"].items()
+                }
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -442,19 +751,61 @@ def summary(result: dict) -> list:
         )
         for name, row in levels["levels"].items():
             lines.append(f"  {name:20s} {row['ms']:8.2f} ms/step  x{row['speedup_vs_full']:.2f}")
+    bandwidth = result.get("bandwidth")
+    if bandwidth:
+        hide = bandwidth["copy_next_to_matmuls"]
+        lines.append(
+            f"copy rates (GB/s): H2D pinned {bandwidth['h2d_pinned_GBps']:.1f} (14 MiB copies "
+            f"{bandwidth['h2d_pinned_14MiB_copies_GBps']:.1f}), D2H pinned {bandwidth['d2h_pinned_GBps']:.1f}, both "
+            f"at once {bandwidth['h2d_plus_d2h_concurrent_GBps']:.1f}, H2D pageable {bandwidth['h2d_pageable_GBps']:.1f}; "
+            f"H2D next to matmuls hidden {hide['hidden_fraction']:.0%}"
+        )
+        tiny = bandwidth["tiny_kernels_next_to_copy"]
+        lines.append(
+            f"{tiny['kernels']} tiny kernels: alone {tiny['alone_ms']:.2f} ms, next to H2D {tiny['with_h2d_ms']:.2f} ms, "
+            f"next to D2H {tiny['with_d2h_ms']:.2f} ms"
+        )
     offload = result.get("offload")
     if offload:
         lines.append("(c) offload: fixed schedule " + "".join(str(level) for level in offload["schedule"]))
+        floor = offload.get("floor")
+        if floor:
+            lines.append(
+                f"  floor max(compute, H2D, D2H) per level: {floor['floor_ms_per_step']:.2f} ms/step "
+                f"({floor['floor_slowdown_vs_device']:+.1%} vs on-GPU compute)"
+            )
+            for name, row in floor["per_level"].items():
+                lines.append(
+                    f"    {name:18s} compute {row['compute_ms']:6.2f} ms, H2D {row['h2d_MB']:6.0f} MB "
+                    f"{row['h2d_ms']:5.2f} ms, D2H {row['d2h_MB']:6.0f} MB {row['d2h_ms']:5.2f} ms -> "
+                    f"{row['floor_ms']:6.2f} ({row['bound']}-bound)"
+                )
         for kind, row in offload["stores"].items():
             profile = row.get("profile") or {}
             overlap = profile.get("all_overlapped_fraction")
             lines.append(
-                f"  {kind:15s} {row['ms_per_step']:8.2f} ms/step  {row['slowdown_vs_device']:+7.1%}  "
-                f"cache on GPU {row['cache_device_bytes'] / 2**20:9.1f} MiB  equal {row['output_equal_to_device']}"
+                f"  {kind:22s} {row['ms_per_step']:7.2f} ms/step  {row['slowdown_vs_device']:+7.1%}  "
+                f"host {row['host_ms_per_step']:6.2f} ms/step  cache on GPU {row['cache_device_bytes'] / 2**20:7.1f} MiB"
+                f"  equal {row['output_equal_to_device']}"
+                + (f"  vs floor {row['vs_floor']:+.1%}" if "vs_floor" in row else "")
                 + (f"  copy overlapped {overlap:.0%}" if overlap is not None else "")
             )
             if row.get("ms_per_level"):
                 lines.append("    per level (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in row["ms_per_level"].items()))
+            if "h2d_bytes_per_step" in row:
+                lines.append(
+                    f"    bytes/step H2D {row['h2d_bytes_per_step'] / 1e6:.0f} MB, D2H "
+                    f"{row['d2h_bytes_per_step'] / 1e6:.0f} MB, slot hits/step {row['slot_hits_per_step']:.1f}"
+                )
+            gaps = profile.get("compute_gaps")
+            if gaps:
+                lines.append(
+                    f"    compute stream idle: host {gaps['gap_host_us'] / 1e3:.2f} ms, waiting "
+                    f"{gaps['gap_wait_us'] / 1e3:.2f} ms ({gaps['gap_wait_under_h2d_us'] / 1e3:.2f} under H2D, "
+                    f"{gaps['gap_wait_ended_by_h2d_us'] / 1e3:.2f} ended by an H2D copy's end) of "
+                    f"{gaps['compute_span_us'] / 1e3:.1f} ms; copies on the compute stream "
+                    f"{gaps['compute_stream_copies']}"
+                )
         if "offload" in offload["stores"]:
             slow = offload["stores"]["offload"]["slowdown_vs_device"]
             checks.append(
@@ -481,7 +832,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--active", type=float, default=0.2, help="(b)/(c): fraction of active tokens")
     parser.add_argument("--medium", type=float, default=0.3, help="(b)/(c): fraction of medium tokens")
     parser.add_argument("--parts", default="quality,levels,offload")
-    parser.add_argument("--trace", default=None, help="also write the offload profile's chrome trace here")
+    parser.add_argument(
+        "--trace", default=None, help="also write the offload profiles' chrome traces (gzip) to this dir"
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny shapes, demo config, random weights")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -494,12 +847,14 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     if "quality" in parts and (args.ckpt is not None or args.smoke):
         result["quality"] = part_quality(args)
+    if "offload" in parts or "bandwidth" in parts:
+        result["bandwidth"] = part_bandwidth(args)
     if parts & {"levels", "offload"}:
         model, inputs, plan = build_big(args)
         if "levels" in parts:
             result["levels"] = part_levels(model, inputs, plan, args)
         if "offload" in parts:
-            result["offload"] = part_offload(model, inputs, plan, args)
+            result["offload"] = part_offload(model, inputs, plan, args, result.get("bandwidth"))
     result["seconds"] = time.perf_counter() - started
     lines = summary(result)
     result["summary"] = lines

@@ -219,7 +219,7 @@ def test_step_cache_baseline():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("store", ["offload", "naive"])
+@pytest.mark.parametrize("store", ["offload", "offload_all_slots", "offload_v1", "naive"])
 def test_offloaded_caches_equal_the_on_gpu_cache(store):
     model = tiny_model().cuda().to(torch.bfloat16)
     batch = {k: v.cuda() if v is not None else None for k, v in inputs().items()}
@@ -227,12 +227,19 @@ def test_offloaded_caches_equal_the_on_gpu_cache(store):
     config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)
     sampler.accelerator = JanoCache(config, store=DeviceStore())
     on_gpu = denoise(sampler, batch, steps=12)
-    other = OffloadManager("cuda", ring_size=2) if store == "offload" else NaiveOffload("cuda")
+    other = {
+        "offload": lambda: OffloadManager("cuda", ring_size=2),
+        "offload_all_slots": lambda: OffloadManager("cuda", ring_size=None),  # unchanged entries reuse their slot
+        "offload_v1": lambda: OffloadManager("cuda", ring_size=2, reuse_slots=False),
+        "naive": lambda: NaiveOffload("cuda"),
+    }[store]()
     sampler.accelerator = JanoCache(config, store=other)
     assert torch.equal(denoise(sampler, batch, steps=12), on_gpu)
-    if store == "offload":
+    if store != "naive":
         torch.cuda.synchronize()
         assert other.stats["sync_fetches"] == 0 and other.inflight() == 0
+    if store == "offload_all_slots":
+        assert other.stats["slot_hits"] > 0
 
 
 def test_cli_jano_settings_are_the_config_fields():
@@ -359,6 +366,35 @@ def test_benchmark_copy_overlap_summary(tmp_path):
     assert summary["HtoD"] == dict(copy_us=20.0, overlapped_fraction=0.25)  # 5 of [10, 20], none of [50, 60]
     assert summary["DtoH"]["overlapped_fraction"] == 0.5 and summary["copies"] == 3
 
+    # compute-stream idle time: host (the launch returned after the gap began) vs waiting (queued but held back)
+    launch = lambda ts, corr: dict(
+        ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=5, args=dict(correlation=corr)
+    )  # noqa
+    timed_kernel = lambda ts, dur, corr: dict(
+        ph="X", cat="kernel", name="k", ts=ts, dur=dur, args=dict(stream=7, correlation=corr)
+    )  # noqa
+    events = [launch(0, 1), launch(10, 2), launch(200, 3), launch(300, 4)]
+    events += [timed_kernel(10, 40, 1), timed_kernel(100, 10, 2), timed_kernel(250, 10, 3), timed_kernel(400, 10, 4)]
+    events += [copy(40, "Memcpy HtoD (Pinned -> Device)") | dict(dur=60), copy(320, "Memcpy HtoD (Pinned -> Device)")]
+    events[-1]["dur"] = 75  # ends at 395, 5 us before kernel 4 starts
+    trace.write_text(json.dumps(dict(traceEvents=events)))
+    gaps = bench.compute_gaps(str(trace))
+    # gap 50-100: queued at 15, all waiting, under the first copy (ends at 100: the wait ended with it);
+    # gap 110-250: host until 205, then waiting; gap 260-400: host until 305, waiting, ended by the second copy
+    assert gaps["gap_host_us"] == 95 + 45 and gaps["gap_wait_us"] == 50 + 45 + 95
+    assert gaps["gap_wait_under_h2d_us"] == 50 + 75 and gaps["gap_wait_ended_by_h2d_us"] == 50 + 95
+
+    # the floor per level: max(compute, H2D bytes / rate, D2H bytes / rate)
+    floor = bench.floors(
+        [REFRESH, ACTIVE],
+        [(0, 10e6), (30e6, 0)],
+        {"L3 full+refresh": 5.0, "L1 active": 2.0},
+        dict(h2d_pinned_GBps=10, d2h_pinned_GBps=10),
+    )
+    assert floor["per_level"]["L3 full+refresh"]["floor_ms"] == 5.0
+    assert floor["per_level"]["L1 active"]["floor_ms"] == pytest.approx(3.0)
+    assert floor["per_level"]["L1 active"]["bound"] == "copy" and floor["floor_ms_per_step"] == pytest.approx(4.0)
+
 
 @pytest.mark.parametrize("level", [ACTIVE, MEDIUM, REFRESH])
 def test_counted_flops_are_the_flops_the_region_forward_spends(level):
@@ -372,3 +408,49 @@ def test_counted_flops_are_the_flops_the_region_forward_spends(level):
     with FlopCounterMode(display=False) as counter:
         forward(level, **batch, plan=plan, store=store)
     assert counter.get_total_flops() == region_forward_flops(model, 32, 6, 2, plan.computed(level), True)
+
+
+def test_medium_entries_that_no_level_one_step_reads_are_not_stored(monkeypatch):
+    from opensora.inference import jano
+
+    levels = [3, 1, 2, 1, 2, 3, 2, 2, 1, 0]
+    assert [jano.medium_read_later(lambda j: levels[j], i, len(levels)) for i in (2, 4, 6, 7)] == [
+        True,
+        False,
+        False,
+        True,
+    ]
+
+    class Counting(DeviceStore):
+        def __init__(self):
+            super().__init__()
+            self.keys = []
+
+        def store_async(self, tensor, key):
+            self.keys.append(key)
+            super().store_async(tensor, key)
+
+        def hint_upcoming(self, keys):
+            self.hints = getattr(self, "hints", []) + [list(keys)]
+
+    model, batch = tiny_model(), inputs()
+    sampler = sampler_for(model)
+    config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=3, medium_interval=2, dilation=0)
+    runs = {}
+    for always in (False, True):
+        if always:
+            monkeypatch.setattr(jano, "medium_read_later", lambda *args: True)
+        store = Counting()
+        cache = JanoCache(config, store=store)
+        cache.forced_classes = torch.ones(4, 32, dtype=torch.int8)  # 2 samples x 2 CFG branches
+        cache.forced_classes[:, :8], cache.forced_classes[:, 8:20] = 3, 2
+        sampler.accelerator = cache
+        runs[always] = denoise(sampler, batch, steps=12), store.keys
+    assert cache.stats.levels == [0, 0, 0, 3, 1, 2, 3, 2, 1, 3, 1, 0]  # the first level-2 step precedes a refresh
+    assert torch.equal(runs[False][0], runs[True][0])
+    skipped = [k for k in runs[True][1] if k.startswith("m_")]
+    assert len(skipped) - len([k for k in runs[False][1] if k.startswith("m_")]) == cache._forward.num_layers + 1
+    # after each step that queues the next one's prefetches, the store hears the keys of the steps after it (up to
+    # two, stopping at a refresh): after step 3 those of step 5 (level 2; step 6 refreshes), after step 6 step 8's
+    layers = cache._forward.num_layers
+    assert store.hints == [cache.plan.entry_keys(layers, 2), [], cache.plan.entry_keys(layers, 1), [], []]

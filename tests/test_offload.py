@@ -238,3 +238,71 @@ def test_begin_fetch_step_twice_queues_each_key_once():
         om.fetch(key)
         om.release(key)
     assert om.stats["prefetches"] == 2 and om.stats["sync_fetches"] == 0
+
+
+def _read(om, keys):
+    om.begin_fetch_step(keys)
+    out = {}
+    for key in keys:
+        out[key] = om.fetch(key).clone()
+        om.release(key)
+    return out
+
+
+def test_a_slot_still_holding_the_current_version_is_reused_without_a_copy():
+    om, fake = manager(ring_size=2)
+    a = torch.randn(3)
+    om.store_async(a, "a")
+    _read(om, ["a"])
+    assert om.stats["prefetches"] == 1 and om.stats["h2d_bytes"] == 12
+    fake.log.clear()
+    torch.testing.assert_close(_read(om, ["a"])["a"], a)  # unchanged since the last fetch: no copy
+    assert [e for e in fake.log if e[0] == "copy"] == [] and om.stats["slot_hits"] == 1
+    assert om.stats["prefetches"] == 1 and om.stats["h2d_bytes"] == 12
+    newer = torch.randn(3)
+    om.store_async(newer, "a")  # a new version: the slot is stale, the next fetch copies
+    torch.testing.assert_close(_read(om, ["a"])["a"], newer)
+    assert om.stats["prefetches"] == 2 and om.stats["slot_hits"] == 1
+    off, _ = manager(ring_size=2)
+    off.reuse_slots = False
+    off.store_async(a, "a")
+    _read(off, ["a"])
+    _read(off, ["a"])
+    assert off.stats["prefetches"] == 2 and off.stats["slot_hits"] == 0
+
+
+def test_refill_evicts_stale_then_the_entry_read_furthest_ahead():
+    om, _ = manager(ring_size=2)
+    values = {k: torch.randn(2) for k in "abc"}
+    for key, value in values.items():
+        om.store_async(value, key)
+    _read(om, ["a", "b"])  # slots hold a and b
+    om.hint_upcoming(["a"])  # a is read again soon, b not at all
+    _read(om, ["c"])  # c must evict b, not a (a was released first, plain LRU would evict it)
+    assert om.stats["prefetches"] == 3
+    out = _read(om, ["a"])
+    assert om.stats["slot_hits"] == 1 and om.stats["prefetches"] == 3
+    torch.testing.assert_close(out["a"], values["a"])
+    om.store_async(torch.randn(2), "a")  # a's slot is now stale: the next refill takes it before c's
+    _read(om, ["b"])
+    held = {om._slot_holds[s][0] for s in om._slot_holds if om._holds_current(s)}
+    assert held == {"b", "c"}
+
+
+def test_clear_invalidates_the_slots_of_forgotten_values():
+    om, _ = manager(ring_size=2)
+    om.store_async(torch.randn(2), "a")
+    _read(om, ["a"])
+    om.clear()
+    value = torch.randn(2)
+    om.store_async(value, "a")
+    torch.testing.assert_close(_read(om, ["a"])["a"], value)
+    assert om.stats["slot_hits"] == 0 and om.stats["prefetches"] == 2
+
+
+def test_stores_count_bytes_both_ways():
+    om, _ = manager(ring_size=2)
+    om.store_async(torch.randn(4, 2), "a")
+    om.store_async(torch.randn(3), "b")
+    _read(om, ["a", "b"])
+    assert om.stats["d2h_bytes"] == 44 and om.stats["h2d_bytes"] == 44

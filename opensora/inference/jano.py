@@ -224,7 +224,10 @@ class RegionForward:
         text_mask_has_padding=None,
         plan: Optional[RegionPlan] = None,
         store=None,
+        store_medium: bool = True,
     ) -> torch.Tensor:
+        """``store_medium=False``: a level-2 step does not store its medium entries (the caller knows no step reads
+        them before they are overwritten, so they need not cross the bus)."""
         m = self.model
         if x.dim() != 5 or x.shape[1] != m.in_channels:
             raise ValueError(f"x must be [B, {m.in_channels}, T, H, W], got {tuple(x.shape)}")
@@ -261,7 +264,7 @@ class RegionForward:
 
         hooks = [None] * self.num_layers
         if level != FULL:
-            hooks = [self._kv_hook(level, plan, store, layer, n_txt) for layer in range(self.num_layers)]
+            hooks = [self._kv_hook(level, plan, store, layer, n_txt, store_medium) for layer in range(self.num_layers)]
         depth_double = len(m.double_blocks)
         for i, block in enumerate(m.double_blocks):
             img, txt = block(img, txt, vec, rope, mask, kv_hook=hooks[i])
@@ -270,11 +273,11 @@ class RegionForward:
             tokens = block(tokens, vec, rope, mask, kv_hook=hooks[depth_double + i])
         out = m.final_layer(tokens[:, n_txt:], vec)
         if level != FULL:
-            out = self._outputs(level, plan, store, out)
+            out = self._outputs(level, plan, store, out, store_medium)
         return unpatchify(out, grid, m.patch_size)
 
     @staticmethod
-    def _kv_hook(level, plan: RegionPlan, store, layer: int, n_txt: int):
+    def _kv_hook(level, plan: RegionPlan, store, layer: int, n_txt: int, store_medium: bool = True):
         k1, k2, n = plan.k_active, plan.k_medium, plan.num_tokens
         m_key, s_key = f"m_kv_{layer}", f"s_kv_{layer}"
 
@@ -287,7 +290,7 @@ class RegionForward:
                     pos = n_txt + plan.order[:, k2:]
                     store.store_async(torch.stack((_gather_heads(k, pos), _gather_heads(v, pos))), s_key)
                 return k, v, mask
-            if level == MEDIUM and k1 < k2:  # the medium tokens were computed: they refresh the medium cache
+            if level == MEDIUM and k1 < k2 and store_medium:  # the medium tokens were computed: refresh their cache
                 store.store_async(
                     torch.stack((k[:, :, n_txt + k1 : n_txt + k2], v[:, :, n_txt + k1 : n_txt + k2])), m_key
                 )
@@ -302,7 +305,7 @@ class RegionForward:
         return hook
 
     @staticmethod
-    def _outputs(level, plan: RegionPlan, store, out: torch.Tensor) -> torch.Tensor:
+    def _outputs(level, plan: RegionPlan, store, out: torch.Tensor, store_medium: bool = True) -> torch.Tensor:
         """Store (level 3) or complete (levels 1/2) the final-layer outputs; returns [R, N, F] in token order."""
         k1, k2, n = plan.k_active, plan.k_medium, plan.num_tokens
         if level == REFRESH:
@@ -311,13 +314,25 @@ class RegionForward:
             if k2 < n:
                 store.store_async(_gather_tokens(out, plan.order[:, k2:]), "s_x")
             return out
-        if level == MEDIUM and k1 < k2:
+        if level == MEDIUM and k1 < k2 and store_medium:
             store.store_async(out[:, k1:k2].contiguous(), "m_x")
         keys = plan.reads(level, "x")
         permuted = torch.cat([out] + [store.fetch(key) for key in keys], dim=1)
         for key in keys:
             store.release(key)
         return torch.empty_like(permuted).scatter_(1, plan.order[..., None].expand_as(permuted), permuted)
+
+
+def medium_read_later(level_of, step: int, num_steps: int) -> bool:
+    """Whether a level-1 step reads the medium cache that step ``step`` (level 2) writes before a later level-2 or
+    level-3 step overwrites it; ``level_of(j)`` is step j's level."""
+    for j in range(step + 1, num_steps):
+        level = level_of(j)
+        if level == ACTIVE:
+            return True
+        if level in (MEDIUM, REFRESH):
+            return False
+    return False
 
 
 def region_forward_flops(
@@ -456,6 +471,7 @@ class JanoCache(_Accelerator):
             text_mask_has_padding,
             plan=self.plan,
             store=self.store,
+            store_medium=level != MEDIUM or medium_read_later(self._level, self.step, len(self.levels)),
         )
         self.stats.flops += (
             full
@@ -472,7 +488,20 @@ class JanoCache(_Accelerator):
             # Queue the next step's prefetches now: the first ring slots fill while this step's tail still computes
             # (this step's stores were queued before them, and each key's prefetch waits for its store).
             self.store.begin_fetch_step(self.plan.entry_keys(self._forward.num_layers, following))
+            self.store.hint_upcoming(self._keys_after(self.step))  # the steps after the queued one
         return out
+
+    def _keys_after(self, step: int, steps: int = 2) -> List[str]:
+        """Entries the cached steps after ``step`` read (up to ``steps`` of them, stopping at a refresh), in order."""
+        keys = []
+        for j in range(step + 1, len(self.levels)):
+            level = self._level(j)
+            if level == REFRESH or steps == 0:
+                break
+            if level in (ACTIVE, MEDIUM):
+                keys += self.plan.entry_keys(self._forward.num_layers, level)
+                steps -= 1
+        return keys
 
     def _level(self, step: int) -> int:
         """The level step ``step`` runs at: the schedule's, or 3 when a cached level would compute every token."""

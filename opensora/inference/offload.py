@@ -20,6 +20,14 @@ was never prefetched, copies it synchronously). A slot is refilled only after th
 ``release`` of the entry it held, so the ring can be far smaller than the cache: GPU memory held by the cache is
 the ring (``ring_size`` slots of the largest entry), the copies run ``ring_size`` entries ahead of the compute.
 
+Staging slots are also a cache keyed by entry *version* (``reuse_slots``): every ``store_async`` bumps the key's
+version, a slot remembers the (key, version) it was last filled with, and a prefetch of a key whose current version
+still sits in a free slot takes that slot without a copy. A refill picks, among the free slots, first one that holds
+nothing or a stale version, then the one whose entry is read furthest ahead (queued prefetches, then the keys
+``hint_upcoming`` names, then never), the least recently released among equals. Static entries change only at
+refreshes, so with a ring that holds a step's entries they cross the bus once per refresh; a ring smaller than a
+step's reads refills every freed slot at once and so gets no hits (the slots stream).
+
 The CUDA calls live behind ``CudaBackend``; tests drive the same bookkeeping with a recording CPU backend.
 """
 
@@ -27,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,6 +53,9 @@ class DeviceStore:
         self._entries[key] = tensor
 
     def begin_fetch_step(self, keys: Iterable[str]) -> None:
+        pass
+
+    def hint_upcoming(self, keys: Iterable[str]) -> None:
         pass
 
     def fetch(self, key: str) -> torch.Tensor:
@@ -125,9 +136,18 @@ class OffloadManager:
             ``None``: one slot per entry (the spec's literal design: every copy of a step in flight at once, but
             the staging then holds as much GPU memory as the cache it offloads).
         separate_store_stream: stores on a stream of their own (see the module docstring); False = one data stream.
+        reuse_slots: a prefetch of an entry whose current version still sits in a free staging slot reuses that
+            slot without a copy (see the module docstring).
     """
 
-    def __init__(self, device="cuda", ring_size: Optional[int] = 8, backend=None, separate_store_stream: bool = True):
+    def __init__(
+        self,
+        device="cuda",
+        ring_size: Optional[int] = 8,
+        backend=None,
+        separate_store_stream: bool = True,
+        reuse_slots: bool = True,
+    ):
         if ring_size is not None and ring_size < 1:
             raise ValueError(f"ring_size must be >= 1 or None, got {ring_size}")
         self.backend = backend if backend is not None else CudaBackend(device)
@@ -140,7 +160,7 @@ class OffloadManager:
         self.ring_size = ring_size
         self._pinned: Dict[str, torch.Tensor] = {}
         self._stored: set = set()  # keys whose pinned buffer holds a stored value
-        self._inflight: List[Tuple[object, torch.Tensor]] = []  # (copy-done event on data_stream, source) pairs
+        self._inflight: deque = deque()  # (copy-done event on the store stream, source) pairs, in store order
         self._ring: Optional[torch.Tensor] = None  # flat byte buffer: ring_size slots of _slot_bytes
         self._slot_bytes = 0
         self._ring_slot_bytes = 0
@@ -150,7 +170,16 @@ class OffloadManager:
         self._pending: deque = deque()  # prefetch keys not yet issued (waiting for a free slot)
         self._issued: Dict[str, Tuple[int, object]] = {}  # key -> (slot, H2D-done event)
         self._held: Dict[str, int] = {}  # fetched, not yet released: key -> slot
-        self.stats = dict(pinned_allocations=0, stores=0, prefetches=0, sync_fetches=0)
+        self.reuse_slots = reuse_slots
+        self._version: Dict[str, int] = {}  # key -> bumped by every store (and a re-allocated pinned buffer)
+        self._slot_holds: Dict[int, Tuple[str, int, object]] = {}  # slot -> (key, version, H2D-done event)
+        self._upcoming: Dict[str, int] = {}  # key -> position among the keys later steps read (hint_upcoming)
+        self._views: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, key) -> (pinned, view)
+        self._queued_at: Dict[str, int] = {}  # pending key -> queue sequence number (FIFO: smaller = read sooner)
+        self._sequence = 0
+        self.stats = dict(
+            pinned_allocations=0, stores=0, prefetches=0, sync_fetches=0, slot_hits=0, h2d_bytes=0, d2h_bytes=0
+        )
 
     # ---- storage --------------------------------------------------------------------------------------------
     def reserve(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> None:
@@ -162,6 +191,7 @@ class OffloadManager:
             self._resize = True  # one slot per entry: a new entry needs a larger ring
         self._pinned[key] = self.backend.pinned_empty(shape, dtype)
         self._stored.discard(key)
+        self._version[key] = self._version.get(key, 0) + 1  # no slot holds this buffer's value
         self.stats["pinned_allocations"] += 1
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         nbytes = -(-nbytes // 256) * 256  # slots aligned for any dtype view
@@ -186,11 +216,19 @@ class OffloadManager:
         self._inflight.append((copied, tensor))  # the source stays alive until the DMA has read it
         self._stored_event[key] = copied
         self._stored.add(key)
+        self._version[key] = self._version.get(key, 0) + 1
         self.stats["stores"] += 1
+        self.stats["d2h_bytes"] += self._nbytes(key)
         self._prune()
 
+    def _nbytes(self, key: str) -> int:
+        pinned = self._pinned[key]
+        return pinned.numel() * pinned.element_size()
+
     def _prune(self) -> None:
-        self._inflight = [(event, source) for event, source in self._inflight if not self.backend.done(event)]
+        # stores complete in the order they were queued on one stream: drop completed ones from the front
+        while self._inflight and self.backend.done(self._inflight[0][0]):
+            self._inflight.popleft()
 
     def inflight(self) -> int:
         """Stores whose source tensor is still referenced (copy not known to be complete)."""
@@ -208,6 +246,8 @@ class OffloadManager:
             self._ring = None
             self._free_slots.clear()
             self._slot_released.clear()
+            self._slot_holds.clear()
+            self._views.clear()
         self._resize = False
         if self._ring is None and self._slot_bytes:
             slots = self.ring_size or len(self._pinned)
@@ -217,15 +257,61 @@ class OffloadManager:
 
     def _slot_view(self, slot: int, key: str) -> torch.Tensor:
         pinned = self._pinned[key]
+        cached = self._views.get((slot, key))
+        if cached is not None and cached[0] is pinned:
+            return cached[1]  # views are made once: fewer host-side tensor ops per copy
         nbytes = pinned.numel() * pinned.element_size()
         if nbytes > self._ring_slot_bytes:
             raise RuntimeError(f"entry '{key}' ({nbytes} bytes) outgrew the staging slots ({self._ring_slot_bytes})")
         start = slot * self._ring_slot_bytes
-        return self._ring[start : start + nbytes].view(pinned.dtype).view(pinned.shape)
+        view = self._ring[start : start + nbytes].view(pinned.dtype).view(pinned.shape)
+        self._views[(slot, key)] = (pinned, view)
+        return view
+
+    def _holds_current(self, slot: int) -> Optional[str]:
+        """The key whose current version ``slot`` holds, or None."""
+        held = self._slot_holds.get(slot)
+        if held is None or self._version.get(held[0]) != held[1] or held[0] not in self._stored:
+            return None
+        return held[0]
+
+    def _take_slot(self, key: str) -> Tuple[int, bool]:
+        """A free slot for ``key`` and whether it already holds ``key``'s current version (no copy needed)."""
+        free = self._free_slots
+        if self.reuse_slots:
+            for slot in free:
+                if self._holds_current(slot) == key:
+                    free.remove(slot)
+                    return slot, True
+            # A victim: empty or stale first, then the entry read furthest in the known future (queued prefetches,
+            # then the ``hint_upcoming`` keys; never = furthest); among equals the least recently released.
+            later, never = 1 << 40, 1 << 62
+            best, best_rank = None, None
+            for slot in free:  # free is in release order: the first of equal rank is the least recently released
+                holder = self._holds_current(slot)
+                if holder is None:
+                    rank = (0, 0)
+                elif holder in self._queued_at:
+                    rank = (1, -self._queued_at[holder])
+                else:
+                    rank = (1, -(later + self._upcoming[holder]) if holder in self._upcoming else -never)
+                if best_rank is None or rank < best_rank:
+                    best, best_rank = slot, rank
+            free.remove(best)
+            return best, False
+        return free.popleft(), False
 
     def _issue(self, key: str) -> None:
         backend = self.backend
-        slot = self._free_slots.popleft()
+        slot, hit = self._take_slot(key)
+        if hit:
+            # The slot still holds this version: nothing crosses the bus. The compute stream released the slot after
+            # reading it and reads it again in order; waiting on the old copy's event keeps fetch() uniform.
+            self._slot_released.pop(slot, None)
+            ready = self._slot_holds[slot][2]
+            self._issued[key] = (slot, ready)
+            self.stats["slot_hits"] += 1
+            return
         released = self._slot_released.pop(slot, None)
         if released is not None:
             backend.wait(self.data_stream, released)  # the compute stream is done with the slot's last entry
@@ -238,11 +324,15 @@ class OffloadManager:
         backend.record(ready, self.data_stream)
         self._issued[key] = (slot, ready)
         self._read_event[key] = ready
+        self._slot_holds[slot] = (key, self._version[key], ready)
         self.stats["prefetches"] += 1
+        self.stats["h2d_bytes"] += self._nbytes(key)
 
     def _issue_pending(self) -> None:
         while self._pending and self._free_slots and not self._resize:  # a pending resize waits for the next step
-            self._issue(self._pending.popleft())
+            key = self._pending.popleft()
+            self._queued_at.pop(key, None)
+            self._issue(key)
 
     def begin_fetch_step(self, keys: Iterable[str]) -> None:
         """Queue host -> device copies of ``keys`` (in the order the step reads them) on the data stream."""
@@ -252,8 +342,18 @@ class OffloadManager:
         if missing:
             raise KeyError(f"prefetch of entries never stored: {missing[:4]}")
         self._ensure_ring()
+        for key in keys:
+            self._queued_at[key] = self._sequence
+            self._sequence += 1
         self._pending.extend(keys)
         self._issue_pending()
+
+    def hint_upcoming(self, keys: Iterable[str]) -> None:
+        """Keys the steps after the queued ones will read, in order: only used to choose which staging slot to
+        refill (keep the entries read soonest), so a ring that can hold them keeps unchanged entries off the bus."""
+        self._upcoming = {}
+        for position, key in enumerate(keys):
+            self._upcoming.setdefault(key, position)
 
     def fetch(self, key: str) -> torch.Tensor:
         """The entry on the device (a staging slot: read it, then ``release`` it; do not write it)."""
@@ -265,6 +365,7 @@ class OffloadManager:
             # Not prefetched (or still queued behind a full ring): issue it now, out of order, and wait below.
             if key in self._pending:
                 self._pending.remove(key)
+                self._queued_at.pop(key, None)
             self._ensure_ring()
             if not self._free_slots:
                 raise RuntimeError(
@@ -299,6 +400,8 @@ class OffloadManager:
     def clear(self) -> None:
         """Forget outstanding prefetches and stored values (pinned buffers and the ring are kept for reuse)."""
         self._pending.clear()
+        self._queued_at.clear()
+        self._upcoming = {}
         for key in list(self._held):
             self.release(key)
         self.synchronize()
@@ -348,6 +451,9 @@ class SplitStore:
 
     def begin_fetch_step(self, keys) -> None:
         self.offload.begin_fetch_step([k for k in keys if not self.resident(k)])
+
+    def hint_upcoming(self, keys) -> None:
+        self.offload.hint_upcoming([k for k in keys if not self.resident(k)])
 
     def fetch(self, key):
         return self._route(key).fetch(key)
