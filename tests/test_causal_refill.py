@@ -94,3 +94,33 @@ def test_chunk_flops_formula_matches_the_flop_counter(text_cached):
     tokens = frames * 2 * 2
     expected = mmdit_chunk_flops(model, tokens, text["text_emb"].shape[1], tokens, run_text=not text_cached)
     assert counter.get_total_flops() == expected
+
+
+def test_merged_graph_plumbing_replays_the_eager_pass_on_a_cpu():
+    """``MergedGraphs`` with the capture replaced by re-running the body: static inputs, cached video and text copied
+    in, outputs cloned out; the streamed video equals the eager merged one over two videos (graphs kept)."""
+    from opensora.models.mmdit.causal_refill import MergedGraphs
+
+    class EagerReplay(MergedGraphs):
+        @staticmethod
+        def usable(x):
+            return True
+
+        def _record(self, body):
+            body()
+            return body
+
+    sampler = tiny_sampler()
+    kwargs = dict(step_list=[1.0, 0.5], guidance_scale=3.0, window_frames=4, merge_refill=True)
+    eager = StreamingGenerator(sampler, **kwargs)
+    graphed = StreamingGenerator(sampler, **kwargs)
+    graphed.merged_graphs = EagerReplay(sampler.model)
+    for prompts in (PROMPTS, PROMPTS[::-1]):
+        a = list(eager.stream(prompts, [0, 1], 12, 16, 16, decode=False))
+        b = list(graphed.stream(prompts, [0, 1], 12, 16, 16, decode=False))
+        for x, y in zip(a, b):
+            assert torch.equal(x.latents, y.latents)
+    summary = graphed.merged_graphs.summary
+    # 6 chunks: 5 merged passes per video, the first one eager (its refill time is not cached yet); cached frames
+    # 0 -> 2 (first replay) and 2 -> 4 (window) give 2 shapes
+    assert summary["replays"] == 2 * 4 and summary["graphs"] == 2 and summary["failures"] == []

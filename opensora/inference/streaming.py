@@ -39,7 +39,7 @@ from opensora.diffusion.guidance import text_cfg
 from opensora.diffusion.sampling import timesteps_for_sampling, timesteps_from_list
 from opensora.inference.io import uint8_frames_on_device
 from opensora.inference.pipeline import _module_dtype, noise_from_generators
-from opensora.models.mmdit.causal_refill import refill_and_step
+from opensora.models.mmdit.causal_refill import MergedGraphs, refill_and_step
 from opensora.models.vae.base import video_num_frames
 
 ROLLOUTS = ("renoise", "euler")
@@ -156,7 +156,8 @@ class StreamingGenerator:
             ``text_cache_bytes``). A fresh cache per ``stream`` call: nothing carries over between videos.
         merge_refill: run each refill together with the next chunk's first step as one pass of twice the rows
             (``causal_refill.refill_and_step``; equal to the separate passes up to reduction order, fp32 tolerance).
-            The merged passes run eagerly (CUDA graphs, when on, replay the other passes).
+            With ``cuda_graphs`` the merged passes are replayed too (``causal_refill.MergedGraphs``), except the first
+            of a video (its refill time is not in the text cache yet).
         decode_graphs: decode each chunk through ``GraphedDecode`` (one CUDA graph per chunk shape, GPU only);
             ``None``: when ``cuda_graphs`` is on. Kept across videos.
         cuda_graphs: replay the chunk passes as CUDA graphs (``chunk_graphs.ChunkGraphs``: one graph per pass shape
@@ -204,11 +205,12 @@ class StreamingGenerator:
             vae_dtype = _module_dtype(sampler.vae, sampler.dtype)
             self.decode_graphs = GraphedDecode(sampler.vae, vae_dtype, sampler.decode)
         self.passes = 0  # model passes run (a merged pass counts once), over every ``stream`` call
-        self.cuda_graphs = None
+        self.cuda_graphs = self.merged_graphs = None
         if cuda_graphs:
             from opensora.inference.chunk_graphs import ChunkGraphs
 
             self.cuda_graphs = ChunkGraphs(model)
+            self.merged_graphs = MergedGraphs(model) if merge_refill else None
 
     def schedule(self, latent_size: Sequence[int]) -> List[float]:
         """Times of one chunk, the final 0 included (host floats: the loop never reads a device value)."""
@@ -304,6 +306,7 @@ class StreamingGenerator:
                 text_cache=text_cache,
                 prev_key=self.context_time,
                 next_key=t,
+                graphs=self.merged_graphs,
             )
             return combine(out)
 
