@@ -32,6 +32,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from opensora.models.mmdit.causal_refill import capture_side_stream
+
 
 class _StaticPast:
     """``KVCache``'s ``num_blocks`` / ``block(i)`` over static buffers (None when the pass has no cached frames)."""
@@ -95,7 +97,6 @@ class ChunkGraphs:
         self.failed: set = set()
         self.failures: List[str] = []
         self.pool = None
-        self._side = None  # the capture side stream (see _record)
         self.captures = self.replays = self.eager = 0
         self._preludes: Dict[tuple, tuple] = {}
         self.text_statics: Dict[tuple, list] = {}  # (text key, shape, dtype, device) -> [buffers, last source]
@@ -275,11 +276,7 @@ class ChunkGraphs:
         ``graph.replay`` replay it. (tests/test_streaming.py swaps this for an eager replay to check the buffer
         plumbing on a CPU.)"""
         cuda_graph = torch.cuda.CUDAGraph()
-        # one side stream for every capture: cuBLAS keeps a workspace (32 MiB on Hopper) per stream it ever ran on,
-        # for the life of the process, so a fresh stream per capture leaked ~33 MiB of allocated memory per graph
-        if self._side is None:
-            self._side = torch.cuda.Stream()
-        side = self._side
+        side = capture_side_stream()  # one for the process: a fresh stream per capture leaves a cuBLAS workspace
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the capture (cuBLAS handles/workspaces, lazy initialisation)

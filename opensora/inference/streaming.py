@@ -39,7 +39,7 @@ from opensora.diffusion.guidance import text_cfg
 from opensora.diffusion.sampling import timesteps_for_sampling, timesteps_from_list
 from opensora.inference.io import uint8_frames_on_device
 from opensora.inference.pipeline import _module_dtype, noise_from_generators
-from opensora.models.mmdit.causal_refill import MergedGraphs, refill_and_step
+from opensora.models.mmdit.causal_refill import MergedGraphs, capture_side_stream, refill_and_step
 from opensora.models.vae.base import video_num_frames
 
 ROLLOUTS = ("renoise", "euler")
@@ -95,7 +95,6 @@ class GraphedDecode:
         self.vae, self.dtype, self.fallback = vae, dtype, fallback
         self.graphs: dict = {}
         self.failures: List[str] = []
-        self._side = None
 
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         if not (latents.is_cuda and torch.cuda.is_available()) or torch.is_grad_enabled():
@@ -123,13 +122,12 @@ class GraphedDecode:
         def body():
             return uint8_frames_on_device(self.vae.decode(static_in))
 
-        if self._side is None:
-            self._side = torch.cuda.Stream()
-        self._side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side):
+        side = capture_side_stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
             for _ in range(2):
                 body()
-        torch.cuda.current_stream().wait_stream(self._side)
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = body()

@@ -186,6 +186,19 @@ def merged_body(model, inputs: Dict[str, Optional[torch.Tensor]], num_text: int,
     return unpatchify(out[rows:], grid, model.patch_size), pending, entries
 
 
+_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def capture_side_stream() -> "torch.cuda.Stream":
+    """The side stream every CUDA-graph warm-up of the streaming sampler runs on (one per device, for the process).
+    cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it ever ran on, until the process ends, so a fresh
+    stream per capture leaves ~33 MiB of allocated memory behind each time (up to the 32 streams of PyTorch's pool)."""
+    index = torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream()
+    return _SIDE_STREAMS[index]
+
+
 class _Past:
     def __init__(self, keys: List[torch.Tensor], values: List[torch.Tensor]):
         self.keys, self.values, self.num_blocks = keys, values, len(keys)
@@ -204,7 +217,6 @@ class MergedGraphs:
         self.graphs: Dict[tuple, object] = {}
         self.failures: List[str] = []
         self.captures = self.replays = 0
-        self._side = None
         self.pool = None
 
     @staticmethod
@@ -264,13 +276,12 @@ class MergedGraphs:
     def _record(self, body):
         """Warm ``body`` up on a side stream, capture it (one memory pool for all shapes); returns the replay
         function. (tests/test_causal_refill.py swaps this for an eager replay to check the plumbing on a CPU.)"""
-        if self._side is None:
-            self._side = torch.cuda.Stream()
-        self._side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side):
+        side = capture_side_stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the capture (cuBLAS handles, lazy initialisation)
                 body()
-        torch.cuda.current_stream().wait_stream(self._side)
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             body()
