@@ -486,7 +486,10 @@ def run_quality(args) -> dict:
         guidance_scale=float(student_cfg.get("guidance_scale", 1.0)),
         window_frames=window,
         sink_frames=sinks,
-        context_time=float(student_cfg.get("context_time") or 0.0),
+        context_time=float(
+            args.context_time if args.context_time is not None else student_cfg.get("context_time") or 0.0
+        ),
+        merge_refill=args.merge_refill,
     )
     result = dict(
         mode="quality",
@@ -787,6 +790,10 @@ def parse_args(argv=None):
     quality.add_argument("--rollout", default=None)
     quality.add_argument("--window-frames", type=int, default=None)
     quality.add_argument("--sink-frames", type=int, default=None)
+    quality.add_argument(
+        "--context-time", type=float, default=None, help="refill time (default: the student config's, else 0)"
+    )
+    quality.add_argument("--merge-refill", action="store_true", help="fold each refill into the next chunk's pass")
     quality.add_argument("--long-multiple", type=int, default=4)
     quality.add_argument("--num-prompts", type=int, default=None)
     quality.add_argument("--seed", type=int, default=1000)
