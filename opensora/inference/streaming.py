@@ -315,9 +315,8 @@ class StreamingGenerator:
                 frames = min(self.chunk_frames, total - start)
                 x = noise(frames)
                 if waiting is not None and (not self.merge_refill or waiting.shape != x.shape):
-                    velocity(
-                        waiting, self.context_time, True, start - waiting.shape[2]
-                    )  # the refill as a pass of its own
+                    # the previous chunk's refill as a pass of its own
+                    velocity(waiting, self.context_time, True, start - waiting.shape[2])
                     waiting = None
                 for step, (t, t_next) in enumerate(zip(times[:-1], times[1:])):
                     if step == 0 and waiting is not None:
