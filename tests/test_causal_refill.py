@@ -121,6 +121,6 @@ def test_merged_graph_plumbing_replays_the_eager_pass_on_a_cpu():
         for x, y in zip(a, b):
             assert torch.equal(x.latents, y.latents)
     summary = graphed.merged_graphs.summary
-    # 6 chunks: 5 merged passes per video, the first one eager (its refill time is not cached yet); cached frames
-    # 0 -> 2 (first replay) and 2 -> 4 (window) give 2 shapes
-    assert summary["replays"] == 2 * 4 and summary["graphs"] == 2 and summary["failures"] == []
+    # 6 chunks: 5 merged passes per video; shapes: no cached frames and text rows run (the context time is not in the
+    # text cache yet), then text-cached with 2 and with 4 (window) cached frames
+    assert summary["replays"] == 2 * 5 and summary["graphs"] == 3 and summary["failures"] == []

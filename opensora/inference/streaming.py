@@ -154,8 +154,7 @@ class StreamingGenerator:
             ``text_cache_bytes``). A fresh cache per ``stream`` call: nothing carries over between videos.
         merge_refill: run each refill together with the next chunk's first step as one pass of twice the rows
             (``causal_refill.refill_and_step``; equal to the separate passes up to reduction order, fp32 tolerance).
-            With ``cuda_graphs`` the merged passes are replayed too (``causal_refill.MergedGraphs``), except the first
-            of a video (its refill time is not in the text cache yet).
+            With ``cuda_graphs`` the merged passes are replayed too (``causal_refill.MergedGraphs``).
         decode_graphs: decode each chunk through ``GraphedDecode`` (one CUDA graph per chunk shape, GPU only);
             ``None``: when ``cuda_graphs`` is on. Kept across videos.
         cuda_graphs: replay the chunk passes as CUDA graphs (``chunk_graphs.ChunkGraphs``: one graph per pass shape

@@ -22,7 +22,7 @@ at the batch-1 streaming shapes a pass is latency-bound, so two rows cost little
 With a ``TextKVCache`` holding both times (every chunk after the second) the text rows are not run: each row takes
 its own time's cached text keys/values. Otherwise the text rows run and the missing entries are recorded.
 
-``MergedGraphs`` replays the text-cached merged pass as a CUDA graph per shape (inputs copied into static buffers,
+``MergedGraphs`` replays the merged pass as a CUDA graph per shape (inputs copied into static buffers,
 outputs cloned out), like ``opensora.inference.chunk_graphs`` does for the single-chunk passes.
 """
 
@@ -88,9 +88,8 @@ def refill_and_step(
         sin=rope[1],
         mask=mask,
     )
-    if graphs is not None and text_kv is not None and graphs.usable(prev_x):
-        velocity, pending = graphs(inputs, cache, text_kv)
-        entries = None
+    if graphs is not None and graphs.usable(prev_x):
+        velocity, pending, entries = graphs(inputs, text_emb.shape[1], cache, text_kv)
     else:
         velocity, pending, entries = merged_body(model, inputs, text_emb.shape[1], cache, text_kv)
     if text_cache is not None and entries is not None:
@@ -208,9 +207,11 @@ class _Past:
 
 
 class MergedGraphs:
-    """CUDA graphs of the text-cached merged pass (``merged_body``), one per input shape, kept across videos: the
-    inputs, the cached video and the text keys/values are copied into static buffers before each replay and the
-    outputs cloned out after it. A shape whose capture fails runs eagerly from then on (``failures``)."""
+    """CUDA graphs of the merged pass (``merged_body``), one per input shape and text-cache state (the first merged
+    pass of a video runs the text rows: its context time is not cached yet), kept across videos: the inputs, the cached
+    video and the text keys/values are copied into static buffers before each replay and the outputs (velocity, the
+    finished chunk's keys/values, new text entries) cloned out after it. A shape whose capture fails runs eagerly
+    from then on (``failures``)."""
 
     def __init__(self, model):
         self.model = model
@@ -223,14 +224,15 @@ class MergedGraphs:
     def usable(x: torch.Tensor) -> bool:
         return x.is_cuda and torch.cuda.is_available() and not torch.is_grad_enabled()
 
-    def __call__(self, inputs, cache: KVCache, text_kv):
+    def __call__(self, inputs, num_text: int, cache: KVCache, text_kv):
         past_k = cache.keys[0]
         key = tuple((n, None if t is None else (tuple(t.shape), t.dtype)) for n, t in inputs.items())
-        key += (None if past_k is None else tuple(past_k.shape), tuple(text_kv[0][0].shape), inputs["x"].device)
+        text_shape = None if text_kv is None else tuple(text_kv[0][0].shape)
+        key += (None if past_k is None else tuple(past_k.shape), text_shape, num_text, inputs["x"].device)
         entry = self.graphs.get(key)
         if entry is None:
             try:
-                entry = self.graphs[key] = self._capture(inputs, cache, text_kv)
+                entry = self.graphs[key] = self._capture(inputs, num_text, cache, text_kv)
                 self.captures += 1
             except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
                 self.failures.append(f"{type(error).__name__}: {error}")
@@ -238,8 +240,7 @@ class MergedGraphs:
                 torch.cuda.synchronize()
                 entry = self.graphs[key] = False
         if entry is False:
-            velocity, pending, _ = merged_body(self.model, inputs, 0, cache, text_kv)
-            return velocity, pending
+            return merged_body(self.model, inputs, num_text, cache, text_kv)
         static, past, text, replay, holder = entry
         for name, t in inputs.items():
             if t is not None:
@@ -248,28 +249,27 @@ class MergedGraphs:
             for i in range(cache.num_blocks):
                 past.keys[i].copy_(cache.keys[i])
                 past.values[i].copy_(cache.values[i])
-        for (dk, dv), (sk, sv) in zip(text, text_kv):
+        for (dk, dv), (sk, sv) in zip(text or (), text_kv or ()):
             dk.copy_(sk)
             dv.copy_(sv)
         replay()
         self.replays += 1
-        velocity, pending = holder["out"]
-        return velocity.clone(), {i: (k.clone(), v.clone()) for i, (k, v) in pending.items()}
+        velocity, pending, entries = holder["out"]
+        copy = lambda kv: {i: (k.clone(), v.clone()) for i, (k, v) in kv.items()}  # noqa: E731
+        return velocity.clone(), copy(pending), None if entries is None else tuple(copy(e) for e in entries)
 
-    def _capture(self, inputs, cache: KVCache, text_kv):
+    def _capture(self, inputs, num_text: int, cache: KVCache, text_kv):
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
         static = {name: clone(t) for name, t in inputs.items()}
         past = None
         if cache.keys[0] is not None:
             past = _Past([clone(k) for k in cache.keys], [clone(v) for v in cache.values])
         held = past if past is not None else _Past([None] * cache.num_blocks, [None] * cache.num_blocks)
-        text = [(clone(k), clone(v)) for k, v in text_kv]
-
+        text = None if text_kv is None else [(clone(k), clone(v)) for k, v in text_kv]
         holder = {}
 
         def body():
-            velocity, pending, _ = merged_body(self.model, static, 0, held, text)
-            holder["out"] = (velocity, pending)
+            holder["out"] = merged_body(self.model, static, num_text, held, text)
 
         return static, past, text, self._record(body), holder
 
