@@ -16,6 +16,7 @@ chunk times come from the generator (each chunk ends when its decoded uint8 fram
 """
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -36,6 +37,7 @@ from opensora.config import load_config  # noqa: E402
 from opensora.inference import pipeline  # noqa: E402
 from opensora.inference.pipeline import VideoSampler, resolve_device, role_model_config  # noqa: E402
 from opensora.inference.streaming import ChunkDecoder, StreamingGenerator  # noqa: E402
+from opensora.models.mmdit.flops import mmdit_chunk_flops, mmdit_forward_flops  # noqa: E402
 from opensora.registry import MODELS, build_module  # noqa: E402
 
 
@@ -140,25 +142,64 @@ def write_json(out_dir, name, payload):
 # --------------------------------------------------------------------------------------------------------------
 # (a) speed and memory at the 1B shape
 # --------------------------------------------------------------------------------------------------------------
+def stream_flops(model, chunk_tokens, text_tokens, chunks, chunk_frames, window, steps, merged, text_cache, rows=1):
+    """Forward FLOPs of one streamed video: per chunk ``steps`` passes + the refill (none after the last chunk; with
+    ``merged`` folded into the next chunk's first pass, whose refill rows also compute the masked next-chunk keys).
+    The first chunk's passes run the text rows (they fill the text cache); later ones too without ``text_cache``."""
+    per_frame = chunk_tokens // chunk_frames
+    total, held = 0, 0  # held: cached frames when the chunk starts
+    for c in range(chunks):
+        past = held * per_frame
+        run_text = c == 0 or not text_cache
+        one = mmdit_chunk_flops(model, chunk_tokens, text_tokens, past, rows, run_text)
+        total += steps * one
+        if c + 1 < chunks:  # the refill (no chunk reads the last one's)
+            extra = chunk_tokens if merged else 0
+            total += mmdit_chunk_flops(model, chunk_tokens, text_tokens, past, rows, run_text, extra_key_tokens=extra)
+        held = min(held + chunk_frames, window) if window is not None else held + chunk_frames
+    return total
+
+
+SPEED_VARIANTS = {  # name: (text cache, CUDA graphs (passes + decode), merged refill)
+    "window": (True, False, False),
+    "window-merged": (True, False, True),
+    "window-recompute-text": (False, False, False),
+    "window-graphs": (True, True, False),
+    "window-graphs-merged": (True, True, True),
+}
+
+
+def cuda_mib(fn=None) -> float:
+    return (fn or torch.cuda.memory_allocated)() / 2**20 if torch.cuda.is_available() else 0.0
+
+
 def run_speed(args) -> dict:
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    on_gpu = device.type == "cuda"
     cfg = load_config(args.config)
     frames, height, width = args.frames or training_clip(cfg)[0], *(args.size or training_clip(cfg)[1:])
     sampler = random_sampler(cfg, args.chunk_frames, device, dtype)
+    model = sampler.model
     train_latent = sampler.latent_size(frames, height, width)[0]
     window = args.window_frames if args.window_frames is not None else train_latent - args.chunk_frames
     prompts = ["a red circle moving left"] * args.batch
     seeds = list(range(args.batch))
     vae = sampler.vae
     text_cache_modes = dict(both=(True, False), on=(True,), off=(False,))[args.text_cache]
-    use_graphs = True in text_cache_modes and (
-        args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device.type == "cuda")
-    )
+    use_graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and on_gpu)
+    merge_modes = dict(both=(False, True), on=(True,), off=(False,))[args.merge_refill]
+    variants = [
+        name
+        for name, (cached, graphs, merged) in SPEED_VARIANTS.items()
+        if cached in text_cache_modes and (not graphs or (use_graphs and cached)) and merged in merge_modes
+    ]
+    weights_mib = sum(p.numel() * p.element_size() for m in (model, vae) for p in m.parameters()) / 2**20
     result = dict(
         mode="speed",
         text_cache=args.text_cache,
         cuda_graphs=use_graphs,
+        merge_refill=args.merge_refill,
         device=device_name(),
         config=args.config,
         batch=args.batch,
@@ -168,54 +209,97 @@ def run_speed(args) -> dict:
         sink_frames=args.sink_frames,
         training_clip=[frames, height, width],
         training_latent_frames=train_latent,
+        weights_mib=weights_mib,
         lengths={},
+        memory={},
     )
     # the decode share of a chunk: one later chunk's latents (with the decoder's overlap context) decoded alone
     latent_hw = sampler.latent_size(frames, height, width)[1:]
     overlap = ChunkDecoder(sampler.decode, vae).overlap
     chunk_latents = torch.randn(args.batch, vae.latent_channels, args.chunk_frames + overlap, *latent_hw, device=device)
     result["decode_s_per_chunk"], _ = timed(lambda: sampler.decode(chunk_latents), repeats=3)
+
+    # the FLOP ceiling: teacher FLOPs / student FLOPs at 1x (what the speed-up would be at equal FLOP/s)
+    pt, ph, pw = model.patch_size
+    tokens_per_frame = (latent_hw[0] // ph) * (latent_hw[1] // pw) // pt
+    text_tokens = sampler.encode_text(prompts[:1])[0]["text_emb"].shape[1]
+    teacher_flops = (
+        args.teacher_steps
+        * mmdit_forward_flops(model, tokens_per_frame * train_latent, text_tokens, 2 * args.batch)["total"]
+    )
+    n_chunks = -(-train_latent // args.chunk_frames)
+    flops = {}
+    for name in variants:
+        cached, _, merged = SPEED_VARIANTS[name]
+        student = stream_flops(
+            model,
+            tokens_per_frame * args.chunk_frames,
+            text_tokens,
+            n_chunks,
+            args.chunk_frames,
+            window,
+            len(args.step_list),
+            merged,
+            cached,
+            rows=args.batch,
+        )
+        flops[name] = dict(student_tflop=student / 1e12, ceiling=teacher_flops / student if student else None)
+    result["flops_1x"] = dict(
+        teacher_tflop=teacher_flops / 1e12,
+        teacher_passes=f"{args.teacher_steps} x batch 2 (CFG) over {tokens_per_frame * train_latent} video + "
+        f"{text_tokens} text tokens",
+        students=flops,
+    )
+
     rows = []
-    for multiple in args.lengths:
-        latent = (train_latent - 1) * multiple + 1 if vae.causal_temporal else train_latent * multiple
-        pixel_frames = vae.get_video_size((latent, 4, 4))[0]
-        variants = [
-            (name, win, cached, graphs)
-            for name, win in (("window", window), ("no-window", None))
-            for cached, graphs in ((True, False), (False, False), (True, True))
-            if cached in text_cache_modes and (not graphs or use_graphs)
-        ]
-        for name, win, cached, graphs in variants:
-            if name == "no-window" and not args.unbounded_baseline:
-                continue
-            # "-recompute-text": the old path (text through every block every pass); "-graphs": text cache + CUDA graphs
-            name = name if cached and not graphs else f"{name}-graphs" if graphs else f"{name}-recompute-text"
-            gen = StreamingGenerator(
-                sampler,
-                step_list=args.step_list,
-                window_frames=win,
-                sink_frames=args.sink_frames,
-                text_cache=cached,
-                cuda_graphs=graphs,
-            )
-            stream_once(gen, prompts, seeds, (pixel_frames, height, width))  # warm-up
-            if device.type == "cuda":
+    for name in variants:
+        cached, graphs, merged = SPEED_VARIANTS[name]
+        gen = StreamingGenerator(
+            sampler,
+            step_list=args.step_list,
+            window_frames=window,
+            sink_frames=args.sink_frames,
+            text_cache=cached,
+            cuda_graphs=graphs,
+            merge_refill=merged,
+        )
+        if on_gpu:
+            torch.cuda.empty_cache()
+        before_variant = cuda_mib()
+        for multiple in args.lengths:
+            latent = (train_latent - 1) * multiple + 1 if vae.causal_temporal else train_latent * multiple
+            pixel_frames = vae.get_video_size((latent, 4, 4))[0]
+            size = (pixel_frames, height, width)
+            stream_once(gen, prompts, seeds, size)  # warm-up (captures the graphs on the first length)
+            if on_gpu:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-            _, chunks = stream_once(gen, prompts, seeds, (pixel_frames, height, width))
+            resident = cuda_mib()
+            passes = gen.passes
+            _, chunks = stream_once(gen, prompts, seeds, size)
             summary = chunk_summary(chunks, args.batch)
-            if device.type == "cuda":
-                summary.update(peak_mib=torch.cuda.max_memory_allocated() / 2**20, resident_mib=base / 2**20)
             summary.update(
                 length_multiple=multiple,
                 pixel_frames=pixel_frames,
                 latent_frames=latent,
                 cache=name,
                 text_cache=cached,
+                merge_refill=merged,
+                model_passes=gen.passes - passes,
                 text_cache_mib=chunks[-1]["text_cache_bytes"] / 2**20,
                 cuda_graphs=gen.cuda_graphs.summary if graphs else None,
+                decode_graphs=None if gen.decode_graphs is None else len(gen.decode_graphs.graphs),
             )
+            if on_gpu:  # what holds the memory (see the README): resident = weights + what the variant keeps
+                peak = cuda_mib(torch.cuda.max_memory_allocated)
+                summary.update(
+                    peak_mib=peak,
+                    resident_mib=resident,
+                    working_mib=peak - resident,  # activations, KV/text caches of this video, decode
+                    held_by_variant_mib=resident - before_variant,  # graph pools, static buffers, decode graphs
+                    after_run_mib=cuda_mib(),
+                    reserved_mib=cuda_mib(torch.cuda.memory_reserved),
+                )
             result["lengths"][f"{multiple}x-{name}"] = dict(summary, chunk_seconds=[c["seconds"] for c in chunks])
             rows.append(
                 {
@@ -224,50 +308,72 @@ def run_speed(args) -> dict:
                         "length_multiple",
                         "cache",
                         "pixel_frames",
+                        "model_passes",
                         "first_chunk_s",
                         "chunk_s_median",
                         "sustained_frames_per_s",
                         "frames_per_s",
                         "max_cached_frames",
                         "peak_mib",
-                        "text_cache_mib",
+                        "working_mib",
                     )
                 }
             )
-    main_name = "window" if True in text_cache_modes else "window-recompute-text"  # the headline rows
-    if device.type == "cuda" and len(args.lengths) > 1:
-        peaks = [result["lengths"][f"{m}x-{main_name}"]["peak_mib"] for m in args.lengths]
-        result["peak_growth"] = max(peaks) / min(peaks) - 1
+        del gen
+        if on_gpu and len(args.lengths) > 1:
+            gc.collect()
+            torch.cuda.empty_cache()
+            peaks = {m: result["lengths"][f"{m}x-{name}"]["peak_mib"] for m in args.lengths}
+            growth = max(peaks.values()) / min(peaks.values()) - 1
+            result["memory"][name] = dict(
+                peak_mib=peaks,
+                growth=growth,
+                flat_within_5pct=growth <= 0.05,
+                # allocated memory the variant leaves behind once its generator is gone (e.g. cuBLAS workspaces)
+                left_behind_mib=cuda_mib() - before_variant,
+            )
+    main_name = "window" if "window" in variants else variants[0]  # the headline rows
+    if result["memory"]:
+        result["peak_growth"] = max(m["growth"] for m in result["memory"].values())
         result["peak_flat_within_5pct"] = result["peak_growth"] <= 0.05
     if args.teacher_steps:
         teacher = random_sampler(cfg, 0, device, dtype)
+        if on_gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         seconds, _ = timed(
             lambda: teacher.generate(
                 prompts, seeds, frames, height, width, num_steps=args.teacher_steps, guidance_scale=7.5
             ),
-            repeats=1,
+            repeats=args.teacher_repeats,
         )
-        one_x = result["lengths"][f"{args.lengths[0]}x-{main_name}"]
-        result["teacher"] = dict(steps=args.teacher_steps, cfg_passes=2, seconds=seconds, frames=frames)
-        result["speedup_end_to_end_1x"] = seconds / one_x["total_s"]
-        result["first_chunk_over_teacher_clip"] = one_x["first_chunk_s"] / seconds
-        for suffix in ("recompute_text", "graphs"):  # the path before the text cache; the text cache + CUDA graphs
-            other = result["lengths"].get(f"{args.lengths[0]}x-window-{suffix.replace('_', '-')}")
-            if other is not None and main_name == "window":
-                result[f"speedup_end_to_end_1x_{suffix}"] = seconds / other["total_s"]
-                result[f"first_chunk_over_teacher_clip_{suffix}"] = other["first_chunk_s"] / seconds
+        result["teacher"] = dict(
+            steps=args.teacher_steps,
+            cfg_passes="2, batched as rows of one pass",
+            seconds=seconds,
+            frames=frames,
+            peak_mib=cuda_mib(torch.cuda.max_memory_allocated) if on_gpu else None,
+        )
+        del teacher
+        for name in variants:
+            one_x = result["lengths"][f"{args.lengths[0]}x-{name}"]
+            suffix = "" if name == main_name else "_" + name.removeprefix("window-").replace("-", "_")
+            result[f"speedup_end_to_end_1x{suffix}"] = seconds / one_x["total_s"]
+            result[f"first_chunk_over_teacher_clip{suffix}"] = one_x["first_chunk_s"] / seconds
+            flops[name]["achieved_over_ceiling"] = (seconds / one_x["total_s"]) / flops[name]["ceiling"]
         rows.append(
             dict(
                 length_multiple=1,
                 cache=f"teacher-{args.teacher_steps}x2",
                 pixel_frames=frames,
+                model_passes=args.teacher_steps,
                 first_chunk_s=seconds,
                 chunk_s_median=None,
                 sustained_frames_per_s=None,
                 frames_per_s=frames * args.batch / seconds,
                 max_cached_frames=None,
-                peak_mib=None,
-                text_cache_mib=None,
+                peak_mib=result["teacher"]["peak_mib"],
+                working_mib=None,
             )
         )
     print_table(
@@ -275,17 +381,15 @@ def run_speed(args) -> dict:
         f"{len(args.step_list)} steps + 1 cache pass per chunk)",
         rows,
     )
-    for key in (
-        "decode_s_per_chunk",
-        "peak_growth",
-        "speedup_end_to_end_1x",
-        "first_chunk_over_teacher_clip",
-        "speedup_end_to_end_1x_recompute_text",
-        "first_chunk_over_teacher_clip_recompute_text",
-        "speedup_end_to_end_1x_graphs",
-        "first_chunk_over_teacher_clip_graphs",
-    ):
-        if key in result:
+    print(f"FLOP ceiling at 1x (teacher {result['flops_1x']['teacher_tflop']:.4g} TFLOP):")
+    for name, f in flops.items():
+        print(f"  {name}: {f['student_tflop']:.4g} TFLOP, ceiling {f['ceiling']:.4g}x", end="")
+        print(f", achieved {f['achieved_over_ceiling']:.3g} of it" if "achieved_over_ceiling" in f else "")
+    for name, m in result["memory"].items():
+        print(f"peak memory {name}: " + ", ".join(f"{k}x {v:.0f} MiB" for k, v in m["peak_mib"].items()), end="")
+        print(f" (growth {100 * m['growth']:+.1f}%; left behind after the run {m['left_behind_mib']:.0f} MiB)")
+    for key in sorted(result):
+        if key.startswith(("speedup_end_to_end", "first_chunk_over", "decode_s", "peak_growth")):
             print(f"{key}: {result[key]:.4g}")
     write_json(args.out, "speed.json", result)
     return result
@@ -382,7 +486,10 @@ def run_quality(args) -> dict:
         guidance_scale=float(student_cfg.get("guidance_scale", 1.0)),
         window_frames=window,
         sink_frames=sinks,
-        context_time=float(student_cfg.get("context_time") or 0.0),
+        context_time=float(
+            args.context_time if args.context_time is not None else student_cfg.get("context_time") or 0.0
+        ),
+        merge_refill=args.merge_refill,
     )
     result = dict(
         mode="quality",
@@ -643,17 +750,23 @@ def parse_args(argv=None):
     speed.add_argument("--chunk-frames", type=int, default=3, help="latent frames per chunk (Self-Forcing: 3)")
     speed.add_argument("--frames", type=int, default=None, help="training clip frames (default: the config's)")
     speed.add_argument("--size", type=int, nargs=2, default=None, metavar=("H", "W"))
-    speed.add_argument("--lengths", type=int, nargs="+", default=[1, 4], help="multiples of the training length")
+    speed.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 4], help="multiples of the training length")
     speed.add_argument("--step-list", type=steps, default=[1.0, 0.75, 0.5, 0.25])
     speed.add_argument("--window-frames", type=int, default=None, help="default: training latent frames - chunk")
     speed.add_argument("--sink-frames", type=int, default=0)
     speed.add_argument("--batch", type=int, default=1)
     speed.add_argument("--teacher-steps", type=int, default=30, help="0: skip the bidirectional 30-step CFG timing")
-    speed.add_argument("--unbounded-baseline", action="store_true", help="also run without a window (memory grows)")
+    speed.add_argument("--teacher-repeats", type=int, default=2)
+    speed.add_argument(
+        "--merge-refill",
+        choices=("both", "on", "off"),
+        default="both",
+        help="streaming with each refill merged into the next chunk's first pass ('-merged' rows), without, or both",
+    )
     speed.add_argument(
         "--text-cache",
         choices=("both", "on", "off"),
-        default="both",
+        default="on",
         help="streaming with the per-(block, t) text cache ('window' rows), without it (the old path, "
         "'window-recompute-text' rows), or both",
     )
@@ -677,6 +790,10 @@ def parse_args(argv=None):
     quality.add_argument("--rollout", default=None)
     quality.add_argument("--window-frames", type=int, default=None)
     quality.add_argument("--sink-frames", type=int, default=None)
+    quality.add_argument(
+        "--context-time", type=float, default=None, help="refill time (default: the student config's, else 0)"
+    )
+    quality.add_argument("--merge-refill", action="store_true", help="fold each refill into the next chunk's pass")
     quality.add_argument("--long-multiple", type=int, default=4)
     quality.add_argument("--num-prompts", type=int, default=None)
     quality.add_argument("--seed", type=int, default=1000)

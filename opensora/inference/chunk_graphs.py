@@ -32,6 +32,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from opensora.models.mmdit.causal_refill import capture_side_stream
+
 
 class _StaticPast:
     """``KVCache``'s ``num_blocks`` / ``block(i)`` over static buffers (None when the pass has no cached frames)."""
@@ -274,7 +276,7 @@ class ChunkGraphs:
         ``graph.replay`` replay it. (tests/test_streaming.py swaps this for an eager replay to check the buffer
         plumbing on a CPU.)"""
         cuda_graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
+        side = capture_side_stream()  # one for the process: a fresh stream per capture leaves a cuBLAS workspace
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the capture (cuBLAS handles/workspaces, lazy initialisation)

@@ -31,8 +31,13 @@ def load_reference(path, size: Tuple[int, int]) -> torch.Tensor:
 
 def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:
     """``[B, 3, T, H, W]`` in [-1, 1] -> uint8 ``[B, T, H, W, 3]`` (on the CPU)."""
+    return uint8_frames_on_device(video).cpu()
+
+
+def uint8_frames_on_device(video: torch.Tensor) -> torch.Tensor:
+    """``to_uint8_frames`` without the copy to the CPU (the result stays on ``video``'s device)."""
     pixels = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return pixels.permute(0, 2, 3, 4, 1).contiguous().cpu()
+    return pixels.permute(0, 2, 3, 4, 1).contiguous()
 
 
 def save_sample(stem_path, frames, fps: float = 8.0, crf: int = 18) -> Path:

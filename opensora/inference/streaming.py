@@ -8,7 +8,10 @@ Per chunk of ``K`` latent frames (``MMDiT.causal_chunk_frames``) at absolute lat
    ``rollout="renoise"``: ``x0 = x - t_i v``, ``x = (1 - t_{i+1}) x0 + t_{i+1} eps'`` with fresh noise
    (what Self-Forcing and CausVid sample with); ``rollout="euler"``: ``x = x + (t_{i+1} - t_i) v``.
 2. Cache refill: the clean chunk runs once more at the context time (0 by default; Self-Forcing's "context
-   noise") with ``store_kv=True``; later chunks attend to these keys/values. The cache keeps at most
+   noise") with ``store_kv=True``; later chunks attend to these keys/values. The refill runs after the chunk is
+   decoded and handed out (it only matters to the next chunk), and the last chunk is not refilled (no chunk reads
+   it). With ``merge_refill`` the refill of chunk ``k`` and the first step of chunk ``k + 1`` run as one
+   pass of twice the rows (``causal_refill.refill_and_step``: same math, fewer, fuller passes). The cache keeps at most
    ``window_frames`` frames (sinks included), so memory stays flat however long the video gets.
    With ``text_cache`` (default) every block's text keys/values are kept per distinct pass time (the step times
    and the context time) after the first chunk made them, and later passes run the video tokens only
@@ -25,6 +28,7 @@ Noise: sample ``i`` draws every chunk's noise (and re-noising) from its own CPU 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
@@ -33,7 +37,9 @@ import torch
 from opensora.diffusion import flow_matching as fm
 from opensora.diffusion.guidance import text_cfg
 from opensora.diffusion.sampling import timesteps_for_sampling, timesteps_from_list
-from opensora.inference.pipeline import noise_from_generators
+from opensora.inference.io import uint8_frames_on_device
+from opensora.inference.pipeline import _module_dtype, noise_from_generators
+from opensora.models.mmdit.causal_refill import MergedGraphs, capture_side_stream, refill_and_step
 from opensora.models.vae.base import video_num_frames
 
 ROLLOUTS = ("renoise", "euler")
@@ -79,6 +85,55 @@ class ChunkDecoder:
         return frames
 
 
+class GraphedDecode:
+    """``VideoSampler.decode`` (latents -> uint8 frames on the CPU) with the autoencoder and the uint8 conversion
+    replayed as one CUDA graph per input shape (a stream has two: the first chunk, and later chunks with their
+    decode context). The tiny autoencoders of the benchmarks launch hundreds of small kernels per chunk, which costs
+    more host time than the GPU needs. Falls back to ``fallback`` off the GPU or when a capture fails."""
+
+    def __init__(self, vae, dtype, fallback):
+        self.vae, self.dtype, self.fallback = vae, dtype, fallback
+        self.graphs: dict = {}
+        self.failures: List[str] = []
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        if not (latents.is_cuda and torch.cuda.is_available()) or torch.is_grad_enabled():
+            return self.fallback(latents)
+        key = (tuple(latents.shape), latents.device)
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = self.graphs[key] = self._capture(latents)
+            except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
+                self.failures.append(f"{type(error).__name__}: {error}")
+                warnings.warn(f"CUDA graph capture of the chunk decode failed, decoding eagerly: {error}")
+                torch.cuda.synchronize()
+                self.graphs[key] = entry = False
+        if entry is False:
+            return self.fallback(latents)
+        static_in, graph, static_out = entry
+        static_in.copy_(latents)
+        graph.replay()
+        return static_out.cpu()
+
+    def _capture(self, latents):
+        static_in = latents.to(self.dtype).clone()
+
+        def body():
+            return uint8_frames_on_device(self.vae.decode(static_in))
+
+        side = capture_side_stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = body()
+        return static_in, graph, static_out
+
+
 class StreamingGenerator:
     """Chunk-by-chunk sampling with a causal network held by a ``VideoSampler`` (which brings the autoencoder,
     the text conditioner, the device/dtype and the time shift).
@@ -97,6 +152,11 @@ class StreamingGenerator:
             the video tokens alone. Bit-identical to ``False`` (recompute the text every pass) on CPU fp32; costs
             ``rows x blocks x 2 x text tokens x hidden`` values per distinct time (reported per chunk as
             ``text_cache_bytes``). A fresh cache per ``stream`` call: nothing carries over between videos.
+        merge_refill: run each refill together with the next chunk's first step as one pass of twice the rows
+            (``causal_refill.refill_and_step``; equal to the separate passes up to reduction order, fp32 tolerance).
+            With ``cuda_graphs`` the merged passes are replayed too (``causal_refill.MergedGraphs``).
+        decode_graphs: decode each chunk through ``GraphedDecode`` (one CUDA graph per chunk shape, GPU only);
+            ``None``: when ``cuda_graphs`` is on. Kept across videos.
         cuda_graphs: replay the chunk passes as CUDA graphs (``chunk_graphs.ChunkGraphs``: one graph per pass shape
             and step time, captured on first use and kept across videos). GPU only and with ``text_cache``; off the
             GPU it is the eager path. Off by default: equal to eager within bf16 tolerance, not bitwise.
@@ -115,6 +175,8 @@ class StreamingGenerator:
         decode_overlap: Optional[int] = None,
         text_cache: bool = True,
         cuda_graphs: bool = False,
+        merge_refill: bool = False,
+        decode_graphs: Optional[bool] = None,
     ):
         model = sampler.model
         if not getattr(model, "causal_chunk_frames", 0):
@@ -133,11 +195,19 @@ class StreamingGenerator:
         self.context_time = float(context_time)
         self.decode_overlap = decode_overlap
         self.text_cache = bool(text_cache)
-        self.cuda_graphs = None
+        self.merge_refill = bool(merge_refill)
+        decode_graphs = cuda_graphs if decode_graphs is None else decode_graphs
+        self.decode_graphs = None
+        if decode_graphs and not getattr(sampler, "offload", False):  # an offloaded autoencoder moves: no graphs
+            vae_dtype = _module_dtype(sampler.vae, sampler.dtype)
+            self.decode_graphs = GraphedDecode(sampler.vae, vae_dtype, sampler.decode)
+        self.passes = 0  # model passes run (a merged pass counts once), over every ``stream`` call
+        self.cuda_graphs = self.merged_graphs = None
         if cuda_graphs:
             from opensora.inference.chunk_graphs import ChunkGraphs
 
             self.cuda_graphs = ChunkGraphs(model)
+            self.merged_graphs = MergedGraphs(model) if merge_refill else None
 
     def schedule(self, latent_size: Sequence[int]) -> List[float]:
         """Times of one chunk, the final 0 included (host floats: the loop never reads a device value)."""
@@ -183,14 +253,23 @@ class StreamingGenerator:
         cache = model.new_kv_cache(self.window_frames, self.sink_frames)
         text_cache = model.new_text_cache() if self.text_cache else None
         generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-        decoder = ChunkDecoder(sampler.decode, sampler.vae, self.decode_overlap) if decode else None
+        decode_fn = self.decode_graphs or sampler.decode
+        decoder = ChunkDecoder(decode_fn, sampler.vae, self.decode_overlap) if decode else None
         channels = sampler.vae.latent_channels
 
         def noise(frames):
             return noise_from_generators(generators, (channels, frames, *latent_size[1:]), device)
 
-        def velocity(x, t, store):
-            x_in = torch.cat([x] * len(branches)) if guided else x
+        def guided_rows(x):
+            return torch.cat([x] * len(branches)) if guided else x
+
+        def combine(out):
+            out = out.float()
+            return text_cfg(*out.chunk(2), self.guidance_scale) if guided else out
+
+        def velocity(x, t, store, at):
+            self.passes += 1
+            x_in = guided_rows(x)
             t_in = torch.full((rows,), t, device=device, dtype=dtype)
             c = None if cond is None else cond[:, :, : x.shape[2]]
             forward = self.cuda_graphs if self.cuda_graphs is not None else model.forward_chunk
@@ -200,26 +279,56 @@ class StreamingGenerator:
                 **text_args,
                 cond=c,
                 cache=cache,
-                start_frame=start,
+                start_frame=at,
                 store_kv=store,
                 text_cache=text_cache,
                 text_key=t,
-            ).float()
-            return text_cfg(*out.chunk(2), self.guidance_scale) if guided else out
+            )
+            return combine(out)
 
+        def refill_then_velocity(context, x, t):
+            """The refill of the previous chunk (``context``, at ``start - frames``) and ``x``'s pass at ``t``."""
+            self.passes += 1
+            c = None if cond is None else cond[:, :, : x.shape[2]]
+            out = refill_and_step(
+                model,
+                guided_rows(context).to(dtype),
+                guided_rows(x).to(dtype),
+                prev_timestep=torch.full((rows,), self.context_time, device=device, dtype=dtype),
+                next_timestep=torch.full((rows,), t, device=device, dtype=dtype),
+                **text_args,
+                cond=c,
+                cache=cache,
+                prev_start=start - context.shape[2],
+                text_cache=text_cache,
+                prev_key=self.context_time,
+                next_key=t,
+                graphs=self.merged_graphs,
+            )
+            return combine(out)
+
+        starts = list(range(0, total, self.chunk_frames))
+        waiting = None  # a finished chunk whose refill is merged into the next chunk's first pass
         with torch.no_grad():
-            for index, start in enumerate(range(0, total, self.chunk_frames)):
+            for index, start in enumerate(starts):
                 frames = min(self.chunk_frames, total - start)
                 x = noise(frames)
-                for t, t_next in zip(times[:-1], times[1:]):
-                    v = velocity(x, t, store=False)
+                if waiting is not None and (not self.merge_refill or waiting.shape != x.shape):
+                    # the previous chunk's refill as a pass of its own
+                    velocity(waiting, self.context_time, True, start - waiting.shape[2])
+                    waiting = None
+                for step, (t, t_next) in enumerate(zip(times[:-1], times[1:])):
+                    if step == 0 and waiting is not None:
+                        v, waiting = refill_then_velocity(waiting, x, t), None
+                    else:
+                        v = velocity(x, t, False, start)
                     if self.rollout == "euler":
                         x = x + (t_next - t) * v
                     else:
                         x0 = x - t * v
                         x = x0 if t_next == 0 else fm.add_noise(x0, noise(frames), t_next)
-                context = x if self.context_time == 0 else fm.add_noise(x, noise(frames), self.context_time)
-                velocity(context, self.context_time, store=True)  # refill the cache with the finished chunk
+                if index + 1 < len(starts):  # refilled after this chunk is handed out (no chunk reads the last)
+                    waiting = x if self.context_time == 0 else fm.add_noise(x, noise(frames), self.context_time)
                 pixels = decoder(x) if decoder is not None else None
                 now = time.perf_counter()
                 yield StreamChunk(

@@ -145,6 +145,22 @@ class KVCache:
         if self.window_frames is not None:
             self.trim(self.window_frames)
 
+    def frame_ids_after_append(self, start_frame: int, num_frames: int) -> List[int]:
+        """The frame ids ``append(..., start_frame, num_frames)`` would leave in the cache (no tensor is touched):
+        what the chunk after it sees (``causal_refill.refill_and_step``)."""
+        ids = list(self.frame_ids)
+        if self.window_frames is not None:
+            ids = self._kept_ids(ids, max(self.window_frames - num_frames, self.sink_frames))
+        ids += range(start_frame, start_frame + num_frames)
+        return ids if self.window_frames is None else self._kept_ids(ids, self.window_frames)
+
+    def _kept_ids(self, ids: List[int], keep_frames: int) -> List[int]:
+        """``trim``'s choice on a list of frame ids: the sink frames plus the newest ``keep_frames - sinks``."""
+        if len(ids) <= keep_frames:
+            return ids
+        sinks = min(self.sink_frames, len(ids))
+        return ids[:sinks] + ids[sinks + len(ids) - keep_frames :]
+
     def trim(self, keep_frames: int) -> None:
         """Keep at most ``keep_frames`` frames: the sink frames plus the newest ``keep_frames - sink_frames``."""
         if keep_frames < self.sink_frames:
@@ -166,7 +182,7 @@ class KVCache:
                 t = store[i]
                 # a new tensor: a view would keep the dropped frames' memory alive
                 store[i] = torch.cat((t[:, :, :sink_tokens], t[:, :, sink_tokens + drop_tokens :]), dim=2)
-        self.frame_ids = self.frame_ids[:sinks] + self.frame_ids[sinks + self.num_frames - keep_frames :]
+        self.frame_ids = self._kept_ids(self.frame_ids, keep_frames)
 
 
 def streaming_kv_hooks(cache: KVCache, num_text: int, mask: torch.Tensor, pending: Optional[Dict[int, tuple]]):

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Issue 13 on one GPU: the streaming GPU tests (merged refill + CUDA graphs vs eager, graphed decode, no memory left
+# behind by graph captures), then `streaming.py speed` at the 1B shape (random weights): teacher vs student with and
+# without the merged refill, eager and graphed, at 1x/2x/4x the training length, with the FLOP ceiling.
+#   bash benchmarks/gpu_streaming_speed.sh OUT_DIR
+# Writes OUT_DIR/tests.txt, OUT_DIR/speed.txt and OUT_DIR/streaming_1b/speed.json; ~3-5 minutes on one H100.
+set -euo pipefail
+if [ $# -lt 1 ]; then
+    echo "usage: bash $0 OUT_DIR" >&2
+    exit 2
+fi
+out=$1
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python -m pytest -q tests/test_streaming_gpu.py tests/test_chunk_graphs_gpu.py 2>&1 | tee "$out/tests.txt" | tail -5 || true
+python benchmarks/streaming.py speed --out "$out/streaming_1b" 2>&1 | tee "$out/speed.txt" | tail -40

@@ -1,0 +1,293 @@
+"""One pass that refills the KV cache with a finished chunk and takes the first denoising step of the next chunk.
+
+Streaming (opensora/inference/streaming.py) re-runs every finished chunk once at the context time to store its
+keys/values, then starts the next chunk with a pass at the first step time. Both passes attend to the same cache,
+and the second depends on the first only through the finished chunk's keys/values, which the first computes. So
+they can be one forward of twice the rows:
+
+* rows ``[0, R)``: the finished chunk ``p`` (at the context time, its own RoPE offset) -- the refill pass;
+* rows ``[R, 2R)``: the next chunk ``n`` (at its first step time, its own RoPE offset) -- its first step.
+
+Every block gives each row the keys/values ``[text of the row's time | cached video | video of p | video of n]``;
+the mask hides ``n`` from the refill rows (they see what the refill pass sees) and shows the rows of ``n`` only the
+cached frames that survive the rolling window once ``p`` is appended (they see what the next pass would see after
+the refill). Row-wise operations (embeddings, modulation, norms, MLPs, RoPE) are per row, so the result is the two
+separate passes' result up to the order of the attention's reductions over the masked-out keys (exactly zero
+weight): tests/test_causal_refill.py checks it on CPU fp32. Afterwards ``p``'s video keys/values are appended to the
+cache (window rolled), as the refill pass does.
+
+Cost: the same FLOPs as the two passes (plus the ``n``-length keys the refill rows skip), in one launch sequence:
+at the batch-1 streaming shapes a pass is latency-bound, so two rows cost little more than one.
+
+With a ``TextKVCache`` holding both times (every chunk after the second) the text rows are not run: each row takes
+its own time's cached text keys/values. Otherwise the text rows run and the missing entries are recorded.
+
+``MergedGraphs`` replays the merged pass as a CUDA graph per shape (inputs copied into static buffers,
+outputs cloned out), like ``opensora.inference.chunk_graphs`` does for the single-chunk passes.
+"""
+
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+
+from .causal import KVCache, TextKVCache, joint_attention_mask
+
+
+def _rows(a: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if a is None else torch.cat((a, a))
+
+
+def refill_and_step(
+    model,
+    prev_x: torch.Tensor,
+    next_x: torch.Tensor,
+    *,
+    prev_timestep: torch.Tensor,
+    next_timestep: torch.Tensor,
+    text_emb: torch.Tensor,
+    text_mask: Optional[torch.Tensor] = None,
+    pooled: Optional[torch.Tensor] = None,
+    cond: Optional[torch.Tensor] = None,
+    guidance: Optional[torch.Tensor] = None,
+    cache: KVCache,
+    prev_start: int,
+    text_cache: Optional[TextKVCache] = None,
+    prev_key=None,
+    next_key=None,
+    graphs: Optional["MergedGraphs"] = None,
+) -> torch.Tensor:
+    """Velocity of ``next_x`` [R, C, F, H, W] (the chunk right after ``prev_x``, same shape) at ``next_timestep``,
+    attending to the cache after ``prev_x`` (at ``prev_timestep``) was stored; stores ``prev_x``'s keys/values in
+    ``cache``. Equals ``forward_chunk(prev_x, store_kv=True)`` then ``forward_chunk(next_x, store_kv=False)`` (see
+    the module docstring); ``prev_key`` / ``next_key`` are the two passes' ``text_key`` for ``text_cache``.
+    ``graphs``: replay the pass as a CUDA graph when both text entries are cached (GPU, no grad)."""
+    if prev_x.shape != next_x.shape:
+        raise ValueError(
+            f"the merged pass needs chunks of one shape, got {tuple(prev_x.shape)} and {tuple(next_x.shape)}"
+        )
+    model.check_chunk(cache, prev_start, text_cache, prev_key)
+    if text_cache is not None and next_key is None:
+        raise ValueError("refill_and_step(text_cache=...) needs next_key too")
+    kv_prev = kv_next = None
+    if text_cache is not None:
+        text_cache.validate(model, (text_emb, text_mask, pooled, guidance), model.img_in.weight.dtype, prev_x.device)
+        kv_prev, kv_next = text_cache.get(prev_key), text_cache.get(next_key)
+    text_kv = None
+    if kv_prev is not None and kv_next is not None:
+        text_kv = [(torch.cat((a[0], b[0])), torch.cat((a[1], b[1]))) for a, b in zip(kv_prev, kv_next)]
+    rope, mask = merged_rope_mask(model, prev_x, text_mask, text_emb.shape[1], cache, prev_start, text_kv is not None)
+    inputs = dict(
+        x=torch.cat((prev_x, next_x)),
+        timestep=torch.cat((prev_timestep, next_timestep)),
+        text_emb=None if text_kv is not None else _rows(text_emb),  # a text-cached pass does not read it
+        pooled=_rows(pooled),
+        cond=_rows(cond),
+        guidance=_rows(guidance),
+        cos=rope[0],
+        sin=rope[1],
+        mask=mask,
+    )
+    if graphs is not None and graphs.usable(prev_x):
+        velocity, pending, entries = graphs(inputs, text_emb.shape[1], cache, text_kv)
+    else:
+        velocity, pending, entries = merged_body(model, inputs, text_emb.shape[1], cache, text_kv)
+    if text_cache is not None and entries is not None:
+        for key, entry in zip((prev_key, next_key), entries):
+            if key not in text_cache.entries:
+                text_cache.entries[key] = [entry[i] for i in range(cache.num_blocks)]
+    cache.append(pending, prev_start, prev_x.shape[2], frames_per_group=model.patch_size[0])
+    return velocity
+
+
+def merged_rope_mask(model, prev_x, text_mask, num_text: int, cache: KVCache, prev_start: int, cached_text: bool):
+    """RoPE tables [2R, 1, L + N, D/2] (each half at its chunk's offset) and the mask [2R, 1, L + N, L + past + 2N]
+    of the merged pass (query rows of the video only when ``cached_text``): see the module docstring."""
+    pt, ph, pw = model.patch_size
+    rows, frames, device = prev_x.shape[0], prev_x.shape[2], prev_x.device
+    grid = (frames // pt, prev_x.shape[3] // ph, prev_x.shape[4] // pw)
+    tokens = grid[0] * grid[1] * grid[2]
+    tables = [
+        model.rope(grid, num_text, device, time_offset=start // pt) for start in (prev_start, prev_start + frames)
+    ]
+    rope = tuple(torch.cat([table[None].expand(rows, -1, -1) for table in pair])[:, None] for pair in zip(*tables))
+    # which held frames the next chunk still sees once the finished chunk is appended (the rolling window)
+    survivors = set(cache.frame_ids_after_append(prev_start, frames))
+    past_tokens = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
+    per_group = tokens // grid[0]
+    held = torch.tensor([fid in survivors for fid in cache.frame_ids[::pt]], dtype=torch.bool)
+    own = torch.tensor([fid in survivors for fid in range(prev_start, prev_start + frames, pt)], dtype=torch.bool)
+    held, own = (m.to(device).repeat_interleave(per_group) for m in (held, own))
+    ones = torch.ones(tokens, tokens, dtype=torch.bool, device=device)
+    refill_rows = torch.cat((torch.ones(tokens, past_tokens, dtype=torch.bool, device=device), ones, ~ones), dim=1)
+    step_rows = torch.cat((held.expand(tokens, -1), own.expand(tokens, -1), ones), dim=1)
+    mask = torch.cat(
+        [
+            joint_attention_mask(text_mask, num_text, video).expand(rows, -1, -1, -1)
+            for video in (refill_rows, step_rows)
+        ]
+    )
+    if cached_text:
+        return tuple(table[:, :, num_text:] for table in rope), mask[:, :, num_text:]
+    return rope, mask
+
+
+def merged_body(model, inputs: Dict[str, Optional[torch.Tensor]], num_text: int, past, text_kv):
+    """The model part of the merged pass on the doubled ``inputs`` (``refill_and_step``): no host reads, fixed shapes
+    (what a CUDA graph captures). ``past``: ``num_blocks`` / ``block(i)`` of the cached video; ``text_kv``: per block
+    the text keys/values of the 2R rows (None: run the text rows). Returns (velocity of the next chunk, the finished
+    chunk's video keys/values per block, the text entries (prev, next) recorded when the text rows ran, or None)."""
+    x = inputs["x"]
+    rows = x.shape[0] // 2
+    mask = inputs["mask"]
+    img, txt, vec, grid = model.embed(
+        x,
+        inputs["timestep"],
+        inputs["text_emb"],
+        inputs["pooled"],
+        inputs["cond"],
+        inputs["guidance"],
+        with_text=text_kv is None,
+    )
+    pending, entry_prev, entry_next = {}, {}, {}
+
+    def make(index: int):
+        past_k, past_v = past.block(index)
+
+        def hook(k, v, _key_mask):
+            if text_kv is not None:
+                tk, tv = (t.to(k.dtype) for t in text_kv[index])
+                video_k, video_v = k, v
+            else:
+                tk, tv, video_k, video_v = (
+                    k[:, :, :num_text],
+                    v[:, :, :num_text],
+                    k[:, :, num_text:],
+                    v[:, :, num_text:],
+                )
+                entry_prev[index] = (tk[:rows].detach().clone(), tv[:rows].detach().clone())
+                entry_next[index] = (tk[rows:].detach().clone(), tv[rows:].detach().clone())
+            pending[index] = (video_k[:rows], video_v[:rows])
+            out = []
+            for text, video, held in ((tk, video_k, past_k), (tv, video_v, past_v)):
+                parts = [text] if held is None else [text, _rows(held.to(video.dtype))]
+                parts += [_rows(video[:rows]), _rows(video[rows:])]
+                out.append(torch.cat(parts, dim=2))
+            return out[0], out[1], mask
+
+        return hook
+
+    hooks = [make(i) for i in range(past.num_blocks)]
+    out = model.run_blocks(img, txt, vec, (inputs["cos"], inputs["sin"]), mask, hooks)
+    from .model import unpatchify
+
+    entries = None if text_kv is not None else (entry_prev, entry_next)
+    return unpatchify(out[rows:], grid, model.patch_size), pending, entries
+
+
+_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def capture_side_stream() -> "torch.cuda.Stream":
+    """The side stream every CUDA-graph warm-up of the streaming sampler runs on (one per device, for the process).
+    cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it ever ran on, until the process ends, so a fresh
+    stream per capture leaves ~33 MiB of allocated memory behind each time (up to the 32 streams of PyTorch's pool)."""
+    index = torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream()
+    return _SIDE_STREAMS[index]
+
+
+class _Past:
+    def __init__(self, keys: List[torch.Tensor], values: List[torch.Tensor]):
+        self.keys, self.values, self.num_blocks = keys, values, len(keys)
+
+    def block(self, index: int):
+        return self.keys[index], self.values[index]
+
+
+class MergedGraphs:
+    """CUDA graphs of the merged pass (``merged_body``), one per input shape and text-cache state (the first merged
+    pass of a video runs the text rows: its context time is not cached yet), kept across videos: the inputs, the cached
+    video and the text keys/values are copied into static buffers before each replay and the outputs (velocity, the
+    finished chunk's keys/values, new text entries) cloned out after it. A shape whose capture fails runs eagerly
+    from then on (``failures``)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.graphs: Dict[tuple, object] = {}
+        self.failures: List[str] = []
+        self.captures = self.replays = 0
+        self.pool = None
+
+    @staticmethod
+    def usable(x: torch.Tensor) -> bool:
+        return x.is_cuda and torch.cuda.is_available() and not torch.is_grad_enabled()
+
+    def __call__(self, inputs, num_text: int, cache: KVCache, text_kv):
+        past_k = cache.keys[0]
+        key = tuple((n, None if t is None else (tuple(t.shape), t.dtype)) for n, t in inputs.items())
+        text_shape = None if text_kv is None else tuple(text_kv[0][0].shape)
+        key += (None if past_k is None else tuple(past_k.shape), text_shape, num_text, inputs["x"].device)
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = self.graphs[key] = self._capture(inputs, num_text, cache, text_kv)
+                self.captures += 1
+            except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
+                self.failures.append(f"{type(error).__name__}: {error}")
+                warnings.warn(f"CUDA graph capture of the merged refill pass failed, running it eagerly: {error}")
+                torch.cuda.synchronize()
+                entry = self.graphs[key] = False
+        if entry is False:
+            return merged_body(self.model, inputs, num_text, cache, text_kv)
+        static, past, text, replay, holder = entry
+        for name, t in inputs.items():
+            if t is not None:
+                static[name].copy_(t)
+        if past is not None:
+            for i in range(cache.num_blocks):
+                past.keys[i].copy_(cache.keys[i])
+                past.values[i].copy_(cache.values[i])
+        for (dk, dv), (sk, sv) in zip(text or (), text_kv or ()):
+            dk.copy_(sk)
+            dv.copy_(sv)
+        replay()
+        self.replays += 1
+        velocity, pending, entries = holder["out"]
+        copy = lambda kv: {i: (k.clone(), v.clone()) for i, (k, v) in kv.items()}  # noqa: E731
+        return velocity.clone(), copy(pending), None if entries is None else tuple(copy(e) for e in entries)
+
+    def _capture(self, inputs, num_text: int, cache: KVCache, text_kv):
+        clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
+        static = {name: clone(t) for name, t in inputs.items()}
+        past = None
+        if cache.keys[0] is not None:
+            past = _Past([clone(k) for k in cache.keys], [clone(v) for v in cache.values])
+        held = past if past is not None else _Past([None] * cache.num_blocks, [None] * cache.num_blocks)
+        text = None if text_kv is None else [(clone(k), clone(v)) for k, v in text_kv]
+        holder = {}
+
+        def body():
+            holder["out"] = merged_body(self.model, static, num_text, held, text)
+
+        return static, past, text, self._record(body), holder
+
+    def _record(self, body):
+        """Warm ``body`` up on a side stream, capture it (one memory pool for all shapes); returns the replay
+        function. (tests/test_causal_refill.py swaps this for an eager replay to check the plumbing on a CPU.)"""
+        side = capture_side_stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the capture (cuBLAS handles, lazy initialisation)
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body()
+        self.pool = graph.pool()
+        return graph.replay
+
+    @property
+    def summary(self) -> dict:
+        return dict(graphs=len(self.graphs), captures=self.captures, replays=self.replays, failures=self.failures)
