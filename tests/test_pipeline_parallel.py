@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from opensora.inference.pipeline import VideoSampler
 from opensora.inference.pipeline_parallel import (
     OVERLAP_MODES,
     Lanes,
@@ -158,11 +159,13 @@ STREAM_CASES = [
 ]
 
 
-def streaming_sampler():
-    """test_streaming.py's tiny causal sampler with 2 + 2 blocks (so a split can fall inside each kind)."""
+def streaming_sampler(dtype=torch.float32):
+    """test_streaming.py's tiny causal sampler with 2 + 2 blocks (so a split can fall inside each kind), its network
+    in ``dtype`` (bf16: the GPU's precision, where a pass over other token counts rounds differently)."""
     from test_streaming import tiny_sampler  # tests/ is on sys.path under pytest's default import mode
 
-    return tiny_sampler(depth_double=2, depth_single=2, attn_backend="auto")
+    cpu = tiny_sampler(depth_double=2, depth_single=2, attn_backend="auto")
+    return VideoSampler(cpu.model.to(dtype), cpu.vae, cpu.text_encoder, progress=False)
 
 
 def generator_reference(sampler, case, num_frames, size):
@@ -189,14 +192,15 @@ def generator_reference(sampler, case, num_frames, size):
     return gen, refs, groups, (sampler.vae.latent_channels, *sampler.latent_size(num_frames, size, size))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mode", OVERLAP_MODES)
 @pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
-def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(case, mode, one_thread):
+def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(case, mode, dtype, one_thread):
     from opensora.inference.pipeline_stages import CausalStreamingStages
     from opensora.inference.streaming import ChunkDecoder
 
     prompt_groups, steps, guidance, rollout, window, context_time = case
-    sampler = streaming_sampler()
+    sampler = streaming_sampler(dtype)
     num_frames, size = 7, 16  # 7 latent frames: chunks of 2, 2, 2 and a last one of 1
     gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
     split = 1  # last double block on lane 0, single blocks on lane 1: the (img, txt) -> tokens hand-over
