@@ -168,9 +168,10 @@ def streaming_sampler(dtype=torch.float32):
     return VideoSampler(cpu.model.to(dtype), cpu.vae, cpu.text_encoder, progress=False)
 
 
-def generator_reference(sampler, case, num_frames, size):
+def generator_reference(sampler, case, num_frames, size, graphs=None):
     """The one-device ``StreamingGenerator`` run of ``case`` per prompt group, and the pipeline's inputs for it:
-    (generator, chunks per group, groups, latent size)."""
+    (generator, chunks per group, groups, latent size). ``graphs``: a class whose ``make(model)`` gives the
+    generator's ``cuda_graphs`` runner."""
     from opensora.inference.streaming import StreamingGenerator
 
     prompt_groups, steps, guidance, rollout, window, context_time = case
@@ -182,6 +183,8 @@ def generator_reference(sampler, case, num_frames, size):
         window_frames=window,
         context_time=context_time,
     )
+    if graphs is not None:
+        gen.cuda_graphs = graphs.make(sampler.model)
     refs, groups, seed = [], [], 0
     for prompts in prompt_groups:
         seeds = list(range(seed, seed + len(prompts)))
@@ -225,6 +228,55 @@ def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(c
         for chunk in chunks:
             assert torch.equal(result.latents[(g, chunk.index)], chunk.latents), (g, chunk.index)
             assert torch.equal(result.frames[(g, chunk.index)], chunk.frames), (g, chunk.index)
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("case", STREAM_CASES[1:], ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
+def test_graphed_stages_match_the_graphed_streaming_generator_bitwise_on_cpu(case, mode, one_thread):
+    """Each stage's pass through ``ChunkGraphs.stage`` (capture swapped for an eager re-run of the captured body, as
+    in test_streaming.py): the static-buffer plumbing of both lanes, issued from one host thread, gives the
+    generator's chunks bit for bit in bf16 (the generator through the same runner), over two runs of the stages
+    that reuse the graphs."""
+    from test_streaming import EagerReplayGraphs
+
+    from opensora.inference.pipeline_stages import CausalStreamingStages
+    from opensora.inference.streaming import ChunkDecoder
+
+    prompt_groups, steps, guidance, rollout, window, context_time = case
+    sampler = streaming_sampler(torch.bfloat16)
+    num_frames, size = 7, 16
+    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
+    graphed_gen, graphed_refs, _, _ = generator_reference(sampler, case, num_frames, size, graphs=EagerReplayGraphs)
+    for mine, theirs in zip(refs, graphed_refs):
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a.latents, b.latents)
+    split = 2  # a single block on lane 0: the joint tokens cross (split 1, in the test above, crosses img / txt)
+    place_model(sampler.model, split, ["cpu", "cpu"])
+    lanes = Lanes(["cpu", "cpu"])
+    runners = (EagerReplayGraphs.make(sampler.model), EagerReplayGraphs.make(sampler.model))
+    for _ in range(2):
+        stages = CausalStreamingStages(
+            sampler.model,
+            lanes,
+            split,
+            groups,
+            latent_size,
+            gen.schedule(latent_size[1:]),
+            rule=rollout,
+            guidance_scale=guidance,
+            context_t=context_time,
+            window_frames=window,
+            make_decoder=lambda: ChunkDecoder(sampler.decode, sampler.vae),
+            cuda_graphs=runners,
+        )
+        result, _ = run_plan(stages, mode, lanes, threads=False)
+        for g, chunks in enumerate(refs):
+            for chunk in chunks:
+                assert torch.equal(result.latents[(g, chunk.index)], chunk.latents), (g, chunk.index)
+                assert torch.equal(result.frames[(g, chunk.index)], chunk.frames), (g, chunk.index)
+    for runner in runners:
+        summary = runner.summary
+        assert summary["eager"] == 0 and summary["failures"] == [] and summary["replays"] > summary["graphs"] > 0
 
 
 @pytest.mark.parametrize("mode", OVERLAP_MODES)

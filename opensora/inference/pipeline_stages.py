@@ -322,6 +322,10 @@ class CausalStreamingStages:
         text_cache: keep every block's text keys/values per pass time after the first chunk (``StreamingGenerator``'s
             ``text_cache``, on by default there and here). It changes which rows a pass runs, hence the GEMM shapes and
             in bf16 the rounding: the pipeline and its one-GPU reference must agree on it.
+        cuda_graphs: replay each stage's pass as a CUDA graph (``chunk_graphs.ChunkGraphs.stage``, the mechanism of
+            ``StreamingGenerator(cuda_graphs=True)``; GPU and text cache only, eager elsewhere): True, or the pair of
+            runners (lane 0, lane 1) of an earlier run, whose graphs are reused. Graphs and host threads do not
+            mix (a capture on one thread while another launches fails): run such stages from one host thread.
     """
 
     def __init__(
@@ -341,6 +345,7 @@ class CausalStreamingStages:
         sink_frames: int = 0,
         cfg_rows: bool = True,
         text_cache: bool = True,
+        cuda_graphs=False,
     ):
         from opensora.models.mmdit.causal import KVCache, TextKVCache
 
@@ -407,6 +412,11 @@ class CausalStreamingStages:
             ]
             for g in self.text
         ]
+        if cuda_graphs is True:  # one runner per lane (a graph pool lives on one device); pass them on to keep them
+            from opensora.inference.chunk_graphs import ChunkGraphs
+
+            cuda_graphs = (ChunkGraphs(model), ChunkGraphs(model))
+        self.graphs = tuple(cuda_graphs) if cuda_graphs else None
         self.noise = [
             StreamNoise(g["seeds"], self.channels, self.hw, self.times, rule, self.context_t) for g in self.groups
         ]
@@ -474,30 +484,48 @@ class CausalStreamingStages:
         """The text-cache key of a pass (``StreamingGenerator``'s: the pass time, a host float)."""
         return self.context_t if step == self.plan.num_steps else self.times[step]
 
-    def _blocks(self, ctx, lane, branch, step, state, vec, rope, text_mask, store_kv, num_text):
-        """``MMDiT.chunk_blocks`` over this lane's blocks with its KV cache and text cache (the one-GPU pass's
-        code, on a range of blocks), then the cache writes ``forward_chunk`` makes after its pass."""
+    def _pass(self, ctx, lane: int, branch: int, step: int, inputs: dict, text_mask, store_kv: bool, num_text: int):
+        """``MMDiT.chunk_stage`` over this lane's blocks with its KV cache and text cache (the one-GPU pass's code
+        on a range of blocks), then the cache writes ``forward_chunk`` makes after its pass; replayed as a CUDA
+        graph (``ChunkGraphs.stage``) when the stages were built with ``cuda_graphs``."""
         model, g = self.model, ctx["group"]
         lo, hi = (0, self.split + 1) if lane == 0 else (self.split + 1, self.num_blocks)
         cache = self.caches[g][branch][lane]
         text_cache = self.text_caches[g][branch][lane]
         key = self.text_key(step)
-        text_kv = None if text_cache is None else text_cache.get(key)
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
         tokens = ctx["grid"][0] * ctx["grid"][1] * ctx["grid"][2]
-        mask = model.chunk_mask(text_mask, num_text, tokens, past, self.lanes.devices[lane])
-        pending = {} if store_kv else None
-        entry = {} if text_cache is not None and text_kv is None else None
-        state = model.chunk_blocks(state, vec, rope, mask, num_text, lo, hi, cache, text_kv, pending, entry)
-        if entry is not None:
-            text_cache.entries[key] = [entry[i] for i in range(text_cache.num_blocks)]
-        if store_kv:
-            cache.append(pending, ctx["start"], ctx["frames"], frames_per_group=model.patch_size[0])
-        return state
+        inputs["mask"] = model.chunk_mask(text_mask, num_text, tokens, past, self.lanes.devices[lane])
 
-    def cached_text(self, ctx, branch: int, step: int) -> bool:
-        text_cache = self.text_caches[ctx["group"]][branch][0]
-        return text_cache is not None and self.text_key(step) in text_cache.entries
+        def eager():
+            text_kv = None if text_cache is None else text_cache.get(key)
+            pending = {} if store_kv else None
+            entry = {} if text_cache is not None and text_kv is None else None
+            out = model.chunk_stage(inputs, lo, hi, num_text, cache, text_kv, pending, entry, ctx["grid"])
+            if entry is not None:
+                text_cache.entries[key] = [entry[i] for i in range(text_cache.num_blocks)]
+            if store_kv:
+                cache.append(pending, ctx["start"], ctx["frames"], frames_per_group=model.patch_size[0])
+            return out
+
+        runner = None if self.graphs is None else self.graphs[lane]
+        if runner is None or text_cache is None or not runner.usable(inputs["mask"]):
+            return eager()
+        return runner.stage(
+            inputs,
+            lo,
+            hi,
+            num_text=num_text,
+            cache=cache,
+            text_cache=text_cache,
+            text_key=key,
+            store_kv=store_kv,
+            start_frame=ctx["start"],
+            eager=eager,
+            grid=ctx["grid"],
+            fresh=("x", "timestep", "img", "txt", "tokens", "vec"),
+            slot=(g, branch),
+        )
 
     def stage0(self, ctx, branch: int, step: int, x, store_kv: bool) -> dict:
         if step == self.plan.num_steps and ctx["context"] is not None:  # the refill at a context time > 0
@@ -505,28 +533,24 @@ class CausalStreamingStages:
         if self.cfg_rows:
             x = torch.cat([x] * 2)
         text = self.text[ctx["group"]][branch]
-        state, vec, _ = self.model.chunk_start(
-            x.to(self.dtype),
-            ctx["t"][step],
-            text["text_emb"],
-            text["pooled"],
-            ctx["cond"],
-            None,
-            self.cached_text(ctx, branch, step),
+        inputs = dict(
+            x=x.to(self.dtype),
+            timestep=ctx["t"][step],
+            text_emb=text["text_emb"],
+            pooled=text["pooled"],
+            cond=ctx["cond"],
+            cos=ctx["rope"][0],
+            sin=ctx["rope"][1],
         )
         num_text = text["text_emb"].shape[1]
-        state = self._blocks(ctx, 0, branch, step, state, vec, ctx["rope"], text["text_mask"], store_kv, num_text)
-        return dict(state=state, vec=vec)
+        return self._pass(ctx, 0, branch, step, inputs, text["text_mask"], store_kv, num_text)
 
     def stage1(self, ctx, branch: int, step: int, act, store_kv: bool) -> Optional[torch.Tensor]:
         g = ctx["group"]
         num_text = self.text[g][branch]["text_emb"].shape[1]
-        state = self._blocks(
-            ctx, 1, branch, step, act["state"], act["vec"], ctx["rope1"], self.text_mask1[g][branch], store_kv, num_text
-        )
-        if step >= self.plan.num_steps:
-            return None  # the refill's output is never read: only its cache writes matter
-        return self.model.chunk_finish(state, act["vec"], ctx["grid"])
+        inputs = dict(act, cos=ctx["rope1"][0], sin=ctx["rope1"][1])
+        out = self._pass(ctx, 1, branch, step, inputs, self.text_mask1[g][branch], store_kv, num_text)
+        return None if step >= self.plan.num_steps else out  # the refill's output is never read
 
     def update(self, ctx, step: int, outputs: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         if self.cfg_rows:

@@ -462,15 +462,42 @@ class MMDiT(nn.Module, SequenceParallelModel):
         (a ``KVCache``); ``text_kv``: the text keys/values per block of a text-cache hit (None: run the text rows);
         ``pending`` / ``entry`` (dicts or None) receive each block's chunk video / text keys/values.
 
-        It is ``chunk_start`` + ``chunk_blocks`` over every block + ``chunk_finish``: the two-GPU pipeline
-        (``pipeline_stages``) runs the same three functions with the blocks cut in two ranges, so it cannot
-        compute anything else."""
-        state, vec, grid = self.chunk_start(x, timestep, text_emb, pooled, cond, guidance, text_kv is not None)
+        It is ``chunk_stage`` over every block: the two-GPU pipeline (``pipeline_stages``) runs ``chunk_stage`` on
+        the two halves of the blocks, so it cannot compute anything else."""
+        inputs = dict(x=x, timestep=timestep, text_emb=text_emb, pooled=pooled, cond=cond, guidance=guidance, mask=mask)
+        inputs.update(cos=rope[0], sin=rope[1])
         num_blocks = len(self.double_blocks) + len(self.single_blocks)
-        state = self.chunk_blocks(
-            state, vec, rope, mask, text_emb.shape[1], 0, num_blocks, past, text_kv, pending, entry
-        )
-        return self.chunk_finish(state, vec, grid)
+        return self.chunk_stage(inputs, 0, num_blocks, text_emb.shape[1], past, text_kv, pending, entry)
+
+    def chunk_stage(self, inputs: dict, lo: int, hi: int, num_text: int, past, text_kv, pending, entry, grid=None):
+        """Blocks ``lo..hi-1`` of a streamed pass (``chunk_body``'s other arguments; ``past``, ``text_kv``,
+        ``pending`` and ``entry`` indexed from ``lo``). ``inputs`` (tensors only, what a CUDA graph keeps static):
+        ``cos``, ``sin`` (RoPE tables of [text, video]), ``mask`` (``chunk_rope_mask``'s) and either the pass's
+        inputs ``x``, ``timestep``, ``text_emb``, ``pooled``, ``cond``, ``guidance`` (``lo == 0``: ``chunk_start``
+        first) or an earlier stage's output (``img`` + ``txt``, or ``tokens``, and ``vec``). Returns the velocity
+        when the range ends with the last block (``grid``: the chunk's patch grid, found from ``x`` when it is an
+        input), else that output: ``img`` / ``txt`` or ``tokens`` (text rows first, none in a text-cache hit) and
+        ``vec``."""
+        if "x" in inputs:
+            state, vec, grid = self.chunk_start(
+                inputs["x"],
+                inputs["timestep"],
+                inputs["text_emb"],
+                inputs["pooled"],
+                inputs.get("cond"),
+                inputs.get("guidance"),
+                text_kv is not None,
+            )
+        elif "tokens" in inputs:
+            state, vec = dict(tokens=inputs["tokens"], num_text=0 if text_kv is not None else num_text), inputs["vec"]
+        else:
+            state, vec = dict(img=inputs["img"], txt=inputs.get("txt")), inputs["vec"]
+        rope = (inputs["cos"], inputs["sin"])
+        state = self.chunk_blocks(state, vec, rope, inputs["mask"], num_text, lo, hi, past, text_kv, pending, entry)
+        if hi == len(self.double_blocks) + len(self.single_blocks):
+            return self.chunk_finish(state, vec, grid)
+        state.pop("num_text", None)
+        return dict(state, vec=vec)
 
     def chunk_start(self, x, timestep, text_emb, pooled, cond, guidance, cached_text: bool):
         """A streamed pass's embeddings -> (state for ``chunk_blocks``, conditioning vector, patch grid); a pass
