@@ -195,21 +195,13 @@ def generator_reference(sampler, case, num_frames, size, graphs=None):
     return gen, refs, groups, (sampler.vae.latent_channels, *sampler.latent_size(num_frames, size, size))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("mode", OVERLAP_MODES)
-@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
-def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(case, mode, dtype, one_thread):
+def generator_stages(sampler, case, gen, groups, latent_size, split, lanes, **kw):
+    """``CausalStreamingStages`` with ``case``'s generator options, decoding with the sampler's autoencoder."""
     from opensora.inference.pipeline_stages import CausalStreamingStages
     from opensora.inference.streaming import ChunkDecoder
 
-    prompt_groups, steps, guidance, rollout, window, context_time = case
-    sampler = streaming_sampler(dtype)
-    num_frames, size = 7, 16  # 7 latent frames: chunks of 2, 2, 2 and a last one of 1
-    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
-    split = 1  # last double block on lane 0, single blocks on lane 1: the (img, txt) -> tokens hand-over
-    place_model(sampler.model, split, ["cpu", "cpu"])
-    lanes = Lanes(["cpu", "cpu"])
-    stages = CausalStreamingStages(
+    _, _, guidance, rollout, window, context_time = case
+    return CausalStreamingStages(
         sampler.model,
         lanes,
         split,
@@ -221,13 +213,31 @@ def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(c
         context_t=context_time,
         window_frames=window,
         make_decoder=lambda: ChunkDecoder(sampler.decode, sampler.vae),
+        **kw,
     )
-    result, _ = run_plan(stages, mode, lanes, threads=True)  # one issuing thread per lane, as on two GPUs
-    assert stages.plan.num_chunks == 4
+
+
+def assert_chunks_equal(result, refs):
     for g, chunks in enumerate(refs):
         for chunk in chunks:
             assert torch.equal(result.latents[(g, chunk.index)], chunk.latents), (g, chunk.index)
             assert torch.equal(result.frames[(g, chunk.index)], chunk.frames), (g, chunk.index)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
+def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(case, mode, dtype, one_thread):
+    sampler = streaming_sampler(dtype)
+    num_frames, size = 7, 16  # 7 latent frames: chunks of 2, 2, 2 and a last one of 1
+    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
+    split = 1  # last double block on lane 0, single blocks on lane 1: the (img, txt) -> tokens hand-over
+    place_model(sampler.model, split, ["cpu", "cpu"])
+    lanes = Lanes(["cpu", "cpu"])
+    stages = generator_stages(sampler, case, gen, groups, latent_size, split, lanes)
+    result, _ = run_plan(stages, mode, lanes, threads=True)  # one issuing thread per lane, as on two GPUs
+    assert stages.plan.num_chunks == 4
+    assert_chunks_equal(result, refs)
 
 
 @pytest.mark.parametrize("mode", OVERLAP_MODES)
@@ -239,14 +249,10 @@ def test_graphed_stages_match_the_graphed_streaming_generator_bitwise_on_cpu(cas
     that reuse the graphs."""
     from test_streaming import EagerReplayGraphs
 
-    from opensora.inference.pipeline_stages import CausalStreamingStages
-    from opensora.inference.streaming import ChunkDecoder
-
-    prompt_groups, steps, guidance, rollout, window, context_time = case
     sampler = streaming_sampler(torch.bfloat16)
     num_frames, size = 7, 16
     gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
-    graphed_gen, graphed_refs, _, _ = generator_reference(sampler, case, num_frames, size, graphs=EagerReplayGraphs)
+    _, graphed_refs, _, _ = generator_reference(sampler, case, num_frames, size, graphs=EagerReplayGraphs)
     for mine, theirs in zip(refs, graphed_refs):
         for a, b in zip(mine, theirs):
             assert torch.equal(a.latents, b.latents)
@@ -255,25 +261,9 @@ def test_graphed_stages_match_the_graphed_streaming_generator_bitwise_on_cpu(cas
     lanes = Lanes(["cpu", "cpu"])
     runners = (EagerReplayGraphs.make(sampler.model), EagerReplayGraphs.make(sampler.model))
     for _ in range(2):
-        stages = CausalStreamingStages(
-            sampler.model,
-            lanes,
-            split,
-            groups,
-            latent_size,
-            gen.schedule(latent_size[1:]),
-            rule=rollout,
-            guidance_scale=guidance,
-            context_t=context_time,
-            window_frames=window,
-            make_decoder=lambda: ChunkDecoder(sampler.decode, sampler.vae),
-            cuda_graphs=runners,
-        )
+        stages = generator_stages(sampler, case, gen, groups, latent_size, split, lanes, cuda_graphs=runners)
         result, _ = run_plan(stages, mode, lanes, threads=False)
-        for g, chunks in enumerate(refs):
-            for chunk in chunks:
-                assert torch.equal(result.latents[(g, chunk.index)], chunk.latents), (g, chunk.index)
-                assert torch.equal(result.frames[(g, chunk.index)], chunk.frames), (g, chunk.index)
+        assert_chunks_equal(result, refs)
     for runner in runners:
         summary = runner.summary
         assert summary["eager"] == 0 and summary["failures"] == [] and summary["replays"] > summary["graphs"] > 0
