@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from opensora.inference.pipeline import VideoSampler
 from opensora.inference.pipeline_parallel import (
     OVERLAP_MODES,
     Lanes,
@@ -158,16 +159,19 @@ STREAM_CASES = [
 ]
 
 
-def streaming_sampler():
-    """test_streaming.py's tiny causal sampler with 2 + 2 blocks (so a split can fall inside each kind)."""
+def streaming_sampler(dtype=torch.float32):
+    """test_streaming.py's tiny causal sampler with 2 + 2 blocks (so a split can fall inside each kind), its network
+    in ``dtype`` (bf16: the GPU's precision, where a pass over other token counts rounds differently)."""
     from test_streaming import tiny_sampler  # tests/ is on sys.path under pytest's default import mode
 
-    return tiny_sampler(depth_double=2, depth_single=2, attn_backend="auto")
+    cpu = tiny_sampler(depth_double=2, depth_single=2, attn_backend="auto")
+    return VideoSampler(cpu.model.to(dtype), cpu.vae, cpu.text_encoder, progress=False)
 
 
-def generator_reference(sampler, case, num_frames, size):
+def generator_reference(sampler, case, num_frames, size, graphs=None):
     """The one-device ``StreamingGenerator`` run of ``case`` per prompt group, and the pipeline's inputs for it:
-    (generator, chunks per group, groups, latent size)."""
+    (generator, chunks per group, groups, latent size). ``graphs``: a class whose ``make(model)`` gives the
+    generator's ``cuda_graphs`` runner."""
     from opensora.inference.streaming import StreamingGenerator
 
     prompt_groups, steps, guidance, rollout, window, context_time = case
@@ -179,6 +183,8 @@ def generator_reference(sampler, case, num_frames, size):
         window_frames=window,
         context_time=context_time,
     )
+    if graphs is not None:
+        gen.cuda_graphs = graphs.make(sampler.model)
     refs, groups, seed = [], [], 0
     for prompts in prompt_groups:
         seeds = list(range(seed, seed + len(prompts)))
@@ -189,20 +195,13 @@ def generator_reference(sampler, case, num_frames, size):
     return gen, refs, groups, (sampler.vae.latent_channels, *sampler.latent_size(num_frames, size, size))
 
 
-@pytest.mark.parametrize("mode", OVERLAP_MODES)
-@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
-def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(case, mode, one_thread):
+def generator_stages(sampler, case, gen, groups, latent_size, split, lanes, **kw):
+    """``CausalStreamingStages`` with ``case``'s generator options, decoding with the sampler's autoencoder."""
     from opensora.inference.pipeline_stages import CausalStreamingStages
     from opensora.inference.streaming import ChunkDecoder
 
-    prompt_groups, steps, guidance, rollout, window, context_time = case
-    sampler = streaming_sampler()
-    num_frames, size = 7, 16  # 7 latent frames: chunks of 2, 2, 2 and a last one of 1
-    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
-    split = 1  # last double block on lane 0, single blocks on lane 1: the (img, txt) -> tokens hand-over
-    place_model(sampler.model, split, ["cpu", "cpu"])
-    lanes = Lanes(["cpu", "cpu"])
-    stages = CausalStreamingStages(
+    _, _, guidance, rollout, window, context_time = case
+    return CausalStreamingStages(
         sampler.model,
         lanes,
         split,
@@ -214,13 +213,60 @@ def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(c
         context_t=context_time,
         window_frames=window,
         make_decoder=lambda: ChunkDecoder(sampler.decode, sampler.vae),
+        **kw,
     )
-    result, _ = run_plan(stages, mode, lanes, threads=True)  # one issuing thread per lane, as on two GPUs
-    assert stages.plan.num_chunks == 4
+
+
+def assert_chunks_equal(result, refs):
     for g, chunks in enumerate(refs):
         for chunk in chunks:
             assert torch.equal(result.latents[(g, chunk.index)], chunk.latents), (g, chunk.index)
             assert torch.equal(result.frames[(g, chunk.index)], chunk.frames), (g, chunk.index)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
+def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(case, mode, dtype, one_thread):
+    sampler = streaming_sampler(dtype)
+    num_frames, size = 7, 16  # 7 latent frames: chunks of 2, 2, 2 and a last one of 1
+    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
+    split = 1  # last double block on lane 0, single blocks on lane 1: the (img, txt) -> tokens hand-over
+    place_model(sampler.model, split, ["cpu", "cpu"])
+    lanes = Lanes(["cpu", "cpu"])
+    stages = generator_stages(sampler, case, gen, groups, latent_size, split, lanes)
+    result, _ = run_plan(stages, mode, lanes, threads=True)  # one issuing thread per lane, as on two GPUs
+    assert stages.plan.num_chunks == 4
+    assert_chunks_equal(result, refs)
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("case", STREAM_CASES[1:], ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
+def test_graphed_stages_match_the_graphed_streaming_generator_bitwise_on_cpu(case, mode, one_thread):
+    """Each stage's pass through ``ChunkGraphs.stage`` (capture swapped for an eager re-run of the captured body, as
+    in test_streaming.py): the static-buffer plumbing of both lanes, issued from one host thread, gives the
+    generator's chunks bit for bit in bf16 (the generator through the same runner), over two runs of the stages
+    that reuse the graphs."""
+    from test_streaming import EagerReplayGraphs
+
+    sampler = streaming_sampler(torch.bfloat16)
+    num_frames, size = 7, 16
+    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
+    _, graphed_refs, _, _ = generator_reference(sampler, case, num_frames, size, graphs=EagerReplayGraphs)
+    for mine, theirs in zip(refs, graphed_refs):
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a.latents, b.latents)
+    split = 2  # a single block on lane 0: the joint tokens cross (split 1, in the test above, crosses img / txt)
+    place_model(sampler.model, split, ["cpu", "cpu"])
+    lanes = Lanes(["cpu", "cpu"])
+    runners = (EagerReplayGraphs.make(sampler.model), EagerReplayGraphs.make(sampler.model))
+    for _ in range(2):
+        stages = generator_stages(sampler, case, gen, groups, latent_size, split, lanes, cuda_graphs=runners)
+        result, _ = run_plan(stages, mode, lanes, threads=False)
+        assert_chunks_equal(result, refs)
+    for runner in runners:
+        summary = runner.summary
+        assert summary["eager"] == 0 and summary["failures"] == [] and summary["replays"] > summary["graphs"] > 0
 
 
 @pytest.mark.parametrize("mode", OVERLAP_MODES)

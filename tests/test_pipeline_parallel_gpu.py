@@ -1,16 +1,17 @@
 """Two-GPU pipeline overlap: every chunk bit-identical (max |diff| == 0) to single-GPU streaming (the
 ``StreamingGenerator`` of ``--streaming``), for every overlap mode, on repeated runs, in bf16 with the GPU attention
 kernels; the variants the generator lacks (no refill, CFG passes as micro-batches) against the single-GPU loop with
-the same options; the bidirectional CFG sampler against one GPU running the same micro-batches. Needs 2 CUDA
-devices (skipped otherwise)."""
+the same options; the bidirectional CFG sampler against one GPU running the same micro-batches; the CUDA-graphed
+stages (one host thread) against the generator with its CUDA graphs. Needs 2 CUDA devices (skipped otherwise)."""
 
 import copy
 
 import pytest
 import torch
 
+from opensora.inference.chunk_graphs import ChunkGraphs
 from opensora.inference.pipeline import VideoSampler
-from opensora.inference.pipeline_cli import _uint8_on_device
+from opensora.inference.pipeline_cli import device_decoder
 from opensora.inference.pipeline_parallel import OVERLAP_MODES, Lanes, run_plan
 from opensora.inference.pipeline_stages import (
     BidirectionalStages,
@@ -39,19 +40,46 @@ def gpu_sampler(**overrides):
 
 def lane1_decoder(sampler):
     vae1 = copy.deepcopy(sampler.vae).to(DEVICES[1])
-    return lambda: ChunkDecoder(lambda x: _uint8_on_device(vae1.decode(x)), vae1)
+    return lambda: ChunkDecoder(device_decoder(vae1, sampler.dtype), vae1)  # sampler.decode's casts, on lane 1
 
 
-def pipelined(sampler, groups, latent_size, times, split, make_decoder, **kw):
+def pipelined(sampler, groups, latent_size, times, split, make_decoder, graphs=False, **kw):
+    """Every overlap mode, REPEATS runs each; ``graphs``: CUDA-graphed stages (runners kept across the runs)."""
     pp = copy.deepcopy(sampler.model)
     place_model(pp, split, DEVICES)
+    runners = (ChunkGraphs(pp), ChunkGraphs(pp)) if graphs else None
     for mode in OVERLAP_MODES:
         for run in range(REPEATS):
             lanes = Lanes(DEVICES, profile=run == 0)
             stages = CausalStreamingStages(
-                pp, lanes, split, groups, latent_size, times, make_decoder=make_decoder, **kw
+                pp, lanes, split, groups, latent_size, times, make_decoder=make_decoder, cuda_graphs=runners, **kw
             )
             yield mode, run, run_plan(stages, mode, lanes)[0]
+    for runner in runners or ():
+        assert runner.summary["eager"] == 0 and runner.summary["failures"] == [], runner.summary
+
+
+def assert_every_mode_matches(sampler, case, gen, refs, groups, latent_size, graphs=False):
+    """The pipeline (split 2) in every mode, REPEATS runs each: every chunk's latents and frames equal ``refs``."""
+    _, _, guidance, rollout, window, context_time = case
+    for mode, run, result in pipelined(
+        sampler,
+        groups,
+        latent_size,
+        gen.schedule(latent_size[1:]),
+        2,
+        lane1_decoder(sampler),
+        graphs=graphs,
+        rule=rollout,
+        guidance_scale=guidance,
+        context_t=context_time,
+        window_frames=window,
+    ):
+        for g, chunks in enumerate(refs):
+            for chunk in chunks:
+                diff = (result.latents[(g, chunk.index)] - chunk.latents.cpu()).abs().max().item()
+                assert diff == 0, (mode, run, g, chunk.index, diff)
+                assert torch.equal(result.frames[(g, chunk.index)], chunk.frames), (mode, run, g, chunk.index)
 
 
 GENERATOR_CASES = [
@@ -66,28 +94,33 @@ GENERATOR_CASES = [
 def test_two_gpu_streaming_is_bit_identical_to_the_one_gpu_streaming_generator(case):
     from test_pipeline_parallel import generator_reference
 
-    _, steps, guidance, rollout, window, context_time = case
     sampler = gpu_sampler()
     num_frames, size = 9, 32  # 9 latent frames of 8x8: chunks of 2, the last one of 1
     gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
     assert all(torch.isfinite(c.latents).all() for chunks in refs for c in chunks)
-    for mode, run, result in pipelined(
-        sampler,
-        groups,
-        latent_size,
-        gen.schedule(latent_size[1:]),
-        2,
-        lane1_decoder(sampler),
-        rule=rollout,
-        guidance_scale=guidance,
-        context_t=context_time,
-        window_frames=window,
-    ):
-        for g, chunks in enumerate(refs):
-            for chunk in chunks:
-                diff = (result.latents[(g, chunk.index)] - chunk.latents.cpu()).abs().max().item()
-                assert diff == 0, (mode, run, g, chunk.index, diff)
-                assert torch.equal(result.frames[(g, chunk.index)], chunk.frames), (mode, run, g, chunk.index)
+    assert_every_mode_matches(sampler, case, gen, refs, groups, latent_size)
+
+
+class _Graphs:
+    make = ChunkGraphs
+
+
+@pytest.mark.parametrize("case", GENERATOR_CASES[1:], ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
+def test_two_gpu_graphed_stages_match_the_one_gpu_graphed_streaming_generator(case):
+    """Each stage a CUDA graph, both GPUs issued from one host thread, vs ``StreamingGenerator(cuda_graphs=True)``:
+    the same captured kernels on the same shapes, so bit for bit too (graphed vs eager may differ: printed)."""
+    from test_pipeline_parallel import generator_reference
+
+    sampler = gpu_sampler()
+    num_frames, size = 9, 32
+    _, eager_refs, _, _ = generator_reference(sampler, case, num_frames, size)
+    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size, graphs=_Graphs)
+    assert gen.cuda_graphs.summary["replays"] > 0 and gen.cuda_graphs.summary["eager"] == 0
+    graphed_vs_eager = max(
+        (a.latents - b.latents).abs().max().item() for x, y in zip(refs, eager_refs) for a, b in zip(x, y)
+    )
+    print(f"graphed vs eager generator: max |diff| {graphed_vs_eager:g}")
+    assert_every_mode_matches(sampler, case, gen, refs, groups, latent_size, graphs=True)
 
 
 @pytest.mark.parametrize("refill,cfg_rows", [(False, True), (True, False)])
@@ -99,7 +132,7 @@ def test_two_gpu_streaming_variants_match_the_one_gpu_loop(refill, cfg_rows):
         text, null = sampler.encode_text(p)
         groups.append(dict(seeds=[i], branches=[text, null]))
     latent_size, times = (sampler.vae.latent_channels, 6, 8, 8), [1.0, 0.5, 0.0]
-    make_ref_decoder = lambda: ChunkDecoder(lambda x: _uint8_on_device(sampler.vae.decode(x)), sampler.vae)  # noqa
+    make_ref_decoder = lambda: ChunkDecoder(device_decoder(sampler.vae, sampler.dtype), sampler.vae)  # noqa
     kw = dict(refill=refill, guidance_scale=3.0, cfg_rows=cfg_rows)
     refs = [
         stream_reference(sampler.model, g, latent_size, times, make_decoder=make_ref_decoder, device="cuda:0", **kw)

@@ -49,6 +49,13 @@ def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.detach().clone()
 
 
+def _clone_tree(out):
+    """A graph output (a tensor, or a stage's dict of tensors / None) cloned out of the graph's memory."""
+    if isinstance(out, dict):
+        return {name: _clone(t) for name, t in out.items()}
+    return _clone(out)
+
+
 class _Statics:
     """The static input buffers of one pass shape, and which source tensors they last received."""
 
@@ -172,24 +179,6 @@ class ChunkGraphs:
         model.check_chunk(cache, start_frame, text_cache, text_key)
         text_cache.validate(model, (text_emb, text_mask, pooled, None), model.img_in.weight.dtype, x.device)
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
-        shape = (
-            tuple(x.shape),
-            x.dtype,
-            tuple(timestep.shape),
-            tuple(text_emb.shape),
-            text_emb.dtype,
-            None if text_mask is None else tuple(text_mask.shape),
-            tuple(pooled.shape),
-            None if cond is None else tuple(cond.shape),
-            past,
-            x.device,
-        )
-        hit = text_key in text_cache.entries
-        key = (shape, text_key if hit else None, hit)
-        if shape in self.failed:
-            self.eager += 1
-            return model.forward_chunk(x, **eager)
-        text_kv = text_cache.get(text_key)
         rope, mask = self._rope_mask(x, text_mask, text_emb.shape[1], past, start_frame)
         inputs = dict(
             x=x,
@@ -202,6 +191,59 @@ class ChunkGraphs:
             sin=rope[1],
             mask=mask,
         )
+        num_blocks = len(model.double_blocks) + len(model.single_blocks)
+        return self.stage(
+            inputs,
+            0,
+            num_blocks,
+            num_text=text_emb.shape[1],
+            cache=cache,
+            text_cache=text_cache,
+            text_key=text_key,
+            store_kv=store_kv,
+            start_frame=start_frame,
+            eager=lambda: model.forward_chunk(x, **eager),
+        )
+
+    def stage(
+        self,
+        inputs: Dict[str, Optional[torch.Tensor]],
+        lo: int,
+        hi: int,
+        *,
+        num_text: int,
+        cache,
+        text_cache,
+        text_key,
+        store_kv: bool,
+        start_frame: int,
+        eager,
+        grid: Optional[tuple] = None,
+        fresh: Tuple[str, ...] = ("x", "timestep"),
+        slot=None,
+    ):
+        """``MMDiT.chunk_stage(inputs, lo, hi, ...)`` replayed as a CUDA graph: the whole pass (``__call__``) or one
+        pipeline stage's block range (``pipeline_stages``), with ``cache`` / ``text_cache`` over blocks lo..hi-1.
+        ``inputs`` as ``chunk_stage`` takes them; ``fresh``: the inputs copied on every call (the others only when
+        they are other tensors than at the last copy); ``slot``: keeps separate static buffers per work item (e.g.
+        per prompt group of a pipeline) so items taking turns do not recopy each other's caches; ``eager``: the
+        same pass run eagerly (a shape whose capture failed). Appends to the caches as ``forward_chunk`` does and
+        returns ``chunk_stage``'s result (cloned out of the graph's memory)."""
+        model = self.model
+        past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
+        frames = None
+        if "x" in inputs:
+            frames = inputs["x"].shape[2]
+        described = tuple(
+            (name, None if t is None else (tuple(t.shape), t.dtype, t.device)) for name, t in inputs.items()
+        )
+        shape = (lo, hi, slot, past, grid, described)
+        hit = text_key in text_cache.entries
+        key = (shape, text_key if hit else None, hit)
+        if shape in self.failed:
+            self.eager += 1
+            return eager()
+        text_kv = text_cache.get(text_key)
         statics = self.statics.get(shape)
         if statics is None:
             statics = self.statics[shape] = _Statics(
@@ -211,14 +253,14 @@ class ChunkGraphs:
             )
         for name, source in inputs.items():
             if source is not None:
-                statics.load(name, source, always=name in ("x", "timestep"))
+                statics.load(name, source, always=name in fresh)
         if past:
             statics.load_past(cache)
-        text_static = None if text_kv is None else self._text_buffers(text_key, text_kv)
+        text_static = None if text_kv is None else self._text_buffers((slot, text_key), text_kv)
         graph = self.graphs.get(key)
         if graph is None:
             try:
-                graph = self._capture(statics, text_static)
+                graph = self._capture(statics, text_static, lo, hi, num_text, grid)
             except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
                 self.failed.add(shape)
                 self.failures.append(f"{type(error).__name__}: {error}")
@@ -226,41 +268,31 @@ class ChunkGraphs:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 self.eager += 1
-                return model.forward_chunk(x, **eager)
+                return eager()
             self.graphs[key] = graph
             self.captures += 1
         graph.replay()
         self.replays += 1
-        out = graph.out.clone()
+        out = _clone_tree(graph.out)
         if graph.entry is not None:
             text_cache.entries[text_key] = [tuple(_clone(t) for t in graph.entry[i]) for i in range(cache.num_blocks)]
         if store_kv:
             new = {i: tuple(_clone(t) for t in graph.pending[i]) for i in range(cache.num_blocks)}
-            cache.append(new, start_frame, x.shape[2], frames_per_group=model.patch_size[0])
+            if frames is None:
+                frames = grid[0] * model.patch_size[0]
+            cache.append(new, start_frame, frames, frames_per_group=model.patch_size[0])
         return out
 
-    def _capture(self, statics: _Statics, text_static) -> _Graph:
-        """A graph of ``chunk_body`` on ``statics`` (and, on a text-cache hit, the static text keys/values)."""
+    def _capture(self, statics: _Statics, text_static, lo: int, hi: int, num_text: int, grid) -> _Graph:
+        """A graph of ``chunk_stage`` on ``statics`` (and, on a text-cache hit, the static text keys/values)."""
         model, graph, s = self.model, _Graph(), statics.inputs
         graph.text_kv = text_static
-        text_kv = text_static
 
         def body():
             graph.pending = {}
-            graph.entry = {} if text_kv is None else None
-            graph.out = model.chunk_body(
-                s["x"],
-                s["timestep"],
-                s["text_emb"],
-                s["pooled"],
-                s["cond"],
-                None,
-                (s["cos"], s["sin"]),
-                s["mask"],
-                statics.past,
-                graph.text_kv,
-                graph.pending,
-                graph.entry,
+            graph.entry = {} if text_static is None else None
+            graph.out = model.chunk_stage(
+                s, lo, hi, num_text, statics.past, graph.text_kv, graph.pending, graph.entry, grid
             )
 
         self._record(graph, body)

@@ -57,6 +57,15 @@ def _uint8_on_device(video: torch.Tensor) -> torch.Tensor:
     return pixels.permute(0, 2, 3, 4, 1).contiguous()
 
 
+def device_decoder(vae, sampler_dtype):
+    """``VideoSampler.decode`` on ``vae``'s device without the host copy: latents cast as it casts them (to the
+    autoencoder's dtype; the sampler's for a parameter-free one) -> uint8 frames on the device."""
+    from opensora.inference.pipeline import _module_dtype
+
+    dtype = _module_dtype(vae, sampler_dtype)
+    return lambda latents: _uint8_on_device(vae.decode(latents.to(dtype)))
+
+
 def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, save_dir: Path, common: dict) -> list:
     """Generate ``prompts`` with the two-GPU streaming pipeline; returns the written sample paths."""
     import torch
@@ -102,10 +111,7 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         text, null = sampler.encode_text(prompts[start : start + batch])
         groups.append(dict(seeds=seeds[start : start + batch], branches=[text] + ([null] if guidance != 1.0 else [])))
     vae = sampler.vae.to(devices[0])
-    vae_dtype = next(vae.parameters(), torch.empty(0, dtype=sampler.dtype)).dtype
-
-    def decode_fn(latents):
-        return _uint8_on_device(vae.decode(latents.to(vae_dtype)))
+    decode_fn = device_decoder(vae, sampler.dtype)
 
     def make_decoder():
         return ChunkDecoder(decode_fn, vae)

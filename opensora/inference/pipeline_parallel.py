@@ -568,15 +568,20 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
     """Issue ``order`` (a valid order for ``stages.plan``) and wait for the end. ``serial`` makes every task wait
     for the one issued before it (``--pp-overlap off``).
 
-    ``threads`` (default: on for two different CUDA devices): one host thread per lane issues that lane's tasks in
+    ``threads`` (default: on for two different CUDA devices, off for CUDA-graphed stages): one host thread per lane issues that lane's tasks in
     the order's sequence (as torchgpipe does), waiting only for the *issue* of its cross-lane dependencies (the
     GPU-side wait is the CUDA event). PyTorch drops the GIL inside each op's dispatch and launch, so the two
     threads' launch overheads overlap: with one host thread a model whose per-forward launch time is comparable
-    to its GPU time cannot overlap two GPUs. Off: one thread issues the whole order.
+    to its GPU time cannot overlap two GPUs. Off: one thread issues the whole order; with CUDA-graphed stages
+    (``CausalStreamingStages(cuda_graphs=...)``: a pass is a few launches) that thread is never the bottleneck,
+    and the loop holds no host sync (events order the GPUs; copies to the host are read after the final sync).
     """
     plan: Plan = stages.plan
+    graphed = getattr(stages, "graphs", None) is not None
     if threads is None:
-        threads = lanes.cuda and lanes.devices[0] != lanes.devices[1]
+        threads = lanes.cuda and lanes.devices[0] != lanes.devices[1] and not graphed
+    if threads and graphed and lanes.cuda:
+        raise ValueError("CUDA-graphed stages must be issued from one host thread (threads=False)")
     deps = build_graph(plan)  # data/cache dependencies are the same in every mode
     values: Dict[tuple, _Value] = {}
     ctxs: Dict[Tuple[int, int], dict] = {}

@@ -298,8 +298,10 @@ class CausalStreamingStages:
 
     Per (group, branch) two ``KVCache``s: one over blocks[0..split] on lane 0, one over blocks[split+1..] on lane 1;
     each stage appends its own blocks' keys/values, so together they hold exactly what one cache over all blocks
-    holds after ``forward_chunk`` (same frames, same rolling window). Every forward runs ``forward_chunk``'s
-    operations in its order, the step update and the noise order are ``StreamingGenerator``'s: with
+    holds after ``forward_chunk`` (same frames, same rolling window); likewise two ``TextKVCache``s. Every forward
+    runs ``forward_chunk``'s own functions (``MMDiT.chunk_start``, ``chunk_blocks`` on the lane's block range,
+    ``chunk_finish``; a text-cache hit runs the video rows only, as there), the step update (``chunk_update``) and
+    the noise order are ``StreamingGenerator``'s: with
     ``cfg_rows=True`` (its layout: the cond and null-text passes as rows of one batch and one cache) the output is
     bit-identical to it; ``cfg_rows=False`` runs the CFG passes as separate micro-batches with their own caches
     (independent items a second GPU can overlap; identical to ``stream_reference(cfg_rows=False)``).
@@ -317,6 +319,13 @@ class CausalStreamingStages:
         make_decoder: called once per group: a callable decoding that group's chunks in order (lane 1), e.g. a
             ``streaming.ChunkDecoder``; None: no decode.
         window_frames / sink_frames: the caches' rolling window (see ``KVCache``).
+        text_cache: keep every block's text keys/values per pass time after the first chunk (``StreamingGenerator``'s
+            ``text_cache``, on by default there and here). It changes which rows a pass runs, hence the GEMM shapes and
+            in bf16 the rounding: the pipeline and its one-GPU reference must agree on it.
+        cuda_graphs: replay each stage's pass as a CUDA graph (``chunk_graphs.ChunkGraphs.stage``, the mechanism of
+            ``StreamingGenerator(cuda_graphs=True)``; GPU and text cache only, eager elsewhere): True, or the pair of
+            runners (lane 0, lane 1) of an earlier run, whose graphs are reused. Graphs and host threads do not
+            mix (a capture on one thread while another launches fails): run such stages from one host thread.
     """
 
     def __init__(
@@ -335,8 +344,10 @@ class CausalStreamingStages:
         window_frames: Optional[int] = None,
         sink_frames: int = 0,
         cfg_rows: bool = True,
+        text_cache: bool = True,
+        cuda_graphs=False,
     ):
-        from opensora.models.mmdit.causal import KVCache
+        from opensora.models.mmdit.causal import KVCache, TextKVCache
 
         if not getattr(model, "causal_chunk_frames", 0):
             raise ValueError("streaming stages need a causal MMDiT (causal_chunk_frames > 0)")
@@ -392,6 +403,20 @@ class CausalStreamingStages:
             ]
             for g in self.text
         ]
+        # per (group, branch, lane): the text keys/values of each lane's blocks per pass time (``TextKVCache``),
+        # filled by the first chunk, as ``StreamingGenerator``'s one cache over all blocks (None: text_cache off)
+        self.text_caches = [
+            [
+                (TextKVCache(split + 1), TextKVCache(self.num_blocks - split - 1)) if text_cache else (None, None)
+                for _ in g
+            ]
+            for g in self.text
+        ]
+        if cuda_graphs is True:  # one runner per lane (a graph pool lives on one device); pass them on to keep them
+            from opensora.inference.chunk_graphs import ChunkGraphs
+
+            cuda_graphs = (ChunkGraphs(model), ChunkGraphs(model))
+        self.graphs = tuple(cuda_graphs) if cuda_graphs else None
         self.noise = [
             StreamNoise(g["seeds"], self.channels, self.hw, self.times, rule, self.context_t) for g in self.groups
         ]
@@ -455,20 +480,52 @@ class CausalStreamingStages:
             group=group,
         )
 
-    def _blocks(self, ctx, cache, state, lo, hi, vec, rope, text_mask, store_kv, device):
-        from opensora.models.mmdit.causal import joint_attention_mask, streaming_kv_hooks
+    def text_key(self, step: int) -> float:
+        """The text-cache key of a pass (``StreamingGenerator``'s: the pass time, a host float)."""
+        return self.context_t if step == self.plan.num_steps else self.times[step]
 
-        num_text = state["txt"].shape[1] if "txt" in state else state["num_text"]
-        num_video = state["img"].shape[1] if "img" in state else state["tokens"].shape[1] - num_text
+    def _pass(self, ctx, lane: int, branch: int, step: int, inputs: dict, text_mask, store_kv: bool, num_text: int):
+        """``MMDiT.chunk_stage`` over this lane's blocks with its KV cache and text cache (the one-GPU pass's code
+        on a range of blocks), then the cache writes ``forward_chunk`` makes after its pass; replayed as a CUDA
+        graph (``ChunkGraphs.stage``) when the stages were built with ``cuda_graphs``."""
+        model, g = self.model, ctx["group"]
+        lo, hi = (0, self.split + 1) if lane == 0 else (self.split + 1, self.num_blocks)
+        cache = self.caches[g][branch][lane]
+        text_cache = self.text_caches[g][branch][lane]
+        key = self.text_key(step)
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
-        video = torch.ones(num_video, past + num_video, dtype=torch.bool, device=device)
-        mask = joint_attention_mask(text_mask, num_text, video)
-        pending = {} if store_kv else None
-        hooks = streaming_kv_hooks(cache, num_text, mask, pending)
-        state = run_blocks(self.model, state, lo, hi, vec, rope, mask, lambda i: hooks[i - lo])
-        if store_kv:
-            cache.append(pending, ctx["start"], ctx["frames"], frames_per_group=self.model.patch_size[0])
-        return state
+        tokens = ctx["grid"][0] * ctx["grid"][1] * ctx["grid"][2]
+        inputs["mask"] = model.chunk_mask(text_mask, num_text, tokens, past, self.lanes.devices[lane])
+
+        def eager():
+            text_kv = None if text_cache is None else text_cache.get(key)
+            pending = {} if store_kv else None
+            entry = {} if text_cache is not None and text_kv is None else None
+            out = model.chunk_stage(inputs, lo, hi, num_text, cache, text_kv, pending, entry, ctx["grid"])
+            if entry is not None:
+                text_cache.entries[key] = [entry[i] for i in range(text_cache.num_blocks)]
+            if store_kv:
+                cache.append(pending, ctx["start"], ctx["frames"], frames_per_group=model.patch_size[0])
+            return out
+
+        runner = None if self.graphs is None else self.graphs[lane]
+        if runner is None or text_cache is None or not runner.usable(inputs["mask"]):
+            return eager()
+        return runner.stage(
+            inputs,
+            lo,
+            hi,
+            num_text=num_text,
+            cache=cache,
+            text_cache=text_cache,
+            text_key=key,
+            store_kv=store_kv,
+            start_frame=ctx["start"],
+            eager=eager,
+            grid=ctx["grid"],
+            fresh=("x", "timestep", "img", "txt", "tokens", "vec"),
+            slot=(g, branch),
+        )
 
     def stage0(self, ctx, branch: int, step: int, x, store_kv: bool) -> dict:
         if step == self.plan.num_steps and ctx["context"] is not None:  # the refill at a context time > 0
@@ -476,41 +533,24 @@ class CausalStreamingStages:
         if self.cfg_rows:
             x = torch.cat([x] * 2)
         text = self.text[ctx["group"]][branch]
-        img, txt, vec, _ = self.model.embed(
-            x.to(self.dtype), ctx["t"][step], text["text_emb"], text["pooled"], ctx["cond"]
+        inputs = dict(
+            x=x.to(self.dtype),
+            timestep=ctx["t"][step],
+            text_emb=text["text_emb"],
+            pooled=text["pooled"],
+            cond=ctx["cond"],
+            cos=ctx["rope"][0],
+            sin=ctx["rope"][1],
         )
-        cache = self.caches[ctx["group"]][branch][0]
-        state = self._blocks(
-            ctx,
-            cache,
-            dict(img=img, txt=txt),
-            0,
-            self.split + 1,
-            vec,
-            ctx["rope"],
-            text["text_mask"],
-            store_kv,
-            self.lanes.devices[0],
-        )
-        return dict(state=state, vec=vec)
+        num_text = text["text_emb"].shape[1]
+        return self._pass(ctx, 0, branch, step, inputs, text["text_mask"], store_kv, num_text)
 
     def stage1(self, ctx, branch: int, step: int, act, store_kv: bool) -> Optional[torch.Tensor]:
-        cache = self.caches[ctx["group"]][branch][1]
-        state = self._blocks(
-            ctx,
-            cache,
-            act["state"],
-            self.split + 1,
-            self.num_blocks,
-            act["vec"],
-            ctx["rope1"],
-            self.text_mask1[ctx["group"]][branch],
-            store_kv,
-            self.lanes.devices[1],
-        )
-        if step >= self.plan.num_steps:
-            return None  # the refill's output is never read: only its cache writes matter
-        return finish(self.model, state, act["vec"], ctx["grid"])
+        g = ctx["group"]
+        num_text = self.text[g][branch]["text_emb"].shape[1]
+        inputs = dict(act, cos=ctx["rope1"][0], sin=ctx["rope1"][1])
+        out = self._pass(ctx, 1, branch, step, inputs, self.text_mask1[g][branch], store_kv, num_text)
+        return None if step >= self.plan.num_steps else out  # the refill's output is never read
 
     def update(self, ctx, step: int, outputs: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         if self.cfg_rows:
@@ -540,9 +580,10 @@ def stream_reference(
     sink_frames: int = 0,
     cfg_rows: bool = True,
     device="cpu",
+    text_cache: bool = True,
 ):
     """A single-device streaming loop with ``CausalStreamingStages``'s options: ``StreamingGenerator``'s math on
-    ``forward_chunk`` (its own test checks it against the generator), plus the variants the generator does not
+    ``forward_chunk`` with its text cache (its own test checks it against the generator), plus the variants the generator does not
     have (``refill=False``: the last step stores the keys/values; ``cfg_rows=False``: one cache per CFG pass).
     Returns (x0 per chunk, decoded frames per chunk or None)."""
     dtype = model.img_in.weight.dtype
@@ -561,6 +602,7 @@ def stream_reference(
         for b in branch_sets
     ]
     caches = [model.new_kv_cache(window_frames, sink_frames) for _ in texts]
+    text_caches = [model.new_text_cache() if text_cache else None for _ in texts]
     noise = StreamNoise(group["seeds"], channels, hw, times, rule, context_t)
     decoder = make_decoder() if make_decoder is not None else None
     rows = len(group["seeds"]) * (2 if rows_mode else 1)
@@ -577,7 +619,7 @@ def stream_reference(
             if rows_mode:
                 x_in = torch.cat([x_in] * 2)
             outs = []
-            for text, cache in zip(texts, caches):
+            for text, cache, text_cache_ in zip(texts, caches, text_caches):
                 t_vec = torch.full((rows,), t, device=device, dtype=dtype)
                 outs.append(
                     model.forward_chunk(
@@ -590,6 +632,8 @@ def stream_reference(
                         cache=cache,
                         start_frame=start,
                         store_kv=store,
+                        text_cache=text_cache_,
+                        text_key=t,
                     ).float()
                 )
             if rows_mode:

@@ -336,15 +336,45 @@ class MMDiT(nn.Module, SequenceParallelModel):
         """Double then single blocks and the final layer -> output video tokens. ``kv_hooks``: one per block
         (double blocks first), see layers.py. ``txt=None``: a video-only pass whose hooks supply the text
         keys/values (causal text cache, ``forward_chunk``)."""
-        hooks = kv_hooks or [None] * (len(self.double_blocks) + len(self.single_blocks))
-        for i, block in enumerate(self.double_blocks):
-            img, txt = self.run_block(block, i < self.grad_ckpt_double, img, txt, vec, rope, mask, hooks[i])
-        num_text = 0 if txt is None else txt.shape[1]
+        num_blocks = len(self.double_blocks) + len(self.single_blocks)
+        state = self.run_block_range(dict(img=img, txt=txt), 0, num_blocks, vec, rope, mask, kv_hooks)
+        return self.final_tokens(state, vec)
+
+    def run_block_range(self, state: dict, lo: int, hi: int, vec, rope, mask, kv_hooks=None) -> dict:
+        """Blocks ``lo..hi-1`` of ``[*double_blocks, *single_blocks]`` on ``state``: ``dict(img, txt)`` before and
+        inside the double blocks (``txt`` None in a video-only pass), ``dict(tokens, num_text)`` once the single
+        blocks began (text rows first). ``kv_hooks[i - lo]`` is block i's kv_hook. ``run_blocks`` is the whole range,
+        and a pipeline stage (``pipeline_stages``) a part of it: the same operations in the same order."""
+        depth = len(self.double_blocks)
+        for i in range(lo, hi):
+            hook = None if kv_hooks is None else kv_hooks[i - lo]
+            if i < depth:
+                img, txt = self.run_block(
+                    self.double_blocks[i], i < self.grad_ckpt_double, state["img"], state["txt"], vec, rope, mask, hook
+                )
+                state = dict(img=img, txt=txt)
+            else:
+                state = self._as_tokens(state)
+                j = i - depth
+                tokens = self.run_block(
+                    self.single_blocks[j], j < self.grad_ckpt_single, state["tokens"], vec, rope, mask, hook
+                )
+                state = dict(tokens=tokens, num_text=state["num_text"])
+        return state
+
+    @staticmethod
+    def _as_tokens(state: dict) -> dict:
+        """The joint sequence [text, video] of a state (as the single blocks take it)."""
+        if "tokens" in state:
+            return state
+        img, txt = state["img"], state["txt"]
         tokens = img if txt is None else torch.cat((txt, img), dim=1)
-        hooks = hooks[len(self.double_blocks) :]
-        for i, block in enumerate(self.single_blocks):
-            tokens = self.run_block(block, i < self.grad_ckpt_single, tokens, vec, rope, mask, hooks[i])
-        return self.final_layer(tokens[:, num_text:], vec)
+        return dict(tokens=tokens, num_text=0 if txt is None else txt.shape[1])
+
+    def final_tokens(self, state: dict, vec) -> torch.Tensor:
+        """The final layer on the video tokens of a state after the last block."""
+        state = self._as_tokens(state)
+        return self.final_layer(state["tokens"][:, state["num_text"] :], vec)
 
     # ---- streaming (causal models) --------------------------------------------------------------------------
     def new_text_cache(self) -> TextKVCache:
@@ -418,28 +448,80 @@ class MMDiT(nn.Module, SequenceParallelModel):
         pt, ph, pw = self.patch_size
         grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
         rope = self.rope(grid, num_text, x.device, time_offset=start_frame // pt)
-        tokens = grid[0] * grid[1] * grid[2]
-        video = torch.ones(tokens, past_tokens + tokens, dtype=torch.bool, device=x.device)
-        return rope, joint_attention_mask(text_mask, num_text, video)
+        return rope, self.chunk_mask(text_mask, num_text, grid[0] * grid[1] * grid[2], past_tokens, x.device)
+
+    @staticmethod
+    def chunk_mask(text_mask, num_text: int, tokens: int, past_tokens: int, device) -> torch.Tensor:
+        """The joint mask of ``chunk_rope_mask`` for a chunk of ``tokens`` video tokens after ``past_tokens``."""
+        video = torch.ones(tokens, past_tokens + tokens, dtype=torch.bool, device=device)
+        return joint_attention_mask(text_mask, num_text, video)
 
     def chunk_body(self, x, timestep, text_emb, pooled, cond, guidance, rope, mask, past, text_kv, pending, entry):
         """The model part of ``forward_chunk`` (no host reads, fixed shapes for fixed inputs: what a CUDA graph can
         capture). ``past``: anything with ``num_blocks`` and ``block(i) -> (keys, values)`` of the cached video
         (a ``KVCache``); ``text_kv``: the text keys/values per block of a text-cache hit (None: run the text rows);
-        ``pending`` / ``entry`` (dicts or None) receive each block's chunk video / text keys/values."""
-        # a cached pass skips the text embedding too (txt is None then)
-        img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance, with_text=text_kv is None)
-        num_text = text_emb.shape[1]
+        ``pending`` / ``entry`` (dicts or None) receive each block's chunk video / text keys/values.
+
+        It is ``chunk_stage`` over every block: the two-GPU pipeline (``pipeline_stages``) runs ``chunk_stage`` on
+        the two halves of the blocks, so it cannot compute anything else."""
+        inputs = dict(x=x, timestep=timestep, text_emb=text_emb, pooled=pooled, cond=cond, guidance=guidance, mask=mask)
+        inputs.update(cos=rope[0], sin=rope[1])
+        num_blocks = len(self.double_blocks) + len(self.single_blocks)
+        return self.chunk_stage(inputs, 0, num_blocks, text_emb.shape[1], past, text_kv, pending, entry)
+
+    def chunk_stage(self, inputs: dict, lo: int, hi: int, num_text: int, past, text_kv, pending, entry, grid=None):
+        """Blocks ``lo..hi-1`` of a streamed pass (``chunk_body``'s other arguments; ``past``, ``text_kv``,
+        ``pending`` and ``entry`` indexed from ``lo``). ``inputs`` (tensors only, what a CUDA graph keeps static):
+        ``cos``, ``sin`` (RoPE tables of [text, video]), ``mask`` (``chunk_rope_mask``'s) and either the pass's
+        inputs ``x``, ``timestep``, ``text_emb``, ``pooled``, ``cond``, ``guidance`` (``lo == 0``: ``chunk_start``
+        first) or an earlier stage's output (``img`` + ``txt``, or ``tokens``, and ``vec``). Returns the velocity
+        when the range ends with the last block (``grid``: the chunk's patch grid, found from ``x`` when it is an
+        input), else that output: ``img`` / ``txt`` or ``tokens`` (text rows first, none in a text-cache hit) and
+        ``vec``."""
+        if "x" in inputs:
+            state, vec, grid = self.chunk_start(
+                inputs["x"],
+                inputs["timestep"],
+                inputs["text_emb"],
+                inputs["pooled"],
+                inputs.get("cond"),
+                inputs.get("guidance"),
+                text_kv is not None,
+            )
+        elif "tokens" in inputs:
+            state, vec = dict(tokens=inputs["tokens"], num_text=0 if text_kv is not None else num_text), inputs["vec"]
+        else:
+            state, vec = dict(img=inputs["img"], txt=inputs.get("txt")), inputs["vec"]
+        rope = (inputs["cos"], inputs["sin"])
+        state = self.chunk_blocks(state, vec, rope, inputs["mask"], num_text, lo, hi, past, text_kv, pending, entry)
+        if hi == len(self.double_blocks) + len(self.single_blocks):
+            return self.chunk_finish(state, vec, grid)
+        state.pop("num_text", None)
+        return dict(state, vec=vec)
+
+    def chunk_start(self, x, timestep, text_emb, pooled, cond, guidance, cached_text: bool):
+        """A streamed pass's embeddings -> (state for ``chunk_blocks``, conditioning vector, patch grid); a pass
+        whose text keys/values come from the text cache (``cached_text``) skips the text embedding."""
+        img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance, with_text=not cached_text)
+        return dict(img=img, txt=txt), vec, grid
+
+    def chunk_blocks(self, state, vec, rope, mask, num_text: int, lo: int, hi: int, past, text_kv, pending, entry):
+        """Blocks ``lo..hi-1`` of a streamed pass (``chunk_body``'s arguments; ``past``, ``text_kv``, ``pending``
+        and ``entry`` are indexed from ``lo``: block ``lo`` is their entry 0). ``rope`` / ``mask``: the full
+        [text, video] tables and mask of ``chunk_rope_mask``; a text-cache hit (``text_kv``) runs the video rows."""
         if text_kv is not None:  # video rows only: [L:] of the RoPE tables and of the mask's query rows
             rope = tuple(table[num_text:] for table in rope)
-            hooks = cached_text_kv_hooks(past, text_kv, mask[:, :, num_text:], pending)
-            img = self.run_blocks(img, None, vec, rope, mask[:, :, num_text:], hooks)
+            mask = mask[:, :, num_text:]
+            hooks = cached_text_kv_hooks(past, text_kv, mask, pending)
         else:
             hooks = streaming_kv_hooks(past, num_text, mask, pending)
             if entry is not None:
                 hooks = text_filling_hooks(hooks, entry, num_text)
-            img = self.run_blocks(img, txt, vec, rope, mask, hooks)
-        return unpatchify(img, grid, self.patch_size)
+        return self.run_block_range(state, lo, hi, vec, rope, mask, hooks)
+
+    def chunk_finish(self, state, vec, grid) -> torch.Tensor:
+        """Final layer + unpatchify after the last block of a streamed pass."""
+        return unpatchify(self.final_tokens(state, vec), grid, self.patch_size)
 
     def shard_sequence(self, img, txt, rope, mask):
         """This rank's slices of the text and video tokens, their RoPE angles, and the key mask in the rank-major
