@@ -63,55 +63,57 @@ if triton is not None:
     def _modulate_fwd(
         X, SHIFT, SCALE, Y, MEAN, RSTD,
         N, C, sx_b, sx_n, sm_b, sy_b, sy_n, eps,
-        ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
+        # One [BLOCK_R, C] tile of rows of sample b per program; x [B, N, C] with a unit channel stride.
         b = tl.program_id(0)
-        row0 = tl.program_id(1) * ROWS
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_C)
+        rmask = rows < N
         cmask = cols < C
+        m = rmask[:, None] & cmask[None, :]
         shift = tl.load(SHIFT + b * sm_b + cols, mask=cmask, other=0.0).to(tl.float32)
         scale1 = 1.0 + tl.load(SCALE + b * sm_b + cols, mask=cmask, other=0.0).to(tl.float32)
-        for r in range(ROWS):
-            n = row0 + r
-            if n < N:
-                x = tl.load(X + b * sx_b + n * sx_n + cols, mask=cmask, other=0.0).to(tl.float32)
-                mean = tl.sum(x, axis=0) / C
-                xc = tl.where(cmask, x - mean, 0.0)
-                rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / C + eps)
-                y = xc * rstd * scale1 + shift
-                tl.store(Y + b * sy_b + n * sy_n + cols, y.to(Y.dtype.element_ty), mask=cmask)
-                tl.store(MEAN + b * N + n, mean)
-                tl.store(RSTD + b * N + n, rstd)
+        x = tl.load(X + b * sx_b + rows[:, None] * sx_n + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / C
+        xc = tl.where(m, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / C + eps)
+        y = xc * rstd[:, None] * scale1[None, :] + shift[None, :]
+        tl.store(Y + b * sy_b + rows[:, None] * sy_n + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+        tl.store(MEAN + b * N + rows, mean, mask=rmask)
+        tl.store(RSTD + b * N + rows, rstd, mask=rmask)
 
     @triton.jit
     def _modulate_bwd(
         X, SCALE, GY, MEAN, RSTD, GX, GSHIFT_PART, GSCALE_PART,
         N, C, sx_b, sx_n, sm_b, sg_b, sg_n, sgx_b, sgx_n, n_parts,
-        ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_R: tl.constexpr, ITERS: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
+        # ITERS tiles of BLOCK_R rows per program; the shift/scale gradients of those rows are summed in
+        # registers and written as one fp32 partial row each (the host sums the n_parts partials).
         b = tl.program_id(0)
         part = tl.program_id(1)
-        row0 = part * ROWS
         cols = tl.arange(0, BLOCK_C)
         cmask = cols < C
         scale1 = 1.0 + tl.load(SCALE + b * sm_b + cols, mask=cmask, other=0.0).to(tl.float32)
         acc_shift = tl.zeros([BLOCK_C], dtype=tl.float32)
         acc_scale = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for r in range(ROWS):
-            n = row0 + r
-            if n < N:
-                x = tl.load(X + b * sx_b + n * sx_n + cols, mask=cmask, other=0.0).to(tl.float32)
-                gy = tl.load(GY + b * sg_b + n * sg_n + cols, mask=cmask, other=0.0).to(tl.float32)
-                mean = tl.load(MEAN + b * N + n)
-                rstd = tl.load(RSTD + b * N + n)
-                xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
-                acc_shift += gy
-                acc_scale += gy * xhat
-                g = gy * scale1
-                c1 = tl.sum(g, axis=0) / C
-                c2 = tl.sum(g * xhat, axis=0) / C
-                gx = (g - c1 - xhat * c2) * rstd
-                tl.store(GX + b * sgx_b + n * sgx_n + cols, gx.to(GX.dtype.element_ty), mask=cmask)
+        for i in range(ITERS):
+            rows = (part * ITERS + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+            rmask = rows < N
+            m = rmask[:, None] & cmask[None, :]
+            x = tl.load(X + b * sx_b + rows[:, None] * sx_n + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            gy = tl.load(GY + b * sg_b + rows[:, None] * sg_n + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            mean = tl.load(MEAN + b * N + rows, mask=rmask, other=0.0)
+            rstd = tl.load(RSTD + b * N + rows, mask=rmask, other=0.0)
+            xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
+            acc_shift += tl.sum(gy, axis=0)
+            acc_scale += tl.sum(gy * xhat, axis=0)
+            g = gy * scale1[None, :]
+            c1 = tl.sum(g, axis=1) / C
+            c2 = tl.sum(g * xhat, axis=1) / C
+            gx = (g - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
+            tl.store(GX + b * sgx_b + rows[:, None] * sgx_n + cols[None, :], gx.to(GX.dtype.element_ty), mask=m)
         out = (b * n_parts + part) * C + cols
         tl.store(GSHIFT_PART + out, acc_shift, mask=cmask)
         tl.store(GSCALE_PART + out, acc_scale, mask=cmask)
@@ -191,7 +193,12 @@ if triton is not None:
         tl.store(gxp + 1, gxo.to(GX.dtype.element_ty), mask=m)
 
 
-MODULATE_ROWS = 32  # rows per program: the shift/scale gradient partials are [B, N / ROWS, C] fp32
+# Modulation tiles: BLOCK_R rows x the whole channel dim (padded to a power of two) per tile, few rows so the
+# fp32 tiles stay in registers; the backward runs ITERS tiles per program, so its fp32 shift/scale partials are
+# [B, N / (BWD_BLOCK_R * ITERS), C] (1/8 of the activation's bytes each).
+MODULATE_BLOCK_R = 4
+MODULATE_BWD_BLOCK_R = 2
+MODULATE_BWD_ITERS = 8
 ROPE_BLOCK_N = 32
 
 
@@ -213,10 +220,10 @@ class _Modulate(torch.autograd.Function):
         mean = torch.empty(b, n, device=x.device, dtype=torch.float32)
         rstd = torch.empty_like(mean)
         block_c = triton.next_power_of_2(c)
-        grid = (b, triton.cdiv(n, MODULATE_ROWS))
+        grid = (b, triton.cdiv(n, MODULATE_BLOCK_R))
         _modulate_fwd[grid](
             x, shift, scale, y, mean, rstd, n, c, x.stride(0), x.stride(1), shift.stride(0), y.stride(0), y.stride(1),
-            eps, ROWS=MODULATE_ROWS, BLOCK_C=block_c, num_warps=4 if block_c <= 2048 else 8,
+            eps, BLOCK_R=MODULATE_BLOCK_R, BLOCK_C=block_c, num_warps=8,
         )  # fmt: skip
         ctx.save_for_backward(x, scale, mean, rstd)
         ctx.shift_dtype = shift.dtype
@@ -227,7 +234,7 @@ class _Modulate(torch.autograd.Function):
         x, scale, mean, rstd = ctx.saved_tensors
         b, n, c = x.shape
         _check_last_dim_contiguous(gy)
-        n_parts = triton.cdiv(n, MODULATE_ROWS)
+        n_parts = triton.cdiv(n, MODULATE_BWD_BLOCK_R * MODULATE_BWD_ITERS)
         gx = torch.empty_like(x, memory_format=torch.contiguous_format)
         gshift = torch.empty(b, n_parts, c, device=x.device, dtype=torch.float32)
         gscale = torch.empty_like(gshift)
@@ -235,7 +242,7 @@ class _Modulate(torch.autograd.Function):
         _modulate_bwd[(b, n_parts)](
             x, scale, gy, mean, rstd, gx, gshift, gscale, n, c, x.stride(0), x.stride(1), scale.stride(0),
             gy.stride(0), gy.stride(1), gx.stride(0), gx.stride(1), n_parts,
-            ROWS=MODULATE_ROWS, BLOCK_C=block_c, num_warps=4 if block_c <= 2048 else 8,
+            BLOCK_R=MODULATE_BWD_BLOCK_R, ITERS=MODULATE_BWD_ITERS, BLOCK_C=block_c, num_warps=8,
         )  # fmt: skip
         dt = ctx.shift_dtype
         return gx, gshift.sum(1, keepdim=True).to(dt), gscale.sum(1, keepdim=True).to(dt), None
