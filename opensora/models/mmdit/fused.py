@@ -202,17 +202,16 @@ MODULATE_BWD_ITERS = 8
 ROPE_BLOCK_N = 32
 
 
-def _check_last_dim_contiguous(*tensors):
-    for t in tensors:
-        if t.stride(-1) != 1:
-            raise ValueError(f"the fused kernels need a unit stride in the last dimension, got {t.stride()}")
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its channels are adjacent in memory (what the kernels index), else a dense copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 class _Modulate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shift, scale, eps):
         b, n, c = x.shape
-        _check_last_dim_contiguous(x, shift, scale)
+        x, shift, scale = _unit_last_stride(x), _unit_last_stride(shift), _unit_last_stride(scale)
         shift, scale = shift.expand(b, 1, c), scale.expand(b, 1, c)
         if shift.stride(0) != scale.stride(0):
             shift, scale = shift.contiguous(), scale.contiguous()
@@ -233,7 +232,7 @@ class _Modulate(torch.autograd.Function):
     def backward(ctx, gy):
         x, scale, mean, rstd = ctx.saved_tensors
         b, n, c = x.shape
-        _check_last_dim_contiguous(gy)
+        gy = _unit_last_stride(gy)
         n_parts = triton.cdiv(n, MODULATE_BWD_BLOCK_R * MODULATE_BWD_ITERS)
         gx = torch.empty_like(x, memory_format=torch.contiguous_format)
         gshift = torch.empty(b, n_parts, c, device=x.device, dtype=torch.float32)
@@ -254,7 +253,7 @@ class _QKNormRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cos, sin, eps):
         b, h, n, d = x.shape
-        _check_last_dim_contiguous(x)
+        x = _unit_last_stride(x)
         if d % 2 or d & (d - 1):
             raise ValueError(f"the fused QK-norm + RoPE kernel needs a power-of-two head_dim, got {d}")
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
@@ -273,7 +272,7 @@ class _QKNormRope(torch.autograd.Function):
     def backward(ctx, gy):
         x, weight, cos, sin, rstd = ctx.saved_tensors
         b, h, n, d = x.shape
-        _check_last_dim_contiguous(gy)
+        gy = _unit_last_stride(gy)
         n_parts = triton.cdiv(n, ROPE_BLOCK_N)
         gx = torch.empty(b, h, n, d, device=x.device, dtype=x.dtype)
         gw = torch.empty(b * h * n_parts, d, device=x.device, dtype=torch.float32)
