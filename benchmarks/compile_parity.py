@@ -14,6 +14,13 @@ one op or one compiler setting each:
   no-rope     identity rotation (cos 1, sin 0)
   flash       attention backend "flash" instead of "auto" (cuDNN on sm90)
   fused       the Triton kernels of models/mmdit/fused.py inside the compiled block (eager reference unfused)
+  batch2      batch 2 instead of 1 (the fault was seen at batch 1 only)
+  no-split-reductions / no-persistent-reductions   Inductor options for the token sums
+
+What the earlier runs point at (benchmarks/README.md, Known problems): the non-finite grads were the time/pooled
+embedders' and some blocks' modulation weights, i.e. the gradient reaching ``vec``; every other weight was finite.
+Those grads are sums over all tokens of [B, 1, C] broadcasts (shift, scale, gate), so the variants that change
+batch size and Inductor's reduction codegen come first.
 
 Each variant runs twice: output gradients ~N(0, 1) and at the scale the step's MSE loss gives
 (2 (out - target) / numel, ~1e-7): bf16 underflow or an eps in a compiled backward shows only at the second.
@@ -38,11 +45,24 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from opensora.models.mmdit.layers import DoubleStreamBlock, SingleStreamBlock  # noqa: E402
+from opensora.models.mmdit.layers import (  # noqa: E402
+    DoubleStreamBlock,
+    Modulation,
+    SingleStreamBlock,
+    gated_residual,
+    modulate,
+)
 from opensora.models.mmdit.rope import rope_cos_sin, video_position_ids  # noqa: E402
 
 HIDDEN, HEADS, GRID, N_TXT = 1536, 12, (11, 24, 32), 512
-VARIANTS = ("default", "fullgraph", "autotune", "no-qknorm", "no-rope", "flash", "fused")
+VARIANTS = (
+    "default", "batch2", "no-split-reductions", "no-persistent-reductions", "fullgraph", "autotune", "no-qknorm",
+    "no-rope", "flash", "fused",
+)  # fmt: skip
+INDUCTOR_OPTIONS = {  # Inductor settings that change how the sums over tokens (the [B, 1, C] grads) are generated
+    "no-split-reductions": {"split_reductions": False},
+    "no-persistent-reductions": {"triton.persistent_reductions": False},
+}
 GRAD_SCALES = {"unit": 1.0, "mse": None}  # None: the scale of d(mse)/d(out), 2 / numel
 
 
@@ -52,10 +72,26 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+class ModulationOnly(torch.nn.Module):
+    """A block without its linears and attention: adaLN modulation and the gated residual only, so a compile
+    takes seconds and the only sums over tokens left in the backward are the shift / scale / gate grads."""
+
+    def __init__(self):
+        super().__init__()
+        self.mod = Modulation(HIDDEN, 1)
+
+    def forward(self, x, vec, rope, mask):
+        shift, scale, gate = self.mod(vec)
+        return gated_residual(x, gate, modulate(x, shift, scale))
+
+
 def make_block(kind, variant, device):
     torch.manual_seed(0)
-    cls = DoubleStreamBlock if kind == "double" else SingleStreamBlock
-    block = cls(HIDDEN, HEADS, 4.0, attn_backend="flash" if variant == "flash" else "auto")
+    if kind == "micro":
+        block = ModulationOnly()
+    else:
+        cls = DoubleStreamBlock if kind == "double" else SingleStreamBlock
+        block = cls(HIDDEN, HEADS, 4.0, attn_backend="flash" if variant == "flash" else "auto")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in block.parameters():
@@ -75,9 +111,10 @@ def make_inputs(kind, variant, device):
     if variant == "no-rope":
         cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
     rope = (cos.to(device), sin.to(device))
-    shapes = [(1, n_img, HIDDEN), (1, N_TXT, HIDDEN)] if kind == "double" else [(1, n_img + N_TXT, HIDDEN)]
+    b = 2 if variant == "batch2" else 1
+    shapes = [(b, n_img, HIDDEN), (b, N_TXT, HIDDEN)] if kind == "double" else [(b, n_img + N_TXT, HIDDEN)]
     streams = [torch.randn(s, generator=gen).to(device, torch.bfloat16) for s in shapes]
-    vec = torch.randn(1, HIDDEN, generator=gen).to(device, torch.bfloat16)
+    vec = torch.randn(b, HIDDEN, generator=gen).to(device, torch.bfloat16)
     return streams, vec, rope
 
 
@@ -116,18 +153,21 @@ def run_variant(kind, variant, device):
     block = make_block(kind, variant, device)
     streams, vec, rope = make_inputs(kind, variant, device)
     compiled = copy.deepcopy(block)
-    if variant == "fused":
+    if variant == "fused" and kind != "micro":
         compiled.fused = True
     options = dict(fullgraph=variant == "fullgraph")
     if variant == "autotune":
         options["mode"] = "max-autotune-no-cudagraphs"
+    if variant in INDUCTOR_OPTIONS:
+        options["options"] = INDUCTOR_OPTIONS[variant]
     compiled.compile(**options)
     result = dict(kind=kind, variant=variant)
     for label, scale in GRAD_SCALES.items():
         ref = run_once(block, streams, vec, rope, scale)
         t0 = time.perf_counter()
         got = run_once(compiled, streams, vec, rope, scale)
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         rows, first_bad = compare(ref, got)
         worst = sorted(rows.items(), key=lambda kv: -kv[1]["rel_err"])[:5]
         result[label] = dict(
@@ -171,7 +211,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for compile_parity.json")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--blocks", default="double,single")
+    parser.add_argument("--blocks", default="micro,single,double", help="micro: modulation + gated residual only")
     parser.add_argument("--model", action="store_true", help="also the whole 1B model, one step")
     args = parser.parse_args(argv)
     device = torch.device("cuda")

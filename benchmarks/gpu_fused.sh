@@ -5,8 +5,9 @@
 #                                             eager vs fused timing (fused_kernels.json); the 1B step eager / fused
 #                                             / diffusers Flux, interleaved, + a profile of the fused step, + the
 #                                             compiled+fused step (train_step.json)
-#   bash benchmarks/gpu_fused.sh OUT parity   one compiled 1B block vs eager, tensor by tensor, per variant
-#                                             (compile_parity.json), then the whole model (per-block grads)
+#   bash benchmarks/gpu_fused.sh OUT parity   compiled vs eager, tensor by tensor, per variant: a modulation-only
+#                                             block, a single block, a double block + the whole model
+#                                             (OUT/{micro,single,model}/compile_parity.json)
 # The device image needs diffusers for the Flux rows (carry it as for benchmarks/train_step.py).
 set -euo pipefail
 out=${1:?usage: gpu_fused.sh OUT step|parity}
@@ -24,7 +25,13 @@ step)
         --timeout 150 --out "$out/train_step.json"
     ;;
 parity)
-    timeout 420 python benchmarks/compile_parity.py --out "$out" --variants default,no-rope,no-qknorm,flash,fused \
+    # the modulation-only micro block (seconds per compile) first, then a single block, then a double block and
+    # the whole model; each call writes its own JSON, so a timeout keeps what came before
+    timeout 200 python benchmarks/compile_parity.py --out "$out/micro" --blocks micro \
+        --variants default,batch2,no-split-reductions,no-persistent-reductions,fused || true
+    timeout 150 python benchmarks/compile_parity.py --out "$out/single" --blocks single \
+        --variants default,batch2,no-split-reductions || true
+    timeout 150 python benchmarks/compile_parity.py --out "$out/model" --blocks double --variants default \
         --model || true
     ;;
 *)
