@@ -77,12 +77,13 @@ def test_fused_flag_without_triton_is_exactly_eager():
 
 
 @interpreted
-@pytest.mark.parametrize("shape", [(2, 37, 96), (1, 5, 128)])
-def test_modulate_kernel_matches_eager(shape):
+@pytest.mark.parametrize("shape,mod_batch", [((2, 37, 96), 2), ((1, 5, 128), 1), ((2, 9, 64), 1)])
+def test_modulate_kernel_matches_eager(shape, mod_batch):
+    """Also with one shift/scale row broadcast over a batch of 2 (its grads summed over the batch)."""
     b, n, c = shape
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(b, n, c, generator=gen) * 3 + 1).requires_grad_(True)
-    chunks = (torch.randn(b, 1, 6 * c, generator=gen) * 0.5).chunk(6, dim=-1)  # strided views, as Modulation gives
+    chunks = (torch.randn(mod_batch, 1, 6 * c, generator=gen) * 0.5).chunk(6, dim=-1)  # strided, as Modulation gives
     shift, scale = (t.detach().requires_grad_(True) for t in chunks[:2])
     y, y_ref = fused.modulate(x, shift, scale), fused.modulate_reference(x, shift, scale)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)

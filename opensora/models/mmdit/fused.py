@@ -66,7 +66,7 @@ if triton is not None:
         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         # One [BLOCK_R, C] tile of rows of sample b per program; x [B, N, C] with a unit channel stride.
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_C)
         rmask = rows < N
@@ -91,7 +91,7 @@ if triton is not None:
     ):  # fmt: skip
         # ITERS tiles of BLOCK_R rows per program; the shift/scale gradients of those rows are summed in
         # registers and written as one fp32 partial row each (the host sums the n_parts partials).
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         cols = tl.arange(0, BLOCK_C)
         cmask = cols < C
@@ -131,7 +131,7 @@ if triton is not None:
         HALF: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         # X: [B, H, N, 2*HALF] with any strides but a unit channel stride; Y: contiguous [B, H, N, 2*HALF].
-        pid_bh = tl.program_id(0)
+        pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: long videos x batch exceed 2**31
         b = pid_bh // H
         h = pid_bh % H
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,7 +159,7 @@ if triton is not None:
         HALF: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         # GX: contiguous [B, H, N, 2*HALF]; GW_PART: [B*H*n_parts, 2*HALF] fp32 partial sums of the scale grad.
-        pid_bh = tl.program_id(0)
+        pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: long videos x batch exceed 2**31
         part = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
@@ -212,6 +212,7 @@ class _Modulate(torch.autograd.Function):
     def forward(ctx, x, shift, scale, eps):
         b, n, c = x.shape
         x, shift, scale = _unit_last_stride(x), _unit_last_stride(shift), _unit_last_stride(scale)
+        shift_shape, scale_shape = shift.shape, scale.shape  # [B, 1, C] or broadcast [1, 1, C]
         shift, scale = shift.expand(b, 1, c), scale.expand(b, 1, c)
         if shift.stride(0) != scale.stride(0):
             shift, scale = shift.contiguous(), scale.contiguous()
@@ -225,7 +226,7 @@ class _Modulate(torch.autograd.Function):
             eps, BLOCK_R=MODULATE_BLOCK_R, BLOCK_C=block_c, num_warps=8,
         )  # fmt: skip
         ctx.save_for_backward(x, scale, mean, rstd)
-        ctx.shift_dtype = shift.dtype
+        ctx.shift_dtype, ctx.shapes = shift.dtype, (shift_shape, scale_shape)
         return y
 
     @staticmethod
@@ -243,8 +244,9 @@ class _Modulate(torch.autograd.Function):
             gy.stride(0), gy.stride(1), gx.stride(0), gx.stride(1), n_parts,
             BLOCK_R=MODULATE_BWD_BLOCK_R, ITERS=MODULATE_BWD_ITERS, BLOCK_C=block_c, num_warps=8,
         )  # fmt: skip
-        dt = ctx.shift_dtype
-        return gx, gshift.sum(1, keepdim=True).to(dt), gscale.sum(1, keepdim=True).to(dt), None
+        dt, (shift_shape, scale_shape) = ctx.shift_dtype, ctx.shapes
+        gshift = gshift.sum(1, keepdim=True).sum_to_size(shift_shape).to(dt)
+        return gx, gshift, gscale.sum(1, keepdim=True).sum_to_size(scale_shape).to(dt), None
 
 
 class _QKNormRope(torch.autograd.Function):
