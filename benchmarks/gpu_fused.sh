@@ -20,7 +20,7 @@ case "$part" in
 step)
     timeout 150 python -m pytest tests/test_fused_kernels.py -q -x -rs 2>&1 | tail -n 8 | tee "$out/tests.txt" || true
     timeout 90 python benchmarks/fused_kernels.py --out "$out" || true
-    runs="ours-eager@none;ours-fused@none;diffusers-flash@none;ours-eager@none;ours-fused@none;ours-compile-fused@none"
+    runs="ours-eager@none;ours-fused@none;diffusers-flash@none;ours-eager@none;ours-fused@none;ours-compile-nosplit@none"
     python benchmarks/train_step.py --runs "$runs" --profile "ours-fused@none" --warmup 3 --iters 20 \
         --timeout 150 --out "$out/train_step.json"
     ;;

@@ -42,6 +42,9 @@ VARIANTS = {
     # MMDiT(fused_kernels=True): Triton LayerNorm+modulation and QK-norm+RoPE kernels (models/mmdit/fused.py)
     "ours-fused": dict(model="ours", backend="auto", compile=False, fused=True),
     "ours-compile-fused": dict(model="ours", backend="auto", compile=True, fused=True),
+    # candidate fixes for the compiled path's non-finite vec-path grads (see compile_parity.py)
+    "ours-compile-nosplit": dict(model="ours", backend="auto", compile={"split_reductions": False}),
+    "ours-compile-nopersistent": dict(model="ours", backend="auto", compile={"triton.persistent_reductions": False}),
 }
 DEFAULT_RUNS = [
     ("diffusers-flash", "none"),
@@ -122,7 +125,8 @@ def build_ours(shape, spec, ckpt, device, dtype):
     if spec.get("fused"):
         model.set_fused_kernels(True)
     if spec.get("compile"):
-        model.set_compile_blocks(True)
+        options = spec["compile"] if isinstance(spec["compile"], dict) else None
+        model.set_compile_blocks(True, inductor_options=options)
     t, h, w = shape["grid"]
     gen = torch.Generator(device="cpu").manual_seed(1)
     rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
@@ -276,7 +280,9 @@ def run_variant(name, ckpt, args):
     cuda = device.type == "cuda"
     compile_error = None
     if spec.get("compile") and ckpt == "none":
-        compile_error = toggled_vs_eager_error(forward, model.set_compile_blocks, "compiled blocks")
+        options = spec["compile"] if isinstance(spec["compile"], dict) else None
+        toggle = lambda on: model.set_compile_blocks(on, inductor_options=options)  # noqa: E731
+        compile_error = toggled_vs_eager_error(forward, toggle, "compiled blocks")
     fused_error = None
     if spec.get("fused") and not spec.get("compile") and ckpt == "none":
         fused_error = toggled_vs_eager_error(forward, model.set_fused_kernels, "fused kernels")

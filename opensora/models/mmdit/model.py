@@ -185,20 +185,21 @@ class MMDiT(nn.Module, SequenceParallelModel):
         self.fused_kernels = bool(enabled)
         self.arch["fused_kernels"] = self.fused_kernels
 
-    def set_compile_blocks(self, enabled: bool) -> None:
+    def set_compile_blocks(self, enabled: bool, inductor_options: Optional[dict] = None) -> None:
         """Compile each block with torch.compile (regional compilation), or go back to eager.
 
         Blocks of one kind share code, so Dynamo compiles one double and one single block graph and reuses
         them; this fuses the small ops (norms, RoPE, modulation, gating) around the matmuls. Attention is the
         opaque ``opensora::attention`` op there (attention.py), so each block is one graph with no graph break,
         at any batch size. ``nn.Module.compile`` compiles in place, so parameter names and state dicts are
-        unchanged. Off by default: compiling costs tens of seconds and gains little on CPU.
+        unchanged. Off by default: compiling costs tens of seconds and gains little on CPU. ``inductor_options``
+        (e.g. ``{"split_reductions": False}``) go to ``torch.compile(options=...)``, to try Inductor settings.
         """
         if enabled and getattr(self, "sp", None) is not None:
             raise ValueError("compile_blocks=True with sequence parallelism is not supported; turn one off")
         for block in [*self.double_blocks, *self.single_blocks]:
             if enabled:
-                block.compile()
+                block.compile(options=inductor_options) if inductor_options else block.compile()
             else:
                 block._compiled_call_impl = None  # what nn.Module.compile sets; None restores eager calls
         self.compile_blocks = bool(enabled)
