@@ -39,6 +39,12 @@ VARIANTS = {
     "ours-compile-flash": dict(model="ours", backend="flash", compile=True),
     "ours-compile-efficient": dict(model="ours", backend="efficient", compile=True),
     "ours-compile-masked": dict(model="ours", backend="auto", compile=True, padded_text=True),
+    # MMDiT(fused_kernels=True): Triton LayerNorm+modulation and QK-norm+RoPE kernels (models/mmdit/fused.py)
+    "ours-fused": dict(model="ours", backend="auto", compile=False, fused=True),
+    "ours-compile-fused": dict(model="ours", backend="auto", compile=True, fused=True),
+    # candidate fixes for the compiled path's non-finite vec-path grads (see compile_parity.py)
+    "ours-compile-nosplit": dict(model="ours", backend="auto", compile={"split_reductions": False}),
+    "ours-compile-nopersistent": dict(model="ours", backend="auto", compile={"triton.persistent_reductions": False}),
 }
 DEFAULT_RUNS = [
     ("diffusers-flash", "none"),
@@ -116,8 +122,11 @@ def build_ours(shape, spec, ckpt, device, dtype):
     randomize_(model)
     model.to(device=device, dtype=dtype).train()
     model.set_grad_ckpt(*ckpt_counts(ckpt, shape))
+    if spec.get("fused"):
+        model.set_fused_kernels(True)
     if spec.get("compile"):
-        model.set_compile_blocks(True)
+        options = spec["compile"] if isinstance(spec["compile"], dict) else None
+        model.set_compile_blocks(True, inductor_options=options)
     t, h, w = shape["grid"]
     gen = torch.Generator(device="cpu").manual_seed(1)
     rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
@@ -271,7 +280,12 @@ def run_variant(name, ckpt, args):
     cuda = device.type == "cuda"
     compile_error = None
     if spec.get("compile") and ckpt == "none":
-        compile_error = compiled_vs_eager_error(model, forward)
+        options = spec["compile"] if isinstance(spec["compile"], dict) else None
+        toggle = lambda on: model.set_compile_blocks(on, inductor_options=options)  # noqa: E731
+        compile_error = toggled_vs_eager_error(forward, toggle, "compiled blocks")
+    fused_error = None
+    if spec.get("fused") and not spec.get("compile") and ckpt == "none":
+        fused_error = toggled_vs_eager_error(forward, model.set_fused_kernels, "fused kernels")
     warm_times = []
     for _ in range(args.warmup):
         w0 = time.perf_counter()
@@ -318,24 +332,26 @@ def run_variant(name, ckpt, args):
         host_syncs=syncs,
         loss=float(loss),
         compiled_vs_eager_rel_err=compile_error,
+        fused_vs_eager_rel_err=fused_error,
     )
     if args.profile and cuda:
         result["profile"] = profile_breakdown(guarded_step)
     return result
 
 
-def compiled_vs_eager_error(model, forward):
-    """||compiled - eager|| / ||eager|| of the forward output on the same weights and inputs."""
+def toggled_vs_eager_error(forward, toggle, what):
+    """||on - off|| / ||off|| of the forward output (same weights and inputs) for a model switch ``toggle(bool)``
+    (``set_compile_blocks`` / ``set_fused_kernels``); leaves the switch on."""
     import torch
 
     with torch.no_grad():
-        model.set_compile_blocks(False)
+        toggle(False)
         ref = forward().float()
-        model.set_compile_blocks(True)
+        toggle(True)
         got = forward().float()
     err = ((got - ref).norm() / ref.norm()).item()
     if not err < 2e-2:
-        raise RuntimeError(f"compiled blocks disagree with eager: relative error {err:.3g}")
+        raise RuntimeError(f"{what} disagree with eager: relative error {err:.3g}")
     return err
 
 

@@ -78,9 +78,12 @@ class MMDiT(nn.Module, SequenceParallelModel):
         grad_ckpt_single: int = 0,
         compile_blocks: bool = False,
         causal_chunk_frames: int = 0,
+        fused_kernels: bool = False,
     ):
         """``causal_chunk_frames``: 0 = bidirectional attention; K > 0 = block-causal over chunks of K latent frames
-        (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``)."""
+        (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``). ``fused_kernels``: run
+        the blocks' modulation and QK-norm + RoPE through the Triton kernels of fused.py where they can run
+        (CUDA with Triton installed; elsewhere the same eager code as off)."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -140,6 +143,7 @@ class MMDiT(nn.Module, SequenceParallelModel):
         self.final_layer = FinalLayer(hidden_size, out_channels * patch_volume)
         self.compile_blocks = False
         self.set_compile_blocks(compile_blocks)
+        self.set_fused_kernels(fused_kernels)
         self.sp = None
 
     def set_sequence_parallel(self, sp: Optional[SequenceGroup]) -> None:
@@ -173,20 +177,29 @@ class MMDiT(nn.Module, SequenceParallelModel):
         self.grad_ckpt_double, self.grad_ckpt_single = double, single
         self.arch.update(grad_ckpt_double=double, grad_ckpt_single=single)
 
-    def set_compile_blocks(self, enabled: bool) -> None:
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Route every block's modulation and QK-norm + RoPE through the Triton kernels (fused.py), or back to eager.
+        Blocks under sequence parallelism or with a kv_hook keep the eager order either way."""
+        for block in [*self.double_blocks, *self.single_blocks]:
+            block.fused = bool(enabled)
+        self.fused_kernels = bool(enabled)
+        self.arch["fused_kernels"] = self.fused_kernels
+
+    def set_compile_blocks(self, enabled: bool, inductor_options: Optional[dict] = None) -> None:
         """Compile each block with torch.compile (regional compilation), or go back to eager.
 
         Blocks of one kind share code, so Dynamo compiles one double and one single block graph and reuses
         them; this fuses the small ops (norms, RoPE, modulation, gating) around the matmuls. Attention is the
         opaque ``opensora::attention`` op there (attention.py), so each block is one graph with no graph break,
         at any batch size. ``nn.Module.compile`` compiles in place, so parameter names and state dicts are
-        unchanged. Off by default: compiling costs tens of seconds and gains little on CPU.
+        unchanged. Off by default: compiling costs tens of seconds and gains little on CPU. ``inductor_options``
+        (e.g. ``{"split_reductions": False}``) go to ``torch.compile(options=...)``, to try Inductor settings.
         """
         if enabled and getattr(self, "sp", None) is not None:
             raise ValueError("compile_blocks=True with sequence parallelism is not supported; turn one off")
         for block in [*self.double_blocks, *self.single_blocks]:
             if enabled:
-                block.compile()
+                block.compile(options=inductor_options) if inductor_options else block.compile()
             else:
                 block._compiled_call_impl = None  # what nn.Module.compile sets; None restores eager calls
         self.compile_blocks = bool(enabled)
