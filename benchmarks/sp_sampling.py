@@ -88,6 +88,9 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the demo config at 4x32x32")
     parser.add_argument("--out", default=None, help="JSON results (rank 0)")
     parser.add_argument("--latents", default=None, help="save the final latents here (rank 0)")
+    parser.add_argument(
+        "--no-overlap", action="store_true", help="batched exchanges (no row-by-row overlap with attention)"
+    )
     parser.add_argument("--profile", action="store_true", help="profile one more loop: GPU time by kernel kind")
     parser.add_argument("--compare", nargs=2, default=None, help="two saved latents files: print their difference")
     args = parser.parse_args()
@@ -104,7 +107,7 @@ def main():
     world, rank, sp = 1, 0, None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         rank, world, device = init_process_group_from_env(device)
-        sp = build_sequence_groups(world)
+        sp = build_sequence_groups(world, overlap_rows=not args.no_overlap)
     cfg = load_config(args.config)
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)  # the same random weights on every rank and in every run
@@ -148,6 +151,7 @@ def main():
         config=os.path.relpath(args.config, ROOT),
         world_size=world,
         sequence_parallel_size=1 if sp is None else sp.size,
+        overlap_rows=sp is not None and sp.overlap_rows,
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
         dtype=str(dtype).replace("torch.", ""),
         latent_size=list(latent_size),

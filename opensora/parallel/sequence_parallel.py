@@ -26,11 +26,13 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class SequenceGroup:
-    """One sequence-parallel group: the process group, its size and this rank's index in it."""
+    """One sequence-parallel group: the process group, its size and this rank's index in it. ``overlap_rows``: when
+    sampling with several batch rows, overlap the exchanges with attention row by row (``attention_row_by_row``)."""
 
     group: Optional[dist.ProcessGroup]
     size: int
     rank: int
+    overlap_rows: bool = True
 
     def local_slice(self, length: int, what: str) -> slice:
         if length % self.size:
@@ -53,7 +55,7 @@ class SequenceParallelModel:
         raise NotImplementedError
 
 
-def build_sequence_groups(size: int) -> SequenceGroup:
+def build_sequence_groups(size: int, overlap_rows: bool = True) -> SequenceGroup:
     """Split the world into consecutive groups of ``size`` ranks; return this rank's. Every rank must call it."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if size < 1 or world % size:
@@ -63,7 +65,7 @@ def build_sequence_groups(size: int) -> SequenceGroup:
         group = dist.new_group(list(range(start, start + size)))  # collective: all ranks create every group
         if start <= rank < start + size:
             mine = group
-    return SequenceGroup(group=mine, size=size, rank=rank % size)
+    return SequenceGroup(group=mine, size=size, rank=rank % size, overlap_rows=overlap_rows)
 
 
 class _Exchange:

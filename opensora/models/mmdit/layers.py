@@ -147,7 +147,9 @@ def joint_attention(q, k, v, rope, mask, backend, sp=None, kv_hook=None):
         k, v, mask = kv_hook(k, v, mask)
     if sp is None:
         return attention(q, k, v.contiguous(), mask=mask, backend=backend)
-    if len(q) > 1 and not torch.is_grad_enabled():  # sampling: overlap the exchanges with attention, row by row
+    if (
+        sp.overlap_rows and len(q) > 1 and not torch.is_grad_enabled()
+    ):  # sampling: overlap the exchanges with attention, row by row
 
         def attend_row(q, k, v, row):
             row_mask = mask[row : row + 1] if mask is not None and len(mask) > 1 else mask
