@@ -91,6 +91,8 @@ class Trainer:
             world_size=self.dp_size,
             num_workers=int(self.setting("num_workers")),
             pin_memory=self.device.type == "cuda",
+            prefetch_factor=int(self.setting("prefetch_factor")),
+            persistent_workers=bool(self.setting("persistent_workers")),
         )
         self.metrics = MetricsLogger(
             self.outputs,
