@@ -296,6 +296,7 @@ class Trainer:
             return None
         step, keys, losses, record, timing = pending
         values = dict(zip(("loss" if key == "total_loss" else key for key in keys), losses.tolist()))
+        record = {key: float(value) if torch.is_tensor(value) else value for key, value in record.items()}
         record = {**values, **record, **timing.record()}
         self.metrics.log(step, record)
         if progress is not None:
