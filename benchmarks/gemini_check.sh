@@ -11,7 +11,9 @@
 # 11b: mmdit_11b_synthetic.py (2304 + 512 tokens, batch 1 per GPU, full checkpointing) with Gemini static placement
 # and the optimizer states offloaded to the host, then ZeRO-2 with everything on the GPUs; tokens/s, MFU, peak GPU
 # memory (trainer, rank 0; nvidia-smi per GPU) and the host's peak used memory.
-# Environment: NPROC (default 2), STEPS (default 6 for resume, 6 for 11b), PYTHON. Results: OUT/gemini_check.json.
+# Environment: NPROC (default 2), STEPS (default 6), VARIANTS (resume part, default "zero2 gemini-static
+# gemini-auto"; split them over two calls if one call's 8 minutes do not suffice: HybridAdam JIT-compiles ~80 s on
+# first use), RUN_TIMEOUT (s per run, default 420), PYTHON. Results: OUT/gemini_check_{part}.json.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -43,7 +45,7 @@ train() {  # name config args...: one torchrun training run, log in OUT/name.log
 
 if [ "$part" = resume ]; then
   gemini_auto="{'type': 'GeminiPlugin', 'placement_policy': 'auto', 'max_norm': 1.0}"
-  for variant in zero2 gemini-static gemini-auto; do
+  for variant in ${VARIANTS:-zero2 gemini-static gemini-auto}; do
     case $variant in
       zero2) config=configs/diffusion/train/mmdit_1b_bench_shape.py; extra=() ;;
       gemini-static) config=configs/diffusion/train/mmdit_1b_gemini.py; extra=() ;;
@@ -101,7 +103,7 @@ def summary(name):
     return row
 rows = []
 if part == "resume":
-    for variant in ("zero2", "gemini-static", "gemini-auto"):
+    for variant in [v for v in ("zero2", "gemini-static", "gemini-auto") if (out / f"{v}-A.log").exists()]:
         a, b = {r["step"]: r for r in records(f"{variant}-A") if "loss" in r}, {r["step"]: r for r in records(f"{variant}-B") if "loss" in r}
         later = [s for s in sorted(a) if s > half]
         same = bool(later) and all(s in b for s in later) and all(

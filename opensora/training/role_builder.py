@@ -5,6 +5,7 @@
 weights before boosting (``opensora.lora``): the base is frozen, and the optimizer and the EMA see only the adapter. Methods reach roles by name; the trainer only iterates over them.
 """
 
+import contextlib
 import inspect
 from pathlib import Path
 from typing import Mapping
@@ -89,7 +90,10 @@ def check_plugin_fits_role(name: str, cfg: Mapping, plugin_cfg: Mapping) -> None
 def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapping, is_main: bool) -> Role:
     """Build one role from its resolved config (``role_configs``); boost it when trainable."""
     check_plugin_fits_role(name, cfg, plugin_cfg)
-    model = build_module(cfg["model"], MODELS)
+    # on a GPU the weights are created there: initialising an 11B model on the CPU takes minutes
+    on_gpu = components.device.type == "cuda"
+    with torch.device(components.device) if on_gpu else contextlib.nullcontext():
+        model = build_module(cfg["model"], MODELS)
     base = load_initial_weights(model, cfg["init_from"]) if cfg["init_from"] else None
     lora = None
     if cfg.get("lora") is not None:
