@@ -9,6 +9,13 @@
 #   benchmarks/train_scaling.sh --profile 15         # also split GPU time of steps 16-18 (compute / exposed / NCCL)
 #   benchmarks/train_scaling.sh --config configs/diffusion/train/mmdit_1b_long_synthetic.py --sp 4 --gpus "4 8"
 #                                                    # 33.8k-token videos, each sample split over 4 GPUs
+#   benchmarks/train_scaling.sh --repeats 3 --plugins zero2 --steps 25 --skip 8 \
+#       --config configs/diffusion/train/mmdit_1b_bench_shape.py   # 1/2/1/2/1/2 GPUs interleaved, medians + spread
+#   benchmarks/train_scaling.sh --bucket-m 256 --overlap 0 ...     # ZeRO knobs: reduce bucket (M elements), overlap
+#
+# --repeats R runs the whole GPU-count list R times, interleaved (1, 2, 1, 2, ...), so a slow machine phase hits
+# both counts alike; the report gives per count the median tokens/s per GPU over the repeats with min / max, and the
+# scaling efficiency per repeat (n-GPU run / the 1-GPU run of the same repeat) with its median, min and max.
 #
 # Launcher: torchrun (python -m torch.distributed.run); `--launcher colossalai` uses `colossalai run` (needs
 # fabric, absent on the GPU machines). Results: {out}/scaling.json and a table; each run's metrics.jsonl stays in
@@ -18,7 +25,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && python=.venv/bin/python
-gpus="1 2"; plugins="zero2 ddp"; steps=30; skip=10; tiny=0; launcher=torchrun
+gpus="1 2"; plugins="zero2 ddp"; steps=30; skip=10; tiny=0; launcher=torchrun; repeats=1; bucket_m=128; overlap=True
 config=configs/diffusion/train/mmdit_1b_synthetic.py; out=outputs/bench_scaling; extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -29,11 +36,14 @@ while [ $# -gt 0 ]; do
     --config) config=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --launcher) launcher=$2; shift 2 ;;
+    --repeats) repeats=$2; shift 2 ;;
+    --bucket-m) bucket_m=$2; shift 2 ;;
+    --overlap) case "$2" in 1|True|true|on) overlap=True ;; *) overlap=False ;; esac; shift 2 ;;
     --tiny) tiny=1; shift ;;
     --profile) extra+=(--profile-steps "{'start': $2, 'steps': 3}"); shift 2 ;;
     --sp) extra+=(--sequence-parallel-size "$2"); shift 2 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,24p "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)"; exit 2 ;;
   esac
 done
@@ -48,19 +58,21 @@ plugin_cfg() {  # bf16 ZeRO-2 on GPU; the demo config's precision (fp32) on CPU
   # overlapped with the next forward (overlap_allgather).
   local zero="'type': 'LowLevelZeroPlugin', 'stage': 2"
   case "$1" in
-    zero2) echo "{$zero, 'reduce_bucket_size_in_m': 128}" ;;
+    zero2) echo "{$zero, 'reduce_bucket_size_in_m': $bucket_m, 'overlap_communication': $overlap}" ;;
     zero2-default) echo "{$zero}" ;;
-    zero2-ag) echo "{$zero, 'reduce_bucket_size_in_m': 128, 'overlap_allgather': True}" ;;
+    zero2-ag) echo "{$zero, 'reduce_bucket_size_in_m': $bucket_m, 'overlap_communication': $overlap, 'overlap_allgather': True}" ;;
     ddp) echo "{'type': 'TorchDDPPlugin'}" ;;
     *) echo "unknown plugin $1 (zero2|zero2-default|zero2-ag|ddp)" >&2; exit 2 ;;
   esac
 }
 mkdir -p "$out"
-for plugin in $plugins; do
+for r in $(seq "$repeats"); do
+ for plugin in $plugins; do
   for n in $gpus; do
-    dir=$out/${plugin}_${n}gpu
+    name=${plugin}_${n}gpu; [ "$repeats" -gt 1 ] && name=${name}_r$r
+    dir=$out/$name
     rm -rf "$dir"
-    echo "== $plugin on $n process(es) -> $dir"
+    echo "== $plugin on $n process(es), repeat $r/$repeats -> $dir ($(date +%T))"
     if [ "$launcher" = colossalai ]; then
       launch=(colossalai run --nproc_per_node "$n")
     else
@@ -68,48 +80,68 @@ for plugin in $plugins; do
     fi
     sampler=""
     if command -v nvidia-smi > /dev/null; then  # the trainer logs no memory: sample used memory per GPU (includes
-      nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/${plugin}_${n}gpu.mem" &
+      nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/$name.mem" &
       sampler=$!                              # the CUDA context and allocator cache, so it is an upper bound)
     fi
     precision=()  # ColossalAI 0.5.0's TorchDDPPlugin has no bf16 mode: DDP runs fp32 (on GPU)
     [ "$plugin" = ddp ] && [ $tiny = 0 ] && precision=(--precision fp32)
     "${launch[@]}" scripts/diffusion/train.py "$config" --outputs "$dir" --max-steps "$steps" \
-      --ckpt-every 0 --save-at-end False --plugin "$(plugin_cfg "$plugin")" "${precision[@]}" "${extra[@]}" > "$out/${plugin}_${n}gpu.log" 2>&1 \
-      || { echo "   FAILED (see $out/${plugin}_${n}gpu.log)"; tail -5 "$out/${plugin}_${n}gpu.log"; }
+      --ckpt-every 0 --save-at-end False --plugin "$(plugin_cfg "$plugin")" "${precision[@]}" "${extra[@]}" > "$out/$name.log" 2>&1 \
+      || { echo "   FAILED (see $out/$name.log)"; tail -5 "$out/$name.log"; }
     [ -n "$sampler" ] && kill "$sampler" 2> /dev/null || true
   done
+ done
 done
-$python - "$out" "$skip" "$plugins" "$gpus" <<'EOF'
+$python - "$out" "$skip" "$plugins" "$gpus" "$repeats" "$bucket_m" "$overlap" "$config" <<'EOF'
 import datetime, json, statistics, sys
 from pathlib import Path
 out, skip, plugins, gpus = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(), [int(g) for g in sys.argv[4].split()]
+repeats, knobs = int(sys.argv[5]), dict(reduce_bucket_size_in_m=int(sys.argv[6]), overlap_communication=sys.argv[7] == "True")
+def run_name(plugin, n, r):
+    return f"{plugin}_{n}gpu" + (f"_r{r}" if repeats > 1 else "")
+def per_gpu_rate(plugin, n, r):
+    path = out / run_name(plugin, n, r) / "metrics.jsonl"
+    recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    recs = [x for x in recs if "tokens_per_s" in x and x.get("step", 0) > skip]
+    return statistics.median(x["tokens_per_s"] for x in recs) / n if recs else None
 rows = []
 for plugin in plugins:
     base = None
     for n in gpus:
-        path = out / f"{plugin}_{n}gpu" / "metrics.jsonl"
+        path = out / run_name(plugin, n, repeats) / "metrics.jsonl"
         recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
         recs = [r for r in recs if "tokens_per_s" in r and r.get("step", 0) > skip]
         if not recs:
             rows.append(dict(plugin=plugin, gpus=n, error=f"no metrics after step {skip} in {path}"))
             continue
-        per_gpu = statistics.median(r["tokens_per_s"] for r in recs) / n  # tokens_per_s is over all ranks
-        mem_file = out / f"{plugin}_{n}gpu.mem"
+        # tokens_per_s is over all ranks; per repeat the median of the steps after `skip`, then the median of repeats
+        rates = [per_gpu_rate(plugin, n, r) for r in range(1, repeats + 1)]
+        good = [x for x in rates if x is not None]
+        per_gpu = statistics.median(good)
+        base_rates = [per_gpu_rate(plugin, gpus[0], r) for r in range(1, repeats + 1)]
+        effs = [a / b for a, b in zip(rates, base_rates) if a is not None and b]
+        mem_file = out / f"{run_name(plugin, n, repeats)}.mem"
         # the trainer's allocator high-water mark (rank 0) when logged, else nvidia-smi's used memory (upper bound)
         mem = [r["peak_memory_gib"] for r in recs if "peak_memory_gib" in r] or (
             [float(l.split(",")[1]) / 1024 for l in mem_file.read_text().splitlines() if "," in l]
             if mem_file.exists() else [])
         base = base or (per_gpu if n == gpus[0] else None)
-        profiles = [json.loads(p.read_text()) for p in sorted((out / f"{plugin}_{n}gpu" / "profile").glob("rank*.json"))]
+        profiles = [json.loads(p.read_text()) for p in sorted((out / run_name(plugin, n, repeats) / "profile").glob("rank*.json"))]
         profile = {k: [round(p[f"{k}_ms_per_step"], 1) for p in profiles] for k in ("wall", "compute", "exposed", "communication")}
         rows.append(dict(plugin=plugin, gpus=n, tokens_per_s_per_gpu=per_gpu,
                          step_time=statistics.median(r["step_time"] for r in recs),
                          scaling_efficiency=per_gpu / base if base else None,
                          peak_mem_gib=max(mem) if mem else None, mfu=recs[-1].get("mfu"), steps=len(recs),
-                         profile_ms_per_rank=profile if profiles else None))
+                         profile_ms_per_rank=profile if profiles else None,
+                         repeats=len(good), tokens_per_s_per_gpu_runs=rates,
+                         tokens_per_s_per_gpu_min=min(good), tokens_per_s_per_gpu_max=max(good),
+                         rate_spread=max(good) / min(good),
+                         efficiency_per_repeat=effs, efficiency_median=statistics.median(effs) if effs else None,
+                         efficiency_min=min(effs) if effs else None, efficiency_max=max(effs) if effs else None))
 import torch
 device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
-report = dict(date=datetime.date.today().isoformat(), device=device, torch=torch.__version__, rows=rows)
+report = dict(date=datetime.date.today().isoformat(), device=device, torch=torch.__version__, config=sys.argv[8],
+              zero_knobs=knobs, repeats=repeats, skip=skip, rows=rows)
 (out / "scaling.json").write_text(json.dumps(report, indent=1))
 print(f"{'plugin':7s} {'gpus':>4s} {'tokens/s/gpu':>13s} {'step s':>7s} {'eff':>6s} {'used GiB':>9s} {'mfu':>6s}")
 for r in rows:
@@ -118,6 +150,11 @@ for r in rows:
     f = lambda v, fmt: format(v, fmt) if v is not None else "-"
     print(f"{r['plugin']:7s} {r['gpus']:4d} {r['tokens_per_s_per_gpu']:13.1f} {r['step_time']:7.3f} "
           f"{f(r['scaling_efficiency'], '6.2f')} {f(r['peak_mem_gib'], '9.1f')} {f(r['mfu'], '6.3f')}")
+    if r.get("repeats", 1) > 1:
+        f = lambda v: format(v, ".3f") if v is not None else "-"
+        print(f"        {r['repeats']} repeats: tokens/s/gpu min {r['tokens_per_s_per_gpu_min']:.1f} max "
+              f"{r['tokens_per_s_per_gpu_max']:.1f} (spread {r['rate_spread']:.3f}); efficiency median "
+              f"{f(r['efficiency_median'])} min {f(r['efficiency_min'])} max {f(r['efficiency_max'])}")
     if r.get("profile_ms_per_rank"):
         print("        ms/step per rank: " + ", ".join(f"{k} {v}" for k, v in r["profile_ms_per_rank"].items()))
 print(f"wrote {out / 'scaling.json'}")

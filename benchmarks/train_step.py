@@ -13,10 +13,21 @@ the bf16 ceiling (752 TFLOP/s measured on H200; pass --peak-tflops for another d
   python benchmarks/train_step.py                       # all default variants on the GPU
   python benchmarks/train_step.py --variants ours-compile,diffusers --iters 20
   python benchmarks/train_step.py --tiny                # CPU smoke test of the script itself
+  python benchmarks/train_step.py --runs "trainer@full;ours-eager@full;trainer@full;ours-eager@full"
+
+Trainer mode (variant ``trainer``): the real ``Trainer`` built from ``--trainer-config``
+(default configs/diffusion/train/mmdit_1b_bench_shape.py: this shape, batch 1, latents and text features from memory,
+so loading costs nothing) with the variant's checkpointing. Per-step times are the trainer's own CUDA events (end of
+the previous step to end of this one, so input stalls count); also reported: the host time spent waiting for each
+batch (data stalls), the median, p10, p90 and p90/p10 of the timed steps, and a sync audit: ``--audit-steps`` steps
+after warm-up run under ``torch.cuda.set_sync_debug_mode("warn")`` and every synchronising call is listed with its
+call site (the innermost opensora / colossalai frames). ``--trainer-config`` with the 1B synthetic config measures
+the same trainer on rendered clips (data stalls show up in ``data_wait_ms``).
 """
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -45,6 +56,8 @@ VARIANTS = {
     # candidate fixes for the compiled path's non-finite vec-path grads (see compile_parity.py)
     "ours-compile-nosplit": dict(model="ours", backend="auto", compile={"split_reductions": False}),
     "ours-compile-nopersistent": dict(model="ours", backend="auto", compile={"triton.persistent_reductions": False}),
+    # the real Trainer (ZeRO-2 bf16, EMA, scheduler, loss check, metrics, loader) on in-memory latents at this shape
+    "trainer": dict(model="trainer", backend="auto"),
 }
 DEFAULT_RUNS = [
     ("diffusers-flash", "none"),
@@ -238,6 +251,8 @@ def run_variant(name, ckpt, args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     spec = VARIANTS[name]
+    if spec["model"] == "trainer":
+        return run_trainer(ckpt, args)
     shape = TINY if args.tiny else FULL
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -318,7 +333,7 @@ def run_variant(name, ckpt, args):
         variant=name,
         ckpt=ckpt,
         params=params,
-        step_s=median,
+        **spread(times),
         step_ms=median * 1e3,
         min_ms=min(times) * 1e3,
         max_ms=max(times) * 1e3,
@@ -336,6 +351,186 @@ def run_variant(name, ckpt, args):
     )
     if args.profile and cuda:
         result["profile"] = profile_breakdown(guarded_step)
+    return result
+
+
+def spread(times):
+    """median, p10, p90 (nearest rank) and p90 / p10 of a list of seconds."""
+    ordered = sorted(times)
+    q = lambda f: ordered[min(len(ordered) - 1, int(f * len(ordered)))]
+    return dict(
+        step_s=statistics.median(ordered), p10_s=q(0.1), p90_s=q(0.9), p90_over_p10=q(0.9) / q(0.1) if q(0.1) else None
+    )
+
+
+class SyncAudit:
+    """Collects CUDA sync-debug warnings with the call site that caused each (innermost project frames)."""
+
+    def __init__(self):
+        import collections
+
+        self.sites = collections.Counter()
+        self.active = False
+        self._saved = None
+
+    def _show(self, message, category, filename, lineno, file=None, line=None):
+        import traceback
+
+        text = str(message)
+        if "synchroniz" not in text.lower():
+            return self._saved(message, category, filename, lineno, file, line)
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if ("opensora" in f.filename or "colossalai" in f.filename or "/torch/" in f.filename)
+            and "warnings" not in f.filename
+        ]
+        ours = [f for f in frames if "opensora" in f.filename or "colossalai" in f.filename] or frames
+        where = " <- ".join(f"{short_path(f.filename)}:{f.lineno} {f.name}" for f in reversed(ours[-3:]))
+        self.sites[f"{text.splitlines()[0][:90]} @ {where}"] += 1
+
+    def enable(self):
+        import torch
+
+        self._saved = warnings.showwarning
+        warnings.showwarning = self._show
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        self.active = True
+
+    def disable(self):
+        import torch
+
+        if self.active:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = self._saved
+            self.active = False
+
+
+def short_path(path):
+    for anchor in ("opensora/", "colossalai/", "torch/"):
+        if anchor in path:
+            return anchor + path.rsplit(anchor, 1)[1]
+    return Path(path).name
+
+
+def trainer_config(ckpt, args, outputs):
+    """The trainer-mode config: ``--trainer-config`` with this run's steps, outputs and checkpointing."""
+    from opensora.config import load_config
+    from opensora.models.mmdit import mmdit_config
+
+    cfg = load_config(args.trainer_config)
+    steps = args.warmup + args.audit_steps + args.iters
+    overrides = dict(outputs=str(outputs), max_steps=steps, ckpt_every=0, save_at_end=False, tensorboard=False)
+    overrides["wandb"] = None
+    if args.tiny:  # CPU: the tiny shape, fp32, no workers
+        t, h, w = TINY["grid"]
+        overrides.update(precision="fp32", num_workers=0)
+        cfg.dataset.update(
+            latent_frames=t,
+            latent_height=2 * h,
+            latent_width=2 * w,
+            text_tokens=TINY["text_tokens"],
+            text_dim=TINY["text_dim"],
+            pooled_dim=TINY["pooled_dim"],
+            num=64,
+        )
+        cfg.bucket_config = {f"{16 * h}x{16 * w}": {1 + 4 * (t - 1): (1.0, 1)}}
+        model = mmdit_config(
+            "1b",
+            hidden_size=TINY["hidden"],
+            num_heads=TINY["heads"],
+            depth_double=TINY["depth_double"],
+            depth_single=TINY["depth_single"],
+            text_dim=TINY["text_dim"],
+            pooled_dim=TINY["pooled_dim"],
+            axes_dims=TINY["axes"],
+        )
+        cfg.model = model
+    d, s = ckpt_counts(ckpt, dict(depth_double=len_blocks(cfg, "double"), depth_single=len_blocks(cfg, "single")))
+    cfg.model.update(grad_ckpt_double=d, grad_ckpt_single=s)
+    for key, value in overrides.items():
+        cfg[key] = value
+    return cfg
+
+
+def len_blocks(cfg, kind):
+    return int(cfg.model[f"depth_{kind}"])
+
+
+def run_trainer(ckpt, args):
+    """Build the real Trainer (one process) and time its steps; see the module docstring."""
+    import tempfile
+
+    import torch
+
+    from opensora.training.trainer import Trainer
+
+    t0 = time.perf_counter()
+    outputs = Path(tempfile.mkdtemp(prefix="train_step_trainer_"))
+    cfg = trainer_config(ckpt, args, outputs)
+    trainer = Trainer(cfg)
+    audit = SyncAudit()
+    waits = []
+    audit_from, audit_to = args.warmup, args.warmup + args.audit_steps
+    inner_batches = trainer._batches
+
+    def batches():  # host wait per batch; sync debug mode on for the audited steps (grad_accum 1: batch = step)
+        source = inner_batches()
+        for index in itertools.count():
+            if index == audit_to:
+                audit.disable()
+            w0 = time.perf_counter()
+            batch = next(source)
+            waits.append(time.perf_counter() - w0)
+            if index == audit_from and args.audit_steps and torch.cuda.is_available():
+                audit.enable()
+            yield batch
+
+    trainer._batches = batches
+    build_s = time.perf_counter() - t0
+    wall0 = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        audit.disable()
+    wall = time.perf_counter() - wall0
+    records = [json.loads(line) for line in (outputs / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [r for r in records if "step_time" in r]
+    timed = records[audit_to:]
+    times = [r["step_time"] for r in timed]
+    stats = spread(times)
+    median = stats["step_s"]
+    params = sum(p.numel() for p in trainer.roles["model"].unwrap().parameters())
+    # model FLOPs of one step from the trainer's own MFU record (its peak table gives 752 TFLOP/s for H100/H200)
+    flops = timed[0]["mfu"] * timed[0]["step_time"] * args.peak_tflops * 1e12 if "mfu" in timed[0] else None
+    timed_waits = waits[audit_to : audit_to + len(times)]
+    result = dict(
+        variant="trainer",
+        ckpt=ckpt,
+        config=os.path.relpath(args.trainer_config, ROOT),
+        params=params,
+        **stats,
+        step_ms=median * 1e3,
+        min_ms=min(times) * 1e3,
+        max_ms=max(times) * 1e3,
+        times_ms=[round(t * 1e3, 3) for t in times],
+        warmup_s=[round(r["step_time"], 2) for r in records[: args.warmup]],
+        build_s=round(build_s, 1),
+        train_wall_s=round(wall, 1),
+        data_wait_ms=[round(w * 1e3, 3) for w in timed_waits],
+        data_wait_median_ms=statistics.median(timed_waits) * 1e3 if timed_waits else None,
+        data_wait_max_ms=max(timed_waits) * 1e3 if timed_waits else None,
+        samples_per_s=statistics.median(r["samples_per_s"] for r in timed),
+        tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+        mfu=statistics.median(r["mfu"] for r in timed) if "mfu" in timed[0] else 0.0,
+        model_tflops=(flops / median / 1e12) if flops else 0.0,
+        model_flops=flops,
+        peak_mem_gib=max(r.get("peak_memory_gib", 0) for r in timed) if torch.cuda.is_available() else None,
+        host_syncs=[f"{n}x {site}" for site, n in audit.sites.most_common()],
+        audited_steps=args.audit_steps,
+        loss=timed[-1]["loss"],
+    )
     return result
 
 
@@ -393,15 +588,19 @@ def environment(args):
 
 
 def format_table(results):
-    lines = [f"{'variant':22s} {'ckpt':6s} {'step ms':>8s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'syncs':>5s}"]
+    lines = [
+        f"{'variant':22s} {'ckpt':6s} {'step ms':>8s} {'p90/p10':>7s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} "
+        f"{'syncs':>5s} {'data wait ms':>12s}"
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"{r['variant']:22s} {r['ckpt']:6s} FAILED: {r['error'][:90]}")
             continue
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         lines.append(
-            f"{r['variant']:22s} {r['ckpt']:6s} {r['step_ms']:8.1f} {r['model_tflops']:8.1f} "
-            f"{100 * r['mfu']:5.1f}% {mem:>9s} {len(r['host_syncs']):5d}"
+            f"{r['variant']:22s} {r['ckpt']:6s} {r['step_ms']:8.1f} {r.get('p90_over_p10') or 0:7.3f} "
+            f"{r['model_tflops']:8.1f} {100 * r['mfu']:5.1f}% {mem:>9s} {len(r['host_syncs']):5d} "
+            f"{format(r['data_wait_median_ms'], '.2f') if r.get('data_wait_median_ms') is not None else '-':>12}"
         )
     return "\n".join(lines)
 
@@ -430,6 +629,12 @@ def main(argv=None):
     )
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_step_<date>.json)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per variant subprocess")
+    parser.add_argument(
+        "--trainer-config",
+        default=str(ROOT / "configs" / "diffusion" / "train" / "mmdit_1b_bench_shape.py"),
+        help="config of the 'trainer' variant (its checkpointing is the variant's)",
+    )
+    parser.add_argument("--audit-steps", type=int, default=3, help="trainer steps run under sync debug mode")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -452,6 +657,10 @@ def main(argv=None):
         str(args.peak_tflops),
         "--profile",
         args.profile,
+        "--trainer-config",
+        args.trainer_config,
+        "--audit-steps",
+        str(args.audit_steps),
     ] + (["--tiny"] if args.tiny else [])
     for name, ckpt in runs:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f"{name}@{ckpt}", *passthrough]
@@ -481,6 +690,10 @@ def main(argv=None):
     from opensora.training.profiling import format_profile
 
     print(f"\n{report['environment']}\n" + format_table(report["runs"]))
+    for r in report["runs"]:
+        if r.get("variant") == "trainer" and r.get("host_syncs"):
+            print(f"\ntrainer@{r['ckpt']}: synchronising calls in {r['audited_steps']} audited steps:")
+            print("\n".join("  " + site for site in r["host_syncs"]))
     for r in report["runs"]:
         if "profile" in r:
             print(f"\n{r['variant']}@{r['ckpt']} " + format_profile(r["profile"]))

@@ -49,8 +49,9 @@ class Role:
         if wait is not None:
             wait()
 
-    def clip_and_step(self) -> Optional[float]:
-        """Clip gradients to ``grad_clip`` and step; returns the pre-clip global grad norm."""
+    def clip_and_step(self):
+        """Clip gradients to ``grad_clip`` and step; returns the pre-clip global grad norm: a float, or a 0-dim
+        device tensor that the caller reads later (no host sync in the step; ``opensora.training.zero_sync``)."""
         if self.plugin_clips:
             self.optimizer.step()
             norm = self.optimizer.get_grad_norm()
@@ -58,4 +59,6 @@ class Role:
             max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
             norm = self.optimizer.clip_grad_by_norm(max_norm)
             self.optimizer.step()
-        return None if norm is None else float(norm)
+        if norm is None:
+            return None
+        return norm.detach() if torch.is_tensor(norm) else float(norm)

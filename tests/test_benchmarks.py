@@ -87,7 +87,7 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
         "--iters",
         "2",
         "--runs",
-        "ours-eager@none;diffusers@none;ours-eager@full",
+        "ours-eager@none;diffusers@none;ours-eager@full;trainer@full",
         "--out",
         str(out),
     ]
@@ -95,7 +95,12 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     runs = {(r["variant"], r["ckpt"]): r for r in report["runs"]}
-    assert set(runs) == {("ours-eager", "none"), ("diffusers", "none"), ("ours-eager", "full")}
+    assert set(runs) == {("ours-eager", "none"), ("diffusers", "none"), ("ours-eager", "full"), ("trainer", "full")}
+    trainer = runs.pop(("trainer", "full"))
+    # the real Trainer ran at the tiny shape on in-memory latents: timed steps after warm-up and the sync audit
+    assert "error" not in trainer, trainer
+    assert len(trainer["times_ms"]) == 2 and len(trainer["data_wait_ms"]) == 2 and trainer["p90_over_p10"] >= 1
+    assert trainer["params"] == runs[("ours-eager", "full")]["params"]
     for r in runs.values():
         assert "error" not in r, r
         assert r["step_ms"] > 0 and len(r["times_ms"]) == 2 and r["model_flops"] > 0

@@ -127,7 +127,7 @@ class MMDiTAdapter:
             x=x.to(dtype),
             timestep=t.to(dtype),
             text_emb=text["text_emb"].to(dtype),
-            text_mask=text["text_mask"],
+            text_mask=text.get("text_mask"),
             pooled=text["pooled"].to(dtype),
             cond=None if cond is None else cond.to(dtype),
             **extra,

@@ -21,4 +21,7 @@ __all__ = [
     "parse_sample_key",
 ]
 
-from . import moving_shapes_dataset  # noqa: E402,F401  (registers MovingShapesDataset)
+from . import (
+    moving_shapes_dataset,  # noqa: E402,F401  (registers MovingShapesDataset)
+    synthetic_latents,  # noqa: E402,F401  (registers SyntheticLatentDataset)
+)

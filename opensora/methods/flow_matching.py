@@ -54,18 +54,31 @@ class FlowMatching(TrainingMethod):
 
     @torch.no_grad()
     def encode_batch(self, batch: Mapping) -> tuple:
+        """(x0 latents float32, text features) on the device. A batch that carries pre-extracted ``latents``
+        and/or text features (``text_emb``, ``pooled``, optional ``text_mask``) skips the VAE / text encoder;
+        host tensors (pinned by the loader) are copied without blocking the host."""
         comp = self.components
-        video = batch["video"].to(comp.device, comp.dtype, non_blocking=True)
-        x0 = comp.vae.encode(video).float()
-        text = comp.text_encoder.encode(list(batch["text"]))
-        text = {k: v.to(comp.device) for k, v in text.items()}
+        if "latents" in batch:
+            x0 = batch["latents"].to(comp.device, non_blocking=True).float()
+        else:
+            video = batch["video"].to(comp.device, comp.dtype, non_blocking=True)
+            x0 = comp.vae.encode(video).float()
+        if "text_emb" in batch:
+            keys = [k for k in ("text_emb", "text_mask", "pooled") if k in batch]
+            text = {k: batch[k].to(comp.device, non_blocking=True) for k in keys}
+        else:
+            text = comp.text_encoder.encode(list(batch["text"]))
+            text = {k: v.to(comp.device, non_blocking=True) for k, v in text.items()}
         return x0, text
 
     def single_train_step(self, batch: Mapping, iteration: int):
         comp = self.components
         x0, text = self.encode_batch(batch)
         batch_size = x0.shape[0]
-        text, _ = drop_text(text, comp.null_text, self.text_dropout)
+        if comp.null_text is not None:
+            text, _ = drop_text(text, comp.null_text, self.text_dropout)
+        elif self.text_dropout > 0:
+            raise ValueError("text_dropout > 0 needs a text encoder (its null text); set text_dropout=0")
 
         alpha = shift_alpha_for(tuple(x0.shape[2:]), self.patch_size, **self.shift)
         t = sample_training_timesteps(batch_size, shift_alpha=alpha, device=comp.device, **self.timestep)
@@ -78,7 +91,17 @@ class FlowMatching(TrainingMethod):
             condition = build_training_condition(x0, self.condition_probs, **self.condition_kwargs)
             cond, loss_mask = condition.cond, condition.loss_mask
 
-        pred = MMDiTAdapter.call_network(self.roles["model"].model, x_t, t, text, cond, self.model_dtype)
+        # whether the text has padded tokens is not read from the device (a host sync per step): a mask means
+        # "build the key mask" (an all-true one gives the same attention); no mask means no padding
+        pred = MMDiTAdapter.call_network(
+            self.roles["model"].model,
+            x_t,
+            t,
+            text,
+            cond,
+            self.model_dtype,
+            text_mask_has_padding=text.get("text_mask") is not None,
+        )
         loss = masked_mse(pred, target, loss_mask)
 
         num_video_tokens = x0[0, 0].numel() // (self.patch_size[0] * self.patch_size[1] * self.patch_size[2])

@@ -31,6 +31,7 @@ from colossalai.booster.plugin import GeminiPlugin, HybridParallelPlugin, LowLev
 from colossalai.booster.plugin.plugin_base import Plugin
 from colossalai.shardformer.policies.base_policy import Policy
 
+from . import zero_sync
 from .cpu_shim import apply_cpu_shim
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -175,6 +176,8 @@ def build_plugin(plugin_cfg: dict, mixed_precision: str = "bf16", on_gpu: bool |
     kwargs = spec.defaults(kwargs)
     if on_gpu is None:
         on_gpu = torch.cuda.is_available()
+    if name in ("LowLevelZeroPlugin", "HybridParallelPlugin"):
+        zero_sync.install()  # grad norm, clipping and the end of backward without host syncs
     if not on_gpu:
         apply_cpu_shim()
         kwargs = spec.cpu_adjust(kwargs)

@@ -5,6 +5,7 @@
 weights before boosting (``opensora.lora``): the base is frozen, and the optimizer and the EMA see only the adapter. Methods reach roles by name; the trainer only iterates over them.
 """
 
+import contextlib
 import inspect
 from pathlib import Path
 from typing import Mapping
@@ -63,9 +64,36 @@ def load_initial_weights(model: nn.Module, init_from) -> dict:
     return weights.state_dict
 
 
+# plugins that shard the parameters themselves: the rank-0 EMA (whole parameters) cannot follow them
+SHARDED_PARAMETER_PLUGINS = ("GeminiPlugin", "TorchFSDPPlugin")
+
+
+def check_plugin_fits_role(name: str, cfg: Mapping, plugin_cfg: Mapping) -> None:
+    """Refuse, before anything is built, role settings the plugin cannot train with: Gemini takes only
+    ColossalAI's Adam optimizers (``HybridAdam`` here), and a parameter-sharding plugin leaves no whole weights for
+    the rank-0 EMA to average."""
+    kind = plugin_cfg.get("type")
+    if not cfg["trainable"]:
+        return
+    optimizer = optimizer_settings(cfg["optimizer"])["type"]
+    if kind == "GeminiPlugin" and optimizer != "HybridAdam":
+        raise ValueError(
+            f"role '{name}': GeminiPlugin needs optimizer type 'HybridAdam' (ColossalAI's Adam), got '{optimizer}'"
+        )
+    if kind in SHARDED_PARAMETER_PLUGINS and cfg["ema"] is not None:
+        raise ValueError(
+            f"role '{name}': {kind} shards the parameters, so the rank-0 EMA cannot average them; "
+            "set ema_decay=None (or use LowLevelZeroPlugin / TorchDDPPlugin)"
+        )
+
+
 def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapping, is_main: bool) -> Role:
     """Build one role from its resolved config (``role_configs``); boost it when trainable."""
-    model = build_module(cfg["model"], MODELS)
+    check_plugin_fits_role(name, cfg, plugin_cfg)
+    # on a GPU the weights are created there: initialising an 11B model on the CPU takes minutes
+    on_gpu = components.device.type == "cuda"
+    with torch.device(components.device) if on_gpu else contextlib.nullcontext():
+        model = build_module(cfg["model"], MODELS)
     base = load_initial_weights(model, cfg["init_from"]) if cfg["init_from"] else None
     lora = None
     if cfg.get("lora") is not None:

@@ -91,6 +91,8 @@ class Trainer:
             world_size=self.dp_size,
             num_workers=int(self.setting("num_workers")),
             pin_memory=self.device.type == "cuda",
+            prefetch_factor=int(self.setting("prefetch_factor")),
+            persistent_workers=bool(self.setting("persistent_workers")),
         )
         self.metrics = MetricsLogger(
             self.outputs,
@@ -294,6 +296,7 @@ class Trainer:
             return None
         step, keys, losses, record, timing = pending
         values = dict(zip(("loss" if key == "total_loss" else key for key in keys), losses.tolist()))
+        record = {key: float(value) if torch.is_tensor(value) else value for key, value in record.items()}
         record = {**values, **record, **timing.record()}
         self.metrics.log(step, record)
         if progress is not None:
