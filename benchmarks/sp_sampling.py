@@ -89,7 +89,7 @@ def main():
     parser.add_argument("--out", default=None, help="JSON results (rank 0)")
     parser.add_argument("--latents", default=None, help="save the final latents here (rank 0)")
     parser.add_argument(
-        "--no-overlap", action="store_true", help="batched exchanges (no row-by-row overlap with attention)"
+        "--overlap-rows", action="store_true", help="overlap the exchanges with attention row by row (SequenceGroup)"
     )
     parser.add_argument("--profile", action="store_true", help="profile one more loop: GPU time by kernel kind")
     parser.add_argument("--compare", nargs=2, default=None, help="two saved latents files: print their difference")
@@ -107,7 +107,7 @@ def main():
     world, rank, sp = 1, 0, None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         rank, world, device = init_process_group_from_env(device)
-        sp = build_sequence_groups(world, overlap_rows=not args.no_overlap)
+        sp = build_sequence_groups(world, overlap_rows=args.overlap_rows)
     cfg = load_config(args.config)
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)  # the same random weights on every rank and in every run
