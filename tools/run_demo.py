@@ -3,6 +3,7 @@
 
 Every stage is the user-facing command (printed before it runs), so the demo doubles as a walkthrough. Re-running
 resumes training from the newest checkpoint (`--resume auto`) and regenerates samples and scores.
+The command builders below are shared with `benchmarks/demo_sweep.py`, which tunes the demo with these very commands.
 """
 
 import argparse
@@ -14,6 +15,66 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA_SEED = 0  # renders the training clips
+SAMPLE_SEED = 1000  # held prompt i is sampled with noise seed 1000 + i (never used in training)
+
+
+def dataset_command(py, data_dir, num_videos, size=32, num_frames=16) -> list:
+    return [
+        py,
+        "tools/make_demo_dataset.py",
+        "--out",
+        data_dir,
+        "--num",
+        num_videos,
+        "--seed",
+        DATA_SEED,
+        "--size",
+        size,
+        "--num-frames",
+        num_frames,
+        "--no-progress",
+    ]
+
+
+def train_command(py, train_config, train_dir, data_dir, overrides=()) -> list:
+    """``overrides``: extra ``--key value`` arguments (e.g. ``--max-steps 500``)."""
+    return [
+        py,
+        "scripts/diffusion/train.py",
+        train_config,
+        "--outputs",
+        train_dir,
+        "--resume",
+        "auto",
+        "--dataset.data_path",
+        Path(data_dir) / "meta.csv",
+        *overrides,
+    ]
+
+
+def sample_command(py, sample_config, ckpt, data_dir, samples_dir, num_steps, overrides=()) -> list:
+    """The held prompts: every colour x shape x direction caption (prompts.txt), one sample each."""
+    return [
+        py,
+        "scripts/diffusion/inference.py",
+        sample_config,
+        "--ckpt",
+        ckpt,
+        "--prompt-file",
+        Path(data_dir) / "prompts.txt",
+        "--save-dir",
+        samples_dir,
+        "--num-steps",
+        num_steps,
+        "--seed",
+        SAMPLE_SEED,
+        *overrides,
+    ]
+
+
+def eval_command(py, samples_dir, scores) -> list:
+    return [py, "tools/eval_moving_shapes.py", Path(samples_dir) / "samples.csv", "--json", scores, "--no-progress"]
 
 
 def run(cmd) -> None:
@@ -36,45 +97,19 @@ def main(argv=None) -> None:
     py = sys.executable
     started = time.time()
 
-    run([py, "tools/make_demo_dataset.py", "--out", data, "--num", args.num_videos, "--seed", 0, "--no-progress"])
-    train_cmd = [
-        py,
-        "scripts/diffusion/train.py",
-        args.train_config,
-        "--outputs",
-        train,
-        "--resume",
-        "auto",
-        "--dataset.data_path",
-        data / "meta.csv",
-    ]
-    if args.max_steps is not None:
-        train_cmd += ["--max-steps", args.max_steps]
-    run(train_cmd)
+    run(dataset_command(py, data, args.num_videos))
+    run(
+        train_command(
+            py, args.train_config, train, data, [] if args.max_steps is None else ["--max-steps", args.max_steps]
+        )
+    )
 
     from opensora.checkpoint_layout import find_latest_checkpoint
 
     ckpt = find_latest_checkpoint(train)
-    # held prompts: every colour x shape x direction caption, one sample each, seeds never used in training
-    run(
-        [
-            py,
-            "scripts/diffusion/inference.py",
-            args.sample_config,
-            "--ckpt",
-            ckpt,
-            "--prompt-file",
-            data / "prompts.txt",
-            "--save-dir",
-            samples,
-            "--num-steps",
-            args.num_steps,
-            "--seed",
-            1000,
-        ]
-    )
+    run(sample_command(py, args.sample_config, ckpt, data, samples, args.num_steps))
     scores = out / "eval.json"
-    run([py, "tools/eval_moving_shapes.py", samples / "samples.csv", "--json", scores, "--no-progress"])
+    run(eval_command(py, samples, scores))
 
     report = json.loads(scores.read_text())
     minutes = (time.time() - started) / 60
