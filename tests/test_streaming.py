@@ -284,7 +284,8 @@ def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
     assert runs["1x-window"]["model_passes"] == 7 and runs["1x-window-merged"]["model_passes"] == 4
     assert speed["flops_1x"]["students"]["window"]["ceiling"] > 1
     assert speed["lengths"]["2x-window"]["max_cached_frames"] == speed["window_frames"] == 6
-    for name in ("window", "window-recompute-text", "window-graphs", "window-graphs-merged"):  # eager on a CPU
+    names = ("window", "window-recompute-text", "window-graphs", "window-graphs-merged", "window-graphs-overlap")
+    for name in (*names, "window-graphs-merged-overlap"):  # eager on a CPU
         assert speed["lengths"][f"1x-{name}"]["chunks"] == 4
     assert (
         speed["lengths"]["1x-window"]["text_cache_mib"]
@@ -292,9 +293,12 @@ def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
         == speed["lengths"]["1x-window-recompute-text"]["text_cache_mib"]
     )
     assert speed["lengths"]["1x-window-graphs"]["cuda_graphs"]["eager"] > 0
-    assert {"speedup_end_to_end_1x", "speedup_end_to_end_1x_recompute_text", "speedup_end_to_end_1x_graphs"} <= set(
-        speed
-    )
+    assert {
+        "speedup_end_to_end_1x",
+        "speedup_end_to_end_1x_recompute_text",
+        "speedup_end_to_end_1x_graphs",
+        "speedup_end_to_end_1x_graphs_overlap",
+    } <= set(speed)
     bench.main(
         [
             "costs",
