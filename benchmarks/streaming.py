@@ -799,26 +799,14 @@ def parse_args(argv=None):
     speed.add_argument("--batch", type=int, default=1)
     speed.add_argument("--teacher-steps", type=int, default=30, help="0: skip the bidirectional 30-step CFG timing")
     speed.add_argument("--teacher-repeats", type=int, default=2)
-    speed.add_argument(
-        "--merge-refill",
-        choices=("both", "on", "off"),
-        default="both",
-        help="streaming with each refill merged into the next chunk's first pass ('-merged' rows), without, or both",
+    toggles = dict(  # flag: (default, help); each takes both | on | off
+        merge_refill=("both", "streaming with each refill merged into the next chunk's first pass ('-merged' rows)"),
+        overlap_decode=("both", "graphed rows with the chunk decode overlapped with the next chunk's passes"),
+        text_cache=("on", "the per-(block, t) text cache ('window' rows; off: 'window-recompute-text' rows)"),
     )
-    speed.add_argument(
-        "--overlap-decode",
-        choices=("both", "on", "off"),
-        default="both",
-        help="graphed rows with the chunk decode overlapped with the next chunk's passes ('-overlap' rows), serial, "
-        "or both",
-    )
-    speed.add_argument(
-        "--text-cache",
-        choices=("both", "on", "off"),
-        default="on",
-        help="streaming with the per-(block, t) text cache ('window' rows), without it (the old path, "
-        "'window-recompute-text' rows), or both",
-    )
+    for flag, (default, text) in toggles.items():
+        option = "--" + flag.replace("_", "-")
+        speed.add_argument(option, choices=("both", "on", "off"), default=default, help=f"{text}: on, off or both")
     speed.add_argument(
         "--cuda-graphs",
         choices=("auto", "on", "off"),
