@@ -331,6 +331,9 @@ def run_speed(args) -> dict:
                     held_by_variant_mib=resident - before_variant,  # graph pools, static buffers, decode graphs
                     after_run_mib=cuda_mib(),
                     reserved_mib=cuda_mib(torch.cuda.memory_reserved),
+                    # the caching allocator's peak, graph pools included (a replay's activations live in its pool,
+                    # which max_memory_allocated does not see: the allocator counts them free after the capture)
+                    peak_reserved_mib=cuda_mib(torch.cuda.max_memory_reserved),
                 )
             result["lengths"][f"{multiple}x-{name}"] = dict(summary, chunk_seconds=[c["seconds"] for c in chunks])
             rows.append(
@@ -357,9 +360,12 @@ def run_speed(args) -> dict:
             torch.cuda.empty_cache()
             peaks = {m: result["lengths"][f"{m}x-{name}"]["peak_mib"] for m in args.lengths}
             growth = max(peaks.values()) / min(peaks.values()) - 1
+            reserved = {m: result["lengths"][f"{m}x-{name}"]["peak_reserved_mib"] for m in args.lengths}
             result["memory"][name] = dict(
                 peak_mib=peaks,
                 growth=growth,
+                peak_reserved_mib=reserved,
+                reserved_growth=max(reserved.values()) / min(reserved.values()) - 1,
                 flat_within_5pct=growth <= 0.05,
                 # allocated memory the variant leaves behind once its generator is gone (e.g. cuBLAS workspaces)
                 left_behind_mib=cuda_mib() - before_variant,
@@ -419,7 +425,9 @@ def run_speed(args) -> dict:
         print(f", achieved {f['achieved_over_ceiling']:.3g} of it" if "achieved_over_ceiling" in f else "")
     for name, m in result["memory"].items():
         print(f"peak memory {name}: " + ", ".join(f"{k}x {v:.0f} MiB" for k, v in m["peak_mib"].items()), end="")
-        print(f" (growth {100 * m['growth']:+.1f}%; left behind after the run {m['left_behind_mib']:.0f} MiB)")
+        print(f" (growth {100 * m['growth']:+.1f}%; left behind after the run {m['left_behind_mib']:.0f} MiB)", end="")
+        print("; reserved peak " + ", ".join(f"{k}x {v:.0f}" for k, v in m["peak_reserved_mib"].items()), end="")
+        print(f" MiB ({100 * m['reserved_growth']:+.1f}%)")
     for key in sorted(result):
         if key.startswith(("speedup_end_to_end", "first_chunk_over", "decode_s", "decode_graphed_s", "peak_growth")):
             print(f"{key}: {result[key]:.4g}")
