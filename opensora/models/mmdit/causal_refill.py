@@ -240,8 +240,9 @@ class MergedGraphs:
     def _capture(self, inputs, num_text: int, past: StaticPast, text_kv):
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
         static = {name: clone(t) for name, t in inputs.items()}
-        text = None if text_kv is None else [(clone(k), clone(v)) for k, v in text_kv]
         holder, memory = {}, self.memory
+        # reloaded before every replay: one set of buffers for all merged graphs (not 2 x the text cache per graph)
+        text = None if text_kv is None else list(memory.output_kv("merged-text", dict(enumerate(text_kv))).values())
 
         def body():
             velocity, pending, entries = merged_body(self.model, static, num_text, past, text)

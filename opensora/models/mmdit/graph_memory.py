@@ -9,6 +9,7 @@ keeps alive must therefore not depend on how many graphs exist, or peak memory g
 * outputs are copied, inside the graph, into static buffers shared by every graph whose output has that name, shape
   and dtype (the caller clones them out after each replay, before the next one): a graph keeps no tensor of its own
   pool alive, so in particular no view that pins a whole per-block key/value tensor;
+* static inputs that every replay reloads anyway (the merged pass's text keys/values) are shared the same way;
 * the static copy of the cached video (the KV cache of the rolling window) is one set of buffers per cache shape,
   shared by every pass shape that reads a cache of that size, loaded when the cache holds other tensors than at the
   last load.
@@ -69,7 +70,7 @@ class GraphMemory:
     def output(self, name: str, value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``value`` copied into the shared buffer for (``name``, its shape, dtype, device); returns the buffer. Called
         inside a captured body: the copy is part of the graph. The buffer is made on the first (warm-up) call,
-        outside any capture."""
+        outside any capture. Also a static input shared by graphs that load it before every replay."""
         if value is None:
             return None
         key = (name, tuple(value.shape), value.dtype, value.device)
