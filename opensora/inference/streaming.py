@@ -97,7 +97,7 @@ class GraphedDecode:
         self.vae, self.dtype, self.fallback = vae, dtype, fallback
         self.graphs: dict = {}
         self.failures: List[str] = []
-        self.memory = GraphMemory()
+        self.memory = GraphMemory(lane="decode")  # may replay beside the chunk graphs (``DecodeAhead``)
 
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         frames = self.on_device(latents)

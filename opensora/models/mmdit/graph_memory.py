@@ -14,8 +14,9 @@ keeps alive must therefore not depend on how many graphs exist, or peak memory g
   shared by every pass shape that reads a cache of that size, loaded when the cache holds other tensors than at the
   last load.
 
-Graphs sharing a pool must be replayed one at a time in stream order; work on another stream (the chunk decode of
-``streaming.StreamingGenerator``) gets a ``GraphMemory`` of its own.
+Graphs sharing a pool must be replayed one at a time in stream order; graphs replayed beside them on another stream (the
+chunk decode of ``streaming.StreamingGenerator``) get a ``GraphMemory`` of their own, on another capture lane (their
+own cuBLAS workspace: ``graph_capture_stream``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ def capture_side_stream() -> "torch.cuda.Stream":
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream()
     return _SIDE_STREAMS[index]
+
+
+_CAPTURE_STREAMS: Dict[tuple, "torch.cuda.Stream"] = {}
+
+
+def graph_capture_stream(lane: str) -> "torch.cuda.Stream":
+    """The stream graphs of ``lane`` are captured on (one per device and lane, for the process). cuBLAS takes its
+    workspace per (handle, stream) and a captured matmul keeps the capture stream's workspace: graphs captured on one
+    stream must never run at the same time, so graphs replayed concurrently (the chunk passes and the chunk decode)
+    are captured on different lanes."""
+    key = (torch.cuda.current_device(), lane)
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream()
+    return _CAPTURE_STREAMS[key]
 
 
 class StaticPast:
@@ -62,7 +77,8 @@ class StaticPast:
 class GraphMemory:
     """The pool, shared output buffers and shared cached-video buffers of a family of CUDA graphs (module docstring)."""
 
-    def __init__(self):
+    def __init__(self, lane: str = "passes"):
+        self.lane = lane  # graphs of different lanes may run concurrently (``graph_capture_stream``)
         self.pool = None  # the pool handle, set by the first capture
         self.outputs: Dict[tuple, torch.Tensor] = {}
         self.pasts: Dict[tuple, StaticPast] = {}
@@ -115,7 +131,7 @@ class GraphMemory:
                 body()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=graph_capture_stream(self.lane)):
             body()
         self.pool = graph.pool()
         return graph
