@@ -20,6 +20,8 @@ Per chunk of ``K`` latent frames (``MMDiT.causal_chunk_frames``) at absolute lat
    chunk-wise decoding is exact. A temporally compressing one gets ``decode_overlap`` earlier latent frames as
    context and only the new chunk's pixel frames are kept: an approximation of the whole-video decode whose
    error shrinks with the overlap (the decoder's temporal receptive field is finite), not an identity.
+   With ``overlap_decode`` (default with CUDA graphs) chunk ``k`` is decoded on a side stream while the next chunk's
+   passes run, and handed out one chunk later (``DecodeAhead``); the frames are the same.
 
 Noise: sample ``i`` draws every chunk's noise (and re-noising) from its own CPU generator seeded with
 ``seeds[i]``, in order, so a sample's video does not depend on the batch it runs in.
