@@ -270,10 +270,12 @@ class StreamingGenerator:
 
     def overlaps_decode(self, device: torch.device) -> bool:
         """Whether ``stream`` decodes a chunk ahead on a side stream (``overlap_decode``; None: with CUDA graphs on a
-        GPU whose autoencoder is not offloaded)."""
+        GPU). Never with an offloaded autoencoder (it moves between host and device around each decode)."""
+        if getattr(self.sampler, "offload", False):
+            return False
         if self.overlap_decode is not None:
             return bool(self.overlap_decode)
-        return self.cuda_graphs is not None and device.type == "cuda" and not getattr(self.sampler, "offload", False)
+        return self.cuda_graphs is not None and device.type == "cuda"
 
     def device_decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> uint8 frames on the device (the decode graph where one runs, else the eager autoencoder): the
