@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 13 on one GPU: the streaming GPU tests (merged refill + CUDA graphs vs eager, graphed decode, no memory left
-# behind by graph captures), then `streaming.py speed` at the 1B shape (random weights): teacher vs student with and
-# without the merged refill, eager and graphed, at 1x/2x/4x the training length, with the FLOP ceiling.
+# behind by graph captures, decode overlap bitwise equal to the serial order, graphed peak memory flat from 1x to 4x),
+# then `streaming.py speed` at the 1B shape (random weights): teacher vs student with and without the merged refill,
+# eager and graphed, graphed with the decode serial and overlapped, at 1x/2x/4x the training length, with the FLOP
+# ceiling, the graphed decode time and its top kernels.
 #   bash benchmarks/gpu_streaming_speed.sh OUT_DIR
 # Writes OUT_DIR/tests.txt, OUT_DIR/speed.txt and OUT_DIR/streaming_1b/speed.json; ~3-5 minutes on one H100.
 set -euo pipefail

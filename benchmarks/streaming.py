@@ -36,7 +36,7 @@ from train_step import count_host_syncs  # noqa: E402  (benchmarks/train_step.py
 from opensora.config import load_config  # noqa: E402
 from opensora.inference import pipeline  # noqa: E402
 from opensora.inference.pipeline import VideoSampler, resolve_device, role_model_config  # noqa: E402
-from opensora.inference.streaming import ChunkDecoder, StreamingGenerator  # noqa: E402
+from opensora.inference.streaming import ChunkDecoder, GraphedDecode, StreamingGenerator  # noqa: E402
 from opensora.models.mmdit.flops import mmdit_chunk_flops, mmdit_forward_flops  # noqa: E402
 from opensora.registry import MODELS, build_module  # noqa: E402
 
@@ -124,6 +124,21 @@ def timed(fn, repeats: int):
     return statistics.median(times), out
 
 
+def top_kernels(fn, count: int = 8) -> list:
+    """The ``count`` CUDA kernels with the most GPU time in one call of ``fn`` (torch.profiler): name, ms, calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us:
+            rows.append(dict(kernel=event.key[:90], ms=device_us / 1e3, calls=event.count))
+    return sorted(rows, key=lambda r: -r["ms"])[:count]
+
+
 def print_table(title, rows):
     print(f"\n{title}")
     keys = list(rows[0])
@@ -160,12 +175,14 @@ def stream_flops(model, chunk_tokens, text_tokens, chunks, chunk_frames, window,
     return total
 
 
-SPEED_VARIANTS = {  # name: (text cache, CUDA graphs (passes + decode), merged refill)
-    "window": (True, False, False),
-    "window-merged": (True, False, True),
-    "window-recompute-text": (False, False, False),
-    "window-graphs": (True, True, False),
-    "window-graphs-merged": (True, True, True),
+SPEED_VARIANTS = {  # name: (text cache, CUDA graphs (passes + decode), merged refill, decode overlapped)
+    "window": (True, False, False, False),
+    "window-merged": (True, False, True, False),
+    "window-recompute-text": (False, False, False, False),
+    "window-graphs": (True, True, False, False),
+    "window-graphs-merged": (True, True, True, False),
+    "window-graphs-overlap": (True, True, False, True),  # the default of StreamingGenerator(cuda_graphs=True)
+    "window-graphs-merged-overlap": (True, True, True, True),
 }
 
 
@@ -189,10 +206,14 @@ def run_speed(args) -> dict:
     text_cache_modes = dict(both=(True, False), on=(True,), off=(False,))[args.text_cache]
     use_graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and on_gpu)
     merge_modes = dict(both=(False, True), on=(True,), off=(False,))[args.merge_refill]
+    overlap_modes = dict(both=(False, True), on=(True,), off=(False,))[args.overlap_decode]
     variants = [
         name
-        for name, (cached, graphs, merged) in SPEED_VARIANTS.items()
-        if cached in text_cache_modes and (not graphs or (use_graphs and cached)) and merged in merge_modes
+        for name, (cached, graphs, merged, overlap) in SPEED_VARIANTS.items()
+        if cached in text_cache_modes
+        and (not graphs or (use_graphs and cached))
+        and merged in merge_modes
+        and (overlap in overlap_modes if graphs else not overlap)
     ]
     weights_mib = sum(p.numel() * p.element_size() for m in (model, vae) for p in m.parameters()) / 2**20
     result = dict(
@@ -218,6 +239,12 @@ def run_speed(args) -> dict:
     overlap = ChunkDecoder(sampler.decode, vae).overlap
     chunk_latents = torch.randn(args.batch, vae.latent_channels, args.chunk_frames + overlap, *latent_hw, device=device)
     result["decode_s_per_chunk"], _ = timed(lambda: sampler.decode(chunk_latents), repeats=3)
+    if on_gpu:  # the graphed decode (what the graphed rows run) and where a decode's GPU time goes
+        graphed = GraphedDecode(vae, pipeline._module_dtype(vae, dtype), sampler.decode)
+        with torch.no_grad():
+            result["decode_graphed_s_per_chunk"], _ = timed(lambda: graphed(chunk_latents), repeats=3)
+        result["decode_top_kernels"] = top_kernels(lambda: sampler.decode(chunk_latents))  # eager: kernel names
+        del graphed
 
     # the FLOP ceiling: teacher FLOPs / student FLOPs at 1x (what the speed-up would be at equal FLOP/s)
     pt, ph, pw = model.patch_size
@@ -230,7 +257,7 @@ def run_speed(args) -> dict:
     n_chunks = -(-train_latent // args.chunk_frames)
     flops = {}
     for name in variants:
-        cached, _, merged = SPEED_VARIANTS[name]
+        cached, _, merged, _ = SPEED_VARIANTS[name]
         student = stream_flops(
             model,
             tokens_per_frame * args.chunk_frames,
@@ -253,7 +280,7 @@ def run_speed(args) -> dict:
 
     rows = []
     for name in variants:
-        cached, graphs, merged = SPEED_VARIANTS[name]
+        cached, graphs, merged, overlap = SPEED_VARIANTS[name]
         gen = StreamingGenerator(
             sampler,
             step_list=args.step_list,
@@ -262,6 +289,7 @@ def run_speed(args) -> dict:
             text_cache=cached,
             cuda_graphs=graphs,
             merge_refill=merged,
+            overlap_decode=overlap,
         )
         if on_gpu:
             torch.cuda.empty_cache()
@@ -287,7 +315,11 @@ def run_speed(args) -> dict:
                 merge_refill=merged,
                 model_passes=gen.passes - passes,
                 text_cache_mib=chunks[-1]["text_cache_bytes"] / 2**20,
+                overlap_decode=overlap,
                 cuda_graphs=gen.cuda_graphs.summary if graphs else None,
+                merged_graphs=gen.merged_graphs.summary if gen.merged_graphs is not None else None,
+                # shared output + cached-video buffers of the graphs (their pool is not counted)
+                graph_buffers_mib=gen.cuda_graphs.memory.nbytes / 2**20 if graphs else None,
                 decode_graphs=None if gen.decode_graphs is None else len(gen.decode_graphs.graphs),
             )
             if on_gpu:  # what holds the memory (see the README): resident = weights + what the variant keeps
@@ -299,6 +331,9 @@ def run_speed(args) -> dict:
                     held_by_variant_mib=resident - before_variant,  # graph pools, static buffers, decode graphs
                     after_run_mib=cuda_mib(),
                     reserved_mib=cuda_mib(torch.cuda.memory_reserved),
+                    # the caching allocator's peak, graph pools included (a replay's activations live in its pool,
+                    # which max_memory_allocated does not see: the allocator counts them free after the capture)
+                    peak_reserved_mib=cuda_mib(torch.cuda.max_memory_reserved),
                 )
             result["lengths"][f"{multiple}x-{name}"] = dict(summary, chunk_seconds=[c["seconds"] for c in chunks])
             rows.append(
@@ -325,9 +360,12 @@ def run_speed(args) -> dict:
             torch.cuda.empty_cache()
             peaks = {m: result["lengths"][f"{m}x-{name}"]["peak_mib"] for m in args.lengths}
             growth = max(peaks.values()) / min(peaks.values()) - 1
+            reserved = {m: result["lengths"][f"{m}x-{name}"]["peak_reserved_mib"] for m in args.lengths}
             result["memory"][name] = dict(
                 peak_mib=peaks,
                 growth=growth,
+                peak_reserved_mib=reserved,
+                reserved_growth=max(reserved.values()) / min(reserved.values()) - 1,
                 flat_within_5pct=growth <= 0.05,
                 # allocated memory the variant leaves behind once its generator is gone (e.g. cuBLAS workspaces)
                 left_behind_mib=cuda_mib() - before_variant,
@@ -387,10 +425,22 @@ def run_speed(args) -> dict:
         print(f", achieved {f['achieved_over_ceiling']:.3g} of it" if "achieved_over_ceiling" in f else "")
     for name, m in result["memory"].items():
         print(f"peak memory {name}: " + ", ".join(f"{k}x {v:.0f} MiB" for k, v in m["peak_mib"].items()), end="")
-        print(f" (growth {100 * m['growth']:+.1f}%; left behind after the run {m['left_behind_mib']:.0f} MiB)")
+        print(f" (growth {100 * m['growth']:+.1f}%; left behind after the run {m['left_behind_mib']:.0f} MiB)", end="")
+        print("; reserved peak " + ", ".join(f"{k}x {v:.0f}" for k, v in m["peak_reserved_mib"].items()), end="")
+        print(f" MiB ({100 * m['reserved_growth']:+.1f}%)")
     for key in sorted(result):
-        if key.startswith(("speedup_end_to_end", "first_chunk_over", "decode_s", "peak_growth")):
+        if key.startswith(("speedup_end_to_end", "first_chunk_over", "decode_s", "decode_graphed_s", "peak_growth")):
             print(f"{key}: {result[key]:.4g}")
+    for row in result.get("decode_top_kernels", []):
+        print(f"  decode kernel {row['ms']:.3f} ms x{row['calls']}: {row['kernel']}")
+    for name in variants:  # graphs and what they hold (the pool is in resident_mib, not in the buffers)
+        one, last = (result["lengths"][f"{m}x-{name}"] for m in (args.lengths[0], args.lengths[-1]))
+        if one.get("cuda_graphs") and "resident_mib" in one:
+            print(
+                f"{name}: graphs {one['cuda_graphs']['graphs']} -> {last['cuda_graphs']['graphs']}, decode graphs "
+                f"{one['decode_graphs']} -> {last['decode_graphs']}, resident {one['resident_mib']:.0f} -> "
+                f"{last['resident_mib']:.0f} MiB, shared graph buffers {last['graph_buffers_mib']:.0f} MiB"
+            )
     write_json(args.out, "speed.json", result)
     return result
 
@@ -757,19 +807,14 @@ def parse_args(argv=None):
     speed.add_argument("--batch", type=int, default=1)
     speed.add_argument("--teacher-steps", type=int, default=30, help="0: skip the bidirectional 30-step CFG timing")
     speed.add_argument("--teacher-repeats", type=int, default=2)
-    speed.add_argument(
-        "--merge-refill",
-        choices=("both", "on", "off"),
-        default="both",
-        help="streaming with each refill merged into the next chunk's first pass ('-merged' rows), without, or both",
+    toggles = dict(  # flag: (default, help); each takes both | on | off
+        merge_refill=("both", "streaming with each refill merged into the next chunk's first pass ('-merged' rows)"),
+        overlap_decode=("both", "graphed rows with the chunk decode overlapped with the next chunk's passes"),
+        text_cache=("on", "the per-(block, t) text cache ('window' rows; off: 'window-recompute-text' rows)"),
     )
-    speed.add_argument(
-        "--text-cache",
-        choices=("both", "on", "off"),
-        default="on",
-        help="streaming with the per-(block, t) text cache ('window' rows), without it (the old path, "
-        "'window-recompute-text' rows), or both",
-    )
+    for flag, (default, text) in toggles.items():
+        option = "--" + flag.replace("_", "-")
+        speed.add_argument(option, choices=("both", "on", "off"), default=default, help=f"{text}: on, off or both")
     speed.add_argument(
         "--cuda-graphs",
         choices=("auto", "on", "off"),

@@ -284,7 +284,8 @@ def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
     assert runs["1x-window"]["model_passes"] == 7 and runs["1x-window-merged"]["model_passes"] == 4
     assert speed["flops_1x"]["students"]["window"]["ceiling"] > 1
     assert speed["lengths"]["2x-window"]["max_cached_frames"] == speed["window_frames"] == 6
-    for name in ("window", "window-recompute-text", "window-graphs", "window-graphs-merged"):  # eager on a CPU
+    names = ("window", "window-recompute-text", "window-graphs", "window-graphs-merged", "window-graphs-overlap")
+    for name in (*names, "window-graphs-merged-overlap"):  # eager on a CPU
         assert speed["lengths"][f"1x-{name}"]["chunks"] == 4
     assert (
         speed["lengths"]["1x-window"]["text_cache_mib"]
@@ -292,9 +293,12 @@ def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
         == speed["lengths"]["1x-window-recompute-text"]["text_cache_mib"]
     )
     assert speed["lengths"]["1x-window-graphs"]["cuda_graphs"]["eager"] > 0
-    assert {"speedup_end_to_end_1x", "speedup_end_to_end_1x_recompute_text", "speedup_end_to_end_1x_graphs"} <= set(
-        speed
-    )
+    assert {
+        "speedup_end_to_end_1x",
+        "speedup_end_to_end_1x_recompute_text",
+        "speedup_end_to_end_1x_graphs",
+        "speedup_end_to_end_1x_graphs_overlap",
+    } <= set(speed)
     bench.main(
         [
             "costs",
@@ -350,11 +354,12 @@ def test_chunk_graph_plumbing_replays_the_eager_passes_bitwise_on_a_cpu(guidance
         for x, y in zip(a, b):
             assert torch.equal(x.latents, y.latents) and torch.equal(x.frames, y.frames)
     graphs = graphed.cuda_graphs.summary
-    # 5 chunks x 3 passes per video, less the last chunk's refill (no chunk reads it). Graphs: the first chunk (no cached frames) fills the text cache, one graph for
-    # its 3 times; then 3 times (text-cache hits) per cached-frame count: 2 and 4 (window 4) or 2 (window 2); the
-    # second video reuses them all
+    # 5 chunks x 3 passes per video, less the last chunk's refill (no chunk reads it). Graphs: the first chunk (no
+    # cached frames) fills the text cache, one graph for its 2 steps and one for its refill (storing passes have
+    # graphs of their own); then 3 times (text-cache hits) per cached-frame count: 2 and 4 (window 4) or 2 (window
+    # 2); the second video reuses them all
     assert graphs["failures"] == [] and graphs["eager"] == 0 and graphs["replays"] == 2 * (5 * 3 - 1)
-    assert graphs["graphs"] == 1 + 3 * (2 if window == 4 else 1)
+    assert graphs["graphs"] == 2 + 3 * (2 if window == 4 else 1)
 
 
 def test_chunk_graphs_fall_back_to_eager_off_the_gpu():
@@ -363,3 +368,30 @@ def test_chunk_graphs_fall_back_to_eager_off_the_gpu():
     gen = StreamingGenerator(sampler, step_list=[1.0, 0.5], cuda_graphs=True)
     assert torch.equal(gen.generate(PROMPTS, [0, 1], 6, 16, 16), plain)
     assert gen.cuda_graphs.summary["graphs"] == 0 and gen.cuda_graphs.summary["eager"] == 3 * 3 - 1  # no last refill
+
+
+@pytest.mark.parametrize("merge_refill", [False, True])
+def test_decode_ahead_hands_out_the_serial_frames_after_enqueueing_the_next_chunk(merge_refill):
+    """``overlap_decode``: the same chunks (latents, frames, cache records) as the serial order, bitwise; chunk k is
+    handed out only once chunk k + 1's passes were issued (off the GPU the decode itself runs at once)."""
+    sampler = tiny_sampler()
+    kwargs = dict(step_list=[1.0, 0.5], guidance_scale=3.0, window_frames=4, merge_refill=merge_refill)
+    runs = {}
+    for overlap in (False, True):
+        gen = StreamingGenerator(sampler, overlap_decode=overlap, **kwargs)
+        chunks, passes = [], []
+        for chunk in gen.stream(PROMPTS, [0, 1], 10, 16, 16):
+            chunks.append(chunk)
+            passes.append(gen.passes)
+        runs[overlap] = chunks, passes
+    (serial, serial_passes), (ahead, ahead_passes) = runs[False], runs[True]
+    assert len(serial) == len(ahead) == 5
+    for x, y in zip(serial, ahead):
+        assert torch.equal(x.latents, y.latents) and torch.equal(x.frames, y.frames)
+        assert (x.index, x.start_frame, x.cached_frames, x.cache_bytes) == (
+            y.index,
+            y.start_frame,
+            y.cached_frames,
+            y.cache_bytes,
+        )
+    assert ahead_passes[:-1] == serial_passes[1:] and ahead_passes[-1] == serial_passes[-1]

@@ -52,3 +52,50 @@ def test_graph_captures_leave_no_memory_behind():
         torch.cuda.empty_cache()
         left.append(torch.cuda.memory_allocated())
     assert left[2] - left[1] < 2**20 and left[1] - left[0] < 16 * 2**20  # a cuBLAS workspace is 32 MiB on Hopper
+
+
+def test_decode_ahead_on_a_side_stream_gives_the_serial_frames_bitwise():
+    """The look-ahead decode on the high-priority side stream (graphed passes and decode) hands out the very frames and
+    latents of the serial order; one generator, so both orders replay the same graphs."""
+    sampler = gpu_sampler()
+    gen = StreamingGenerator(sampler, step_list=[1.0, 0.5], guidance_scale=3.0, window_frames=4, cuda_graphs=True)
+    assert gen.overlaps_decode(torch.device("cuda"))
+    runs = []
+    for overlap in (False, True, False):  # the first video captures the graphs
+        gen.overlap_decode = overlap
+        runs.append(list(gen.stream(PROMPTS, [0, 1], 13, 16, 16)))
+    for serial in (runs[0], runs[2]):
+        for x, y in zip(serial, runs[1]):
+            assert torch.equal(x.latents, y.latents) and torch.equal(x.frames, y.frames)
+    assert gen.decode_graphs.graphs and not gen.decode_graphs.failures and not gen.cuda_graphs.failures
+
+
+@pytest.mark.parametrize("merge_refill", [False, True])
+def test_graphed_streaming_peak_memory_is_flat_from_1x_to_4x(merge_refill):
+    """Peak GPU memory of a graphed generator at 1x, 2x, 4x the length, run back to back as benchmarks/streaming.py
+    does (each length after a warm-up video, which captures the graphs its new states need: the refill at a full
+    window, a shorter last chunk): the 4x peak within 5% of the 1x peak. Graphs share one pool and write their
+    outputs into shared buffers, so new graphs hold no memory of their own."""
+    sampler = tiny_sampler(hidden_size=256, num_heads=4, depth_double=2, depth_single=2, axes_dims=(16, 24, 24))
+    sampler.model.to("cuda")
+    sampler.vae.to("cuda")
+    sampler.device = torch.device("cuda")
+    gen = StreamingGenerator(
+        sampler, step_list=[1.0, 0.5], window_frames=4, cuda_graphs=True, merge_refill=merge_refill
+    )
+    peaks, reserved = {}, {}
+    for frames in (6, 13, 24):  # 3 chunks of 2 latent frames; 7 (the last of 1 frame); 12
+        for _ in range(2):  # a warm-up video (captures), then the measured one; chunks are not kept (their latents)
+            torch.cuda.synchronize()
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            for _chunk in gen.stream(PROMPTS, [0, 1], frames, 128, 128):
+                pass
+        torch.cuda.synchronize()
+        peaks[frames] = torch.cuda.max_memory_allocated()
+        reserved[frames] = torch.cuda.max_memory_reserved()  # with the graph pools (replays allocate nothing)
+    print("peak MiB", {k: v / 2**20 for k, v in peaks.items()}, "reserved", {k: v / 2**20 for k, v in reserved.items()})
+    print(gen.cuda_graphs.summary)
+    assert not gen.cuda_graphs.failures and gen.cuda_graphs.eager == 0
+    assert max(peaks.values()) <= 1.05 * peaks[6]

@@ -8,15 +8,18 @@ of graphs (the cached frames grow until the rolling window is full, then stay), 
 Replay = copy the pass's inputs into the graph's static buffers, replay, copy the outputs out:
 
 * static per shape (shared by the graphs of every step time): x, timestep, cond, text embedding / mask / pooled
-  vector, RoPE tables (they depend on the chunk's absolute start frame), the joint mask, and the cached video
-  keys/values of every block. Inputs that are the same tensor objects as at the last copy (text, the RoPE tables and
-  mask, which are made once per chunk, the cache's tensors, which change only when a chunk is appended) are not
-  copied again;
+  vector, RoPE tables (they depend on the chunk's absolute start frame) and the joint mask. Inputs that are the same
+  tensor objects as at the last copy (text, the RoPE tables and mask, which are made once per chunk) are not copied
+  again;
+* static per cache shape (``GraphMemory.past``, shared by every pass shape that reads a cache of that size, also by
+  ``MergedGraphs``): the cached video keys/values of every block, copied when the cache holds new tensors;
 * static per text-cache key (step time), shared by that time's graphs: the text keys/values of a text-cache hit,
   copied once per video (when the text cache hands over new tensors); they hold as much memory as the text cache;
-* outputs: the velocity, the chunk's video keys/values (appended to the ``KVCache`` when ``store_kv``) and, on a
-  text-cache miss, the text keys/values (put into the ``TextKVCache``), all cloned out of the graph's memory pool
-  (one pool for all graphs: each replay's outputs are copied out before the next replay).
+* outputs: the velocity, the chunk's video keys/values (storing passes only: ``store_kv`` is part of a graph's key)
+  and, on a text-cache miss, the text keys/values, copied inside the graph into buffers shared by all graphs
+  (``GraphMemory.output``) and cloned out after the replay; one memory pool for all graphs. So a graph holds no
+  memory of its own beyond its pool's share, and peak memory does not grow when a longer video meets new shapes
+  (the refill at a full window, a shorter last chunk).
 
 The captured body is ``MMDiT.chunk_body``, the same code as the eager pass, so the result is the eager result up to
 the kernels cuBLAS/cuDNN choose inside a capture (tests/test_chunk_graphs_gpu.py bounds the difference). The first
@@ -28,21 +31,12 @@ enabled, or without a text cache every call is plain ``forward_chunk``.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from opensora.models.mmdit.causal_refill import capture_side_stream
-
-
-class _StaticPast:
-    """``KVCache``'s ``num_blocks`` / ``block(i)`` over static buffers (None when the pass has no cached frames)."""
-
-    def __init__(self, keys: List[Optional[torch.Tensor]], values: List[Optional[torch.Tensor]]):
-        self.keys, self.values, self.num_blocks = keys, values, len(keys)
-
-    def block(self, index: int):
-        return self.keys[index], self.values[index]
+from opensora.models.mmdit.graph_memory import GraphMemory
 
 
 def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -50,7 +44,7 @@ def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _clone_tree(out):
-    """A graph output (a tensor, or a stage's dict of tensors / None) cloned out of the graph's memory."""
+    """A graph output (a tensor, or a stage's dict of tensors / None) cloned out of the graph's buffers."""
     if isinstance(out, dict):
         return {name: _clone(t) for name, t in out.items()}
     return _clone(out)
@@ -59,9 +53,8 @@ def _clone_tree(out):
 class _Statics:
     """The static input buffers of one pass shape, and which source tensors they last received."""
 
-    def __init__(self, inputs: Dict[str, Optional[torch.Tensor]], past_k, past_v):
+    def __init__(self, inputs: Dict[str, Optional[torch.Tensor]]):
         self.inputs = {name: _clone(t) for name, t in inputs.items()}
-        self.past = _StaticPast([_clone(k) for k in past_k], [_clone(v) for v in past_v])
         self.sources: Dict[str, object] = {}
 
     def load(self, name: str, source: Optional[torch.Tensor], always: bool = False) -> None:
@@ -74,22 +67,14 @@ class _Statics:
     def _version(self, name):
         return self.sources.get(name + "#v")
 
-    def load_past(self, cache) -> None:
-        if cache.keys[0] is None or self.sources.get("past") is cache.keys[0]:
-            return
-        for i in range(self.past.num_blocks):
-            self.past.keys[i].copy_(cache.keys[i])
-            self.past.values[i].copy_(cache.values[i])
-        self.sources["past"] = cache.keys[0]
-
 
 class _Graph:
     def __init__(self):
         self.replay = None  # set by ChunkGraphs._record
         self.text_kv: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None  # static, on a text-cache hit
-        self.out = None
-        self.pending: Dict[int, tuple] = {}
-        self.entry: Optional[Dict[int, tuple]] = None
+        self.out = None  # the outputs below live in the shared buffers of ``GraphMemory``
+        self.pending: Optional[Dict[int, tuple]] = None  # the chunk's video keys/values (a storing pass only)
+        self.entry: Optional[Dict[int, tuple]] = None  # the text keys/values (a text-cache miss only)
 
 
 class ChunkGraphs:
@@ -97,13 +82,13 @@ class ChunkGraphs:
     ``forward_chunk`` (keywords ``timestep, text_emb, text_mask, pooled, cond, cache, start_frame, store_kv,
     text_cache, text_key``)."""
 
-    def __init__(self, model):
+    def __init__(self, model, memory: Optional[GraphMemory] = None):
         self.model = model
+        self.memory = memory if memory is not None else GraphMemory()  # pool, output and cached-video buffers
         self.statics: Dict[tuple, _Statics] = {}
         self.graphs: Dict[tuple, _Graph] = {}
         self.failed: set = set()
         self.failures: List[str] = []
-        self.pool = None
         self.captures = self.replays = self.eager = 0
         self._preludes: Dict[tuple, tuple] = {}
         self.text_statics: Dict[tuple, list] = {}  # (text key, shape, dtype, device) -> [buffers, last source]
@@ -114,13 +99,13 @@ class ChunkGraphs:
         k0 = text_kv[0][0]
         key = (text_key, tuple(k0.shape), k0.dtype, k0.device)
         holder = self.text_statics.get(key)
-        if holder is None:
-            holder = self.text_statics[key] = [[(_clone(k), _clone(v)) for k, v in text_kv], text_kv]
-        elif holder[1] is not text_kv:
+        if holder is None:  # the source is held weakly: the last video's text cache is not kept alive
+            holder = self.text_statics[key] = [[(_clone(k), _clone(v)) for k, v in text_kv], weakref.ref(k0)]
+        elif holder[1]() is not k0:  # entries are made once per key and video: block 0's keys stand for them all
             for (dk, dv), (sk, sv) in zip(holder[0], text_kv):
                 dk.copy_(sk)
                 dv.copy_(sv)
-            holder[1] = text_kv
+            holder[1] = weakref.ref(k0)
         return holder[0]
 
     def _rope_mask(self, x, text_mask, num_text: int, past: int, start_frame: int):
@@ -239,28 +224,23 @@ class ChunkGraphs:
         )
         shape = (lo, hi, slot, past, grid, described)
         hit = text_key in text_cache.entries
-        key = (shape, text_key if hit else None, hit)
+        key = (shape, text_key if hit else None, hit, bool(store_kv))
         if shape in self.failed:
             self.eager += 1
             return eager()
         text_kv = text_cache.get(text_key)
         statics = self.statics.get(shape)
         if statics is None:
-            statics = self.statics[shape] = _Statics(
-                inputs,
-                cache.keys if past else [None] * cache.num_blocks,
-                cache.values if past else [None] * cache.num_blocks,
-            )
+            statics = self.statics[shape] = _Statics(inputs)
         for name, source in inputs.items():
             if source is not None:
                 statics.load(name, source, always=name in fresh)
-        if past:
-            statics.load_past(cache)
+        static_past = self.memory.past(cache, slot)
         text_static = None if text_kv is None else self._text_buffers((slot, text_key), text_kv)
         graph = self.graphs.get(key)
         if graph is None:
             try:
-                graph = self._capture(statics, text_static, lo, hi, num_text, grid)
+                graph = self._capture(statics, static_past, text_static, lo, hi, num_text, grid, store_kv)
             except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
                 self.failed.add(shape)
                 self.failures.append(f"{type(error).__name__}: {error}")
@@ -283,17 +263,20 @@ class ChunkGraphs:
             cache.append(new, start_frame, frames, frames_per_group=model.patch_size[0])
         return out
 
-    def _capture(self, statics: _Statics, text_static, lo: int, hi: int, num_text: int, grid) -> _Graph:
-        """A graph of ``chunk_stage`` on ``statics`` (and, on a text-cache hit, the static text keys/values)."""
-        model, graph, s = self.model, _Graph(), statics.inputs
+    def _capture(self, statics: _Statics, past, text_static, lo, hi, num_text: int, grid, store: bool) -> _Graph:
+        """A graph of ``chunk_stage`` on ``statics`` and the static cached video ``past`` (and, on a text-cache hit,
+        the static text keys/values); the chunk's keys/values are an output of storing passes only. Outputs are
+        copied into ``memory``'s shared buffers inside the graph (a graph keeps none of its pool alive)."""
+        model, graph, s, memory = self.model, _Graph(), statics.inputs, self.memory
         graph.text_kv = text_static
 
         def body():
-            graph.pending = {}
-            graph.entry = {} if text_static is None else None
-            graph.out = model.chunk_stage(
-                s, lo, hi, num_text, statics.past, graph.text_kv, graph.pending, graph.entry, grid
-            )
+            pending = {} if store else None
+            entry = {} if text_static is None else None
+            out = model.chunk_stage(s, lo, hi, num_text, past, graph.text_kv, pending, entry, grid)
+            graph.out = memory.output_tree("out", out)
+            graph.pending = memory.output_kv("pending", pending)
+            graph.entry = memory.output_kv("entry", entry)
 
         self._record(graph, body)
         return graph
@@ -304,19 +287,9 @@ class ChunkGraphs:
         return x.is_cuda and torch.cuda.is_available()
 
     def _record(self, graph: _Graph, body) -> None:
-        """Warm ``body`` up on a side stream, capture it into a CUDA graph (sharing one memory pool), and make
-        ``graph.replay`` replay it. (tests/test_streaming.py swaps this for an eager replay to check the buffer
-        plumbing on a CPU.)"""
-        cuda_graph = torch.cuda.CUDAGraph()
-        side = capture_side_stream()  # one for the process: a fresh stream per capture leaves a cuBLAS workspace
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the capture (cuBLAS handles/workspaces, lazy initialisation)
-                body()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(cuda_graph, pool=self.pool):
-            body()
-        self.pool = cuda_graph.pool()
+        """Warm ``body`` up, capture it into a CUDA graph in ``memory``'s pool, and make ``graph.replay`` replay it.
+        (tests/test_streaming.py swaps this for an eager replay to check the buffer plumbing on a CPU.)"""
+        cuda_graph = self.memory.capture(body)
         graph.replay = cuda_graph.replay
         graph.cuda_graph = cuda_graph
 

@@ -20,6 +20,8 @@ Per chunk of ``K`` latent frames (``MMDiT.causal_chunk_frames``) at absolute lat
    chunk-wise decoding is exact. A temporally compressing one gets ``decode_overlap`` earlier latent frames as
    context and only the new chunk's pixel frames are kept: an approximation of the whole-video decode whose
    error shrinks with the overlap (the decoder's temporal receptive field is finite), not an identity.
+   With ``overlap_decode`` (default with CUDA graphs) chunk ``k`` is decoded on a side stream while the next chunk's
+   passes run, and handed out one chunk later (``DecodeAhead``); the frames are the same.
 
 Noise: sample ``i`` draws every chunk's noise (and re-noising) from its own CPU generator seeded with
 ``seeds[i]``, in order, so a sample's video does not depend on the batch it runs in.
@@ -30,7 +32,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -39,7 +41,8 @@ from opensora.diffusion.guidance import text_cfg
 from opensora.diffusion.sampling import timesteps_for_sampling, timesteps_from_list
 from opensora.inference.io import uint8_frames_on_device
 from opensora.inference.pipeline import _module_dtype, noise_from_generators
-from opensora.models.mmdit.causal_refill import MergedGraphs, capture_side_stream, refill_and_step
+from opensora.models.mmdit.causal_refill import MergedGraphs, refill_and_step
+from opensora.models.mmdit.graph_memory import GraphMemory
 from opensora.models.vae.base import video_num_frames
 
 ROLLOUTS = ("renoise", "euler")
@@ -89,16 +92,24 @@ class GraphedDecode:
     """``VideoSampler.decode`` (latents -> uint8 frames on the CPU) with the autoencoder and the uint8 conversion
     replayed as one CUDA graph per input shape (a stream has two: the first chunk, and later chunks with their
     decode context). The tiny autoencoders of the benchmarks launch hundreds of small kernels per chunk, which costs
-    more host time than the GPU needs. Falls back to ``fallback`` off the GPU or when a capture fails."""
+    more host time than the GPU needs. Falls back to ``fallback`` off the GPU or when a capture fails. The decode
+    graphs share one memory pool of their own (``GraphMemory``): they may run on a stream beside the chunk graphs."""
 
     def __init__(self, vae, dtype, fallback):
         self.vae, self.dtype, self.fallback = vae, dtype, fallback
         self.graphs: dict = {}
         self.failures: List[str] = []
+        self.memory = GraphMemory(lane="decode")  # may replay beside the chunk graphs (``DecodeAhead``)
 
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        frames = self.on_device(latents)
+        return self.fallback(latents) if frames is None else frames.cpu()
+
+    def on_device(self, latents: torch.Tensor) -> Optional[torch.Tensor]:
+        """The uint8 frames [B, F, H, W, 3] on the device, replayed on the current stream (a static buffer, valid
+        until the next replay on that stream); None where no graph runs (off the GPU, with grad, failed capture)."""
         if not (latents.is_cuda and torch.cuda.is_available()) or torch.is_grad_enabled():
-            return self.fallback(latents)
+            return None
         key = (tuple(latents.shape), latents.device)
         entry = self.graphs.get(key)
         if entry is None:
@@ -110,28 +121,67 @@ class GraphedDecode:
                 torch.cuda.synchronize()
                 self.graphs[key] = entry = False
         if entry is False:
-            return self.fallback(latents)
-        static_in, graph, static_out = entry
+            return None
+        static_in, replay, holder = entry
         static_in.copy_(latents)
-        graph.replay()
-        return static_out.cpu()
+        replay()
+        return holder["out"]
 
     def _capture(self, latents):
-        static_in = latents.to(self.dtype).clone()
+        static_in, holder = latents.to(self.dtype).clone(), {}
 
         def body():
-            return uint8_frames_on_device(self.vae.decode(static_in))
+            holder["out"] = uint8_frames_on_device(self.vae.decode(static_in))
 
-        side = capture_side_stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = body()
-        return static_in, graph, static_out
+        return static_in, self.memory.capture(body).replay, holder
+
+
+_DECODE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def decode_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The high-priority stream chunk decodes run on beside the chunk passes (one per device, for the process: cuBLAS
+    and cuDNN keep workspaces per stream). High priority: the decode of chunk k is on the first chunk's latency path,
+    the passes it overlaps are not."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DECODE_STREAMS:
+        _DECODE_STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
+    return _DECODE_STREAMS[index]
+
+
+class DecodeAhead:
+    """Decodes a chunk on ``decode_stream`` while the main stream goes on with the next chunk's passes.
+
+    ``launch(latents)``: the decode stream waits for the main stream's work so far (the chunk's last pass), decodes
+    (``decode_fn`` returns uint8 frames on the device: a decode graph or the eager autoencoder), copies the frames
+    into a fresh pinned host tensor without blocking and records an event; ``result(handle)`` waits for that event
+    and returns the host frames, final from then on. The latents are marked as used by the decode stream, so the
+    main stream cannot reuse their memory before the decode read them. Off the GPU it decodes at once (same frames).
+    """
+
+    def __init__(self, decoder: ChunkDecoder, device: torch.device):
+        self.decoder = decoder
+        self.stream = decode_stream(device) if device.type == "cuda" and torch.cuda.is_available() else None
+
+    def launch(self, latents: torch.Tensor):
+        if self.stream is None:
+            return self.decoder(latents), None
+        self.stream.wait_stream(torch.cuda.current_stream(latents.device))
+        latents.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            frames = self.decoder(latents)
+            host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+            host.copy_(frames, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return host, done
+
+    @staticmethod
+    def result(handle) -> torch.Tensor:
+        frames, done = handle
+        if done is not None:
+            done.synchronize()
+        return frames
 
 
 class StreamingGenerator:
@@ -159,7 +209,14 @@ class StreamingGenerator:
             ``None``: when ``cuda_graphs`` is on. Kept across videos.
         cuda_graphs: replay the chunk passes as CUDA graphs (``chunk_graphs.ChunkGraphs``: one graph per pass shape
             and step time, captured on first use and kept across videos). GPU only and with ``text_cache``; off the
-            GPU it is the eager path. Off by default: equal to eager within bf16 tolerance, not bitwise.
+            GPU it is the eager path. Off by default: equal to eager within bf16 tolerance, not bitwise. The chunk
+            graphs and the merged ones share one ``GraphMemory`` (pool, outputs, cached video), so the memory they
+            hold does not grow with the number of graphs a long video adds.
+        overlap_decode: decode chunk ``k`` on a high-priority side stream (``DecodeAhead``) while the main stream
+            runs chunk ``k``'s refill and chunk ``k + 1``'s passes; chunk ``k`` is handed out once its frames are on
+            the host, after chunk ``k + 1``'s work was enqueued (one chunk of look-ahead). Frames and latents are
+            bit-identical to the serial order. ``None``: on with ``cuda_graphs`` on a GPU (eager passes are
+            host-bound: enqueueing a chunk ahead would delay the first chunk by its launch time).
     """
 
     def __init__(
@@ -177,6 +234,7 @@ class StreamingGenerator:
         cuda_graphs: bool = False,
         merge_refill: bool = False,
         decode_graphs: Optional[bool] = None,
+        overlap_decode: Optional[bool] = None,
     ):
         model = sampler.model
         if not getattr(model, "causal_chunk_frames", 0):
@@ -196,6 +254,7 @@ class StreamingGenerator:
         self.decode_overlap = decode_overlap
         self.text_cache = bool(text_cache)
         self.merge_refill = bool(merge_refill)
+        self.overlap_decode = overlap_decode
         decode_graphs = cuda_graphs if decode_graphs is None else decode_graphs
         self.decode_graphs = None
         if decode_graphs and not getattr(sampler, "offload", False):  # an offloaded autoencoder moves: no graphs
@@ -206,8 +265,29 @@ class StreamingGenerator:
         if cuda_graphs:
             from opensora.inference.chunk_graphs import ChunkGraphs
 
-            self.cuda_graphs = ChunkGraphs(model)
-            self.merged_graphs = MergedGraphs(model) if merge_refill else None
+            self.cuda_graphs = ChunkGraphs(model, GraphMemory())
+            self.merged_graphs = MergedGraphs(model, self.cuda_graphs.memory) if merge_refill else None
+
+    def overlaps_decode(self, device: torch.device) -> bool:
+        """Whether ``stream`` decodes a chunk ahead on a side stream (``overlap_decode``; None: with CUDA graphs on a
+        GPU). Never with an offloaded autoencoder (it moves between host and device around each decode)."""
+        if getattr(self.sampler, "offload", False):
+            return False
+        if self.overlap_decode is not None:
+            return bool(self.overlap_decode)
+        return self.cuda_graphs is not None and device.type == "cuda"
+
+    def device_decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> uint8 frames on the device (the decode graph where one runs, else the eager autoencoder): the
+        same operations as ``VideoSampler.decode`` without its copy to the host."""
+        frames = self.decode_graphs.on_device(latents) if self.decode_graphs is not None else None
+        if frames is None:
+            vae = self.sampler.vae
+            with torch.no_grad():
+                frames = uint8_frames_on_device(
+                    vae.decode(latents.to(self.sampler.device, _module_dtype(vae, self.sampler.dtype)))
+                )
+        return frames
 
     def schedule(self, latent_size: Sequence[int]) -> List[float]:
         """Times of one chunk, the final 0 included (host floats: the loop never reads a device value)."""
@@ -309,6 +389,22 @@ class StreamingGenerator:
 
         starts = list(range(0, total, self.chunk_frames))
         waiting = None  # a finished chunk whose refill is merged into the next chunk's first pass
+        ahead = None
+        if decoder is not None and self.overlaps_decode(device):
+            if device.type == "cuda":
+                decoder.decode_fn = self.device_decode
+            ahead = DecodeAhead(decoder, device)
+        held = None  # look-ahead: the chunk being decoded while the next one's passes are enqueued
+
+        def hand_out(index, start, x, pixels, stats):
+            nonlocal clock
+            if ahead is not None:
+                pixels = ahead.result(pixels)
+            now = time.perf_counter()
+            chunk = StreamChunk(index, start, x, pixels, now - clock, *stats)
+            clock = now
+            return chunk
+
         with torch.no_grad():
             for index, start in enumerate(starts):
                 frames = min(self.chunk_frames, total - start)
@@ -329,19 +425,16 @@ class StreamingGenerator:
                         x = x0 if t_next == 0 else fm.add_noise(x0, noise(frames), t_next)
                 if index + 1 < len(starts):  # refilled after this chunk is handed out (no chunk reads the last)
                     waiting = x if self.context_time == 0 else fm.add_noise(x, noise(frames), self.context_time)
-                pixels = decoder(x) if decoder is not None else None
-                now = time.perf_counter()
-                yield StreamChunk(
-                    index,
-                    start,
-                    x,
-                    pixels,
-                    now - clock,
-                    cache.num_frames,
-                    cache.nbytes,
-                    text_cache.nbytes if text_cache is not None else 0,
-                )
-                clock = now
+                stats = (cache.num_frames, cache.nbytes, text_cache.nbytes if text_cache is not None else 0)
+                if ahead is None:
+                    yield hand_out(index, start, x, decoder(x) if decoder is not None else None, stats)
+                    continue
+                launched = (index, start, x, ahead.launch(x), stats)
+                if held is not None:  # this chunk's passes are enqueued: hand out the previous one
+                    yield hand_out(*held)
+                held = launched
+            if held is not None:
+                yield hand_out(*held)
 
     def generate(self, prompts, seeds, num_frames, height, width) -> torch.Tensor:
         """The whole video, uint8 [B, T, H, W, 3] (the chunks of ``stream`` concatenated)."""

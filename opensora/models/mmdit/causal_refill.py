@@ -32,6 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .causal import KVCache, TextKVCache, joint_attention_mask
+from .graph_memory import GraphMemory, StaticPast
 
 
 def _rows(a: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -185,40 +186,21 @@ def merged_body(model, inputs: Dict[str, Optional[torch.Tensor]], num_text: int,
     return unpatchify(out[rows:], grid, model.patch_size), pending, entries
 
 
-_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
-
-
-def capture_side_stream() -> "torch.cuda.Stream":
-    """The side stream every CUDA-graph warm-up of the streaming sampler runs on (one per device, for the process).
-    cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it ever ran on, until the process ends, so a fresh
-    stream per capture leaves ~33 MiB of allocated memory behind each time (up to the 32 streams of PyTorch's pool)."""
-    index = torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream()
-    return _SIDE_STREAMS[index]
-
-
-class _Past:
-    def __init__(self, keys: List[torch.Tensor], values: List[torch.Tensor]):
-        self.keys, self.values, self.num_blocks = keys, values, len(keys)
-
-    def block(self, index: int):
-        return self.keys[index], self.values[index]
-
-
 class MergedGraphs:
     """CUDA graphs of the merged pass (``merged_body``), one per input shape and text-cache state (the first merged
-    pass of a video runs the text rows: its context time is not cached yet), kept across videos: the inputs, the cached
-    video and the text keys/values are copied into static buffers before each replay and the outputs (velocity, the
-    finished chunk's keys/values, new text entries) cloned out after it. A shape whose capture fails runs eagerly
-    from then on (``failures``)."""
+    pass of a video runs the text rows: its context time is not cached yet), kept across videos: the inputs and the
+    text keys/values are copied into static buffers before each replay, the cached video into the shared buffers of
+    ``memory`` (``GraphMemory``: pass the ``ChunkGraphs``' one so both share the pool, the outputs and the cached
+    video), and the outputs (velocity, the finished chunk's keys/values, new text entries), written into shared
+    buffers inside the graph, are cloned out after it. A shape whose capture fails runs eagerly from then on
+    (``failures``)."""
 
-    def __init__(self, model):
+    def __init__(self, model, memory: Optional[GraphMemory] = None):
         self.model = model
+        self.memory = memory if memory is not None else GraphMemory()
         self.graphs: Dict[tuple, object] = {}
         self.failures: List[str] = []
         self.captures = self.replays = 0
-        self.pool = None
 
     @staticmethod
     def usable(x: torch.Tensor) -> bool:
@@ -230,9 +212,10 @@ class MergedGraphs:
         text_shape = None if text_kv is None else tuple(text_kv[0][0].shape)
         key += (None if past_k is None else tuple(past_k.shape), text_shape, num_text, inputs["x"].device)
         entry = self.graphs.get(key)
+        past = self.memory.past(cache) if entry is not False else None
         if entry is None:
             try:
-                entry = self.graphs[key] = self._capture(inputs, num_text, cache, text_kv)
+                entry = self.graphs[key] = self._capture(inputs, num_text, past, text_kv)
                 self.captures += 1
             except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
                 self.failures.append(f"{type(error).__name__}: {error}")
@@ -241,14 +224,10 @@ class MergedGraphs:
                 entry = self.graphs[key] = False
         if entry is False:
             return merged_body(self.model, inputs, num_text, cache, text_kv)
-        static, past, text, replay, holder = entry
+        static, text, replay, holder = entry
         for name, t in inputs.items():
             if t is not None:
                 static[name].copy_(t)
-        if past is not None:
-            for i in range(cache.num_blocks):
-                past.keys[i].copy_(cache.keys[i])
-                past.values[i].copy_(cache.values[i])
         for (dk, dv), (sk, sv) in zip(text or (), text_kv or ()):
             dk.copy_(sk)
             dv.copy_(sv)
@@ -258,35 +237,25 @@ class MergedGraphs:
         copy = lambda kv: {i: (k.clone(), v.clone()) for i, (k, v) in kv.items()}  # noqa: E731
         return velocity.clone(), copy(pending), None if entries is None else tuple(copy(e) for e in entries)
 
-    def _capture(self, inputs, num_text: int, cache: KVCache, text_kv):
+    def _capture(self, inputs, num_text: int, past: StaticPast, text_kv):
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
         static = {name: clone(t) for name, t in inputs.items()}
-        past = None
-        if cache.keys[0] is not None:
-            past = _Past([clone(k) for k in cache.keys], [clone(v) for v in cache.values])
-        held = past if past is not None else _Past([None] * cache.num_blocks, [None] * cache.num_blocks)
-        text = None if text_kv is None else [(clone(k), clone(v)) for k, v in text_kv]
-        holder = {}
+        holder, memory = {}, self.memory
+        # reloaded before every replay: one set of buffers for all merged graphs (not 2 x the text cache per graph)
+        text = None if text_kv is None else list(memory.output_kv("merged-text", dict(enumerate(text_kv))).values())
 
         def body():
-            holder["out"] = merged_body(self.model, static, num_text, held, text)
+            velocity, pending, entries = merged_body(self.model, static, num_text, past, text)
+            if entries is not None:
+                entries = tuple(memory.output_kv(f"merged-entry{j}", e) for j, e in enumerate(entries))
+            holder["out"] = (memory.output("merged-out", velocity), memory.output_kv("pending", pending), entries)
 
-        return static, past, text, self._record(body), holder
+        return static, text, self._record(body), holder
 
     def _record(self, body):
-        """Warm ``body`` up on a side stream, capture it (one memory pool for all shapes); returns the replay
-        function. (tests/test_causal_refill.py swaps this for an eager replay to check the plumbing on a CPU.)"""
-        side = capture_side_stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the capture (cuBLAS handles, lazy initialisation)
-                body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            body()
-        self.pool = graph.pool()
-        return graph.replay
+        """Warm ``body`` up and capture it in ``memory``'s pool; returns the replay function.
+        (tests/test_causal_refill.py swaps this for an eager replay to check the plumbing on a CPU.)"""
+        return self.memory.capture(body).replay
 
     @property
     def summary(self) -> dict:
