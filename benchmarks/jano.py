@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import json
 import math
 import statistics
@@ -585,6 +586,125 @@ def floors(schedule, traffic, device_ms_per_level, bandwidth) -> dict:
 OFFLOAD_SCHEDULE = [REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM, REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM]
 
 
+class CountingBackend:
+    """The backend verbs of the offload managers at no cost (meta tensors, copies not run), counting each CUDA
+    call they stand for: the host-side cost of a manager is its Python time here plus these calls."""
+
+    def __init__(self):
+        self.calls = {}
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def new_stream(self):
+        return object()
+
+    def current_stream(self):
+        return None
+
+    def use_stream(self, stream):
+        self._count("set_stream")
+        return contextlib.nullcontext()
+
+    def new_event(self):
+        self._count("new_event")
+        return object()
+
+    def record(self, event, stream):
+        self._count("record")
+
+    def wait(self, stream, event):
+        self._count("wait")
+
+    def done(self, event):
+        self._count("query")
+        return True
+
+    def pinned_empty(self, shape, dtype):
+        return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+    def device_empty(self, numel, dtype):
+        return torch.empty(numel, dtype=dtype, device="meta")
+
+    def copy(self, dst, src):
+        self._count("copy")
+
+    def synchronize(self, stream):
+        pass
+
+
+def host_managers():
+    """Name -> manager factory (given a backend) for the host-cost simulation."""
+    from opensora.inference.offload import PackedOffloadManager
+
+    return {
+        "offload (packed)": lambda b: PackedOffloadManager(backend=b),
+        "offload_packed_32MiBx4": lambda b: PackedOffloadManager(slot_bytes=32 * 2**20, slots=4, backend=b),
+        "offload_slots": lambda b: OffloadManager(backend=b),
+        "offload_v1": lambda b: OffloadManager(backend=b, reuse_slots=False),
+    }
+
+
+def part_host(model, inputs, plan, args, repeats: int = 20) -> dict:
+    """Host cost of each manager at the benchmark's entry counts: the store / prefetch / fetch / release calls that
+    RegionForward and JanoCache make over OFFLOAD_SCHEDULE, driven without a model, on a counting backend. Reports
+    Python microseconds per step and CUDA calls per step (each costs the host a few microseconds on a real GPU)."""
+    schedule = OFFLOAD_SCHEDULE
+    layers = len(model.double_blocks) + len(model.single_blocks)
+    rows, heads = inputs["x"].shape[0], model.num_heads
+    head_dim, dtype = model.hidden_size // heads, model.img_in.weight.dtype
+    features = model.final_layer.linear.out_features
+    k1, k2, n = plan.k_active, plan.k_medium, plan.num_tokens
+    shapes = {}
+    for part, count in (("m", k2 - k1), ("s", n - k2)):
+        for layer in range(layers):
+            shapes[f"{part}_kv_{layer}"] = (2, rows, heads, count, head_dim)
+        shapes[f"{part}_x"] = (rows, count, features)
+    sources = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape in shapes.items()}
+    names = [f"kv_{layer}" for layer in range(layers)] + ["x"]
+
+    def trajectory(store):
+        store.clear()
+        for key, shape in shapes.items():
+            store.reserve(key, shape, dtype)
+        for i, level in enumerate(schedule):
+            following = schedule[i + 1] if i + 1 < len(schedule) else None
+            medium = jano.medium_read_later(lambda j: schedule[j], i, len(schedule))
+            if level in (ACTIVE, MEDIUM):
+                store.begin_fetch_step(plan.entry_keys(layers, level))
+            for name in names:
+                if level == REFRESH:
+                    store.store_async(sources[f"m_{name}"], f"m_{name}")
+                    store.store_async(sources[f"s_{name}"], f"s_{name}")
+                    continue
+                if level == MEDIUM and medium:
+                    store.store_async(sources[f"m_{name}"], f"m_{name}")
+                keys = plan.reads(level, name)
+                for key in keys:
+                    store.fetch(key)
+                for key in keys:
+                    store.release(key)
+            store.flush()
+            if following in (ACTIVE, MEDIUM):
+                store.begin_fetch_step(plan.entry_keys(layers, following))
+                store.hint_upcoming([])
+
+    out = {}
+    for name, make in host_managers().items():
+        backend = CountingBackend()
+        store = make(backend)
+        trajectory(store)  # warm-up: layout, plans, views
+        backend.calls.clear()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            trajectory(store)
+        seconds = time.perf_counter() - t0
+        steps = repeats * len(schedule)
+        calls = {k: v / steps for k, v in sorted(backend.calls.items())}
+        out[name] = dict(python_us_per_step=seconds / steps * 1e6, cuda_calls_per_step=calls)
+    return dict(schedule=schedule, entries=len(shapes), managers=out)
+
+
 def offload_variants(device) -> dict:
     """Name -> (store factory, whether unread medium entries are stored anyway). ``offload`` is what --jano-offload
     runs; ``offload_v1`` is the manager as first measured (no slot reuse, every medium entry stored)."""
@@ -765,6 +885,18 @@ def summary(result: dict) -> list:
             f"{tiny['kernels']} tiny kernels: alone {tiny['alone_ms']:.2f} ms, next to H2D {tiny['with_h2d_ms']:.2f} ms, "
             f"next to D2H {tiny['with_d2h_ms']:.2f} ms"
         )
+    host = result.get("host")
+    if host:
+        lines.append(
+            f"host cost of the cache calls over schedule {''.join(str(v) for v in host['schedule'])} "
+            f"({host['entries']} entries; counting backend, no GPU work)"
+        )
+        for name, row in host["managers"].items():
+            calls = row["cuda_calls_per_step"]
+            lines.append(
+                f"  {name:24s} Python {row['python_us_per_step']:7.0f} us/step, CUDA calls/step "
+                f"{sum(calls.values()):5.0f} (" + ", ".join(f"{k} {v:.0f}" for k, v in calls.items()) + ")"
+            )
     offload = result.get("offload")
     if offload:
         lines.append("(c) offload: fixed schedule " + "".join(str(level) for level in offload["schedule"]))
@@ -849,10 +981,12 @@ def main(argv=None) -> dict:
         result["quality"] = part_quality(args)
     if "offload" in parts or "bandwidth" in parts:
         result["bandwidth"] = part_bandwidth(args)
-    if parts & {"levels", "offload"}:
+    if parts & {"levels", "offload", "host"}:
         model, inputs, plan = build_big(args)
         if "levels" in parts:
             result["levels"] = part_levels(model, inputs, plan, args)
+        if "offload" in parts or "host" in parts:
+            result["host"] = part_host(model, inputs, plan, args)
         if "offload" in parts:
             result["offload"] = part_offload(model, inputs, plan, args, result.get("bandwidth"))
     result["seconds"] = time.perf_counter() - started

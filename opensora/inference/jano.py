@@ -274,6 +274,7 @@ class RegionForward:
         out = m.final_layer(tokens[:, n_txt:], vec)
         if level != FULL:
             out = self._outputs(level, plan, store, out, store_medium)
+            store.flush()  # a store that batches its copies issues this step's last ones now
         return unpatchify(out, grid, m.patch_size)
 
     @staticmethod
