@@ -7,9 +7,12 @@
     FLOPs ratio (counted per call) and wall-clock ratio (median of timed generations after a warm-up);
 (b) the 1B MMDiT shape (random weights; 2304 video + 512 text tokens, CFG batch of 2 rows): CUDA-event time of one
     forward at each step level, with fixed regions (active / medium / static fractions);
-(c) offload: a fixed level schedule (one refresh, then cached steps) with the caches on the GPU, in the dual-stream
-    OffloadManager, static-only offload, and a naive synchronous .cpu()/.to(); GPU memory held by the caches, and a
-    torch.profiler trace summarised as the fraction of copy time that overlaps compute kernels.
+(c) offload: a fixed level schedule (one refresh, then cached steps) with the caches on the GPU, in the packed
+    dual-stream PackedOffloadManager (--jano-offload; a few slot sizes), static-only offload, the earlier per-entry
+    slot-ring OffloadManager, and a naive synchronous .cpu()/.to(); GPU memory held by the caches, and a
+    torch.profiler trace summarised as the fraction of copy time that overlaps compute kernels; with it (or alone,
+    --parts host, which needs no GPU) the host cost of each manager: its Python time and CUDA calls per step over the
+    same schedule, driven on a counting backend without a model.
 
   python benchmarks/jano.py --config configs/diffusion/train/moving_shapes_gpu.py --ckpt CKPT_DIR --out OUT.json
   python benchmarks/jano.py --smoke          # CPU: tiny random model, parts (a)-(c) without timings that matter
@@ -35,9 +38,10 @@ import torch
 
 from opensora.inference import jano
 from opensora.inference.jano import ACTIVE, FULL, MEDIUM, REFRESH, JanoCache, JanoConfig
-from opensora.inference.offload import DeviceStore, OffloadManager, make_store
+from opensora.inference.offload import DeviceStore, OffloadManager, PackedOffloadManager, make_store
 
 CUDA = torch.cuda.is_available()
+MANAGERS = (OffloadManager, PackedOffloadManager)
 LEVEL_NAMES = {FULL: "L0 full", REFRESH: "L3 full+refresh", MEDIUM: "L2 active+medium", ACTIVE: "L1 active"}
 
 
@@ -178,7 +182,7 @@ def part_quality(args) -> dict:
             total = sum(counts[k][0] for k in counts)
             row["region_fractions"] = {k: statistics.mean(counts[k]) / total for k in counts}
             row["computed_fraction_l1_l2"] = [accelerator.plan.k_active / total, accelerator.plan.k_medium / total]
-            if isinstance(accelerator.store, OffloadManager):
+            if isinstance(accelerator.store, MANAGERS):
                 row["offload_stats"] = dict(accelerator.store.stats)
         if name == "jano_r8_m3_d0":
             jano_videos = videos
@@ -635,8 +639,6 @@ class CountingBackend:
 
 def host_managers():
     """Name -> manager factory (given a backend) for the host-cost simulation."""
-    from opensora.inference.offload import PackedOffloadManager
-
     return {
         "offload (packed)": lambda b: PackedOffloadManager(backend=b),
         "offload_packed_32MiBx4": lambda b: PackedOffloadManager(slot_bytes=32 * 2**20, slots=4, backend=b),
@@ -707,7 +709,8 @@ def part_host(model, inputs, plan, args, repeats: int = 20) -> dict:
 
 def offload_variants(device) -> dict:
     """Name -> (store factory, whether unread medium entries are stored anyway). ``offload`` is what --jano-offload
-    runs; ``offload_v1`` is the manager as first measured (no slot reuse, every medium entry stored)."""
+    runs (PackedOffloadManager: 3 slots of 64 MiB); ``offload_slots`` the per-entry slot-ring OffloadManager it
+    replaced; ``offload_v1`` that manager as first measured (no slot reuse, every medium entry stored)."""
     variants = {
         "device": (lambda: make_store("device", device), False),
         "naive": (lambda: make_store("naive", device), False),
@@ -716,13 +719,11 @@ def offload_variants(device) -> dict:
         variants.update(
             {
                 "offload": (lambda: make_store("offload", device), False),
-                "offload_v1": (lambda: OffloadManager(device, reuse_slots=False), True),
-                "offload_ring4": (lambda: OffloadManager(device, ring_size=4), False),
-                "offload_ring16": (lambda: OffloadManager(device, ring_size=16), False),
-                "offload_ring32": (lambda: OffloadManager(device, ring_size=32), False),
+                "offload_packed_32MiBx4": (lambda: PackedOffloadManager(device, 32 * 2**20, 4), False),
+                "offload_packed_128MiBx2": (lambda: PackedOffloadManager(device, 128 * 2**20, 2), False),
                 "offload_static": (lambda: make_store("offload_static", device), False),
-                "offload_slot_per_entry": (lambda: OffloadManager(device, ring_size=None), False),
-                "offload_one_stream": (lambda: OffloadManager(device, separate_store_stream=False), False),
+                "offload_slots": (lambda: make_store("offload_slots", device), False),
+                "offload_v1": (lambda: OffloadManager(device, reuse_slots=False), True),
             }
         )
     return variants
@@ -731,7 +732,7 @@ def offload_variants(device) -> dict:
 def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
     schedule = OFFLOAD_SCHEDULE
     device = inputs["x"].device
-    profiled = {"offload", "offload_v1", "offload_slot_per_entry"}
+    profiled = {"offload", "offload_v1"}
     results, outputs = {}, {}
     forward = jano.RegionForward(model)
     layers = forward.num_layers
@@ -788,13 +789,15 @@ def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
                 for level, start, end in zip(schedule, marks[:-1], marks[1:]):
                     per_level.setdefault(LEVEL_NAMES[level], []).append(start.elapsed_time(end))
                 results[kind]["ms_per_level"] = {k: statistics.median(v) for k, v in per_level.items()}
-            manager = store if isinstance(store, OffloadManager) else getattr(store, "offload", None)
-            if isinstance(manager, OffloadManager):
+            manager = store if isinstance(store, MANAGERS) else getattr(store, "offload", None)
+            if isinstance(manager, MANAGERS):
                 runs = 1 + args.offload_repeats
                 results[kind]["host_bytes"] = manager.host_bytes()
                 results[kind]["stats"] = dict(manager.stats)
                 results[kind]["ring_size"] = manager.ring_size
-                for name in ("h2d_bytes", "d2h_bytes", "slot_hits"):
+                for name in ("h2d_bytes", "d2h_bytes", "slot_hits", "h2d_copies", "d2h_copies"):
+                    if name not in manager.stats:
+                        continue
                     done = manager.stats[name] - stats_before.get(name, 0)
                     results[kind][f"{name}_per_step"] = done / runs / len(schedule)
             if kind in profiled and CUDA:
@@ -928,6 +931,11 @@ def summary(result: dict) -> list:
                 lines.append(
                     f"    bytes/step H2D {row['h2d_bytes_per_step'] / 1e6:.0f} MB, D2H "
                     f"{row['d2h_bytes_per_step'] / 1e6:.0f} MB, slot hits/step {row['slot_hits_per_step']:.1f}"
+                    + (
+                        f", copies/step H2D {row['h2d_copies_per_step']:.0f} D2H {row['d2h_copies_per_step']:.0f}"
+                        if "h2d_copies_per_step" in row
+                        else ""
+                    )
                 )
             gaps = profile.get("compute_gaps")
             if gaps:
