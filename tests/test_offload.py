@@ -472,3 +472,21 @@ def test_packed_matches_the_device_store_inside_the_jano_sampler():
     sampler.accelerator = JanoCache(config, store=om)
     assert torch.equal(denoise(sampler, batch, steps=12), reference)
     assert om.stats["chunks"] > 0 and om.stats["sync_fetches"] == 0 and om.stats["flushes"] > 1
+
+
+def test_packed_odd_sizes_and_an_entry_larger_than_a_slot():
+    om, _ = packed(slot_bytes=100, slots=2)
+    values = {
+        "a": torch.randn(3),
+        "b": torch.randn(3, dtype=torch.float64),
+        "big": torch.randn(50),
+        "c": torch.randn(1),
+    }
+    for key, value in values.items():
+        om.store_async(value, key)
+    for _ in range(2):
+        om.begin_fetch_step(list(values))
+        for key, value in values.items():
+            torch.testing.assert_close(om.fetch(key), value)
+            om.release(key)
+    assert om.device_bytes() == 2 * 256 and om.stats["sync_fetches"] == 0

@@ -560,6 +560,11 @@ class PackedOffloadManager:
       on one stream); a flush waits on the newest prefetch, so it never overwrites a block range still being read.
 
     GPU memory held: ``slots`` x ``slot_bytes`` (more when one entry is larger than a slot: the slot grows to it).
+
+    Args:
+        device: the compute device. slot_bytes: target size of a chunk (and of a staging slot). slots: staging slots
+        (chunks in flight: 2 double-buffers, 3 lets the copies run two chunks ahead). flush_bytes: store batch size.
+        backend: ``CudaBackend(device)`` by default (tests pass a fake).
     """
 
     def __init__(
@@ -567,7 +572,7 @@ class PackedOffloadManager:
         device="cuda",
         slot_bytes: int = 64 * 2**20,
         slots: int = 3,
-        flush_bytes: int = 32 * 2**20,
+        flush_bytes: int = 64 * 2**20,
         backend=None,
     ):
         if slots < 1 or slot_bytes < 1:
@@ -765,7 +770,7 @@ class PackedOffloadManager:
             return
         if self._ring is not None and (self._pending or self._queued or self._held):
             raise RuntimeError("an entry outgrew the staging slots while prefetches are outstanding")
-        self._ring_slot_bytes = max(self.slot_bytes, need)
+        self._ring_slot_bytes = -(-max(self.slot_bytes, need) // _ALIGN) * _ALIGN  # every slot starts aligned
         self._ring = self.backend.device_empty(self.slots * self._ring_slot_bytes, torch.uint8)
         self._free = deque(range(self.slots))
         self._slot_released.clear()
