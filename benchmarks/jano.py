@@ -249,15 +249,16 @@ def build_big(args):
     return model, inputs, jano.RegionPlan.from_classes(classes.to(device))
 
 
-def run_level(forward, store, plan, inputs, level, following=None, store_medium=True, upcoming=()):
+def run_level(forward, store, plan, inputs, level, following=None, store_medium=True, upcoming=tuple):
     """One forward at ``level``; like JanoCache, queue the ``following`` step's prefetches right after it (and hint
-    the keys of the steps after that)."""
+    the keys of the steps after that, ``upcoming()``, to a store that uses hints)."""
     if level in (ACTIVE, MEDIUM):
         store.begin_fetch_step(plan.entry_keys(forward.num_layers, level))
     out = forward(level, **inputs, plan=plan, store=store, store_medium=store_medium)
     if following in (ACTIVE, MEDIUM):
         store.begin_fetch_step(plan.entry_keys(forward.num_layers, following))
-        store.hint_upcoming(list(upcoming))
+        if getattr(store, "wants_hints", False):
+            store.hint_upcoming(list(upcoming()))
     return out
 
 
@@ -763,7 +764,7 @@ def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
                         marks[-1].record()
                     following = schedule[i + 1] if i + 1 < len(schedule) else None
                     medium = store_all_medium or jano.medium_read_later(lambda j: schedule[j], i, len(schedule))
-                    outs.append(run_level(forward, store, plan, inputs, level, following, medium, upcoming(i)))
+                    outs.append(run_level(forward, store, plan, inputs, level, following, medium, lambda: upcoming(i)))
                 if CUDA:
                     marks.append(torch.cuda.Event(enable_timing=True))
                     marks[-1].record()

@@ -429,6 +429,8 @@ def test_medium_entries_that_no_level_one_step_reads_are_not_stored(monkeypatch)
     ]
 
     class Counting(DeviceStore):
+        wants_hints = True
+
         def __init__(self):
             super().__init__()
             self.keys = []
@@ -460,4 +462,4 @@ def test_medium_entries_that_no_level_one_step_reads_are_not_stored(monkeypatch)
     # after each step that queues the next one's prefetches, the store hears the keys of the steps after it (up to
     # two, stopping at a refresh): after step 3 those of step 5 (level 2; step 6 refreshes), after step 6 step 8's
     layers = cache._forward.num_layers
-    assert store.hints == [cache.plan.entry_keys(layers, 2), [], cache.plan.entry_keys(layers, 1), [], []]
+    assert store.hints == [list(cache.plan.entry_keys(layers, 2)), [], list(cache.plan.entry_keys(layers, 1)), [], []]

@@ -45,7 +45,7 @@ the spec: ``{s|m}_kv_{layer}`` (keys and values stacked, [2, rows, heads, tokens
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +136,7 @@ class RegionPlan:
     order: torch.Tensor  # [R, N] long
     k_active: int
     k_medium: int
+    _entry_keys: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_classes(
@@ -165,12 +166,15 @@ class RegionPlan:
     def computed(self, level: int) -> int:
         return {ACTIVE: self.k_active, MEDIUM: self.k_medium}.get(level, self.num_tokens)
 
-    def entry_keys(self, layers: int, level: int) -> List[str]:
-        """Entries a level-1/2 step reads, in reading order (``begin_fetch_step``'s argument)."""
-        keys = []
-        for layer in range(layers):
-            keys += self.reads(level, f"kv_{layer}")
-        return keys + self.reads(level, "x")
+    def entry_keys(self, layers: int, level: int) -> Tuple[str, ...]:
+        """Entries a level-1/2 step reads, in reading order (``begin_fetch_step``'s argument; made once per level)."""
+        keys = self._entry_keys.get((layers, level))
+        if keys is None:
+            keys = []
+            for layer in range(layers):
+                keys += self.reads(level, f"kv_{layer}")
+            keys = self._entry_keys[(layers, level)] = tuple(keys + self.reads(level, "x"))
+        return keys
 
     def reads(self, level: int, name: str) -> List[str]:
         """Entries of cache ``name`` (``kv_{layer}`` or ``x``) a level-1/2 step reads: medium (level 1), static."""
@@ -489,7 +493,8 @@ class JanoCache(_Accelerator):
             # Queue the next step's prefetches now: the first ring slots fill while this step's tail still computes
             # (this step's stores were queued before them, and each key's prefetch waits for its store).
             self.store.begin_fetch_step(self.plan.entry_keys(self._forward.num_layers, following))
-            self.store.hint_upcoming(self._keys_after(self.step))  # the steps after the queued one
+            if getattr(self.store, "wants_hints", False):  # the steps after the queued one
+                self.store.hint_upcoming(self._keys_after(self.step))
         return out
 
     def _keys_after(self, step: int, steps: int = 2) -> List[str]:

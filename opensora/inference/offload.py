@@ -43,6 +43,8 @@ import torch
 class DeviceStore:
     """Entries stay where they were produced (the on-GPU cache every offload is measured against)."""
 
+    wants_hints = False  # whether hint_upcoming does anything (callers skip building the keys otherwise)
+
     def __init__(self):
         self._entries: Dict[str, torch.Tensor] = {}
 
@@ -200,6 +202,10 @@ class OffloadManager:
         self.stats = dict(
             pinned_allocations=0, stores=0, prefetches=0, sync_fetches=0, slot_hits=0, h2d_bytes=0, d2h_bytes=0
         )
+
+    @property
+    def wants_hints(self) -> bool:
+        return self.reuse_slots
 
     # ---- storage --------------------------------------------------------------------------------------------
     def reserve(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> None:
@@ -465,6 +471,10 @@ class SplitStore:
 
     def __init__(self, device_store, offload_store, resident):
         self.device, self.offload, self.resident = device_store, offload_store, resident
+
+    @property
+    def wants_hints(self) -> bool:
+        return getattr(self.offload, "wants_hints", False)
 
     def _route(self, key: str):
         return self.device if self.resident(key) else self.offload
@@ -801,6 +811,8 @@ class PackedOffloadManager:
             for key in chunk.keys:
                 queued[key] = entry
         self._issue_pending()
+
+    wants_hints = False
 
     def hint_upcoming(self, keys: Iterable[str]) -> None:
         """Accepted for the store interface; staging slots are not a cache here."""
