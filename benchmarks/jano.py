@@ -269,6 +269,7 @@ def reserve(forward, store, plan, model, inputs):
         for layer in range(forward.num_layers):
             store.reserve(f"{part}_kv_{layer}", (2, rows, heads, count, head_dim), dtype)
         store.reserve(f"{part}_x", (rows, count, model.final_layer.linear.out_features), dtype)
+    store.allocate()
 
 
 def part_levels(model, inputs, plan, args) -> dict:

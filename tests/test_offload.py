@@ -444,6 +444,8 @@ def test_packed_block_allocated_once_across_trajectories():
         om.clear()
         for key, shape in shapes.items():
             om.reserve(key, shape, torch.float32)
+        om.allocate()  # what JanoCache does after its reserves: no pinned allocation once sampling stores
+        assert fake.pinned_allocations == 1
         for key, shape in shapes.items():
             om.store_async(torch.randn(shape), key)
         om.begin_fetch_step(l1_keys(4))

@@ -569,6 +569,7 @@ class JanoCache(_Accelerator):
             for layer in range(self._forward.num_layers):
                 self.store.reserve(f"{part}_kv_{layer}", (2, rows, heads, count, head_dim), dtype)
             self.store.reserve(f"{part}_x", (rows, count, features), dtype)
+        self.store.allocate()
 
 
 class StepCache(_Accelerator):

@@ -69,6 +69,9 @@ class DeviceStore:
     def flush(self) -> None:
         """Issue any batched stores now (stores that batch them: ``PackedOffloadManager``)."""
 
+    def allocate(self) -> None:
+        """After the reserves: allocate what they announced (stores that defer it: ``PackedOffloadManager``)."""
+
     def clear(self) -> None:
         self._entries.clear()
 
@@ -419,6 +422,9 @@ class OffloadManager:
     def flush(self) -> None:
         """Stores are issued at once here: nothing to flush."""
 
+    def allocate(self) -> None:
+        """Pinned buffers are allocated by ``reserve`` here."""
+
     def synchronize(self) -> None:
         self.backend.synchronize(self.store_stream)
         self.backend.synchronize(self.data_stream)
@@ -499,6 +505,9 @@ class SplitStore:
 
     def flush(self) -> None:
         self.offload.flush()
+
+    def allocate(self) -> None:
+        self.offload.allocate()
 
     def clear(self) -> None:
         self.device.clear()
@@ -662,6 +671,11 @@ class PackedOffloadManager:
         self._pinned.pop(key, None)
         self._stored.discard(key)
         self._plans.clear()
+
+    def allocate(self) -> None:
+        """Make the pinned block for the entries reserved so far now (callers do this after their reserves, before
+        sampling reads or writes anything; otherwise the first store does it)."""
+        self._ensure_block()
 
     def _ensure_block(self) -> None:
         if self._block is not None and self._block.numel() < self._used and not self._block_holds_values:
