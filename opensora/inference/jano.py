@@ -37,7 +37,8 @@ model's output bit for bit (tests/test_jano.py).
 
 The region-cached forward (``RegionForward``) drives the MMDiT's own submodules with a token subset (RoPE rows
 gathered per row) and the blocks' ``kv_hook`` seam; the model has no branch for it. Cache entries go through a
-store (offload.py): on the device, the dual-stream ``OffloadManager``, or a naive synchronous offload. Keys follow
+store (offload.py): on the device, the dual-stream ``PackedOffloadManager`` (``--jano-offload``), or a naive synchronous
+offload. Keys follow
 the spec: ``{s|m}_kv_{layer}`` (keys and values stacked, [2, rows, heads, tokens, head_dim]) and ``{s|m}_x``
 (final-layer outputs, [rows, tokens, patch features]).
 """
@@ -75,7 +76,7 @@ class JanoConfig:
     dilation: int = 1  # grow dynamic regions by this many tokens in (h, w)
     batch_quantile: float = 1.0  # token counts over rows: 1 = the largest (exact superset); see RegionPlan
     share_branches: bool = True  # the guidance branches of a sample share its regions (Jano: one mask)
-    store: str = "device"  # device | offload (OffloadManager) | offload_static | naive (sync .cpu()/.to())
+    store: str = "device"  # device | offload (PackedOffloadManager) | offload_slots | offload_static | naive
 
     def __post_init__(self):
         if self.warmup_steps < 2:

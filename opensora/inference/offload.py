@@ -1,13 +1,17 @@
-"""Cache stores for inference caches (Jano region cache): on the device, a naive synchronous CPU offload, and the
-dual-stream prefetching ``OffloadManager`` (spec: seeds/jano_offload_manager.md).
+"""Cache stores for inference caches (Jano region cache): on the device, a naive synchronous CPU offload, and two
+dual-stream prefetching managers (spec: seeds/jano_offload_manager.md): ``PackedOffloadManager`` (what
+``--jano-offload`` runs: one pinned block, chunked prefetch, batched stores; built for the least host time per step,
+see its docstring) and ``OffloadManager`` below (one pinned buffer and one copy + events per entry, a staging-slot
+cache keyed by entry version; measured 2026-11-23 to cost far more host time than the region forward can spare).
 
-All three answer the same verbs, keyed by strings, so a cache policy never knows where its tensors live:
+All of them answer the same verbs, keyed by strings, so a cache policy never knows where its tensors live:
 
 * ``reserve(key, shape, dtype)``: announce an entry before sampling (the offload manager allocates its pinned CPU
   buffer here, once; a later ``reserve`` with the same shape and dtype reuses it).
 * ``store_async(tensor, key)``: keep ``tensor`` (a fresh tensor the caller will not modify) as entry ``key``.
 * ``begin_fetch_step(keys)``: the entries the next forward will read, in the order it reads them.
 * ``fetch(key)``: the entry on the device; ``release(key)``: the caller is done reading the fetched tensor.
+* ``allocate()`` after the reserves, ``flush()`` at the end of a step that stored (no-ops where not needed).
 
 ``OffloadManager`` keeps every entry in one pinned CPU buffer. ``store_async`` copies device -> pinned on a side
 stream (after waiting for the compute stream that produced the tensor; by default a store stream apart from the
