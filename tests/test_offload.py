@@ -1,6 +1,7 @@
 """OffloadManager bookkeeping on the CPU (a recording fake of the CUDA calls), and on the GPU against the device cache."""
 
 import weakref
+from collections import deque
 from contextlib import contextmanager
 
 import pytest
@@ -492,3 +493,94 @@ def test_packed_odd_sizes_and_an_entry_larger_than_a_slot():
             torch.testing.assert_close(om.fetch(key), value)
             om.release(key)
     assert om.device_bytes() == 2 * 256 and om.stats["sync_fetches"] == 0
+
+
+class SimBackend(FakeBackend):
+    """Side streams that really run late: copies on the data / store streams are queued and run at random later
+    moments, in stream order, each stream held at its waits until the awaited event's work has run; the compute
+    stream runs at once (it is the CPU model), and its waits run the awaited work first. A missing wait in a manager
+    shows up as a stale or half-written value in the sampler's output."""
+
+    def __init__(self, seed):
+        super().__init__()
+        import random
+
+        self.random, self.lag = random.Random(seed), 0.2
+        self.queues = {}  # stream -> deque of ("copy", dst, src) / ("wait", stream, position)
+        self.ran = {}  # stream -> ops run
+
+    def new_stream(self):
+        stream = super().new_stream()
+        self.queues[stream], self.ran[stream] = deque(), 0
+        return stream
+
+    def _queued(self, stream):
+        return self.ran.get(stream, 0) + len(self.queues.get(stream, ()))
+
+    def record(self, event, stream):
+        super().record(event, stream)
+        event.position = self._queued(stream)
+        self._progress()
+
+    def wait(self, stream, event):
+        super().wait(stream, event)
+        if stream is self.compute:
+            self._run_until(event.stream, event.position)
+        else:  # what the wait sees is the event's last record at this moment (as cudaStreamWaitEvent)
+            self.queues[stream].append(("wait", event.stream, event.position))
+        self._progress()
+
+    def done(self, event):
+        return event.stream is self.compute or self.ran[event.stream] >= event.position
+
+    def copy(self, dst, src):
+        self.log.append(("copy", self.active.name))
+        if self.active is self.compute:
+            dst.copy_(src)
+        else:
+            self.queues[self.active].append(("copy", dst, src))
+        self._progress()
+
+    def synchronize(self, stream):
+        self._run_until(stream, self._queued(stream))
+
+    def _run_until(self, stream, position):
+        if stream is self.compute:
+            return
+        while self.ran[stream] < position:
+            self._step(stream)
+
+    def _step(self, stream):
+        op = self.queues[stream][0]
+        if op[0] == "wait":
+            self._run_until(op[1], op[2])
+        else:
+            op[1].copy_(op[2])
+        self.queues[stream].popleft()
+        self.ran[stream] += 1
+
+    def _progress(self):
+        for stream, queue in self.queues.items():
+            if queue and self.random.random() < self.lag:  # now and then one op of each side stream
+                self._step(stream)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kind", ["packed", "slots"])
+def test_managers_match_the_device_store_with_side_streams_that_run_late(kind, seed):
+    from test_jano import denoise, inputs, sampler_for, tiny_model
+
+    from opensora.inference.jano import JanoCache, JanoConfig
+
+    model, batch = tiny_model(), inputs()
+    config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)
+    sampler = sampler_for(model)
+    sampler.accelerator = JanoCache(config, store=DeviceStore())
+    reference = denoise(sampler, batch, steps=12)
+    backend = SimBackend(seed)
+    if kind == "packed":
+        store = PackedOffloadManager(slot_bytes=2048, slots=2, flush_bytes=4096, backend=backend)
+    else:
+        store = OffloadManager(ring_size=2, backend=backend)
+    sampler.accelerator = JanoCache(config, store=store)
+    assert torch.equal(denoise(sampler, batch, steps=12), reference)
