@@ -7,9 +7,12 @@
     FLOPs ratio (counted per call) and wall-clock ratio (median of timed generations after a warm-up);
 (b) the 1B MMDiT shape (random weights; 2304 video + 512 text tokens, CFG batch of 2 rows): CUDA-event time of one
     forward at each step level, with fixed regions (active / medium / static fractions);
-(c) offload: a fixed level schedule (one refresh, then cached steps) with the caches on the GPU, in the dual-stream
-    OffloadManager, static-only offload, and a naive synchronous .cpu()/.to(); GPU memory held by the caches, and a
-    torch.profiler trace summarised as the fraction of copy time that overlaps compute kernels.
+(c) offload: a fixed level schedule (one refresh, then cached steps) with the caches on the GPU, in the packed
+    dual-stream PackedOffloadManager (--jano-offload; a few slot sizes), static-only offload, the earlier per-entry
+    slot-ring OffloadManager, and a naive synchronous .cpu()/.to(); GPU memory held by the caches, and a
+    torch.profiler trace summarised as the fraction of copy time that overlaps compute kernels; with it (or alone,
+    --parts host, which needs no GPU) the host cost of each manager: its Python time and CUDA calls per step over the
+    same schedule, driven on a counting backend without a model.
 
   python benchmarks/jano.py --config configs/diffusion/train/moving_shapes_gpu.py --ckpt CKPT_DIR --out OUT.json
   python benchmarks/jano.py --smoke          # CPU: tiny random model, parts (a)-(c) without timings that matter
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import json
 import math
 import statistics
@@ -34,9 +38,10 @@ import torch
 
 from opensora.inference import jano
 from opensora.inference.jano import ACTIVE, FULL, MEDIUM, REFRESH, JanoCache, JanoConfig
-from opensora.inference.offload import DeviceStore, OffloadManager, make_store
+from opensora.inference.offload import DeviceStore, OffloadManager, PackedOffloadManager, make_store
 
 CUDA = torch.cuda.is_available()
+MANAGERS = (OffloadManager, PackedOffloadManager)
 LEVEL_NAMES = {FULL: "L0 full", REFRESH: "L3 full+refresh", MEDIUM: "L2 active+medium", ACTIVE: "L1 active"}
 
 
@@ -177,7 +182,7 @@ def part_quality(args) -> dict:
             total = sum(counts[k][0] for k in counts)
             row["region_fractions"] = {k: statistics.mean(counts[k]) / total for k in counts}
             row["computed_fraction_l1_l2"] = [accelerator.plan.k_active / total, accelerator.plan.k_medium / total]
-            if isinstance(accelerator.store, OffloadManager):
+            if isinstance(accelerator.store, MANAGERS):
                 row["offload_stats"] = dict(accelerator.store.stats)
         if name == "jano_r8_m3_d0":
             jano_videos = videos
@@ -244,15 +249,16 @@ def build_big(args):
     return model, inputs, jano.RegionPlan.from_classes(classes.to(device))
 
 
-def run_level(forward, store, plan, inputs, level, following=None, store_medium=True, upcoming=()):
+def run_level(forward, store, plan, inputs, level, following=None, store_medium=True, upcoming=tuple):
     """One forward at ``level``; like JanoCache, queue the ``following`` step's prefetches right after it (and hint
-    the keys of the steps after that)."""
+    the keys of the steps after that, ``upcoming()``, to a store that uses hints)."""
     if level in (ACTIVE, MEDIUM):
         store.begin_fetch_step(plan.entry_keys(forward.num_layers, level))
     out = forward(level, **inputs, plan=plan, store=store, store_medium=store_medium)
     if following in (ACTIVE, MEDIUM):
         store.begin_fetch_step(plan.entry_keys(forward.num_layers, following))
-        store.hint_upcoming(list(upcoming))
+        if getattr(store, "wants_hints", False):
+            store.hint_upcoming(list(upcoming()))
     return out
 
 
@@ -263,6 +269,7 @@ def reserve(forward, store, plan, model, inputs):
         for layer in range(forward.num_layers):
             store.reserve(f"{part}_kv_{layer}", (2, rows, heads, count, head_dim), dtype)
         store.reserve(f"{part}_x", (rows, count, model.final_layer.linear.out_features), dtype)
+    store.allocate()
 
 
 def part_levels(model, inputs, plan, args) -> dict:
@@ -585,9 +592,127 @@ def floors(schedule, traffic, device_ms_per_level, bandwidth) -> dict:
 OFFLOAD_SCHEDULE = [REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM, REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM]
 
 
+class CountingBackend:
+    """The backend verbs of the offload managers at no cost (meta tensors, copies not run), counting each CUDA
+    call they stand for: the host-side cost of a manager is its Python time here plus these calls."""
+
+    def __init__(self):
+        self.calls = {}
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def new_stream(self):
+        return object()
+
+    def current_stream(self):
+        return None
+
+    def use_stream(self, stream):
+        self._count("set_stream")
+        return contextlib.nullcontext()
+
+    def new_event(self):
+        self._count("new_event")
+        return object()
+
+    def record(self, event, stream):
+        self._count("record")
+
+    def wait(self, stream, event):
+        self._count("wait")
+
+    def done(self, event):
+        self._count("query")
+        return True
+
+    def pinned_empty(self, shape, dtype):
+        return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+    def device_empty(self, numel, dtype):
+        return torch.empty(numel, dtype=dtype, device="meta")
+
+    def copy(self, dst, src):
+        self._count("copy")
+
+    def synchronize(self, stream):
+        pass
+
+
+def host_managers():
+    """Name -> manager factory (given a backend) for the host-cost simulation."""
+    return {
+        "offload (packed)": lambda b: PackedOffloadManager(backend=b),
+        "offload_packed_32MiBx4": lambda b: PackedOffloadManager(slot_bytes=32 * 2**20, slots=4, backend=b),
+        "offload_slots": lambda b: OffloadManager(backend=b),
+        "offload_v1": lambda b: OffloadManager(backend=b, reuse_slots=False),
+    }
+
+
+def part_host(model, inputs, plan, args, repeats: int = 20) -> dict:
+    """Host cost of each manager at the benchmark's entry counts: the store / prefetch / fetch / release calls that
+    RegionForward and JanoCache make over OFFLOAD_SCHEDULE, driven without a model, on a counting backend. Reports
+    Python microseconds per step and CUDA calls per step (each costs the host a few microseconds on a real GPU)."""
+    schedule = OFFLOAD_SCHEDULE
+    layers = len(model.double_blocks) + len(model.single_blocks)
+    rows, heads = inputs["x"].shape[0], model.num_heads
+    head_dim, dtype = model.hidden_size // heads, model.img_in.weight.dtype
+    features = model.final_layer.linear.out_features
+    k1, k2, n = plan.k_active, plan.k_medium, plan.num_tokens
+    shapes = {}
+    for part, count in (("m", k2 - k1), ("s", n - k2)):
+        for layer in range(layers):
+            shapes[f"{part}_kv_{layer}"] = (2, rows, heads, count, head_dim)
+        shapes[f"{part}_x"] = (rows, count, features)
+    sources = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape in shapes.items()}
+    names = [f"kv_{layer}" for layer in range(layers)] + ["x"]
+
+    def trajectory(store):
+        store.clear()
+        for key, shape in shapes.items():
+            store.reserve(key, shape, dtype)
+        for i, level in enumerate(schedule):
+            following = schedule[i + 1] if i + 1 < len(schedule) else None
+            medium = jano.medium_read_later(lambda j: schedule[j], i, len(schedule))
+            if level in (ACTIVE, MEDIUM):
+                store.begin_fetch_step(plan.entry_keys(layers, level))
+            for name in names:
+                if level == REFRESH:
+                    store.store_async(sources[f"m_{name}"], f"m_{name}")
+                    store.store_async(sources[f"s_{name}"], f"s_{name}")
+                    continue
+                if level == MEDIUM and medium:
+                    store.store_async(sources[f"m_{name}"], f"m_{name}")
+                keys = plan.reads(level, name)
+                for key in keys:
+                    store.fetch(key)
+                for key in keys:
+                    store.release(key)
+            store.flush()
+            if following in (ACTIVE, MEDIUM):
+                store.begin_fetch_step(plan.entry_keys(layers, following))
+                store.hint_upcoming([])
+
+    out = {}
+    for name, make in host_managers().items():
+        backend = CountingBackend()
+        store = make(backend)
+        trajectory(store)  # warm-up: layout, plans, views
+        backend.calls.clear()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            trajectory(store)
+        seconds = time.perf_counter() - t0
+        steps = repeats * len(schedule)
+        calls = {k: v / steps for k, v in sorted(backend.calls.items())}
+        out[name] = dict(python_us_per_step=seconds / steps * 1e6, cuda_calls_per_step=calls)
+    return dict(schedule=schedule, entries=len(shapes), managers=out)
+
+
 def offload_variants(device) -> dict:
     """Name -> (store factory, whether unread medium entries are stored anyway). ``offload`` is what --jano-offload
-    runs; ``offload_v1`` is the manager as first measured (no slot reuse, every medium entry stored)."""
+    runs (PackedOffloadManager: 3 slots of 64 MiB); ``offload_slots`` the per-entry slot-ring OffloadManager it
+    replaced; ``offload_v1`` that manager as first measured (no slot reuse, every medium entry stored)."""
     variants = {
         "device": (lambda: make_store("device", device), False),
         "naive": (lambda: make_store("naive", device), False),
@@ -596,13 +721,11 @@ def offload_variants(device) -> dict:
         variants.update(
             {
                 "offload": (lambda: make_store("offload", device), False),
-                "offload_v1": (lambda: OffloadManager(device, reuse_slots=False), True),
-                "offload_ring4": (lambda: OffloadManager(device, ring_size=4), False),
-                "offload_ring16": (lambda: OffloadManager(device, ring_size=16), False),
-                "offload_ring32": (lambda: OffloadManager(device, ring_size=32), False),
+                "offload_packed_32MiBx4": (lambda: PackedOffloadManager(device, 32 * 2**20, 4), False),
+                "offload_packed_128MiBx2": (lambda: PackedOffloadManager(device, 128 * 2**20, 2), False),
                 "offload_static": (lambda: make_store("offload_static", device), False),
-                "offload_slot_per_entry": (lambda: OffloadManager(device, ring_size=None), False),
-                "offload_one_stream": (lambda: OffloadManager(device, separate_store_stream=False), False),
+                "offload_slots": (lambda: make_store("offload_slots", device), False),
+                "offload_v1": (lambda: OffloadManager(device, reuse_slots=False), True),
             }
         )
     return variants
@@ -611,7 +734,7 @@ def offload_variants(device) -> dict:
 def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
     schedule = OFFLOAD_SCHEDULE
     device = inputs["x"].device
-    profiled = {"offload", "offload_v1", "offload_slot_per_entry"}
+    profiled = {"offload", "offload_v1"}
     results, outputs = {}, {}
     forward = jano.RegionForward(model)
     layers = forward.num_layers
@@ -625,6 +748,7 @@ def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
                 keys += plan.entry_keys(layers, level)
         return keys
 
+    trajectories = {}  # kind -> its trajectory, for the paired runs below
     with torch.no_grad():
         for kind, (make, store_all_medium) in offload_variants(device).items():
             store = make()
@@ -642,13 +766,15 @@ def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
                         marks[-1].record()
                     following = schedule[i + 1] if i + 1 < len(schedule) else None
                     medium = store_all_medium or jano.medium_read_later(lambda j: schedule[j], i, len(schedule))
-                    outs.append(run_level(forward, store, plan, inputs, level, following, medium, upcoming(i)))
+                    outs.append(run_level(forward, store, plan, inputs, level, following, medium, lambda: upcoming(i)))
                 if CUDA:
                     marks.append(torch.cuda.Event(enable_timing=True))
                     marks[-1].record()
                 host.append(time.perf_counter() - t0)
                 return outs
 
+            if kind in ("device", "offload"):
+                trajectories[kind] = trajectory
             if CUDA:
                 torch.cuda.reset_peak_memory_stats()
             stats_before = dict(getattr(store, "stats", {}) or {})
@@ -668,13 +794,15 @@ def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
                 for level, start, end in zip(schedule, marks[:-1], marks[1:]):
                     per_level.setdefault(LEVEL_NAMES[level], []).append(start.elapsed_time(end))
                 results[kind]["ms_per_level"] = {k: statistics.median(v) for k, v in per_level.items()}
-            manager = store if isinstance(store, OffloadManager) else getattr(store, "offload", None)
-            if isinstance(manager, OffloadManager):
+            manager = store if isinstance(store, MANAGERS) else getattr(store, "offload", None)
+            if isinstance(manager, MANAGERS):
                 runs = 1 + args.offload_repeats
                 results[kind]["host_bytes"] = manager.host_bytes()
                 results[kind]["stats"] = dict(manager.stats)
                 results[kind]["ring_size"] = manager.ring_size
-                for name in ("h2d_bytes", "d2h_bytes", "slot_hits"):
+                for name in ("h2d_bytes", "d2h_bytes", "slot_hits", "h2d_copies", "d2h_copies"):
+                    if name not in manager.stats:
+                        continue
                     done = manager.stats[name] - stats_before.get(name, 0)
                     results[kind][f"{name}_per_step"] = done / runs / len(schedule)
             if kind in profiled and CUDA:
@@ -696,12 +824,30 @@ def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
                         with gzip.open(trace / f"trace_{kind}.json.gz", "wt") as f:
                             f.write(Path(path).read_text())
             del store
+        paired = None
+        if CUDA and len(trajectories) == 2:
+            # The host of the lent machines drifts by ~10% over seconds: alternate the two trajectories and take the
+            # median of the per-pair ratios, which the drift mostly cancels out of.
+            device_ms, offload_ms = [], []
+            for _ in range(args.paired_repeats):
+                for kind, times in (("device", device_ms), ("offload", offload_ms)):
+                    seconds, _, _ = timed(trajectories[kind], 1, warmup=0)
+                    times.append(seconds * 1000 / len(schedule))
+            paired = dict(
+                pairs=args.paired_repeats,
+                device_ms_per_step=statistics.median(device_ms),
+                offload_ms_per_step=statistics.median(offload_ms),
+                slowdown=statistics.median(o / d for o, d in zip(offload_ms, device_ms)) - 1,
+                device_ms_all=device_ms,
+                offload_ms_all=offload_ms,
+            )
+        trajectories.clear()
     base = results["device"]["ms_per_step"]
     for kind, row in results.items():
         row["slowdown_vs_device"] = row["ms_per_step"] / base - 1
         row["output_equal_to_device"] = bool(torch.equal(outputs[kind], outputs["device"]))
     sizes = entry_bytes(model, inputs, plan)
-    out = dict(schedule=schedule, stores=results, cache_bytes=sum(sizes.values()))
+    out = dict(schedule=schedule, stores=results, cache_bytes=sum(sizes.values()), paired=paired)
     if bandwidth and "ms_per_level" in results["device"]:
         out["floor"] = floors(
             schedule, level_traffic(schedule, plan, layers, sizes), results["device"]["ms_per_level"], bandwidth
@@ -765,6 +911,18 @@ def summary(result: dict) -> list:
             f"{tiny['kernels']} tiny kernels: alone {tiny['alone_ms']:.2f} ms, next to H2D {tiny['with_h2d_ms']:.2f} ms, "
             f"next to D2H {tiny['with_d2h_ms']:.2f} ms"
         )
+    host = result.get("host")
+    if host:
+        lines.append(
+            f"host cost of the cache calls over schedule {''.join(str(v) for v in host['schedule'])} "
+            f"({host['entries']} entries; counting backend, no GPU work)"
+        )
+        for name, row in host["managers"].items():
+            calls = row["cuda_calls_per_step"]
+            lines.append(
+                f"  {name:24s} Python {row['python_us_per_step']:7.0f} us/step, CUDA calls/step "
+                f"{sum(calls.values()):5.0f} (" + ", ".join(f"{k} {v:.0f}" for k, v in calls.items()) + ")"
+            )
     offload = result.get("offload")
     if offload:
         lines.append("(c) offload: fixed schedule " + "".join(str(level) for level in offload["schedule"]))
@@ -796,6 +954,11 @@ def summary(result: dict) -> list:
                 lines.append(
                     f"    bytes/step H2D {row['h2d_bytes_per_step'] / 1e6:.0f} MB, D2H "
                     f"{row['d2h_bytes_per_step'] / 1e6:.0f} MB, slot hits/step {row['slot_hits_per_step']:.1f}"
+                    + (
+                        f", copies/step H2D {row['h2d_copies_per_step']:.0f} D2H {row['d2h_copies_per_step']:.0f}"
+                        if "h2d_copies_per_step" in row
+                        else ""
+                    )
                 )
             gaps = profile.get("compute_gaps")
             if gaps:
@@ -806,10 +969,20 @@ def summary(result: dict) -> list:
                     f"{gaps['compute_span_us'] / 1e3:.1f} ms; copies on the compute stream "
                     f"{gaps['compute_stream_copies']}"
                 )
+        paired = offload.get("paired")
+        if paired:
+            lines.append(
+                f"  paired (device and offload alternated, {paired['pairs']} pairs): device "
+                f"{paired['device_ms_per_step']:.2f} ms/step, offload {paired['offload_ms_per_step']:.2f} ms/step, "
+                f"median ratio {paired['slowdown']:+.1%}"
+            )
         if "offload" in offload["stores"]:
             slow = offload["stores"]["offload"]["slowdown_vs_device"]
+            if paired:
+                slow = paired["slowdown"]
             checks.append(
-                f"offload <= 3% slower than on-GPU caches: {'PASS' if slow <= 0.03 else 'FAIL'} ({slow:+.1%})"
+                f"offload <= 3% slower than on-GPU caches{' (paired)' if paired else ''}: "
+                f"{'PASS' if slow <= 0.03 else 'FAIL'} ({slow:+.1%})"
             )
     return lines + ["goals:"] + ["  " + c for c in checks]
 
@@ -829,6 +1002,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per method in (a)")
     parser.add_argument("--level-repeats", type=int, default=10)
     parser.add_argument("--offload-repeats", type=int, default=5)
+    parser.add_argument("--paired-repeats", type=int, default=10, help="(c): alternated device / offload trajectories")
     parser.add_argument("--active", type=float, default=0.2, help="(b)/(c): fraction of active tokens")
     parser.add_argument("--medium", type=float, default=0.3, help="(b)/(c): fraction of medium tokens")
     parser.add_argument("--parts", default="quality,levels,offload")
@@ -841,7 +1015,7 @@ def main(argv=None) -> dict:
     if args.smoke:
         args.config = "configs/diffusion/train/demo.py"
         args.num_steps, args.num_prompts, args.repeats = 6, args.num_prompts or 4, 1
-        args.level_repeats, args.offload_repeats = 1, 1
+        args.level_repeats, args.offload_repeats, args.paired_repeats = 1, 1, 1
     parts = set(args.parts.split(","))
     result = dict(device=torch.cuda.get_device_name() if CUDA else "cpu", torch=torch.__version__)
     started = time.perf_counter()
@@ -849,10 +1023,12 @@ def main(argv=None) -> dict:
         result["quality"] = part_quality(args)
     if "offload" in parts or "bandwidth" in parts:
         result["bandwidth"] = part_bandwidth(args)
-    if parts & {"levels", "offload"}:
+    if parts & {"levels", "offload", "host"}:
         model, inputs, plan = build_big(args)
         if "levels" in parts:
             result["levels"] = part_levels(model, inputs, plan, args)
+        if "offload" in parts or "host" in parts:
+            result["host"] = part_host(model, inputs, plan, args)
         if "offload" in parts:
             result["offload"] = part_offload(model, inputs, plan, args, result.get("bandwidth"))
     result["seconds"] = time.perf_counter() - started

@@ -18,7 +18,7 @@ from opensora.inference.jano import (
     region_forward_flops,
     step_levels,
 )
-from opensora.inference.offload import DeviceStore, NaiveOffload, OffloadManager
+from opensora.inference.offload import DeviceStore, NaiveOffload, OffloadManager, PackedOffloadManager
 from opensora.inference.pipeline import PreparedCondition, VideoSampler
 from opensora.models.mmdit import MMDiT, mmdit_config, mmdit_forward_flops
 
@@ -219,7 +219,9 @@ def test_step_cache_baseline():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("store", ["offload", "offload_all_slots", "offload_v1", "naive"])
+@pytest.mark.parametrize(
+    "store", ["offload", "offload_one_chunk", "offload_slots", "offload_all_slots", "offload_v1", "naive"]
+)
 def test_offloaded_caches_equal_the_on_gpu_cache(store):
     model = tiny_model().cuda().to(torch.bfloat16)
     batch = {k: v.cuda() if v is not None else None for k, v in inputs().items()}
@@ -228,7 +230,10 @@ def test_offloaded_caches_equal_the_on_gpu_cache(store):
     sampler.accelerator = JanoCache(config, store=DeviceStore())
     on_gpu = denoise(sampler, batch, steps=12)
     other = {
-        "offload": lambda: OffloadManager("cuda", ring_size=2),
+        # several chunks per step, several store batches per refresh (the tiny entries are a few KiB)
+        "offload": lambda: PackedOffloadManager("cuda", slot_bytes=8 * 1024, slots=2, flush_bytes=16 * 1024),
+        "offload_one_chunk": lambda: PackedOffloadManager("cuda"),  # defaults: a whole step in one chunk
+        "offload_slots": lambda: OffloadManager("cuda", ring_size=2),
         "offload_all_slots": lambda: OffloadManager("cuda", ring_size=None),  # unchanged entries reuse their slot
         "offload_v1": lambda: OffloadManager("cuda", ring_size=2, reuse_slots=False),
         "naive": lambda: NaiveOffload("cuda"),
@@ -240,6 +245,8 @@ def test_offloaded_caches_equal_the_on_gpu_cache(store):
         assert other.stats["sync_fetches"] == 0 and other.inflight() == 0
     if store == "offload_all_slots":
         assert other.stats["slot_hits"] > 0
+    if store == "offload":
+        assert other.stats["chunks"] > 1 and other.stats["flushes"] > 1
 
 
 def test_cli_jano_settings_are_the_config_fields():
@@ -422,6 +429,8 @@ def test_medium_entries_that_no_level_one_step_reads_are_not_stored(monkeypatch)
     ]
 
     class Counting(DeviceStore):
+        wants_hints = True
+
         def __init__(self):
             super().__init__()
             self.keys = []
@@ -453,4 +462,4 @@ def test_medium_entries_that_no_level_one_step_reads_are_not_stored(monkeypatch)
     # after each step that queues the next one's prefetches, the store hears the keys of the steps after it (up to
     # two, stopping at a refresh): after step 3 those of step 5 (level 2; step 6 refreshes), after step 6 step 8's
     layers = cache._forward.num_layers
-    assert store.hints == [cache.plan.entry_keys(layers, 2), [], cache.plan.entry_keys(layers, 1), [], []]
+    assert store.hints == [list(cache.plan.entry_keys(layers, 2)), [], list(cache.plan.entry_keys(layers, 1)), [], []]

@@ -1,12 +1,13 @@
 """OffloadManager bookkeeping on the CPU (a recording fake of the CUDA calls), and on the GPU against the device cache."""
 
 import weakref
+from collections import deque
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-from opensora.inference.offload import DeviceStore, NaiveOffload, OffloadManager, SplitStore
+from opensora.inference.offload import DeviceStore, NaiveOffload, OffloadManager, PackedOffloadManager, SplitStore
 
 
 class FakeStream:
@@ -47,7 +48,7 @@ class FakeBackend:
         return self.events[-1]
 
     def record(self, event, stream):
-        event.stream = stream
+        event.stream, event.complete = stream, False  # re-recording an event makes it pending again
         self.log.append(("record", event.number, stream.name))
 
     def wait(self, stream, event):
@@ -168,10 +169,17 @@ def test_stores_agree():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_offload_manager_round_trip_on_gpu_under_concurrent_compute():
+@pytest.mark.parametrize("kind", ["packed", "slots"])
+def test_offload_manager_round_trip_on_gpu_under_concurrent_compute(kind):
     torch.manual_seed(0)
-    om = OffloadManager("cuda", ring_size=3)
-    values = {f"k{i}": torch.randn(64, 1024, device="cuda") for i in range(6)}
+    entry = 64 * 1024 * 4
+    if kind == "packed":  # chunks of 3 entries in 2 slots, stores in batches of 2
+        om = PackedOffloadManager("cuda", slot_bytes=3 * entry, slots=2, flush_bytes=2 * entry)
+    else:
+        om = OffloadManager("cuda", ring_size=3)
+    values = {f"k{i}": torch.randn(64, 1024, device="cuda") for i in range(8)}
+    for key, value in values.items():
+        om.reserve(key, value.shape, value.dtype)
     for key, value in values.items():
         om.store_async(value * 1, key)  # a temporary: only the manager keeps it alive
     om.begin_fetch_step(list(values))
@@ -182,6 +190,8 @@ def test_offload_manager_round_trip_on_gpu_under_concurrent_compute():
         om.release(key)
     om.synchronize()
     assert om.stats["sync_fetches"] == 0 and om.inflight() == 0
+    if kind == "packed":  # adjacent entries of a chunk cross in one copy
+        assert om.stats["h2d_copies"] < len(values)
 
 
 def test_a_store_after_a_prefetch_of_the_same_key_waits_for_that_read():
@@ -306,3 +316,271 @@ def test_stores_count_bytes_both_ways():
     om.store_async(torch.randn(3), "b")
     _read(om, ["a", "b"])
     assert om.stats["d2h_bytes"] == 44 and om.stats["h2d_bytes"] == 44
+
+
+# ---- PackedOffloadManager ---------------------------------------------------------------------------------------
+def packed(**kwargs):
+    backend = FakeBackend()
+    return PackedOffloadManager(backend=backend, **kwargs), backend
+
+
+def jano_like_entries(layers=4, m_tokens=3, s_tokens=5):
+    """Entries laid out as JanoCache reserves them: every medium entry, then every static one."""
+    shapes = {}
+    for part, tokens in (("m", m_tokens), ("s", s_tokens)):
+        for layer in range(layers):
+            shapes[f"{part}_kv_{layer}"] = (2, 2, 2, tokens, 4)
+        shapes[f"{part}_x"] = (2, tokens, 8)
+    return shapes
+
+
+def l1_keys(layers):
+    return [k for layer in range(layers) for k in (f"m_kv_{layer}", f"s_kv_{layer}")] + ["m_x", "s_x"]
+
+
+def test_packed_round_trip_merges_adjacent_entries_into_one_copy_per_run():
+    shapes = jano_like_entries()
+    entry = 2 * 2 * 2 * 5 * 4 * 4  # bytes of an s_kv entry (float32)
+    om, fake = packed(slot_bytes=4 * entry, slots=2, flush_bytes=1 << 30)
+    for key, shape in shapes.items():
+        om.reserve(key, shape, torch.float32)
+    values = {key: torch.randn(shape) for key, shape in shapes.items()}
+    for key, value in values.items():
+        om.store_async(value.clone(), key)
+    assert fake.pinned_allocations == 0 and om.stats["flushes"] == 0  # batched: nothing issued yet
+    keys = l1_keys(4)
+    om.begin_fetch_step(keys)
+    assert fake.pinned_allocations == 1 and om.stats["flushes"] == 1 and om.stats["d2h_copies"] == len(values)
+    chunks = om._plan(tuple(keys))
+    # every chunk's medium entries are adjacent in the block, and so are its static ones: two copies per chunk
+    for chunk in chunks:
+        kinds = {key[0] for key in chunk.keys}
+        assert len(chunk.runs) == len(kinds)
+    for key in keys:
+        torch.testing.assert_close(om.fetch(key), values[key])
+        om.release(key)
+    assert om.stats["sync_fetches"] == 0
+    assert om.stats["h2d_copies"] == sum(len(chunk.runs) for chunk in chunks) < len(keys)
+    assert om.stats["chunks"] == len(chunks) > 2  # the ring (2 slots) was refilled as chunks were released
+
+
+def test_packed_events_order_stores_prefetches_and_slot_reuse():
+    om, fake = packed(slot_bytes=64, slots=1, flush_bytes=1 << 30)
+    a, b = torch.randn(16), torch.randn(16)  # 64 bytes each: one entry per chunk
+    om.store_async(a.clone(), "a")
+    om.store_async(b.clone(), "b")
+    om.begin_fetch_step(["a", "b"])
+    flush_done = om._inflight[-1][1]
+    log = fake.log
+    # the flush waited for the compute stream, and the prefetch for the flush, before copying
+    assert log[:2] == [("record", 0, "compute"), ("wait", "store", 0)]
+    assert ("wait", "data", flush_done.number) in log
+    assert log.index(("wait", "data", flush_done.number)) < log.index(("copy", "data"))
+    assert len(om._pending) == 1  # one slot: "b" waits for "a" to be released
+    fetched = om.fetch("a")
+    ready = om._held["a"][0].event
+    assert log[-1] == ("wait", "compute", ready.number)
+    torch.testing.assert_close(fetched, a)
+    fake.log.clear()
+    om.release("a")
+    released = fake.log[0]
+    assert released[0] == "record" and released[2] == "compute"
+    assert fake.log[1] == ("wait", "data", released[1])  # the refill of the slot waits for the release
+    torch.testing.assert_close(om.fetch("b"), b)
+    om.release("b")
+
+
+def test_packed_store_waits_for_the_newest_prefetch_and_keeps_its_sources_alive():
+    import weakref
+
+    om, fake = packed(slot_bytes=1 << 20, slots=2, flush_bytes=1 << 30)
+    om.store_async(torch.randn(8), "k")
+    om.begin_fetch_step(["k"])
+    ready = om._queued["k"].event
+    om.fetch("k")
+    om.release("k")
+    om.synchronize()
+    fake.log.clear()
+    source = torch.randn(8)
+    alive = weakref.ref(source)
+    om.store_async(source, "k")
+    del source
+    assert alive() is not None and om.inflight() == 1
+    om.flush()
+    assert ("wait", "store", ready.number) in fake.log
+    assert fake.log.index(("wait", "store", ready.number)) < fake.log.index(("copy", "store"))
+    assert alive() is not None  # the copy is not known to be complete
+    om.synchronize()
+    assert alive() is None and om.inflight() == 0
+
+
+def test_packed_queueing_a_step_twice_is_a_no_op_and_fallback_fetches_are_exact():
+    om, fake = packed(slot_bytes=64, slots=1)
+    values = {k: torch.randn(16) for k in "abc"}
+    for key, value in values.items():
+        om.store_async(value, key)
+    om.begin_fetch_step(["a", "b", "c"])
+    issued = om.stats["chunks"]
+    om.begin_fetch_step(["a", "b", "c"])
+    assert om.stats["chunks"] == issued and len(om._pending) == 2
+    # out of order: "c" is queued behind a full ring, so it is copied now; its chunk is dropped once released
+    torch.testing.assert_close(om.fetch("c"), values["c"])
+    om.release("c")
+    assert om.stats["sync_fetches"] == 1 and len(om._pending) == 1
+    for key in "ab":
+        torch.testing.assert_close(om.fetch(key), values[key])
+        om.release(key)
+    assert not om._pending and not om._queued and om.stats["chunks"] == 2
+    # never queued at all: a synchronous fetch too
+    torch.testing.assert_close(om.fetch("b"), values["b"])
+    om.release("b")
+    with pytest.raises(KeyError):
+        om.begin_fetch_step(["never"])
+
+
+def test_packed_block_allocated_once_across_trajectories():
+    shapes = jano_like_entries()
+    om, fake = packed(slot_bytes=1 << 20)
+    for trajectory in range(3):
+        om.clear()
+        for key, shape in shapes.items():
+            om.reserve(key, shape, torch.float32)
+        om.allocate()  # what JanoCache does after its reserves: no pinned allocation once sampling stores
+        assert fake.pinned_allocations == 1
+        for key, shape in shapes.items():
+            om.store_async(torch.randn(shape), key)
+        om.begin_fetch_step(l1_keys(4))
+        for key in l1_keys(4):
+            om.fetch(key)
+            om.release(key)
+    assert fake.pinned_allocations == 1 and om.stats["pinned_allocations"] == 1
+    # a smaller layout reuses the block; entries stored without a reserve are laid out at the end
+    om.clear()
+    om.store_async(torch.randn(3), "late")
+    om.flush()
+    assert fake.pinned_allocations == 1
+
+
+def test_packed_matches_the_device_store_inside_the_jano_sampler():
+    from test_jano import denoise, inputs, sampler_for, tiny_model
+
+    from opensora.inference.jano import JanoCache, JanoConfig
+
+    model, batch = tiny_model(), inputs()
+    config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)
+    sampler = sampler_for(model)
+    sampler.accelerator = JanoCache(config, store=DeviceStore())
+    reference = denoise(sampler, batch, steps=12)
+    om, _ = packed(slot_bytes=2048, slots=2, flush_bytes=4096)  # several chunks and flushes per step
+    sampler.accelerator = JanoCache(config, store=om)
+    assert torch.equal(denoise(sampler, batch, steps=12), reference)
+    assert om.stats["chunks"] > 0 and om.stats["sync_fetches"] == 0 and om.stats["flushes"] > 1
+
+
+def test_packed_odd_sizes_and_an_entry_larger_than_a_slot():
+    om, _ = packed(slot_bytes=100, slots=2)
+    values = {
+        "a": torch.randn(3),
+        "b": torch.randn(3, dtype=torch.float64),
+        "big": torch.randn(50),
+        "c": torch.randn(1),
+    }
+    for key, value in values.items():
+        om.store_async(value, key)
+    for _ in range(2):
+        om.begin_fetch_step(list(values))
+        for key, value in values.items():
+            torch.testing.assert_close(om.fetch(key), value)
+            om.release(key)
+    assert om.device_bytes() == 2 * 256 and om.stats["sync_fetches"] == 0
+
+
+class SimBackend(FakeBackend):
+    """Side streams that really run late: copies on the data / store streams are queued and run at random later
+    moments, in stream order, each stream held at its waits until the awaited event's work has run; the compute
+    stream runs at once (it is the CPU model), and its waits run the awaited work first. A missing wait in a manager
+    shows up as a stale or half-written value in the sampler's output."""
+
+    def __init__(self, seed):
+        super().__init__()
+        import random
+
+        self.random, self.lag = random.Random(seed), 0.2
+        self.queues = {}  # stream -> deque of ("copy", dst, src) / ("wait", stream, position)
+        self.ran = {}  # stream -> ops run
+
+    def new_stream(self):
+        stream = super().new_stream()
+        self.queues[stream], self.ran[stream] = deque(), 0
+        return stream
+
+    def _queued(self, stream):
+        return self.ran.get(stream, 0) + len(self.queues.get(stream, ()))
+
+    def record(self, event, stream):
+        super().record(event, stream)
+        event.position = self._queued(stream)
+        self._progress()
+
+    def wait(self, stream, event):
+        super().wait(stream, event)
+        if stream is self.compute:
+            self._run_until(event.stream, event.position)
+        else:  # what the wait sees is the event's last record at this moment (as cudaStreamWaitEvent)
+            self.queues[stream].append(("wait", event.stream, event.position))
+        self._progress()
+
+    def done(self, event):
+        return event.stream is self.compute or self.ran[event.stream] >= event.position
+
+    def copy(self, dst, src):
+        self.log.append(("copy", self.active.name))
+        if self.active is self.compute:
+            dst.copy_(src)
+        else:
+            self.queues[self.active].append(("copy", dst, src))
+        self._progress()
+
+    def synchronize(self, stream):
+        self._run_until(stream, self._queued(stream))
+
+    def _run_until(self, stream, position):
+        if stream is self.compute:
+            return
+        while self.ran[stream] < position:
+            self._step(stream)
+
+    def _step(self, stream):
+        op = self.queues[stream][0]
+        if op[0] == "wait":
+            self._run_until(op[1], op[2])
+        else:
+            op[1].copy_(op[2])
+        self.queues[stream].popleft()
+        self.ran[stream] += 1
+
+    def _progress(self):
+        for stream, queue in self.queues.items():
+            if queue and self.random.random() < self.lag:  # now and then one op of each side stream
+                self._step(stream)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kind", ["packed", "slots"])
+def test_managers_match_the_device_store_with_side_streams_that_run_late(kind, seed):
+    from test_jano import denoise, inputs, sampler_for, tiny_model
+
+    from opensora.inference.jano import JanoCache, JanoConfig
+
+    model, batch = tiny_model(), inputs()
+    config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)
+    sampler = sampler_for(model)
+    sampler.accelerator = JanoCache(config, store=DeviceStore())
+    reference = denoise(sampler, batch, steps=12)
+    backend = SimBackend(seed)
+    if kind == "packed":
+        store = PackedOffloadManager(slot_bytes=2048, slots=2, flush_bytes=4096, backend=backend)
+    else:
+        store = OffloadManager(ring_size=2, backend=backend)
+    sampler.accelerator = JanoCache(config, store=store)
+    assert torch.equal(denoise(sampler, batch, steps=12), reference)

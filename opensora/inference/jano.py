@@ -37,7 +37,8 @@ model's output bit for bit (tests/test_jano.py).
 
 The region-cached forward (``RegionForward``) drives the MMDiT's own submodules with a token subset (RoPE rows
 gathered per row) and the blocks' ``kv_hook`` seam; the model has no branch for it. Cache entries go through a
-store (offload.py): on the device, the dual-stream ``OffloadManager``, or a naive synchronous offload. Keys follow
+store (offload.py): on the device, the dual-stream ``PackedOffloadManager`` (``--jano-offload``), or a naive synchronous
+offload. Keys follow
 the spec: ``{s|m}_kv_{layer}`` (keys and values stacked, [2, rows, heads, tokens, head_dim]) and ``{s|m}_x``
 (final-layer outputs, [rows, tokens, patch features]).
 """
@@ -45,7 +46,7 @@ the spec: ``{s|m}_kv_{layer}`` (keys and values stacked, [2, rows, heads, tokens
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,7 @@ class JanoConfig:
     dilation: int = 1  # grow dynamic regions by this many tokens in (h, w)
     batch_quantile: float = 1.0  # token counts over rows: 1 = the largest (exact superset); see RegionPlan
     share_branches: bool = True  # the guidance branches of a sample share its regions (Jano: one mask)
-    store: str = "device"  # device | offload (OffloadManager) | offload_static | naive (sync .cpu()/.to())
+    store: str = "device"  # device | offload (PackedOffloadManager) | offload_slots | offload_static | naive
 
     def __post_init__(self):
         if self.warmup_steps < 2:
@@ -136,6 +137,7 @@ class RegionPlan:
     order: torch.Tensor  # [R, N] long
     k_active: int
     k_medium: int
+    _entry_keys: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_classes(
@@ -165,12 +167,15 @@ class RegionPlan:
     def computed(self, level: int) -> int:
         return {ACTIVE: self.k_active, MEDIUM: self.k_medium}.get(level, self.num_tokens)
 
-    def entry_keys(self, layers: int, level: int) -> List[str]:
-        """Entries a level-1/2 step reads, in reading order (``begin_fetch_step``'s argument)."""
-        keys = []
-        for layer in range(layers):
-            keys += self.reads(level, f"kv_{layer}")
-        return keys + self.reads(level, "x")
+    def entry_keys(self, layers: int, level: int) -> Tuple[str, ...]:
+        """Entries a level-1/2 step reads, in reading order (``begin_fetch_step``'s argument; made once per level)."""
+        keys = self._entry_keys.get((layers, level))
+        if keys is None:
+            keys = []
+            for layer in range(layers):
+                keys += self.reads(level, f"kv_{layer}")
+            keys = self._entry_keys[(layers, level)] = tuple(keys + self.reads(level, "x"))
+        return keys
 
     def reads(self, level: int, name: str) -> List[str]:
         """Entries of cache ``name`` (``kv_{layer}`` or ``x``) a level-1/2 step reads: medium (level 1), static."""
@@ -274,6 +279,7 @@ class RegionForward:
         out = m.final_layer(tokens[:, n_txt:], vec)
         if level != FULL:
             out = self._outputs(level, plan, store, out, store_medium)
+            store.flush()  # a store that batches its copies issues this step's last ones now
         return unpatchify(out, grid, m.patch_size)
 
     @staticmethod
@@ -488,7 +494,8 @@ class JanoCache(_Accelerator):
             # Queue the next step's prefetches now: the first ring slots fill while this step's tail still computes
             # (this step's stores were queued before them, and each key's prefetch waits for its store).
             self.store.begin_fetch_step(self.plan.entry_keys(self._forward.num_layers, following))
-            self.store.hint_upcoming(self._keys_after(self.step))  # the steps after the queued one
+            if getattr(self.store, "wants_hints", False):  # the steps after the queued one
+                self.store.hint_upcoming(self._keys_after(self.step))
         return out
 
     def _keys_after(self, step: int, steps: int = 2) -> List[str]:
@@ -563,6 +570,7 @@ class JanoCache(_Accelerator):
             for layer in range(self._forward.num_layers):
                 self.store.reserve(f"{part}_kv_{layer}", (2, rows, heads, count, head_dim), dtype)
             self.store.reserve(f"{part}_x", (rows, count, features), dtype)
+        self.store.allocate()
 
 
 class StepCache(_Accelerator):

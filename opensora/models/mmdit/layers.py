@@ -21,7 +21,7 @@ from opensora.parallel.sequence_parallel import attention_row_by_row, heads_to_t
 
 from . import fused as fused_ops
 from .attention import attention
-from .rope import apply_rope
+from .rope import apply_rope_qk
 
 LN_EPS = 1e-6
 
@@ -124,7 +124,7 @@ class StreamAttention(nn.Module):
 def qk_norm_rope(norm: Optional[QKNorm], q, k, cos, sin):
     """QK-norm (when ``norm`` is set) then RoPE, through the fused kernel where it can run."""
     if norm is None:
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope_qk(q, k, cos, sin)
     return fused_ops.qk_norm_rope(q, k, norm.query_scale, norm.key_scale, cos, sin, LN_EPS)
 
 
@@ -139,8 +139,7 @@ def joint_attention(q, k, v, rope, mask, backend, sp=None, kv_hook=None):
     """RoPE on this rank's q/k, then attention over the joint sequence -> [B, N_local, hidden]. With sequence
     parallelism (``sp``, see opensora.parallel.sequence_parallel) q/k/v hold this rank's tokens and are exchanged for a head split
     around the attention. ``kv_hook`` (see the module docstring) may extend keys, values and the mask."""
-    cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k = apply_rope_qk(q, k, *rope)
     if kv_hook is not None:
         if sp is not None:
             raise ValueError("a kv_hook (KV cache / region cache) cannot be combined with sequence parallelism")

@@ -45,6 +45,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2).to(x.dtype)
 
 
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``apply_rope`` on q and k with the rotation built once (eager: one ``torch.complex`` instead of two; the same
+    values, so the same results bit for bit)."""
+    if torch.compiler.is_compiling():
+        return _apply_rope_real(q, cos, sin), _apply_rope_real(k, cos, sin)
+    rotation = torch.complex(cos, sin)
+
+    def rotate(x):
+        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
 def _apply_rope_real(x, cos, sin):
     pairs = x.float().unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
