@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from opensora.models.mmdit.graph_memory import GraphMemory
+from opensora.models.mmdit.graph_memory import GraphMemory, on_device
 
 
 def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -239,14 +239,16 @@ class ChunkGraphs:
         text_static = None if text_kv is None else self._text_buffers((slot, text_key), text_kv)
         graph = self.graphs.get(key)
         if graph is None:
+            device = next(t.device for t in statics.inputs.values() if t is not None)
             try:
-                graph = self._capture(statics, static_past, text_static, lo, hi, num_text, grid, store_kv)
+                with on_device(device):  # the stage's device, whatever the caller's current device is
+                    graph = self._capture(statics, static_past, text_static, lo, hi, num_text, grid, store_kv)
             except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
                 self.failed.add(shape)
                 self.failures.append(f"{type(error).__name__}: {error}")
                 warnings.warn(f"CUDA graph capture failed for a streamed chunk shape, running it eagerly: {error}")
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                if torch.cuda.is_available() and device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 self.eager += 1
                 return eager()
             self.graphs[key] = graph

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .causal import KVCache, TextKVCache, joint_attention_mask
-from .graph_memory import GraphMemory, StaticPast
+from .graph_memory import GraphMemory, StaticPast, on_device
 
 
 def _rows(a: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -215,12 +215,13 @@ class MergedGraphs:
         past = self.memory.past(cache) if entry is not False else None
         if entry is None:
             try:
-                entry = self.graphs[key] = self._capture(inputs, num_text, past, text_kv)
+                with on_device(inputs["x"].device):  # the pass's device, whatever the current device is
+                    entry = self.graphs[key] = self._capture(inputs, num_text, past, text_kv)
                 self.captures += 1
             except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
                 self.failures.append(f"{type(error).__name__}: {error}")
                 warnings.warn(f"CUDA graph capture of the merged refill pass failed, running it eagerly: {error}")
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(inputs["x"].device)
                 entry = self.graphs[key] = False
         if entry is False:
             return merged_body(self.model, inputs, num_text, cache, text_kv)

@@ -14,42 +14,65 @@ keeps alive must therefore not depend on how many graphs exist, or peak memory g
   shared by every pass shape that reads a cache of that size, loaded when the cache holds other tensors than at the
   last load.
 
-Graphs sharing a pool must be replayed one at a time in stream order; graphs replayed beside them on another stream (the
-chunk decode of ``streaming.StreamingGenerator``) get a ``GraphMemory`` of their own, on another capture lane (their
-own cuBLAS workspace: ``graph_capture_stream``).
+Streams and pools belong to one device: a ``GraphMemory`` keeps a pool per device, and the side and capture streams
+are one per device (``capture`` runs on the device it is given, by default the current one; ``on_device`` makes the
+device of a capture's tensors the current one). Graphs sharing a pool must be replayed one at a time in stream order;
+graphs replayed beside them on another stream (the chunk decode of ``streaming.StreamingGenerator``) get a
+``GraphMemory`` of their own, on another capture lane (their own cuBLAS workspace: ``graph_capture_stream``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Dict, List, Optional
 
 import torch
 
 _SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
-
-
-def capture_side_stream() -> "torch.cuda.Stream":
-    """The side stream every CUDA-graph warm-up of the streaming sampler runs on (one per device, for the process).
-    cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it ever ran on, until the process ends, so a fresh
-    stream per capture leaves ~33 MiB of allocated memory behind each time (up to the 32 streams of PyTorch's pool)."""
-    index = torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream()
-    return _SIDE_STREAMS[index]
-
-
 _CAPTURE_STREAMS: Dict[tuple, "torch.cuda.Stream"] = {}
 
 
-def graph_capture_stream(lane: str) -> "torch.cuda.Stream":
+def device_index(device=None) -> int:
+    """The CUDA device index of ``device`` (a ``torch.device``, a string, an int), the current device for None or an
+    index-less ``cuda``."""
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def on_device(device):
+    """``torch.cuda.device(device)`` for a CUDA device, a no-op context otherwise: wrap a capture in the device of its
+    tensors, so the side and capture streams (keyed by the current device) are that device's even when the caller's
+    current device is another one (a pipeline stage on cuda:1, a generator on cuda:1 run from cuda:0)."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def capture_side_stream(device=None) -> "torch.cuda.Stream":
+    """The side stream every CUDA-graph warm-up of the streaming sampler runs on (one per device, for the process).
+    cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it ever ran on, until the process ends, so a fresh
+    stream per capture leaves ~33 MiB of allocated memory behind each time (up to the 32 streams of PyTorch's pool).
+    A stream belongs to one device: the stream of ``device`` (default: the current one) is made on that device."""
+    index = device_index(device)
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def graph_capture_stream(lane: str, device=None) -> "torch.cuda.Stream":
     """The stream graphs of ``lane`` are captured on (one per device and lane, for the process). cuBLAS takes its
     workspace per (handle, stream) and a captured matmul keeps the capture stream's workspace: graphs captured on one
     stream must never run at the same time, so graphs replayed concurrently (the chunk passes and the chunk decode)
-    are captured on different lanes."""
-    key = (torch.cuda.current_device(), lane)
+    are captured on different lanes. Never leave the stream to ``torch.cuda.graph``: its default capture stream is
+    one for the process, made on whichever device was current at its first use, so a capture on another device
+    would begin on a stream of the wrong device (its kernels run outside the capture: an empty or invalidated graph)."""
+    key = (device_index(device), lane)
     if key not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[key] = torch.cuda.Stream()
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(device=key[0])
     return _CAPTURE_STREAMS[key]
 
 
@@ -79,7 +102,7 @@ class GraphMemory:
 
     def __init__(self, lane: str = "passes"):
         self.lane = lane  # graphs of different lanes may run concurrently (``graph_capture_stream``)
-        self.pool = None  # the pool handle, set by the first capture
+        self.pools: Dict[int, tuple] = {}  # device index -> pool handle, set by the first capture on that device
         self.outputs: Dict[tuple, torch.Tensor] = {}
         self.pasts: Dict[tuple, StaticPast] = {}
 
@@ -122,18 +145,29 @@ class GraphMemory:
         past.load(cache)
         return past
 
-    def capture(self, body) -> "torch.cuda.CUDAGraph":
-        """Warm ``body`` up twice on the capture side stream, then capture it into this memory's pool."""
-        side = capture_side_stream()  # one for the process: a fresh stream per capture leaves a cuBLAS workspace
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the capture (cuBLAS handles/workspaces, lazy initialisation)
-                body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=graph_capture_stream(self.lane)):
-            body()
-        self.pool = graph.pool()
+    def capture(self, body, device=None) -> "torch.cuda.CUDAGraph":
+        """Warm ``body`` up twice on the capture side stream, then capture it into this memory's pool, all on
+        ``device`` (default: the current device; its side stream, capture stream and pool: a stream and a pool belong
+        to one device). A capture that fails gives its pool up: ``CUDAGraph.capture_end`` raises at
+        ``cudaStreamEndCapture`` before it tells the allocator the capture ended, so the pool stays "recording" and
+        every later capture into it would fail with "beginAllocateToPool: already recording to mempool_id" (the
+        graphs captured into it before keep it alive; later captures on that device start a fresh pool)."""
+        index = device_index(device)
+        with torch.cuda.device(index):
+            side = capture_side_stream(index)  # one per device: a fresh stream per capture leaves a cuBLAS workspace
+            side.wait_stream(torch.cuda.current_stream(index))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up outside the capture (cuBLAS handles/workspaces, lazy initialisation)
+                    body()
+            torch.cuda.current_stream(index).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pools.get(index), stream=graph_capture_stream(self.lane, index)):
+                    body()
+            except BaseException:
+                self.pools.pop(index, None)
+                raise
+            self.pools[index] = graph.pool()
         return graph
 
     @property
