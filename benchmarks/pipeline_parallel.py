@@ -249,10 +249,15 @@ def main(argv=None):
     group_counts = [int(g) for g in args.groups.split(",")]
     x_warm = seeded_latent_noise([0], chunk_shape).to(dev0)
     times = measure_stage_times(model, x_warm, bench.features("warm-up", 1), decode=decoder)
-    say(
-        f"stage times (ms, one chunk at frame 0): embed {times['embed_ms']:.2f}, blocks "
-        f"{sum(times['block_ms']):.2f} ({n_blocks}), final {times['final_ms']:.2f}, decode {times['decode_ms']:.2f}"
-    )
+    # graphed stages cost what their kernels cost, eager ones what their launches cost: the split of a graphed
+    # pipeline is chosen from graphed stage times (eager ones put too few blocks on GPU0 at this shape)
+    graph_times = measure_stage_times(model, x_warm, bench.features("warm-up", 1), decode=decoder, cuda_graphs=True)
+    for name, st in (("eager", times), ("graphed", graph_times)):
+        say(
+            f"stage times, {name} (ms, one chunk at frame 0): embed {st['embed_ms']:.2f}, blocks "
+            f"{sum(st['block_ms']):.2f} ({n_blocks}: {', '.join(f'{b:.2f}' for b in st['block_ms'])}), final "
+            f"{st['final_ms']:.2f}, decode {st['decode_ms']:.2f}"
+        )
     rows, split_tables, skipped = [], {}, []
     lat_frames = args.chunks * args.chunk_frames
     latent_size = (cfg["in_channels"], lat_frames, args.latent_hw, args.latent_hw)
@@ -389,8 +394,9 @@ def main(argv=None):
         for mode in TWO_GPU:
             graphed = mode != "aggressive-eager-threads"
             sched_mode = "aggressive" if mode == "aggressive-eager-threads" else mode
+            st = graph_times if graphed else times
             split, table = choose_split(
-                plan, sched_mode, times["block_ms"], times["embed_ms"], times["final_ms"], decode_ms=times["decode_ms"]
+                plan, sched_mode, st["block_ms"], st["embed_ms"], st["final_ms"], decode_ms=st["decode_ms"]
             )
             split_tables[f"{label} / {mode}"] = table
             place_model(pp_model, split, devices)
@@ -439,6 +445,7 @@ def main(argv=None):
         torch=torch.__version__,
         args=vars(args),
         stage_times=times,
+        stage_times_graphed=graph_times,
         streaming=rows,
         bidirectional=bi_rows,
         split_tables=split_tables,
@@ -591,6 +598,8 @@ def print_row(row):
             extra.append(f"diff_eager {m['diff_eager']:g}")
         if "diff_graphs" in m:
             extra.append(f"diff_graphs {m['diff_graphs']:g}")
+        if isinstance(m.get("graphs"), list):  # per lane: graphed / eager passes (eager = a capture failed)
+            extra.append("replays/eager " + " ".join(f"{g['replays']}/{g['eager']}" for g in m["graphs"]))
         parts.append(f"{mode} {m['fps']:.1f} fps ({', '.join(extra)})")
     say(" ".join(parts))
 
@@ -650,9 +659,21 @@ def print_tables(rows, bi_rows, split_tables):
             )
 
 
+def graphs_fell_back(m) -> bool:
+    """Whether a capture of a graphed variant failed (that shape then runs eagerly): not a graphed timing."""
+    summaries = m.get("graphs")
+    if isinstance(summaries, dict):
+        summaries = [v for v in summaries.values() if isinstance(v, dict)] + list(summaries.get("executor", []))
+    return any(g.get("failures") for g in summaries or [])
+
+
 def row_ok(row) -> bool:
-    """Eager runs equal the eager 1-GPU reference; graphed 2-GPU runs equal the graphed 1-GPU baseline."""
+    """Eager runs equal the eager 1-GPU reference; graphed 2-GPU runs equal the graphed 1-GPU baseline, and no
+    graphed variant fell back to eager passes (the H200 run of 2026-11-23 had every stage-1 pass eager, unnoticed,
+    because those eager passes happened to equal the graphed ones bit for bit)."""
     for mode, m in row["modes"].items():
+        if graphs_fell_back(m):
+            return False
         if "max_abs_diff" in m:  # bidirectional
             if m["max_abs_diff"] != 0.0:
                 return False

@@ -107,6 +107,36 @@ def test_summarize_timeline_busy_fraction():
     assert summary["lanes"]["gpu0"]["busy_ms"] == 3 and summary["lanes"]["gpu1"]["busy_fraction"] == 0.75
 
 
+def test_graphed_stage_times_time_each_unit_on_its_own_eager_input(monkeypatch):
+    """``measure_stage_times(cuda_graphs=True)`` captures the embedding, every block and the final layer on its own
+    input (``_graph_replay_ms``, swapped here for an eager run): the chained block inputs give the eager pass's
+    output; on a CPU, ``cuda_graphs=True`` falls back to the eager times."""
+    from opensora.inference import pipeline_stages as ps
+
+    model = streaming_sampler().model
+    x = torch.randn(1, model.in_channels, model.causal_chunk_frames, 8, 8)
+    text = text_inputs(1, 6, 0, masked=True)
+    eager = ps.measure_stage_times(model, x, text, cuda_graphs=True, repeats=1)  # CPU: no graphs
+    assert eager["graphed"] is False and len(eager["block_ms"]) == len(ps.all_blocks(model))
+    outputs = []
+
+    def replay_ms(body, device, repeats):
+        outputs.append(body())
+        return float(len(outputs))  # unit k "takes" k ms
+
+    monkeypatch.setattr(ps, "_graph_replay_ms", replay_ms)
+    times = ps._graphed_stage_times(model, x, text, lambda v: v * 2, 1)  # what cuda_graphs=True runs on a GPU
+    n = len(ps.all_blocks(model))
+    assert times["graphed"] and times["embed_ms"] == 1.0 and times["block_ms"] == [float(i + 2) for i in range(n)]
+    assert times["final_ms"] == float(n + 2) and times["decode_ms"] >= 0.0
+    with torch.no_grad():  # the whole pass at once
+        x_, t, emb, pooled, mask_in = ps._stage_inputs(model, x, text)
+        img, txt, vec, grid = model.embed(x_, t, emb, pooled)
+        mask, hooks = ps._probe_mask_hooks(model, mask_in, txt.shape[1], img.shape[1], x.device)
+        state = ps.run_blocks(model, dict(img=img, txt=txt), 0, n, vec, model.rope(grid, txt.shape[1], "cpu"), mask)
+        assert torch.equal(outputs[-1], ps.finish(model, state, vec, grid))
+
+
 # ---- bit-identical on two CPU "devices" --------------------------------------------------------------------------
 def tiny_model(seed=0, **overrides):
     torch.manual_seed(seed)

@@ -164,3 +164,25 @@ def test_two_gpu_bidirectional_cfg_is_bit_identical_to_one_gpu_microbatches():
             result, _ = run_plan(stages, mode, lanes)
             for g, (x0, _) in enumerate(refs):
                 assert torch.equal(result.latents[(g, 0)], x0.cpu()), (mode, run, g)
+
+
+def test_a_graph_captured_on_the_second_gpu_while_the_first_is_current_replays_its_work():
+    """A capture on cuda:1 after one on cuda:0, with cuda:0 current (what a stage-1 capture looked like when the
+    capture stream was torch's process-wide default one, made on cuda:0): it must hold cuda:1's kernels, in a cuda:1
+    pool, and leave cuda:0 current."""
+    from opensora.models.mmdit.graph_memory import GraphMemory, on_device
+
+    torch.cuda.set_device(0)
+    memory = GraphMemory()
+    b = torch.randn(64, 64, device="cuda:0")
+    memory.capture(lambda: memory.output("out0", b @ b), device=0)
+    a = torch.randn(64, 64, device="cuda:1")
+    holder = {}
+    with on_device(a.device):
+        graph = memory.capture(lambda: holder.update(out=memory.output("out1", a @ a)))
+    assert torch.cuda.current_device() == 0 and set(memory.pools) == {0, 1}
+    a.copy_(torch.randn(64, 64, device="cuda:1"))
+    graph.replay()
+    torch.cuda.synchronize(1)
+    assert holder["out"].device == torch.device("cuda", 1)
+    torch.testing.assert_close(holder["out"], a @ a)

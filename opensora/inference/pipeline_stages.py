@@ -682,37 +682,123 @@ class _Timer:
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
+def _graph_replay_ms(body, device, repeats: int) -> float:
+    """Median GPU time (ms) of one replay of ``body`` captured as a CUDA graph on ``device`` (events around every
+    replay; the first replay is not counted). (tests/test_pipeline_parallel.py swaps this for an eager timer.)"""
+    from statistics import median
+
+    from opensora.models.mmdit.graph_memory import GraphMemory, on_device
+
+    with on_device(device):
+        graph = GraphMemory().capture(body, device)
+        stream = torch.cuda.current_stream(device)
+        pairs = []
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            pairs.append((start, end))
+        pairs[-1][1].synchronize()
+    return median(a.elapsed_time(b) for a, b in pairs[1:])
+
+
 @torch.no_grad()
 def measure_stage_times(
-    model, x: torch.Tensor, text: Mapping, decode: Optional[Callable] = None, repeats: int = 3
+    model,
+    x: torch.Tensor,
+    text: Mapping,
+    decode: Optional[Callable] = None,
+    repeats: int = 3,
+    cuda_graphs: bool = False,
 ) -> dict:
     """Median time of the embedding, every block, the final layer and the decode of one forward of ``x`` (a chunk
     at frame 0 for a causal model, with the streaming mask; the whole clip otherwise) on the model's device.
-    Feed the result to ``pipeline_parallel.choose_split``."""
-    from statistics import median
+    Feed the result to ``pipeline_parallel.choose_split``.
 
-    device = x.device
-    dtype = model.img_in.weight.dtype
+    Eager (default): what eager stages cost, launch time included (at a 1B streamed chunk the GPU waits for the
+    host: a block's time is about its kernel count, not its work). ``cuda_graphs=True`` (a CUDA device only; eager
+    elsewhere): the embedding, every block and the final layer each captured as a CUDA graph and timed by replays,
+    i.e. what graphed stages (``CausalStreamingStages(cuda_graphs=...)``) cost; choose a graphed pipeline's split
+    from these. The decode is timed eagerly either way (the stages decode eagerly)."""
+    if cuda_graphs and x.is_cuda and torch.cuda.is_available():
+        return _graphed_stage_times(model, x, text, decode, repeats)
+    return _eager_stage_times(model, x, text, decode, repeats)
+
+
+def _stage_inputs(model, x, text):
+    """(x, timestep, text_emb, pooled, text_mask) of a stage-time probe on ``x``'s device and the model's dtype."""
+    device, dtype = x.device, model.img_in.weight.dtype
     text_emb, pooled = text["text_emb"].to(device, dtype), text["pooled"].to(device, dtype)
     text_mask = None if text.get("text_mask") is None else text["text_mask"].to(device)
     t = torch.full((x.shape[0],), 0.5, device=device).to(dtype)
+    return x.to(dtype), t, text_emb, pooled, text_mask
+
+
+def _probe_mask_hooks(model, text_mask, num_text: int, num_video: int, device):
+    """The attention mask and kv hooks of a probe forward (a causal model: a chunk at frame 0, nothing cached)."""
+    if getattr(model, "causal_chunk_frames", 0):
+        from opensora.models.mmdit.causal import joint_attention_mask, streaming_kv_hooks
+
+        video = torch.ones(num_video, num_video, dtype=torch.bool, device=device)
+        mask = joint_attention_mask(text_mask, num_text, video)
+        return mask, streaming_kv_hooks(model.new_kv_cache(), num_text, mask, None)
+    return model.key_mask(text_mask, num_video), None
+
+
+def _graphed_stage_times(model, x, text, decode, repeats: int) -> dict:
+    device = x.device
+    x, t, text_emb, pooled, text_mask = _stage_inputs(model, x, text)
+    n = len(all_blocks(model))
+    img, txt, vec, grid = model.embed(x, t, text_emb, pooled)
+    rope = model.rope(grid, txt.shape[1], device)
+    mask, hooks = _probe_mask_hooks(model, text_mask, txt.shape[1], img.shape[1], device)
+    hook_for = None if hooks is None else hooks.__getitem__
+    states = [dict(img=img, txt=txt)]  # the input of every block (eager), each block then timed on its own input
+    for i in range(n):
+        states.append(run_blocks(model, dict(states[-1]), i, i + 1, vec, rope, mask, hook_for))
+    embed_ms = _graph_replay_ms(lambda: model.embed(x, t, text_emb, pooled), device, repeats)
+    block_ms = [
+        _graph_replay_ms(
+            lambda i=i: run_blocks(model, dict(states[i]), i, i + 1, vec, rope, mask, hook_for), device, repeats
+        )
+        for i in range(n)
+    ]
+    final_ms = _graph_replay_ms(lambda: finish(model, dict(states[n]), vec, grid), device, repeats)
+    decode_ms = 0.0
+    if decode is not None:
+        out = finish(model, dict(states[n]), vec, grid).float()
+        decode_ms = _eager_ms(lambda: decode(out), device, repeats)
+    return dict(embed_ms=embed_ms, block_ms=block_ms, final_ms=final_ms, decode_ms=decode_ms, graphed=True)
+
+
+def _eager_ms(fn, device, repeats: int) -> float:
+    """Median eager time (ms) of ``fn`` over ``repeats`` runs after a warm-up run."""
+    from statistics import median
+
+    samples = []
+    for _ in range(repeats + 1):
+        timer = _Timer(device)
+        timer.mark()
+        fn()
+        timer.mark()
+        samples.append(timer.read()[0])
+    return median(samples[1:])
+
+
+def _eager_stage_times(model, x, text, decode, repeats: int) -> dict:
+    from statistics import median
+
+    device = x.device
+    x, t, text_emb, pooled, text_mask = _stage_inputs(model, x, text)
     n = len(all_blocks(model))
     samples = []
     for _ in range(repeats + 1):  # the first run warms up kernels and allocator
         timer = _Timer(device)
         timer.mark()
-        img, txt, vec, grid = model.embed(x.to(dtype), t, text_emb, pooled)
+        img, txt, vec, grid = model.embed(x, t, text_emb, pooled)
         rope = model.rope(grid, txt.shape[1], device)
-        hooks = None
-        if getattr(model, "causal_chunk_frames", 0):
-            from opensora.models.mmdit.causal import joint_attention_mask, streaming_kv_hooks
-
-            mask = joint_attention_mask(
-                text_mask, txt.shape[1], torch.ones(img.shape[1], img.shape[1], dtype=torch.bool, device=device)
-            )
-            hooks = streaming_kv_hooks(model.new_kv_cache(), txt.shape[1], mask, None)
-        else:
-            mask = model.key_mask(text_mask, img.shape[1])
+        mask, hooks = _probe_mask_hooks(model, text_mask, txt.shape[1], img.shape[1], device)
         timer.mark()
         state = dict(img=img, txt=txt)
         for i in range(n):
@@ -726,4 +812,4 @@ def measure_stage_times(
         samples.append(timer.read())
     samples = samples[1:]
     med = [median(s[i] for s in samples) for i in range(len(samples[0]))]
-    return dict(embed_ms=med[0], block_ms=med[1 : 1 + n], final_ms=med[1 + n], decode_ms=med[2 + n])
+    return dict(embed_ms=med[0], block_ms=med[1 : 1 + n], final_ms=med[1 + n], decode_ms=med[2 + n], graphed=False)
