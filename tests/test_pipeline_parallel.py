@@ -96,6 +96,20 @@ def test_choose_split_balances_the_simulated_pipeline():
         parse_split(9, 10)
 
 
+def test_auto_split_moves_towards_gpu1_when_blocks_cost_their_graphed_times():
+    """The 1B shape's 8 double + 16 single blocks: eager, a double block costs ~1.75x a single one (launch time, the
+    H200 stage times of 2026-11-23), graphed ~1.3x (estimated from that run's graphed stage totals): ``auto`` from
+    the eager times leaves GPU1 the longer stage of a graphed pipeline; from graphed times it balances."""
+    plan = Plan(num_groups=2, num_chunks=6, num_steps=4, refill=True)
+    eager = [1.2] * 8 + [0.68] * 16
+    graphed = [0.41] * 8 + [0.32] * 16
+    split_eager, _ = choose_split(plan, "basic", eager, embed_ms=1.24, final_ms=0.21, decode_ms=0.77)
+    split_graphed, rows = choose_split(plan, "basic", graphed, embed_ms=0.15, final_ms=0.05, decode_ms=0.8)
+    assert split_eager == 7 and split_graphed == 10
+    at = {r["split"]: r["simulated_ms"] for r in rows}
+    assert at[10] < 0.9 * at[7]  # the eager-chosen split costs the graphed pipeline > 10%
+
+
 def test_summarize_timeline_busy_fraction():
     rows = [
         dict(lane=0, start_ms=0, end_ms=2, chunk=0, kind="stage0", host_ms=0),

@@ -720,9 +720,16 @@ def measure_stage_times(
     host: a block's time is about its kernel count, not its work). ``cuda_graphs=True`` (a CUDA device only; eager
     elsewhere): the embedding, every block and the final layer each captured as a CUDA graph and timed by replays,
     i.e. what graphed stages (``CausalStreamingStages(cuda_graphs=...)``) cost; choose a graphed pipeline's split
-    from these. The decode is timed eagerly either way (the stages decode eagerly)."""
+    from these (``graphed`` in the result says which were taken: a failed capture falls back to the eager times).
+    The decode is timed eagerly either way (the stages decode eagerly)."""
     if cuda_graphs and x.is_cuda and torch.cuda.is_available():
-        return _graphed_stage_times(model, x, text, decode, repeats)
+        try:
+            return _graphed_stage_times(model, x, text, decode, repeats)
+        except Exception as error:  # noqa: BLE001  (a failed capture: the eager times, said so, not a crash)
+            import warnings
+
+            warnings.warn(f"graphed stage times failed, using eager ones: {error}")
+            torch.cuda.synchronize(x.device)
     return _eager_stage_times(model, x, text, decode, repeats)
 
 
