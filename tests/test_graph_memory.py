@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from opensora.models.mmdit import graph_memory
-from opensora.models.mmdit.graph_memory import GraphMemory, capture_side_stream, graph_capture_stream, on_device
+from opensora.models.mmdit.graph_memory import GraphMemory, capture_side_stream, graph_capture_stream, on_capture_device
 
 
 class FakeStream:
@@ -121,7 +121,7 @@ def test_a_capture_runs_on_its_own_device_when_another_is_current(cuda):
     assert seen == [(1, side), (1, side), (1, capture)]  # two warm-ups, then the capture
     assert cuda.captures == [(1, capture, None)] and cuda.current == 0
     seen.clear()
-    with on_device(torch.device("cuda", 1)):  # what the callers do: the capture's tensors name the device
+    with on_capture_device(torch.device("cuda", 1)):  # what the callers do: the capture's tensors name the device
         GraphMemory().capture(recording_body(cuda, seen))
     assert seen == [(1, side), (1, side), (1, capture)] and cuda.current == 0
 

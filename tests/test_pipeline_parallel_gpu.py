@@ -170,7 +170,7 @@ def test_a_graph_captured_on_the_second_gpu_while_the_first_is_current_replays_i
     """A capture on cuda:1 after one on cuda:0, with cuda:0 current (what a stage-1 capture looked like when the
     capture stream was torch's process-wide default one, made on cuda:0): it must hold cuda:1's kernels, in a cuda:1
     pool, and leave cuda:0 current."""
-    from opensora.models.mmdit.graph_memory import GraphMemory, on_device
+    from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 
     torch.cuda.set_device(0)
     memory = GraphMemory()
@@ -178,7 +178,7 @@ def test_a_graph_captured_on_the_second_gpu_while_the_first_is_current_replays_i
     memory.capture(lambda: memory.output("out0", b @ b), device=0)
     a = torch.randn(64, 64, device="cuda:1")
     holder = {}
-    with on_device(a.device):
+    with on_capture_device(a.device):
         graph = memory.capture(lambda: holder.update(out=memory.output("out1", a @ a)))
     assert torch.cuda.current_device() == 0 and set(memory.pools) == {0, 1}
     a.copy_(torch.randn(64, 64, device="cuda:1"))

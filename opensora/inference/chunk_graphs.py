@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from opensora.models.mmdit.graph_memory import GraphMemory, on_device
+from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 
 
 def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -241,7 +241,7 @@ class ChunkGraphs:
         if graph is None:
             device = next(t.device for t in statics.inputs.values() if t is not None)
             try:
-                with on_device(device):  # the stage's device, whatever the caller's current device is
+                with on_capture_device(device):  # the stage's device, whatever the caller's current device is
                     graph = self._capture(statics, static_past, text_static, lo, hi, num_text, grid, store_kv)
             except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
                 self.failed.add(shape)

@@ -687,9 +687,9 @@ def _graph_replay_ms(body, device, repeats: int) -> float:
     replay; the first replay is not counted). (tests/test_pipeline_parallel.py swaps this for an eager timer.)"""
     from statistics import median
 
-    from opensora.models.mmdit.graph_memory import GraphMemory, on_device
+    from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 
-    with on_device(device):
+    with on_capture_device(device):
         graph = GraphMemory().capture(body, device)
         stream = torch.cuda.current_stream(device)
         pairs = []

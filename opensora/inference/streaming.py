@@ -42,7 +42,7 @@ from opensora.diffusion.sampling import timesteps_for_sampling, timesteps_from_l
 from opensora.inference.io import uint8_frames_on_device
 from opensora.inference.pipeline import _module_dtype, noise_from_generators
 from opensora.models.mmdit.causal_refill import MergedGraphs, refill_and_step
-from opensora.models.mmdit.graph_memory import GraphMemory, on_device
+from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 from opensora.models.vae.base import video_num_frames
 
 ROLLOUTS = ("renoise", "euler")
@@ -114,7 +114,7 @@ class GraphedDecode:
         entry = self.graphs.get(key)
         if entry is None:
             try:
-                with on_device(latents.device):  # the decode's device, whatever the current device is
+                with on_capture_device(latents.device):  # the decode's device, whatever the current device is
                     entry = self.graphs[key] = self._capture(latents)
             except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)
                 self.failures.append(f"{type(error).__name__}: {error}")

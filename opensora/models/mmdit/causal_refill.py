@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .causal import KVCache, TextKVCache, joint_attention_mask
-from .graph_memory import GraphMemory, StaticPast, on_device
+from .graph_memory import GraphMemory, StaticPast, on_capture_device
 
 
 def _rows(a: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -215,7 +215,7 @@ class MergedGraphs:
         past = self.memory.past(cache) if entry is not False else None
         if entry is None:
             try:
-                with on_device(inputs["x"].device):  # the pass's device, whatever the current device is
+                with on_capture_device(inputs["x"].device):  # the pass's device, whatever the current device is
                     entry = self.graphs[key] = self._capture(inputs, num_text, past, text_kv)
                 self.captures += 1
             except Exception as error:  # noqa: BLE001  (a capture that fails leaves the eager path)

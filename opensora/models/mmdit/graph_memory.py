@@ -15,10 +15,10 @@ keeps alive must therefore not depend on how many graphs exist, or peak memory g
   last load.
 
 Streams and pools belong to one device: a ``GraphMemory`` keeps a pool per device, and the side and capture streams
-are one per device (``capture`` runs on the device it is given, by default the current one; ``on_device`` makes the
-device of a capture's tensors the current one). Graphs sharing a pool must be replayed one at a time in stream order;
-graphs replayed beside them on another stream (the chunk decode of ``streaming.StreamingGenerator``) get a
-``GraphMemory`` of their own, on another capture lane (their own cuBLAS workspace: ``graph_capture_stream``).
+are one per device (``capture`` runs on the device it is given, by default the current one; ``on_capture_device``
+makes the device of a capture's tensors the current one). Graphs sharing a pool must be replayed one at a time in
+stream order; graphs replayed beside them on another stream (the chunk decode of ``streaming.StreamingGenerator``)
+get a ``GraphMemory`` of their own, on another capture lane (their own cuBLAS workspace: ``graph_capture_stream``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def device_index(device=None) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def on_device(device):
+def on_capture_device(device):
     """``torch.cuda.device(device)`` for a CUDA device, a no-op context otherwise: wrap a capture in the device of its
     tensors, so the side and capture streams (keyed by the current device) are that device's even when the caller's
     current device is another one (a pipeline stage on cuda:1, a generator on cuda:1 run from cuda:0)."""
