@@ -57,7 +57,7 @@ class StreamChunk:
     latents: torch.Tensor  # float32 [B, C, Tc, h, w] on the device
     frames: Optional[torch.Tensor]
     seconds: float  # wall time from the end of the previous chunk (or of the set-up) to this chunk's frames
-    cached_frames: int  # latent frames in the KV cache after this chunk
+    cached_frames: int  # latent frames in the KV cache when this chunk is handed out (its own refill runs later)
     cache_bytes: int
     text_cache_bytes: int = 0  # text keys/values held by the text cache (every block, every distinct step time)
 
