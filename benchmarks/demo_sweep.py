@@ -7,7 +7,8 @@ seeds 1000+i -> eval_moving_shapes.py), changed only through command-line option
 frames, number of clips), `--key value` config overrides given to BOTH the training and the sampling command (so the
 sampler builds the same model, autoencoder and timestep shift), and one or more sampling settings. Training stops on
 a wall-clock budget (`--max-minutes`), so variants of different step cost are compared at equal time; every variant
-gets the same budget. Variant 0 is the current default, to calibrate one machine against another (s/step).
+gets the same budget. Variant 0 is demo.py (`make demo` before demo_fast.py), to calibrate one machine against
+another (s/step).
 
     python benchmarks/demo_sweep.py --results DIR [--work DIR] [--variants 0,1,2] [--train-minutes 6]
         [--deadline-minutes 9] [--cores-per-variant 2] [--first-core 2] [--jobs N] [--no-pin] [--smoke]
@@ -71,8 +72,8 @@ PATCH3 = ["--vae.patch_size", "3", "--model.in_channels", "27", "--model.cond_ch
 VARIANTS = [
     Variant(
         "default",
-        "today's make demo (32x32x16, PatchVAE 4 -> 192-value tokens into a 128-wide model, 30% I2V/V2V training, "
-        "30 steps CFG 4): calibration between machines",
+        "demo.py, the old make demo (32x32x16, PatchVAE 4 -> 192-value tokens into a 128-wide model, 30% I2V/V2V "
+        "training, 30 steps CFG 4): calibration between machines",
     ),
     Variant(
         "f8_t2v",

@@ -54,7 +54,9 @@ def train_command(py, train_config, train_dir, data_dir, overrides=()) -> list:
 
 
 def sample_command(py, sample_config, ckpt, data_dir, samples_dir, num_steps, overrides=()) -> list:
-    """The held prompts: every colour x shape x direction caption (prompts.txt), one sample each."""
+    """The held prompts: every colour x shape x direction caption (prompts.txt), one sample each.
+    ``num_steps`` None: the sample config's."""
+    steps = [] if num_steps is None else ["--num-steps", num_steps]
     return [
         py,
         "scripts/diffusion/inference.py",
@@ -65,8 +67,7 @@ def sample_command(py, sample_config, ckpt, data_dir, samples_dir, num_steps, ov
         Path(data_dir) / "prompts.txt",
         "--save-dir",
         samples_dir,
-        "--num-steps",
-        num_steps,
+        *steps,
         "--seed",
         SAMPLE_SEED,
         *overrides,
@@ -75,6 +76,19 @@ def sample_command(py, sample_config, ckpt, data_dir, samples_dir, num_steps, ov
 
 def eval_command(py, samples_dir, scores) -> list:
     return [py, "tools/eval_moving_shapes.py", Path(samples_dir) / "samples.csv", "--json", scores, "--no-progress"]
+
+
+def clip_shape(train_config) -> tuple:
+    """(side, frames) of the training config's one bucket: the demo renders its clips to exactly that shape."""
+    from opensora.config import load_config
+
+    buckets = [
+        (res, frames) for res, by_frames in load_config(train_config).bucket_config.items() for frames in by_frames
+    ]
+    if len(buckets) != 1 or len(set(buckets[0][0].split("x"))) != 1:
+        raise ValueError(f"{train_config}: expected one square 'NxN' bucket with one frame count, got {buckets}")
+    res, frames = buckets[0]
+    return int(res.split("x")[0]), int(frames)
 
 
 def run(cmd) -> None:
@@ -87,9 +101,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="outputs/demo", help="where data, checkpoints, samples and scores go")
     parser.add_argument("--num-videos", type=int, default=288, help="training clips (4 per caption combination)")
     parser.add_argument("--max-steps", type=int, default=None, help="training steps (default: the config's)")
-    parser.add_argument("--num-steps", type=int, default=30, help="sampling steps")
-    parser.add_argument("--train-config", default="configs/diffusion/train/demo.py")
-    parser.add_argument("--sample-config", default="configs/diffusion/inference/demo.py")
+    parser.add_argument("--num-steps", type=int, default=None, help="sampling steps (default: the sample config's)")
+    parser.add_argument("--train-config", default="configs/diffusion/train/demo_fast.py")
+    parser.add_argument("--sample-config", default="configs/diffusion/inference/demo_fast.py")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
@@ -97,7 +111,8 @@ def main(argv=None) -> None:
     py = sys.executable
     started = time.time()
 
-    run(dataset_command(py, data, args.num_videos))
+    size, num_frames = clip_shape(ROOT / args.train_config)
+    run(dataset_command(py, data, args.num_videos, size, num_frames))
     run(
         train_command(
             py, args.train_config, train, data, [] if args.max_steps is None else ["--max-steps", args.max_steps]

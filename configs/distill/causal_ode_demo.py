@@ -1,5 +1,5 @@
 # Causal ODE init (CausVid's ODE-pair regression): configs/distill/ode_init_demo.py with a block-causal student, the
-# first stage of Self-Forcing (configs/distill/self_forcing_demo.py). Train the demo teacher first (`make demo`), then:
+# first stage of Self-Forcing (configs/distill/self_forcing_demo.py). Train the demo teacher first (dmd2_demo.py), then:
 #   python scripts/diffusion/train.py configs/distill/causal_ode_demo.py
 # The student keeps the teacher's weights and changes only its attention pattern: video chunk c attends to the text
 # and to chunks <= c; text attends to text. The teacher stays bidirectional.

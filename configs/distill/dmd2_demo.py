@@ -1,7 +1,9 @@
 # DMD2 distillation of the MovingShapes demo teacher (configs/diffusion/train/demo.py) into a 4-step student,
-# on CPU in minutes. Train the teacher first (`make demo`, or
-#   python scripts/diffusion/train.py configs/diffusion/train/demo.py --outputs outputs/demo/train),
-# then:
+# on CPU in minutes. Train the teacher first (its 32x32x16 clips and checkpoints under outputs/demo; `make demo` runs
+# the smaller demo_fast.py instead):
+#   python tools/run_demo.py --train-config configs/diffusion/train/demo.py \
+#       --sample-config configs/diffusion/inference/demo.py
+# or python scripts/diffusion/train.py configs/diffusion/train/demo.py --outputs outputs/demo/train, then:
 #   python scripts/diffusion/train.py configs/distill/dmd2_demo.py
 # and sample the student with the same inference script (this file carries step_list / role / guidance_scale):
 #   python scripts/diffusion/inference.py configs/distill/dmd2_demo.py --ckpt outputs/demo/dmd2 --prompt "..."

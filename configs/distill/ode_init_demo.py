@@ -1,7 +1,7 @@
 # ODE-pair (KD) initialisation of a 4-step student from the MovingShapes demo teacher (configs/diffusion/train/demo.py),
 # on CPU in minutes: the student regresses the teacher's guided ODE trajectory at its step list. This student is
 # bidirectional; configs/distill/causal_ode_demo.py makes it causal (the first stage of Self-Forcing). Train the
-# teacher first (`make demo`), then:
+# teacher first (the 32x32x16 demo.py teacher: see dmd2_demo.py; `make demo` trains a smaller one), then:
 #   python scripts/diffusion/train.py configs/distill/ode_init_demo.py
 # Data-free: the clips only fix the latent size [48, 16, 8, 8]; the prompts are the dataset's captions.
 _base_ = ["../diffusion/train/demo.py"]
