@@ -71,20 +71,11 @@ class MasterAdamW:
 
 def build(shape, device, dtype):
     import torch
-    from train_step import randomize_
+    from train_step import model_config, randomize_
 
-    from opensora.models.mmdit import MMDiT, mmdit_config
+    from opensora.models.mmdit import MMDiT
 
-    cfg = mmdit_config(
-        "1b",
-        hidden_size=shape["hidden"],
-        num_heads=shape["heads"],
-        depth_double=shape["depth_double"],
-        depth_single=shape["depth_single"],
-        text_dim=shape["text_dim"],
-        pooled_dim=shape["pooled_dim"],
-        axes_dims=shape["axes"],
-    )
+    cfg = model_config(shape)
     cfg.pop("type")
     with torch.device(device):
         model = MMDiT(**cfg)
@@ -204,18 +195,11 @@ def tokens(shape, frames):
 
 
 def train_flops(shape, frames):
-    from opensora.models.mmdit import mmdit_config, mmdit_train_flops
+    from train_step import model_config
 
-    cfg = mmdit_config(
-        "1b",
-        hidden_size=shape["hidden"],
-        num_heads=shape["heads"],
-        depth_double=shape["depth_double"],
-        depth_single=shape["depth_single"],
-        text_dim=shape["text_dim"],
-        pooled_dim=shape["pooled_dim"],
-        axes_dims=shape["axes"],
-    )
+    from opensora.models.mmdit import mmdit_train_flops
+
+    cfg = model_config(shape)
     video = frames * shape["tokens_hw"][0] * shape["tokens_hw"][1]
     return mmdit_train_flops(cfg, video, shape["text_tokens"])
 

@@ -113,12 +113,11 @@ def randomize_(model, std=0.02, seed=0):
             p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * std)
 
 
-def build_ours(shape, spec, ckpt, device, dtype):
-    import torch
+def model_config(shape, **extra):
+    """The 1B preset's config dict at a benchmark shape (``SHAPES`` / ``TINY`` keys), plus ``extra`` settings."""
+    from opensora.models.mmdit import mmdit_config
 
-    from opensora.models.mmdit import MMDiT, mmdit_config
-
-    cfg = mmdit_config(
+    return mmdit_config(
         "1b",
         hidden_size=shape["hidden"],
         num_heads=shape["heads"],
@@ -127,8 +126,16 @@ def build_ours(shape, spec, ckpt, device, dtype):
         text_dim=shape["text_dim"],
         pooled_dim=shape["pooled_dim"],
         axes_dims=shape["axes"],
-        attn_backend=spec["backend"],
+        **extra,
     )
+
+
+def build_ours(shape, spec, ckpt, device, dtype):
+    import torch
+
+    from opensora.models.mmdit import MMDiT
+
+    cfg = model_config(shape, attn_backend=spec["backend"])
     cfg.pop("type")
     with torch.device(device):  # build on the GPU: initialising 1.3B parameters on the CPU takes ~25 s
         model = MMDiT(**cfg)
@@ -215,19 +222,9 @@ def ckpt_counts(ckpt, shape):
 
 def model_flops(shape):
     """Model FLOPs of one step: 3x forward matmuls (no recompute), from our closed-form counter."""
-    from opensora.models.mmdit import mmdit_config, mmdit_train_flops
+    from opensora.models.mmdit import mmdit_train_flops
 
-    cfg = mmdit_config(
-        "1b",
-        hidden_size=shape["hidden"],
-        num_heads=shape["heads"],
-        depth_double=shape["depth_double"],
-        depth_single=shape["depth_single"],
-        text_dim=shape["text_dim"],
-        pooled_dim=shape["pooled_dim"],
-        axes_dims=shape["axes"],
-    )
-    return mmdit_train_flops(cfg, *shape_tokens(shape))
+    return mmdit_train_flops(model_config(shape), *shape_tokens(shape))
 
 
 def count_host_syncs(step):
@@ -417,7 +414,6 @@ def short_path(path):
 def trainer_config(ckpt, args, outputs):
     """The trainer-mode config: ``--trainer-config`` with this run's steps, outputs and checkpointing."""
     from opensora.config import load_config
-    from opensora.models.mmdit import mmdit_config
 
     cfg = load_config(args.trainer_config)
     steps = args.warmup + args.audit_steps + args.iters
@@ -436,17 +432,7 @@ def trainer_config(ckpt, args, outputs):
             num=64,
         )
         cfg.bucket_config = {f"{16 * h}x{16 * w}": {1 + 4 * (t - 1): (1.0, 1)}}
-        model = mmdit_config(
-            "1b",
-            hidden_size=TINY["hidden"],
-            num_heads=TINY["heads"],
-            depth_double=TINY["depth_double"],
-            depth_single=TINY["depth_single"],
-            text_dim=TINY["text_dim"],
-            pooled_dim=TINY["pooled_dim"],
-            axes_dims=TINY["axes"],
-        )
-        cfg.model = model
+        cfg.model = model_config(TINY)
     d, s = ckpt_counts(ckpt, dict(depth_double=len_blocks(cfg, "double"), depth_single=len_blocks(cfg, "single")))
     cfg.model.update(grad_ckpt_double=d, grad_ckpt_single=s)
     for key, value in overrides.items():
