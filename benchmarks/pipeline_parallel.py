@@ -33,9 +33,11 @@ frame: with a 4x temporal VAE the video frames/s would be 4x the number printed,
 
 import argparse
 import copy
+import cProfile
 import datetime
 import itertools
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -51,6 +53,7 @@ import torch.nn as nn  # noqa: E402
 from opensora.diffusion.guidance import text_cfg  # noqa: E402
 from opensora.diffusion.sampling import euler_step, timesteps_for_sampling  # noqa: E402
 from opensora.inference.chunk_graphs import ChunkGraphs  # noqa: E402
+from opensora.inference.io import uint8_frames_on_device  # noqa: E402
 from opensora.inference.pipeline_parallel import OVERLAP_MODES, Lanes, Plan, choose_split, run_plan  # noqa: E402
 from opensora.inference.pipeline_stages import (  # noqa: E402
     BidirectionalStages,
@@ -98,9 +101,13 @@ class StandInDecoder(nn.Module):
         )
 
     @torch.no_grad()
+    def decode(self, latent):
+        """Latent -> float video [B, 3, T, H, W] in [-1, 1], the autoencoder API the streaming generator calls."""
+        return self.net(latent.to(self.net[0].weight.dtype)).float().tanh()
+
+    @torch.no_grad()
     def forward(self, latent):
-        video = self.net(latent.to(self.net[0].weight.dtype)).float().tanh()
-        return ((video + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 4, 1)
+        return uint8_frames_on_device(self.decode(latent))
 
 
 class BenchSampler:
@@ -166,6 +173,23 @@ def timed(fn, devices, repeats):
     return statistics.median(times), outs
 
 
+def host_profile(fn, devices, top: int = 25) -> list:
+    """Where one run's host time goes (cProfile, the ``top`` functions by own time): the graphed pipeline is
+    issued by one host thread, so its wall time is the host's whenever that thread is the bottleneck."""
+    profiler = cProfile.Profile()
+    sync(devices)
+    profiler.enable()
+    fn()
+    sync(devices)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [
+        dict(fn=f"{Path(f).name}:{line}:{name}", calls=nc, own_ms=round(tt * 1e3, 2), cum_ms=round(ct * 1e3, 2))
+        for (f, line, name), (_, nc, tt, ct, _) in rows
+    ]
+
+
 def max_diff(a, b):
     if a.dtype == torch.uint8:
         a, b = a.int(), b.int()
@@ -218,6 +242,9 @@ def main(argv=None):
         type=float,
         default=360.0,
         help="skip the remaining configurations (bidirectional included) once the run has taken this long",
+    )
+    parser.add_argument(
+        "--host-profile", action="store_true", help="one more run per 2-GPU mode under cProfile (top functions)"
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, both stages on the CPU")
     args = parser.parse_args(argv)
@@ -408,6 +435,7 @@ def main(argv=None):
 
             t, outs = timed(pipelined, devices, args.repeats)
             prof = pipelined(profile=True)
+            host_top = host_profile(pipelined, devices) if args.host_profile else None
             runs = [as_lists(o) for o in outs + [prof]]
             lanes_summary = prof.summary.get("lanes", {})
             row["modes"][mode] = dict(
@@ -424,6 +452,7 @@ def main(argv=None):
                 host_issue_ms=prof.summary.get("host_issue_ms"),
                 ms_per_kind=prof.summary.get("ms_per_kind"),
                 graphs=None if runners is None else [r.summary for r in runners],
+                host_profile=host_top,
             )
             runners = None
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -543,6 +572,7 @@ def bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtyp
 
             t, outs = timed(pipelined, devices, args.repeats)
             prof = pipelined(profile=True)
+            host_top = host_profile(pipelined, devices) if args.host_profile else None
             diffs = [
                 max(
                     max(max_diff(o.latents[(g, 0)], refs[g][0].cpu()), max_diff(o.frames[(g, 0)], refs[g][1].cpu()))
@@ -559,6 +589,7 @@ def bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtyp
                 max_abs_diff=max(diffs),
                 runs_checked=len(diffs),
                 busy=[lanes_summary.get(f"gpu{i}", {}).get("busy_fraction") for i in (0, 1)],
+                host_profile=host_top,
             )
         rows.append(row)
         print_row(row)

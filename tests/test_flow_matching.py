@@ -206,3 +206,37 @@ def test_drop_text_forced_and_edge_probabilities():
     assert not none.any() and all_.all()
     with pytest.raises(KeyError, match="pooled"):
         drop_text(text, {k: v for k, v in null.items() if k != "pooled"}, 0.5)
+
+
+def _device_scalar_reference(x0, noise, t):
+    """``add_noise`` as first written: ``t`` as a 0-dim tensor on ``x0``'s device."""
+    tb = torch.as_tensor(t, dtype=x0.dtype, device=x0.device)
+    return (1 - tb) * x0 + tb * noise
+
+
+def _check_host_scalar_time(device):
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x0 = torch.randn(3, 16, 3, 8, 8, generator=g).to(device, dtype)
+        noise = torch.randn(3, 16, 3, 8, 8, generator=g).to(device, dtype)
+        for t in (0.75, 0.5, 0.25, 0.1234567, 1 / 3, 0.0, 1.0, 1):
+            out = add_noise(x0, noise, t)
+            assert out.device == x0.device and out.dtype == dtype
+            assert torch.equal(out, _device_scalar_reference(x0, noise, t)), (dtype, t)
+
+
+def test_host_scalar_time_gives_the_device_scalar_result_on_cpu():
+    _check_host_scalar_time("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_scalar_time_gives_the_device_scalar_result_on_cuda_without_a_sync():
+    """A host float ``t`` must not cost a blocking host-to-device copy, and must round as a device scalar does."""
+    _check_host_scalar_time("cuda")
+    x0 = torch.randn(2, 4, 8, 8, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        add_noise(x0, torch.randn_like(x0), 0.3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

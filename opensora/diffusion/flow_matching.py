@@ -128,7 +128,13 @@ def sample_training_timesteps(
 # Interpolation and targets
 # ----------------------------------------------------------------------------------------------------------
 def _broadcast_time(t, like: torch.Tensor) -> torch.Tensor:
-    """``t`` (scalar, ``[]`` or ``[B]``) as a tensor shaped ``[B, 1, 1, ...]`` matching ``like``."""
+    """``t`` (scalar, ``[]`` or ``[B]``) as a tensor shaped ``[B, 1, 1, ...]`` matching ``like``.
+
+    A host number stays a 0-dim CPU tensor of ``like``'s dtype: device kernels take it as a scalar of the same
+    value, so the result is the same, without the blocking host-to-device copy a device scalar would cost
+    (it stalled the streaming samplers' loops once per re-noised step)."""
+    if isinstance(t, (int, float)):
+        return torch.tensor(t, dtype=like.dtype)
     t = torch.as_tensor(t, dtype=like.dtype, device=like.device)
     if t.ndim == 0:
         return t

@@ -15,7 +15,8 @@ forward, since a batch of 2 runs other GEMM shapes than two batches of 1 and so 
 
 from __future__ import annotations
 
-from typing import Callable, List, Mapping, Optional, Sequence
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -233,6 +234,7 @@ def sample_microbatched(
 # Streaming (causal MMDiT with KV caches), chunk by chunk: the math of ``streaming.StreamingGenerator``
 # ----------------------------------------------------------------------------------------------------------
 STEP_RULES = ("renoise", "euler")
+_REUSED_ENTRIES = 64  # CausalStreamingStages._reused: RoPE tables of ~16 chunk starts x masks x a few groups
 
 
 def chunk_update(
@@ -266,6 +268,7 @@ class StreamNoise:
         self.gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
         self.channels, self.hw, self.times = channels, tuple(hw), list(times)
         self.rule, self.context_t = rule, context_t
+        self.ready: Deque[Tuple[int, tuple]] = deque()  # (frames, chunk noise) drawn ahead by ``draw_ahead``
 
     def draw(self, frames: int) -> torch.Tensor:
         from opensora.inference.pipeline import noise_from_generators
@@ -274,10 +277,36 @@ class StreamNoise:
 
     def chunk(self, frames: int):
         """(initial x, [noise per step or None], context noise or None)."""
+        if self.ready:
+            drawn_frames, drawn = self.ready.popleft()
+            if drawn_frames != frames:
+                raise ValueError(f"noise was drawn ahead for a chunk of {drawn_frames} frames, asked for {frames}")
+            return drawn
         x = self.draw(frames)
         steps = [self.draw(frames) if self.rule == "renoise" and t_next != 0 else None for t_next in self.times[1:]]
         context = self.draw(frames) if self.context_t != 0 else None
         return x, steps, context
+
+    def draw_ahead(self, chunk_frames: Sequence[int], pin: bool) -> None:
+        """Draw the noise of the next chunks now (the same values, in the same order) into one host buffer, pinned
+        for a GPU: one page-locked allocation instead of one per tensor (each cost ~2 ms of host time, on the one
+        thread that issues both GPUs of the pipeline). ``chunk`` then hands the views out in order."""
+        drawn = [(f, self.chunk(f)) for f in chunk_frames]
+        tensors = [t for _, (x, steps, ctx) in drawn for t in (x, *steps, ctx) if t is not None]
+        flat = torch.empty(sum(t.numel() for t in tensors), pin_memory=pin)
+        offset = 0
+
+        def place(t):
+            nonlocal offset
+            if t is None:
+                return None
+            view = flat[offset : offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            offset += t.numel()
+            return view
+
+        for f, (x, steps, ctx) in drawn:
+            self.ready.append((f, (place(x), [place(n) for n in steps], place(ctx))))
 
 
 def _rows(texts: Sequence[Mapping], key: str):
@@ -422,6 +451,12 @@ class CausalStreamingStages:
         ]
         self.decoders = [make_decoder() for _ in self.groups] if make_decoder is not None else None
         self.rows = [len(g["seeds"]) * (2 if self.cfg_rows else 1) for g in self.groups]
+        self._reused_tensors: Dict[tuple, Any] = {}
+        chunk_frames = [
+            min(self.chunk_frames, self.total_frames - s) for s in range(0, self.total_frames, self.chunk_frames)
+        ]
+        for noise in self.noise:
+            noise.draw_ahead(chunk_frames, pin=lanes.cuda)
 
     @staticmethod
     def plan_for(
@@ -457,15 +492,24 @@ class CausalStreamingStages:
         context = None if context is None else to_device_async(context, dev0)
         pt, ph, pw = model.patch_size
         grid = (frames // pt, self.hw[0] // ph, self.hw[1] // pw)
-        rope = model.rope(grid, self.text[group][0]["text_emb"].shape[1], dev0, time_offset=start // pt)
+        num_text = self.text[group][0]["text_emb"].shape[1]
+
+        def rope_tables():
+            rope = model.rope(grid, num_text, dev0, time_offset=start // pt)
+            return rope, lanes.pull(rope, lanes.event(0), 1)
+
+        rope, rope1 = self._reused(("rope", grid, num_text, start), rope_tables)
         rows = self.rows[group]
-        t = [torch.full((rows,), tk, device=dev0, dtype=self.dtype) for tk in self.times[:-1]]
-        if self.plan.refill:
-            t.append(torch.full((rows,), self.context_t, device=dev0, dtype=self.dtype))
+        pass_times = [*self.times[:-1], *([self.context_t] if self.plan.refill else [])]
+        t = self._reused(
+            ("t", rows), lambda: [torch.full((rows,), tk, device=dev0, dtype=self.dtype) for tk in pass_times]
+        )
         cond = None
         if getattr(model, "cond_channels", None):  # text-to-video: the all-zero condition
-            cond = torch.zeros(rows, model.cond_channels, frames, *self.hw, device=dev0, dtype=self.dtype)
-        rope1 = lanes.pull(rope, lanes.event(0), 1)
+            cond = self._reused(
+                ("cond", rows, frames),
+                lambda: torch.zeros(rows, model.cond_channels, frames, *self.hw, device=dev0, dtype=self.dtype),
+            )
         return dict(
             x=x,
             steps=steps,
@@ -479,6 +523,19 @@ class CausalStreamingStages:
             cond=cond,
             group=group,
         )
+
+    def _reused(self, key: tuple, make: Callable):
+        """A read-only tensor (tree) the passes share: RoPE tables per chunk start, timestep rows, the zero
+        condition, attention masks. Made once instead of per chunk and pass: with graphed stages one host thread
+        issues both GPUs, so the launches that rebuild them would be the bottleneck; the same tensors also skip
+        the graphs' static-input copies (``_Statics.load`` copies a source only when it changed). The oldest
+        entries go first past ``_REUSED_ENTRIES`` (a RoPE table per chunk start: a long stream makes many)."""
+        value = self._reused_tensors.get(key)
+        if value is None:
+            value = self._reused_tensors[key] = make()
+            while len(self._reused_tensors) > _REUSED_ENTRIES:
+                self._reused_tensors.pop(next(iter(self._reused_tensors)))
+        return value
 
     def text_key(self, step: int) -> float:
         """The text-cache key of a pass (``StreamingGenerator``'s: the pass time, a host float)."""
@@ -495,7 +552,11 @@ class CausalStreamingStages:
         key = self.text_key(step)
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
         tokens = ctx["grid"][0] * ctx["grid"][1] * ctx["grid"][2]
-        inputs["mask"] = model.chunk_mask(text_mask, num_text, tokens, past, self.lanes.devices[lane])
+        device = self.lanes.devices[lane]
+        inputs["mask"] = self._reused(
+            ("mask", lane, g, branch, num_text, tokens, past),
+            lambda: model.chunk_mask(text_mask, num_text, tokens, past, device),
+        )
 
         def eager():
             text_kv = None if text_cache is None else text_cache.get(key)
