@@ -45,3 +45,9 @@ def test_slow_machine_shrinks_every_variant_alike_to_fit(tmp_path):
     for index, steps in plan["steps"].items():
         sampling = sum(demo_sweep.sampling_seconds(x, step_s[index]) for x in demo_sweep.VARIANTS[index].samplings)
         assert 15.0 + steps * step_s[index] + sampling < seconds_left
+
+
+def test_step_time_leaves_the_warm_up_out():
+    rows = [dict(step=i + 1, loss=1.0, step_time=2.0 if i < 10 else 0.2) for i in range(50)]
+    assert demo_sweep.median_step_seconds(rows) == 0.2
+    assert demo_sweep.median_step_seconds(rows[:3]) == 2.0  # a smoke probe: every step counts
