@@ -9,7 +9,7 @@ A config lists its networks under ``models``, one entry per role::
     )
 
 Plain training may use Open-Sora's top-level keys instead (``model``, ``lr``, ``optimizer``, ``warmup_steps``,
-``grad_clip``, ``ema_decay``, ``ema_start_step``, ``ema_warmup``, ``init_from``, ``lora``): a shorthand for the single trainable role
+``grad_clip``, ``ema_decay``, ``ema_start_step``, ``ema_warmup``, ``init_from``, ``lora``, ``lr_decay``): a shorthand for the single trainable role
 ``model``, expanded by ``role_configs`` and nowhere else. A key that would be ignored is an error that names it:
 a shorthand key next to ``models`` (set it to None in a config that inherits it), ``lr`` given twice (top level and
 ``optimizer.lr``), or an unknown key inside a role. Unset keys take ``ROLE_DEFAULTS``.
@@ -19,13 +19,15 @@ import copy
 import difflib
 from typing import Any, Dict, Mapping
 
-from opensora.config import ConfigKeyError
+from opensora.config import ConfigKeyError, ConfigValueError
+from opensora.lr_schedule import lr_decay_settings
 
 ROLE_DEFAULTS = dict(
     trainable=True,
     precision="bf16",  # a frozen role is cast to it; a trainable one trains in it (the booster's mixed precision)
     optimizer=dict(type="AdamW", lr=1e-4, betas=(0.9, 0.95), eps=1e-15, weight_decay=0.01),
     warmup_steps=0,  # constant_with_warmup, counted in this role's optimizer steps
+    lr_decay=None,  # dict(type="cosine" | "linear", fraction=..., min_factor=0.0): opensora.lr_schedule
     grad_clip=None,  # max global grad norm; None: no clipping
     ema=None,  # dict(decay=..., start_step=0, warmup=True): an EMA of the weights, kept on rank 0
     init_from=None,  # a checkpoint / safetensors path, or dict(path=..., role="model", ema=True)
@@ -45,6 +47,7 @@ SHORTHAND_KEYS = (
     "ema_warmup",
     "init_from",
     "lora",
+    "lr_decay",
 )
 
 
@@ -63,6 +66,12 @@ def _with_defaults(name: str, role: Mapping) -> Dict[str, Any]:
     entry checked and completed (``opensora.lora.lora_settings``)."""
     out = {**copy.deepcopy(ROLE_DEFAULTS), **copy.deepcopy(dict(role))}
     out["optimizer"] = optimizer_settings(out["optimizer"])
+    try:
+        out["lr_decay"] = lr_decay_settings(out["lr_decay"], where=f"models.{name}.lr_decay")
+    except KeyError as error:
+        raise ConfigKeyError(error.args[0]) from None
+    except ValueError as error:
+        raise ConfigValueError(str(error)) from None
     if out["lora"] is not None:
         from opensora.lora import lora_settings
 
@@ -94,7 +103,7 @@ def _expand_shorthand(cfg: Mapping) -> Dict[str, Any]:
             raise ConfigKeyError(f"'lr' is given twice (lr={cfg['lr']} and optimizer.lr={optimizer['lr']}): keep one")
         optimizer["lr"] = cfg["lr"]
     role = dict(model=cfg["model"], optimizer=optimizer)
-    for key in ("precision", "warmup_steps", "grad_clip", "init_from", "lora"):
+    for key in ("precision", "warmup_steps", "grad_clip", "init_from", "lora", "lr_decay"):
         if cfg.get(key) is not None:
             role[key] = cfg[key]
     if cfg.get("ema_decay") is not None:

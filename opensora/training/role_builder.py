@@ -14,20 +14,12 @@ import torch
 import torch.nn as nn
 
 from opensora.dtypes import resolve_dtype
+from opensora.lr_schedule import lr_lambda, warmup_lambda  # noqa: F401  (warmup_lambda: tests import it here)
 from opensora.registry import MODELS, build_module
 from opensora.role_config import optimizer_settings
 from opensora.roles import Components, Role
 from opensora.training.booster import PLUGIN_REGISTRY, build_booster
 from opensora.training.ema import EMA
-
-
-def warmup_lambda(warmup_steps: int):
-    """constant_with_warmup: linear ramp over ``warmup_steps`` optimizer steps, the first step already > 0."""
-
-    def factor(step: int) -> float:
-        return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
-
-    return factor
 
 
 def build_optimizer(params, cfg: Mapping) -> torch.optim.Optimizer:
@@ -87,8 +79,11 @@ def check_plugin_fits_role(name: str, cfg: Mapping, plugin_cfg: Mapping) -> None
         )
 
 
-def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapping, is_main: bool) -> Role:
-    """Build one role from its resolved config (``role_configs``); boost it when trainable."""
+def build_role(
+    name: str, cfg: Mapping, components: Components, plugin_cfg: Mapping, is_main: bool, max_steps: int | None = None
+) -> Role:
+    """Build one role from its resolved config (``role_configs``); boost it when trainable. ``max_steps``: the
+    run's, the horizon of an ``lr_decay`` that gives no ``total_steps``."""
     check_plugin_fits_role(name, cfg, plugin_cfg)
     # on a GPU the weights are created there: initialising an 11B model on the CPU takes minutes
     on_gpu = components.device.type == "cuda"
@@ -119,7 +114,8 @@ def build_role(name: str, cfg: Mapping, components: Components, plugin_cfg: Mapp
         # built from the fp32 weights before the booster casts them; warmup unless the config turns it off
         ema = EMA(model, **{"warmup": True, **dict(ema_cfg)})
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg["optimizer"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(int(cfg["warmup_steps"])))
+    factor = lr_lambda(int(cfg["warmup_steps"]), cfg.get("lr_decay"), max_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     booster = build_booster(plugin_cfg, mixed_precision=precision)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     return Role(

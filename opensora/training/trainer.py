@@ -73,7 +73,7 @@ class Trainer:
         )
 
         self.roles: Dict[str, Role] = {
-            name: build_role(name, role_cfg, self.components, cfg.plugin, self.is_main)
+            name: build_role(name, role_cfg, self.components, cfg.plugin, self.is_main, self.max_steps)
             for name, role_cfg in role_cfgs.items()
         }
         self.method = build_module(cfg.method, METHODS, roles=self.roles, components=self.components)

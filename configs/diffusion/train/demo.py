@@ -26,6 +26,7 @@ model = mmdit_config("tiny", in_channels=48, cond_channels=49)  # cond: mask + m
 # ---- optimisation: Open-Sora's top-level keys, the shorthand for the single role "model" ----------------------
 lr = 1e-3
 warmup_steps = 50
+lr_decay = None  # constant lr after warmup; dict(type="cosine", fraction=0.5) decays it (opensora/lr_schedule.py)
 grad_clip = 1.0
 ema_decay = 0.99
 ema_start_step = 0
