@@ -255,7 +255,8 @@ def test_cli_jano_settings_are_the_config_fields():
     from opensora.inference import cli
 
     assert cli.INFERENCE_FLAGS["jano"] is False and cli.INFERENCE_FLAGS["jano_offload"] is False
-    names = {f.name for f in fields(JanoConfig)} - {"store"}
+    assert cli.INFERENCE_FLAGS["jano_graphs"] is False
+    names = {f.name for f in fields(JanoConfig)} - {"store", "graphs"}
     assert set(cli.INFERENCE_FLAGS["jano_settings"]) == names
     assert JanoConfig(**cli.INFERENCE_FLAGS["jano_settings"]) == JanoConfig()
 
