@@ -82,6 +82,7 @@ class _Segment:
         self.lo, self.hi, self.reads, self.stores = lo, hi, tuple(reads), tuple(stores)
         self.store = _SegmentStore()
         self.out_slot: Optional[int] = None
+        self.body = None  # the segment's eager code (RegionGraphs._body), made once
         self.replay = None  # set by RegionGraphs._record
         self.graph = None
         self.captured: Dict[str, torch.Tensor] = {}  # the fetched entries the graph read at capture
@@ -321,8 +322,9 @@ class RegionGraphs:
                 done = None if segment.out_slot is None else self._out_done[segment.out_slot]
                 if done is not None:  # the slot's last contents have crossed the bus
                     backend.wait(backend.current_stream(), done)
-            body = self._body(entry, index, level, store, store_medium, capturable, has_padding)
-            self._replay(entry, segment, body)
+            if segment.body is None:
+                segment.body = self._body(entry, index, level, store, store_medium, capturable, has_padding)
+            self._replay(entry, segment, segment.body)
             if not capturable:
                 for key in segment.reads:
                     store.release(key)
