@@ -40,7 +40,9 @@ gathered per row) and the blocks' ``kv_hook`` seam; the model has no branch for 
 store (offload.py): on the device, the dual-stream ``PackedOffloadManager`` (``--jano-offload``), or a naive synchronous
 offload. Keys follow
 the spec: ``{s|m}_kv_{layer}`` (keys and values stacked, [2, rows, heads, tokens, head_dim]) and ``{s|m}_x``
-(final-layer outputs, [rows, tokens, patch features]).
+(final-layer outputs, [rows, tokens, patch features]). ``--jano-graphs`` (``JanoConfig.graphs``) replays every level
+as CUDA graphs (region_graphs.py) against stores at fixed addresses (``StaticDeviceStore``, or the packed manager with
+fixed slots); off, the eager forward below runs as before.
 """
 
 from __future__ import annotations
