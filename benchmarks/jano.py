@@ -291,7 +291,13 @@ def part_levels(model, inputs, plan, args) -> dict:
             )
         seconds, _, _ = timed(lambda: model(**inputs), args.level_repeats, warmup=2)
         out["model.forward"] = dict(ms=seconds * 1000, computed_tokens=plan.num_tokens)
-        graphed, graph_summary = part_levels_graphed(forward, model, inputs, plan, args) if CUDA else (None, None)
+        graphed, graph_summary = None, None
+        if CUDA:
+            try:  # new code on the GPU: a failure here must not cost the rest of the run
+                graphed, graph_summary = part_levels_graphed(forward, model, inputs, plan, args)
+            except Exception as error:  # noqa: BLE001
+                graph_summary = dict(error=f"{type(error).__name__}: {error}")
+                print(f"[levels] graphed levels failed: {graph_summary['error']}", flush=True)
     full_ms = out[LEVEL_NAMES[FULL]]["ms"]
     for row in out.values():
         row["speedup_vs_full"] = full_ms / row["ms"]
@@ -782,87 +788,100 @@ def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
         return keys
 
     trajectories = {}  # kind -> its trajectory, for the paired runs below
-    with torch.no_grad():
-        for kind, (make, store_all_medium) in offload_variants(device).items():
-            allocated_before = torch.cuda.memory_allocated() if CUDA else 0  # earlier variants stay alive (pairs)
-            store = make()
-            forward = RegionGraphs(eager_forward) if kind in GRAPHED else eager_forward
-            reserve(forward, store, plan, model, inputs)
+    failed = {}  # variant -> why it failed (only the graphed ones may; the others raise)
 
-            marks, host = [], []  # CUDA events between the steps of the last trajectory; host seconds to queue it
+    def run_variant(kind, make, store_all_medium):
+        allocated_before = torch.cuda.memory_allocated() if CUDA else 0  # earlier variants stay alive (pairs)
+        store = make()
+        forward = RegionGraphs(eager_forward) if kind in GRAPHED else eager_forward
+        reserve(forward, store, plan, model, inputs)
 
-            def trajectory(store=store, store_all_medium=store_all_medium, forward=forward):
-                marks.clear()
-                outs = []
-                t0 = time.perf_counter()
-                for i, level in enumerate(schedule):
-                    if CUDA:
-                        marks.append(torch.cuda.Event(enable_timing=True))
-                        marks[-1].record()
-                    following = schedule[i + 1] if i + 1 < len(schedule) else None
-                    medium = store_all_medium or jano.medium_read_later(lambda j: schedule[j], i, len(schedule))
-                    outs.append(run_level(forward, store, plan, inputs, level, following, medium, lambda: upcoming(i)))
+        marks, host = [], []  # CUDA events between the steps of the last trajectory; host seconds to queue it
+
+        def trajectory(store=store, store_all_medium=store_all_medium, forward=forward):
+            marks.clear()
+            outs = []
+            t0 = time.perf_counter()
+            for i, level in enumerate(schedule):
                 if CUDA:
                     marks.append(torch.cuda.Event(enable_timing=True))
                     marks[-1].record()
-                host.append(time.perf_counter() - t0)
-                return outs
-
-            if any(kind in pair for pair in PAIRS):
-                trajectories[kind] = trajectory
+                following = schedule[i + 1] if i + 1 < len(schedule) else None
+                medium = store_all_medium or jano.medium_read_later(lambda j: schedule[j], i, len(schedule))
+                outs.append(run_level(forward, store, plan, inputs, level, following, medium, lambda: upcoming(i)))
             if CUDA:
-                torch.cuda.reset_peak_memory_stats()
-            stats_before = dict(getattr(store, "stats", {}) or {})
-            seconds, all_seconds, outs = timed(trajectory, args.offload_repeats, warmup=1)
-            outputs[kind] = outs[-1]
-            results[kind] = dict(
-                ms_per_step=seconds * 1000 / len(schedule),
-                ms_all=[s * 1000 for s in all_seconds],
-                host_ms_per_step=statistics.median(host[1:] or host) * 1000 / len(schedule),
-                cache_device_bytes=store.device_bytes(),
-                peak_allocated_bytes=torch.cuda.max_memory_allocated() if CUDA else None,
-                peak_over_start_bytes=torch.cuda.max_memory_allocated() - allocated_before if CUDA else None,
-                medium_stored_always=store_all_medium,
-            )
-            if CUDA:
-                torch.cuda.synchronize()
-                per_level = {}
-                for level, start, end in zip(schedule, marks[:-1], marks[1:]):
-                    per_level.setdefault(LEVEL_NAMES[level], []).append(start.elapsed_time(end))
-                results[kind]["ms_per_level"] = {k: statistics.median(v) for k, v in per_level.items()}
-            if kind in GRAPHED:
-                results[kind]["graphs"] = forward.summary
-                results[kind]["graph_buffer_bytes"] = forward.device_bytes()
-            manager = store if isinstance(store, MANAGERS) else getattr(store, "offload", None)
-            if isinstance(manager, MANAGERS):
-                runs = 1 + args.offload_repeats
-                results[kind]["host_bytes"] = manager.host_bytes()
-                results[kind]["stats"] = dict(manager.stats)
-                results[kind]["ring_size"] = manager.ring_size
-                for name in ("h2d_bytes", "d2h_bytes", "slot_hits", "h2d_copies", "d2h_copies"):
-                    if name not in manager.stats:
-                        continue
-                    done = manager.stats[name] - stats_before.get(name, 0)
-                    results[kind][f"{name}_per_step"] = done / runs / len(schedule)
-            if kind in profiled and CUDA:
-                from torch.profiler import ProfilerActivity, profile
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
+            host.append(time.perf_counter() - t0)
+            return outs
 
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    trajectory()
-                    sync()
-                with tempfile.TemporaryDirectory() as tmp:
-                    path = str(Path(tmp) / "trace.json")
-                    prof.export_chrome_trace(path)
-                    results[kind]["profile"] = copy_overlap(path)
-                    results[kind]["profile"]["compute_gaps"] = compute_gaps(path)
-                    if args.trace:
-                        trace = Path(args.trace)
-                        trace.mkdir(parents=True, exist_ok=True)
-                        import gzip
+        if any(kind in pair for pair in PAIRS):
+            trajectories[kind] = trajectory
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        stats_before = dict(getattr(store, "stats", {}) or {})
+        seconds, all_seconds, outs = timed(trajectory, args.offload_repeats, warmup=1)
+        outputs[kind] = outs[-1]
+        results[kind] = dict(
+            ms_per_step=seconds * 1000 / len(schedule),
+            ms_all=[s * 1000 for s in all_seconds],
+            host_ms_per_step=statistics.median(host[1:] or host) * 1000 / len(schedule),
+            cache_device_bytes=store.device_bytes(),
+            peak_allocated_bytes=torch.cuda.max_memory_allocated() if CUDA else None,
+            peak_over_start_bytes=torch.cuda.max_memory_allocated() - allocated_before if CUDA else None,
+            medium_stored_always=store_all_medium,
+        )
+        if CUDA:
+            torch.cuda.synchronize()
+            per_level = {}
+            for level, start, end in zip(schedule, marks[:-1], marks[1:]):
+                per_level.setdefault(LEVEL_NAMES[level], []).append(start.elapsed_time(end))
+            results[kind]["ms_per_level"] = {k: statistics.median(v) for k, v in per_level.items()}
+        if kind in GRAPHED:
+            results[kind]["graphs"] = forward.summary
+            results[kind]["graph_buffer_bytes"] = forward.device_bytes()
+        manager = store if isinstance(store, MANAGERS) else getattr(store, "offload", None)
+        if isinstance(manager, MANAGERS):
+            runs = 1 + args.offload_repeats
+            results[kind]["host_bytes"] = manager.host_bytes()
+            results[kind]["stats"] = dict(manager.stats)
+            results[kind]["ring_size"] = manager.ring_size
+            for name in ("h2d_bytes", "d2h_bytes", "slot_hits", "h2d_copies", "d2h_copies"):
+                if name not in manager.stats:
+                    continue
+                done = manager.stats[name] - stats_before.get(name, 0)
+                results[kind][f"{name}_per_step"] = done / runs / len(schedule)
+        if kind in profiled and CUDA:
+            from torch.profiler import ProfilerActivity, profile
 
-                        with gzip.open(trace / f"trace_{kind}.json.gz", "wt") as f:
-                            f.write(Path(path).read_text())
-            del store
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                trajectory()
+                sync()
+            with tempfile.TemporaryDirectory() as tmp:
+                path = str(Path(tmp) / "trace.json")
+                prof.export_chrome_trace(path)
+                results[kind]["profile"] = copy_overlap(path)
+                results[kind]["profile"]["compute_gaps"] = compute_gaps(path)
+                if args.trace:
+                    trace = Path(args.trace)
+                    trace.mkdir(parents=True, exist_ok=True)
+                    import gzip
+
+                    with gzip.open(trace / f"trace_{kind}.json.gz", "wt") as f:
+                        f.write(Path(path).read_text())
+        del store
+
+    with torch.no_grad():
+        for kind, (make, store_all_medium) in offload_variants(device).items():
+            try:
+                run_variant(kind, make, store_all_medium)
+            except Exception as error:  # noqa: BLE001  (a new variant failing must not cost the measured ones)
+                if kind not in GRAPHED:
+                    raise
+                failed[kind] = f"{type(error).__name__}: {error}"
+                print(f"[offload] variant {kind} failed: {failed[kind]}", flush=True)
+                for table in (trajectories, results, outputs):
+                    table.pop(kind, None)
         paired = {}
         for baseline, candidate in PAIRS if CUDA else ():
             if baseline not in trajectories or candidate not in trajectories:
@@ -894,7 +913,9 @@ def part_offload(model, inputs, plan, args, bandwidth=None) -> dict:
         equal = bool(torch.equal(outputs["offload_graphs"], outputs["device_graphs"]))
         results["offload_graphs"]["output_equal_to_device_graphs"] = equal
     sizes = entry_bytes(model, inputs, plan)
-    out = dict(schedule=schedule, stores=results, cache_bytes=sum(sizes.values()), paired=paired)
+    out = dict(
+        schedule=schedule, stores=results, cache_bytes=sum(sizes.values()), paired=paired, failed_variants=failed
+    )
     if bandwidth and "ms_per_level" in results["device"]:
         out["floor"] = floors(
             schedule, level_traffic(schedule, plan, layers, sizes), results["device"]["ms_per_level"], bandwidth
@@ -1023,6 +1044,8 @@ def summary(result: dict) -> list:
                     f"{gaps['compute_span_us'] / 1e3:.1f} ms; copies on the compute stream "
                     f"{gaps['compute_stream_copies']}"
                 )
+        for kind, why in (offload.get("failed_variants") or {}).items():
+            lines.append(f"  {kind} FAILED: {why}")
         paired = offload.get("paired") or {}
         for row in paired.values():
             lines.append(
@@ -1046,7 +1069,7 @@ def summary(result: dict) -> list:
             ("offload", "device", "offload <= 3% slower than on-GPU caches"),
             ("offload_graphs", "device_graphs", "offload + graphs <= 3% slower than on-GPU caches + graphs"),
         ):
-            if kind not in offload["stores"]:
+            if kind not in offload["stores"] or baseline not in offload["stores"]:
                 continue
             pair = paired.get(f"{kind}_vs_{baseline}")
             if pair:
