@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 15 on one GPU: the GPU tests of the region cache and the OffloadManager, then benchmarks/jano.py (quality on the
-# MovingShapes teacher, per-level step time at the 1B shape, offload vs on-GPU caches with a profile).
+# Issue 15 on one GPU: the GPU tests of the region cache, the OffloadManager and the level graphs, then
+# benchmarks/jano.py (quality on the MovingShapes teacher, per-level step time at the 1B shape, eager and as CUDA
+# graphs, offload vs on-GPU caches with a profile, with and without graphs).
 #   bash benchmarks/gpu_jano.sh [TEACHER_CKPT_DIR]
 # Without a checkpoint it first trains the teacher for TEACHER_MINUTES (default 4) as gpu_moving_shapes.sh does (without
 # that script's own scoring). Env: PARTS (default quality,levels,offload), TESTS=0 skips the pytest GPU tests,
@@ -14,7 +15,7 @@ mkdir -p "$results"
 export PYTHONUNBUFFERED=1
 ckpt=${1:-}
 if [ "${TESTS:-1}" != 0 ]; then
-    python3 -m pytest -q -m gpu tests/test_jano.py tests/test_offload.py 2>&1 | tail -n 3 || echo "GPU TESTS FAILED"
+    python3 -m pytest -q -m gpu tests/test_jano.py tests/test_offload.py tests/test_region_graphs.py 2>&1 | tail -n 3 || echo "GPU TESTS FAILED"
 fi
 if [ -z "$ckpt" ] && [[ "$parts" == *quality* ]]; then
     torchrun --standalone --nproc_per_node 1 scripts/diffusion/train.py configs/diffusion/train/moving_shapes_gpu.py \

@@ -255,7 +255,8 @@ def test_cli_jano_settings_are_the_config_fields():
     from opensora.inference import cli
 
     assert cli.INFERENCE_FLAGS["jano"] is False and cli.INFERENCE_FLAGS["jano_offload"] is False
-    names = {f.name for f in fields(JanoConfig)} - {"store"}
+    assert cli.INFERENCE_FLAGS["jano_graphs"] is False
+    names = {f.name for f in fields(JanoConfig)} - {"store", "graphs"}
     assert set(cli.INFERENCE_FLAGS["jano_settings"]) == names
     assert JanoConfig(**cli.INFERENCE_FLAGS["jano_settings"]) == JanoConfig()
 
@@ -310,6 +311,7 @@ def test_cli_jano_flag_samples_and_records_its_settings(tmp_path):
             "--no-progress",
             "--jano",
             "--jano-offload",
+            "--jano-graphs",
             "--jano-settings.warmup_steps",
             "2",
             "--jano-settings.cooldown_steps",
@@ -319,6 +321,7 @@ def test_cli_jano_flag_samples_and_records_its_settings(tmp_path):
     assert len(written) == 2
     side = json.loads(written[0].with_suffix(".json").read_text())
     assert side["jano"]["warmup_steps"] == 2 and side["jano"]["store"] == "offload"  # a CPU run keeps it on the CPU
+    assert side["jano"]["graphs"] is True  # off the GPU the levels run eagerly
 
 
 def test_jano_with_three_guidance_passes_keeps_a_region_set_per_row():

@@ -50,7 +50,7 @@ def _clone_tree(out):
     return _clone(out)
 
 
-class _Statics:
+class StaticInputs:
     """The static input buffers of one pass shape, and which source tensors they last received."""
 
     def __init__(self, inputs: Dict[str, Optional[torch.Tensor]]):
@@ -85,7 +85,7 @@ class ChunkGraphs:
     def __init__(self, model, memory: Optional[GraphMemory] = None):
         self.model = model
         self.memory = memory if memory is not None else GraphMemory()  # pool, output and cached-video buffers
-        self.statics: Dict[tuple, _Statics] = {}
+        self.statics: Dict[tuple, StaticInputs] = {}
         self.graphs: Dict[tuple, _Graph] = {}
         self.failed: set = set()
         self.failures: List[str] = []
@@ -231,7 +231,7 @@ class ChunkGraphs:
         text_kv = text_cache.get(text_key)
         statics = self.statics.get(shape)
         if statics is None:
-            statics = self.statics[shape] = _Statics(inputs)
+            statics = self.statics[shape] = StaticInputs(inputs)
         for name, source in inputs.items():
             if source is not None:
                 statics.load(name, source, always=name in fresh)
@@ -265,7 +265,7 @@ class ChunkGraphs:
             cache.append(new, start_frame, frames, frames_per_group=model.patch_size[0])
         return out
 
-    def _capture(self, statics: _Statics, past, text_static, lo, hi, num_text: int, grid, store: bool) -> _Graph:
+    def _capture(self, statics: StaticInputs, past, text_static, lo, hi, num_text: int, grid, store: bool) -> _Graph:
         """A graph of ``chunk_stage`` on ``statics`` and the static cached video ``past`` (and, on a text-cache hit,
         the static text keys/values); the chunk's keys/values are an output of storing passes only. Outputs are
         copied into ``memory``'s shared buffers inside the graph (a graph keeps none of its pool alive)."""

@@ -46,6 +46,7 @@ INFERENCE_FLAGS = {
     "progress": True,
     "jano": False,  # Jano region-aware caching (opensora/inference/jano.py); settings under jano_settings
     "jano_offload": False,  # with --jano: keep its caches in pinned CPU memory, prefetched on a side stream
+    "jano_graphs": False,  # with --jano: replay each step level as CUDA graphs (GPU only; region_graphs.py)
     # JanoConfig's fields; override one with e.g. --jano-settings.warmup_steps 4
     "jano_settings": dict(
         warmup_steps=6,
@@ -130,7 +131,7 @@ def check_inference_flags(args) -> None:
         others = [
             flag
             for flag, on in (
-                ("--jano", args.jano or args.jano_offload),
+                ("--jano", args.jano or args.jano_offload or args.jano_graphs),
                 ("--streaming", args.streaming),
                 ("--pp-devices", args.pp_devices),
             )
@@ -272,11 +273,12 @@ def _sample(
         progress=bool(args.progress) and writes,
     )
     sampler.set_sequence_parallel(sp)
-    if args.jano or args.jano_offload:
+    if args.jano or args.jano_offload or args.jano_graphs:
         from opensora.inference.jano import JanoCache, JanoConfig
 
         store = "offload" if args.jano_offload else "device"
-        sampler.accelerator = JanoCache(JanoConfig(**dict(args.jano_settings or {}), store=store))
+        settings = dict(args.jano_settings or {}, store=store, graphs=bool(args.jano_graphs))
+        sampler.accelerator = JanoCache(JanoConfig(**settings))
     weights = sampler.weights
     latent_size = sampler.latent_size(num_frames, height, width)
     logger.info(

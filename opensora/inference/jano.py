@@ -40,7 +40,9 @@ gathered per row) and the blocks' ``kv_hook`` seam; the model has no branch for 
 store (offload.py): on the device, the dual-stream ``PackedOffloadManager`` (``--jano-offload``), or a naive synchronous
 offload. Keys follow
 the spec: ``{s|m}_kv_{layer}`` (keys and values stacked, [2, rows, heads, tokens, head_dim]) and ``{s|m}_x``
-(final-layer outputs, [rows, tokens, patch features]).
+(final-layer outputs, [rows, tokens, patch features]). ``--jano-graphs`` (``JanoConfig.graphs``) replays every level
+as CUDA graphs (region_graphs.py) against stores at fixed addresses (``StaticDeviceStore``, or the packed manager with
+fixed slots); off, the eager forward below runs as before.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class JanoConfig:
     batch_quantile: float = 1.0  # token counts over rows: 1 = the largest (exact superset); see RegionPlan
     share_branches: bool = True  # the guidance branches of a sample share its regions (Jano: one mask)
     store: str = "device"  # device | offload (PackedOffloadManager) | offload_slots | offload_static | naive
+    graphs: bool = False  # replay each level's region forward as CUDA graphs (region_graphs.py; --jano-graphs)
 
     def __post_init__(self):
         if self.warmup_steps < 2:
@@ -187,6 +190,21 @@ class RegionPlan:
         return keys
 
 
+def entry_shapes(model, rows: int, plan: RegionPlan, num_layers: int) -> dict:
+    """Shape of every cache entry, in reservation order (medium, then static; layers, then outputs)."""
+    heads = model.num_heads
+    head_dim = model.hidden_size // heads
+    features = model.final_layer.linear.out_features
+    shapes = {}
+    for part, count in (("m", plan.k_medium - plan.k_active), ("s", plan.num_tokens - plan.k_medium)):
+        if count == 0:
+            continue
+        for layer in range(num_layers):
+            shapes[f"{part}_kv_{layer}"] = (2, rows, heads, count, head_dim)
+        shapes[f"{part}_x"] = (rows, count, features)
+    return shapes
+
+
 def _gather_tokens(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """[R, N, F] rows picked by ``index`` [R, K] -> [R, K, F]."""
     return torch.gather(tokens, 1, index[..., None].expand(-1, -1, tokens.shape[-1]))
@@ -233,6 +251,18 @@ class RegionForward:
     ) -> torch.Tensor:
         """``store_medium=False``: a level-2 step does not store its medium entries (the caller knows no step reads
         them before they are overwritten, so they need not cross the bus)."""
+        state = self.prepare(
+            level, x, timestep, text_emb, text_mask, pooled, cond, guidance, text_mask_has_padding, plan, store
+        )
+        hooks = self.hooks(level, plan, store, state["n_txt"], store_medium)
+        self.run_layers(state, 0, self.num_layers, hooks)
+        return self.finish(state, level, plan, store, store_medium)
+
+    def prepare(
+        self, level, x, timestep, text_emb, text_mask, pooled, cond, guidance, text_mask_has_padding, plan, store
+    ) -> dict:
+        """The work before the first block: checks, embeddings, RoPE rows and (below level 3) the token subset.
+        Returns the forward's state (``run_layers`` and ``finish`` carry it on; ``region_graphs`` cuts it there)."""
         m = self.model
         if x.dim() != 5 or x.shape[1] != m.in_channels:
             raise ValueError(f"x must be [B, {m.in_channels}, T, H, W], got {tuple(x.shape)}")
@@ -266,21 +296,39 @@ class RegionForward:
         img = m.img_in(patches)
         if cond_patches is not None:
             img = img + m.cond_in(cond_patches)
+        return dict(img=img, txt=txt, vec=vec, rope=rope, mask=mask, grid=grid, n_txt=n_txt)
 
-        hooks = [None] * self.num_layers
-        if level != FULL:
-            hooks = [self._kv_hook(level, plan, store, layer, n_txt, store_medium) for layer in range(self.num_layers)]
+    def hooks(self, level, plan, store, n_txt: int, store_medium: bool = True) -> list:
+        """The ``kv_hook`` of every layer (double blocks first) at ``level``."""
+        if level == FULL:
+            return [None] * self.num_layers
+        return [self._kv_hook(level, plan, store, layer, n_txt, store_medium) for layer in range(self.num_layers)]
+
+    def run_layers(self, state: dict, lo: int, hi: int, hooks) -> None:
+        """Layers ``lo`` to ``hi - 1`` (double blocks, then single blocks) on ``state``, in place."""
+        m = self.model
         depth_double = len(m.double_blocks)
-        for i, block in enumerate(m.double_blocks):
-            img, txt = block(img, txt, vec, rope, mask, kv_hook=hooks[i])
-        tokens = torch.cat((txt, img), dim=1)
-        for i, block in enumerate(m.single_blocks):
-            tokens = block(tokens, vec, rope, mask, kv_hook=hooks[depth_double + i])
-        out = m.final_layer(tokens[:, n_txt:], vec)
+        vec, rope, mask = state["vec"], state["rope"], state["mask"]
+        for i in range(lo, hi):
+            if i < depth_double:
+                state["img"], state["txt"] = m.double_blocks[i](
+                    state["img"], state["txt"], vec, rope, mask, kv_hook=hooks[i]
+                )
+                continue
+            if "tokens" not in state:
+                state["tokens"] = torch.cat((state.pop("txt"), state.pop("img")), dim=1)
+            state["tokens"] = m.single_blocks[i - depth_double](state["tokens"], vec, rope, mask, kv_hook=hooks[i])
+
+    def finish(self, state: dict, level, plan, store, store_medium: bool = True) -> torch.Tensor:
+        """The final layer on ``state`` (after every block), the cached outputs, and the video layout."""
+        m = self.model
+        if "tokens" not in state:
+            state["tokens"] = torch.cat((state.pop("txt"), state.pop("img")), dim=1)
+        out = m.final_layer(state["tokens"][:, state["n_txt"] :], state["vec"])
         if level != FULL:
             out = self._outputs(level, plan, store, out, store_medium)
             store.flush()  # a store that batches its copies issues this step's last ones now
-        return unpatchify(out, grid, m.patch_size)
+        return unpatchify(out, state["grid"], m.patch_size)
 
     @staticmethod
     def _kv_hook(level, plan: RegionPlan, store, layer: int, n_txt: int, store_medium: bool = True):
@@ -414,13 +462,15 @@ class JanoCache(_Accelerator):
 
     Args:
         config: ``JanoConfig`` (or a dict of its fields). store: a cache store (offload.py); by default the one
-        ``config.store`` names, made for the model's device at the first call.
+        ``config.store`` names, made for the model's device at the first call. graphs: with ``config.graphs``, the
+        class that wraps the ``RegionForward`` (default ``region_graphs.RegionGraphs``).
     """
 
-    def __init__(self, config=None, store=None):
+    def __init__(self, config=None, store=None, graphs=None):
         super().__init__()
         self.config = config if isinstance(config, JanoConfig) else JanoConfig(**(config or {}))
         self.store = store
+        self.graphs_class = graphs  # with config.graphs: the class that replays the levels (tests pass a fake)
         self.levels: List[int] = []
         self.forced_levels: Optional[List[int]] = None  # benchmarks: a fixed schedule
         self.forced_classes: Optional[torch.Tensor] = None  # benchmarks: fixed regions [R, N]
@@ -456,8 +506,12 @@ class JanoCache(_Accelerator):
     ):
         if self._forward is None or self._forward.model is not model:
             self._forward = RegionForward(model)
+            if self.config.graphs:
+                from .region_graphs import RegionGraphs
+
+                self._forward = (self.graphs_class or RegionGraphs)(self._forward)
         if self.store is None:
-            self.store = make_store(self.config.store, x.device)
+            self.store = make_store(self.config.store, x.device, graphs=self.config.graphs)
         grid = tuple(s // p for s, p in zip(x.shape[2:], model.patch_size))
         if self._level(self.step) != FULL and self.plan is None:
             self.plan = self._make_plan(model, x, cond, grid)
@@ -559,17 +613,9 @@ class JanoCache(_Accelerator):
 
     def _reserve(self, model, x, plan: RegionPlan) -> None:
         """Announce every entry to the store (the offload manager allocates its pinned buffers here, once)."""
-        rows, heads = x.shape[0], model.num_heads
-        head_dim = model.hidden_size // heads
-        features = model.final_layer.linear.out_features
         dtype = model.img_in.weight.dtype
-        sizes = dict(m=plan.k_medium - plan.k_active, s=plan.num_tokens - plan.k_medium)
-        for part, count in sizes.items():
-            if count == 0:
-                continue
-            for layer in range(self._forward.num_layers):
-                self.store.reserve(f"{part}_kv_{layer}", (2, rows, heads, count, head_dim), dtype)
-            self.store.reserve(f"{part}_x", (rows, count, features), dtype)
+        for key, shape in entry_shapes(model, x.shape[0], plan, self._forward.num_layers).items():
+            self.store.reserve(key, shape, dtype)
         self.store.allocate()
 
 

@@ -84,6 +84,32 @@ class DeviceStore:
         return sum(t.numel() * t.element_size() for t in self._entries.values() if t.device.type != "cpu")
 
 
+class StaticDeviceStore(DeviceStore):
+    """Entries on the device at fixed addresses: one buffer per entry, made at ``reserve``, that every store copies
+    into. What a CUDA graph of a level needs (``capturable``: its verbs are device copies and look-ups, so a graph
+    captures them); the copy makes it bit-identical to ``DeviceStore``."""
+
+    capturable = True
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+        self.layout = object()  # replaced whenever a buffer is made anew: graphs that read the old ones are stale
+
+    def reserve(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> None:
+        buffer = self._entries.get(key)
+        if buffer is None or tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype:
+            self._entries[key] = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+            self.layout = object()
+
+    def store_async(self, tensor: torch.Tensor, key: str) -> None:
+        self.reserve(key, tensor.shape, tensor.dtype)
+        self._entries[key].copy_(tensor)
+
+    def clear(self) -> None:
+        """Buffers are kept (a refresh writes every entry before a step reads it)."""
+
+
 class NaiveOffload(DeviceStore):
     """Synchronous ``.cpu()`` on store and ``.to(device)`` on fetch: the baseline the prefetching manager must beat."""
 
@@ -456,15 +482,16 @@ class OffloadManager:
         return sum(t.numel() * t.element_size() for t in self._pinned.values())
 
 
-def make_store(kind: str, device) -> object:
+def make_store(kind: str, device, graphs: bool = False) -> object:
     """``"device"`` (caches on the GPU), ``"offload"`` (PackedOffloadManager: what --jano-offload runs),
     ``"offload_slots"`` (the per-entry slot-ring OffloadManager), ``"offload_static"`` (static entries offloaded,
-    medium ones on the GPU), ``"naive"`` (sync .cpu()/.to())."""
+    medium ones on the GPU), ``"naive"`` (sync .cpu()/.to()). ``graphs``: the stores CUDA graphs of the levels read
+    at fixed addresses (``StaticDeviceStore``; a ``PackedOffloadManager`` with ``fixed_slots``)."""
     device = torch.device(device)
     if kind == "device" or device.type == "cpu":
-        return DeviceStore()
+        return StaticDeviceStore(device) if graphs and device.type != "cpu" else DeviceStore()
     if kind == "offload":
-        return PackedOffloadManager(device)
+        return PackedOffloadManager(device, fixed_slots=graphs)
     if kind == "offload_slots":
         return OffloadManager(device)
     if kind == "naive":
@@ -550,10 +577,10 @@ class _Chunk:
 class _Queued:
     """One queued read of a chunk: where it went (slot, event) and how many of its entries are not yet released."""
 
-    __slots__ = ("chunk", "remaining", "slot", "event", "waited", "views")
+    __slots__ = ("chunk", "index", "remaining", "slot", "event", "waited", "views")
 
-    def __init__(self, chunk):
-        self.chunk, self.remaining = chunk, len(chunk.keys)
+    def __init__(self, chunk, index: int = 0):
+        self.chunk, self.index, self.remaining = chunk, index, len(chunk.keys)
         self.slot = self.event = self.views = None
         self.waited = False
 
@@ -587,7 +614,9 @@ class PackedOffloadManager:
     Args:
         device: the compute device. slot_bytes: target size of a chunk (and of a staging slot). slots: staging slots
         (chunks in flight: 2 double-buffers, 3 lets the copies run two chunks ahead). flush_bytes: store batch size.
-        backend: ``CudaBackend(device)`` by default (tests pass a fake).
+        backend: ``CudaBackend(device)`` by default (tests pass a fake). fixed_slots: chunk i of a step's plan always
+        goes to slot i % slots (it waits for that slot rather than taking the first free one), so an entry of a step
+        is always at the same device address: what CUDA graphs of the levels need (region_graphs.py).
     """
 
     def __init__(
@@ -597,6 +626,7 @@ class PackedOffloadManager:
         slots: int = 3,
         flush_bytes: int = 64 * 2**20,
         backend=None,
+        fixed_slots: bool = False,
     ):
         if slots < 1 or slot_bytes < 1:
             raise ValueError(f"slots and slot_bytes must be >= 1, got {slots}, {slot_bytes}")
@@ -605,6 +635,7 @@ class PackedOffloadManager:
         self.store_stream = self.backend.new_stream()
         self.slot_bytes, self.slots, self.flush_bytes = int(slot_bytes), int(slots), int(flush_bytes)
         self.ring_size = slots  # the benchmark's name for it
+        self.fixed_slots = bool(fixed_slots)
         # layout: key -> (shape, dtype, offset, nbytes, capacity)
         self._specs: Dict[str, tuple] = {}
         self._used = 0
@@ -792,6 +823,11 @@ class PackedOffloadManager:
             self._plans[keys] = chunks
         return chunks
 
+    def chunk_of(self, keys: Sequence[str]) -> Dict[str, int]:
+        """Key -> the index of the chunk it is prefetched in when ``keys`` (a step's reading order) are queued at
+        once (with ``fixed_slots``, chunk i goes to slot i % slots)."""
+        return {key: index for index, chunk in enumerate(self._plan(tuple(keys))) for key in chunk.keys}
+
     def _ensure_ring(self, chunks) -> None:
         need = max(chunk.nbytes for chunk in chunks)
         if self._ring is not None and need <= self._ring_slot_bytes:
@@ -823,8 +859,8 @@ class PackedOffloadManager:
         self._ensure_block()
         chunks = self._plan(keys)
         self._ensure_ring(chunks)
-        for chunk in chunks:
-            entry = _Queued(chunk)
+        for index, chunk in enumerate(chunks):
+            entry = _Queued(chunk, index)
             self._pending.append(entry)
             for key in chunk.keys:
                 queued[key] = entry
@@ -856,9 +892,16 @@ class PackedOffloadManager:
             self.flush()  # a queued read sees every store made before it is issued
         backend, data = self.backend, self.data_stream
         while self._pending and self._free:
-            entry = self._pending.popleft()
+            entry = self._pending[0]
+            if self.fixed_slots:
+                slot = entry.index % self.slots
+                if slot not in self._free:
+                    break  # in order: the chunk waits for its own slot
+                self._free.remove(slot)
+            else:
+                slot = self._free.popleft()
+            self._pending.popleft()
             chunk = entry.chunk
-            slot = self._free.popleft()
             released = self._slot_released.pop(slot, None)
             if released is not None:
                 backend.wait(data, released)  # the compute stream is done with the slot's last chunk
