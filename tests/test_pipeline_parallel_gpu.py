@@ -186,3 +186,24 @@ def test_a_graph_captured_on_the_second_gpu_while_the_first_is_current_replays_i
     torch.cuda.synchronize(1)
     assert holder["out"].device == torch.device("cuda", 1)
     torch.testing.assert_close(holder["out"], a @ a)
+
+
+def test_cli_two_gpu_streaming_writes_the_one_gpu_streaming_videos(tmp_path):
+    """``inference.py --streaming --pp-devices cuda:0,cuda:1`` (graphed stages, the default on GPUs) writes the
+    frames that ``--streaming`` on one GPU (graphed chunk passes) writes, for each overlap mode."""
+    from test_streaming import random_causal_checkpoint
+
+    from opensora.datasets.video_io import read_video
+    from opensora.inference import cli
+
+    config, ckpt = random_causal_checkpoint(tmp_path, depth=2)
+    common = [str(config), "--ckpt", str(ckpt), "--prompt", "a red circle moving left", "--streaming"]
+    common += ["--num-frames", "32", "--resolution", "32x32", "--step-list", "1.0,0.5", "--guidance-scale", "2.0"]
+    common += ["--window-frames", "8", "--progress", "false", "--dtype", "bf16"]
+    one = cli.main(common + ["--device", "cuda:0", "--save-dir", str(tmp_path / "one")])
+    reference = read_video(one[0])
+    for mode in OVERLAP_MODES:
+        two = cli.main(
+            common + ["--pp-devices", ",".join(DEVICES), "--pp-overlap", mode, "--save-dir", str(tmp_path / mode)]
+        )
+        assert torch.equal(torch.as_tensor(read_video(two[0])), torch.as_tensor(reference)), mode

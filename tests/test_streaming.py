@@ -132,29 +132,37 @@ def test_bidirectional_model_is_refused():
         StreamingGenerator(tiny_sampler(causal_chunk_frames=0))
 
 
-def test_cli_streaming_appends_each_chunk_to_the_mp4_before_the_next_is_made(tmp_path):
-    """A 4x-long video (64 frames, the demo trains on 16) from a random causal checkpoint: after every chunk, the
-    mp4 already decodes what was generated so far but the newest frame (see stream_writer.py)."""
+def random_causal_checkpoint(tmp_path, depth: int = 1):
+    """(inference config, checkpoint) of a small random causal MMDiT (chunks of 4 latent frames) on the demo's
+    inference config, for CLI tests."""
     from pathlib import Path
 
     from safetensors.torch import save_file
 
     from opensora.config import load_config
-    from opensora.datasets.video_io import read_video
-    from opensora.inference import cli
     from opensora.inference.pipeline import role_model_config
 
     root = Path(__file__).resolve().parents[1]
     config = tmp_path / "causal_demo.py"
     config.write_text(
         f"_base_ = [{str(root / 'configs/diffusion/inference/demo.py')!r}]\n"
-        "model = dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6),"
+        f"model = dict(hidden_size=32, num_heads=2, depth_double={depth}, depth_single={depth}, axes_dims=(4, 6, 6),"
         " causal_chunk_frames=4)\n"
     )
     model = build_module(role_model_config(load_config(str(config))), MODELS)
     torch.manual_seed(0)
     weights = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
     save_file(weights, tmp_path / "causal.safetensors")
+    return config, tmp_path / "causal.safetensors"
+
+
+def test_cli_streaming_appends_each_chunk_to_the_mp4_before_the_next_is_made(tmp_path):
+    """A 4x-long video (64 frames, the demo trains on 16) from a random causal checkpoint: after every chunk, the
+    mp4 already decodes what was generated so far but the newest frame (see stream_writer.py)."""
+    from opensora.datasets.video_io import read_video
+    from opensora.inference import cli
+
+    config, ckpt = random_causal_checkpoint(tmp_path)
     seen = []
 
     def on_chunk(chunk, paths):
@@ -167,7 +175,7 @@ def test_cli_streaming_appends_each_chunk_to_the_mp4_before_the_next_is_made(tmp
         [
             str(config),
             "--ckpt",
-            str(tmp_path / "causal.safetensors"),
+            str(ckpt),
             "--prompt",
             "a red circle moving left",
             "--streaming",
@@ -395,3 +403,12 @@ def test_decode_ahead_hands_out_the_serial_frames_after_enqueueing_the_next_chun
             y.cache_bytes,
         )
     assert ahead_passes[:-1] == serial_passes[1:] and ahead_passes[-1] == serial_passes[-1]
+
+
+def test_cli_refuses_an_unknown_stream_graphs_choice(tmp_path):
+    from opensora.cli_errors import UserInputError
+    from opensora.inference import cli
+
+    config, ckpt = random_causal_checkpoint(tmp_path)
+    with pytest.raises(UserInputError, match="--stream-graphs"):
+        cli.main([str(config), "--ckpt", str(ckpt), "--streaming", "--stream-graphs", "maybe", "--device", "cpu"])

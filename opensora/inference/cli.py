@@ -17,7 +17,7 @@ from pathlib import Path
 from opensora.checkpoint_layout import checkpoint_root, find_latest_checkpoint
 from opensora.cli_errors import UserInputError, check_range, run_cli
 from opensora.config import load_config_from_cli, save_config
-from opensora.inference.pipeline_cli import PIPELINE_FLAGS
+from opensora.inference.pipeline_cli import PIPELINE_FLAGS, STREAM_GRAPHS_CHOICES, streaming_options
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,10 @@ def check_inference_flags(args) -> None:
         ]
         if others:
             raise UserInputError(f"--sequence-parallel-size > 1 does not combine with {' / '.join(others)}: pick one")
+    if str(args.stream_graphs).lower() not in STREAM_GRAPHS_CHOICES:
+        raise UserInputError(
+            f"--stream-graphs must be one of {', '.join(STREAM_GRAPHS_CHOICES)}, got {args.stream_graphs!r}"
+        )
     if args.streaming and args.jano:
         raise UserInputError(
             "--jano caches a bidirectional sampler's steps; --streaming has its own KV cache: pick one"
@@ -377,16 +381,7 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
         raise UserInputError(
             "--streaming and --jano do not combine (the KV cache and the region cache share the attention seam)"
         )
-    generator = StreamingGenerator(
-        sampler,
-        step_list=args.step_list,
-        num_steps=int(args.num_steps),
-        rollout=str(args.rollout),
-        guidance_scale=float(args.guidance_scale),
-        sink_frames=int(args.sink_frames),
-        window_frames=None if args.window_frames is None else int(args.window_frames),
-        context_time=float(args.context_time),
-    )
+    generator = StreamingGenerator(sampler, **streaming_options(args, sampler.device))
     record = dict(
         common,
         streaming=True,
