@@ -50,9 +50,19 @@ def _attention_body(rank, world_size, dtype, cuda=False):
     return dict(results=results, scale=want.abs().max().item())
 
 
-@pytest.mark.parametrize("world_size, dtype", [(2, torch.float32), (2, torch.bfloat16), (4, torch.float32)])
-def test_sampling_exchange_attention_is_bitwise_the_old_one(world_size, dtype):
-    for r in run_distributed(_attention_body, world_size=world_size, args=(dtype,)):
+@pytest.mark.parametrize(
+    "world_size, dtype, cuda",
+    [
+        (2, torch.float32, False),
+        (2, torch.bfloat16, False),
+        (4, torch.float32, False),
+        pytest.param(2, torch.bfloat16, True, marks=pytest.mark.gpu),
+    ],
+)
+def test_sampling_exchange_attention_is_bitwise_the_old_one(world_size, dtype, cuda):
+    if cuda and torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    for r in run_distributed(_attention_body, world_size=world_size, args=(dtype,), kwargs=dict(cuda=cuda)):
         assert r["scale"] > 0.1, r
         for name, (shape, diff) in r["results"].items():
             assert shape[1] in (8, 5) and shape[2] == 32 and diff == 0, (name, shape, diff)
