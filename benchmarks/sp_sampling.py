@@ -14,7 +14,7 @@ Under torchrun the world is one sequence-parallel group (``--sequence-parallel-s
 reports the median of ``--repeats`` timed denoising loops after one warm-up loop, and saves the final latents
 (``--latents PATH``, rank 0) so the two runs' outputs can be compared: ``--compare A.pt B.pt`` prints the max and
 relative differences (every exchange variant of a 2-GPU run against the 1-GPU latents). Speed-up = 1-GPU seconds /
-2-GPU seconds from the two JSON files.
+2-GPU seconds from the two JSON files (``--speedup ONE.json TWO.json`` prints it per variant).
 
 ``--exchange old,direct,staged,direct-late`` times several sampling exchanges (opensora/parallel/sampling_exchange.py;
 ``-late``: every exchange issued after the last RoPE) in one process pair, interleaved repeat by repeat, so drift of
@@ -124,9 +124,15 @@ def main():
     )
     parser.add_argument("--profile", action="store_true", help="profile one more loop: GPU time by kernel kind")
     parser.add_argument("--compare", nargs=2, default=None, help="two saved latents files: print their difference")
+    parser.add_argument("--speedup", nargs=2, default=None, help="1-GPU and 2-GPU JSON results: speed-up per variant")
     args = parser.parse_args()
     if args.compare:
         print(json.dumps(compare_latents(*(torch.load(p) for p in args.compare)), indent=1))
+        return
+    if args.speedup:
+        one, many = (json.loads(Path(p).read_text())["median_s"] for p in args.speedup)
+        one = next(iter(one.values())) if isinstance(one, dict) else one
+        print(json.dumps({name: dict(s=s, speedup=round(one / s, 4)) for name, s in many.items()}, indent=1))
         return
 
     if args.tiny:
