@@ -16,8 +16,9 @@ reports the median of ``--repeats`` timed denoising loops after one warm-up loop
 relative differences (every exchange variant of a 2-GPU run against the 1-GPU latents). Speed-up = 1-GPU seconds /
 2-GPU seconds from the two JSON files (``--speedup ONE.json TWO.json`` prints it per variant).
 
-``--exchange old,direct,staged,direct-late`` times several sampling exchanges (opensora/parallel/sampling_exchange.py;
-``-late``: every exchange issued after the last RoPE) in one process pair, interleaved repeat by repeat, so drift of
+``--exchange old,direct,staged,direct-late,direct-row`` times several sampling exchanges
+(opensora/parallel/sampling_exchange.py; ``-late``: every exchange issued after the last RoPE, ``-row``: each batch
+row's as soon as it is ready, plain: each tensor's) in one process pair, interleaved repeat by repeat, so drift of
 the machine hits all alike; each variant's latents must be bitwise those of the first.
 """
 
@@ -84,11 +85,12 @@ def kernel_time_by_kind(loop, cuda: bool) -> dict:
 
 
 def exchange_variant(sp, name: str):
-    """The SequenceGroup of a ``--exchange`` name: old | direct | staged, ``-late`` for no early issue."""
-    mode, late = name.removesuffix("-late"), name.endswith("-late")
-    if mode not in EXCHANGES:
-        raise SystemExit(f"--exchange {name}: choose from {EXCHANGES}, optionally with -late")
-    return dataclasses.replace(sp, sampling_exchange=mode, early_exchange=not late)
+    """The SequenceGroup of a ``--exchange`` name: old | direct | staged, optionally ``-late`` or ``-row`` (when the
+    exchanges start; plain: per tensor)."""
+    mode, _, issue = name.partition("-")
+    if mode not in EXCHANGES or issue not in ("", "late", "row"):
+        raise SystemExit(f"--exchange {name}: choose from {EXCHANGES}, optionally with -late or -row")
+    return dataclasses.replace(sp, sampling_exchange=mode, exchange_issue=issue or "tensor")
 
 
 def compare_latents(a, b) -> dict:
@@ -120,7 +122,7 @@ def main():
     parser.add_argument(
         "--exchange",
         default="direct",
-        help="comma-separated sampling exchanges to time interleaved: old, direct, staged, each optionally -late",
+        help="comma-separated sampling exchanges to time interleaved: old, direct, staged, optionally -late / -row",
     )
     parser.add_argument("--profile", action="store_true", help="profile one more loop: GPU time by kernel kind")
     parser.add_argument("--compare", nargs=2, default=None, help="two saved latents files: print their difference")

@@ -11,7 +11,7 @@ from test_sp_sampling import GEN, PROMPTS, SAMPLE_CONFIG, weights  # noqa: F401 
 from dist_utils import run_distributed
 from opensora.config import load_config
 
-MODES = [("direct", True), ("direct", False), ("staged", True), ("staged", False)]
+MODES = [(mode, issue) for mode in ("direct", "staged") for issue in ("tensor", "late", "row")]
 
 
 def _attention_body(rank, world_size, dtype, cuda=False):
@@ -39,14 +39,17 @@ def _attention_body(rank, world_size, dtype, cuda=False):
     results = {}
     with torch.no_grad():
         want = joint_attention_of_streams(streams, rope, mask, "auto", old)
-        for mode, early in MODES:
-            sp = dataclasses.replace(old, sampling_exchange=mode, early_exchange=early)
-            got = joint_attention_of_streams(streams, rope, mask, "auto", sp)
-            results[f"{mode}-{early}"] = (list(got.shape), (got.float() - want.float()).abs().max().item())
         video_rope = tuple(table[n_txt:] for table in rope)  # one stream (a single block), no mask
-        single = joint_attention_of_streams(streams[1:], video_rope, None, "auto", sp)
-        single_old = joint_attention_of_streams(streams[1:], video_rope, None, "auto", old)
-        results["single"] = (list(single.shape), (single.float() - single_old.float()).abs().max().item())
+        single_want = joint_attention_of_streams(streams[1:], video_rope, None, "auto", old)
+        for mode, issue in MODES:
+            sp = dataclasses.replace(old, sampling_exchange=mode, exchange_issue=issue)
+            got = joint_attention_of_streams(streams, rope, mask, "auto", sp)
+            results[f"{mode}-{issue}"] = (list(got.shape), (got.float() - want.float()).abs().max().item())
+            single = joint_attention_of_streams(streams[1:], video_rope, None, "auto", sp)
+            results[f"{mode}-{issue}-single"] = (
+                list(single.shape),
+                (single.float() - single_want.float()).abs().max().item(),
+            )
     return dict(results=results, scale=want.abs().max().item())
 
 
@@ -83,8 +86,8 @@ def _sampling_body(rank, world_size, weights_file, cuda=False):
     old = build_sequence_groups(world_size, sampling_exchange="old")
     latents, calls = {}, {}
     all_to_all, point_to_point = torch.distributed.all_to_all, exchange_module._PointToPoint.__init__
-    for mode, early in [("old", True), *MODES]:
-        name, counts = f"{mode}-{early}", {"all_to_all": 0, "point_to_point": 0}
+    for mode, issue in [("old", "tensor"), *MODES]:
+        name, counts = f"{mode}-{issue}", {"all_to_all": 0, "point_to_point": 0}
 
         def counting(fn, key):
             def call(*a, **k):
@@ -95,14 +98,14 @@ def _sampling_body(rank, world_size, weights_file, cuda=False):
 
         torch.distributed.all_to_all = counting(all_to_all, "all_to_all")
         exchange_module._PointToPoint.__init__ = counting(point_to_point, "point_to_point")
-        sampler.set_sequence_parallel(dataclasses.replace(old, sampling_exchange=mode, early_exchange=early))
+        sampler.set_sequence_parallel(dataclasses.replace(old, sampling_exchange=mode, exchange_issue=issue))
         latents[name] = sampler.generate(PROMPTS, [3, 4], **kwargs)[1]
         torch.distributed.all_to_all, exchange_module._PointToPoint.__init__ = all_to_all, point_to_point
         calls[name] = counts
-    ref = latents["old-True"]
+    ref = latents["old-tensor"]
     return dict(
         vs_old={k: (v - ref).abs().max().item() for k, v in latents.items()},
-        vs_one=(latents["direct-True"] - one).abs().max().item(),
+        vs_one=(latents["direct-tensor"] - one).abs().max().item(),
         old_vs_one=(ref - one).abs().max().item(),
         calls=calls,
         scale=one.abs().max().item(),

@@ -14,7 +14,8 @@ autograd, so any layout will do) every step writes where the next one reads:
   into the attention layout once.
 * The output goes back as one contiguous piece per (row, peer) of the attention output and is written once into
   [B, N/S, H*D] (old path: a chunk copy before and a concatenation after).
-* v's exchange is issued before q/k's RoPE runs and q's before k's (``early``), so they overlap that work.
+* v's exchange is issued before q/k's RoPE runs and q's before k's (``issue="tensor"``), or every batch row's as
+  soon as it is ready (``"row"``: only the last row of k waits for nobody), so they overlap that RoPE work.
 
 Arithmetic is unchanged (the same RoPE expression on the same shapes, the same attention call on the same
 contiguous [B, H/S, N, D] inputs, the same [B, N/S, H*D] output for the projections): results are bitwise those of
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 EXCHANGES = ("old", "direct", "staged")
+ISSUES = ("late", "tensor", "row")
 
 
 class _PointToPoint:
@@ -89,10 +91,10 @@ class _HeadsExchange:
     """One of q / k / v: this rank's tokens of all heads (``send``, peer-major) -> all tokens of this rank's heads
     (``heads``, [B, H/S, N, D] contiguous, rank-major tokens)."""
 
-    def __init__(self, send: torch.Tensor, sp, mode: str):
+    def __init__(self, send: torch.Tensor, sp, mode: str, heads: torch.Tensor):
         size, b, h_local, n_local, d = send.shape
-        self.heads = send.new_empty(b, h_local, size * n_local, d)
-        by_rank = self.heads.view(b, h_local, size, n_local, d)
+        self.heads = heads
+        by_rank = heads.view(b, h_local, size, n_local, d)
         peers = [r for r in range(size) if r != sp.rank]
         self.stage = None
         if mode == "direct":  # one piece per (row, head), received where attention reads it
@@ -106,11 +108,10 @@ class _HeadsExchange:
         by_rank[:, :, sp.rank].copy_(send[sp.rank])  # my own tokens of my heads, while the transfer runs
         self.by_rank = by_rank
 
-    def finish(self) -> torch.Tensor:
+    def finish(self) -> None:
         self.transfer.wait()
         for r, staged in (self.stage or {}).items():
             self.by_rank[:, :, r].copy_(staged)
-        return self.heads
 
 
 def _tokens_back(out: torch.Tensor, sp) -> torch.Tensor:
@@ -132,34 +133,46 @@ def _tokens_back(out: torch.Tensor, sp) -> torch.Tensor:
     return result.flatten(2)
 
 
-def exchanged_attention(streams: Sequence[Tuple], rope, attend, sp, mode: str, early: bool = True):
+def exchanged_attention(streams: Sequence[Tuple], rope, attend, sp, mode: str, issue: str = "tensor"):
     """Joint attention of the streams' tokens (text first) for sampling under sequence parallelism.
 
     ``streams``: one (q, k, v) per stream, each [B, H, n_stream/S, D] after QK-norm, any strides; ``rope``: this
     rank's (cos, sin) rows; ``attend(q, k, v)`` on [B, H/S, N, D] -> [B, N, (H/S)*D]. Returns [B, N/S, H*D], the
-    same bits as ``heads_to_tokens(attend(*tokens_to_heads(*rope(cat(streams)))))``."""
+    same bits as ``heads_to_tokens(attend(*tokens_to_heads(*rope(cat(streams)))))``. ``issue``: when each exchange
+    starts: ``"late"`` all after the last RoPE, ``"tensor"`` each of v, q, k as soon as it is ready, ``"row"`` each
+    batch row of each (RoPE is elementwise, so row by row it gives the same bits)."""
     if mode not in EXCHANGES[1:]:
         raise ValueError(f"unknown sampling exchange {mode!r}; choose one of {EXCHANGES}")
+    if issue not in ISSUES:
+        raise ValueError(f"unknown exchange issue {issue!r}; choose one of {ISSUES}")
     q_parts, k_parts, v_parts = ([s[i] for s in streams] for i in range(3))
-    if q_parts[0].shape[1] % sp.size:
+    batch, heads = q_parts[0].shape[:2]
+    if heads % sp.size:
         raise ValueError(
-            f"sequence parallelism over {sp.size} ranks needs the head count divisible by it, "
-            f"got {q_parts[0].shape[1]} heads"
+            f"sequence parallelism over {sp.size} ranks needs the head count divisible by it, got {heads} heads"
         )
     rotation = torch.complex(*rope)
-    sends, exchanges = [], []
+    rows = [slice(b, b + 1) for b in range(batch)] if issue == "row" else [slice(None)]
+    pending, exchanges, outputs = [], [], []
     for parts, rotate in ((v_parts, False), (q_parts, True), (k_parts, True)):  # v needs no RoPE: it goes first
         send = _peer_major(parts, sp.size)
-        if rotate:
-            _rope_into(parts, rotation, send)
-        else:
-            _write_tokens(parts, send.transpose(0, 1))
-        if early:  # in flight while the next tensor's RoPE runs
-            exchanges.append(_HeadsExchange(send, sp, mode))
-        sends.append(send)
-    if not early:
-        exchanges = [_HeadsExchange(send, sp, mode) for send in sends]
-    v, q, k = (x.finish() for x in exchanges)
+        out = send.new_empty(batch, heads // sp.size, sp.size * send.shape[3], send.shape[4])
+        outputs.append(out)
+        for row in rows:
+            row_send = send[:, row]
+            row_parts = [part[row] for part in parts]
+            if rotate:
+                _rope_into(row_parts, rotation, row_send)
+            else:
+                _write_tokens(row_parts, row_send.transpose(0, 1))
+            pending.append((row_send, out[row]))
+            if issue != "late":  # in flight while the next RoPE runs
+                exchanges.append(_HeadsExchange(row_send, sp, mode, out[row]))
+    if issue == "late":
+        exchanges = [_HeadsExchange(row_send, sp, mode, heads_out) for row_send, heads_out in pending]
+    for exchange in exchanges:
+        exchange.finish()
+    v, q, k = outputs
     return _tokens_back(attend(q, k, v), sp)
 
 

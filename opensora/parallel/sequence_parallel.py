@@ -31,15 +31,15 @@ class SequenceGroup:
     by default: on 2 H200s (NVLink) the NCCL kernels slowed the concurrent attention more than the overlap hid
     (2.45-2.46 vs 2.40-2.42 s per 1B long-video loop); it may pay where the link is slower. ``sampling_exchange``:
     how sampling (no autograd) moves q/k/v and the output, see sampling_exchange.py ("old": the training path);
-    ``early_exchange``: issue each tensor's exchange as soon as it is ready. The results are the same bits in every
-    mode."""
+    ``exchange_issue``: when those exchanges start ("late", "tensor", "row", see ``exchanged_attention``). The
+    results are the same bits in every mode."""
 
     group: Optional[dist.ProcessGroup]
     size: int
     rank: int
     overlap_rows: bool = False
     sampling_exchange: str = "direct"
-    early_exchange: bool = True
+    exchange_issue: str = "tensor"
 
     def local_slice(self, length: int, what: str) -> slice:
         if length % self.size:
@@ -64,7 +64,7 @@ class SequenceParallelModel:
 
 def build_sequence_groups(size: int, overlap_rows: bool = False, **options) -> SequenceGroup:
     """Split the world into consecutive groups of ``size`` ranks; return this rank's. Every rank must call it.
-    ``options``: the other ``SequenceGroup`` fields (``sampling_exchange``, ``early_exchange``)."""
+    ``options``: the other ``SequenceGroup`` fields (``sampling_exchange``, ``exchange_issue``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if size < 1 or world % size:
         raise ValueError(f"sequence_parallel_size={size} must divide the world size {world}")

@@ -158,7 +158,7 @@ def joint_attention_of_streams(streams, rope, mask, backend, sp=None, kv_hook=No
             lambda q, k, v: attention(q, k, v, mask=mask, backend=backend),
             sp,
             sp.sampling_exchange,
-            sp.early_exchange,
+            sp.exchange_issue,
         )
     q, k, v = (torch.cat(parts, dim=2) for parts in zip(*streams))
     return joint_attention(q, k, v, rope, mask, backend, sp, kv_hook)
