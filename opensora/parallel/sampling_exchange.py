@@ -64,11 +64,11 @@ def _rope_into(parts: Sequence[torch.Tensor], rotation: torch.Tensor, send: torc
     """``apply_rope`` (rope.py) of the token-concatenation of ``parts`` (each [B, H, n_i, D], any strides), written
     into ``send`` [S, B, H/S, N/S, D]. The same fp32 expression as rope.py on a tensor of the same shape, so the
     same bits; only where the inputs come from and the output goes differ."""
+    from opensora.models.mmdit.rope import rotate_pairs  # here: the mmdit package imports this module
+
     upcast = torch.empty(send.transpose(0, 1).shape, dtype=torch.float32, device=send.device)  # = [B, H, N/S, D]
     _write_tokens(parts, upcast)
-    pairs = torch.view_as_complex(upcast.flatten(1, 2).unflatten(-1, (-1, 2)))
-    rotated = torch.view_as_real(pairs * rotation).flatten(-2)
-    send.transpose(0, 1).copy_(rotated.view(upcast.shape))
+    send.transpose(0, 1).copy_(rotate_pairs(upcast.flatten(1, 2), rotation).view(upcast.shape))
 
 
 def _write_tokens(parts: Sequence[torch.Tensor], dest: torch.Tensor) -> None:
