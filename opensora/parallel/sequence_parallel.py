@@ -29,12 +29,17 @@ class SequenceGroup:
     """One sequence-parallel group: the process group, its size and this rank's index in it. ``overlap_rows``: when
     sampling with several batch rows, overlap the exchanges with attention row by row (``attention_row_by_row``). Off
     by default: on 2 H200s (NVLink) the NCCL kernels slowed the concurrent attention more than the overlap hid
-    (2.45-2.46 vs 2.40-2.42 s per 1B long-video loop); it may pay where the link is slower."""
+    (2.45-2.46 vs 2.40-2.42 s per 1B long-video loop); it may pay where the link is slower. ``sampling_exchange``:
+    how sampling (no autograd) moves q/k/v and the output, see sampling_exchange.py ("old": the training path);
+    ``exchange_issue``: when those exchanges start ("late", "tensor", "row", see ``exchanged_attention``). The
+    results are the same bits in every mode."""
 
     group: Optional[dist.ProcessGroup]
     size: int
     rank: int
     overlap_rows: bool = False
+    sampling_exchange: str = "direct"
+    exchange_issue: str = "tensor"
 
     def local_slice(self, length: int, what: str) -> slice:
         if length % self.size:
@@ -57,8 +62,9 @@ class SequenceParallelModel:
         raise NotImplementedError
 
 
-def build_sequence_groups(size: int, overlap_rows: bool = False) -> SequenceGroup:
-    """Split the world into consecutive groups of ``size`` ranks; return this rank's. Every rank must call it."""
+def build_sequence_groups(size: int, overlap_rows: bool = False, **options) -> SequenceGroup:
+    """Split the world into consecutive groups of ``size`` ranks; return this rank's. Every rank must call it.
+    ``options``: the other ``SequenceGroup`` fields (``sampling_exchange``, ``exchange_issue``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if size < 1 or world % size:
         raise ValueError(f"sequence_parallel_size={size} must divide the world size {world}")
@@ -67,7 +73,7 @@ def build_sequence_groups(size: int, overlap_rows: bool = False) -> SequenceGrou
         group = dist.new_group(list(range(start, start + size)))  # collective: all ranks create every group
         if start <= rank < start + size:
             mine = group
-    return SequenceGroup(group=mine, size=size, rank=rank % size, overlap_rows=overlap_rows)
+    return SequenceGroup(group=mine, size=size, rank=rank % size, overlap_rows=overlap_rows, **options)
 
 
 class _Exchange:

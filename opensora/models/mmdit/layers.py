@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from opensora.parallel.sampling_exchange import exchanged_attention
 from opensora.parallel.sequence_parallel import attention_row_by_row, heads_to_tokens, tokens_to_heads
 
 from . import fused as fused_ops
@@ -135,6 +136,34 @@ def mlp(hidden_size: int, mlp_ratio: float) -> nn.Sequential:
     )
 
 
+def uses_sampling_exchange(sp, kv_hook) -> bool:
+    """Whether attention under sequence parallelism takes the copy-saving sampling exchange (sampling_exchange.py):
+    no autograd, no kv_hook, and neither the row-by-row overlap nor the training path asked for."""
+    return (
+        sp is not None
+        and kv_hook is None
+        and sp.sampling_exchange != "old"
+        and not sp.overlap_rows
+        and not torch.is_grad_enabled()
+    )
+
+
+def joint_attention_of_streams(streams, rope, mask, backend, sp=None, kv_hook=None):
+    """``joint_attention`` of the token-concatenation of ``streams`` (one (q, k, v) per stream, text first), which
+    the sampling exchange reads without concatenating."""
+    if uses_sampling_exchange(sp, kv_hook):
+        return exchanged_attention(
+            streams,
+            rope,
+            lambda q, k, v: attention(q, k, v, mask=mask, backend=backend),
+            sp,
+            sp.sampling_exchange,
+            sp.exchange_issue,
+        )
+    q, k, v = (torch.cat(parts, dim=2) for parts in zip(*streams))
+    return joint_attention(q, k, v, rope, mask, backend, sp, kv_hook)
+
+
 def joint_attention(q, k, v, rope, mask, backend, sp=None, kv_hook=None):
     """RoPE on this rank's q/k, then attention over the joint sequence -> [B, N_local, hidden]. With sequence
     parallelism (``sp``, see opensora.parallel.sequence_parallel) q/k/v hold this rank's tokens and are exchanged for a head split
@@ -192,8 +221,8 @@ class DoubleStreamBlock(nn.Module):
             return gated_residual(img, i_gate2, self.img_mlp(modulate(img, i_shift2, i_scale2))), None
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
         txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(txt, t_shift1, t_scale1))
-        q, k, v = (torch.cat(pair, dim=2) for pair in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
-        out = joint_attention(q, k, v, rope, mask, self.attn_backend, self.sp, kv_hook)
+        streams = ((txt_q, txt_k, txt_v), (img_q, img_k, img_v))
+        out = joint_attention_of_streams(streams, rope, mask, self.attn_backend, self.sp, kv_hook)
         txt_len = txt.shape[1]
         txt_out, img_out = out[:, :txt_len], out[:, txt_len:]
 
@@ -255,7 +284,12 @@ class SingleStreamBlock(nn.Module):
         else:
             if self.norm is not None:
                 q, k = self.norm(q, k)
-            out = joint_attention(q.contiguous(), k.contiguous(), v, rope, mask, self.attn_backend, self.sp, kv_hook)
+            if uses_sampling_exchange(self.sp, kv_hook):  # reads q/k/v in place, no contiguous copies
+                out = joint_attention_of_streams(((q, k, v),), rope, mask, self.attn_backend, self.sp, kv_hook)
+            else:
+                out = joint_attention(
+                    q.contiguous(), k.contiguous(), v, rope, mask, self.attn_backend, self.sp, kv_hook
+                )
         return gated_residual(x, gate, self.linear2(torch.cat((out, self.mlp_act(mlp_in)), dim=-1)))
 
 

@@ -51,12 +51,14 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     if torch.compiler.is_compiling():
         return _apply_rope_real(q, cos, sin), _apply_rope_real(k, cos, sin)
     rotation = torch.complex(cos, sin)
+    return tuple(rotate_pairs(x.float().contiguous(), rotation).to(x.dtype) for x in (q, k))
 
-    def rotate(x):
-        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
-        return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
-    return rotate(q), rotate(k)
+def rotate_pairs(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """The eager rotation: contiguous fp32 ``x`` [..., N, D] times the complex ``rotation`` [N, D/2] pair by pair ->
+    a new fp32 [..., N, D]. Sequence-parallel sampling (opensora/parallel/sampling_exchange.py) calls it too, on the
+    same shapes, which keeps its results bitwise those of this path."""
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rotation).flatten(-2)
 
 
 def _apply_rope_real(x, cos, sin):
