@@ -121,7 +121,7 @@ def main():
     )
     parser.add_argument(
         "--exchange",
-        default="direct",
+        default="staged",
         help="comma-separated sampling exchanges to time interleaved: old, direct, staged, optionally -late / -row",
     )
     parser.add_argument("--profile", action="store_true", help="profile one more loop: GPU time by kernel kind")

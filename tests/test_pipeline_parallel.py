@@ -362,6 +362,7 @@ def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path
     save_file(model.state_dict(), str(ckpt))
 
     def sample(mode, split, save_dir):
+        pipeline = ["--pp-devices", "cpu,cpu", "--pp-overlap", mode, "--pp-split", split, "--profile"]
         return cli.main(
             [
                 str(config),
@@ -380,13 +381,7 @@ def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path
                 "--batch-size",
                 "1",
                 "--streaming",
-                "--pp-devices",
-                "cpu,cpu",
-                "--pp-overlap",
-                mode,
-                "--pp-split",
-                split,
-                "--profile",
+                *(pipeline if mode else ["--device", "cpu"]),
                 "--save-dir",
                 str(tmp_path / save_dir),
                 "--no-progress",
@@ -403,3 +398,7 @@ def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path
     again = sample("off", "0", "off")
     for a, b in zip(written, again):
         assert np.array_equal(read_video(a), read_video(b))
+    # one device (--streaming alone): the same files, byte for byte (same frames through the same writer)
+    alone = sample(None, None, "one")
+    for a, b in zip(written, alone):
+        assert a.read_bytes() == b.read_bytes()

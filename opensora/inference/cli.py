@@ -371,7 +371,7 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
     appended to the samples' mp4 files as soon as it is decoded."""
     from opensora.inference.io import write_samples_csv, write_sidecar
     from opensora.inference.prompts import sample_stem
-    from opensora.inference.stream_writer import StreamingVideoWriter
+    from opensora.inference.stream_writer import BatchVideoWriters
     from opensora.inference.streaming import StreamingGenerator
 
     num_frames, height, width = size
@@ -395,30 +395,15 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
     for start in range(0, len(prompts), batch_size):
         batch = list(range(start, min(start + batch_size, len(prompts))))
         stems = [save_dir / sample_stem(i, prompts[i]) for i in batch]
-        writers, seconds = [], []
-        try:
+        seconds = []
+        with BatchVideoWriters(stems, height, width, float(args.fps)) as writers:
             for chunk in generator.stream(
                 [prompts[i] for i in batch], [seeds[i] for i in batch], num_frames, height, width
             ):
-                if not writers:  # sized by the first chunk: every chunk but a causal VAE's first has this count
-                    writers = [
-                        StreamingVideoWriter(
-                            stem.with_suffix(".mp4"),
-                            height,
-                            width,
-                            fps=float(args.fps),
-                            keyframe_interval=chunk.frames.shape[1],
-                        )
-                        for stem in stems
-                    ]
-                for writer, frames in zip(writers, chunk.frames.numpy()):
-                    writer.write(frames)
+                writers.write(chunk.frames.numpy())
                 seconds.append(round(chunk.seconds, 4))
                 if on_chunk is not None:
-                    on_chunk(chunk, [w.path for w in writers])
-        finally:
-            for writer in writers:
-                writer.close()
+                    on_chunk(chunk, writers.paths)
         for i, stem in zip(batch, stems):
             write_sidecar(
                 stem.with_suffix(".json"),

@@ -10,7 +10,7 @@ text features, noise, embedders and blocks[0..split]; GPU1: the other blocks, th
 and the chunk decoder. ``--pp-cfg-rows false`` runs the CFG passes as separate micro-batches (two items in flight
 per prompt group; same math, other GEMM shapes, so equal to one GPU running those micro-batches, not to
 ``--streaming``); ``--stream-refill false`` lets the last denoising step write the cache (another sampler).
-Unlike ``--streaming``, the mp4s are written once all chunks are done. ``--profile`` writes ``pp_profile.json``
+Unlike ``--streaming``, the mp4s are written once all chunks are done (by the same writer, so equal frames give equal files). ``--profile`` writes ``pp_profile.json``
 (per task: GPU, start/end ms; per GPU: busy/idle) to the save dir and logs the per-stage summary.
 """
 
@@ -85,7 +85,7 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     """Generate ``prompts`` with the two-GPU streaming pipeline; returns the written sample paths."""
     import torch
 
-    from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
+    from opensora.inference.io import write_samples_csv, write_sidecar
     from opensora.inference.pipeline import VideoSampler
     from opensora.inference.pipeline_parallel import (
         OVERLAP_MODES,
@@ -104,6 +104,7 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         seeded_latent_noise,
     )
     from opensora.inference.prompts import sample_stem
+    from opensora.inference.stream_writer import BatchVideoWriters
     from opensora.inference.streaming import ChunkDecoder, StreamingGenerator
 
     if not args.streaming:
@@ -221,11 +222,12 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         logger.info("profile ms per stage: %s", {k: round(v, 2) for k, v in result.summary["ms_per_kind"].items()})
     written, rows = [], []
     for g, group in enumerate(groups):
-        video = torch.cat([result.frames[(g, c)] for c in range(num_chunks)], dim=1)  # [B, T, H, W, 3]
-        for i, frames in enumerate(video.numpy()):
-            index = g * batch + i
-            stem = save_dir / sample_stem(index, prompts[index])
-            path = save_sample(stem, frames, fps=float(args.fps))
+        indices = [g * batch + i for i in range(len(group["seeds"]))]
+        stems = [save_dir / sample_stem(index, prompts[index]) for index in indices]
+        with BatchVideoWriters(stems, height, width, float(args.fps)) as writers:  # as --streaming writes them
+            for c in range(num_chunks):
+                writers.write(result.frames[(g, c)].numpy())
+        for index, stem, path in zip(indices, stems, writers.paths):
             write_sidecar(
                 stem.with_suffix(".json"),
                 dict(index=index, prompt=prompts[index], seed=seeds[index], path=path.name, **common, **pp_record),

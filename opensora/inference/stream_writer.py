@@ -69,3 +69,38 @@ class StreamingVideoWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class BatchVideoWriters:
+    """One ``StreamingVideoWriter`` per sample of a batch (``stems`` -> ``stem.mp4``), opened by the first chunk:
+    ``write(frames)`` takes a chunk's uint8 [B, T, H, W, 3] and appends row i to sample i's file; key frames at
+    chunk starts (every chunk but a causal autoencoder's first has the first one's frame count). The one-GPU
+    ``--streaming`` path and the two-GPU pipeline write through it, so equal frames give byte-identical files."""
+
+    def __init__(self, stems, height: int, width: int, fps: float):
+        self.stems, self.height, self.width, self.fps = list(stems), height, width, fps
+        self.writers = []
+
+    @property
+    def paths(self):
+        return [Path(stem).with_suffix(".mp4") for stem in self.stems]
+
+    def write(self, frames) -> None:
+        frames = np.asarray(frames)
+        if not self.writers:
+            self.writers = [
+                StreamingVideoWriter(path, self.height, self.width, fps=self.fps, keyframe_interval=frames.shape[1])
+                for path in self.paths
+            ]
+        for writer, sample in zip(self.writers, frames):
+            writer.write(sample)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
