@@ -121,6 +121,35 @@ def test_summarize_timeline_busy_fraction():
     assert summary["lanes"]["gpu0"]["busy_ms"] == 3 and summary["lanes"]["gpu1"]["busy_fraction"] == 0.75
 
 
+def test_typical_past_frames_is_the_mean_cached_window_in_whole_chunks():
+    from opensora.inference.pipeline_stages import typical_past_frames
+
+    assert typical_past_frames(18, 3) == 6  # chunks see 0, 3, ..., 15 frames: mean 7.5 -> 2 chunks
+    assert typical_past_frames(18, 3, window_frames=6) == 6  # 0, 3, 6, 6, 6, 6: mean 4.5 -> 2 chunks (round half even)
+    assert typical_past_frames(99, 3, window_frames=6) == 6  # long videos: the window
+    assert typical_past_frames(3, 3) == 0  # one chunk sees nothing
+
+
+def test_stage_times_after_cached_frames_attend_to_them():
+    """``past_frames``: the probe chunk runs after a cache of that many frames (its keys/values in every block's
+    attention, its mask one column per cached token), so a split can be chosen for the steady state."""
+    from opensora.inference import pipeline_stages as ps
+
+    model = streaming_sampler().model
+    chunk = model.causal_chunk_frames
+    x = torch.randn(1, model.in_channels, chunk, 8, 8)
+    text = text_inputs(1, 6, 0, masked=True)
+    with torch.no_grad():
+        x_, t, emb, pooled, mask_in = ps._stage_inputs(model, x, text)
+        past = ps._probe_past(model, x_, t, emb, pooled, mask_in, 2 * chunk)
+        assert past.num_frames == 2 * chunk and ps._probe_offset(model, past) == 2 * chunk // model.patch_size[0]
+        mask, hooks = ps._probe_mask_hooks(model, mask_in, 6, 16, "cpu", past)
+    assert mask.shape[-1] == 6 + past.keys[0].shape[2] + 16
+    times = ps.measure_stage_times(model, x, text, repeats=1, past_frames=2 * chunk)
+    assert len(times["block_ms"]) == len(ps.all_blocks(model)) and times["graphed"] is False
+    assert ps._probe_past(model, x_, t, emb, pooled, mask_in, 0) is None
+
+
 def test_graphed_stage_times_time_each_unit_on_its_own_eager_input(monkeypatch):
     """``measure_stage_times(cuda_graphs=True)`` captures the embedding, every block and the final layer on its own
     input (``_graph_replay_ms``, swapped here for an eager run): the chained block inputs give the eager pass's

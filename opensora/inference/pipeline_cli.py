@@ -102,6 +102,7 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         measure_stage_times,
         place_model,
         seeded_latent_noise,
+        typical_past_frames,
     )
     from opensora.inference.prompts import sample_stem
     from opensora.inference.stream_writer import BatchVideoWriters
@@ -153,7 +154,8 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         rows = probe.text[0][0]
         x = torch.cat([x] * (rows["text_emb"].shape[0] // x.shape[0])).to(devices[0])
         # a graphed stage costs its kernels, an eager one its launches: the split follows what will run
-        times_ms = measure_stage_times(model, x, rows, decode=decode_fn, cuda_graphs=graphed)
+        past = typical_past_frames(latent[0], generator.chunk_frames, generator.window_frames)
+        times_ms = measure_stage_times(model, x, rows, decode=decode_fn, cuda_graphs=graphed, past_frames=past)
         split, table = choose_split(
             probe.plan,
             mode,
@@ -162,13 +164,14 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
             times_ms["final_ms"],
             decode_ms=times_ms["decode_ms"],
         )
-        split_report.update(stage_times=times_ms, candidates=table)
+        split_report.update(stage_times=times_ms, past_frames=past, candidates=table)
         logger.info(
             "pp-split auto: GPU0 = embed + blocks[0..%d], GPU1 = blocks[%d..] + final + decode (stage times "
-            "of a warm-up chunk: embed %.2f ms, blocks %s ms, final %.2f ms, decode %.2f ms; simulated plan "
+            "of a warm-up chunk after %d cached frames: embed %.2f ms, blocks %s ms, final %.2f ms, decode %.2f ms; simulated plan "
             "time %.1f ms, the shortest of %d splits)",
             split,
             split + 1,
+            past,
             times_ms["embed_ms"],
             [round(t, 2) for t in times_ms["block_ms"]],
             times_ms["final_ms"],
