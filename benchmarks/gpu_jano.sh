@@ -15,7 +15,7 @@ mkdir -p "$results"
 export PYTHONUNBUFFERED=1
 ckpt=${1:-}
 if [ "${TESTS:-1}" != 0 ]; then
-    python3 -m pytest -q -m gpu tests/test_jano.py tests/test_offload.py tests/test_region_graphs.py 2>&1 | tail -n 3 || echo "GPU TESTS FAILED"
+    python3 -m pytest -q -rf -m gpu tests/test_jano.py tests/test_offload.py tests/test_region_graphs.py 2>&1 | tail -n 40 || echo "GPU TESTS FAILED"
 fi
 if [ -z "$ckpt" ] && [[ "$parts" == *quality* ]]; then
     torchrun --standalone --nproc_per_node 1 scripts/diffusion/train.py configs/diffusion/train/moving_shapes_gpu.py \

@@ -490,8 +490,12 @@ def make_store(kind: str, device, graphs: bool = False) -> object:
     device = torch.device(device)
     if kind == "device" or device.type == "cpu":
         return StaticDeviceStore(device) if graphs and device.type != "cpu" else DeviceStore()
+    if kind == "offload" and graphs:
+        # graphed levels read a step's entries in segments of one slot each: 8 slots of 32 MiB keep more copies in
+        # flight ahead of the replay than 3 of 64 MiB (H100, 1B: +1.9% vs +3.5% over on-GPU caches + graphs)
+        return PackedOffloadManager(device, 32 * 2**20, 8, fixed_slots=True)
     if kind == "offload":
-        return PackedOffloadManager(device, fixed_slots=graphs)
+        return PackedOffloadManager(device)
     if kind == "offload_slots":
         return OffloadManager(device)
     if kind == "naive":
