@@ -23,6 +23,12 @@ batch (data stalls), the median, p10, p90 and p90/p10 of the timed steps, and a 
 after warm-up run under ``torch.cuda.set_sync_debug_mode("warn")`` and every synchronising call is listed with its
 call site (the innermost opensora / colossalai frames). ``--trainer-config`` with the 1B synthetic config measures
 the same trainer on rendered clips (data stalls show up in ``data_wait_ms``).
+
+Like for like: ``ours-eager-master`` is the bare step with the trainer's optimizer precision (fp32 master weights
+and AdamW moments, torch foreach AdamW as the trainer's default), so trainer minus it is the trainer's own
+overhead and it minus ``ours-eager`` is the precision's price. ``--profile-steps N`` adds, for the first run of
+each variant, N profiled steps after the timed ones and a compact ``profile_summary`` (GPU ms by category, top
+kernels, GPU idle gaps, host op counts; ``opensora.training.profiling.profile_step_summary``).
 """
 
 import argparse
@@ -58,6 +64,9 @@ VARIANTS = {
     "ours-compile-nopersistent": dict(model="ours", backend="auto", compile={"triton.persistent_reductions": False}),
     # the real Trainer (ZeRO-2 bf16, EMA, scheduler, loss check, metrics, loader) on in-memory latents at this shape
     "trainer": dict(model="trainer", backend="auto"),
+    # the same with torch's fused AdamW on the fp32 masters instead of the default foreach one (not bit-identical:
+    # the fused kernel orders the update's arithmetic differently), to price the optimizer implementation
+    "trainer-fused-adamw": dict(model="trainer", backend="auto", optimizer=dict(fused=True)),
     # the bare step with the trainer's optimizer precision: bf16 model, fp32 master weights and AdamW moments,
     # gradients cast to fp32, torch AdamW on the masters (foreach, the trainer's default; or fused), masters
     # copied back to bf16. trainer minus this = the trainer's own overhead; this minus ours-eager = the precision.
@@ -254,7 +263,7 @@ def run_variant(name, ckpt, args):
 
     spec = VARIANTS[name]
     if spec["model"] == "trainer":
-        return run_trainer(ckpt, args)
+        return run_trainer(name, ckpt, args)
     shape = TINY if args.tiny else FULL
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -482,7 +491,7 @@ def len_blocks(cfg, kind):
     return int(cfg.model[f"depth_{kind}"])
 
 
-def run_trainer(ckpt, args):
+def run_trainer(name, ckpt, args):
     """Build the real Trainer (one process) and time its steps; see the module docstring."""
     import tempfile
 
@@ -493,6 +502,7 @@ def run_trainer(ckpt, args):
     t0 = time.perf_counter()
     outputs = Path(tempfile.mkdtemp(prefix="train_step_trainer_"))
     cfg = trainer_config(ckpt, args, outputs)
+    cfg.optimizer = dict(cfg.get("optimizer") or {}, **VARIANTS[name].get("optimizer", {}))
     trainer = Trainer(cfg)
     audit = SyncAudit()
     waits = []
@@ -530,7 +540,7 @@ def run_trainer(ckpt, args):
     flops = timed[0]["mfu"] * timed[0]["step_time"] * args.peak_tflops * 1e12 if "mfu" in timed[0] else None
     timed_waits = waits[audit_to : audit_to + len(times)]
     result = dict(
-        variant="trainer",
+        variant=name,
         ckpt=ckpt,
         config=os.path.relpath(args.trainer_config, ROOT),
         params=params,
@@ -748,7 +758,7 @@ def main(argv=None):
 
     print(f"\n{report['environment']}\n" + format_table(report["runs"]))
     for r in report["runs"]:
-        if r.get("variant") == "trainer" and r.get("host_syncs"):
+        if r.get("variant", "").startswith("trainer") and r.get("host_syncs"):
             print(f"\ntrainer@{r['ckpt']}: synchronising calls in {r['audited_steps']} audited steps:")
             print("\n".join("  " + site for site in r["host_syncs"]))
     for r in report["runs"]:

@@ -130,14 +130,18 @@ def profile_step_summary(prof, steps: int, wall_ms: float) -> dict:
     per_step = lambda us: round(us / steps / 1e3, 3)
     summary["memcpy_ms_per_step"] = per_step(sum(us for n, us, _ in kernels if "memcpy" in n.lower()))
     summary["memset_ms_per_step"] = per_step(sum(us for n, us, _ in kernels if "memset" in n.lower()))
-    device_events = [
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-    ]
-    summary["gpu_idle"] = idle_gaps(device_events, steps)
-    host_ops = [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages() if e.device_type == DeviceType.CPU]
-    summary["host"] = host_op_counts(host_ops, steps)
+    try:  # diagnostics only: a profiler version without these fields must not cost the run its kernel summary
+        device_events = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        ]
+        summary["gpu_idle"] = idle_gaps(device_events, steps)
+        averages = prof.key_averages()
+        host_ops = [(e.key, e.count, e.self_cpu_time_total) for e in averages if e.device_type == DeviceType.CPU]
+        summary["host"] = host_op_counts(host_ops, steps)
+    except (AttributeError, TypeError, ValueError) as error:
+        summary["extras_error"] = repr(error)
     return summary
 
 
@@ -152,7 +156,7 @@ def format_profile(p: dict) -> str:
         f"  top: {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:.0f} [{k['category']}] {k['name'][:90]}"
         for k in p["top_kernels"]
     ]
-    if "gpu_idle" in p:  # profile_step_summary's extras
+    if "gpu_idle" in p and "host" in p:  # profile_step_summary's extras
         idle, host = p["gpu_idle"], p["host"]
         rows.append(
             f"  memcpy {p['memcpy_ms_per_step']:.2f} ms, memset {p['memset_ms_per_step']:.2f} ms; GPU idle "
