@@ -13,6 +13,12 @@ CASES = [
     ("zero2_bf16", dict(type="LowLevelZeroPlugin", stage=2), "bf16"),
     ("zero2_fp32", dict(type="LowLevelZeroPlugin", stage=2), "fp32"),
     ("zero1_bf16", dict(type="LowLevelZeroPlugin", stage=1), "bf16"),
+    # its ZeRO optimizer subclasses LowLevelZero's (own grad norm, inherited step and reduction)
+    (
+        "hybrid_tp1_zero1_bf16",
+        dict(type="HybridParallelPlugin", tp_size=1, pp_size=1, zero_stage=1, find_unused_parameters=True),
+        "bf16",
+    ),
 ]
 
 
