@@ -23,6 +23,12 @@ batch (data stalls), the median, p10, p90 and p90/p10 of the timed steps, and a 
 after warm-up run under ``torch.cuda.set_sync_debug_mode("warn")`` and every synchronising call is listed with its
 call site (the innermost opensora / colossalai frames). ``--trainer-config`` with the 1B synthetic config measures
 the same trainer on rendered clips (data stalls show up in ``data_wait_ms``).
+
+Like for like: ``ours-eager-master`` is the bare step with the trainer's optimizer precision (fp32 master weights
+and AdamW moments, torch foreach AdamW as the trainer's default), so trainer minus it is the trainer's own
+overhead and it minus ``ours-eager`` is the precision's price. ``--profile-steps N`` adds, for the first run of
+each variant, N profiled steps after the timed ones and a compact ``profile_summary`` (GPU ms by category, top
+kernels, GPU idle gaps, host op counts; ``opensora.training.profiling.profile_step_summary``).
 """
 
 import argparse
@@ -58,6 +64,14 @@ VARIANTS = {
     "ours-compile-nopersistent": dict(model="ours", backend="auto", compile={"triton.persistent_reductions": False}),
     # the real Trainer (ZeRO-2 bf16, EMA, scheduler, loss check, metrics, loader) on in-memory latents at this shape
     "trainer": dict(model="trainer", backend="auto"),
+    # the same with torch's fused AdamW on the fp32 masters instead of the default foreach one (not bit-identical:
+    # the fused kernel orders the update's arithmetic differently), to price the optimizer implementation
+    "trainer-fused-adamw": dict(model="trainer", backend="auto", optimizer=dict(fused=True)),
+    # the bare step with the trainer's optimizer precision: bf16 model, fp32 master weights and AdamW moments,
+    # gradients cast to fp32, torch AdamW on the masters (foreach, the trainer's default; or fused), masters
+    # copied back to bf16. trainer minus this = the trainer's own overhead; this minus ours-eager = the precision.
+    "ours-eager-master": dict(model="ours", backend="auto", compile=False, master="foreach"),
+    "ours-eager-master-fused": dict(model="ours", backend="auto", compile=False, master="fused"),
 }
 DEFAULT_RUNS = [
     ("diffusers-flash", "none"),
@@ -249,7 +263,7 @@ def run_variant(name, ckpt, args):
 
     spec = VARIANTS[name]
     if spec["model"] == "trainer":
-        return run_trainer(ckpt, args)
+        return run_trainer(name, ckpt, args)
     shape = TINY if args.tiny else FULL
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -258,7 +272,11 @@ def run_variant(name, ckpt, args):
     t0 = time.perf_counter()
     model, forward, target = build(shape, spec, ckpt, device, dtype)
     params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    if spec.get("master"):
+        optimizer_step = MasterWeightAdamW(model, fused=spec["master"] == "fused" and device.type == "cuda")
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+        optimizer_step = opt.step
     context = (
         sdpa_kernel([SDPBackend.FLASH_ATTENTION])
         if spec["backend"] == "flash" and spec["model"] == "diffusers"
@@ -279,8 +297,8 @@ def run_variant(name, ckpt, args):
                     f"{name}/{ckpt}: first step loss {loss.item()}, non-finite grads in "
                     f"{len(bad)} tensors, e.g. {bad[:4]}"
                 )
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step()
+        model.zero_grad(set_to_none=True)
         return loss
 
     def guarded_step():
@@ -348,7 +366,32 @@ def run_variant(name, ckpt, args):
     )
     if args.profile and cuda:
         result["profile"] = profile_breakdown(guarded_step)
+    if args.profile_steps and cuda:
+        result["profile_summary"] = profile_summary(guarded_step, args.profile_steps)
     return result
+
+
+class MasterWeightAdamW:
+    """AdamW as the trainer's ZeRO optimizer does it on one GPU, without ZeRO's bookkeeping: fp32 master copies
+    of the bf16 weights own the AdamW state; each step casts the bf16 gradients to fp32 (one multi-tensor copy),
+    steps torch AdamW on the masters and copies the masters back into the bf16 weights (one multi-tensor copy).
+    Gradient clipping is left out (the bare step never clips; the trainer's clip is a norm + one multiply)."""
+
+    def __init__(self, model, fused: bool):
+        import torch
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float() for p in self.params]
+        for master in self.masters:
+            master.grad = torch.zeros_like(master)
+        self.optimizer = torch.optim.AdamW(self.masters, lr=1e-5, foreach=not fused, fused=fused or None)
+
+    def __call__(self):
+        import torch
+
+        torch._foreach_copy_([m.grad for m in self.masters], [p.grad for p in self.params])
+        self.optimizer.step()
+        torch._foreach_copy_([p.data for p in self.params], self.masters)
 
 
 def spread(times):
@@ -418,6 +461,10 @@ def trainer_config(ckpt, args, outputs):
     cfg = load_config(args.trainer_config)
     steps = args.warmup + args.audit_steps + args.iters
     overrides = dict(outputs=str(outputs), max_steps=steps, ckpt_every=0, save_at_end=False, tensorboard=False)
+    if args.profile_steps:  # profiled after the timed steps, so the profiler's overhead is not timed
+        overrides.update(
+            max_steps=steps + args.profile_steps, profile_steps=dict(start=steps, steps=args.profile_steps)
+        )
     overrides["wandb"] = None
     if args.tiny:  # CPU: the tiny shape, fp32, no workers
         t, h, w = TINY["grid"]
@@ -444,7 +491,7 @@ def len_blocks(cfg, kind):
     return int(cfg.model[f"depth_{kind}"])
 
 
-def run_trainer(ckpt, args):
+def run_trainer(name, ckpt, args):
     """Build the real Trainer (one process) and time its steps; see the module docstring."""
     import tempfile
 
@@ -455,6 +502,7 @@ def run_trainer(ckpt, args):
     t0 = time.perf_counter()
     outputs = Path(tempfile.mkdtemp(prefix="train_step_trainer_"))
     cfg = trainer_config(ckpt, args, outputs)
+    cfg.optimizer = dict(cfg.get("optimizer") or {}, **VARIANTS[name].get("optimizer", {}))
     trainer = Trainer(cfg)
     audit = SyncAudit()
     waits = []
@@ -483,7 +531,7 @@ def run_trainer(ckpt, args):
     wall = time.perf_counter() - wall0
     records = [json.loads(line) for line in (outputs / "metrics.jsonl").read_text().splitlines() if line.strip()]
     records = [r for r in records if "step_time" in r]
-    timed = records[audit_to:]
+    timed = records[audit_to : audit_to + args.iters]
     times = [r["step_time"] for r in timed]
     stats = spread(times)
     median = stats["step_s"]
@@ -492,7 +540,7 @@ def run_trainer(ckpt, args):
     flops = timed[0]["mfu"] * timed[0]["step_time"] * args.peak_tflops * 1e12 if "mfu" in timed[0] else None
     timed_waits = waits[audit_to : audit_to + len(times)]
     result = dict(
-        variant="trainer",
+        variant=name,
         ckpt=ckpt,
         config=os.path.relpath(args.trainer_config, ROOT),
         params=params,
@@ -517,6 +565,9 @@ def run_trainer(ckpt, args):
         audited_steps=args.audit_steps,
         loss=timed[-1]["loss"],
     )
+    profile_file = outputs / "profile" / "rank0.json"
+    if args.profile_steps and profile_file.exists():
+        result["profile_summary"] = json.loads(profile_file.read_text())
     return result
 
 
@@ -548,6 +599,24 @@ def profile_breakdown(step, steps=3):
         step()
         summary = profiler.end(done)
     return summary
+
+
+def profile_summary(step, steps):
+    """``steps`` steps under ``torch.profiler``, reduced to a small dict (``opensora.training.profiling``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from opensora.training.profiling import profile_step_summary
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    return profile_step_summary(prof, steps, start.elapsed_time(end) / steps)
 
 
 def environment(args):
@@ -621,6 +690,14 @@ def main(argv=None):
         help="config of the 'trainer' variant (its checkpointing is the variant's)",
     )
     parser.add_argument("--audit-steps", type=int, default=3, help="trainer steps run under sync debug mode")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after timing, run N more steps under torch.profiler (first run of each variant@ckpt only) and keep a "
+        "compact summary in the JSON: GPU ms by category, memcpy / memset, top 15 kernels, GPU idle gaps, host op "
+        "counts",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -648,8 +725,12 @@ def main(argv=None):
         "--audit-steps",
         str(args.audit_steps),
     ] + (["--tiny"] if args.tiny else [])
+    profiled = set()
     for name, ckpt in runs:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f"{name}@{ckpt}", *passthrough]
+        if args.profile_steps and (name, ckpt) not in profiled:
+            profiled.add((name, ckpt))
+            cmd += ["--profile-steps", str(args.profile_steps)]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(
@@ -677,12 +758,14 @@ def main(argv=None):
 
     print(f"\n{report['environment']}\n" + format_table(report["runs"]))
     for r in report["runs"]:
-        if r.get("variant") == "trainer" and r.get("host_syncs"):
+        if r.get("variant", "").startswith("trainer") and r.get("host_syncs"):
             print(f"\ntrainer@{r['ckpt']}: synchronising calls in {r['audited_steps']} audited steps:")
             print("\n".join("  " + site for site in r["host_syncs"]))
     for r in report["runs"]:
         if "profile" in r:
             print(f"\n{r['variant']}@{r['ckpt']} " + format_profile(r["profile"]))
+        if "profile_summary" in r:
+            print(f"\n{r['variant']}@{r['ckpt']} " + format_profile(r["profile_summary"]))
     print(f"wrote {out}")
     return 0
 

@@ -87,7 +87,7 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
         "--iters",
         "2",
         "--runs",
-        "ours-eager@none;diffusers@none;ours-eager@full;trainer@full",
+        "ours-eager@none;diffusers@none;ours-eager@full;trainer@full;ours-eager-master@full;trainer-fused-adamw@full",
         "--out",
         str(out),
     ]
@@ -95,7 +95,15 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     runs = {(r["variant"], r["ckpt"]): r for r in report["runs"]}
-    assert set(runs) == {("ours-eager", "none"), ("diffusers", "none"), ("ours-eager", "full"), ("trainer", "full")}
+    assert set(runs) == {
+        ("ours-eager", "none"),
+        ("diffusers", "none"),
+        ("ours-eager", "full"),
+        ("trainer", "full"),
+        ("ours-eager-master", "full"),
+        ("trainer-fused-adamw", "full"),
+    }
+    assert "error" not in runs.pop(("trainer-fused-adamw", "full"))
     trainer = runs.pop(("trainer", "full"))
     # the real Trainer ran at the tiny shape on in-memory latents: timed steps after warm-up and the sync audit
     assert "error" not in trainer, trainer
@@ -188,3 +196,46 @@ def test_train_scaling_script_runs_sequence_parallel(tmp_path):
     assert "error" not in row and row["tokens_per_s_per_gpu"] > 0, row
     log = (tmp_path / "sp_tiny" / "zero2_2gpu.log").read_text()
     assert "sequence parallel: 2 ranks per sample" in log
+
+
+def test_master_weight_adamw_steps_fp32_masters_and_rounds_them_into_the_model():
+    """The bare step's master-weight optimizer = torch AdamW on fp32 copies fed the bf16 gradients cast to fp32,
+    with the model holding the masters rounded to bf16 after every step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from train_step import MasterWeightAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3)).to(torch.bfloat16)
+    reference = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(reference, lr=1e-5)
+    step = MasterWeightAdamW(model, fused=False)
+    for k in range(3):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+        model(x).float().square().mean().backward()
+        for ref, p in zip(reference, model.parameters()):
+            ref.grad = p.grad.float()
+        ref_opt.step()
+        step()
+        model.zero_grad(set_to_none=True)
+        for ref, master, p in zip(reference, step.masters, model.parameters()):
+            assert torch.equal(master, ref.detach())
+            assert torch.equal(p.detach(), ref.detach().to(torch.bfloat16))
+
+
+def test_idle_gaps_and_host_op_counts():
+    from opensora.training.profiling import host_op_counts, idle_gaps
+
+    # two streams: [0, 10] and [5, 20] overlap, then idle 20 -> 30, then [30, 31], idle 31 -> 131, [131, 140]
+    kernels = [(5.0, 20.0, "b"), (0.0, 10.0, "a"), (30.0, 31.0, "c"), (131.0, 140.0, "d")]
+    gaps = idle_gaps(kernels, steps=2)
+    assert gaps["idle_ms_per_step"] == pytest.approx((10 + 100) / 2 / 1e3)
+    assert gaps["busy_span_ms_per_step"] == pytest.approx(140 / 2 / 1e3)
+    assert gaps["gaps_over_50us_per_step"] == 0.5
+    assert gaps["largest_gaps"][0] == dict(ms=0.1, after="c", before="d")
+    assert gaps["largest_gaps"][1]["after"] == "b"  # the kernel that ended last, not the one that started last
+    ops = [("aten::copy_", 40, 100.0), ("cudaLaunchKernel", 60, 300.0), ("cudaStreamSynchronize", 2, 50.0)]
+    host = host_op_counts(ops, steps=2, top=2)
+    assert host["kernel_launches_per_step"] == 30
+    assert host["syncs_per_step"] == {"cudaStreamSynchronize": 1}
+    assert host["cpu_self_ms_per_step"] == pytest.approx(0.225)
+    assert [o["name"] for o in host["top_ops_by_calls"]] == ["cudaLaunchKernel", "aten::copy_"]

@@ -114,3 +114,50 @@ def test_warmup_decay_schedule_and_average():
         d = min(0.9, (1 + step) / (10 + step))
         expected = d * expected + (1 - d) * step
     assert ema.shadow["weight"].item() == pytest.approx(expected, rel=1e-6)
+
+
+def _mixed_model(dtype):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.LayerNorm(33), torch.nn.Linear(33, 5))
+    model[0].to(dtype)  # weights of two dtypes: chunks split where the dtype changes
+    return model
+
+
+def _per_tensor_reference(shadow: dict, model, decay: float) -> dict:
+    """The EMA update as it was before the multi-tensor path: one cast + lerp_ per tensor."""
+    from opensora.training.ema import ema_step
+
+    out = {name: value.clone() for name, value in shadow.items()}
+    for name, param in model.named_parameters():
+        ema_step(out[name], param.detach(), decay)
+    return out
+
+
+def _assert_updates_match_per_tensor(ema, model, steps):
+    for step in range(1, steps + 1):
+        _set_weights(model, seed=step)
+        expected = _per_tensor_reference(ema.shadow, model, ema.decay_at(step))
+        ema.update(model, step=step)
+        for name, value in expected.items():
+            assert torch.equal(ema.shadow[name], value), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_numel", [1, 100, 10**6])
+def test_multi_tensor_update_is_bit_identical_to_per_tensor(monkeypatch, dtype, chunk_numel):
+    import opensora.training.ema as ema_module
+
+    monkeypatch.setattr(ema_module, "CAST_CHUNK_NUMEL", chunk_numel)
+    monkeypatch.setattr(ema_module.ema_step_all, "__defaults__", (chunk_numel,))
+    model = _mixed_model(dtype)
+    ema = EMA(model, decay=0.999, enabled=True, warmup=True)
+    _assert_updates_match_per_tensor(ema, model, steps=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shadow_device", [None, "cpu"])
+def test_multi_tensor_update_is_bit_identical_on_gpu(shadow_device):
+    model = _mixed_model(torch.bfloat16).cuda()
+    ema = EMA(model, decay=0.9999, enabled=True, device=shadow_device)
+    _assert_updates_match_per_tensor(ema, model, steps=3)

@@ -31,7 +31,7 @@ from colossalai.booster.plugin import GeminiPlugin, HybridParallelPlugin, LowLev
 from colossalai.booster.plugin.plugin_base import Plugin
 from colossalai.shardformer.policies.base_policy import Policy
 
-from . import zero_sync
+from . import zero_single_rank, zero_sync
 from .cpu_shim import apply_cpu_shim
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -178,6 +178,7 @@ def build_plugin(plugin_cfg: dict, mixed_precision: str = "bf16", on_gpu: bool |
         on_gpu = torch.cuda.is_available()
     if name in ("LowLevelZeroPlugin", "HybridParallelPlugin"):
         zero_sync.install()  # grad norm, clipping and the end of backward without host syncs
+        zero_single_rank.install()  # one rank: no flatten / copy passes standing in for communication
     if not on_gpu:
         apply_cpu_shim()
         kwargs = spec.cpu_adjust(kwargs)

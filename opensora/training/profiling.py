@@ -81,6 +81,70 @@ def cuda_kernels(prof) -> list:
     ]
 
 
+def idle_gaps(intervals: Iterable[Tuple[float, float, str]], steps: int, largest: int = 8) -> dict:
+    """GPU idle time between kernels: ``intervals`` are (start us, end us, kernel name) on any stream; the union of
+    busy intervals from the first kernel to the last is subtracted from that span. Returns per-step idle ms, the
+    count of gaps over 50 us per step and the ``largest`` gaps with the kernels on either side (where to look)."""
+    ordered = sorted(intervals)
+    gaps, busy_end, last_name = [], None, None
+    for start, end, name in ordered:
+        if busy_end is not None and start > busy_end:
+            gaps.append((start - busy_end, last_name, name))
+        if busy_end is None or end > busy_end:
+            busy_end, last_name = end, name
+    total_us = sum(g for g, _, _ in gaps)
+    span_us = (ordered[-1][1] - ordered[0][0]) if ordered else 0.0
+    return dict(
+        idle_ms_per_step=round(total_us / steps / 1e3, 3),
+        busy_span_ms_per_step=round(span_us / steps / 1e3, 3),
+        gaps_over_50us_per_step=sum(1 for g, _, _ in gaps if g > 50) / steps,
+        largest_gaps=[
+            dict(ms=round(g / 1e3, 3), after=before[:80], before=after[:80])
+            for g, before, after in sorted(gaps, key=lambda gap: -gap[0])[:largest]
+        ],
+    )
+
+
+def host_op_counts(ops: Iterable[Tuple[str, int, float]], steps: int, top: int = 15) -> dict:
+    """``ops``: (CPU op name, calls, self CPU us) over ``steps`` steps -> calls per step of the most frequent ops
+    (``aten::*`` and CUDA runtime calls: launches, copies, syncs) and the host's self time per step."""
+    ops = list(ops)
+    ranked = sorted(ops, key=lambda op: -op[1])[:top]
+    runtime = {name: calls for name, calls, _ in ops if name.startswith("cuda") or name.startswith("cu")}
+    return dict(
+        cpu_self_ms_per_step=round(sum(us for _, _, us in ops) / steps / 1e3, 3),
+        kernel_launches_per_step=sum(c for n, c in runtime.items() if "LaunchKernel" in n) / steps,
+        syncs_per_step={n: c / steps for n, c in runtime.items() if "Synchronize" in n},
+        top_ops_by_calls=[dict(name=n[:80], calls_per_step=c / steps) for n, c, _ in ranked],
+    )
+
+
+def profile_step_summary(prof, steps: int, wall_ms: float) -> dict:
+    """A compact summary of a finished ``torch.profiler.profile`` over ``steps`` steps of ``wall_ms`` each:
+    ``summarize_kernels`` (categories, top 15 kernels) plus memcpy / memset time, the GPU's idle gaps and the host's
+    op counts. Small enough to keep in a results JSON."""
+    from torch.autograd import DeviceType
+
+    kernels = cuda_kernels(prof)
+    summary = summarize_kernels(kernels, steps, wall_ms, top=15)
+    per_step = lambda us: round(us / steps / 1e3, 3)
+    summary["memcpy_ms_per_step"] = per_step(sum(us for n, us, _ in kernels if "memcpy" in n.lower()))
+    summary["memset_ms_per_step"] = per_step(sum(us for n, us, _ in kernels if "memset" in n.lower()))
+    try:  # diagnostics only: a profiler version without these fields must not cost the run its kernel summary
+        device_events = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        ]
+        summary["gpu_idle"] = idle_gaps(device_events, steps)
+        averages = prof.key_averages()
+        host_ops = [(e.key, e.count, e.self_cpu_time_total) for e in averages if e.device_type == DeviceType.CPU]
+        summary["host"] = host_op_counts(host_ops, steps)
+    except (AttributeError, TypeError, ValueError) as error:
+        summary["extras_error"] = repr(error)
+    return summary
+
+
 def format_profile(p: dict) -> str:
     head = (
         f"profile: {p['wall_ms_per_step']:.1f} ms/step wall, {p['compute_ms_per_step']:.1f} ms compute kernels, "
@@ -92,6 +156,18 @@ def format_profile(p: dict) -> str:
         f"  top: {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:.0f} [{k['category']}] {k['name'][:90]}"
         for k in p["top_kernels"]
     ]
+    if "gpu_idle" in p and "host" in p:  # profile_step_summary's extras
+        idle, host = p["gpu_idle"], p["host"]
+        rows.append(
+            f"  memcpy {p['memcpy_ms_per_step']:.2f} ms, memset {p['memset_ms_per_step']:.2f} ms; GPU idle "
+            f"{idle['idle_ms_per_step']:.2f} ms/step in {idle['gaps_over_50us_per_step']:.0f} gaps > 50 us; host "
+            f"{host['cpu_self_ms_per_step']:.1f} ms in ops, {host['kernel_launches_per_step']:.0f} launches, "
+            f"syncs {host['syncs_per_step']}"
+        )
+        rows += [
+            f"  gap: {g['ms']:.2f} ms after {g['after'][:50]} before {g['before'][:50]}" for g in idle["largest_gaps"]
+        ]
+        rows += [f"  host op: x{o['calls_per_step']:.0f} {o['name']}" for o in host["top_ops_by_calls"]]
     return "\n".join([head] + rows)
 
 
@@ -128,7 +204,7 @@ class StepProfiler:
         torch.cuda.synchronize()
         self._prof.__exit__(None, None, None)
         wall_ms = self._events[0].elapsed_time(self._events[1]) / self.steps
-        summary = summarize_kernels(cuda_kernels(self._prof), self.steps, wall_ms)
+        summary = profile_step_summary(self._prof, self.steps, wall_ms)
         summary.update(first_step=self.start + 1, last_step=step_done)
         self._prof = None
         if self.path is not None:

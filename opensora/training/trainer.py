@@ -26,6 +26,7 @@ from opensora.roles import Components, Role
 from opensora.training import checkpoint as ckpt
 from opensora.training.defaults import TRAINER_DEFAULTS
 from opensora.training.distributed import all_reduce_mean, barrier, init_distributed
+from opensora.training.host_copy import HostCopy
 from opensora.training.metrics import MetricsLogger
 from opensora.training.profiling import StepProfiler
 from opensora.training.rng import seed_everything
@@ -189,7 +190,7 @@ class Trainer:
         stopping and deadlock; rank 0's clock decides the budget."""
         nonfinite = torch.stack([~torch.isfinite(loss.detach()).all() for loss in losses]).any().float()
         late = self.is_main and self.max_minutes is not None and time.monotonic() - started > 60.0 * self.max_minutes
-        flags = torch.stack((nonfinite, nonfinite.new_tensor(float(late))))
+        flags = torch.stack((nonfinite, torch.full_like(nonfinite, float(late))))  # a fill, not a host-to-device copy
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.SUM)
         nonfinite, late = flags.tolist()
@@ -272,8 +273,9 @@ class Trainer:
             )
 
     def _pending_record(self, loss_maps, grad_norms, timing) -> tuple:
-        """This step's metrics with the losses averaged over micro-steps and ranks on the device (the all-reduce is
-        queued now and read by ``_flush`` one step later); lr and grad norm per trainable role (plain ``lr`` /
+        """This step's metrics with the losses averaged over micro-steps and ranks on the device (the all-reduce and
+        a non-blocking copy to the host are queued now, read by ``_flush`` one step later without waiting for the
+        steps queued since: ``HostCopy``); lr and grad norm per trainable role (plain ``lr`` /
         ``grad_norm`` when only one role trains, so single-model runs keep Open-Sora's names)."""
         keys = list(loss_maps[0])
         means = torch.stack([torch.stack([m[key] for m in loss_maps]).mean() for key in keys])
@@ -288,15 +290,18 @@ class Trainer:
         record["nonfinite_total"] = self.nonfinite_total
         record["skipped_samples"] = self.loader.num_skipped
         record["bad_files"] = len(self.loader.bad_paths)
-        return self.step, keys, all_reduce_mean(means), record, timing
+        device_keys = [key for key, value in record.items() if torch.is_tensor(value)]
+        on_host = HostCopy([all_reduce_mean(means)] + [record[key] for key in device_keys])
+        return self.step, keys, device_keys, on_host, record, timing
 
     def _flush(self, pending, progress=None) -> None:
         """Write a pending record (``_pending_record``) to the metrics; returns ``None`` (nothing left pending)."""
         if pending is None:
             return None
-        step, keys, losses, record, timing = pending
+        step, keys, device_keys, on_host, record, timing = pending
+        losses, *device_values = on_host.values()
         values = dict(zip(("loss" if key == "total_loss" else key for key in keys), losses.tolist()))
-        record = {key: float(value) if torch.is_tensor(value) else value for key, value in record.items()}
+        record = {**record, **{key: float(value) for key, value in zip(device_keys, device_values)}}
         record = {**values, **record, **timing.record()}
         self.metrics.log(step, record)
         if progress is not None:

@@ -1,0 +1,126 @@
+"""The one-rank ZeRO shortcuts (opensora.training.zero_single_rank) against ColossalAI's own path, bit for bit."""
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("colossalai")
+
+from dist_utils import run_distributed  # noqa: E402
+
+CASES = [
+    ("zero2_bf16", dict(type="LowLevelZeroPlugin", stage=2), "bf16"),
+    ("zero2_fp32", dict(type="LowLevelZeroPlugin", stage=2), "fp32"),
+    ("zero1_bf16", dict(type="LowLevelZeroPlugin", stage=1), "bf16"),
+    # its ZeRO optimizer subclasses LowLevelZero's (own grad norm, inherited step and reduction)
+    (
+        "hybrid_tp1_zero1_bf16",
+        dict(type="HybridParallelPlugin", tp_size=1, pp_size=1, zero_stage=1, find_unused_parameters=True),
+        "bf16",
+    ),
+]
+
+
+class _Model(torch.nn.Module):
+    """An odd-sized weight, a frozen one and a trainable layer the forward never uses (it gets no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.GELU(), torch.nn.Linear(13, 5))
+        self.norm = torch.nn.LayerNorm(5)
+        self.norm.bias.requires_grad_(False)
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.norm(self.body(x))
+
+
+def _model():
+    return _Model()
+
+
+def _train(plugin_cfg, precision, rank, device):
+    from opensora.training.booster import build_booster
+    from opensora.training.ema import unwrap_model
+
+    torch.manual_seed(0)
+    model = _model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    # on a GPU the communication overlaps the backward on side streams (the CPU shim turns that off)
+    overlap = dict(overlap_communication=True) if device.type == "cuda" else {}
+    booster = build_booster(dict(plugin_cfg, max_norm=0.05, **overlap), precision)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(4):
+        x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 5, generator=gen)
+        loss = ((model(x.to(device, dtype)).float() - y.to(device)) ** 2).mean()
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        losses.append((loss.item(), float(optimizer.get_grad_norm())))
+        optimizer.zero_grad()
+    weights = {n: p.detach().cpu().clone() for n, p in unwrap_model(model).named_parameters()}
+    return losses, weights
+
+
+def _both_paths(rank, world_size):
+    """Each case trained with the shortcuts installed and again with ColossalAI's methods restored."""
+    warnings.filterwarnings("ignore")
+    from opensora.training import zero_single_rank
+    from opensora.training.distributed import init_distributed
+
+    _, _, _, device = init_distributed()
+    results = {}
+    for name, plugin_cfg, precision in CASES:
+        zero_single_rank.install()
+        before = dict(zero_single_rank.SHORTCUTS_TAKEN)
+        ours = _train(plugin_cfg, precision, rank, device)
+        taken = {k: zero_single_rank.SHORTCUTS_TAKEN[k] - before[k] for k in before}
+        zero_single_rank.uninstall()
+        install, zero_single_rank.install = zero_single_rank.install, lambda: None  # build_plugin must not reinstall
+        try:
+            before = dict(zero_single_rank.SHORTCUTS_TAKEN)
+            reference = _train(plugin_cfg, precision, rank, device)
+            assert zero_single_rank.SHORTCUTS_TAKEN == before, "the reference must run ColossalAI's own methods"
+        finally:
+            zero_single_rank.install = install
+        results[name] = dict(ours=ours, reference=reference, taken=taken)
+    return results
+
+
+def _assert_bit_identical(result):
+    (losses, weights), (ref_losses, ref_weights) = result["ours"], result["reference"]
+    assert losses == ref_losses
+    for key, value in ref_weights.items():
+        assert weights[key].dtype == value.dtype and torch.equal(weights[key], value), key
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return run_distributed(_both_paths, world_size=1, timeout=240)[0]
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+def test_one_rank_shortcuts_are_bit_identical_to_colossalai(one_rank, name):
+    result = one_rank[name]
+    assert result["taken"]["reduction"] >= 4, "every backward's bucket must take the shortcut"
+    assert result["taken"]["step"] >= 4, "every step must take the shortcut"
+    _assert_bit_identical(result)
+
+
+def test_two_ranks_keep_colossalai_path():
+    for per_rank in run_distributed(_both_paths, world_size=2, timeout=240):
+        for name, result in per_rank.items():
+            assert result["taken"] == {"reduction": 0, "step": 0}, name
+            _assert_bit_identical(result)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_rank_shortcuts_are_bit_identical_on_gpu_with_overlapped_communication():
+    """NCCL, one GPU, overlap_communication=True (the trainer's setting): the side-stream path vs the shortcut."""
+    for name, result in run_distributed(_both_paths, world_size=1, timeout=240)[0].items():
+        assert result["taken"]["reduction"] >= 4 and result["taken"]["step"] >= 4, name
+        _assert_bit_identical(result)
