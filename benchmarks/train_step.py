@@ -67,6 +67,8 @@ VARIANTS = {
     # the same with torch's fused AdamW on the fp32 masters instead of the default foreach one (not bit-identical:
     # the fused kernel orders the update's arithmetic differently), to price the optimizer implementation
     "trainer-fused-adamw": dict(model="trainer", backend="auto", optimizer=dict(fused=True)),
+    # the trainer with the one-rank ZeRO shortcuts (plugin single_rank_shortcut=True; bit-identical on CPU)
+    "trainer-1rank": dict(model="trainer", backend="auto", plugin=dict(single_rank_shortcut=True)),
     # the bare step with the trainer's optimizer precision: bf16 model, fp32 master weights and AdamW moments,
     # gradients cast to fp32, torch AdamW on the masters (foreach, the trainer's default; or fused), masters
     # copied back to bf16. trainer minus this = the trainer's own overhead; this minus ours-eager = the precision.
@@ -503,6 +505,7 @@ def run_trainer(name, ckpt, args):
     outputs = Path(tempfile.mkdtemp(prefix="train_step_trainer_"))
     cfg = trainer_config(ckpt, args, outputs)
     cfg.optimizer = dict(cfg.get("optimizer") or {}, **VARIANTS[name].get("optimizer", {}))
+    cfg.plugin = dict(cfg.get("plugin") or {}, **VARIANTS[name].get("plugin", {}))
     trainer = Trainer(cfg)
     audit = SyncAudit()
     waits = []
