@@ -45,6 +45,23 @@ def test_every_schedule_is_a_valid_issue_order_with_window_major_kv_writes(plan,
         assert starts == sorted(starts)
 
 
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+def test_aggressive_issues_basic_stage_order_with_each_prep_hoisted(plan):
+    """``aggressive`` = ``basic``'s issue order of every non-prep task, each chunk's prep moved to the earliest point
+    its dependencies allow (after chunk c-1's first stage0), and a timeline no longer than basic's plus the preps."""
+    from opensora.inference.pipeline_parallel import DEFAULT_COSTS, in_order_timeline
+
+    basic, aggressive = schedule(plan, "basic"), schedule(plan, "aggressive")
+    assert [t for t in aggressive.order if t.kind != "prep"] == [t for t in basic.order if t.kind != "prep"]
+    assert in_order_timeline(plan, basic.order, "basic").makespan == pytest.approx(basic.makespan)
+    deps = build_graph(plan, "aggressive")
+    for i, t in enumerate(aggressive.order):
+        if t.kind == "prep" and deps[t]:
+            assert aggressive.order[i - 1] in deps[t]  # right after the last task it waits for
+    slack = plan.num_groups * plan.num_chunks * DEFAULT_COSTS["prep"]
+    assert aggressive.makespan <= basic.makespan + slack + 1e-9
+
+
 def test_check_order_rejects_a_cache_write_out_of_window_order():
     plan = Plan(num_chunks=2, num_steps=1, refill=True)
     order = natural_order(plan)

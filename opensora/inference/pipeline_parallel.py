@@ -311,9 +311,46 @@ def check_order(plan: Plan, order: Sequence[Task], mode: str = "basic", prefetch
 
 
 def schedule(plan: Plan, mode: str, costs: Optional[Mapping[str, float]] = None, prefetch: int = 1) -> Simulation:
-    sim = simulate(plan, mode, costs, prefetch)
+    """The issue order a run uses, with its predicted timeline. ``aggressive`` issues the stage tasks exactly as
+    ``basic`` does and only hoists each chunk's ``prep`` to its earliest allowed point (``hoist_preps``): its own
+    list schedule reordered the groups' stage tasks around the earlier preps, and on 2 H200s that order ran slower
+    than ``basic``'s in most rows (1.26x vs 1.66x, 1.66x vs 1.98x of one GPU)."""
+    if mode == "aggressive":
+        order = hoist_preps(plan, simulate(plan, "basic", costs, prefetch).order, prefetch)
+        sim = in_order_timeline(plan, order, mode, costs, prefetch)
+    else:
+        sim = simulate(plan, mode, costs, prefetch)
     check_order(plan, sim.order, mode, prefetch)
     return sim
+
+
+def hoist_preps(plan: Plan, order: Sequence[Task], prefetch: int = 1) -> List[Task]:
+    """``order`` with each chunk's ``prep`` moved up to just after the last task ``aggressive`` makes it wait for
+    (the previous chunk's prep and the first stage0 of chunk ``c - prefetch``, every branch); the other tasks keep
+    their relative order."""
+    deps = build_graph(plan, "aggressive", prefetch)
+    rest = [t for t in order if t.kind != "prep"]
+    preps = sorted((t for t in order if t.kind == "prep"), key=lambda t: (t.chunk, t.group))
+    out = list(rest)
+    for prep in preps:
+        after = [out.index(d) for d in deps[prep]]
+        out.insert(max(after) + 1 if after else 0, prep)
+    return out
+
+
+def in_order_timeline(
+    plan: Plan, order: Sequence[Task], mode: str, costs: Optional[Mapping[str, float]] = None, prefetch: int = 1
+) -> Simulation:
+    """The timeline of ``order`` issued as the executor issues it: each device runs its tasks in issue order (one
+    stream), a task starting once its device is free and its dependencies have finished."""
+    costs = {**DEFAULT_COSTS, **(costs or {})}
+    deps = build_graph(plan, mode, prefetch)
+    start, finish, free_at, busy = {}, {}, [0.0, 0.0], [0.0, 0.0]
+    for t in order:
+        start[t] = max([free_at[t.device]] + [finish[d] for d in deps[t]])
+        finish[t] = free_at[t.device] = start[t] + costs[t.kind]
+        busy[t.device] += costs[t.kind]
+    return Simulation(list(order), start, finish, max(finish.values()), tuple(busy))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -757,7 +794,7 @@ def choose_split(
     rows = []
     for split in range(n - 1):
         costs = stage_costs(block_ms, split, embed_ms, final_ms, update_ms, decode_ms, prep_ms)
-        sim = simulate(plan, mode if mode != "off" else "basic", costs)
+        sim = schedule(plan, mode if mode != "off" else "basic", costs)
         gpu0 = plan.forwards_per_chunk * costs["stage0"] + costs["prep"]
         gpu1 = plan.forwards_per_chunk * costs["stage1"] + plan.num_steps * costs["update"] + costs["decode"]
         rows.append(
