@@ -174,6 +174,30 @@ def timed(fn, devices, repeats):
     return statistics.median(times), outs
 
 
+def paired_speedup(one_gpu, two_gpu, devices, pairs: int) -> dict:
+    """One-GPU and two-GPU runs alternated ``pairs`` times (after one warm run each): the median of the per-pair
+    ratios, which the host's drift between separate medians (20% between calls) does not bias."""
+    one, two = [], []
+    for fn in (one_gpu, two_gpu):
+        fn()
+    for _ in range(pairs):
+        for fn, out in ((one_gpu, one), (two_gpu, two)):
+            sync(devices)
+            t0 = time.perf_counter()
+            fn()
+            sync(devices)
+            out.append(time.perf_counter() - t0)
+    ratios = sorted(a / b for a, b in zip(one, two))
+    return dict(
+        pairs=pairs,
+        one_gpu_s=one,
+        two_gpu_s=two,
+        speedup_median=statistics.median(ratios),
+        speedup_min=ratios[0],
+        speedup_max=ratios[-1],
+    )
+
+
 def host_profile(fn, devices, top: int = 25) -> list:
     """Where one run's host time goes (cProfile, the ``top`` functions by own time): the graphed pipeline is
     issued by one host thread, so its wall time is the host's whenever that thread is the bottleneck."""
@@ -243,6 +267,12 @@ def main(argv=None):
         type=float,
         default=360.0,
         help="skip the remaining configurations (bidirectional included) once the run has taken this long",
+    )
+    parser.add_argument(
+        "--paired",
+        type=int,
+        default=5,
+        help="per graphed 2-GPU mode, this many alternated 1-GPU / 2-GPU runs (median ratio); 0: off",
     )
     parser.add_argument(
         "--host-profile", action="store_true", help="one more run per 2-GPU mode under cProfile (top functions)"
@@ -359,11 +389,11 @@ def main(argv=None):
                 for g in groups
             ]
 
-        def pipeline_run(lane_devs, split, sched_mode, graphs, threads, profile=False):
+        def pipeline_run(lane_devs, split, sched_mode, graphs, threads, profile=False, net=None):
             dec = decoder if lane_devs[1] == devices[0] else pp_decoder
             lanes = Lanes(lane_devs, profile=profile)
             stages = CausalStreamingStages(
-                pp_model,
+                pp_model if net is None else net,
                 lanes,
                 split,
                 groups,
@@ -404,6 +434,7 @@ def main(argv=None):
             )
             t_graphs, graph_outs = timed(lambda: generator_run(graphed_gen), [dev0], args.repeats)
             one_gpu_graphs = dict(generator=graphed_gen.cuda_graphs.summary)
+            one_gpu_again = (lambda gen_=graphed_gen: generator_run(gen_)) if args.paired else None
             del graphed_gen
         else:
             place_model(pp_model, split1, [devices[0], devices[0]])
@@ -412,6 +443,12 @@ def main(argv=None):
             t_graphs, graph_outs = timed(run1, [dev0], args.repeats)
             one_gpu_graphs = dict(executor=[r.summary for r in runners], split=split1)
             runners = None
+            one_gpu_again = None
+            if args.paired:  # the same executor on the other model copy, whose blocks stay put on GPU0
+                runners_1 = (ChunkGraphs(model), ChunkGraphs(model))
+                one_gpu_again = lambda: pipeline_run(  # noqa: E731
+                    [devices[0]] * 2, split1, "off", runners_1, False, net=model
+                )
         ref_graphs = graph_outs[0]
         row["modes"]["1gpu-graphs"] = dict(
             seconds=t_graphs,
@@ -440,6 +477,9 @@ def main(argv=None):
             t, outs = timed(pipelined, devices, args.repeats)
             prof = pipelined(profile=True)
             host_top = host_profile(pipelined, devices) if args.host_profile else None
+            paired = None
+            if one_gpu_again is not None and graphed:
+                paired = paired_speedup(one_gpu_again, pipelined, devices, args.paired)
             runs = [as_lists(o) for o in outs + [prof]]
             lanes_summary = prof.summary.get("lanes", {})
             row["modes"][mode] = dict(
@@ -457,6 +497,7 @@ def main(argv=None):
                 ms_per_kind=prof.summary.get("ms_per_kind"),
                 graphs=None if runners is None else [r.summary for r in runners],
                 host_profile=host_top,
+                paired=paired,
             )
             runners = None
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -633,6 +674,11 @@ def print_row(row):
             extra.append(f"diff_eager {m['diff_eager']:g}")
         if "diff_graphs" in m:
             extra.append(f"diff_graphs {m['diff_graphs']:g}")
+        if m.get("paired"):
+            pr = m["paired"]
+            extra.append(
+                f"paired {pr['pairs']}x: {pr['speedup_median']:.2f}x ({pr['speedup_min']:.2f}-{pr['speedup_max']:.2f})"
+            )
         if isinstance(m.get("graphs"), list):  # per lane: graphed / eager passes (eager = a capture failed)
             extra.append("replays/eager " + " ".join(f"{g['replays']}/{g['eager']}" for g in m["graphs"]))
         parts.append(f"{mode} {m['fps']:.1f} fps ({', '.join(extra)})")
@@ -645,9 +691,9 @@ def print_tables(rows, bi_rows, split_tables):
         + " | ".join(f"{m} fps" for m in ONE_GPU)
         + " | "
         + " | ".join(f"{m} fps (x of 1gpu-graphs, busy GPU0/GPU1, split)" for m in TWO_GPU)
-        + " | best 2 GPUs / best 1 GPU | bit-identical |"
+        + " | best 2 GPUs / best 1 GPU | paired with 1gpu-graphs: basic / aggressive (median, min-max) | bit-identical |"
     )
-    say("| --- " * (len(VARIANTS) + 3) + "|")
+    say("| --- " * (len(VARIANTS) + 4) + "|")
     for r in rows:
         cells = [f"{r['modes'][m]['fps']:.1f}" if m in r["modes"] else "-" for m in ONE_GPU]
         for m in TWO_GPU:
@@ -658,10 +704,15 @@ def print_tables(rows, bi_rows, split_tables):
                 else f"{v['fps']:.1f} ({v['speedup_vs_1gpu_graphs']:.2f}x, {fmt_busy(v['busy'])}, {v['split']})"
             )
         best = r.get("best_two_gpu_vs_best_one_gpu")
+        paired = [r["modes"].get(m, {}).get("paired") for m in ("basic", "aggressive")]
+        paired_cell = " / ".join(
+            "-" if p is None else f"{p['speedup_median']:.2f}x ({p['speedup_min']:.2f}-{p['speedup_max']:.2f})"
+            for p in paired
+        )
         say(
             f"| {r['config']} | "
             + " | ".join(cells)
-            + f" | {'-' if best is None else f'{best:.2f}x'} | {'yes' if row_ok(r) else 'NO'} |"
+            + f" | {'-' if best is None else f'{best:.2f}x'} | {paired_cell} | {'yes' if row_ok(r) else 'NO'} |"
         )
     say(
         "(bit-identical: every eager run equals 1gpu-eager (the StreamingGenerator for the refill rows) and every "
