@@ -250,11 +250,14 @@ def test_cuda_graphs_of_the_levels_match_the_eager_levels():
     graphs, store = RegionGraphs(RegionForward(model)), StaticDeviceStore("cuda")
     for _ in range(2):  # captures, then replays of the same graphs
         outs = run_schedule(graphs, store, plan, batch)
-        for out, ref in zip(outs, eager):  # bf16; a capture may pick other kernels than eager
-            torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    summary = graphs.summary
-    assert summary["failures"] == [] and summary["eager"] == 0 and summary["replays"] == 2 * len(SCHEDULE)
-    assert summary["captures"] == 5  # L3, L1, L2 storing, L2 not storing, L0
+        summary = graphs.summary
+        diffs = [float((o.float() - r.float()).abs().max()) for o, r in zip(outs, eager)]
+        print("summary", summary, "max |diff| per step", diffs)  # the first failure on an H100 printed neither
+        assert summary["failures"] == [], summary["failures"]
+        for level, out, ref in zip(SCHEDULE, outs, eager):  # bf16; a capture may pick other kernels than eager
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"L{level}: {m}")
+    assert summary["eager"] == 0 and summary["replays"] == 2 * len(SCHEDULE), summary
+    assert summary["captures"] == 5, summary  # L3, L1, L2 storing, L2 not storing, L0
     print("graphed levels bitwise equal to eager:", all(torch.equal(o, r) for o, r in zip(outs, eager)))
 
 
