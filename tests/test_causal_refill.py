@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from test_streaming import PROMPTS, tiny_sampler
+from test_streaming import PROMPTS, EagerReplayGraphs, tiny_sampler
 
 from opensora.inference.streaming import StreamingGenerator
 from opensora.models.mmdit.causal_refill import refill_and_step
@@ -99,22 +99,11 @@ def test_chunk_flops_formula_matches_the_flop_counter(text_cached):
 def test_merged_graph_plumbing_replays_the_eager_pass_on_a_cpu():
     """``MergedGraphs`` with the capture replaced by re-running the body: static inputs, cached video and text copied
     in, outputs cloned out; the streamed video equals the eager merged one over two videos (graphs kept)."""
-    from opensora.models.mmdit.causal_refill import MergedGraphs
-
-    class EagerReplay(MergedGraphs):
-        @staticmethod
-        def usable(x):
-            return True
-
-        def _record(self, body):
-            body()
-            return body
-
     sampler = tiny_sampler()
     kwargs = dict(step_list=[1.0, 0.5], guidance_scale=3.0, window_frames=4, merge_refill=True)
     eager = StreamingGenerator(sampler, **kwargs)
     graphed = StreamingGenerator(sampler, **kwargs)
-    graphed.merged_graphs = EagerReplay(sampler.model)
+    graphed.merged_graphs = EagerReplayGraphs.make_merged(sampler.model)
     for prompts in (PROMPTS, PROMPTS[::-1]):
         a = list(eager.stream(prompts, [0, 1], 12, 16, 16, decode=False))
         b = list(graphed.stream(prompts, [0, 1], 12, 16, 16, decode=False))

@@ -2,6 +2,8 @@
 deterministic per seed, its cache stays bounded on a 4x-long video, and chunk-wise decoding is exact for a
 frame-independent autoencoder and keeps the frame count right for a causal temporal one."""
 
+import gc
+
 import pytest
 import torch
 
@@ -346,6 +348,22 @@ class EagerReplayGraphs:
 
         return Graphs(model)
 
+    @staticmethod
+    def make_merged(model, memory=None):
+        """``MergedGraphs`` with the same eager "capture" (``memory``: share the chunk graphs' ``GraphMemory``)."""
+        from opensora.models.mmdit.causal_refill import MergedGraphs
+
+        class Merged(MergedGraphs):
+            @staticmethod
+            def usable(x):
+                return True
+
+            def _record(self, body):
+                body()  # the "capture"
+                return body
+
+        return Merged(model, memory)
+
 
 @pytest.mark.parametrize("guidance,window", [(1.0, 4), (3.0, 2)])
 def test_chunk_graph_plumbing_replays_the_eager_passes_bitwise_on_a_cpu(guidance, window):
@@ -368,6 +386,48 @@ def test_chunk_graph_plumbing_replays_the_eager_passes_bitwise_on_a_cpu(guidance
     # 2); the second video reuses them all
     assert graphs["failures"] == [] and graphs["eager"] == 0 and graphs["replays"] == 2 * (5 * 3 - 1)
     assert graphs["graphs"] == 2 + 3 * (2 if window == 4 else 1)
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in the process (each storage once, views included)."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):  # not isinstance: it warns on deprecated objects it looks into
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("merge_refill", [False, True])
+def test_graphed_streaming_holds_as_much_after_every_chunk_of_a_long_video(merge_refill):
+    """What the graphed path keeps between chunks (statics, shared buffers, cached video, text, graphs, per-chunk
+    RoPE tables and masks, caches) must stop growing once the rolling window is full: the CPU twin of
+    tests/test_streaming_gpu.py's peak-memory test, with the capture swapped for an eager re-run. The chunk graphs
+    kept the RoPE tables and mask of the last 8 chunks (one start frame each), so the memory held grew by one
+    chunk's mask per chunk until the 8th, and a 24-chunk video held more at its peak than a 12-chunk one."""
+    sampler = tiny_sampler()
+    gen = StreamingGenerator(sampler, step_list=[1.0, 0.5], window_frames=4, merge_refill=merge_refill)
+    gen.cuda_graphs = EagerReplayGraphs.make(sampler.model)
+    if merge_refill:
+        gen.merged_graphs = EagerReplayGraphs.make_merged(sampler.model, gen.cuda_graphs.memory)
+
+    def held_per_chunk(frames):
+        held = []
+        for chunk in gen.stream(PROMPTS, [0, 1], frames, 16, 16):
+            del chunk
+            held.append(live_tensor_bytes())
+        counts = (gen.cuda_graphs.summary["graphs"], len(gen.cuda_graphs.statics), len(gen.cuda_graphs.memory.pasts))
+        merged = None if gen.merged_graphs is None else gen.merged_graphs.summary["graphs"]
+        return held, counts + (len(gen.cuda_graphs.text_statics), gen.cuda_graphs.memory.nbytes, merged)
+
+    held_per_chunk(24)  # warm-up: every state (the refill at a full window) gets its graph
+    held_24, book_24 = held_per_chunk(24)
+    held_48, book_48 = held_per_chunk(48)
+    assert book_48 == book_24  # no graph, static, buffer or text static more
+    # from the third chunk on (window full: 4 cached frames) every chunk leaves the same bytes behind
+    assert len(set(held_24[2:])) == 1 and set(held_48[2:]) == set(held_24[2:]), (held_24, held_48)
+    assert max(held_48) == max(held_24)
 
 
 def test_chunk_graphs_fall_back_to_eager_off_the_gpu():

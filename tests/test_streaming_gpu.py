@@ -77,7 +77,10 @@ def test_graphed_streaming_peak_memory_is_bounded_in_the_length(merge_refill):
     window, a shorter last chunk). Graphs share one pool and write their outputs into shared buffers, so memory stops
     growing once every state exists: 8x within 2% of 4x. The one-time step from 1x (a window that never trims) is
     bounded by 10% at this tiny width, where graph I/O buffers weigh most (measured on one H100: +5.8% / +9.6% with
-    merge_refill); at the 1B shape of benchmarks/streaming.py it is +1.0% / +4.5%."""
+    merge_refill); at the 1B shape of benchmarks/streaming.py it is +1.0% / +4.5%. The 8x-vs-4x growth measured
+    before (+2.1% / +2.2%) was the chunk graphs keeping the RoPE tables and mask of the last 8 chunks (one per start
+    frame); they keep the last chunk's now (CPU twin: tests/test_streaming.py
+    ::test_graphed_streaming_holds_as_much_after_every_chunk_of_a_long_video)."""
     sampler = tiny_sampler(hidden_size=256, num_heads=4, depth_double=2, depth_single=2, axes_dims=(16, 24, 24))
     sampler.model.to("cuda")
     sampler.vae.to("cuda")

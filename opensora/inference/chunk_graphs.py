@@ -51,21 +51,24 @@ def _clone_tree(out):
 
 
 class StaticInputs:
-    """The static input buffers of one pass shape, and which source tensors they last received."""
+    """The static input buffers of one pass shape, and which source tensors they last received (held weakly: a
+    shape's buffers must not keep the last chunk's mask or RoPE tables alive until that shape runs again)."""
 
     def __init__(self, inputs: Dict[str, Optional[torch.Tensor]]):
         self.inputs = {name: _clone(t) for name, t in inputs.items()}
-        self.sources: Dict[str, object] = {}
+        self.sources: Dict[str, tuple] = {}  # name -> (weak reference to the source, its version at the copy)
 
     def load(self, name: str, source: Optional[torch.Tensor], always: bool = False) -> None:
         dst = self.inputs[name]
-        if dst is None or (not always and self.sources.get(name) is source and source._version == self._version(name)):
+        if dst is None or (not always and self.holds(name, source)):
             return
         dst.copy_(source)
-        self.sources[name], self.sources[name + "#v"] = source, source._version
+        self.sources[name] = (weakref.ref(source), source._version)
 
-    def _version(self, name):
-        return self.sources.get(name + "#v")
+    def holds(self, name: str, source: torch.Tensor) -> bool:
+        """Whether the buffer of ``name`` already holds ``source`` (the very tensor last copied, unmodified since)."""
+        last = self.sources.get(name)
+        return last is not None and last[0]() is source and source._version == last[1]
 
 
 class _Graph:
@@ -90,7 +93,7 @@ class ChunkGraphs:
         self.failed: set = set()
         self.failures: List[str] = []
         self.captures = self.replays = self.eager = 0
-        self._preludes: Dict[tuple, tuple] = {}
+        self._prelude: Optional[tuple] = None  # (key, text mask, RoPE tables, mask) of the last chunk
         self.text_statics: Dict[tuple, list] = {}  # (text key, shape, dtype, device) -> [buffers, last source]
 
     def _text_buffers(self, text_key, text_kv):
@@ -109,8 +112,10 @@ class ChunkGraphs:
         return holder[0]
 
     def _rope_mask(self, x, text_mask, num_text: int, past: int, start_frame: int):
-        """``chunk_rope_mask``, kept for the passes of one chunk (same start frame, cached frames and text mask): the
-        same tensor objects then need no copy into the static buffers either."""
+        """``chunk_rope_mask``, kept for the passes of one chunk (same start frame, cached frames and text mask: its
+        steps, then its refill): the same tensor objects then need no copy into the static buffers either. Only the
+        last chunk's are kept: every chunk has a start frame of its own, so a cache of several entries would hold
+        one mask per chunk, and peak memory would grow with the video until the cache is full."""
         key = (
             tuple(x.shape[2:]),
             x.device,
@@ -120,15 +125,10 @@ class ChunkGraphs:
             id(text_mask),
             None if text_mask is None else text_mask._version,
         )
-        hit = self._preludes.get(key)
-        if hit is None or hit[0] is not text_mask:
-            if len(self._preludes) >= 8:
-                self._preludes.clear()
-            hit = self._preludes[key] = (
-                text_mask,
-                *self.model.chunk_rope_mask(x, text_mask, num_text, past, start_frame),
-            )
-        return hit[1], hit[2]
+        if self._prelude is None or self._prelude[0] != key or self._prelude[1] is not text_mask:
+            self._prelude = None  # the previous chunk's tables go before this chunk's are made
+            self._prelude = (key, text_mask, *self.model.chunk_rope_mask(x, text_mask, num_text, past, start_frame))
+        return self._prelude[2], self._prelude[3]
 
     def __call__(
         self,
