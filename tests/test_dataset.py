@@ -16,7 +16,7 @@ from opensora.datasets import (
     build_dataloader,
     parse_resolution,
 )
-from opensora.datasets.dataset import IMAGE_FPS
+from opensora.datasets.dataset import IMAGE_FPS, decode_frames
 from opensora.datasets.transforms import resize_center_crop
 from opensora.datasets.video_io import read_video, write_video
 from opensora.registry import DATASETS
@@ -140,6 +140,24 @@ def test_sampled_frames_match_full_decode(good_csv, row):
     assert len(starts) > 1  # the start really is random over epochs
     again = VideoTextDataset(good_csv, frame_interval=3, seed=1)
     assert dataset.frame_indices(row, 5, 2) == again.frame_indices(row, 5, 2)
+
+
+def test_decoded_pixels_equal_pyav_to_ndarray(tmp_path):
+    """The shared RGB converter and the decoder thread setting change no pixel: coloured clips of two sizes (yuv420p
+    and, for odd sizes, yuv444p), decoded in turn so the converter switches size and format, match
+    ``frame.to_ndarray(format="rgb24")`` exactly."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, (height, width) in enumerate([(24, 24), (25, 23), (24, 24), (25, 23)]):
+        frames = rng.integers(0, 256, size=(6, height, width, 3), dtype=np.uint8)
+        paths.append(tmp_path / f"colour{i}.mp4")
+        write_video(paths[-1], frames, fps=FPS)
+    for threads in (1, 0):
+        for path in paths:
+            with av.open(str(path)) as container:
+                expected = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+            np.testing.assert_array_equal(decode_frames(str(path), [1, 2, 3], threads=threads), expected[1:4])
+            np.testing.assert_array_equal(read_video(path), expected)
 
 
 def test_target_fps_sets_interval_and_fps(good_csv):

@@ -31,6 +31,7 @@ from opensora.cli_errors import UserInputError
 from opensora.registry import DATASETS
 
 from .transforms import resize_center_crop
+from .video_io import frame_to_rgb
 
 logger = logging.getLogger(__name__)
 
@@ -131,18 +132,19 @@ def _frame_index(frame, first_pts: int, time_base: Fraction, rate: Fraction) -> 
     return int(round((frame.pts - first_pts) * time_base * rate))
 
 
-def decode_frames(path: str, indices: Sequence[int]) -> np.ndarray:
+def decode_frames(path: str, indices: Sequence[int], threads: int = 1) -> np.ndarray:
     """Decode frames ``indices`` (sorted, 0-based display order) of a video -> uint8 [T, H, W, 3].
 
     Seeks to the key frame before the first wanted frame and decodes forward, stopping after the last one;
     frame numbers come from presentation timestamps. When timestamps are missing or the seek lands past the
-    wanted frame, it falls back to decoding from the start and counting frames.
+    wanted frame, it falls back to decoding from the start and counting frames. ``threads``: ffmpeg decoder
+    threads (0: ffmpeg's choice, one per core).
     """
     indices = list(indices)
     try:
-        frames = _decode_with_seek(path, indices)
+        frames = _decode_with_seek(path, indices, threads)
         if frames is None:
-            frames = _decode_sequential(path, indices)
+            frames = _decode_sequential(path, indices, threads)
     except BadSampleError:
         raise
     except Exception as error:  # PyAV raises many error types for broken files
@@ -150,12 +152,13 @@ def decode_frames(path: str, indices: Sequence[int]) -> np.ndarray:
     return np.stack(frames)
 
 
-def _decode_with_seek(path: str, indices: List[int]) -> Optional[List[np.ndarray]]:
+def _decode_with_seek(path: str, indices: List[int], threads: int) -> Optional[List[np.ndarray]]:
     wanted = set(indices)
     found: Dict[int, np.ndarray] = {}
     last = indices[-1]
     with av.open(path) as container:
         stream = container.streams.video[0]
+        stream.codec_context.thread_count = threads
         rate = stream.average_rate or stream.guessed_rate
         time_base = stream.time_base
         if not rate or time_base is None:
@@ -173,7 +176,7 @@ def _decode_with_seek(path: str, indices: List[int]) -> Optional[List[np.ndarray
             if first_seen > indices[0]:
                 return None  # landed past the wanted frame: count from the start instead
             if index in wanted:
-                found[index] = frame.to_ndarray(format="rgb24")
+                found[index] = frame_to_rgb(frame)
             if index >= last:
                 break
     if len(found) < len(indices):
@@ -181,14 +184,16 @@ def _decode_with_seek(path: str, indices: List[int]) -> Optional[List[np.ndarray
     return [found[i] for i in indices]
 
 
-def _decode_sequential(path: str, indices: List[int]) -> List[np.ndarray]:
+def _decode_sequential(path: str, indices: List[int], threads: int) -> List[np.ndarray]:
     wanted = set(indices)
     found: Dict[int, np.ndarray] = {}
     index = -1
     with av.open(path) as container:
-        for index, frame in enumerate(container.decode(video=0)):
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = threads
+        for index, frame in enumerate(container.decode(stream)):
             if index in wanted:
-                found[index] = frame.to_ndarray(format="rgb24")
+                found[index] = frame_to_rgb(frame)
             if index >= indices[-1]:
                 break
     if len(found) < len(indices):
@@ -227,6 +232,8 @@ class VideoTextDataset(torch.utils.data.Dataset):
         interpolation: ``torch.nn.functional.interpolate`` mode for resizing.
         allow_empty_text: accept a table without a ``text``/``caption`` column (every caption empty: unconditional
             training). Without it such a table is an error, since it silently trains a model that ignores prompts.
+        decode_threads: ffmpeg threads per video decoder. 1 by default: the DataLoader workers already decode
+            clips in parallel, and for short clips starting threads costs more than it saves; 0 = one per core.
     """
 
     def __init__(
@@ -239,6 +246,7 @@ class VideoTextDataset(torch.utils.data.Dataset):
         seed: int = 0,
         interpolation: str = "bilinear",
         allow_empty_text: bool = False,
+        decode_threads: int = 1,
     ):
         if frame_interval < 1:
             raise ValueError(f"frame_interval must be >= 1, got {frame_interval}")
@@ -247,6 +255,7 @@ class VideoTextDataset(torch.utils.data.Dataset):
         self.image_size = (int(image_size[0]), int(image_size[1]))
         self.seed = int(seed)
         self.interpolation = interpolation
+        self.decode_threads = int(decode_threads)
         self.epoch = 0
 
         table = read_table(data_path)
@@ -338,7 +347,7 @@ class VideoTextDataset(torch.utils.data.Dataset):
                 raise BadSampleError(path, f"an image cannot fill a {num_frames}-frame clip")
             frames, fps = load_image(path), IMAGE_FPS
         else:
-            frames = decode_frames(path, self.frame_indices(index, num_frames, epoch))
+            frames = decode_frames(path, self.frame_indices(index, num_frames, epoch), self.decode_threads)
             fps = float(self.fps[index]) / float(self.frame_intervals[index]) if self.fps[index] > 0 else 0.0
         return frames, fps
 
