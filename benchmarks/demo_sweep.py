@@ -8,8 +8,9 @@ size, frames, number of clips), `--key value` config overrides given to BOTH the
 (so the sampler builds the same model, autoencoder and timestep shift), training-only overrides (lr, lr decay, EMA)
 and one or more sampling settings. Variant 0 is demo_fast unchanged, the calibration.
 
-Variants are compared at equal *steps*, not equal time: `make demo` trains 2400 steps (~9.8 min at 0.24 s/step on
-the 2-core CI machine), and a lent host's cores may be faster or slower. So the sweep runs in two phases:
+Variants are compared at equal *steps*, not equal time: `make demo` trains demo_fast's `max_steps` (3200 since it
+moved to DDP, ~9.2 min at 0.173 s/step on the 2-core CI machine; the sweep of 2026-11-23 ran with 2400 steps of
+LowLevelZero at 0.24 s/step), and a lent host's cores may be faster or slower. So the sweep runs in two phases:
 
 1. probe: every variant builds its clips and trains `--probe-steps` throwaway steps, all at once on their cores,
    which measures each variant's s/step under the real load;
@@ -535,7 +536,7 @@ def sweep(args) -> None:
     print_table(records)
     if plan.get("steps"):
         print(f"\nbase {plan['base_steps']} steps = {plan['base_fraction_of_target']:.0%} of {plan['target_steps']}; "
-              f"variant 0 {plan['s0']} s/step under the sweep's load (make demo on the 2-core CI machine: 0.24)")  # fmt: skip
+              f"variant 0 {plan['s0']} s/step under the sweep's load (make demo on the 2-core CI machine: 0.173 with DDP)")  # fmt: skip
     print(f"\nsweep took {summary['seconds'] / 60:.1f} min; {args.results / 'summary.json'}")
 
 
