@@ -394,8 +394,11 @@ def live_tensor_bytes() -> int:
     storages = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor):  # not isinstance: it warns on deprecated objects it looks into
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # fake / functional tensors other tests left behind
+                continue
     return sum(storages.values())
 
 
