@@ -50,6 +50,11 @@ def _clone_tree(out):
     return _clone(out)
 
 
+def describe_inputs(inputs) -> tuple:
+    """(name, (shape, dtype, device) or None) of every input: the part of a graph's key its static buffers depend on."""
+    return tuple((name, None if t is None else (tuple(t.shape), t.dtype, t.device)) for name, t in inputs.items())
+
+
 class StaticInputs:
     """The static input buffers of one pass shape, and which source tensors they last received (held weakly: a
     shape's buffers must not keep the last chunk's mask or RoPE tables alive until that shape runs again)."""
@@ -219,10 +224,7 @@ class ChunkGraphs:
         frames = None
         if "x" in inputs:
             frames = inputs["x"].shape[2]
-        described = tuple(
-            (name, None if t is None else (tuple(t.shape), t.dtype, t.device)) for name, t in inputs.items()
-        )
-        shape = (lo, hi, slot, past, grid, described)
+        shape = (lo, hi, slot, past, grid, describe_inputs(inputs))
         hit = text_key in text_cache.entries
         key = (shape, text_key if hit else None, hit, bool(store_kv))
         if shape in self.failed:

@@ -17,7 +17,7 @@ from pathlib import Path
 from opensora.checkpoint_layout import checkpoint_root, find_latest_checkpoint
 from opensora.cli_errors import UserInputError, check_range, run_cli
 from opensora.config import load_config_from_cli, save_config
-from opensora.inference.pipeline_cli import PIPELINE_FLAGS, STREAM_GRAPHS_CHOICES, streaming_options
+from opensora.inference.pipeline_cli import PIPELINE_FLAGS, parse_stream_graphs, streaming_options
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +139,7 @@ def check_inference_flags(args) -> None:
         ]
         if others:
             raise UserInputError(f"--sequence-parallel-size > 1 does not combine with {' / '.join(others)}: pick one")
-    if str(args.stream_graphs).lower() not in STREAM_GRAPHS_CHOICES:
-        raise UserInputError(
-            f"--stream-graphs must be one of {', '.join(STREAM_GRAPHS_CHOICES)}, got {args.stream_graphs!r}"
-        )
+    parse_stream_graphs(args.stream_graphs)
     if args.streaming and args.jano:
         raise UserInputError(
             "--jano caches a bidirectional sampler's steps; --streaming has its own KV cache: pick one"

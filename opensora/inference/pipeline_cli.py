@@ -10,18 +10,15 @@ text features, noise, embedders and blocks[0..split]; GPU1: the other blocks, th
 and the chunk decoder. ``--pp-cfg-rows false`` runs the CFG passes as separate micro-batches (two items in flight
 per prompt group; same math, other GEMM shapes, so equal to one GPU running those micro-batches, not to
 ``--streaming``); ``--stream-refill false`` lets the last denoising step write the cache (another sampler).
-Unlike ``--streaming``, the mp4s are written once all chunks are done (by the same writer, so equal frames give equal files). ``--profile`` writes ``pp_profile.json``
-(per task: GPU, start/end ms; per GPU: busy/idle) to the save dir and logs the per-stage summary.
+Unlike ``--streaming``, the mp4s are written once all chunks are done (by the same writer, so equal frames give
+equal files). ``--profile`` writes ``pp_profile.json`` (per task: GPU, start/end ms; per GPU: busy/idle) to the save
+dir and logs the per-stage summary.
 """
 
 from __future__ import annotations
 
 import logging
-import typing
 from pathlib import Path
-
-if typing.TYPE_CHECKING:  # annotations only: the CLI parses its flags before torch is imported
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +35,22 @@ PIPELINE_FLAGS = {  # the streaming flags themselves (--streaming, --window-fram
 STREAM_GRAPHS_CHOICES = ("auto", "on", "off")
 
 
+def parse_stream_graphs(value) -> str:
+    """``--stream-graphs`` as one of ``STREAM_GRAPHS_CHOICES``, or a one-line error naming the choices."""
+    from opensora.cli_errors import UserInputError
+
+    choice = str(value).lower()
+    if choice not in STREAM_GRAPHS_CHOICES:
+        raise UserInputError(f"--stream-graphs must be one of {', '.join(STREAM_GRAPHS_CHOICES)}, got {value!r}")
+    return choice
+
+
 def stream_graphs_on(value, device) -> bool:
     """``--stream-graphs`` for a sampler on ``device``: auto = on a CUDA device (a chunk's passes at ~1k tokens are
     launch-bound eager; graphed they ran 2.2x faster at the 1B shape), never off a GPU."""
     import torch
 
-    choice = str(value).lower()
-    if choice not in STREAM_GRAPHS_CHOICES:
-        raise SystemExit(f"--stream-graphs must be one of {', '.join(STREAM_GRAPHS_CHOICES)}, got {value!r}")
-    return choice != "off" and torch.device(device).type == "cuda"
+    return parse_stream_graphs(value) != "off" and torch.device(device).type == "cuda"
 
 
 def streaming_options(args, device) -> dict:
@@ -64,21 +68,14 @@ def streaming_options(args, device) -> dict:
     )
 
 
-def _uint8_on_device(video: torch.Tensor) -> torch.Tensor:
-    """``io.to_uint8_frames`` without the host copy (the pipeline copies to pinned memory asynchronously)."""
-    import torch
-
-    pixels = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return pixels.permute(0, 2, 3, 4, 1).contiguous()
-
-
 def device_decoder(vae, sampler_dtype):
     """``VideoSampler.decode`` on ``vae``'s device without the host copy: latents cast as it casts them (to the
     autoencoder's dtype; the sampler's for a parameter-free one) -> uint8 frames on the device."""
+    from opensora.inference.io import uint8_frames_on_device
     from opensora.inference.pipeline import _module_dtype
 
     dtype = _module_dtype(vae, sampler_dtype)
-    return lambda latents: _uint8_on_device(vae.decode(latents.to(dtype)))
+    return lambda latents: uint8_frames_on_device(vae.decode(latents.to(dtype)))
 
 
 def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, save_dir: Path, common: dict) -> list:

@@ -47,7 +47,7 @@ import torch
 
 from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 
-from .chunk_graphs import StaticInputs
+from .chunk_graphs import StaticInputs, describe_inputs
 from .jano import ACTIVE, FULL, MEDIUM, REFRESH, RegionForward, RegionPlan, entry_shapes
 
 _ALIGN = 256
@@ -159,7 +159,7 @@ class RegionGraphs:
             guidance=guidance,
             order=None if plan is None else plan.order,
         )
-        described = tuple((k, None if t is None else (tuple(t.shape), t.dtype, t.device)) for k, t in inputs.items())
+        described = describe_inputs(inputs)
         counts = None if plan is None else (plan.k_active, plan.k_medium, plan.num_tokens)
         layout = getattr(store, "layout", None)
         key = (level, bool(store_medium), text_mask_has_padding, described, counts, id(store), id(layout))
