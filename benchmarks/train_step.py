@@ -64,11 +64,15 @@ VARIANTS = {
     "ours-compile-nopersistent": dict(model="ours", backend="auto", compile={"triton.persistent_reductions": False}),
     # the real Trainer (ZeRO-2 bf16, EMA, scheduler, loss check, metrics, loader) on in-memory latents at this shape
     "trainer": dict(model="trainer", backend="auto"),
-    # the same with torch's fused AdamW on the fp32 masters instead of the default foreach one (not bit-identical:
-    # the fused kernel orders the update's arithmetic differently), to price the optimizer implementation
-    "trainer-fused-adamw": dict(model="trainer", backend="auto", optimizer=dict(fused=True)),
-    # the trainer with the one-rank ZeRO shortcuts (plugin single_rank_shortcut=True; bit-identical on CPU)
-    "trainer-1rank": dict(model="trainer", backend="auto", plugin=dict(single_rank_shortcut=True)),
+    # the trainer's defaults before session 6, to price them: torch's foreach AdamW on the fp32 masters instead of
+    # the fused one (the fused kernel orders the update's arithmetic differently: not bit-identical), and without the
+    # one-rank ZeRO shortcuts (bit-identical either way)
+    "trainer-foreach": dict(model="trainer", backend="auto", optimizer=dict(fused=False)),
+    "trainer-colossal": dict(
+        model="trainer", backend="auto", optimizer=dict(fused=False), plugin=dict(single_rank_shortcut=False)
+    ),
+    # the trainer without its rank-0 EMA (what the EMA's 18 B per parameter cost)
+    "trainer-noema": dict(model="trainer", backend="auto", ema=False),
     # the bare step with the trainer's optimizer precision: bf16 model, fp32 master weights and AdamW moments,
     # gradients cast to fp32, torch AdamW on the masters (foreach, the trainer's default; or fused), masters
     # copied back to bf16. trainer minus this = the trainer's own overhead; this minus ours-eager = the precision.
@@ -506,6 +510,8 @@ def run_trainer(name, ckpt, args):
     cfg = trainer_config(ckpt, args, outputs)
     cfg.optimizer = dict(cfg.get("optimizer") or {}, **VARIANTS[name].get("optimizer", {}))
     cfg.plugin = dict(cfg.get("plugin") or {}, **VARIANTS[name].get("plugin", {}))
+    if VARIANTS[name].get("ema") is False:
+        cfg.ema_decay = None
     trainer = Trainer(cfg)
     audit = SyncAudit()
     waits = []

@@ -161,3 +161,25 @@ def test_multi_tensor_update_is_bit_identical_on_gpu(shadow_device):
     model = _mixed_model(torch.bfloat16).cuda()
     ema = EMA(model, decay=0.9999, enabled=True, device=shadow_device)
     _assert_updates_match_per_tensor(ema, model, steps=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_update_on_a_side_stream_equals_the_serial_update():
+    """The trainer's order: optimizer writes the weights, EMA update (side stream), next forward, fence, next write."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)]).cuda().to(torch.bfloat16)
+    serial = EMA(model, decay=0.99, enabled=True, overlap=False, warmup=True)
+    overlapped = EMA(model, decay=0.99, enabled=True, warmup=True)
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    for step in range(1, 8):
+        serial.update(model, step=step)
+        overlapped.update(model, step=step)
+        assert overlapped._done is not None and overlapped._stream != torch.cuda.current_stream()
+        with torch.no_grad():
+            model(x)  # the next forward reads the weights while the side stream does
+            overlapped.fence()
+            for p in model.parameters():  # the next optimizer step writes them
+                p.mul_(0.5).add_(torch.randn_like(p))
+    for name, value in serial.state_dict().items():
+        assert torch.equal(overlapped.state_dict()[name], value), name

@@ -176,9 +176,11 @@ def build_plugin(plugin_cfg: dict, mixed_precision: str = "bf16", on_gpu: bool |
     kwargs = spec.defaults(kwargs)
     if on_gpu is None:
         on_gpu = torch.cuda.is_available()
-    # one rank: no flatten / copy passes standing in for communication (zero_single_rank.py). Opt-in until its
-    # GPU test (overlapped communication on side streams) has run; bit-identical to ColossalAI's path on CPU.
-    single_rank_shortcut = bool(kwargs.pop("single_rank_shortcut", False))
+    # one rank: no flatten / copy passes standing in for communication (zero_single_rank.py); bit-identical to
+    # ColossalAI's path (CPU and GPU tests), ~25 ms less per 1B step on an H100. `single_rank_shortcut=False` opts out.
+    single_rank_shortcut = bool(
+        kwargs.pop("single_rank_shortcut", name in ("LowLevelZeroPlugin", "HybridParallelPlugin"))
+    )
     if name in ("LowLevelZeroPlugin", "HybridParallelPlugin"):
         zero_sync.install()  # grad norm, clipping and the end of backward without host syncs
         (zero_single_rank.install if single_rank_shortcut else zero_single_rank.uninstall)()

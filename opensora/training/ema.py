@@ -19,6 +19,7 @@ With ``world_size > 1`` only rank 0 allocates the shadow; on other ranks every m
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -100,6 +101,10 @@ class EMA:
         device: where the shadow lives; ``None`` = same device as each parameter; ``"cpu"`` saves GPU memory.
         dtype: shadow dtype, fp32 by default (averaging in bf16 loses the (1 - decay) increments).
         enabled: override the rank-0-only rule (default: enabled only on rank 0).
+        overlap: with shadows on a GPU, run each update on a side stream of its own, so its memory traffic (18 B per
+            parameter, ~7 ms of a 1B step on an H200) overlaps the next step's forward and backward instead of
+            following the optimizer. The same kernels, so the same bits. Whoever writes the parameters next (the
+            trainer, before the optimizer step) calls ``fence()``; every reader of the shadow here fences itself.
         warmup: average with ``min(decay, (1 + n) / (10 + n))``, n = steps since ``start_step``, so a short run's
             EMA is not dominated by the initial weights (with decay 0.999, 1300 plain updates still keep 27% of
             the zero-initialised output layers, which wrecks samples). Long runs reach ``decay`` after ~10/(1-decay)
@@ -115,6 +120,7 @@ class EMA:
         dtype: torch.dtype = torch.float32,
         enabled: bool | None = None,
         warmup: bool = False,
+        overlap: bool = True,
     ):
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
@@ -125,6 +131,9 @@ class EMA:
         self.dtype = dtype
         self.enabled = (get_rank() == 0) if enabled is None else bool(enabled)
         self.num_updates = 0
+        self.overlap = bool(overlap)
+        self._stream = None  # the side stream of the overlapped updates, made on the first one
+        self._done = None  # an event after the last overlapped update
         self.shadow: dict[str, torch.Tensor] = {}
         if self.enabled:
             with torch.no_grad():
@@ -148,12 +157,36 @@ class EMA:
                 raise KeyError(f"EMA has no weight {name!r}: was the model changed after the EMA was built?")
         shadows = [self.shadow[name] for name, _ in tracked]
         params = [param.detach() for _, param in tracked]
-        if step < self.start_step:
-            for shadow, param in zip(shadows, params):
-                shadow.copy_(param)
-        else:
-            ema_step_all(shadows, params, self.decay_at(step))
+        side = self._side_stream(shadows, params)
+        if side is not None:  # after everything queued so far (the optimizer's writes to the parameters)
+            side.wait_stream(torch.cuda.current_stream(side.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if step < self.start_step:
+                for shadow, param in zip(shadows, params):
+                    shadow.copy_(param)
+            else:
+                ema_step_all(shadows, params, self.decay_at(step))
+            if side is not None:
+                self._done = torch.cuda.Event()
+                self._done.record(side)
         self.num_updates += 1
+
+    def _side_stream(self, shadows, params):
+        """The overlap's stream, or ``None`` (overlap off, host shadows, or not all on one GPU)."""
+        if not (self.overlap and shadows and torch.cuda.is_available()):
+            return None
+        device = shadows[0].device
+        if device.type != "cuda" or any(t.device != device for t in (*shadows, *params)):
+            return None
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
+    def fence(self) -> None:
+        """Make the current stream wait for the last overlapped update: call it before writing the parameters
+        the update reads (the next optimizer step). No host sync; a no-op without an overlapped update."""
+        if self._done is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(self._done)
 
     def decay_at(self, step: int) -> float:
         if not self.warmup:
@@ -164,12 +197,14 @@ class EMA:
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
         """Write the EMA weights into ``model`` (e.g. for sampling); only meaningful where enabled."""
+        self.fence()
         params = dict(unwrap_model(model).named_parameters())
         for name, value in self.shadow.items():
             params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Weight name -> EMA tensor (the same keys as the bare model's state dict). Empty where disabled."""
+        self.fence()
         return dict(self.shadow)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -179,6 +214,7 @@ class EMA:
         unexpected = sorted(set(state) - set(self.shadow))
         if strict and (missing or unexpected):
             raise KeyError(f"EMA state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.fence()
         with torch.no_grad():
             for name, value in state.items():
                 if name in self.shadow:
@@ -188,6 +224,7 @@ class EMA:
         """Write a safetensors file (fp32 tensors on CPU + decay/start_step/num_updates metadata)."""
         if not self.enabled:
             return
+        self.fence()
         tensors = {name: t.detach().cpu().contiguous() for name, t in self.shadow.items()}
         metadata = {"decay": repr(self.decay), "start_step": str(self.start_step), "num_updates": str(self.num_updates)}
         save_file(tensors, str(path), metadata=metadata)

@@ -28,12 +28,23 @@ def build_optimizer(params, cfg: Mapping) -> torch.optim.Optimizer:
     kind = settings.pop("type")
     settings["betas"] = tuple(settings["betas"])
     if kind == "AdamW":
+        params = list(params)
+        if settings.get("fused") is None and settings.get("foreach") is None:
+            # one kernel over all tensors instead of ~7 multi-tensor passes: 28 instead of 72 B per fp32 parameter
+            # (~29 ms of a 1B step on an H100). CUDA only, so CPU runs keep the foreach update's exact bits.
+            settings["fused"] = all(p.is_cuda for p in _tensors(params)) or None
         return torch.optim.AdamW(params, **settings)
     if kind == "HybridAdam":  # colossalai's fused CPU/GPU Adam (JIT-compiles kernels on first use)
         from colossalai.nn.optimizer import HybridAdam
 
         return HybridAdam(params, adamw_mode=True, **settings)
     raise ValueError(f"unknown optimizer type '{kind}' (expected 'AdamW' or 'HybridAdam')")
+
+
+def _tensors(params):
+    """The tensors of an optimizer's ``params``: tensors, or parameter groups (dicts with ``params``)."""
+    for item in params:
+        yield from (item["params"] if isinstance(item, Mapping) else [item])
 
 
 def _plugin_takes_max_norm(plugin_cfg: Mapping) -> bool:

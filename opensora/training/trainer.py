@@ -203,6 +203,11 @@ class Trainer:
                 role.wait_for_params()
                 role.ema.update(role.unwrap(), step=self.step)
 
+    def _fence_emas(self) -> None:
+        for role in self.roles.values():
+            if role.ema is not None:
+                role.ema.fence()
+
     def train(self) -> None:
         """The loop. Per optimizer step the host waits for the GPU once (``_step_verdict``); the step's metrics are
         all-reduced on the device and read one step later (``_flush``), so no ``.item()`` stalls the next step."""
@@ -232,6 +237,7 @@ class Trainer:
                 self._handle_nonfinite(iteration)
                 continue
             self.nonfinite_in_a_row = 0
+            self._fence_emas()  # the optimizers write the weights the previous step's overlapped EMA updates read
             grad_norms = self.method.optimizers_schedulers_step(iteration)
             self.method.optimizers_zero_grad(iteration)
             self.step += 1
