@@ -73,6 +73,8 @@ VARIANTS = {
     ),
     # the trainer without its rank-0 EMA (what the EMA's 18 B per parameter cost)
     "trainer-noema": dict(model="trainer", backend="auto", ema=False),
+    # the EMA update after the optimizer on the compute stream instead of overlapped on a side stream
+    "trainer-ema-serial": dict(model="trainer", backend="auto", ema="serial"),
     # the bare step with the trainer's optimizer precision: bf16 model, fp32 master weights and AdamW moments,
     # gradients cast to fp32, torch AdamW on the masters (foreach, the trainer's default; or fused), masters
     # copied back to bf16. trainer minus this = the trainer's own overhead; this minus ours-eager = the precision.
@@ -513,6 +515,10 @@ def run_trainer(name, ckpt, args):
     if VARIANTS[name].get("ema") is False:
         cfg.ema_decay = None
     trainer = Trainer(cfg)
+    if VARIANTS[name].get("ema") == "serial":
+        for role in trainer.roles.values():
+            if role.ema is not None:
+                role.ema.overlap = False
     audit = SyncAudit()
     waits = []
     audit_from, audit_to = args.warmup, args.warmup + args.audit_steps

@@ -261,3 +261,25 @@ def _partially_used_model_resume(rank, world_size, outputs):
 def test_zero_checkpoint_with_parameters_that_never_had_a_gradient(tmp_path):
     for reference, resumed in run_distributed(_partially_used_model_resume, world_size=2, args=(str(tmp_path),)):
         assert resumed == reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_adamw_steps_after_colossalai_loaded_its_state():
+    """ColossalAI's ZeRO loader leaves ``step`` on the host; torch's fused AdamW refuses host counters."""
+    from colossalai.checkpoint_io.utils import load_states_into_optimizer
+
+    from opensora.training.checkpoint import place_adam_steps
+
+    param = torch.nn.Parameter(torch.randn(64, device="cuda"))
+    optimizer = torch.optim.AdamW([param], lr=1e-3, fused=True)
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    saved = {0: {k: v.cpu() for k, v in optimizer.state[param].items()}}
+    fresh = torch.optim.AdamW([param], lr=1e-3, fused=True)
+    load_states_into_optimizer(fresh, saved, {0: param})
+    assert fresh.state[param]["step"].device.type == "cpu"  # what the ZeRO loader leaves
+    place_adam_steps(fresh)
+    assert fresh.state[param]["step"].device == param.device and fresh.state[param]["step"].dtype == torch.float32
+    fresh.step()  # raised before: the fused kernel needs the counters on the device
+    assert float(fresh.state[param]["step"]) == 2.0

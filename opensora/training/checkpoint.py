@@ -163,6 +163,22 @@ def _materialise_adam_state(optimizer) -> None:
             inner.state[param] = state
 
 
+def place_adam_steps(optimizer) -> None:
+    """Put each fused / capturable Adam's ``step`` counters on their parameter's device as fp32 tensors, where
+    torch keeps them (its kernels refuse host counters). ColossalAI's ZeRO loader (``load_states_into_optimizer``)
+    moves every state tensor to the parameter's device except ``step``, which stays on the host."""
+    inner = getattr(optimizer, "optim", optimizer)
+    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in inner.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for param in group["params"]:
+            step = inner.state.get(param, {}).get("step")
+            if torch.is_tensor(step) and (step.device != param.device or step.dtype != torch.float32):
+                inner.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
+
+
 def _save_adapter(role, directory: Path, rank: int) -> None:
     """A LoRA role's adapter and its lora.json (rank 0; the adapter is replicated on every rank)."""
     from safetensors.torch import save_file
@@ -312,6 +328,7 @@ def _load_role(name: str, role, directory: Path, saved_world_size: int, load_opt
         booster.load_model(model, str(directory / MODEL_DIR))
     if load_optimizer and optimizer is not None:
         booster.load_optimizer(optimizer, str(directory / "optimizer"))
+        place_adam_steps(optimizer)
         _load_master_params(model, optimizer, directory / "master", get_rank(), saved_world_size)
     if load_optimizer and role.lr_scheduler is not None:
         scheduler_file = directory / "lr_scheduler.pt"
