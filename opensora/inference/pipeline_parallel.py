@@ -8,7 +8,9 @@ host thread waits on a GPU and the two GPUs overlap wherever the dependencies al
 
 The work of a run is a graph of tasks over (group, branch, chunk, step):
 
-* ``prep``   (GPU0, "stage A")  chunk context: noise, RoPE tables, timestep/conditioning vectors on both GPUs;
+* ``prep``   (GPU0, "stage A")  chunk context: noise, RoPE tables, timestep/conditioning vectors, made on GPU0's
+  *prep stream* (a side stream: it overlaps stage0 instead of queuing in front of it) and touching nothing of
+  GPU1 (what GPU1 needs of it is pulled by GPU1's first task that reads it);
 * ``stage0`` (GPU0)  patchify + embed + blocks[:split] of one branch at one step (its caches for those blocks);
 * ``stage1`` (GPU1)  blocks[split:] + final layer of the same forward;
 * ``update`` (GPU1)  CFG combine of the group's branches + sampler step (or the chunk's x0 at its last step);
@@ -39,6 +41,15 @@ Modes (``--pp-overlap``): ``off`` issues the plain sequential order and makes ev
 finishes stage1 + decode of window t-1 while GPU0 runs stage0 of window t), with each chunk's prep issued just
 before its first stage0; ``aggressive`` also prepares the context of the next window ahead (a queue of window
 contexts: prep of chunk t+1 may run as soon as chunk t started stage0), so stage0 never waits for it (3 stages).
+
+Why a prep must not touch GPU1 (measured on 2 H200s, 2026-11-23: ``aggressive`` 5-8% slower than ``basic`` with the
+same stage order): CUDA streams are FIFO queues, so a wait on GPU1's compute stream issued by a prep holds back every
+GPU1 task issued after it, whether it depends on the prep or not. The prep used to pull the chunk's RoPE tables
+onto GPU1 (a copy waiting for an event recorded on GPU0 at the prep's position, which GPU1's stream then waited
+for): hoisted to just after chunk t's first stage0, that made GPU1's tasks issued next (chunk t-1's refill stage1,
+the other group's update) wait until GPU0 had finished that stage0. Now the prep runs on its own stream of GPU0 and
+GPU1's streams see exactly ``basic``'s operations in ``basic``'s order in both modes; ``in_order_timeline`` and
+``simulate`` time preps on that side stream.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ import torch
 OVERLAP_MODES = ("off", "basic", "aggressive")
 KINDS = ("prep", "stage0", "stage1", "update", "decode")
 DEVICE_OF_KIND = {"prep": 0, "stage0": 0, "stage1": 1, "update": 1, "decode": 1}
+PREP_STREAM = 2  # timing lane of ``prep``: GPU0's prep stream, beside its compute stream (lane 0)
 DEFAULT_COSTS = {"prep": 0.05, "stage0": 1.0, "stage1": 1.0, "update": 0.02, "decode": 0.5}
 
 
@@ -119,6 +131,11 @@ class Task:
     @property
     def device(self) -> int:
         return DEVICE_OF_KIND[self.kind]
+
+    @property
+    def stream(self) -> int:
+        """The timing lane: the device's compute stream, or ``PREP_STREAM`` for a prep."""
+        return PREP_STREAM if self.kind == "prep" else self.device
 
     def __str__(self) -> str:
         parts = [self.kind, f"g{self.group}", f"c{self.chunk}"]
@@ -234,8 +251,9 @@ def simulate(
     serial: Optional[bool] = None,
 ) -> Simulation:
     """List-schedule the task graph on two devices with per-kind ``costs`` (a device never idles while one of its
-    tasks is ready; ties go to the oldest work). ``serial`` (default: ``mode == "off"``) runs the natural order
-    one task at a time instead. Returns the issue order and the predicted timeline."""
+    tasks is ready; ties go to the oldest work; preps run on GPU0's prep stream, beside its compute stream).
+    ``serial`` (default: ``mode == "off"``) runs the natural order one task at a time instead. Returns the issue
+    order and the predicted timeline (``busy``: the two compute streams)."""
     costs = {**DEFAULT_COSTS, **(costs or {})}
     deps = build_graph(plan, mode, prefetch)
     natural = natural_order(plan)
@@ -248,7 +266,8 @@ def simulate(
         for t in natural:
             start[t], now = now, now + costs[t.kind]
             finish[t] = now
-            busy[t.device] += costs[t.kind]
+            if t.stream != PREP_STREAM:
+                busy[t.device] += costs[t.kind]
         return Simulation(list(natural), start, finish, now, tuple(busy))
     users = defaultdict(list)
     waiting = {t: len(d) for t, d in deps.items()}
@@ -256,22 +275,26 @@ def simulate(
         for p in d:
             users[p].append(t)
     ready_at: Dict[Task, float] = {t: 0.0 for t, n in waiting.items() if n == 0}
-    free_at = [0.0, 0.0]
+    lanes = (0, 1, PREP_STREAM)
+    free_at = [0.0] * len(lanes)
     running: List[Tuple[float, int, Task]] = []  # (finish, topo, task)
-    pending = {0: [], 1: []}  # ready tasks per device: (priority, topo, task)
+    started_as: Dict[Task, int] = {}  # the sequence tasks started in (zero-cost tasks share a start time)
+    pending = {lane: [] for lane in lanes}  # ready tasks per stream: (priority, topo, task)
     for t in ready_at:
-        heapq.heappush(pending[t.device], (_priority(t), topo[t], t))
+        heapq.heappush(pending[t.stream], (_priority(t), topo[t], t))
     now = 0.0
     while len(finish) < len(deps):
         started = False
-        for dev in (0, 1):
-            if free_at[dev] <= now and pending[dev]:
-                _, _, t = heapq.heappop(pending[dev])
+        for lane in lanes:
+            if free_at[lane] <= now and pending[lane]:
+                _, _, t = heapq.heappop(pending[lane])
                 s = max(now, ready_at[t])
                 start[t] = s
-                free_at[dev] = s + costs[t.kind]
-                busy[dev] += costs[t.kind]
-                heapq.heappush(running, (free_at[dev], topo[t], t))
+                started_as[t] = len(started_as)
+                free_at[lane] = s + costs[t.kind]
+                if lane != PREP_STREAM:
+                    busy[lane] += costs[t.kind]
+                heapq.heappush(running, (free_at[lane], topo[t], t))
                 started = True
         if started:
             continue
@@ -284,8 +307,8 @@ def simulate(
                 waiting[u] -= 1
                 if waiting[u] == 0:
                     ready_at[u] = end
-                    heapq.heappush(pending[u.device], (_priority(u), topo[u], u))
-    order = sorted(deps, key=lambda t: (start[t], topo[t]))
+                    heapq.heappush(pending[u.stream], (_priority(u), topo[u], u))
+    order = sorted(deps, key=lambda t: (start[t], started_as[t]))
     return Simulation(order, start, finish, max(finish.values()), tuple(busy))
 
 
@@ -325,31 +348,41 @@ def schedule(plan: Plan, mode: str, costs: Optional[Mapping[str, float]] = None,
 
 
 def hoist_preps(plan: Plan, order: Sequence[Task], prefetch: int = 1) -> List[Task]:
-    """``order`` with each chunk's ``prep`` moved up to just after the last task ``aggressive`` makes it wait for
-    (the previous chunk's prep and the first stage0 of chunk ``c - prefetch``, every branch); the other tasks keep
-    their relative order."""
+    """``order`` (``basic``'s) with each chunk's ``prep`` moved up to just after the last task ``aggressive`` makes
+    it wait for (the previous chunk's prep and the first stage0 of chunk ``c - prefetch``, every branch) and the
+    prep issued before it in ``order``; the other tasks keep their relative order.
+
+    So every stream (both compute streams, and the prep stream, whose preps keep ``order``'s sequence) runs the
+    same tasks in the same sequence as with ``order``, and each prep waits for tasks that finish no later than
+    those it waits for in ``basic`` (stage0 of chunk c - prefetch at step 0 runs before stage0 of c - 1 at its
+    last step on GPU0): by induction over the issue order, no task starts later than in ``basic``
+    (``in_order_timeline``; tests/test_pipeline_parallel.py checks it over plans and costs)."""
     deps = build_graph(plan, "aggressive", prefetch)
-    rest = [t for t in order if t.kind != "prep"]
-    preps = sorted((t for t in order if t.kind == "prep"), key=lambda t: (t.chunk, t.group))
-    out = list(rest)
-    for prep in preps:
-        after = [out.index(d) for d in deps[prep]]
+    out = [t for t in order if t.kind != "prep"]
+    previous = None
+    for prep in [t for t in order if t.kind == "prep"]:
+        after = [out.index(d) for d in deps[prep]] + ([out.index(previous)] if previous is not None else [])
         out.insert(max(after) + 1 if after else 0, prep)
+        previous = prep
     return out
 
 
 def in_order_timeline(
     plan: Plan, order: Sequence[Task], mode: str, costs: Optional[Mapping[str, float]] = None, prefetch: int = 1
 ) -> Simulation:
-    """The timeline of ``order`` issued as the executor issues it: each device runs its tasks in issue order (one
-    stream), a task starting once its device is free and its dependencies have finished."""
+    """The timeline of ``order`` issued as the executor issues it: each stream (the two compute streams and GPU0's
+    prep stream) runs its tasks in issue order, a task starting once its stream is free and its dependencies have
+    finished. Nothing else couples the streams: a prep issues no work and no wait on GPU1 (see the module
+    docstring), so hoisting preps (``aggressive``) leaves both compute streams' sequences as they were and can only
+    make a stage0 start earlier."""
     costs = {**DEFAULT_COSTS, **(costs or {})}
     deps = build_graph(plan, mode, prefetch)
-    start, finish, free_at, busy = {}, {}, [0.0, 0.0], [0.0, 0.0]
+    start, finish, free_at, busy = {}, {}, [0.0, 0.0, 0.0], [0.0, 0.0]
     for t in order:
-        start[t] = max([free_at[t.device]] + [finish[d] for d in deps[t]])
-        finish[t] = free_at[t.device] = start[t] + costs[t.kind]
-        busy[t.device] += costs[t.kind]
+        start[t] = max([free_at[t.stream]] + [finish[d] for d in deps[t]])
+        finish[t] = free_at[t.stream] = start[t] + costs[t.kind]
+        if t.stream != PREP_STREAM:
+            busy[t.stream] += costs[t.kind]
     return Simulation(list(order), start, finish, max(finish.values()), tuple(busy))
 
 
@@ -390,6 +423,7 @@ class Lanes:
         if not self.cuda and any(d.type == "cuda" for d in self.devices):
             raise ValueError(f"mixing CPU and CUDA pipeline devices is not supported: {self.devices}")
         self.copy_streams = {d: torch.cuda.Stream(d) for d in set(self.devices)} if self.cuda else {}
+        self.prep_streams = {d: torch.cuda.Stream(d) for d in set(self.devices)} if self.cuda else {}
         self.keepalive: deque = deque()
         self.profile = profile
         self.records: List[Tuple[Task, int, Any, Any, float]] = []  # (task, lane, start, end, host_issue_s)
@@ -409,6 +443,33 @@ class Lanes:
 
     def device_context(self, lane: int):
         return torch.cuda.device(self.devices[lane]) if self.cuda else contextlib.nullcontext()
+
+    def prep_stream(self, lane: int):
+        """Context making ``lane``'s prep stream (a side stream of its device) the current stream: what a ``prep``
+        queues there overlaps the compute stream's work instead of waiting behind it and delaying what follows."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.prep_streams[self.devices[lane]])
+
+    def wait(self, lane: int, ready) -> None:
+        """``lane``'s current stream waits for ``ready`` (an event; None: nothing to wait for, as on the CPU)."""
+        if self.cuda and ready is not None:
+            self.stream(lane).wait_event(ready)
+
+    def hand_over(self, tree, lane: int) -> None:
+        """The CUDA tensors of ``tree`` on ``lane``'s device, made on another stream of it (the prep stream), will be
+        read by the lane's compute stream: ``record_stream`` them, so the allocator does not hand their memory to
+        the prep stream again while the compute stream may still read it."""
+        if not self.cuda:
+            return
+        stream, device = self.stream(lane), self.devices[lane]
+
+        def keep(t: torch.Tensor):
+            if t.device == device:
+                t.record_stream(stream)
+            return t
+
+        _tree_map(keep, tree)
 
     def pull(self, value, ready, lane: int):
         dst = self.devices[lane]
@@ -557,7 +618,9 @@ def summarize_timeline(rows: Sequence[dict]) -> dict:
 class Stages:
     """What the executor calls (all on the lane of the task kind; see the module docstring).
 
-    ``prepare(group, chunk) -> ctx`` (ctx["x"]: the chunk's initial latent on lane 0); ``stage0(ctx, branch, step,
+    ``prepare(group, chunk) -> ctx`` (ctx["x"]: the chunk's initial latent on lane 0; called with lane 0's prep
+    stream current, and it must queue nothing on lane 1: a value lane 1 needs is pulled by the first lane-1 task
+    that reads it, see the module docstring); ``stage0(ctx, branch, step,
     x, store_kv) -> activations`` (lane 0); ``stage1(ctx, branch, step, activations, store_kv) -> model output``
     (lane 1); ``update(ctx, step, outputs, x) -> next x`` (lane 1; at the last step the chunk's x0);
     ``decode(ctx, x0) -> frames`` (lane 1).
@@ -573,14 +636,18 @@ class Stages:
 
 
 class _Value:
-    """A tensor (tree) produced on one lane, with the event that makes it ready and its copies on other lanes."""
+    """A tensor (tree) produced on one lane, with the event that makes it ready and its copies on other lanes.
+    ``side``: made on a side stream (a prep's), so a consumer on the producer's own device waits for ``ready`` too
+    (a consumer on the other device waits through ``pull``)."""
 
-    __slots__ = ("copies", "ready", "lane")
+    __slots__ = ("copies", "ready", "lane", "side")
 
-    def __init__(self, value, lane, ready):
-        self.copies, self.lane, self.ready = {lane: value}, lane, ready
+    def __init__(self, value, lane, ready, side: bool = False):
+        self.copies, self.lane, self.ready, self.side = {lane: value}, lane, ready, side
 
     def on(self, lanes: Lanes, lane: int):
+        if self.side and lanes.devices[lane] == lanes.devices[self.lane]:
+            lanes.wait(lane, self.ready)
         if lane not in self.copies:
             self.copies[lane] = lanes.pull(self.copies[self.lane], self.ready, lane)
         return self.copies[lane]
@@ -636,10 +703,10 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
 
     def compute(task: Task, inputs) -> None:
         g, c, k, b = task.group, task.chunk, task.step, task.branch
-        if task.kind == "prep":
+        if task.kind == "prep":  # on lane 0's prep stream (``execute``)
             ctx = stages.prepare(g, c)
             ctxs[(g, c)] = ctx
-            values[("x", g, c, 0)] = _Value(ctx["x"], 0, lanes.event(0))
+            values[("x", g, c, 0)] = _Value(ctx["x"], 0, lanes.event(0), side=True)
         elif task.kind == "stage0":
             act = stages.stage0(ctxs[(g, c)], b, k, inputs, plan.store_kv(k))
             values[("act", g, c, k, b)] = _Value(act, 0, lanes.event(0))
@@ -661,27 +728,31 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
 
     def execute(task: Task) -> None:
         lane, g, c, k, b = task.device, task.group, task.chunk, task.step, task.branch
-        if serial and position[task] > 0:
-            before = order[position[task] - 1]
+        before = order[position[task] - 1] if serial and position[task] > 0 else None
+        if before is not None:
             issued[before].wait()
-            if lanes.cuda and before.device != lane:
-                lanes.stream(lane).wait_event(end_events[before])
+        # a prep runs on its lane's prep stream (see the module docstring), everything else on the compute stream
         with lanes.device_context(lane), torch.no_grad():
-            # inputs from the other GPU first: the stream waits for them before the task's timing starts
-            inputs = None
-            if task.kind == "stage0":
-                inputs = values[("x", g, c, k)].on(lanes, 0)
-            elif task.kind == "stage1":
-                inputs = values.pop(("act", g, c, k, b)).on(lanes, 1)
-            elif task.kind == "update":
-                inputs = values[("x", g, c, k)].on(lanes, 1)
-            elif task.kind == "decode":
-                inputs = values[("x", g, c, plan.num_steps)].on(lanes, 1)
-            with lanes.task(task):
-                compute(task, inputs)
-            del inputs
-        if serial:
-            end_events[task] = lanes.event(lane)
+            with lanes.prep_stream(lane) if task.kind == "prep" else contextlib.nullcontext():
+                if before is not None and (before.device != lane or before.stream != task.stream):
+                    lanes.wait(lane, end_events[before])  # serial: after the task issued before it, on any stream
+                # inputs from the other GPU first: the stream waits for them before the task's timing starts
+                inputs = None
+                if task.kind == "stage0":
+                    inputs = values[("x", g, c, k)].on(lanes, 0)
+                elif task.kind == "stage1":
+                    inputs = values.pop(("act", g, c, k, b)).on(lanes, 1)
+                elif task.kind == "update":
+                    inputs = values[("x", g, c, k)].on(lanes, 1)
+                elif task.kind == "decode":
+                    inputs = values[("x", g, c, plan.num_steps)].on(lanes, 1)
+                with lanes.task(task):
+                    compute(task, inputs)
+                del inputs
+                if serial:
+                    end_events[task] = lanes.event(lane)  # on the stream the task ran on
+            if task.kind == "prep":
+                lanes.hand_over(ctxs[(g, c)], lane)
         with lock:
             issued_count[(g, c)] += 1
             if issued_count[(g, c)] == tasks_of_chunk[(g, c)]:  # every task of the chunk issued: free its values
