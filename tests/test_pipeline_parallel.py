@@ -188,6 +188,33 @@ def test_auto_split_moves_towards_gpu1_when_blocks_cost_their_graphed_times():
     assert at[10] < 0.9 * at[7]  # the eager-chosen split costs the graphed pipeline > 10%
 
 
+def test_calibrated_block_times_move_the_split_to_what_the_passes_measured():
+    """The 2026-11-23b H200 run: per-block graphed probes 0.43 ms (double) / 0.33 ms (single), whole passes at
+    split 10 measured 3.72 ms (stage0) / 4.07 ms (stage1) in the profiled ``off`` run. Calibrated, the stage sums
+    at split 10 equal the passes, and ``auto`` moves one single block to GPU0 (simulated ~3% faster)."""
+    from opensora.inference.pipeline_parallel import calibrate_block_ms, measured_task_ms, stage_costs, tasks_per_kind
+
+    probe = [0.43] * 8 + [0.33] * 16
+    plan = Plan(num_groups=2, num_chunks=6, num_steps=4, refill=True)
+    counts = tasks_per_kind(plan)
+    assert counts == dict(prep=12, stage0=60, stage1=60, update=48, decode=12)
+    ms = dict(prep=2.45, stage0=223.2, stage1=244.1, update=0.84, decode=4.7)  # that run's ms_per_kind (off)
+    per_task = measured_task_ms(plan, ms)
+    assert per_task["stage0"] == pytest.approx(3.72) and per_task["stage1"] == pytest.approx(4.068, abs=1e-3)
+    blocks = calibrate_block_ms(probe, 8, 10, 0.06, 0.03, per_task["stage0"], per_task["stage1"])
+    at10 = stage_costs(blocks, 10, 0.06, 0.03, 0.0, 0.0, 0.0)
+    assert at10["stage0"] == pytest.approx(per_task["stage0"]) and at10["stage1"] == pytest.approx(per_task["stage1"])
+    assert blocks[0] == pytest.approx(0.341, abs=1e-3) and blocks[-1] == pytest.approx(0.311, abs=1e-3)
+    extra = dict(update_ms=per_task["update"], decode_ms=per_task["decode"], prep_ms=per_task["prep"])
+    assert choose_split(plan, "basic", probe, 0.06, 0.03, **extra)[0] == 10
+    split, rows = choose_split(plan, "basic", blocks, 0.06, 0.03, **extra)
+    at = {r["split"]: r["simulated_ms"] for r in rows}
+    assert split == 11 and at[11] < 0.98 * at[10]
+    # one kind only (or a degenerate system): one factor for every block
+    flat = calibrate_block_ms([1.0] * 4, 0, 1, 0.0, 0.0, 1.0, 1.0)
+    assert flat == [0.5] * 4
+
+
 def test_summarize_timeline_busy_fraction():
     rows = [
         dict(lane=0, start_ms=0, end_ms=2, chunk=0, kind="stage0", host_ms=0),

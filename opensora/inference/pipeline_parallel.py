@@ -882,6 +882,58 @@ def choose_split(
     return best["split"], rows
 
 
+def tasks_per_kind(plan: Plan) -> Dict[str, int]:
+    """How many tasks of each kind a run of ``plan`` issues."""
+    items = plan.num_groups * plan.num_chunks
+    return dict(
+        prep=items,
+        stage0=items * plan.num_branches * plan.forwards_per_chunk,
+        stage1=items * plan.num_branches * plan.forwards_per_chunk,
+        update=items * plan.num_steps,
+        decode=items if plan.decode else 0,
+    )
+
+
+def measured_task_ms(plan: Plan, ms_per_kind: Mapping[str, float]) -> Dict[str, float]:
+    """Mean GPU time per task of each kind from a profiled run (``RunResult.summary["ms_per_kind"]``; take it from
+    ``off``, whose tasks do not overlap)."""
+    counts = tasks_per_kind(plan)
+    return {kind: ms_per_kind.get(kind, 0.0) / n for kind, n in counts.items() if n}
+
+
+def calibrate_block_ms(
+    block_ms: Sequence[float],
+    num_double: int,
+    split: int,
+    embed_ms: float,
+    final_ms: float,
+    stage0_ms: float,
+    stage1_ms: float,
+) -> List[float]:
+    """Per-block times (one graph per block, ``measure_stage_times``) rescaled so that the two stages at ``split``
+    cost what whole passes were measured to cost (``stage0_ms`` / ``stage1_ms`` per pass, e.g. from
+    ``measured_task_ms``): one factor for the double blocks (the first ``num_double``), one for the single blocks,
+    solved from the two stages (embedding and final layer kept). Per-block graphs do not add up to a stage's pass:
+    on 2 H200s (1B, split 10) they said 4.49 / 4.31 ms and the passes took 3.72 / 4.07 ms, the double blocks
+    ~21% over and the single ones ~6%, so ``auto`` put one block too many on GPU1. Falls back to one factor for
+    all blocks where the two equations do not determine two positive factors."""
+    blocks = [float(b) for b in block_ms]
+    on0 = [i <= split for i in range(len(blocks))]
+    d0 = sum(b for i, b in enumerate(blocks) if i < num_double and on0[i])
+    s0 = sum(b for i, b in enumerate(blocks) if i >= num_double and on0[i])
+    d1 = sum(b for i, b in enumerate(blocks) if i < num_double and not on0[i])
+    s1 = sum(b for i, b in enumerate(blocks) if i >= num_double and not on0[i])
+    r0, r1 = stage0_ms - embed_ms, stage1_ms - final_ms
+    det = d0 * s1 - s0 * d1
+    double = single = None
+    if abs(det) > 1e-12 * max(1.0, (d0 + s0) * (d1 + s1)):
+        double, single = (r0 * s1 - s0 * r1) / det, (d0 * r1 - r0 * d1) / det
+    if double is None or double <= 0 or single <= 0:
+        total = sum(blocks)
+        double = single = (r0 + r1) / total if total else 1.0
+    return [b * (double if i < num_double else single) for i, b in enumerate(blocks)]
+
+
 def parse_split(value, num_blocks: int) -> Optional[int]:
     """``--pp-split``: ``auto`` (None) or the index of GPU0's last block, 0 <= N < num_blocks - 1."""
     if value is None or str(value) == "auto":
