@@ -158,9 +158,10 @@ def test_simulated_speedups_follow_the_dependencies():
     # several steps per chunk on one video: little overlap; two independent groups in flight: ~2x again
     assert speedup(Plan(num_chunks=10, num_steps=4, refill=True)) < 1.15
     assert speedup(Plan(num_groups=2, num_chunks=10, num_steps=4, refill=True)) > 1.9
-    # off is the serial sum
+    # off is the serial sum; the last chunk has no refill (nothing reads its cache): 3 + 3 + 2 forwards
     plan = Plan(num_chunks=3, num_steps=2, refill=True)
-    assert simulate(plan, "off", costs).makespan == pytest.approx(3 * 3 * 2.0)
+    assert simulate(plan, "off", costs).makespan == pytest.approx((3 + 3 + 2) * 2.0)
+    assert [plan.forwards(c) for c in range(3)] == [3, 3, 2] and not plan.writes_kv(2) and plan.writes_kv(1)
 
 
 def test_choose_split_balances_the_simulated_pipeline():
@@ -197,8 +198,9 @@ def test_calibrated_block_times_move_the_split_to_what_the_passes_measured():
     probe = [0.43] * 8 + [0.33] * 16
     plan = Plan(num_groups=2, num_chunks=6, num_steps=4, refill=True)
     counts = tasks_per_kind(plan)
-    assert counts == dict(prep=12, stage0=60, stage1=60, update=48, decode=12)
+    assert counts == dict(prep=12, stage0=58, stage1=58, update=48, decode=12)  # no refill of the last chunks
     ms = dict(prep=2.45, stage0=223.2, stage1=244.1, update=0.84, decode=4.7)  # that run's ms_per_kind (off)
+    ms.update(stage0=223.2 * 58 / 60, stage1=244.1 * 58 / 60)  # it ran 60 passes per stage (refilled the last)
     per_task = measured_task_ms(plan, ms)
     assert per_task["stage0"] == pytest.approx(3.72) and per_task["stage1"] == pytest.approx(4.068, abs=1e-3)
     blocks = calibrate_block_ms(probe, 8, 10, 0.06, 0.03, per_task["stage0"], per_task["stage1"])

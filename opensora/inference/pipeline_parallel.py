@@ -19,7 +19,8 @@ The work of a run is a graph of tasks over (group, branch, chunk, step):
 A *group* is one independent work unit (a prompt / micro-batch of prompts, with its own caches); its *branches*
 are the CFG passes (cond, uncond) when they run as separate micro-batches, each with its own caches (the streaming
 sampler's default layout puts both passes as rows of one batch: one branch); steps ``0..S-1`` denoise, step ``S`` is the cache
-refill (the chunk's final x0 re-run at context noise 0 with ``store_kv``, Self-Forcing style) when refill is on;
+refill (the chunk's final x0 re-run at context noise 0 with ``store_kv``, Self-Forcing style) when refill is on,
+for every chunk but the last (nothing reads its cache; ``StreamingGenerator`` skips it too);
 without refill the last denoising step writes the cache (FlashVSR's one-step case). Bidirectional sampling is
 the same graph with one chunk and no cache.
 
@@ -85,7 +86,8 @@ class Plan:
         num_branches: CFG passes per group (1: no guidance; 2: cond + uncond), each with its own caches.
         num_chunks: windows per group (1 for bidirectional sampling).
         num_steps: denoising steps per chunk.
-        refill: re-run each chunk's final x0 at context noise 0 to write the caches (one extra forward per chunk).
+        refill: re-run each chunk's final x0 at context noise 0 to write the caches (one extra forward per chunk;
+            not for the last chunk, whose cache no chunk reads: ``StreamingGenerator`` skips it too).
         cached: the model keeps KV caches across chunks (streaming); False for bidirectional sampling.
         decode: decode every chunk on GPU1.
     """
@@ -107,7 +109,21 @@ class Plan:
 
     @property
     def forwards_per_chunk(self) -> int:
+        """Forwards of a chunk that is refilled (every chunk but the last one when ``refill``)."""
         return self.num_steps + (1 if self.refill else 0)
+
+    def forwards(self, chunk: int) -> int:
+        """Forwards of ``chunk``: its steps, plus the refill unless it is the last chunk."""
+        return self.num_steps + (1 if self.refill and chunk < self.num_chunks - 1 else 0)
+
+    @property
+    def total_forwards(self) -> int:
+        """Forwards of one (group, branch) over all chunks."""
+        return sum(self.forwards(c) for c in range(self.num_chunks))
+
+    def writes_kv(self, chunk: int) -> bool:
+        """Whether ``chunk`` stores its keys/values (not the last chunk with refill: it has no refill pass)."""
+        return self.writer_step is not None and self.writer_step < self.forwards(chunk)
 
     @property
     def writer_step(self) -> Optional[int]:
@@ -152,7 +168,7 @@ def natural_order(plan: Plan) -> List[Task]:
     for g in range(plan.num_groups):
         for c in range(plan.num_chunks):
             order.append(Task("prep", g, c))
-            for k in range(plan.forwards_per_chunk):
+            for k in range(plan.forwards(c)):
                 for b in range(plan.num_branches):
                     order += [Task("stage0", g, c, k, b), Task("stage1", g, c, k, b)]
                 if k < plan.num_steps:
@@ -169,7 +185,6 @@ def build_graph(plan: Plan, mode: str = "basic", prefetch: int = 1) -> Dict[Task
     if mode not in OVERLAP_MODES:
         raise ValueError(f"unknown overlap mode '{mode}'; choose one of {OVERLAP_MODES}")
     deps: Dict[Task, List[Task]] = {}
-    last_k = plan.forwards_per_chunk - 1
     w = plan.writer_step
     for g in range(plan.num_groups):
         for c in range(plan.num_chunks):
@@ -182,8 +197,9 @@ def build_graph(plan: Plan, mode: str = "basic", prefetch: int = 1) -> Dict[Task
                     if ahead >= 0:
                         deps[prep] += [Task("stage0", g, ahead, 0, b) for b in range(plan.num_branches)]
                 else:
+                    last_k = plan.forwards(c - 1) - 1
                     deps[prep] += [Task("stage0", g, c - 1, last_k, b) for b in range(plan.num_branches)]
-            for k in range(plan.forwards_per_chunk):
+            for k in range(plan.forwards(c)):
                 for b in range(plan.num_branches):
                     s0, s1 = Task("stage0", g, c, k, b), Task("stage1", g, c, k, b)
                     deps[s0] = [prep] if k == 0 else [Task("update", g, c, k - 1)]
@@ -329,7 +345,7 @@ def check_order(plan: Plan, order: Sequence[Task], mode: str = "basic", prefetch
         if t.kind in ("stage0", "stage1") and plan.store_kv(t.step):
             writes[(t.kind, t.group, t.branch)].append(t.chunk)
     for key, chunks in writes.items():
-        if chunks != sorted(chunks) or len(chunks) != plan.num_chunks:
+        if chunks != sorted(chunks) or len(chunks) != sum(map(plan.writes_kv, range(plan.num_chunks))):
             raise AssertionError(f"KV writes of {key} are not window-major: {chunks}")
 
 
@@ -866,8 +882,9 @@ def choose_split(
     for split in range(n - 1):
         costs = stage_costs(block_ms, split, embed_ms, final_ms, update_ms, decode_ms, prep_ms)
         sim = schedule(plan, mode if mode != "off" else "basic", costs)
-        gpu0 = plan.forwards_per_chunk * costs["stage0"] + costs["prep"]
-        gpu1 = plan.forwards_per_chunk * costs["stage1"] + plan.num_steps * costs["update"] + costs["decode"]
+        forwards = plan.total_forwards / plan.num_chunks  # per chunk, on average (the last one has no refill)
+        gpu0 = forwards * costs["stage0"] + costs["prep"]
+        gpu1 = forwards * costs["stage1"] + plan.num_steps * costs["update"] + costs["decode"]
         rows.append(
             dict(
                 split=split,
@@ -887,8 +904,8 @@ def tasks_per_kind(plan: Plan) -> Dict[str, int]:
     items = plan.num_groups * plan.num_chunks
     return dict(
         prep=items,
-        stage0=items * plan.num_branches * plan.forwards_per_chunk,
-        stage1=items * plan.num_branches * plan.forwards_per_chunk,
+        stage0=plan.num_groups * plan.num_branches * plan.total_forwards,
+        stage1=plan.num_groups * plan.num_branches * plan.total_forwards,
         update=items * plan.num_steps,
         decode=items if plan.decode else 0,
     )

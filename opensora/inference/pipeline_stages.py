@@ -725,7 +725,7 @@ def stream_reference(
             v = forward(x, t, store=last and not refill)
             eps = None if steps[k] is None else to_device_async(steps[k], device)
             x = chunk_update(x, v, t, t_next, rule, eps)
-        if refill:
+        if refill and start + frames < total:  # the last chunk's cache is never read (as StreamingGenerator)
             ctx_in = x if context is None else fm.add_noise(x, to_device_async(context, device), context_t)
             forward(ctx_in, context_t, store=True)
         latents.append(x)
