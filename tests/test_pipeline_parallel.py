@@ -553,6 +553,30 @@ def test_a_prep_queues_nothing_on_gpu1_and_runs_on_the_prep_stream(mode, monkeyp
     assert len(waits) >= n_chunks and all(e[2] in (0, 1) for e in waits)
 
 
+def test_to_host_outputs_share_pinned_slabs(monkeypatch):
+    """``Lanes.to_host``'s pinned outputs are aligned views of a few slabs (one page-locked allocation per 16 MiB,
+    not one per chunk output), of any dtype, each its own memory."""
+    import opensora.inference.pipeline_parallel as pp
+
+    allocations, real_empty = [], torch.empty
+
+    def empty(*args, pin_memory=False, **kw):  # no CUDA here: count the page-locked allocations instead
+        allocations.append(pin_memory)
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(pp, "HOST_SLAB_BYTES", 4096)
+    monkeypatch.setattr(torch, "empty", empty)
+    lanes = Lanes(["cpu", "cpu"])
+    outs = [lanes._pinned(shape, dtype) for shape, dtype in [((2, 3, 5), torch.float32), ((7,), torch.bfloat16)] * 5]
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert [o.shape for o in outs[:2]] == [(2, 3, 5), (7,)] and outs[1].dtype == torch.bfloat16
+    assert all(o.storage_offset() * o.element_size() % 512 == 0 for o in outs)
+    assert allocations.count(True) == 2  # 10 outputs of 512 bytes each in slabs of 4096
+    for i, o in enumerate(outs):
+        o.fill_(i)
+    assert [int(o.flatten()[0]) for o in outs] == list(range(10))
+
+
 # ---- the CLI (both lanes on the CPU) -----------------------------------------------------------------------------
 def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path, one_thread):
     import json
