@@ -38,8 +38,13 @@ PLANS = [
 @pytest.mark.parametrize("mode", OVERLAP_MODES)
 @pytest.mark.parametrize("plan", PLANS, ids=str)
 def test_every_schedule_is_a_valid_issue_order_with_window_major_kv_writes(plan, mode):
+    from collections import Counter
+
+    from opensora.inference.pipeline_parallel import tasks_per_kind
+
     sim = schedule(plan, mode)  # check_order inside: deps first, KV writes chunk by chunk per (stage, group, branch)
     assert len(sim.order) == len(build_graph(plan, mode))
+    assert Counter(t.kind for t in sim.order) == tasks_per_kind(plan)
     # per stream (two compute streams, GPU0's prep stream), the order a FIFO stream executes is the simulated one
     for stream in (0, 1, 2):
         starts = [sim.start[t] for t in sim.order if t.stream == stream]
