@@ -11,8 +11,10 @@ in flight) (x ``--batches`` samples per item) it times
 * ``1gpu-graphs``: the same with every pass a CUDA graph (``StreamingGenerator(cuda_graphs=True)``; without refill
   the pipeline executor with both stages on cuda:0 and graphed stages): the fair one-GPU baseline;
 * ``off`` / ``basic`` / ``aggressive``: two GPUs, ``--pp-overlap`` mode, each stage's pass a CUDA graph
-  (``ChunkGraphs.stage``), every task issued from one host thread with events only, ``--pp-split auto`` (from the
-  stage times measured on a warm-up chunk; the candidates of each plan are in the JSON);
+  (``ChunkGraphs.stage``), every task issued from one host thread with events only, ``--pp-split auto`` (``off``
+  from the per-block stage times measured on a warm-up chunk; ``basic`` and ``aggressive`` from those rescaled to
+  the per-pass GPU times of ``off``'s profiled run, ``calibrate_block_ms``, which also give them their issue order;
+  the candidates of each plan are in the JSON);
 * ``aggressive-eager-threads``: two GPUs, eager passes issued by one host thread per GPU (the previous design).
 
 Every timed run (and a profiled one, which gives the per-GPU busy fraction from CUDA events per task) is compared
@@ -54,7 +56,16 @@ from opensora.diffusion.guidance import text_cfg  # noqa: E402
 from opensora.diffusion.sampling import euler_step, timesteps_for_sampling  # noqa: E402
 from opensora.inference.chunk_graphs import ChunkGraphs  # noqa: E402
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402
-from opensora.inference.pipeline_parallel import OVERLAP_MODES, Lanes, Plan, choose_split, run_plan  # noqa: E402
+from opensora.inference.pipeline_parallel import (  # noqa: E402
+    OVERLAP_MODES,
+    Lanes,
+    Plan,
+    calibrate_block_ms,
+    choose_split,
+    measured_task_ms,
+    run_plan,
+    stage_costs,
+)
 from opensora.inference.pipeline_stages import (  # noqa: E402
     BidirectionalStages,
     CausalStreamingStages,
@@ -389,7 +400,7 @@ def main(argv=None):
                 for g in groups
             ]
 
-        def pipeline_run(lane_devs, split, sched_mode, graphs, threads, profile=False, net=None):
+        def pipeline_run(lane_devs, split, sched_mode, graphs, threads, profile=False, net=None, costs=None):
             dec = decoder if lane_devs[1] == devices[0] else pp_decoder
             lanes = Lanes(lane_devs, profile=profile)
             stages = CausalStreamingStages(
@@ -403,7 +414,7 @@ def main(argv=None):
                 cuda_graphs=graphs,
                 **kw,
             )
-            result = run_plan(stages, sched_mode, lanes, threads=threads)[0]
+            result = run_plan(stages, sched_mode, lanes, costs=costs, threads=threads)[0]
             return result
 
         def as_lists(result):
@@ -459,20 +470,43 @@ def main(argv=None):
             graphs=one_gpu_graphs,
         )
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        measured = None  # per-task GPU times of the profiled graphed `off` run (no overlap) and its split
         for mode in TWO_GPU:
             graphed = mode != "aggressive-eager-threads"
             sched_mode = "aggressive" if mode == "aggressive-eager-threads" else mode
             st = graph_times if graphed else times
-            split, table = choose_split(
-                plan, sched_mode, st["block_ms"], st["embed_ms"], st["final_ms"], decode_ms=st["decode_ms"]
-            )
+            costs, calibration = None, None
+            if graphed and measured is not None:
+                # the split and the issue order from what `off`'s passes measured: per-block graphed probes do
+                # not add up to a stage's pass (2 H200s: the double blocks' probes ran ~21% long), see
+                # pipeline_parallel.calibrate_block_ms
+                blocks = calibrate_block_ms(
+                    st["block_ms"],
+                    len(model.double_blocks),
+                    measured["split"],
+                    st["embed_ms"],
+                    st["final_ms"],
+                    measured["stage0"],
+                    measured["stage1"],
+                )
+                extra = (measured["update"], measured["decode"], measured["prep"])
+                split, table = choose_split(plan, sched_mode, blocks, st["embed_ms"], st["final_ms"], *extra)
+                costs = stage_costs(blocks, split, st["embed_ms"], st["final_ms"], *extra)
+                probe_split, _ = choose_split(
+                    plan, sched_mode, st["block_ms"], st["embed_ms"], st["final_ms"], decode_ms=st["decode_ms"]
+                )
+                calibration = dict(measured_ms_per_task=measured, probe_split=probe_split, block_ms=blocks)
+            else:
+                split, table = choose_split(
+                    plan, sched_mode, st["block_ms"], st["embed_ms"], st["final_ms"], decode_ms=st["decode_ms"]
+                )
             split_tables[f"{label} / {mode}"] = table
             place_model(pp_model, split, devices)
             runners = (ChunkGraphs(pp_model), ChunkGraphs(pp_model)) if graphed else None
             threads = False if graphed else None
 
             def pipelined(profile=False):
-                return pipeline_run(devices, split, sched_mode, runners, threads, profile)
+                return pipeline_run(devices, split, sched_mode, runners, threads, profile, costs=costs)
 
             t, outs = timed(pipelined, devices, args.repeats)
             prof = pipelined(profile=True)
@@ -498,7 +532,15 @@ def main(argv=None):
                 graphs=None if runners is None else [r.summary for r in runners],
                 host_profile=host_top,
                 paired=paired,
+                calibration=calibration,
             )
+            if mode == "off" and graphed and prof.summary.get("ms_per_kind"):
+                measured = dict(measured_task_ms(plan, prof.summary["ms_per_kind"]), split=split)
+                say(
+                    f"  {label}: GPU ms per task in the profiled off run (split {split}): "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in measured.items() if k != "split")
+                    + "; basic / aggressive take their split and issue order from these"
+                )
             runners = None
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
         best_one = min(row["modes"][m]["seconds"] for m in ONE_GPU)
@@ -667,7 +709,8 @@ def print_row(row):
         if "speedup_vs_1gpu_graphs" in m:
             extra.append(f"{m['speedup_vs_1gpu_graphs']:.2f}x of 1gpu-graphs")
         if "split" in m:
-            extra.append(f"split {m['split']}")
+            probe = (m.get("calibration") or {}).get("probe_split")
+            extra.append(f"split {m['split']}" + ("" if probe is None else f" (calibrated; probe: {probe})"))
         if "busy" in m:
             extra.append(f"busy {fmt_busy(m['busy'])}")
         if "diff_eager" in m:

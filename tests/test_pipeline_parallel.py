@@ -1,6 +1,7 @@
 """Two-stage pipeline overlap (opensora/inference/pipeline_parallel.py): the schedule's dependencies and KV write
 order (pure), and bit-identical outputs against the single-device samplers with both stages on the CPU."""
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -37,29 +38,94 @@ PLANS = [
 @pytest.mark.parametrize("mode", OVERLAP_MODES)
 @pytest.mark.parametrize("plan", PLANS, ids=str)
 def test_every_schedule_is_a_valid_issue_order_with_window_major_kv_writes(plan, mode):
+    from collections import Counter
+
+    from opensora.inference.pipeline_parallel import tasks_per_kind
+
     sim = schedule(plan, mode)  # check_order inside: deps first, KV writes chunk by chunk per (stage, group, branch)
     assert len(sim.order) == len(build_graph(plan, mode))
-    # per device, the order a FIFO stream executes is the simulated start order
-    for dev in (0, 1):
-        starts = [sim.start[t] for t in sim.order if t.device == dev]
+    assert Counter(t.kind for t in sim.order) == tasks_per_kind(plan)
+    # per stream (two compute streams, GPU0's prep stream), the order a FIFO stream executes is the simulated one
+    for stream in (0, 1, 2):
+        starts = [sim.start[t] for t in sim.order if t.stream == stream]
         assert starts == sorted(starts)
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=str)
-def test_aggressive_issues_basic_stage_order_with_each_prep_hoisted(plan):
-    """``aggressive`` = ``basic``'s issue order of every non-prep task, each chunk's prep moved to the earliest point
-    its dependencies allow (after chunk c-1's first stage0), and a timeline no longer than basic's plus the preps."""
-    from opensora.inference.pipeline_parallel import DEFAULT_COSTS, in_order_timeline
+COST_SETS = [
+    None,  # DEFAULT_COSTS
+    dict(prep=0.2, stage0=3.7, stage1=4.07, update=0.036, decode=0.39),  # ms per task, 2 H200s, 1B, split 10
+    dict(prep=2.0, stage0=0.8, stage1=1.3, update=0.05, decode=0.9),  # a prep dearer than a stage
+    dict(prep=0.3, stage0=1.4, stage1=0.6, update=0.0, decode=0.0),
+]
 
-    basic, aggressive = schedule(plan, "basic"), schedule(plan, "aggressive")
-    assert [t for t in aggressive.order if t.kind != "prep"] == [t for t in basic.order if t.kind != "prep"]
-    assert in_order_timeline(plan, basic.order, "basic").makespan == pytest.approx(basic.makespan)
-    deps = build_graph(plan, "aggressive")
-    for i, t in enumerate(aggressive.order):
-        if t.kind == "prep" and deps[t]:
-            assert aggressive.order[i - 1] in deps[t]  # right after the last task it waits for
-    slack = plan.num_groups * plan.num_chunks * DEFAULT_COSTS["prep"]
-    assert aggressive.makespan <= basic.makespan + slack + 1e-9
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+def test_aggressive_issues_basic_stage_order_with_each_prep_hoisted(plan, prefetch):
+    """``aggressive`` = ``basic``'s issue order of every non-prep task, each chunk's prep moved to the earliest point
+    its dependencies allow (after chunk c-prefetch's first stage0), preps kept in basic's sequence (the prep stream
+    runs them in issue order); so its timeline is never longer than basic's, for any costs."""
+    from opensora.inference.pipeline_parallel import in_order_timeline
+
+    for costs in COST_SETS:
+        basic, aggressive = schedule(plan, "basic", costs, prefetch), schedule(plan, "aggressive", costs, prefetch)
+        assert [t for t in aggressive.order if t.kind != "prep"] == [t for t in basic.order if t.kind != "prep"]
+        assert [t for t in aggressive.order if t.kind == "prep"] == [t for t in basic.order if t.kind == "prep"]
+        assert in_order_timeline(plan, basic.order, "basic", costs).makespan == pytest.approx(basic.makespan)
+        deps = build_graph(plan, "aggressive", prefetch)
+        previous = None
+        for i, t in enumerate(aggressive.order):
+            if t.kind == "prep":
+                if deps[t] or previous is not None:  # right after the last task it waits for
+                    assert aggressive.order[i - 1] in deps[t] or aggressive.order[i - 1] == previous
+                previous = t
+        assert aggressive.makespan <= basic.makespan + 1e-9
+        for t in basic.order:  # no task starts later than in basic
+            assert aggressive.start[t] <= basic.start[t] + 1e-9, t
+
+
+def test_aggressive_gains_when_a_prep_would_delay_the_next_chunk():
+    """Hoisting pays where a chunk's first stage0 would wait for its prep (a dear prep, GPU0 otherwise idle)."""
+    plan = Plan(num_chunks=6, num_steps=3, refill=False)  # basic: prep of c+1 after c's last stage0, then waits
+    costs = dict(prep=1.5, stage0=1.0, stage1=1.0, update=0.0, decode=0.2)
+    assert schedule(plan, "aggressive", costs).makespan < 0.9 * schedule(plan, "basic", costs).makespan
+
+
+def _timeline_with_prep_waits_on_gpu1(plan, order, mode, costs):
+    """``in_order_timeline`` for the executor before 2026-11-23c: the prep ran on GPU0's compute stream and pulled
+    the chunk's RoPE tables onto GPU1 there, so GPU1's stream waited for the prep (everything GPU0 was given before
+    it, then the prep) before any GPU1 task issued after it could start."""
+    from opensora.inference.pipeline_parallel import DEFAULT_COSTS
+
+    costs = {**DEFAULT_COSTS, **costs}
+    deps = build_graph(plan, mode)
+    finish, free_at, busy = {}, [0.0, 0.0], [0.0, 0.0]
+    for t in order:
+        start = max([free_at[t.device]] + [finish[d] for d in deps[t]])
+        finish[t] = free_at[t.device] = start + costs[t.kind]
+        busy[t.device] += costs[t.kind]
+        if t.kind == "prep":
+            free_at[1] = max(free_at[1], finish[t])  # GPU1's stream: wait_event on the RoPE copy
+    span = max(finish.values())
+    return span, busy[1] / span
+
+
+@pytest.mark.parametrize("refill", [True, False])
+def test_a_prep_that_makes_gpu1_wait_is_what_cost_aggressive_its_speed(refill):
+    """The 2026-11-23b H200 run (2 items, 4 steps, split 10): ``aggressive`` issued ``basic``'s stage order with the
+    preps hoisted and still ran 5-8% slower (paired medians; profiled span 261 -> 274 ms, GPU1 busy 0.96 -> 0.91).
+    With the measured per-task costs, a GPU1 wait at each prep's issue position reproduces that: a prep hoisted to
+    just after chunk t's first stage0 holds back the GPU1 tasks issued after it (chunk t-1's refill stage1, the
+    other item's update) until GPU0 has finished that stage0. Without the wait (the prep now runs on GPU0's prep
+    stream and touches nothing of GPU1) the two modes' timelines are equal."""
+    costs = COST_SETS[1]
+    plan = Plan(num_groups=2, num_chunks=6, num_steps=4, refill=refill)
+    basic, aggressive = schedule(plan, "basic", costs), schedule(plan, "aggressive", costs)
+    old_basic, busy1_basic = _timeline_with_prep_waits_on_gpu1(plan, basic.order, "basic", costs)
+    old_aggressive, busy1_aggressive = _timeline_with_prep_waits_on_gpu1(plan, aggressive.order, "aggressive", costs)
+    assert old_aggressive > 1.04 * old_basic and busy1_aggressive < busy1_basic - 0.03
+    assert old_basic == pytest.approx(basic.makespan, rel=0.01)  # in basic the wait cost almost nothing
+    assert aggressive.makespan <= basic.makespan + 1e-9
 
 
 def test_check_order_rejects_a_cache_write_out_of_window_order():
@@ -97,9 +163,10 @@ def test_simulated_speedups_follow_the_dependencies():
     # several steps per chunk on one video: little overlap; two independent groups in flight: ~2x again
     assert speedup(Plan(num_chunks=10, num_steps=4, refill=True)) < 1.15
     assert speedup(Plan(num_groups=2, num_chunks=10, num_steps=4, refill=True)) > 1.9
-    # off is the serial sum
+    # off is the serial sum; the last chunk has no refill (nothing reads its cache): 3 + 3 + 2 forwards
     plan = Plan(num_chunks=3, num_steps=2, refill=True)
-    assert simulate(plan, "off", costs).makespan == pytest.approx(3 * 3 * 2.0)
+    assert simulate(plan, "off", costs).makespan == pytest.approx((3 + 3 + 2) * 2.0)
+    assert [plan.forwards(c) for c in range(3)] == [3, 3, 2] and not plan.writes_kv(2) and plan.writes_kv(1)
 
 
 def test_choose_split_balances_the_simulated_pipeline():
@@ -125,6 +192,34 @@ def test_auto_split_moves_towards_gpu1_when_blocks_cost_their_graphed_times():
     assert split_eager == 7 and split_graphed == 10
     at = {r["split"]: r["simulated_ms"] for r in rows}
     assert at[10] < 0.9 * at[7]  # the eager-chosen split costs the graphed pipeline > 10%
+
+
+def test_calibrated_block_times_move_the_split_to_what_the_passes_measured():
+    """The 2026-11-23b H200 run: per-block graphed probes 0.43 ms (double) / 0.33 ms (single), whole passes at
+    split 10 measured 3.72 ms (stage0) / 4.07 ms (stage1) in the profiled ``off`` run. Calibrated, the stage sums
+    at split 10 equal the passes, and ``auto`` moves one single block to GPU0 (simulated ~3% faster)."""
+    from opensora.inference.pipeline_parallel import calibrate_block_ms, measured_task_ms, stage_costs, tasks_per_kind
+
+    probe = [0.43] * 8 + [0.33] * 16
+    plan = Plan(num_groups=2, num_chunks=6, num_steps=4, refill=True)
+    counts = tasks_per_kind(plan)
+    assert counts == dict(prep=12, stage0=58, stage1=58, update=48, decode=12)  # no refill of the last chunks
+    ms = dict(prep=2.45, stage0=223.2, stage1=244.1, update=0.84, decode=4.7)  # that run's ms_per_kind (off)
+    ms.update(stage0=223.2 * 58 / 60, stage1=244.1 * 58 / 60)  # it ran 60 passes per stage (refilled the last)
+    per_task = measured_task_ms(plan, ms)
+    assert per_task["stage0"] == pytest.approx(3.72) and per_task["stage1"] == pytest.approx(4.068, abs=1e-3)
+    blocks = calibrate_block_ms(probe, 8, 10, 0.06, 0.03, per_task["stage0"], per_task["stage1"])
+    at10 = stage_costs(blocks, 10, 0.06, 0.03, 0.0, 0.0, 0.0)
+    assert at10["stage0"] == pytest.approx(per_task["stage0"]) and at10["stage1"] == pytest.approx(per_task["stage1"])
+    assert blocks[0] == pytest.approx(0.341, abs=1e-3) and blocks[-1] == pytest.approx(0.311, abs=1e-3)
+    extra = dict(update_ms=per_task["update"], decode_ms=per_task["decode"], prep_ms=per_task["prep"])
+    assert choose_split(plan, "basic", probe, 0.06, 0.03, **extra)[0] == 10
+    split, rows = choose_split(plan, "basic", blocks, 0.06, 0.03, **extra)
+    at = {r["split"]: r["simulated_ms"] for r in rows}
+    assert split == 11 and at[11] < 0.98 * at[10]
+    # one kind only (or a degenerate system): one factor for every block
+    flat = calibrate_block_ms([1.0] * 4, 0, 1, 0.0, 0.0, 1.0, 1.0)
+    assert flat == [0.5] * 4
 
 
 def test_summarize_timeline_busy_fraction():
@@ -384,6 +479,107 @@ def test_streaming_pipeline_variants_match_the_single_device_loop(refill, cfg_ro
             assert torch.equal(result.latents[(g, c)], latents[c]), (g, c)
             assert torch.equal(result.frames[(g, c)], frames[c]), (g, c)
     assert not torch.equal(refs[0][0][1], refs[0][0][0])  # the cache matters
+
+
+class RecordingLanes(Lanes):
+    """CPU lanes that log what each task queues where: pulls (on GPUs a copy that the destination lane's compute
+    stream then waits for), same-lane waits, uploads from the host, and whether the task ran on the prep stream."""
+
+    def __init__(self, devices):
+        super().__init__(devices)
+        self.current, self.on_prep_stream, self.log = None, False, []
+
+    def record(self, op, lane):
+        self.log.append((None if self.current is None else self.current.kind, op, lane, self.on_prep_stream))
+
+    @contextlib.contextmanager
+    def task(self, task):
+        self.current = task
+        with super().task(task):
+            yield
+        self.current = None
+
+    @contextlib.contextmanager
+    def prep_stream(self, lane):
+        self.on_prep_stream = True
+        yield
+        self.on_prep_stream = False
+
+    def pull(self, value, ready, lane):
+        self.record("pull", lane)
+        return super().pull(value, ready, lane)
+
+    def wait(self, lane, ready):
+        self.record("wait", lane)
+        super().wait(lane, ready)
+
+
+@pytest.mark.parametrize("mode", ["basic", "aggressive"])
+def test_a_prep_queues_nothing_on_gpu1_and_runs_on_the_prep_stream(mode, monkeypatch, one_thread):
+    """The mechanism behind ``aggressive`` losing to ``basic`` on 2 H200s: a CUDA stream is a FIFO, so anything a
+    prep queues on GPU1 (its RoPE tables' pull, which GPU1's compute stream waited for; the re-noise draws' copies)
+    sits in GPU1's queue at the prep's issue position, and a hoisted prep is issued in the middle of the previous
+    chunk's GPU1 work. Now: every prep runs on lane 0's prep stream and neither pulls to lane 1 nor uploads for
+    it; lane 1 pulls the RoPE tables in its first stage1 of each chunk start and uploads each step's re-noise draw
+    in its update; lane 0's first stage0 of a chunk waits for the prep's event. Outputs unchanged."""
+    from opensora.inference import pipeline_stages as ps
+
+    lanes = RecordingLanes(["cpu", "cpu"])
+    uploads = []
+    real_upload = ps.to_device_async
+
+    def upload(x, device):
+        lanes.record("upload", None)
+        uploads.append(lanes.current.kind)
+        return real_upload(x, device)
+
+    model = tiny_model(causal_chunk_frames=2)
+    groups = [dict(seeds=[7 + g], branches=[text_inputs(1, 5, g, masked=True)]) for g in range(2)]
+    latent_size, times = (12, 6, 8, 8), [1.0, 0.6, 0.3, 0.0]
+    decode = lambda: lambda x: (x * 10).round().to(torch.int16)  # noqa: E731
+    kw = dict(refill=True, rule="renoise", context_t=0.1, make_decoder=decode)
+    refs = [ps.stream_reference(model, g, latent_size, times, **kw) for g in groups]
+    place_model(model, 2, ["cpu", "cpu"])
+    monkeypatch.setattr(ps, "to_device_async", upload)
+    stages = ps.CausalStreamingStages(model, lanes, 2, groups, latent_size, times, **kw)
+    result, _ = run_plan(stages, mode, lanes, threads=False)
+    for g, (latents, frames) in enumerate(refs):
+        for c in range(3):
+            assert torch.equal(result.latents[(g, c)], latents[c]) and torch.equal(result.frames[(g, c)], frames[c])
+    preps = [entry for entry in lanes.log if entry[0] == "prep"]
+    assert not [e for e in preps if e[1] in ("pull", "wait") and e[2] == 1]  # nothing for lane 1's stream to wait on
+    assert [e for e in lanes.log if e[0] == "stage1" and e[1] == "pull"]  # RoPE tables pulled by stage1
+    # uploads: per prep the initial latent and the context noise (context_t > 0); per update its re-noise draw
+    n_chunks = stages.plan.num_groups * stages.plan.num_chunks
+    assert uploads.count("prep") == 2 * n_chunks and uploads.count("update") == 2 * n_chunks  # times 0.6, 0.3
+    assert preps and all(on_prep for _, _, _, on_prep in preps)  # the prep's work ran on the prep stream
+    # each chunk's first stage0 waits for its prep's event on lane 0 (inputs are pulled before the task starts)
+    waits = [e for e in lanes.log if e[1] == "wait"]
+    assert len(waits) >= n_chunks and all(e[2] in (0, 1) for e in waits)
+
+
+def test_to_host_outputs_share_pinned_slabs(monkeypatch):
+    """``Lanes.to_host``'s pinned outputs are aligned views of a few slabs (one page-locked allocation per 16 MiB,
+    not one per chunk output), of any dtype, each its own memory."""
+    import opensora.inference.pipeline_parallel as pp
+
+    allocations, real_empty = [], torch.empty
+
+    def empty(*args, pin_memory=False, **kw):  # no CUDA here: count the page-locked allocations instead
+        allocations.append(pin_memory)
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(pp, "HOST_SLAB_BYTES", 4096)
+    monkeypatch.setattr(torch, "empty", empty)
+    lanes = Lanes(["cpu", "cpu"])
+    outs = [lanes._pinned(shape, dtype) for shape, dtype in [((2, 3, 5), torch.float32), ((7,), torch.bfloat16)] * 5]
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert [o.shape for o in outs[:2]] == [(2, 3, 5), (7,)] and outs[1].dtype == torch.bfloat16
+    assert all(o.storage_offset() * o.element_size() % 512 == 0 for o in outs)
+    assert allocations.count(True) == 2  # 10 outputs of 512 bytes each in slabs of 4096
+    for i, o in enumerate(outs):
+        o.fill_(i)
+    assert [int(o.flatten()[0]) for o in outs] == list(range(10))
 
 
 # ---- the CLI (both lanes on the CPU) -----------------------------------------------------------------------------

@@ -8,7 +8,9 @@ host thread waits on a GPU and the two GPUs overlap wherever the dependencies al
 
 The work of a run is a graph of tasks over (group, branch, chunk, step):
 
-* ``prep``   (GPU0, "stage A")  chunk context: noise, RoPE tables, timestep/conditioning vectors on both GPUs;
+* ``prep``   (GPU0, "stage A")  chunk context: noise, RoPE tables, timestep/conditioning vectors, made on GPU0's
+  *prep stream* (a side stream: it overlaps stage0 instead of queuing in front of it) and touching nothing of
+  GPU1 (what GPU1 needs of it is pulled by GPU1's first task that reads it);
 * ``stage0`` (GPU0)  patchify + embed + blocks[:split] of one branch at one step (its caches for those blocks);
 * ``stage1`` (GPU1)  blocks[split:] + final layer of the same forward;
 * ``update`` (GPU1)  CFG combine of the group's branches + sampler step (or the chunk's x0 at its last step);
@@ -17,7 +19,8 @@ The work of a run is a graph of tasks over (group, branch, chunk, step):
 A *group* is one independent work unit (a prompt / micro-batch of prompts, with its own caches); its *branches*
 are the CFG passes (cond, uncond) when they run as separate micro-batches, each with its own caches (the streaming
 sampler's default layout puts both passes as rows of one batch: one branch); steps ``0..S-1`` denoise, step ``S`` is the cache
-refill (the chunk's final x0 re-run at context noise 0 with ``store_kv``, Self-Forcing style) when refill is on;
+refill (the chunk's final x0 re-run at context noise 0 with ``store_kv``, Self-Forcing style) when refill is on,
+for every chunk but the last (nothing reads its cache; ``StreamingGenerator`` skips it too);
 without refill the last denoising step writes the cache (FlashVSR's one-step case). Bidirectional sampling is
 the same graph with one chunk and no cache.
 
@@ -39,6 +42,15 @@ Modes (``--pp-overlap``): ``off`` issues the plain sequential order and makes ev
 finishes stage1 + decode of window t-1 while GPU0 runs stage0 of window t), with each chunk's prep issued just
 before its first stage0; ``aggressive`` also prepares the context of the next window ahead (a queue of window
 contexts: prep of chunk t+1 may run as soon as chunk t started stage0), so stage0 never waits for it (3 stages).
+
+Why a prep must not touch GPU1 (measured on 2 H200s, 2026-11-23: ``aggressive`` 5-8% slower than ``basic`` with the
+same stage order): CUDA streams are FIFO queues, so a wait on GPU1's compute stream issued by a prep holds back every
+GPU1 task issued after it, whether it depends on the prep or not. The prep used to pull the chunk's RoPE tables
+onto GPU1 (a copy waiting for an event recorded on GPU0 at the prep's position, which GPU1's stream then waited
+for): hoisted to just after chunk t's first stage0, that made GPU1's tasks issued next (chunk t-1's refill stage1,
+the other group's update) wait until GPU0 had finished that stage0. Now the prep runs on its own stream of GPU0 and
+GPU1's streams see exactly ``basic``'s operations in ``basic``'s order in both modes; ``in_order_timeline`` and
+``simulate`` time preps on that side stream.
 """
 
 from __future__ import annotations
@@ -58,7 +70,9 @@ import torch
 OVERLAP_MODES = ("off", "basic", "aggressive")
 KINDS = ("prep", "stage0", "stage1", "update", "decode")
 DEVICE_OF_KIND = {"prep": 0, "stage0": 0, "stage1": 1, "update": 1, "decode": 1}
+PREP_STREAM = 2  # timing lane of ``prep``: GPU0's prep stream, beside its compute stream (lane 0)
 DEFAULT_COSTS = {"prep": 0.05, "stage0": 1.0, "stage1": 1.0, "update": 0.02, "decode": 0.5}
+HOST_SLAB_BYTES = 16 << 20  # pinned host memory per allocation of ``Lanes.to_host``
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -73,7 +87,8 @@ class Plan:
         num_branches: CFG passes per group (1: no guidance; 2: cond + uncond), each with its own caches.
         num_chunks: windows per group (1 for bidirectional sampling).
         num_steps: denoising steps per chunk.
-        refill: re-run each chunk's final x0 at context noise 0 to write the caches (one extra forward per chunk).
+        refill: re-run each chunk's final x0 at context noise 0 to write the caches (one extra forward per chunk;
+            not for the last chunk, whose cache no chunk reads: ``StreamingGenerator`` skips it too).
         cached: the model keeps KV caches across chunks (streaming); False for bidirectional sampling.
         decode: decode every chunk on GPU1.
     """
@@ -95,7 +110,21 @@ class Plan:
 
     @property
     def forwards_per_chunk(self) -> int:
+        """Forwards of a chunk that is refilled (every chunk but the last one when ``refill``)."""
         return self.num_steps + (1 if self.refill else 0)
+
+    def forwards(self, chunk: int) -> int:
+        """Forwards of ``chunk``: its steps, plus the refill unless it is the last chunk."""
+        return self.num_steps + (1 if self.refill and chunk < self.num_chunks - 1 else 0)
+
+    @property
+    def total_forwards(self) -> int:
+        """Forwards of one (group, branch) over all chunks."""
+        return sum(self.forwards(c) for c in range(self.num_chunks))
+
+    def writes_kv(self, chunk: int) -> bool:
+        """Whether ``chunk`` stores its keys/values (not the last chunk with refill: it has no refill pass)."""
+        return self.writer_step is not None and self.writer_step < self.forwards(chunk)
 
     @property
     def writer_step(self) -> Optional[int]:
@@ -120,6 +149,11 @@ class Task:
     def device(self) -> int:
         return DEVICE_OF_KIND[self.kind]
 
+    @property
+    def stream(self) -> int:
+        """The timing lane: the device's compute stream, or ``PREP_STREAM`` for a prep."""
+        return PREP_STREAM if self.kind == "prep" else self.device
+
     def __str__(self) -> str:
         parts = [self.kind, f"g{self.group}", f"c{self.chunk}"]
         if self.step >= 0:
@@ -135,7 +169,7 @@ def natural_order(plan: Plan) -> List[Task]:
     for g in range(plan.num_groups):
         for c in range(plan.num_chunks):
             order.append(Task("prep", g, c))
-            for k in range(plan.forwards_per_chunk):
+            for k in range(plan.forwards(c)):
                 for b in range(plan.num_branches):
                     order += [Task("stage0", g, c, k, b), Task("stage1", g, c, k, b)]
                 if k < plan.num_steps:
@@ -152,7 +186,6 @@ def build_graph(plan: Plan, mode: str = "basic", prefetch: int = 1) -> Dict[Task
     if mode not in OVERLAP_MODES:
         raise ValueError(f"unknown overlap mode '{mode}'; choose one of {OVERLAP_MODES}")
     deps: Dict[Task, List[Task]] = {}
-    last_k = plan.forwards_per_chunk - 1
     w = plan.writer_step
     for g in range(plan.num_groups):
         for c in range(plan.num_chunks):
@@ -165,8 +198,9 @@ def build_graph(plan: Plan, mode: str = "basic", prefetch: int = 1) -> Dict[Task
                     if ahead >= 0:
                         deps[prep] += [Task("stage0", g, ahead, 0, b) for b in range(plan.num_branches)]
                 else:
+                    last_k = plan.forwards(c - 1) - 1
                     deps[prep] += [Task("stage0", g, c - 1, last_k, b) for b in range(plan.num_branches)]
-            for k in range(plan.forwards_per_chunk):
+            for k in range(plan.forwards(c)):
                 for b in range(plan.num_branches):
                     s0, s1 = Task("stage0", g, c, k, b), Task("stage1", g, c, k, b)
                     deps[s0] = [prep] if k == 0 else [Task("update", g, c, k - 1)]
@@ -234,8 +268,9 @@ def simulate(
     serial: Optional[bool] = None,
 ) -> Simulation:
     """List-schedule the task graph on two devices with per-kind ``costs`` (a device never idles while one of its
-    tasks is ready; ties go to the oldest work). ``serial`` (default: ``mode == "off"``) runs the natural order
-    one task at a time instead. Returns the issue order and the predicted timeline."""
+    tasks is ready; ties go to the oldest work; preps run on GPU0's prep stream, beside its compute stream).
+    ``serial`` (default: ``mode == "off"``) runs the natural order one task at a time instead. Returns the issue
+    order and the predicted timeline (``busy``: the two compute streams)."""
     costs = {**DEFAULT_COSTS, **(costs or {})}
     deps = build_graph(plan, mode, prefetch)
     natural = natural_order(plan)
@@ -248,7 +283,8 @@ def simulate(
         for t in natural:
             start[t], now = now, now + costs[t.kind]
             finish[t] = now
-            busy[t.device] += costs[t.kind]
+            if t.stream != PREP_STREAM:
+                busy[t.device] += costs[t.kind]
         return Simulation(list(natural), start, finish, now, tuple(busy))
     users = defaultdict(list)
     waiting = {t: len(d) for t, d in deps.items()}
@@ -256,22 +292,26 @@ def simulate(
         for p in d:
             users[p].append(t)
     ready_at: Dict[Task, float] = {t: 0.0 for t, n in waiting.items() if n == 0}
-    free_at = [0.0, 0.0]
+    lanes = (0, 1, PREP_STREAM)
+    free_at = [0.0] * len(lanes)
     running: List[Tuple[float, int, Task]] = []  # (finish, topo, task)
-    pending = {0: [], 1: []}  # ready tasks per device: (priority, topo, task)
+    started_as: Dict[Task, int] = {}  # the sequence tasks started in (zero-cost tasks share a start time)
+    pending = {lane: [] for lane in lanes}  # ready tasks per stream: (priority, topo, task)
     for t in ready_at:
-        heapq.heappush(pending[t.device], (_priority(t), topo[t], t))
+        heapq.heappush(pending[t.stream], (_priority(t), topo[t], t))
     now = 0.0
     while len(finish) < len(deps):
         started = False
-        for dev in (0, 1):
-            if free_at[dev] <= now and pending[dev]:
-                _, _, t = heapq.heappop(pending[dev])
+        for lane in lanes:
+            if free_at[lane] <= now and pending[lane]:
+                _, _, t = heapq.heappop(pending[lane])
                 s = max(now, ready_at[t])
                 start[t] = s
-                free_at[dev] = s + costs[t.kind]
-                busy[dev] += costs[t.kind]
-                heapq.heappush(running, (free_at[dev], topo[t], t))
+                started_as[t] = len(started_as)
+                free_at[lane] = s + costs[t.kind]
+                if lane != PREP_STREAM:
+                    busy[lane] += costs[t.kind]
+                heapq.heappush(running, (free_at[lane], topo[t], t))
                 started = True
         if started:
             continue
@@ -284,8 +324,8 @@ def simulate(
                 waiting[u] -= 1
                 if waiting[u] == 0:
                     ready_at[u] = end
-                    heapq.heappush(pending[u.device], (_priority(u), topo[u], u))
-    order = sorted(deps, key=lambda t: (start[t], topo[t]))
+                    heapq.heappush(pending[u.stream], (_priority(u), topo[u], u))
+    order = sorted(deps, key=lambda t: (start[t], started_as[t]))
     return Simulation(order, start, finish, max(finish.values()), tuple(busy))
 
 
@@ -306,7 +346,7 @@ def check_order(plan: Plan, order: Sequence[Task], mode: str = "basic", prefetch
         if t.kind in ("stage0", "stage1") and plan.store_kv(t.step):
             writes[(t.kind, t.group, t.branch)].append(t.chunk)
     for key, chunks in writes.items():
-        if chunks != sorted(chunks) or len(chunks) != plan.num_chunks:
+        if chunks != sorted(chunks) or len(chunks) != sum(map(plan.writes_kv, range(plan.num_chunks))):
             raise AssertionError(f"KV writes of {key} are not window-major: {chunks}")
 
 
@@ -325,31 +365,41 @@ def schedule(plan: Plan, mode: str, costs: Optional[Mapping[str, float]] = None,
 
 
 def hoist_preps(plan: Plan, order: Sequence[Task], prefetch: int = 1) -> List[Task]:
-    """``order`` with each chunk's ``prep`` moved up to just after the last task ``aggressive`` makes it wait for
-    (the previous chunk's prep and the first stage0 of chunk ``c - prefetch``, every branch); the other tasks keep
-    their relative order."""
+    """``order`` (``basic``'s) with each chunk's ``prep`` moved up to just after the last task ``aggressive`` makes
+    it wait for (the previous chunk's prep and the first stage0 of chunk ``c - prefetch``, every branch) and the
+    prep issued before it in ``order``; the other tasks keep their relative order.
+
+    So every stream (both compute streams, and the prep stream, whose preps keep ``order``'s sequence) runs the
+    same tasks in the same sequence as with ``order``, and each prep waits for tasks that finish no later than
+    those it waits for in ``basic`` (stage0 of chunk c - prefetch at step 0 runs before stage0 of c - 1 at its
+    last step on GPU0): by induction over the issue order, no task starts later than in ``basic``
+    (``in_order_timeline``; tests/test_pipeline_parallel.py checks it over plans and costs)."""
     deps = build_graph(plan, "aggressive", prefetch)
-    rest = [t for t in order if t.kind != "prep"]
-    preps = sorted((t for t in order if t.kind == "prep"), key=lambda t: (t.chunk, t.group))
-    out = list(rest)
-    for prep in preps:
-        after = [out.index(d) for d in deps[prep]]
+    out = [t for t in order if t.kind != "prep"]
+    previous = None
+    for prep in [t for t in order if t.kind == "prep"]:
+        after = [out.index(d) for d in deps[prep]] + ([out.index(previous)] if previous is not None else [])
         out.insert(max(after) + 1 if after else 0, prep)
+        previous = prep
     return out
 
 
 def in_order_timeline(
     plan: Plan, order: Sequence[Task], mode: str, costs: Optional[Mapping[str, float]] = None, prefetch: int = 1
 ) -> Simulation:
-    """The timeline of ``order`` issued as the executor issues it: each device runs its tasks in issue order (one
-    stream), a task starting once its device is free and its dependencies have finished."""
+    """The timeline of ``order`` issued as the executor issues it: each stream (the two compute streams and GPU0's
+    prep stream) runs its tasks in issue order, a task starting once its stream is free and its dependencies have
+    finished. Nothing else couples the streams: a prep issues no work and no wait on GPU1 (see the module
+    docstring), so hoisting preps (``aggressive``) leaves both compute streams' sequences as they were and can only
+    make a stage0 start earlier."""
     costs = {**DEFAULT_COSTS, **(costs or {})}
     deps = build_graph(plan, mode, prefetch)
-    start, finish, free_at, busy = {}, {}, [0.0, 0.0], [0.0, 0.0]
+    start, finish, free_at, busy = {}, {}, [0.0, 0.0, 0.0], [0.0, 0.0]
     for t in order:
-        start[t] = max([free_at[t.device]] + [finish[d] for d in deps[t]])
-        finish[t] = free_at[t.device] = start[t] + costs[t.kind]
-        busy[t.device] += costs[t.kind]
+        start[t] = max([free_at[t.stream]] + [finish[d] for d in deps[t]])
+        finish[t] = free_at[t.stream] = start[t] + costs[t.kind]
+        if t.stream != PREP_STREAM:
+            busy[t.stream] += costs[t.kind]
     return Simulation(list(order), start, finish, max(finish.values()), tuple(busy))
 
 
@@ -390,11 +440,14 @@ class Lanes:
         if not self.cuda and any(d.type == "cuda" for d in self.devices):
             raise ValueError(f"mixing CPU and CUDA pipeline devices is not supported: {self.devices}")
         self.copy_streams = {d: torch.cuda.Stream(d) for d in set(self.devices)} if self.cuda else {}
+        self.prep_streams = {d: torch.cuda.Stream(d) for d in set(self.devices)} if self.cuda else {}
         self.keepalive: deque = deque()
         self.profile = profile
         self.records: List[Tuple[Task, int, Any, Any, float]] = []  # (task, lane, start, end, host_issue_s)
         self.origin: Dict[int, Any] = {}
         self.copy_bytes = 0
+        self._host_slab: Optional[torch.Tensor] = None  # pinned bytes ``to_host`` carves its outputs from
+        self._host_used = 0
 
     def stream(self, lane: int):
         return torch.cuda.current_stream(self.devices[lane]) if self.cuda else None
@@ -409,6 +462,33 @@ class Lanes:
 
     def device_context(self, lane: int):
         return torch.cuda.device(self.devices[lane]) if self.cuda else contextlib.nullcontext()
+
+    def prep_stream(self, lane: int):
+        """Context making ``lane``'s prep stream (a side stream of its device) the current stream: what a ``prep``
+        queues there overlaps the compute stream's work instead of waiting behind it and delaying what follows."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.prep_streams[self.devices[lane]])
+
+    def wait(self, lane: int, ready) -> None:
+        """``lane``'s current stream waits for ``ready`` (an event; None: nothing to wait for, as on the CPU)."""
+        if self.cuda and ready is not None:
+            self.stream(lane).wait_event(ready)
+
+    def hand_over(self, tree, lane: int) -> None:
+        """The CUDA tensors of ``tree`` on ``lane``'s device, made on another stream of it (the prep stream), will be
+        read by the lane's compute stream: ``record_stream`` them, so the allocator does not hand their memory to
+        the prep stream again while the compute stream may still read it."""
+        if not self.cuda:
+            return
+        stream, device = self.stream(lane), self.devices[lane]
+
+        def keep(t: torch.Tensor):
+            if t.device == device:
+                t.record_stream(stream)
+            return t
+
+        _tree_map(keep, tree)
 
     def pull(self, value, ready, lane: int):
         dst = self.devices[lane]
@@ -444,13 +524,30 @@ class Lanes:
         copy_stream = self.copy_streams[self.devices[lane]]
         if ready is not None:
             copy_stream.wait_event(ready)
-        out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        out = self._pinned(x.shape, x.dtype)
         with torch.cuda.stream(copy_stream):
             out.copy_(x, non_blocking=True)
         done = torch.cuda.Event()
         done.record(copy_stream)
         self.keepalive.append((done, x))
         return out, done
+
+    def _pinned(self, shape, dtype) -> torch.Tensor:
+        """An empty pinned host tensor, a view of a slab of at least ``HOST_SLAB_BYTES``: a run's outputs (x0 and
+        frames of every chunk) take one or two page-locked allocations instead of one each (24 for 2 items x 6
+        chunks; ~0.4 ms of host time each, and CUDA lists a page-locked allocation among the operations that may
+        serialise streams). A slab lives as long as any output viewing it."""
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        itemsize = dtype.itemsize
+        nbytes = -(-numel * itemsize // 512) * 512  # every view 512-byte aligned
+        if self._host_slab is None or self._host_used + nbytes > self._host_slab.numel():
+            self._host_slab = torch.empty(max(nbytes, HOST_SLAB_BYTES), dtype=torch.uint8, pin_memory=True)
+            self._host_used = 0
+        view = self._host_slab[self._host_used : self._host_used + numel * itemsize]
+        self._host_used += nbytes
+        return view.view(dtype).view(tuple(shape))
 
     def release(self) -> None:
         """Drop the sources of finished copies (never blocks)."""
@@ -557,7 +654,9 @@ def summarize_timeline(rows: Sequence[dict]) -> dict:
 class Stages:
     """What the executor calls (all on the lane of the task kind; see the module docstring).
 
-    ``prepare(group, chunk) -> ctx`` (ctx["x"]: the chunk's initial latent on lane 0); ``stage0(ctx, branch, step,
+    ``prepare(group, chunk) -> ctx`` (ctx["x"]: the chunk's initial latent on lane 0; called with lane 0's prep
+    stream current, and it must queue nothing on lane 1: a value lane 1 needs is pulled by the first lane-1 task
+    that reads it, see the module docstring); ``stage0(ctx, branch, step,
     x, store_kv) -> activations`` (lane 0); ``stage1(ctx, branch, step, activations, store_kv) -> model output``
     (lane 1); ``update(ctx, step, outputs, x) -> next x`` (lane 1; at the last step the chunk's x0);
     ``decode(ctx, x0) -> frames`` (lane 1).
@@ -573,14 +672,18 @@ class Stages:
 
 
 class _Value:
-    """A tensor (tree) produced on one lane, with the event that makes it ready and its copies on other lanes."""
+    """A tensor (tree) produced on one lane, with the event that makes it ready and its copies on other lanes.
+    ``side``: made on a side stream (a prep's), so a consumer on the producer's own device waits for ``ready`` too
+    (a consumer on the other device waits through ``pull``)."""
 
-    __slots__ = ("copies", "ready", "lane")
+    __slots__ = ("copies", "ready", "lane", "side")
 
-    def __init__(self, value, lane, ready):
-        self.copies, self.lane, self.ready = {lane: value}, lane, ready
+    def __init__(self, value, lane, ready, side: bool = False):
+        self.copies, self.lane, self.ready, self.side = {lane: value}, lane, ready, side
 
     def on(self, lanes: Lanes, lane: int):
+        if self.side and lanes.devices[lane] == lanes.devices[self.lane]:
+            lanes.wait(lane, self.ready)
         if lane not in self.copies:
             self.copies[lane] = lanes.pull(self.copies[self.lane], self.ready, lane)
         return self.copies[lane]
@@ -636,10 +739,10 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
 
     def compute(task: Task, inputs) -> None:
         g, c, k, b = task.group, task.chunk, task.step, task.branch
-        if task.kind == "prep":
+        if task.kind == "prep":  # on lane 0's prep stream (``execute``)
             ctx = stages.prepare(g, c)
             ctxs[(g, c)] = ctx
-            values[("x", g, c, 0)] = _Value(ctx["x"], 0, lanes.event(0))
+            values[("x", g, c, 0)] = _Value(ctx["x"], 0, lanes.event(0), side=True)
         elif task.kind == "stage0":
             act = stages.stage0(ctxs[(g, c)], b, k, inputs, plan.store_kv(k))
             values[("act", g, c, k, b)] = _Value(act, 0, lanes.event(0))
@@ -661,27 +764,31 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
 
     def execute(task: Task) -> None:
         lane, g, c, k, b = task.device, task.group, task.chunk, task.step, task.branch
-        if serial and position[task] > 0:
-            before = order[position[task] - 1]
+        before = order[position[task] - 1] if serial and position[task] > 0 else None
+        if before is not None:
             issued[before].wait()
-            if lanes.cuda and before.device != lane:
-                lanes.stream(lane).wait_event(end_events[before])
+        # a prep runs on its lane's prep stream (see the module docstring), everything else on the compute stream
         with lanes.device_context(lane), torch.no_grad():
-            # inputs from the other GPU first: the stream waits for them before the task's timing starts
-            inputs = None
-            if task.kind == "stage0":
-                inputs = values[("x", g, c, k)].on(lanes, 0)
-            elif task.kind == "stage1":
-                inputs = values.pop(("act", g, c, k, b)).on(lanes, 1)
-            elif task.kind == "update":
-                inputs = values[("x", g, c, k)].on(lanes, 1)
-            elif task.kind == "decode":
-                inputs = values[("x", g, c, plan.num_steps)].on(lanes, 1)
-            with lanes.task(task):
-                compute(task, inputs)
-            del inputs
-        if serial:
-            end_events[task] = lanes.event(lane)
+            with lanes.prep_stream(lane) if task.kind == "prep" else contextlib.nullcontext():
+                if before is not None and (before.device != lane or before.stream != task.stream):
+                    lanes.wait(lane, end_events[before])  # serial: after the task issued before it, on any stream
+                # inputs from the other GPU first: the stream waits for them before the task's timing starts
+                inputs = None
+                if task.kind == "stage0":
+                    inputs = values[("x", g, c, k)].on(lanes, 0)
+                elif task.kind == "stage1":
+                    inputs = values.pop(("act", g, c, k, b)).on(lanes, 1)
+                elif task.kind == "update":
+                    inputs = values[("x", g, c, k)].on(lanes, 1)
+                elif task.kind == "decode":
+                    inputs = values[("x", g, c, plan.num_steps)].on(lanes, 1)
+                with lanes.task(task):
+                    compute(task, inputs)
+                del inputs
+                if serial:
+                    end_events[task] = lanes.event(lane)  # on the stream the task ran on
+            if task.kind == "prep":
+                lanes.hand_over(ctxs[(g, c)], lane)
         with lock:
             issued_count[(g, c)] += 1
             if issued_count[(g, c)] == tasks_of_chunk[(g, c)]:  # every task of the chunk issued: free its values
@@ -795,8 +902,9 @@ def choose_split(
     for split in range(n - 1):
         costs = stage_costs(block_ms, split, embed_ms, final_ms, update_ms, decode_ms, prep_ms)
         sim = schedule(plan, mode if mode != "off" else "basic", costs)
-        gpu0 = plan.forwards_per_chunk * costs["stage0"] + costs["prep"]
-        gpu1 = plan.forwards_per_chunk * costs["stage1"] + plan.num_steps * costs["update"] + costs["decode"]
+        forwards = plan.total_forwards / plan.num_chunks  # per chunk, on average (the last one has no refill)
+        gpu0 = forwards * costs["stage0"] + costs["prep"]
+        gpu1 = forwards * costs["stage1"] + plan.num_steps * costs["update"] + costs["decode"]
         rows.append(
             dict(
                 split=split,
@@ -809,6 +917,58 @@ def choose_split(
         )
     best = min(rows, key=lambda r: (round(r["simulated_ms"], 6), abs(r["gpu0_ms_per_chunk"] - r["gpu1_ms_per_chunk"])))
     return best["split"], rows
+
+
+def tasks_per_kind(plan: Plan) -> Dict[str, int]:
+    """How many tasks of each kind a run of ``plan`` issues."""
+    items = plan.num_groups * plan.num_chunks
+    return dict(
+        prep=items,
+        stage0=plan.num_groups * plan.num_branches * plan.total_forwards,
+        stage1=plan.num_groups * plan.num_branches * plan.total_forwards,
+        update=items * plan.num_steps,
+        decode=items if plan.decode else 0,
+    )
+
+
+def measured_task_ms(plan: Plan, ms_per_kind: Mapping[str, float]) -> Dict[str, float]:
+    """Mean GPU time per task of each kind from a profiled run (``RunResult.summary["ms_per_kind"]``; take it from
+    ``off``, whose tasks do not overlap)."""
+    counts = tasks_per_kind(plan)
+    return {kind: ms_per_kind.get(kind, 0.0) / n for kind, n in counts.items() if n}
+
+
+def calibrate_block_ms(
+    block_ms: Sequence[float],
+    num_double: int,
+    split: int,
+    embed_ms: float,
+    final_ms: float,
+    stage0_ms: float,
+    stage1_ms: float,
+) -> List[float]:
+    """Per-block times (one graph per block, ``measure_stage_times``) rescaled so that the two stages at ``split``
+    cost what whole passes were measured to cost (``stage0_ms`` / ``stage1_ms`` per pass, e.g. from
+    ``measured_task_ms``): one factor for the double blocks (the first ``num_double``), one for the single blocks,
+    solved from the two stages (embedding and final layer kept). Per-block graphs do not add up to a stage's pass:
+    on 2 H200s (1B, split 10) they said 4.49 / 4.31 ms and the passes took 3.72 / 4.07 ms, the double blocks
+    ~21% over and the single ones ~6%, so ``auto`` put one block too many on GPU1. Falls back to one factor for
+    all blocks where the two equations do not determine two positive factors."""
+    blocks = [float(b) for b in block_ms]
+    on0 = [i <= split for i in range(len(blocks))]
+    d0 = sum(b for i, b in enumerate(blocks) if i < num_double and on0[i])
+    s0 = sum(b for i, b in enumerate(blocks) if i >= num_double and on0[i])
+    d1 = sum(b for i, b in enumerate(blocks) if i < num_double and not on0[i])
+    s1 = sum(b for i, b in enumerate(blocks) if i >= num_double and not on0[i])
+    r0, r1 = stage0_ms - embed_ms, stage1_ms - final_ms
+    det = d0 * s1 - s0 * d1
+    double = single = None
+    if abs(det) > 1e-12 * max(1.0, (d0 + s0) * (d1 + s1)):
+        double, single = (r0 * s1 - s0 * r1) / det, (d0 * r1 - r0 * d1) / det
+    if double is None or double <= 0 or single <= 0:
+        total = sum(blocks)
+        double = single = (r0 + r1) / total if total else 1.0
+    return [b * (double if i < num_double else single) for i, b in enumerate(blocks)]
 
 
 def parse_split(value, num_blocks: int) -> Optional[int]:

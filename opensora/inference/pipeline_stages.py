@@ -15,6 +15,7 @@ forward, since a batch of 2 runs other GEMM shapes than two batches of 1 and so 
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -168,12 +169,19 @@ class BidirectionalStages:
             key_mask = model.key_mask(mask, grid[0] * grid[1] * grid[2])
             branches.append(dict(text_emb=text_emb, mask=key_mask, vec=vecs))
         rope = model.rope(grid, branches[0]["text_emb"].shape[1], dev0)
-        ready = lanes.event(0)
-        lane1 = dict(
-            rope=lanes.pull(rope, ready, 1),
-            branches=[lanes.pull(dict(mask=b["mask"], vec=b["vec"]), ready, 1) for b in branches],
-        )
-        return dict(x=x, grid=grid, rope=rope, branches=branches, lane1=lane1)
+        # lane 1's copies of the tables are pulled by its first stage1 (``lane1``), not here: see ``Stages``
+        return dict(x=x, grid=grid, rope=rope, branches=branches, ready=lanes.event(0))
+
+    def lane1(self, ctx) -> dict:
+        """The RoPE tables, masks and conditioning vectors on lane 1, pulled once per group by its first stage1
+        (the copies wait for the prep's event, which that stage1's input already waited for)."""
+        if "lane1" not in ctx:
+            pull, ready = self.lanes.pull, ctx["ready"]
+            ctx["lane1"] = dict(
+                rope=pull(ctx["rope"], ready, 1),
+                branches=[pull(dict(mask=b["mask"], vec=b["vec"]), ready, 1) for b in ctx["branches"]],
+            )
+        return ctx["lane1"]
 
     def stage0(self, ctx, branch: int, step: int, x, store_kv: bool) -> dict:
         b = ctx["branches"][branch]
@@ -181,9 +189,9 @@ class BidirectionalStages:
         return run_blocks(self.model, state, 0, self.split + 1, b["vec"][step], ctx["rope"], b["mask"])
 
     def stage1(self, ctx, branch: int, step: int, state, store_kv: bool) -> torch.Tensor:
-        b = ctx["lane1"]["branches"][branch]
+        b = self.lane1(ctx)["branches"][branch]
         state = run_blocks(
-            self.model, state, self.split + 1, self.num_blocks, b["vec"][step], ctx["lane1"]["rope"], b["mask"]
+            self.model, state, self.split + 1, self.num_blocks, b["vec"][step], self.lane1(ctx)["rope"], b["mask"]
         )
         return finish(self.model, state, b["vec"][step], ctx["grid"])
 
@@ -268,45 +276,48 @@ class StreamNoise:
         self.gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
         self.channels, self.hw, self.times = channels, tuple(hw), list(times)
         self.rule, self.context_t = rule, context_t
-        self.ready: Deque[Tuple[int, tuple]] = deque()  # (frames, chunk noise) drawn ahead by ``draw_ahead``
+        self.reserved: Deque[Tuple[int, torch.Tensor]] = deque()  # (frames, host buffer) per chunk: ``reserve``
 
     def draw(self, frames: int) -> torch.Tensor:
         from opensora.inference.pipeline import noise_from_generators
 
         return noise_from_generators(self.gens, (self.channels, frames, *self.hw))
 
+    def draws_per_chunk(self) -> int:
+        """The initial latent, one draw per re-noised step, the context noise."""
+        renoised = sum(1 for t_next in self.times[1:] if self.rule == "renoise" and t_next != 0)
+        return 1 + renoised + (1 if self.context_t != 0 else 0)
+
     def chunk(self, frames: int):
-        """(initial x, [noise per step or None], context noise or None)."""
-        if self.ready:
-            drawn_frames, drawn = self.ready.popleft()
-            if drawn_frames != frames:
-                raise ValueError(f"noise was drawn ahead for a chunk of {drawn_frames} frames, asked for {frames}")
-            return drawn
+        """(initial x, [noise per step or None], context noise or None), drawn now (in a ``reserve``d buffer, if
+        any: then views of it)."""
         x = self.draw(frames)
         steps = [self.draw(frames) if self.rule == "renoise" and t_next != 0 else None for t_next in self.times[1:]]
         context = self.draw(frames) if self.context_t != 0 else None
-        return x, steps, context
-
-    def draw_ahead(self, chunk_frames: Sequence[int], pin: bool) -> None:
-        """Draw the noise of the next chunks now (the same values, in the same order) into one host buffer, pinned
-        for a GPU: one page-locked allocation instead of one per tensor (each cost ~2 ms of host time, on the one
-        thread that issues both GPUs of the pipeline). ``chunk`` then hands the views out in order."""
-        drawn = [(f, self.chunk(f)) for f in chunk_frames]
-        tensors = [t for _, (x, steps, ctx) in drawn for t in (x, *steps, ctx) if t is not None]
-        flat = torch.empty(sum(t.numel() for t in tensors), pin_memory=pin)
-        offset = 0
+        if not self.reserved:
+            return x, steps, context
+        reserved_frames, buffer = self.reserved.popleft()
+        if reserved_frames != frames:
+            raise ValueError(f"noise was reserved for a chunk of {reserved_frames} frames, asked for {frames}")
+        views = iter(buffer.view(-1, *x.shape).unbind(0))
 
         def place(t):
-            nonlocal offset
-            if t is None:
-                return None
-            view = flat[offset : offset + t.numel()].view(t.shape)
-            view.copy_(t)
-            offset += t.numel()
-            return view
+            return None if t is None else next(views).copy_(t)
 
-        for f, (x, steps, ctx) in drawn:
-            self.ready.append((f, (place(x), [place(n) for n in steps], place(ctx))))
+        return place(x), [place(n) for n in steps], place(context)
+
+    def reserve(self, chunk_frames: Sequence[int], pin: bool) -> None:
+        """One host buffer (pinned for a GPU) for the noise of the next chunks (``chunk_frames`` each), which
+        ``chunk`` then fills chunk by chunk as it draws (the same values, in the same order): one page-locked
+        allocation instead of one per tensor (each cost ~2 ms of host time, on the one thread that issues both GPUs
+        of the pipeline), and the draws stay where they were, in each chunk's prep, instead of all before the
+        first chunk's (2 items x 6 chunks x 4 draws: ~10-15 ms of host time during which both GPUs would idle)."""
+        per_frame = len(self.gens) * self.channels * self.hw[0] * self.hw[1] * self.draws_per_chunk()
+        flat = torch.empty(per_frame * sum(chunk_frames), pin_memory=pin)
+        offset = 0
+        for f in chunk_frames:
+            self.reserved.append((f, flat[offset : offset + per_frame * f]))
+            offset += per_frame * f
 
 
 def _rows(texts: Sequence[Mapping], key: str):
@@ -452,11 +463,12 @@ class CausalStreamingStages:
         self.decoders = [make_decoder() for _ in self.groups] if make_decoder is not None else None
         self.rows = [len(g["seeds"]) * (2 if self.cfg_rows else 1) for g in self.groups]
         self._reused_tensors: Dict[tuple, Any] = {}
+        self._reused_lock = threading.Lock()  # lane 0 (prep, stage0) and lane 1 (stage1) may run on two threads
         chunk_frames = [
             min(self.chunk_frames, self.total_frames - s) for s in range(0, self.total_frames, self.chunk_frames)
         ]
         for noise in self.noise:
-            noise.draw_ahead(chunk_frames, pin=lanes.cuda)
+            noise.reserve(chunk_frames, pin=lanes.cuda)
 
     @staticmethod
     def plan_for(
@@ -481,24 +493,24 @@ class CausalStreamingStages:
         )
 
     def prepare(self, group: int, chunk: int) -> dict:
-        """Stage A: the chunk's noise (host RNG, pinned copies), RoPE tables on both lanes, timestep tensors."""
+        """Stage A, on lane 0 only (its prep stream; see ``Stages``): the chunk's noise (host RNG drawn ahead into
+        pinned memory: the initial latent and the context noise copied to lane 0, the re-noise draws left on the
+        host for ``update`` to copy to lane 1), RoPE tables (lane 1's pulled by ``stage1``), timestep rows."""
         model, lanes = self.model, self.lanes
-        dev0, dev1 = lanes.devices
+        dev0 = lanes.devices[0]
         start = chunk * self.chunk_frames
         frames = min(self.chunk_frames, self.total_frames - start)
         x, steps, context = self.noise[group].chunk(frames)
         x = to_device_async(x, dev0)
-        steps = [None if n is None else to_device_async(n, dev1) for n in steps]
         context = None if context is None else to_device_async(context, dev0)
         pt, ph, pw = model.patch_size
         grid = (frames // pt, self.hw[0] // ph, self.hw[1] // pw)
         num_text = self.text[group][0]["text_emb"].shape[1]
 
         def rope_tables():
-            rope = model.rope(grid, num_text, dev0, time_offset=start // pt)
-            return rope, lanes.pull(rope, lanes.event(0), 1)
+            return model.rope(grid, num_text, dev0, time_offset=start // pt), lanes.event(0)
 
-        rope, rope1 = self._reused(("rope", grid, num_text, start), rope_tables)
+        rope, rope_ready = self._reused(("rope", grid, num_text, start), rope_tables)
         rows = self.rows[group]
         pass_times = [*self.times[:-1], *([self.context_t] if self.plan.refill else [])]
         t = self._reused(
@@ -518,7 +530,7 @@ class CausalStreamingStages:
             frames=frames,
             grid=grid,
             rope=rope,
-            rope1=rope1,
+            rope_ready=rope_ready,
             t=t,
             cond=cond,
             group=group,
@@ -530,11 +542,12 @@ class CausalStreamingStages:
         issues both GPUs, so the launches that rebuild them would be the bottleneck; the same tensors also skip
         the graphs' static-input copies (``_Statics.load`` copies a source only when it changed). The oldest
         entries go first past ``_REUSED_ENTRIES`` (a RoPE table per chunk start: a long stream makes many)."""
-        value = self._reused_tensors.get(key)
-        if value is None:
-            value = self._reused_tensors[key] = make()
-            while len(self._reused_tensors) > _REUSED_ENTRIES:
-                self._reused_tensors.pop(next(iter(self._reused_tensors)))
+        with self._reused_lock:
+            value = self._reused_tensors.get(key)
+            if value is None:
+                value = self._reused_tensors[key] = make()
+                while len(self._reused_tensors) > _REUSED_ENTRIES:
+                    self._reused_tensors.pop(next(iter(self._reused_tensors)))
         return value
 
     def text_key(self, step: int) -> float:
@@ -609,7 +622,14 @@ class CausalStreamingStages:
     def stage1(self, ctx, branch: int, step: int, act, store_kv: bool) -> Optional[torch.Tensor]:
         g = ctx["group"]
         num_text = self.text[g][branch]["text_emb"].shape[1]
-        inputs = dict(act, cos=ctx["rope1"][0], sin=ctx["rope1"][1])
+        # lane 1's RoPE tables: pulled here, once per chunk start, not by the prep (a pull there would make lane 1's
+        # stream wait for lane 0 at the prep's position); the copy waits for the tables' event, which precedes the
+        # stage0 whose activations this stage already waits for
+        rope1 = self._reused(
+            ("rope1", ctx["grid"], num_text, ctx["start"]),
+            lambda: self.lanes.pull(ctx["rope"], ctx["rope_ready"], 1),
+        )
+        inputs = dict(act, cos=rope1[0], sin=rope1[1])
         out = self._pass(ctx, 1, branch, step, inputs, self.text_mask1[g][branch], store_kv, num_text)
         return None if step >= self.plan.num_steps else out  # the refill's output is never read
 
@@ -620,7 +640,9 @@ class CausalStreamingStages:
             v = text_cfg(outputs[0].float(), outputs[1].float(), self.guidance_scale)
         else:
             v = outputs[0].float()
-        return chunk_update(x, v, self.times[step], self.times[step + 1], self.rule, ctx["steps"][step])
+        noise = ctx["steps"][step]  # a pinned host view: copied here, on lane 1's stream, not by the prep
+        noise = None if noise is None else to_device_async(noise, self.lanes.devices[1])
+        return chunk_update(x, v, self.times[step], self.times[step + 1], self.rule, noise)
 
     def decode(self, ctx, x0: torch.Tensor) -> torch.Tensor:
         return self.decoders[ctx["group"]](x0)
@@ -706,7 +728,7 @@ def stream_reference(
             v = forward(x, t, store=last and not refill)
             eps = None if steps[k] is None else to_device_async(steps[k], device)
             x = chunk_update(x, v, t, t_next, rule, eps)
-        if refill:
+        if refill and start + frames < total:  # the last chunk's cache is never read (as StreamingGenerator)
             ctx_in = x if context is None else fm.add_noise(x, to_device_async(context, device), context_t)
             forward(ctx_in, context_t, store=True)
         latents.append(x)
