@@ -87,7 +87,7 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
         "--iters",
         "2",
         "--runs",
-        "ours-eager@none;diffusers@none;ours-eager@full;trainer@full;ours-eager-master@full;trainer-fused-adamw@full",
+        "ours-eager@none;diffusers@none;ours-eager@full;trainer@full;ours-eager-master@full;trainer-colossal@full",
         "--out",
         str(out),
     ]
@@ -101,9 +101,9 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
         ("ours-eager", "full"),
         ("trainer", "full"),
         ("ours-eager-master", "full"),
-        ("trainer-fused-adamw", "full"),
+        ("trainer-colossal", "full"),
     }
-    assert "error" not in runs.pop(("trainer-fused-adamw", "full"))
+    assert "error" not in runs.pop(("trainer-colossal", "full"))
     trainer = runs.pop(("trainer", "full"))
     # the real Trainer ran at the tiny shape on in-memory latents: timed steps after warm-up and the sync audit
     assert "error" not in trainer, trainer
