@@ -55,14 +55,16 @@ fi
 plugin_cfg() {  # bf16 ZeRO-2 on GPU; the demo config's precision (fp32) on CPU
   # zero2: the 1B configs' settings (128M-element reduce buckets, reduce-scatter overlapped with the backward);
   # zero2-default: colossalai's defaults (12M buckets); zero2-ag: zero2 + the parameter all-gather after the step
-  # overlapped with the next forward (overlap_allgather).
+  # overlapped with the next forward (overlap_allgather); zero2-ms: zero2 + the multi-rank step shortcut
+  # (multi_rank_shortcut: multi-tensor casts and one all-gather per bucket instead of ColossalAI's per-tensor work).
   local zero="'type': 'LowLevelZeroPlugin', 'stage': 2"
   case "$1" in
     zero2) echo "{$zero, 'reduce_bucket_size_in_m': $bucket_m, 'overlap_communication': $overlap}" ;;
     zero2-default) echo "{$zero}" ;;
     zero2-ag) echo "{$zero, 'reduce_bucket_size_in_m': $bucket_m, 'overlap_communication': $overlap, 'overlap_allgather': True}" ;;
+    zero2-ms) echo "{$zero, 'reduce_bucket_size_in_m': $bucket_m, 'overlap_communication': $overlap, 'multi_rank_shortcut': True}" ;;
     ddp) echo "{'type': 'TorchDDPPlugin'}" ;;
-    *) echo "unknown plugin $1 (zero2|zero2-default|zero2-ag|ddp)" >&2; exit 2 ;;
+    *) echo "unknown plugin $1 (zero2|zero2-default|zero2-ag|zero2-ms|ddp)" >&2; exit 2 ;;
   esac
 }
 mkdir -p "$out"

@@ -178,14 +178,22 @@ def build_plugin(plugin_cfg: dict, mixed_precision: str = "bf16", on_gpu: bool |
         on_gpu = torch.cuda.is_available()
     # one rank: no flatten / copy passes standing in for communication (zero_single_rank.py); bit-identical to
     # ColossalAI's path (CPU and GPU tests), ~25 ms less per 1B step on an H100. `single_rank_shortcut=False` opts out.
-    single_rank_shortcut = bool(
-        kwargs.pop("single_rank_shortcut", name in ("LowLevelZeroPlugin", "HybridParallelPlugin"))
-    )
-    if name in ("LowLevelZeroPlugin", "HybridParallelPlugin"):
+    zero_like = name in ("LowLevelZeroPlugin", "HybridParallelPlugin")
+    single_rank_shortcut = bool(kwargs.pop("single_rank_shortcut", zero_like))
+    # several ranks, plain data parallel: the step's per-tensor gradient casts and TensorBucket gather replaced by
+    # multi-tensor copies around one all-gather per bucket (zero_single_rank.py); bit-identical to ColossalAI's path
+    # on 2 gloo ranks. Off by default until a GPU run (NCCL, 2 GPUs) has confirmed it; `multi_rank_shortcut=True`.
+    multi_rank_shortcut = bool(kwargs.pop("multi_rank_shortcut", False))
+    if zero_like:
         zero_sync.install()  # grad norm, clipping and the end of backward without host syncs
-        (zero_single_rank.install if single_rank_shortcut else zero_single_rank.uninstall)()
-    elif single_rank_shortcut:
-        raise ValueError(f"single_rank_shortcut applies to LowLevelZeroPlugin / HybridParallelPlugin, not {name}")
+        if single_rank_shortcut or multi_rank_shortcut:
+            zero_single_rank.install(single_rank=single_rank_shortcut, multi_rank=multi_rank_shortcut)
+        else:
+            zero_single_rank.uninstall()
+    elif single_rank_shortcut or multi_rank_shortcut:
+        raise ValueError(
+            f"single_rank_shortcut / multi_rank_shortcut apply to LowLevelZeroPlugin / HybridParallelPlugin, not {name}"
+        )
     if not on_gpu:
         apply_cpu_shim()
         kwargs = spec.cpu_adjust(kwargs)

@@ -1,4 +1,4 @@
-"""Skip the communication ColossalAI 0.5.0's ZeRO optimizer does when its process group has one rank.
+"""Skip the per-tensor passes ColossalAI 0.5.0's ZeRO optimizer makes around its step, on one rank and on several.
 
 On one GPU ``LowLevelZeroOptimizer`` still runs the multi-rank data path, and every step makes passes over
 parameter-sized memory that only move bytes from one buffer to another:
@@ -14,29 +14,45 @@ With one rank a sum over ranks and a division by 1 are the identity, so ``instal
 changes the result: the bucket's flat gradient buffer becomes the reduced gradient itself; the step casts all
 gradients into one fp32 buffer with one multi-tensor copy and writes the updated masters straight into the bf16
 parameters with another (``copy_`` rounds fp32 to bf16 exactly as ``.to()`` does). Bit for bit the same values
-(gradient norm, clipping and the inner optimizer are ColossalAI's / ``zero_sync``'s, called as before). Groups of
-more than one rank, fp8 communication, a communication dtype different from the gradients', CPU offload,
-``overlap_allgather`` and ``master_weights=False`` take ColossalAI's own path. Idempotent.
+(gradient norm, clipping and the inner optimizer are ColossalAI's / ``zero_sync``'s, called as before).
+
+With several ranks (``install(multi_rank=True)``, opt-in) the backward's reduce-scatter stays ColossalAI's; the step
+casts this rank's gradient shards with one multi-tensor copy as above and, after the inner optimizer, gathers the
+parameters without the tensor bucket's per-tensor work: per chunk of at most the bucket size (elements per rank,
+ColossalAI's bound too) the updated master shards are cast by one multi-tensor copy straight into this rank's slice
+of one bf16 buffer, one in-place ``all_gather_into_tensor`` fills the other ranks' slices (as FSDP2 does), and one
+multi-tensor copy writes every parameter from its pieces (rank r's shard is elements ``[r*s, (r+1)*s)`` of the
+parameter's flat view; the last shard's padding is not copied). The all-gather only moves bytes, so the parameters
+get the same bits as through ``TensorBucket``. Only plain data parallelism takes it: one ZeRO process group (not
+an n-d tuple), no tensor / pipeline parallel group of more than one rank.
+
+fp8 communication, a communication dtype different from the gradients', CPU offload, ``overlap_allgather`` and
+``master_weights=False`` take ColossalAI's own path. Idempotent.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 _ORIGINAL: dict = {}
-SHORTCUTS_TAKEN = {"reduction": 0, "step": 0}  # counts, so tests can tell which path ran
+ENABLED = {"single_rank": True, "multi_rank": False}  # set by install()
+SHORTCUTS_TAKEN = {"reduction": 0, "step": 0, "multi_rank_step": 0}  # counts, so tests can tell which path ran
+
+
+def _communicates_gradient_bytes(optimizer) -> bool:
+    """No fp8 and no other dtype on the wire: communication moves the gradients' own bytes."""
+    return not optimizer._fp8_communication and optimizer._communication_dtype in (None, optimizer._dtype)
 
 
 def _reduction_is_identity(optimizer) -> bool:
-    return (
-        not optimizer._fp8_communication
-        and all(store.world_size == 1 for store in optimizer.pg_to_bucket_store.values())
-        and optimizer._communication_dtype in (None, optimizer._dtype)
+    return _communicates_gradient_bytes(optimizer) and all(
+        store.world_size == 1 for store in optimizer.pg_to_bucket_store.values()
     )
 
 
 def _run_reduction(self):
-    if not _reduction_is_identity(self):
+    if not (ENABLED["single_rank"] and _reduction_is_identity(self)):
         return _ORIGINAL["run_reduction"](self)
     for store in self.pg_to_bucket_store.values():
         if store.num_elements_in_bucket() <= 0:
@@ -53,13 +69,26 @@ def _run_reduction(self):
         SHORTCUTS_TAKEN["reduction"] += 1
 
 
-def _step_is_local(optimizer) -> bool:
-    return (
-        _reduction_is_identity(optimizer)
-        and optimizer._master_weights
-        and not optimizer._cpu_offload
-        and not optimizer._overlap_allgather
+def _plain_data_parallel(optimizer) -> bool:
+    """One ZeRO process group, a plain one, and no tensor / pipeline group of more than one rank."""
+    groups = list(optimizer.pg_to_param_list)
+    if len(groups) != 1 or isinstance(groups[0], tuple):
+        return False
+    return all(
+        getattr(optimizer, name, None) is None or dist.get_world_size(getattr(optimizer, name)) == 1
+        for name in ("tp_pg", "pp_pg")
     )
+
+
+def _step_path(optimizer) -> str | None:
+    """``"local"`` (one rank), ``"gather"`` (several ranks) or None (ColossalAI's own step)."""
+    if not optimizer._master_weights or optimizer._cpu_offload or optimizer._overlap_allgather:
+        return None
+    if ENABLED["single_rank"] and _reduction_is_identity(optimizer):
+        return "local"
+    if ENABLED["multi_rank"] and _communicates_gradient_bytes(optimizer) and _plain_data_parallel(optimizer):
+        return "gather"
+    return None
 
 
 def _cast_all(tensors: list, dtype: torch.dtype) -> list:
@@ -73,8 +102,47 @@ def _cast_all(tensors: list, dtype: torch.dtype) -> list:
     return casts
 
 
+def _chunks(pairs: list, bound: float) -> list:
+    """``pairs`` cut in order into runs whose masters hold at most ``bound`` elements together (a larger one alone)."""
+    chunks, current, size = [], [], 0
+    for pair in pairs:
+        numel = pair[1].numel()
+        if current and size + numel > bound:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(pair)
+        size += numel
+    return chunks + [current] if current else chunks
+
+
+def _gather_into_params(self, pairs: list) -> None:
+    """Write every working parameter of ``pairs`` ((working, master shard) in the same order on every rank) from all
+    ranks' updated master shards: what ColossalAI's ``TensorBucket.all_gather`` writes, with three launches per chunk
+    instead of several per tensor."""
+    store = self.pid_to_bucket_store[id(pairs[0][0])]
+    world, rank = store.world_size, store.local_rank
+    for chunk in _chunks(pairs, store.reduce_bucket_size):
+        sizes = [master.numel() for _, master in chunk]
+        total = sum(sizes)
+        gathered = torch.empty(world * total, dtype=self._dtype, device=chunk[0][1].device)
+        local = gathered[rank * total : (rank + 1) * total]
+        torch._foreach_copy_(list(local.split(sizes)), [master for _, master in chunk])
+        dist.all_gather_into_tensor(gathered, local, group=store.torch_pg)
+        shards = gathered.split(sizes * world)  # rank-major: rank r's shard of chunk[i] is shards[r * len(chunk) + i]
+        targets, sources = [], []
+        for i, ((working, _), size) in enumerate(zip(chunk, sizes)):
+            if size == 0:
+                continue
+            # the flat parameter split like its padded copy; the last piece is short by the padding (or absent)
+            for r, target in enumerate(working.data.view(-1).split(size)):
+                targets.append(target)
+                sources.append(shards[r * len(chunk) + i][: target.numel()])
+        torch._foreach_copy_(targets, sources)
+
+
 def _step(self, closure=None):
-    if not _step_is_local(self):
+    path = _step_path(self)
+    if path is None:
         return _ORIGINAL["step"](self, closure)
     from colossalai.zero.low_level import low_level_optim
 
@@ -84,7 +152,7 @@ def _step(self, closure=None):
     if self.mixed_precision_mixin is not None and self.mixed_precision_mixin.should_skip_step():
         self.zero_grad()
         return
-    stepped, all_grads, norms = {}, [], []  # group -> (working, master) pairs of the parameters that have a gradient
+    stepped, all_grads, norms = [], [], []  # (working, master) pairs of the parameters that have a gradient
     for group_id in range(self.num_param_groups):
         pairs, grads = [], []
         for working, master in zip(
@@ -94,7 +162,7 @@ def _step(self, closure=None):
             partitions = store.get_partitioned_gradients_by_param_id(group_id, id(working))
             if partitions:  # a parameter without a gradient (e.g. an unused layer) is not stepped
                 pairs.append((working, master))
-                grads.append(partitions[0])  # one rank: the whole gradient
+                grads.append(partitions[0 if self._partition_grads else store.local_rank])  # this rank's shard
         masters = [master for _, master in pairs]
         grads = _cast_all(grads, masters[0].dtype) if masters else []
         for master, grad in zip(masters, grads):
@@ -107,23 +175,26 @@ def _step(self, closure=None):
             )
         norms.append(norm)
         self.optim.param_groups[group_id]["params"] = masters
-        stepped[group_id] = pairs
+        stepped += pairs
     self._current_grad_norm = low_level_optim.calculate_global_norm_from_list(norm_list=norms)
     self._unscale_and_clip_grads(all_grads, self._current_grad_norm)
     self.optim.step()
     for group_id in range(self.num_param_groups):
         for master in self._master_param_groups_of_current_rank[group_id]:
             master.grad = None
-        pairs = stepped[group_id]
-        if pairs:  # one rank: each master is its parameter's whole (unpadded) flat copy
-            working = [w.data for w, _ in pairs]
-            torch._foreach_copy_(working, [m.reshape(w.shape) for w, (_, m) in zip(working, pairs)])
         self.optim.param_groups[group_id]["params"] = self._master_param_groups_of_current_rank[group_id]
-    SHORTCUTS_TAKEN["step"] += 1
+    if stepped and path == "local":  # one rank: each master is its parameter's whole (unpadded) flat copy
+        working = [w.data for w, _ in stepped]
+        torch._foreach_copy_(working, [m.reshape(w.shape) for w, (_, m) in zip(working, stepped)])
+    elif stepped:
+        _gather_into_params(self, stepped)
+    SHORTCUTS_TAKEN["step" if path == "local" else "multi_rank_step"] += 1
 
 
-def install() -> None:
-    """Patch ``LowLevelZeroOptimizer._run_reduction`` and ``.step`` (once per process)."""
+def install(single_rank: bool = True, multi_rank: bool = False) -> None:
+    """Patch ``LowLevelZeroOptimizer._run_reduction`` and ``.step`` (once per process) and choose which shortcuts
+    they take: ``single_rank`` (groups of one rank) and ``multi_rank`` (the step of plain data parallel groups)."""
+    ENABLED.update(single_rank=bool(single_rank), multi_rank=bool(multi_rank))
     if _ORIGINAL:
         return
     from colossalai.zero.low_level import low_level_optim
