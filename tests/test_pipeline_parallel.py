@@ -674,7 +674,7 @@ def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path
                 "--prompt",
                 "a red circle|a blue square",
                 "--num-frames",
-                "4",
+                "6",  # 3 chunks of 2 latent frames: auto times its passes after 2 cached frames
                 "--resolution",
                 "32x32",
                 "--step-list",
@@ -692,7 +692,7 @@ def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path
         )
 
     written = sample("aggressive", "auto", "aggr")
-    assert len(written) == 2 and read_video(written[0]).shape == (4, 32, 32, 3)
+    assert len(written) == 2 and read_video(written[0]).shape == (6, 32, 32, 3)
     side = json.loads(written[0].with_suffix(".json").read_text())
     assert side["pp_overlap"] == "aggressive" and "candidates" in side["pp_split"]
     # auto: the probe split, whole passes timed there, the split chosen again on the calibrated times
@@ -700,7 +700,7 @@ def test_cli_streaming_pipeline_on_cpu_lanes_writes_samples_and_profile(tmp_path
     passes = report["calibration"]["measured"]
     assert passes["split"] == report["probe_split"] == report["calibration"]["probe_split"]
     assert passes["stage0"] > 0 and passes["stage1"] > 0 and len(passes["stage0_samples"]) == 4
-    assert passes["cached_frames"] == report["past_frames"] and passes["graphed"] is False  # CPU: eager passes
+    assert passes["cached_frames"] == report["past_frames"] == 2 and passes["graphed"] is False  # CPU: eager
     assert report["split"] in [row["split"] for row in report["candidates"]]
     assert report["calibration"]["costs"]["stage0"] == pytest.approx(report["candidates"][report["split"]]["stage0_ms"])
     profile = json.loads((tmp_path / "aggr" / "pp_profile.json").read_text())
