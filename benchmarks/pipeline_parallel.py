@@ -13,8 +13,9 @@ in flight) (x ``--batches`` samples per item) it times
 * ``off`` / ``basic`` / ``aggressive``: two GPUs, ``--pp-overlap`` mode, each stage's pass a CUDA graph
   (``ChunkGraphs.stage``), every task issued from one host thread with events only, ``--pp-split auto`` (``off``
   from the per-block stage times measured on a warm-up chunk; ``basic`` and ``aggressive`` from those rescaled to
-  the per-pass GPU times of ``off``'s profiled run, ``calibrate_block_ms``, which also give them their issue order;
-  the candidates of each plan are in the JSON);
+  the per-pass GPU times of ``off``'s profiled run, ``calibrated_split``, which also give them their issue order;
+  the candidates of each plan are in the JSON); per row also the split the CLI's ``--pp-split auto`` picks
+  (``pipeline_cli.auto_split``: the same calibration on a few timed graphed passes instead of a profiled run);
 * ``aggressive-eager-threads``: two GPUs, eager passes issued by one host thread per GPU (the previous design).
 
 Every timed run (and a profiled one, which gives the per-GPU busy fraction from CUDA events per task) is compared
@@ -56,15 +57,15 @@ from opensora.diffusion.guidance import text_cfg  # noqa: E402
 from opensora.diffusion.sampling import euler_step, timesteps_for_sampling  # noqa: E402
 from opensora.inference.chunk_graphs import ChunkGraphs  # noqa: E402
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402
+from opensora.inference.pipeline_cli import auto_split  # noqa: E402
 from opensora.inference.pipeline_parallel import (  # noqa: E402
     OVERLAP_MODES,
     Lanes,
     Plan,
-    calibrate_block_ms,
+    calibrated_split,
     choose_split,
     measured_task_ms,
     run_plan,
-    stage_costs,
 )
 from opensora.inference.pipeline_stages import (  # noqa: E402
     BidirectionalStages,
@@ -479,23 +480,12 @@ def main(argv=None):
             if graphed and measured is not None:
                 # the split and the issue order from what `off`'s passes measured: per-block graphed probes do
                 # not add up to a stage's pass (2 H200s: the double blocks' probes ran ~21% long), see
-                # pipeline_parallel.calibrate_block_ms
-                blocks = calibrate_block_ms(
-                    st["block_ms"],
-                    len(model.double_blocks),
-                    measured["split"],
-                    st["embed_ms"],
-                    st["final_ms"],
-                    measured["stage0"],
-                    measured["stage1"],
+                # pipeline_parallel.calibrated_split (what the CLI's --pp-split auto runs, on timed passes)
+                split, table, details = calibrated_split(plan, sched_mode, st, len(model.double_blocks), measured)
+                costs = details["costs"]
+                calibration = dict(
+                    measured_ms_per_task=measured, probe_split=details["probe_split"], block_ms=details["block_ms"]
                 )
-                extra = (measured["update"], measured["decode"], measured["prep"])
-                split, table = choose_split(plan, sched_mode, blocks, st["embed_ms"], st["final_ms"], *extra)
-                costs = stage_costs(blocks, split, st["embed_ms"], st["final_ms"], *extra)
-                probe_split, _ = choose_split(
-                    plan, sched_mode, st["block_ms"], st["embed_ms"], st["final_ms"], decode_ms=st["decode_ms"]
-                )
-                calibration = dict(measured_ms_per_task=measured, probe_split=probe_split, block_ms=blocks)
             else:
                 split, table = choose_split(
                     plan, sched_mode, st["block_ms"], st["embed_ms"], st["final_ms"], decode_ms=st["decode_ms"]
@@ -543,6 +533,21 @@ def main(argv=None):
                 )
             runners = None
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        # what the CLI's --pp-split auto picks for this plan: the same code (pipeline_cli.auto_split: probe, a few
+        # timed graphed passes at the probe split, calibrated_split) instead of a profiled `off` run
+        place_model(pp_model, n_blocks - 2, [devices[0]] * 2)  # the CLI probes with the whole model on GPU0
+        stage_kw = dict(kw, cuda_graphs=True, make_decoder=lambda: ChunkDecoder(decoder, decoder))
+        cli_split, cli = auto_split(
+            pp_model, devices, "aggressive", groups, latent_size, times_list, stage_kw, gen, decoder
+        )
+        passes = cli["calibration"]["measured"]
+        row["cli_auto"] = dict(split=cli_split, probe_split=cli["probe_split"], passes=passes)
+        say(
+            f"  {label}: the CLI's --pp-split auto: timed {'graphed' if passes['graphed'] else 'eager'} passes at the "
+            f"probe split {cli['probe_split']}: stage0 {passes['stage0']:.3f}, stage1 {passes['stage1']:.3f} ms -> "
+            f"split {cli_split}"
+        )
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
         best_one = min(row["modes"][m]["seconds"] for m in ONE_GPU)
         row["best_two_gpu_vs_best_one_gpu"] = best_one / min(row["modes"][m]["seconds"] for m in TWO_GPU)
         rows.append(row)

@@ -189,8 +189,11 @@ def test_a_graph_captured_on_the_second_gpu_while_the_first_is_current_replays_i
 
 
 def test_cli_two_gpu_streaming_writes_the_one_gpu_streaming_videos(tmp_path):
-    """``inference.py --streaming --pp-devices cuda:0,cuda:1`` (graphed stages, the default on GPUs) writes the
-    frames that ``--streaming`` on one GPU (graphed chunk passes) writes, for each overlap mode."""
+    """``inference.py --streaming --pp-devices cuda:0,cuda:1`` (graphed stages, the default on GPUs; ``--pp-split
+    auto``, calibrated on timed graphed passes) writes the frames that ``--streaming`` on one GPU (graphed chunk
+    passes) writes, for each overlap mode."""
+    import json
+
     from test_streaming import random_causal_checkpoint
 
     from opensora.datasets.video_io import read_video
@@ -207,3 +210,10 @@ def test_cli_two_gpu_streaming_writes_the_one_gpu_streaming_videos(tmp_path):
             common + ["--pp-devices", ",".join(DEVICES), "--pp-overlap", mode, "--save-dir", str(tmp_path / mode)]
         )
         assert torch.equal(torch.as_tensor(read_video(two[0])), torch.as_tensor(reference)), mode
+        # --pp-split auto: whole stage passes timed as the run replays them (graphed) at the probe split, then the
+        # split chosen again on the calibrated times (pipeline_cli.auto_split)
+        report = json.loads(two[0].with_suffix(".json").read_text())["pp_split"]
+        passes = report["calibration"]["measured"]
+        assert passes["graphed"] and passes["split"] == report["probe_split"], passes
+        assert passes["cached_frames"] == report["past_frames"] and passes["stage0"] > 0 and passes["stage1"] > 0
+        assert report["split"] in [row["split"] for row in report["candidates"]]

@@ -12,7 +12,9 @@ per prompt group; same math, other GEMM shapes, so equal to one GPU running thos
 ``--streaming``); ``--stream-refill false`` lets the last denoising step write the cache (another sampler).
 Unlike ``--streaming``, the mp4s are written once all chunks are done (by the same writer, so equal frames give
 equal files). ``--profile`` writes ``pp_profile.json`` (per task: GPU, start/end ms; per GPU: busy/idle) to the save
-dir and logs the per-stage summary.
+dir and logs the per-stage summary. ``--pp-split auto`` (``auto_split``) chooses the split as
+``benchmarks/pipeline_parallel.py`` does: per-block probe times calibrated to a few timed whole stage passes
+(``pipeline_parallel.calibrated_split``); the JSON's ``pp_split`` records both; an explicit ``--pp-split N`` skips it.
 """
 
 from __future__ import annotations
@@ -78,16 +80,89 @@ def device_decoder(vae, sampler_dtype):
     return lambda latents: uint8_frames_on_device(vae.decode(latents.to(dtype)))
 
 
+def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, generator, decode_fn):
+    """``--pp-split auto``, as ``benchmarks/pipeline_parallel.py`` chooses it: the per-block probe
+    (``measure_stage_times`` on devices[0] at ``typical_past_frames`` cached frames) -> a probe split; the model
+    placed there and a few whole stage0 / stage1 passes timed (``measure_stage_passes``, graphed when the run will
+    be) -> the probe times calibrated to those passes and the split chosen again (``calibrated_split``). Leaves
+    ``model`` placed at the returned split. Returns (split, the split report: probe times, candidates, the
+    measured passes and the calibrated choice). The split moves work between the GPUs, never changes a value."""
+    import torch
+
+    from opensora.inference.pipeline_parallel import Lanes, calibrated_split, choose_split
+    from opensora.inference.pipeline_stages import (
+        CausalStreamingStages,
+        measure_stage_passes,
+        measure_stage_times,
+        place_model,
+        seeded_latent_noise,
+        typical_past_frames,
+    )
+
+    graphed = bool(stage_kw.get("cuda_graphs"))
+    probe = CausalStreamingStages(model, Lanes([devices[0], devices[0]]), 0, groups, latent_size, times, **stage_kw)
+    plan, rows = probe.plan, probe.text[0][0]
+    del probe
+    x = seeded_latent_noise(groups[0]["seeds"], (latent_size[0], generator.chunk_frames, *latent_size[2:]))
+    x = torch.cat([x] * (rows["text_emb"].shape[0] // x.shape[0])).to(devices[0])
+    # a graphed stage costs its kernels, an eager one its launches: the split follows what will run
+    past = typical_past_frames(latent_size[1], generator.chunk_frames, generator.window_frames)
+    probe_ms = measure_stage_times(model, x, rows, decode=decode_fn, cuda_graphs=graphed, past_frames=past)
+    embed, final = probe_ms["embed_ms"], probe_ms["final_ms"]
+    probe_split, _ = choose_split(plan, mode, probe_ms["block_ms"], embed, final, decode_ms=probe_ms["decode_ms"])
+    logger.info(
+        "pp-split auto, probe: split %d (per unit, a chunk after %d cached frames: embed %.2f ms, blocks %s ms, "
+        "final %.2f ms, decode %.2f ms)",
+        probe_split,
+        past,
+        embed,
+        [round(t, 2) for t in probe_ms["block_ms"]],
+        final,
+        probe_ms["decode_ms"],
+    )
+    place_model(model, probe_split, devices)
+    sampler_kw = {k: v for k, v in stage_kw.items() if k not in ("make_decoder", "cuda_graphs")}
+    passes = measure_stage_passes(
+        model, devices, probe_split, groups[0], latent_size, times, past, cuda_graphs=graphed, **sampler_kw
+    )
+    split, table, details = calibrated_split(plan, mode, probe_ms, len(model.double_blocks), passes)
+    if split != probe_split:
+        place_model(model, split, devices)
+    logger.info(
+        "pp-split auto: GPU0 = embed + blocks[0..%d], GPU1 = blocks[%d..] + final + decode (whole passes at split "
+        "%d%s: stage0 %.2f ms, stage1 %.2f ms, where the probe summed %.2f / %.2f ms; calibrated: stage0 %.2f ms, "
+        "stage1 %.2f ms, simulated plan time %.1f ms, the shortest of %d splits)",
+        split,
+        split + 1,
+        probe_split,
+        ", graphed" if passes["graphed"] else "",
+        passes["stage0"],
+        passes["stage1"],
+        embed + sum(probe_ms["block_ms"][: probe_split + 1]),
+        sum(probe_ms["block_ms"][probe_split + 1 :]) + final,
+        table[split]["stage0_ms"],
+        table[split]["stage1_ms"],
+        table[split]["simulated_ms"],
+        len(table),
+    )
+    report = dict(
+        stage_times=probe_ms,
+        past_frames=past,
+        candidates=table,
+        probe_split=probe_split,
+        calibration=details,  # its ``measured``: the timed passes
+    )
+    return split, report
+
+
 def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, save_dir: Path, common: dict) -> list:
     """Generate ``prompts`` with the two-GPU streaming pipeline; returns the written sample paths."""
-    import torch
 
     from opensora.inference.io import write_samples_csv, write_sidecar
     from opensora.inference.pipeline import VideoSampler
     from opensora.inference.pipeline_parallel import (
         OVERLAP_MODES,
         Lanes,
-        choose_split,
         dump_json,
         parse_devices,
         parse_split,
@@ -96,10 +171,7 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     from opensora.inference.pipeline_stages import (
         CausalStreamingStages,
         all_blocks,
-        measure_stage_times,
         place_model,
-        seeded_latent_noise,
-        typical_past_frames,
     )
     from opensora.inference.prompts import sample_stem
     from opensora.inference.stream_writer import BatchVideoWriters
@@ -145,44 +217,17 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     )
     split = parse_split(args.pp_split, len(all_blocks(model)))
     split_report = dict(requested=str(args.pp_split))
+    costs = None  # the schedule's default per-kind costs, unless auto measured them
     if split is None:
-        probe = CausalStreamingStages(model, Lanes([devices[0], devices[0]]), 0, groups, latent_size, times, **kw)
-        x = seeded_latent_noise(groups[0]["seeds"], (latent_size[0], generator.chunk_frames, *latent[1:]))
-        rows = probe.text[0][0]
-        x = torch.cat([x] * (rows["text_emb"].shape[0] // x.shape[0])).to(devices[0])
-        # a graphed stage costs its kernels, an eager one its launches: the split follows what will run
-        past = typical_past_frames(latent[0], generator.chunk_frames, generator.window_frames)
-        times_ms = measure_stage_times(model, x, rows, decode=decode_fn, cuda_graphs=graphed, past_frames=past)
-        split, table = choose_split(
-            probe.plan,
-            mode,
-            times_ms["block_ms"],
-            times_ms["embed_ms"],
-            times_ms["final_ms"],
-            decode_ms=times_ms["decode_ms"],
-        )
-        split_report.update(stage_times=times_ms, past_frames=past, candidates=table)
-        logger.info(
-            "pp-split auto: GPU0 = embed + blocks[0..%d], GPU1 = blocks[%d..] + final + decode (stage times "
-            "of a warm-up chunk after %d cached frames: embed %.2f ms, blocks %s ms, final %.2f ms, decode %.2f ms; simulated plan "
-            "time %.1f ms, the shortest of %d splits)",
-            split,
-            split + 1,
-            past,
-            times_ms["embed_ms"],
-            [round(t, 2) for t in times_ms["block_ms"]],
-            times_ms["final_ms"],
-            times_ms["decode_ms"],
-            table[split]["simulated_ms"],
-            len(table),
-        )
-        del probe
+        split, report = auto_split(model, devices, mode, groups, latent_size, times, kw, generator, decode_fn)
+        split_report.update(report)
+        costs = report["calibration"]["costs"]
     split_report["split"] = split
-    place_model(model, split, devices)
+    place_model(model, split, devices)  # auto: already there
     vae.to(devices[1])
     lanes = Lanes(devices, profile=bool(args.profile))
     stages = CausalStreamingStages(model, lanes, split, groups, latent_size, times, **kw)
-    result, sim = run_plan(stages, mode, lanes)
+    result, sim = run_plan(stages, mode, lanes, costs=costs)  # auto: the calibrated costs (issue order only)
     num_chunks = stages.plan.num_chunks
     logger.info(
         "two-GPU streaming (%s, split %d): %d prompt(s) x %d chunks in %.2f s (%.1f latent frames/s; "

@@ -971,6 +971,42 @@ def calibrate_block_ms(
     return [b * (double if i < num_double else single) for i, b in enumerate(blocks)]
 
 
+def calibrated_split(
+    plan: Plan,
+    mode: str,
+    stage_times: Mapping,
+    num_double: int,
+    measured: Mapping[str, float],
+) -> Tuple[int, List[dict], dict]:
+    """``--pp-split auto`` from whole-pass measurements: the per-block probe times ``stage_times``
+    (``measure_stage_times``: ``embed_ms``, ``block_ms``, ``final_ms``, ``decode_ms``) rescaled with
+    ``calibrate_block_ms`` so that the stages at ``measured["split"]`` cost ``measured["stage0"]`` /
+    ``measured["stage1"]`` ms per pass, then ``choose_split`` on those. ``measured`` comes from a profiled ``off``
+    run (``measured_task_ms``: also ``prep`` / ``update`` / ``decode`` per task, used as their costs) or from a few
+    timed passes (``pipeline_stages.measure_stage_passes``: the decode then costs the probe's ``decode_ms``, prep
+    and update 0, as ``choose_split`` has them by default). ``num_double``: the model's double blocks (the first
+    ones). Returns (split, ``choose_split``'s candidates on the calibrated times, details: ``probe_split`` (the
+    choice from the uncalibrated probe), ``block_ms`` (calibrated), ``costs`` (per-kind costs at the chosen split,
+    the run's issue order), ``measured``)."""
+    embed_ms, final_ms = float(stage_times["embed_ms"]), float(stage_times["final_ms"])
+    probe = [float(b) for b in stage_times["block_ms"]]
+    blocks = calibrate_block_ms(
+        probe, num_double, int(measured["split"]), embed_ms, final_ms, measured["stage0"], measured["stage1"]
+    )
+    extra = dict(
+        update_ms=float(measured.get("update", 0.0)),
+        decode_ms=float(measured.get("decode", stage_times.get("decode_ms", 0.0))),
+        prep_ms=float(measured.get("prep", 0.0)),
+    )
+    split, rows = choose_split(plan, mode, blocks, embed_ms, final_ms, **extra)
+    probe_split, _ = choose_split(
+        plan, mode, probe, embed_ms, final_ms, decode_ms=float(stage_times.get("decode_ms", 0.0))
+    )
+    costs = stage_costs(blocks, split, embed_ms, final_ms, extra["update_ms"], extra["decode_ms"], extra["prep_ms"])
+    details = dict(probe_split=probe_split, block_ms=blocks, costs=costs, measured=dict(measured))
+    return split, rows, details
+
+
 def parse_split(value, num_blocks: int) -> Optional[int]:
     """``--pp-split``: ``auto`` (None) or the index of GPU0's last block, 0 <= N < num_blocks - 1."""
     if value is None or str(value) == "auto":

@@ -822,6 +822,84 @@ def measure_stage_times(
     return _eager_stage_times(model, x, text, decode, repeats, past_frames)
 
 
+@torch.no_grad()
+def measure_stage_passes(
+    model,
+    devices: Sequence,
+    split: int,
+    group: Mapping,
+    latent_size: Sequence[int],
+    times: Sequence[float],
+    past_frames: int,
+    repeats: int = 4,
+    cuda_graphs: bool = False,
+    **stage_kw,
+) -> dict:
+    """Median time (ms) of one whole stage0 and one whole stage1 pass of ``CausalStreamingStages`` (the run's own
+    pass code: its masks, caches, text cache, activation hand-over, and CUDA graphs when ``cuda_graphs``) with
+    ``model`` placed at ``split`` on ``devices``, for the chunk after ``past_frames`` cached frames (the caches
+    filled by running the earlier chunks' cache-writing passes eagerly). One warm-up pass per stage (the capture,
+    when graphed), then ``repeats`` timed passes of the first denoising step (no cache write). ``group``: one
+    prompt group as the stages take it; ``latent_size`` (C, T, H, W): the video's, only C, H, W are used;
+    ``stage_kw``: the stages' sampler options (``refill``, ``rule``, ``context_t``, ``window_frames``,
+    ``cfg_rows``, ...). The result (``split``, ``stage0``, ``stage1``, ...) is what
+    ``pipeline_parallel.calibrated_split`` takes as ``measured``: per-block probes do not add up to a stage's pass."""
+    from statistics import median
+
+    lanes = Lanes(devices)
+    chunk = int(model.causal_chunk_frames)
+    size = (latent_size[0], int(past_frames) + chunk, *latent_size[2:])
+    kw = dict(stage_kw, make_decoder=None, cuda_graphs=False)
+    stages = CausalStreamingStages(model, lanes, split, [group], size, times, **kw)
+    plan = stages.plan
+
+    def forward(ctx, step: int, store: bool):
+        with lanes.device_context(0):
+            act = stages.stage0(ctx, 0, step, ctx["x"], store)
+        with lanes.device_context(1):
+            act = lanes.pull(act, lanes.event(0), 1)
+            return act, stages.stage1(ctx, 0, step, act, store)
+
+    for c in range(plan.num_chunks - 1):  # the caches (and the text cache: every pass time of chunk 0)
+        ctx = stages.prepare(0, c)
+        for step in range(plan.forwards(c)) if c == 0 else [plan.writer_step]:
+            forward(ctx, step, plan.store_kv(step))
+    if cuda_graphs:  # fill eagerly, capture only the timed passes (one graph per stage)
+        from opensora.inference.chunk_graphs import ChunkGraphs
+
+        stages.graphs = (ChunkGraphs(model), ChunkGraphs(model))
+    ctx = stages.prepare(0, plan.num_chunks - 1)
+    # warm-up; in a one-chunk video (nothing filled) the first pass fills the text cache, running the text rows
+    # too, and the timed passes are the ones after it
+    for _ in range(1 if plan.num_chunks > 1 else 2):
+        act, _ = forward(ctx, 0, False)
+    samples = []
+    for lane in (0, 1):
+        timer = _Timer(lanes.devices[lane])
+        with lanes.device_context(lane):
+            for _ in range(repeats):
+                timer.mark()
+                if lane == 0:
+                    stages.stage0(ctx, 0, 0, ctx["x"], False)
+                else:
+                    stages.stage1(ctx, 0, 0, act, False)
+                timer.mark()
+        samples.append(timer.read()[::2])  # each pass's own span, not the gaps between them
+    lanes.synchronize()
+    graphs = None if stages.graphs is None else [runner.summary for runner in stages.graphs]
+    return dict(
+        split=split,
+        stage0=median(samples[0]),
+        stage1=median(samples[1]),
+        stage0_samples=samples[0],
+        stage1_samples=samples[1],
+        past_frames=int(past_frames),
+        cached_frames=stages.caches[0][0][0].num_frames,
+        graphed=bool(graphs) and all(g["replays"] > 0 and g["eager"] == 0 for g in graphs),
+        graphs=graphs,
+    )
+
+
 def typical_past_frames(total_frames: int, chunk_frames: int, window_frames: Optional[int] = None) -> int:
     """The cached latent frames a chunk of the video attends to on average (each chunk sees the frames before it,
     at most ``window_frames``): the ``past_frames`` at which to time stages for a split."""
