@@ -157,9 +157,12 @@ def write_json(out_dir, name, payload):
 # --------------------------------------------------------------------------------------------------------------
 # (a) speed and memory at the 1B shape
 # --------------------------------------------------------------------------------------------------------------
-def stream_flops(model, chunk_tokens, text_tokens, chunks, chunk_frames, window, steps, merged, text_cache, rows=1):
+def stream_flops(
+    model, chunk_tokens, text_tokens, chunks, chunk_frames, window, steps, merged, text_cache, rows=1, text_padded=True
+):
     """Forward FLOPs of one streamed video: per chunk ``steps`` passes + the refill (none after the last chunk; with
-    ``merged`` folded into the next chunk's first pass, whose refill rows also compute the masked next-chunk keys).
+    ``merged`` folded into the next chunk's first pass, whose refill rows also compute the masked next-chunk keys
+    unless the pass is mask-free: text cached and not ``text_padded``, see ``causal_refill.split_keys``).
     The first chunk's passes run the text rows (they fill the text cache); later ones too without ``text_cache``."""
     per_frame = chunk_tokens // chunk_frames
     total, held = 0, 0  # held: cached frames when the chunk starts
@@ -169,10 +172,22 @@ def stream_flops(model, chunk_tokens, text_tokens, chunks, chunk_frames, window,
         one = mmdit_chunk_flops(model, chunk_tokens, text_tokens, past, rows, run_text)
         total += steps * one
         if c + 1 < chunks:  # the refill (no chunk reads the last one's)
-            extra = chunk_tokens if merged else 0
+            extra = chunk_tokens if merged and (text_padded or run_text) else 0
             total += mmdit_chunk_flops(model, chunk_tokens, text_tokens, past, rows, run_text, extra_key_tokens=extra)
         held = min(held + chunk_frames, window) if window is not None else held + chunk_frames
     return total
+
+
+def every_text_token_valid(sampler) -> None:
+    """Make ``sampler``'s text masks all true (``--text-mask full``): a stand-in for prompts that fill the text
+    length, same shapes and FLOPs as the padded ones. Without padded text tokens the merged refill passes attend
+    without a mask (``causal_refill.split_keys``); the tokenizer pads every prompt to its length otherwise."""
+    encode = sampler.encode_text
+
+    def full(prompts):
+        return tuple(dict(d, text_mask=torch.ones_like(d["text_mask"])) for d in encode(prompts))
+
+    sampler.encode_text = full
 
 
 SPEED_VARIANTS = {  # name: (text cache, CUDA graphs (passes + decode), merged refill, decode overlapped)
@@ -197,6 +212,8 @@ def run_speed(args) -> dict:
     cfg = load_config(args.config)
     frames, height, width = args.frames or training_clip(cfg)[0], *(args.size or training_clip(cfg)[1:])
     sampler = random_sampler(cfg, args.chunk_frames, device, dtype)
+    if args.text_mask == "full":
+        every_text_token_valid(sampler)
     model = sampler.model
     train_latent = sampler.latent_size(frames, height, width)[0]
     window = args.window_frames if args.window_frames is not None else train_latent - args.chunk_frames
@@ -221,6 +238,7 @@ def run_speed(args) -> dict:
         text_cache=args.text_cache,
         cuda_graphs=use_graphs,
         merge_refill=args.merge_refill,
+        text_mask=args.text_mask,
         device=device_name(),
         config=args.config,
         batch=args.batch,
@@ -269,6 +287,7 @@ def run_speed(args) -> dict:
             merged,
             cached,
             rows=args.batch,
+            text_padded=args.text_mask == "padded",
         )
         flops[name] = dict(student_tflop=student / 1e12, ceiling=teacher_flops / student if student else None)
     result["flops_1x"] = dict(
@@ -815,6 +834,13 @@ def parse_args(argv=None):
     for flag, (default, text) in toggles.items():
         option = "--" + flag.replace("_", "-")
         speed.add_argument(option, choices=("both", "on", "off"), default=default, help=f"{text}: on, off or both")
+    speed.add_argument(
+        "--text-mask",
+        choices=("padded", "full"),
+        default="padded",
+        help="padded: the tokenizer's mask (prompts padded to the text length); full: every text token valid, "
+        "which lets the text-cached merged refill passes run mask-free (same shapes)",
+    )
     speed.add_argument(
         "--cuda-graphs",
         choices=("auto", "on", "off"),

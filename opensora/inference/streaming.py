@@ -205,6 +205,9 @@ class StreamingGenerator:
             ``text_cache_bytes``). A fresh cache per ``stream`` call: nothing carries over between videos.
         merge_refill: run each refill together with the next chunk's first step as one pass of twice the rows
             (``causal_refill.refill_and_step``; equal to the separate passes up to reduction order, fp32 tolerance).
+            When no text token is padding (checked once per video) the text-cached merged passes attend without a
+            mask: two SDPA calls per block, the refill rows and the step rows each over their own keys (and so do
+            the separate text-cached passes, one call over all their keys).
             With ``cuda_graphs`` the merged passes are replayed too (``causal_refill.MergedGraphs``).
         decode_graphs: decode each chunk through ``GraphedDecode`` (one CUDA graph per chunk shape, GPU only);
             ``None``: when ``cuda_graphs`` is on. Kept across videos.
@@ -325,6 +328,8 @@ class StreamingGenerator:
         branches = [text, null] if guided else [text]
         text_args = {key: torch.cat([b[key] for b in branches]) for key in ("text_emb", "text_mask", "pooled")}
         text_args.update(text_emb=text_args["text_emb"].to(dtype), pooled=text_args["pooled"].to(dtype))
+        # one host read per video: without padded text tokens the text-cached passes attend without a mask
+        text_padded = not bool(text_args["text_mask"].all())
         rows = len(prompts) * len(branches)
         cond = None
         if getattr(model, "cond_channels", None):  # text-to-video: the all-zero condition
@@ -364,6 +369,7 @@ class StreamingGenerator:
                 store_kv=store,
                 text_cache=text_cache,
                 text_key=t,
+                text_mask_has_padding=text_padded,
             )
             return combine(out)
 
@@ -385,6 +391,7 @@ class StreamingGenerator:
                 prev_key=self.context_time,
                 next_key=t,
                 graphs=self.merged_graphs,
+                text_mask_has_padding=text_padded,
             )
             return combine(out)
 
