@@ -180,7 +180,7 @@ def stream_flops(
 
 def every_text_token_valid(sampler) -> None:
     """Make ``sampler``'s text masks all true (``--text-mask full``): a stand-in for prompts that fill the text
-    length, same shapes and FLOPs as the padded ones. Without padded text tokens the merged refill passes attend
+    length, same shapes and FLOPs as the padded ones. Without padded text tokens the text-cached passes attend
     without a mask (``causal_refill.split_keys``); the tokenizer pads every prompt to its length otherwise."""
     encode = sampler.encode_text
 
@@ -268,6 +268,12 @@ def run_speed(args) -> dict:
     pt, ph, pw = model.patch_size
     tokens_per_frame = (latent_hw[0] // ph) * (latent_hw[1] // pw) // pt
     text_tokens = sampler.encode_text(prompts[:1])[0]["text_emb"].shape[1]
+    # what the student's passes see of the text: all of it, or (``--text-mask trim``) up to the last valid token
+    student_text, student_padded = text_tokens, args.text_mask == "padded"
+    if args.text_mask == "trim":
+        valid = sampler.encode_text(prompts)[0]["text_mask"].bool().cpu()
+        student_text = int(valid.any(0).nonzero().max()) + 1
+        student_padded = not bool(valid[:, :student_text].all())
     teacher_flops = (
         args.teacher_steps
         * mmdit_forward_flops(model, tokens_per_frame * train_latent, text_tokens, 2 * args.batch)["total"]
@@ -279,7 +285,7 @@ def run_speed(args) -> dict:
         student = stream_flops(
             model,
             tokens_per_frame * args.chunk_frames,
-            text_tokens,
+            student_text,
             n_chunks,
             args.chunk_frames,
             window,
@@ -287,13 +293,14 @@ def run_speed(args) -> dict:
             merged,
             cached,
             rows=args.batch,
-            text_padded=args.text_mask == "padded",
+            text_padded=student_padded,
         )
         flops[name] = dict(student_tflop=student / 1e12, ceiling=teacher_flops / student if student else None)
     result["flops_1x"] = dict(
         teacher_tflop=teacher_flops / 1e12,
         teacher_passes=f"{args.teacher_steps} x batch 2 (CFG) over {tokens_per_frame * train_latent} video + "
         f"{text_tokens} text tokens",
+        student_text_tokens=student_text,
         students=flops,
     )
 
@@ -309,6 +316,7 @@ def run_speed(args) -> dict:
             cuda_graphs=graphs,
             merge_refill=merged,
             overlap_decode=overlap,
+            trim_text=args.text_mask == "trim",
         )
         if on_gpu:
             torch.cuda.empty_cache()
@@ -836,10 +844,11 @@ def parse_args(argv=None):
         speed.add_argument(option, choices=("both", "on", "off"), default=default, help=f"{text}: on, off or both")
     speed.add_argument(
         "--text-mask",
-        choices=("padded", "full"),
+        choices=("padded", "full", "trim"),
         default="padded",
         help="padded: the tokenizer's mask (prompts padded to the text length); full: every text token valid, "
-        "which lets the text-cached merged refill passes run mask-free (same shapes)",
+        "which lets the text-cached passes run mask-free (same shapes, the teacher unmasked too); trim: the student "
+        "cuts the padded tail of the text (StreamingGenerator(trim_text=True); the teacher keeps all 512 tokens)",
     )
     speed.add_argument(
         "--cuda-graphs",

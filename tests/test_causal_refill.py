@@ -189,6 +189,29 @@ def test_mask_free_merged_streaming_makes_the_same_video(guidance_scale, window,
     assert grouped_calls == ([2] * 3 * 2 if text_cache else [])
 
 
+@pytest.mark.parametrize("merge_refill", [False, True])
+@pytest.mark.parametrize("prompts,guidance_scale", [(PROMPTS, 3.0), (PROMPTS[:1], 1.0)])
+def test_trimmed_text_makes_the_same_video(prompts, guidance_scale, merge_refill, grouped_calls):
+    """``trim_text``: the text after the last token valid in some row is cut (the tiny tokenizer pads to its length);
+    the video is the untrimmed one's (fp32 tolerance). One prompt without CFG has no padding left, so its text-cached
+    merged passes run mask-free; two prompts with CFG keep padded rows (the null text), hence the mask."""
+    sampler = tiny_sampler()
+    kwargs = dict(step_list=[1.0, 0.5], guidance_scale=guidance_scale, window_frames=4, merge_refill=merge_refill)
+    seeds = [0, 1][: len(prompts)]
+    full = list(StreamingGenerator(sampler, **kwargs).stream(prompts, seeds, 10, 16, 16, decode=False))
+    trimmed_gen = StreamingGenerator(sampler, trim_text=True, **kwargs)
+    trimmed = list(trimmed_gen.stream(prompts, seeds, 10, 16, 16, decode=False))
+    for x, y in zip(full, trimmed):
+        torch.testing.assert_close(y.latents, x.latents, rtol=1e-5, atol=1e-5)
+    text, _ = sampler.encode_text(prompts)
+    used = int(text["text_mask"].any(0).nonzero().max()) + 1
+    assert used < text["text_mask"].shape[1] and trimmed[-1].text_cache_bytes * text["text_mask"].shape[1] == (
+        full[-1].text_cache_bytes * used
+    )
+    unpadded_rows = len(prompts) == 1 and guidance_scale == 1.0
+    assert len(grouped_calls) == (3 * 2 if merge_refill and unpadded_rows else 0)
+
+
 @pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
 def test_streaming_with_merged_refill_makes_the_same_video(guidance_scale):
     """Stream with separate refill passes vs merged ones: same chunks (fp32 tolerance), fewer model calls."""
