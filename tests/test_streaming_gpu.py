@@ -54,6 +54,22 @@ def test_mask_free_merged_refill_with_graphs_matches_the_eager_separate_passes()
     assert any(key[-1] is not None for key in merged.graphs)  # a graph of the mask-free form (its key's slices)
 
 
+def test_trimmed_text_with_graphs_matches_the_eager_untrimmed_passes():
+    """``trim_text`` (one prompt, no CFG: no padding left, so the text-cached passes run mask-free), graphed with the
+    merged refill: the video of the eager untrimmed separate passes."""
+    sampler = gpu_sampler()
+    kwargs = dict(step_list=[1.0, 0.5], window_frames=4)
+    reference = StreamingGenerator(sampler, **kwargs)
+    graphed = StreamingGenerator(sampler, cuda_graphs=True, merge_refill=True, trim_text=True, **kwargs)
+    for _ in range(2):
+        a = list(reference.stream(PROMPTS[:1], [0], 12, 16, 16))
+        b = list(graphed.stream(PROMPTS[:1], [0], 12, 16, 16))
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y.latents, x.latents, rtol=1e-3, atol=1e-3)
+    assert not graphed.merged_graphs.failures and not graphed.cuda_graphs.failures
+    assert any(key[-1] is not None for key in graphed.merged_graphs.graphs)
+
+
 @pytest.mark.parametrize("backend", ["flash", "cudnn"])
 def test_mask_free_row_groups_run_on_flash_and_cudnn(backend):
     """The grouped calls of a mask-free merged pass at the 1B streaming shape (batch 1: 2 rows, 768 queries, 12 heads
