@@ -157,9 +157,12 @@ def write_json(out_dir, name, payload):
 # --------------------------------------------------------------------------------------------------------------
 # (a) speed and memory at the 1B shape
 # --------------------------------------------------------------------------------------------------------------
-def stream_flops(model, chunk_tokens, text_tokens, chunks, chunk_frames, window, steps, merged, text_cache, rows=1):
+def stream_flops(
+    model, chunk_tokens, text_tokens, chunks, chunk_frames, window, steps, merged, text_cache, rows=1, text_padded=True
+):
     """Forward FLOPs of one streamed video: per chunk ``steps`` passes + the refill (none after the last chunk; with
-    ``merged`` folded into the next chunk's first pass, whose refill rows also compute the masked next-chunk keys).
+    ``merged`` folded into the next chunk's first pass, whose refill rows also compute the masked next-chunk keys
+    unless the pass is mask-free: text cached and not ``text_padded``, see ``causal_refill.split_keys``).
     The first chunk's passes run the text rows (they fill the text cache); later ones too without ``text_cache``."""
     per_frame = chunk_tokens // chunk_frames
     total, held = 0, 0  # held: cached frames when the chunk starts
@@ -169,10 +172,22 @@ def stream_flops(model, chunk_tokens, text_tokens, chunks, chunk_frames, window,
         one = mmdit_chunk_flops(model, chunk_tokens, text_tokens, past, rows, run_text)
         total += steps * one
         if c + 1 < chunks:  # the refill (no chunk reads the last one's)
-            extra = chunk_tokens if merged else 0
+            extra = chunk_tokens if merged and (text_padded or run_text) else 0
             total += mmdit_chunk_flops(model, chunk_tokens, text_tokens, past, rows, run_text, extra_key_tokens=extra)
         held = min(held + chunk_frames, window) if window is not None else held + chunk_frames
     return total
+
+
+def every_text_token_valid(sampler) -> None:
+    """Make ``sampler``'s text masks all true (``--text-mask full``): a stand-in for prompts that fill the text
+    length, same shapes and FLOPs as the padded ones. Without padded text tokens the text-cached passes attend
+    without a mask (``causal_refill.split_keys``); the tokenizer pads every prompt to its length otherwise."""
+    encode = sampler.encode_text
+
+    def full(prompts):
+        return tuple(dict(d, text_mask=torch.ones_like(d["text_mask"])) for d in encode(prompts))
+
+    sampler.encode_text = full
 
 
 SPEED_VARIANTS = {  # name: (text cache, CUDA graphs (passes + decode), merged refill, decode overlapped)
@@ -197,6 +212,8 @@ def run_speed(args) -> dict:
     cfg = load_config(args.config)
     frames, height, width = args.frames or training_clip(cfg)[0], *(args.size or training_clip(cfg)[1:])
     sampler = random_sampler(cfg, args.chunk_frames, device, dtype)
+    if args.text_mask == "full":
+        every_text_token_valid(sampler)
     model = sampler.model
     train_latent = sampler.latent_size(frames, height, width)[0]
     window = args.window_frames if args.window_frames is not None else train_latent - args.chunk_frames
@@ -221,6 +238,7 @@ def run_speed(args) -> dict:
         text_cache=args.text_cache,
         cuda_graphs=use_graphs,
         merge_refill=args.merge_refill,
+        text_mask=args.text_mask,
         device=device_name(),
         config=args.config,
         batch=args.batch,
@@ -250,6 +268,12 @@ def run_speed(args) -> dict:
     pt, ph, pw = model.patch_size
     tokens_per_frame = (latent_hw[0] // ph) * (latent_hw[1] // pw) // pt
     text_tokens = sampler.encode_text(prompts[:1])[0]["text_emb"].shape[1]
+    # what the student's passes see of the text: all of it, or (``--text-mask trim``) up to the last valid token
+    student_text, student_padded = text_tokens, args.text_mask == "padded"
+    if args.text_mask == "trim":
+        valid = sampler.encode_text(prompts)[0]["text_mask"].bool().cpu()
+        student_text = int(valid.any(0).nonzero().max()) + 1
+        student_padded = not bool(valid[:, :student_text].all())
     teacher_flops = (
         args.teacher_steps
         * mmdit_forward_flops(model, tokens_per_frame * train_latent, text_tokens, 2 * args.batch)["total"]
@@ -261,7 +285,7 @@ def run_speed(args) -> dict:
         student = stream_flops(
             model,
             tokens_per_frame * args.chunk_frames,
-            text_tokens,
+            student_text,
             n_chunks,
             args.chunk_frames,
             window,
@@ -269,12 +293,14 @@ def run_speed(args) -> dict:
             merged,
             cached,
             rows=args.batch,
+            text_padded=student_padded,
         )
         flops[name] = dict(student_tflop=student / 1e12, ceiling=teacher_flops / student if student else None)
     result["flops_1x"] = dict(
         teacher_tflop=teacher_flops / 1e12,
         teacher_passes=f"{args.teacher_steps} x batch 2 (CFG) over {tokens_per_frame * train_latent} video + "
         f"{text_tokens} text tokens",
+        student_text_tokens=student_text,
         students=flops,
     )
 
@@ -290,6 +316,7 @@ def run_speed(args) -> dict:
             cuda_graphs=graphs,
             merge_refill=merged,
             overlap_decode=overlap,
+            trim_text=args.text_mask == "trim",
         )
         if on_gpu:
             torch.cuda.empty_cache()
@@ -815,6 +842,14 @@ def parse_args(argv=None):
     for flag, (default, text) in toggles.items():
         option = "--" + flag.replace("_", "-")
         speed.add_argument(option, choices=("both", "on", "off"), default=default, help=f"{text}: on, off or both")
+    speed.add_argument(
+        "--text-mask",
+        choices=("padded", "full", "trim"),
+        default="padded",
+        help="padded: the tokenizer's mask (prompts padded to the text length); full: every text token valid, "
+        "which lets the text-cached passes run mask-free (same shapes, the teacher unmasked too); trim: the student "
+        "cuts the padded tail of the text (StreamingGenerator(trim_text=True); the teacher keeps all 512 tokens)",
+    )
     speed.add_argument(
         "--cuda-graphs",
         choices=("auto", "on", "off"),

@@ -43,6 +43,16 @@ def tiny_sampler(seed=0, **overrides) -> VideoSampler:
     return VideoSampler(model, vae, text, progress=False)
 
 
+def unpadded(sampler: VideoSampler) -> VideoSampler:
+    """``sampler`` whose text encoder marks every text token valid (the tiny tokenizer pads to its length): the case
+    where the text-cached streamed passes attend without a mask."""
+    encode = sampler.encode_text
+    sampler.encode_text = lambda prompts: tuple(
+        dict(d, text_mask=torch.ones_like(d["text_mask"])) for d in encode(prompts)
+    )
+    return sampler
+
+
 def test_each_chunk_is_the_full_causal_prediction_given_the_clean_earlier_chunks():
     """One step from t=1 with the cache refilled at t=0: chunk c = noise_c - v, where v is the velocity the full
     causal forward (per-chunk timesteps: 0 for the finished chunks, 1 for chunk c) gives chunk c."""
@@ -76,12 +86,13 @@ def test_streaming_is_deterministic_and_decodes_every_frame(rollout, guidance):
     assert (alone[0].int() - first[1].int()).abs().max() <= 1
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("rollout,guidance,window", [("renoise", 1.0, None), ("euler", 3.0, 4), ("renoise", 2.0, 2)])
-def test_text_cache_leaves_the_streamed_video_bit_identical(rollout, guidance, window):
+def test_text_cache_leaves_the_streamed_video_bit_identical(rollout, guidance, window, padded):
     """The generator with its text cache (default) equals the one recomputing the text every pass, latents and
     frames, chunk by chunk: batch 2, CFG (null text rows), the refill pass, a rolling window. The text cache holds one
     entry per distinct time (the steps and the context time 0), filled by the first chunk and its refill."""
-    sampler = tiny_sampler()
+    sampler = tiny_sampler() if padded else unpadded(tiny_sampler())  # unpadded: the cached passes are mask-free
     kwargs = dict(step_list=[1.0, 0.5], rollout=rollout, guidance_scale=guidance, window_frames=window)
     plain = list(StreamingGenerator(sampler, text_cache=False, **kwargs).stream(PROMPTS, [0, 1], 8, 16, 16))
     cached = list(StreamingGenerator(sampler, **kwargs).stream(PROMPTS, [0, 1], 8, 16, 16))
@@ -365,11 +376,13 @@ class EagerReplayGraphs:
         return Merged(model, memory)
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("guidance,window", [(1.0, 4), (3.0, 2)])
-def test_chunk_graph_plumbing_replays_the_eager_passes_bitwise_on_a_cpu(guidance, window):
+def test_chunk_graph_plumbing_replays_the_eager_passes_bitwise_on_a_cpu(guidance, window, padded):
     """The CUDA-graph runner's buffers, with an eager 'replay': bit-identical to the plain generator over two videos
-    (graphs kept from the first; the second video's prompts differ, so text keys/values are refilled)."""
-    sampler = tiny_sampler()
+    (graphs kept from the first; the second video's prompts differ, so text keys/values are refilled). Unpadded
+    text: the text-cached graphs attend without a mask (no mask among their static inputs)."""
+    sampler = tiny_sampler() if padded else unpadded(tiny_sampler())
     kwargs = dict(step_list=[1.0, 0.5], guidance_scale=guidance, window_frames=window)
     graphed = StreamingGenerator(sampler, **kwargs)
     graphed.cuda_graphs = EagerReplayGraphs.make(sampler.model)
@@ -386,6 +399,9 @@ def test_chunk_graph_plumbing_replays_the_eager_passes_bitwise_on_a_cpu(guidance
     # 2); the second video reuses them all
     assert graphs["failures"] == [] and graphs["eager"] == 0 and graphs["replays"] == 2 * (5 * 3 - 1)
     assert graphs["graphs"] == 2 + 3 * (2 if window == 4 else 1)
+    # the shapes (static input sets): the first chunk's (text rows run, masked), then one per cached-frame count
+    with_mask = [dict(shape[-1])["mask"] is not None for shape in graphed.cuda_graphs.statics]
+    assert with_mask == [True] + [padded] * (2 if window == 4 else 1)
 
 
 def live_tensor_bytes() -> int:

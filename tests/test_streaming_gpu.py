@@ -5,7 +5,7 @@ import gc
 
 import pytest
 import torch
-from test_streaming import PROMPTS, tiny_sampler
+from test_streaming import PROMPTS, tiny_sampler, unpadded
 
 from opensora.inference.streaming import StreamingGenerator
 
@@ -35,6 +35,55 @@ def test_merged_refill_with_graphs_matches_the_eager_separate_passes(guidance):
     assert graphed.merged_graphs.summary["replays"] > 0 and not graphed.merged_graphs.failures
     assert graphed.decode_graphs.graphs and not graphed.decode_graphs.failures
     assert graphed.passes < reference.passes
+
+
+def test_mask_free_merged_refill_with_graphs_matches_the_eager_separate_passes():
+    """Text without padding: the text-cached merged passes attend without a mask (two SDPA calls per block,
+    ``causal_refill.split_keys``), graphed; the video equals the eager separate passes'."""
+    sampler = unpadded(gpu_sampler())
+    kwargs = dict(step_list=[1.0, 0.5], guidance_scale=3.0, window_frames=4, sink_frames=2)
+    reference = StreamingGenerator(sampler, **kwargs)
+    graphed = StreamingGenerator(sampler, cuda_graphs=True, merge_refill=True, **kwargs)
+    for _ in range(2):
+        a = list(reference.stream(PROMPTS, [0, 1], 12, 16, 16))
+        b = list(graphed.stream(PROMPTS, [0, 1], 12, 16, 16))
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y.latents, x.latents, rtol=1e-3, atol=1e-3)
+    merged = graphed.merged_graphs
+    assert merged.summary["replays"] > 0 and not merged.failures
+    assert any(key[-1] is not None for key in merged.graphs)  # a graph of the mask-free form (its key's slices)
+
+
+def test_trimmed_text_with_graphs_matches_the_eager_untrimmed_passes():
+    """``trim_text`` (one prompt, no CFG: no padding left, so the text-cached passes run mask-free), graphed with the
+    merged refill: the video of the eager untrimmed separate passes."""
+    sampler = gpu_sampler()
+    kwargs = dict(step_list=[1.0, 0.5], window_frames=4)
+    reference = StreamingGenerator(sampler, **kwargs)
+    graphed = StreamingGenerator(sampler, cuda_graphs=True, merge_refill=True, trim_text=True, **kwargs)
+    for _ in range(2):
+        a = list(reference.stream(PROMPTS[:1], [0], 12, 16, 16))
+        b = list(graphed.stream(PROMPTS[:1], [0], 12, 16, 16))
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y.latents, x.latents, rtol=1e-3, atol=1e-3)
+    assert not graphed.merged_graphs.failures and not graphed.cuda_graphs.failures
+    assert any(key[-1] is not None for key in graphed.merged_graphs.graphs)
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+def test_mask_free_row_groups_run_on_flash_and_cudnn(backend):
+    """The grouped calls of a mask-free merged pass at the 1B streaming shape (batch 1: 2 rows, 768 queries, 12 heads
+    of 128, keys text 512 + cached 1536 + chunks) run on the flash / cuDNN kernels, which take no mask: the backend
+    is forced, so an ineligible layout raises. Compared with the math backend."""
+    from opensora.models.mmdit.attention import RowGroups
+
+    if backend == "cudnn" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("cuDNN attention is used from sm90 on")
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(2, 12, 768, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = torch.randn(2, 2, 12, 512 + 1536 + 2 * 768, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    groups = RowGroups(((0, 1, k[:1, :, :-768], v[:1, :, :-768]), (1, 2, k[1:], v[1:])))
+    torch.testing.assert_close(groups.attend(q, backend), groups.attend(q, "math"), rtol=2e-2, atol=2e-2)
 
 
 def test_graph_captures_leave_no_memory_behind():

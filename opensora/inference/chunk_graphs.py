@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from opensora.models.mmdit.causal import text_keys_all_valid
 from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 
 
@@ -116,7 +117,7 @@ class ChunkGraphs:
             holder[1] = weakref.ref(k0)
         return holder[0]
 
-    def _rope_mask(self, x, text_mask, num_text: int, past: int, start_frame: int):
+    def _rope_mask(self, x, text_mask, num_text: int, past: int, start_frame: int, with_mask: bool = True):
         """``chunk_rope_mask``, kept for the passes of one chunk (same start frame, cached frames and text mask: its
         steps, then its refill): the same tensor objects then need no copy into the static buffers either. Only the
         last chunk's are kept: every chunk has a start frame of its own, so a cache of several entries would hold
@@ -129,10 +130,12 @@ class ChunkGraphs:
             start_frame,
             id(text_mask),
             None if text_mask is None else text_mask._version,
+            with_mask,
         )
         if self._prelude is None or self._prelude[0] != key or self._prelude[1] is not text_mask:
             self._prelude = None  # the previous chunk's tables go before this chunk's are made
-            self._prelude = (key, text_mask, *self.model.chunk_rope_mask(x, text_mask, num_text, past, start_frame))
+            tables = self.model.chunk_rope_mask(x, text_mask, num_text, past, start_frame, with_mask)
+            self._prelude = (key, text_mask, *tables)
         return self._prelude[2], self._prelude[3]
 
     def __call__(
@@ -149,6 +152,7 @@ class ChunkGraphs:
         store_kv: bool,
         text_cache=None,
         text_key=None,
+        text_mask_has_padding=None,
     ) -> torch.Tensor:
         model = self.model
         eager = dict(
@@ -162,6 +166,7 @@ class ChunkGraphs:
             store_kv=store_kv,
             text_cache=text_cache,
             text_key=text_key,
+            text_mask_has_padding=text_mask_has_padding,
         )
         if not self.usable(x) or torch.is_grad_enabled() or text_cache is None:
             self.eager += 1
@@ -169,7 +174,9 @@ class ChunkGraphs:
         model.check_chunk(cache, start_frame, text_cache, text_key)
         text_cache.validate(model, (text_emb, text_mask, pooled, None), model.img_in.weight.dtype, x.device)
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
-        rope, mask = self._rope_mask(x, text_mask, text_emb.shape[1], past, start_frame)
+        # a text-cached pass with every text key valid attends without a mask (forward_chunk)
+        with_mask = text_key not in text_cache.entries or not text_keys_all_valid(text_mask, text_mask_has_padding)
+        rope, mask = self._rope_mask(x, text_mask, text_emb.shape[1], past, start_frame, with_mask)
         inputs = dict(
             x=x,
             timestep=timestep,

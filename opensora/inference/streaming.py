@@ -205,7 +205,15 @@ class StreamingGenerator:
             ``text_cache_bytes``). A fresh cache per ``stream`` call: nothing carries over between videos.
         merge_refill: run each refill together with the next chunk's first step as one pass of twice the rows
             (``causal_refill.refill_and_step``; equal to the separate passes up to reduction order, fp32 tolerance).
+            When no text token is padding (checked once per video) the text-cached merged passes attend without a
+            mask: two SDPA calls per block, the refill rows and the step rows each over their own keys (and so do
+            the separate text-cached passes, one call over all their keys).
             With ``cuda_graphs`` the merged passes are replayed too (``causal_refill.MergedGraphs``).
+        trim_text: cut the text after its last token that is valid in some row (one host read per video; exact up
+            to reduction order). The tokenizer pads every prompt to its full length (512 tokens at the 1B shape),
+            so this shrinks every pass's text keys, the first chunk's text rows and the text cache, and a batch
+            without padding left (one prompt, no CFG) attends without a mask. Off by default: with ``cuda_graphs``
+            every distinct prompt length captures graphs of its own.
         decode_graphs: decode each chunk through ``GraphedDecode`` (one CUDA graph per chunk shape, GPU only);
             ``None``: when ``cuda_graphs`` is on. Kept across videos.
         cuda_graphs: replay the chunk passes as CUDA graphs (``chunk_graphs.ChunkGraphs``: one graph per pass shape
@@ -236,6 +244,7 @@ class StreamingGenerator:
         merge_refill: bool = False,
         decode_graphs: Optional[bool] = None,
         overlap_decode: Optional[bool] = None,
+        trim_text: bool = False,
     ):
         model = sampler.model
         if not getattr(model, "causal_chunk_frames", 0):
@@ -256,6 +265,7 @@ class StreamingGenerator:
         self.text_cache = bool(text_cache)
         self.merge_refill = bool(merge_refill)
         self.overlap_decode = overlap_decode
+        self.trim_text = bool(trim_text)
         decode_graphs = cuda_graphs if decode_graphs is None else decode_graphs
         self.decode_graphs = None
         if decode_graphs and not getattr(sampler, "offload", False):  # an offloaded autoencoder moves: no graphs
@@ -289,6 +299,20 @@ class StreamingGenerator:
                     vae.decode(latents.to(self.sampler.device, _module_dtype(vae, self.sampler.dtype)))
                 )
         return frames
+
+    def prepare_text(self, text_args: Dict[str, torch.Tensor]):
+        """(text inputs, whether a text token is padding), one host read per video. Without padding the text-cached
+        passes attend without a mask. ``trim_text``: the text columns after the last token valid in any row are cut
+        first (exact: in the causal model text attends to valid text only, text RoPE ids are 0 and every text op is
+        per token, so padded tokens change nothing but the work)."""
+        valid = text_args["text_mask"].bool().cpu()  # the one host read
+        if self.trim_text:
+            used = valid.any(0).nonzero()
+            length = int(used.max()) + 1 if len(used) else 1
+            mask, emb = text_args["text_mask"], text_args["text_emb"]
+            text_args = dict(text_args, text_emb=emb[:, :length], text_mask=mask[:, :length])
+            valid = valid[:, :length]
+        return text_args, not bool(valid.all())
 
     def schedule(self, latent_size: Sequence[int]) -> List[float]:
         """Times of one chunk, the final 0 included (host floats: the loop never reads a device value)."""
@@ -325,6 +349,7 @@ class StreamingGenerator:
         branches = [text, null] if guided else [text]
         text_args = {key: torch.cat([b[key] for b in branches]) for key in ("text_emb", "text_mask", "pooled")}
         text_args.update(text_emb=text_args["text_emb"].to(dtype), pooled=text_args["pooled"].to(dtype))
+        text_args, text_padded = self.prepare_text(text_args)
         rows = len(prompts) * len(branches)
         cond = None
         if getattr(model, "cond_channels", None):  # text-to-video: the all-zero condition
@@ -364,6 +389,7 @@ class StreamingGenerator:
                 store_kv=store,
                 text_cache=text_cache,
                 text_key=t,
+                text_mask_has_padding=text_padded,
             )
             return combine(out)
 
@@ -385,6 +411,7 @@ class StreamingGenerator:
                 prev_key=self.context_time,
                 next_key=t,
                 graphs=self.merged_graphs,
+                text_mask_has_padding=text_padded,
             )
             return combine(out)
 

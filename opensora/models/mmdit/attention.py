@@ -105,6 +105,17 @@ def attention(
     return _dense_sdpa(q, k, v, mask, backend)
 
 
+class RowGroups(tuple):
+    """Per-row-group keys/values: ``((start, stop, k, v), ...)`` where the query rows ``[start, stop)`` of the batch
+    attend to ``k, v`` [stop - start, heads, Nk, head_dim] with no mask; the groups cover the batch in order. A
+    ``kv_hook`` (layers.py) returns one when groups of rows see different key sets (``causal_refill``'s merged pass):
+    one mask-free SDPA call per group instead of one masked call over the union of the keys."""
+
+    def attend(self, q: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        """[B, heads, Nq, head_dim] queries -> [B, Nq, heads * head_dim], the groups' outputs in row order."""
+        return torch.cat([attention(q[start:stop], k, v.contiguous(), None, backend) for start, stop, k, v in self])
+
+
 def _same_dtype(q, k, v):
     """What SDPA's autocast rule does for us in eager mode: one dtype for q, k, v (the custom op has no rule)."""
     if torch.is_autocast_enabled(q.device.type):

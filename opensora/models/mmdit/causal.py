@@ -48,6 +48,13 @@ def joint_attention_mask(text_mask: Optional[torch.Tensor], num_text: int, video
     return mask
 
 
+def text_keys_all_valid(text_mask: Optional[torch.Tensor], has_padding: Optional[bool]) -> bool:
+    """Whether every text key is valid, so a pass whose queries are all video tokens (a text-cache hit) may attend
+    without a mask: no ``text_mask``, or the caller says it has no padded token (``has_padding=False``). ``None``
+    (unknown) keeps the mask: inspecting it would be a host read per pass on a GPU."""
+    return text_mask is None or has_padding is False
+
+
 def block_causal_video_mask(time_patches: int, tokens_per_time_patch: int, chunk_patches: int, device) -> torch.Tensor:
     """[N, N] video-to-video mask of a full block-causal forward: a token's chunk is ``time_index // chunk_patches``
     (in time-patch units); query chunk ``c`` sees key chunks ``<= c``."""

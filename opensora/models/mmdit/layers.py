@@ -5,7 +5,8 @@ Shapes: token streams are [B, N, hidden]; ``vec`` (timestep + pooled text [+ gui
 mask broadcastable to [B, heads, N, N] or ``None``.
 
 ``kv_hook`` (optional, every block): a callable ``(k, v, mask) -> (k, v, mask)`` applied to the joint sequence's
-keys and values after RoPE, before attention. It is the one seam through which inference accelerations see
+keys and values after RoPE, before attention (or an ``attention.RowGroups``: per group of batch rows its own
+keys/values, each group attended without a mask). It is the one seam through which inference accelerations see
 attention: a streaming KV cache prepends the keys/values of earlier chunks, a region cache adds those of tokens it
 did not recompute. Queries are never touched, so the block's output keeps the shape of its input.
 """
@@ -21,7 +22,7 @@ from opensora.parallel.sampling_exchange import exchanged_attention
 from opensora.parallel.sequence_parallel import attention_row_by_row, heads_to_tokens, tokens_to_heads
 
 from . import fused as fused_ops
-from .attention import attention
+from .attention import RowGroups, attention
 from .rope import apply_rope_qk
 
 LN_EPS = 1e-6
@@ -172,7 +173,10 @@ def joint_attention(q, k, v, rope, mask, backend, sp=None, kv_hook=None):
     if kv_hook is not None:
         if sp is not None:
             raise ValueError("a kv_hook (KV cache / region cache) cannot be combined with sequence parallelism")
-        k, v, mask = kv_hook(k, v, mask)
+        hooked = kv_hook(k, v, mask)
+        if isinstance(hooked, RowGroups):  # groups of rows with key sets of their own, no mask
+            return hooked.attend(q, backend)
+        k, v, mask = hooked
     if sp is None:
         return attention(q, k, v.contiguous(), mask=mask, backend=backend)
     if (

@@ -26,6 +26,7 @@ from .causal import (
     per_chunk_timestep_forward,
     streaming_kv_hooks,
     text_filling_hooks,
+    text_keys_all_valid,
 )
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .rope import rope_cos_sin, video_position_ids
@@ -296,6 +297,7 @@ class MMDiT(nn.Module, SequenceParallelModel):
                 store_kv=store_kv,
                 text_cache=text_cache,
                 text_key=text_key,
+                text_mask_has_padding=text_mask_has_padding,
             )
         if self.causal_chunk_frames and timestep.dim() == 2:
             return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
@@ -413,6 +415,7 @@ class MMDiT(nn.Module, SequenceParallelModel):
         store_kv: bool,
         text_cache: Optional[TextKVCache] = None,
         text_key=None,
+        text_mask_has_padding: Optional[bool] = None,
     ) -> torch.Tensor:
         """Velocity for one chunk ``x`` [B, C, Tc, H, W] at absolute latent frame ``start_frame``, attending to the
         frames held by ``cache`` and to itself; the other inputs as for ``forward`` (all by keyword). ``store_kv=True`` appends the chunk's keys/values to the cache (and
@@ -423,14 +426,17 @@ class MMDiT(nn.Module, SequenceParallelModel):
         step time as a float): the first pass with a key runs as usual and records every block's text keys/values;
         later passes with that key (and the same text tensors, dtype, device and weights: ``TextKVCache.validate``)
         run the video tokens only against the recorded text keys/values. Same result, fewer tokens per pass; no
-        gradient reaches the text stream through a cached pass (the text rows are not run)."""
+        gradient reaches the text stream through a cached pass (the text rows are not run). Such a pass attends
+        without a mask when no text token is padding (no ``text_mask``, or ``text_mask_has_padding=False``): every
+        key is then visible to every query, and SDPA may take the flash / cuDNN kernels."""
         self.check_chunk(cache, start_frame, text_cache, text_key)
         text_kv = None
         if text_cache is not None:
             text_cache.validate(self, (text_emb, text_mask, pooled, guidance), self.img_in.weight.dtype, x.device)
             text_kv = text_cache.get(text_key)
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
-        rope, mask = self.chunk_rope_mask(x, text_mask, text_emb.shape[1], past, start_frame)
+        with_mask = text_kv is None or not text_keys_all_valid(text_mask, text_mask_has_padding)
+        rope, mask = self.chunk_rope_mask(x, text_mask, text_emb.shape[1], past, start_frame, with_mask)
         pending = {} if store_kv else None
         entry = {} if text_cache is not None and text_kv is None else None
         out = self.chunk_body(x, timestep, text_emb, pooled, cond, guidance, rope, mask, cache, text_kv, pending, entry)
@@ -454,13 +460,16 @@ class MMDiT(nn.Module, SequenceParallelModel):
         if text_cache is not None and text_key is None:
             raise ValueError("forward_chunk(text_cache=...) needs text_key, a host value identifying the timestep")
 
-    def chunk_rope_mask(self, x, text_mask, num_text: int, past_tokens: int, start_frame: int):
+    def chunk_rope_mask(self, x, text_mask, num_text: int, past_tokens: int, start_frame: int, with_mask=True):
         """RoPE tables of [text, chunk video] (video time ids from ``start_frame``) and the joint mask
         [B or 1, 1, L + N, L + past + N] of a streamed chunk: video queries see the valid text, the cached video
-        and the chunk; text queries see the text only."""
+        and the chunk; text queries see the text only. ``with_mask=False``: no mask (None), for a text-cached pass
+        whose text keys are all valid."""
         pt, ph, pw = self.patch_size
         grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
         rope = self.rope(grid, num_text, x.device, time_offset=start_frame // pt)
+        if not with_mask:
+            return rope, None
         return rope, self.chunk_mask(text_mask, num_text, grid[0] * grid[1] * grid[2], past_tokens, x.device)
 
     @staticmethod
@@ -524,7 +533,7 @@ class MMDiT(nn.Module, SequenceParallelModel):
         [text, video] tables and mask of ``chunk_rope_mask``; a text-cache hit (``text_kv``) runs the video rows."""
         if text_kv is not None:  # video rows only: [L:] of the RoPE tables and of the mask's query rows
             rope = tuple(table[num_text:] for table in rope)
-            mask = mask[:, :, num_text:]
+            mask = None if mask is None else mask[:, :, num_text:]
             hooks = cached_text_kv_hooks(past, text_kv, mask, pending)
         else:
             hooks = streaming_kv_hooks(past, num_text, mask, pending)
