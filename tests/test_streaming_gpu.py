@@ -9,7 +9,7 @@ from test_streaming import PROMPTS, tiny_sampler, unpadded
 
 from opensora.inference.streaming import StreamingGenerator
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def gpu_sampler():
