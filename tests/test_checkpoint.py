@@ -283,3 +283,25 @@ def test_fused_adamw_steps_after_colossalai_loaded_its_state():
     assert fresh.state[param]["step"].device == param.device and fresh.state[param]["step"].dtype == torch.float32
     fresh.step()  # raised before: the fused kernel needs the counters on the device
     assert float(fresh.state[param]["step"]) == 2.0
+
+
+def test_loading_an_adam_state_keeps_the_implementation_this_run_built():
+    """Loaders replace the param groups with the saved ones: a foreach checkpoint must not turn a fused run off (nor
+    leave a fused optimizer's AMP-scaling flag set under groups that say foreach), and the reverse."""
+    from opensora.training.checkpoint import place_adam_steps
+
+    param = torch.nn.Parameter(torch.randn(8))
+    saved_foreach = torch.optim.AdamW([param], lr=1e-3, foreach=True)
+    param.grad = torch.randn_like(param)
+    saved_foreach.step()
+    fused = torch.optim.AdamW([param], lr=1e-3, fused=True)
+    fused.load_state_dict(saved_foreach.state_dict())
+    assert not fused.param_groups[0]["fused"]  # what the load leaves
+    place_adam_steps(fused)
+    assert fused.param_groups[0]["fused"] and not fused.param_groups[0]["foreach"]
+    fused.step()
+    foreach = torch.optim.AdamW([param], lr=1e-3, foreach=True)
+    foreach.load_state_dict(fused.state_dict())
+    place_adam_steps(foreach)
+    assert foreach.param_groups[0]["foreach"] and not foreach.param_groups[0]["fused"]
+    foreach.step()

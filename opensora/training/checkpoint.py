@@ -164,13 +164,20 @@ def _materialise_adam_state(optimizer) -> None:
 
 
 def place_adam_steps(optimizer) -> None:
-    """Put each fused / capturable Adam's ``step`` counters on their parameter's device as fp32 tensors, where
-    torch keeps them (its kernels refuse host counters). ColossalAI's ZeRO loader (``load_states_into_optimizer``)
-    moves every state tensor to the parameter's device except ``step``, which stays on the host."""
+    """After loading an Adam state: keep each group's ``fused`` / ``foreach`` as this run built them, and put fused
+    / capturable Adam's ``step`` counters on their parameter's device as fp32 tensors, where torch keeps them (its
+    kernels refuse host counters). ColossalAI's ZeRO loader (``load_states_into_optimizer``) moves every state
+    tensor to the parameter's device except ``step``, which stays on the host."""
     inner = getattr(optimizer, "optim", optimizer)
     if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         return
     for group in inner.param_groups:
+        # the loaders replace the groups with the saved ones: keep the implementation this run built (a checkpoint
+        # saved with foreach would otherwise turn fused off for good, and a fused optimizer's AMP-scaling flag
+        # stays set while the groups say foreach, which GradScaler's fp16 path then trips over)
+        for key in ("fused", "foreach"):
+            if key in inner.defaults:
+                group[key] = inner.defaults[key]
         if not (group.get("fused") or group.get("capturable")):
             continue
         for param in group["params"]:
@@ -319,6 +326,8 @@ def _load_role(name: str, role, directory: Path, saved_world_size: int, load_opt
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint has no role '{name}' (expected {directory})")
     booster, model, optimizer = role.booster, role.model, role.optimizer
+    if role.ema is not None:
+        role.ema.fence()  # the weights written below may still be read by an overlapped EMA update
     if getattr(role, "lora", None) is not None:
         _load_adapter(name, role, directory)
     else:

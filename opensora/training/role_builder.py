@@ -44,7 +44,7 @@ def build_optimizer(params, cfg: Mapping) -> torch.optim.Optimizer:
 def _tensors(params):
     """The tensors of an optimizer's ``params``: tensors, or parameter groups (dicts with ``params``)."""
     for item in params:
-        yield from (item["params"] if isinstance(item, Mapping) else [item])
+        yield from (list(item["params"]) if isinstance(item, Mapping) else [item])
 
 
 def _plugin_takes_max_norm(plugin_cfg: Mapping) -> bool:
