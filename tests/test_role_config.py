@@ -70,3 +70,13 @@ def test_train_script_reports_an_ignored_key_in_one_line():
         timeout=120,
     )
     assert result.returncode != 0 and "'lr'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_build_optimizer_keeps_parameter_groups_given_as_generators():
+    import torch
+
+    from opensora.training.role_builder import build_optimizer
+
+    layer = torch.nn.Linear(3, 2)
+    optimizer = build_optimizer([dict(params=layer.parameters(), lr=1e-3)], dict(type="AdamW"))
+    assert len(optimizer.param_groups[0]["params"]) == 2

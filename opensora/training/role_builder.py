@@ -28,7 +28,8 @@ def build_optimizer(params, cfg: Mapping) -> torch.optim.Optimizer:
     kind = settings.pop("type")
     settings["betas"] = tuple(settings["betas"])
     if kind == "AdamW":
-        params = list(params)
+        # groups' params as lists: the device check below must not use up a generator AdamW reads afterwards
+        params = [dict(p, params=list(p["params"])) if isinstance(p, Mapping) else p for p in params]
         if settings.get("fused") is None and settings.get("foreach") is None:
             # one kernel over all tensors instead of ~7 multi-tensor passes: 28 instead of 72 B per fp32 parameter
             # (~29 ms of a 1B step on an H100). CUDA only, so CPU runs keep the foreach update's exact bits.
@@ -44,7 +45,7 @@ def build_optimizer(params, cfg: Mapping) -> torch.optim.Optimizer:
 def _tensors(params):
     """The tensors of an optimizer's ``params``: tensors, or parameter groups (dicts with ``params``)."""
     for item in params:
-        yield from (list(item["params"]) if isinstance(item, Mapping) else [item])
+        yield from (item["params"] if isinstance(item, Mapping) else [item])
 
 
 def _plugin_takes_max_norm(plugin_cfg: Mapping) -> bool:
