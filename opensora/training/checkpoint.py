@@ -84,10 +84,27 @@ def prune_checkpoints(outputs: str | Path, keep_last: int) -> list[Path]:
     return doomed
 
 
+def _gemini_master_chunks(model) -> list[torch.Tensor] | None:
+    """This rank's fp32 master chunks of a GeminiDDP model (None for any other model).
+
+    Gemini keeps the fp32 masters in chunks of its own, not in the optimizer (HybridAdam sees empty stand-ins
+    outside a step), and its model checkpoint stores them cast to bf16: a resume would restart the masters from
+    bf16-rounded values. Saving each rank's chunk payloads (its shards, or whole chunks where kept gathered) and
+    writing them back after the load keeps the resume exact; bf16(master) is what the load put in the working
+    weights, so those stay consistent."""
+    manager, fp32_params = getattr(model, "chunk_manager", None), getattr(model, "fp32_params", None)
+    if manager is None or not fp32_params or not getattr(manager, "reuse_fp16_chunk", False):
+        return None
+    return [chunk.payload for chunk in manager.get_chunks(fp32_params)]
+
+
 def _master_params(model, optimizer) -> list[torch.Tensor]:
     """The optimizer's own (master) parameters, when training keeps them apart from low-precision weights."""
     from .ema import unwrap_model
 
+    gemini = _gemini_master_chunks(model)
+    if gemini is not None:
+        return gemini
     inner = getattr(optimizer, "optim", None)
     low_precision = any(p.is_floating_point() and p.dtype != torch.float32 for p in unwrap_model(model).parameters())
     if inner is None or not low_precision:
