@@ -49,8 +49,10 @@ while [ $# -gt 0 ]; do
 done
 if [ $tiny = 1 ]; then
   config=configs/diffusion/train/demo.py; out=${out%/}_tiny; steps=8; skip=3
-  [ -f outputs/demo/data/meta.csv ] || $python tools/make_demo_dataset.py --out outputs/demo/data --num 72 --seed 0
-  extra+=(--num-workers 0 --tensorboard False)
+  # its own clips: `make demo` rewrites outputs/demo/data with its own (shorter) clip set
+  data=outputs/train_scaling_tiny_data
+  [ -f $data/meta.csv ] || $python tools/make_demo_dataset.py --out $data --num 72 --seed 0
+  extra+=(--num-workers 0 --tensorboard False --dataset.data_path $data/meta.csv)
 fi
 plugin_cfg() {  # bf16 ZeRO-2 on GPU; the demo config's precision (fp32) on CPU
   # zero2: the 1B configs' settings (128M-element reduce buckets, reduce-scatter overlapped with the backward);
