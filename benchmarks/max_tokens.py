@@ -214,7 +214,10 @@ def main(argv=None):
     parser.add_argument("--max-frames", type=int, default=160, help="cap on the latent frame count searched")
     parser.add_argument("--timed", type=int, default=2, help="timed steps at the largest size")
     parser.add_argument(
-        "--budget-s", type=float, default=400, help="search seconds, split equally between the modes (timed steps extra)"
+        "--budget-s",
+        type=float,
+        default=400,
+        help="search seconds, split equally between the modes (timed steps extra)",
     )
     parser.add_argument("--peak-tflops", type=float, default=752.0)
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test)")
