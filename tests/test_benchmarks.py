@@ -239,3 +239,24 @@ def test_idle_gaps_and_host_op_counts():
     assert host["syncs_per_step"] == {"cudaStreamSynchronize": 1}
     assert host["cpu_self_ms_per_step"] == pytest.approx(0.225)
     assert [o["name"] for o in host["top_ops_by_calls"]] == ["cudaLaunchKernel", "aten::copy_"]
+
+
+def test_max_tokens_smoke_on_cpu(tmp_path):
+    """benchmarks/max_tokens.py --tiny: every mode searched (capped on CPU, no OOM there), rows written."""
+    out = tmp_path / "max_tokens.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "max_tokens.py"), "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["none", "selective", "full"]
+    for row in rows:
+        assert row["capped"] and row["max_frames"] == 4 and row["step_s"] > 0 and not row["timed_out"]
+    # checkpointing more blocks: the selective mode sits between none and full
+    assert [(r["grad_ckpt_double"], r["grad_ckpt_single"]) for r in rows] == [(0, 0), (0, 1), (1, 2)]
