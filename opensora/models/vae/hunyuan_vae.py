@@ -12,6 +12,7 @@ import torch
 from opensora.registry import MODELS
 
 from .base import VideoAutoencoder, resolve_dtype
+from .group_norm import use_parallel_group_norm
 
 
 def _load_diffusers_vae(
@@ -62,8 +63,11 @@ class HunyuanVideoVAE(VideoAutoencoder):
         tile_kwargs: Optional[dict] = None,
         use_slicing: bool = False,
         clamp_output: bool = True,
+        parallel_group_norm: bool = True,
     ):
         vae = _load_diffusers_vae(from_pretrained, subfolder, config, seed, resolve_dtype(dtype))
+        if parallel_group_norm:  # GPU batch-1 decodes: group-norm statistics over all SMs (CPU: unchanged)
+            use_parallel_group_norm(vae)
         vae_config = vae.config
         if scaling_factor is None:
             scaling_factor = vae_config.scaling_factor
