@@ -11,7 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from opensora.models.vae import HunyuanVideoVAE
-from opensora.models.vae.group_norm import ParallelGroupNorm, parallel_group_norm, use_parallel_group_norm
+from opensora.models.vae.group_norm import (
+    SMS_PER_ROW,
+    ParallelGroupNorm,
+    parallel_group_norm,
+    use_parallel_group_norm,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, latent_channels=16)
@@ -132,11 +137,14 @@ def test_gpu_bf16_at_decoder_shapes(shape, groups, affine):
     norm = norm.cuda().bfloat16()
     x = x.cuda().bfloat16()
     w, b = norm.weight, norm.bias
-    assert norm.uses_parallel(x)
+    # the module takes the parallel path only where it was measured faster (4 rows: yes; 32 rows: no)
+    assert norm.uses_parallel(x) == (
+        shape[0] * groups * SMS_PER_ROW <= torch.cuda.get_device_properties(0).multi_processor_count
+    )
     ref = F.group_norm(x.float(), g, None if w is None else w.float(), None if b is None else b.float(), 1e-6)
     plain_err = (F.group_norm(x, g, w, b, 1e-6).float() - ref).abs().max().item()
     with torch.no_grad():
-        ours = norm(x)
+        ours = parallel_group_norm(x, g, w, b, 1e-6)  # the numerics at both shapes, whichever path the module takes
     assert ours.dtype == torch.bfloat16 and ours.shape == x.shape
     err = (ours.float() - ref).abs().max().item()
     assert err <= 2 * plain_err + 1e-3, (err, plain_err)
