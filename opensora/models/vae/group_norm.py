@@ -5,7 +5,7 @@ PyTorch's CUDA group norm reduces each (sample, group) row in one thread block, 
 half the decode's GPU time. ``torch.sum`` / ``torch.linalg.vector_norm`` split a long row across the whole GPU.
 """
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -16,7 +16,6 @@ from torch import nn
 # (16 rows on an H100 / H200; untested between 4 and 32). Elsewhere (and off the GPU) nn.GroupNorm runs unchanged.
 SMS_PER_ROW = 8
 MIN_ROW_ELEMENTS = 65536
-_SM_COUNT: Dict[int, int] = {}
 
 
 def parallel_group_norm(
@@ -56,13 +55,6 @@ def parallel_group_norm(
     return torch.addcmul(shift, x, scale, out=torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
 class ParallelGroupNorm(nn.GroupNorm):
     """``nn.GroupNorm`` (same parameters and state_dict) that takes ``parallel_group_norm`` where PyTorch's kernel
     would be badly parallel: CUDA input, at most one (sample, group) row per ``SMS_PER_ROW`` SMs, long rows."""
@@ -71,7 +63,10 @@ class ParallelGroupNorm(nn.GroupNorm):
         if not x.is_cuda or x.dim() < 2 or not x.is_contiguous():
             return False
         rows = x.shape[0] * self.num_groups
-        return rows * SMS_PER_ROW <= _sm_count(x.device) and x.numel() // max(rows, 1) >= MIN_ROW_ELEMENTS
+        return (
+            rows * SMS_PER_ROW <= torch.cuda.get_device_properties(x.device).multi_processor_count
+            and x.numel() // max(rows, 1) >= MIN_ROW_ELEMENTS
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_parallel(x):

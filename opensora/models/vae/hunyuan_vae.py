@@ -66,7 +66,7 @@ class HunyuanVideoVAE(VideoAutoencoder):
         parallel_group_norm: bool = True,
     ):
         vae = _load_diffusers_vae(from_pretrained, subfolder, config, seed, resolve_dtype(dtype))
-        if parallel_group_norm:  # GPU batch-1 decodes: group-norm statistics over all SMs (CPU: unchanged)
+        if parallel_group_norm:  # few-group GPU norms (batch 1): statistics over all SMs (CPU: unchanged)
             use_parallel_group_norm(vae)
         vae_config = vae.config
         if scaling_factor is None:
