@@ -205,12 +205,52 @@ def cuda_mib(fn=None) -> float:
     return (fn or torch.cuda.memory_allocated)() / 2**20 if torch.cuda.is_available() else 0.0
 
 
+def paired_rounds(args, sampler, teacher, teacher_video, teachers, window, prompts, seeds) -> dict:
+    """``--paired N``: N rounds, each timing the default streaming path (the CLI's: text cache, and on a GPU graphs +
+    decode overlap) once and every teacher mode once, back to back, so the ratios compare runs a few seconds apart
+    (the teacher's time moves from host to host and within a call); per mode the median ratio and its range."""
+    on_gpu = torch.cuda.is_available() and sampler.device.type == "cuda"
+    student = StreamingGenerator(
+        sampler, step_list=args.step_list, window_frames=window, sink_frames=args.sink_frames, cuda_graphs=on_gpu
+    )
+    frames, height, width = args.clip
+    stream_once(student, prompts, seeds, (frames, height, width))  # warm-up: captures its graphs
+    rounds = []
+    for _ in range(args.paired):
+        one = {}
+        for name in teachers:
+            teacher.set_cuda_graphs(name == "graphs" and on_gpu)
+            one[f"teacher_{name}_s"], _ = timed(teacher_video, repeats=1)
+        sync()
+        start = time.perf_counter()
+        stream_once(student, prompts, seeds, (frames, height, width))
+        sync()
+        one["student_s"] = time.perf_counter() - start
+        rounds.append(one)
+    summary = dict(rounds=rounds, student_s_median=statistics.median(r["student_s"] for r in rounds))
+    for name in teachers:
+        ratios = sorted(r[f"teacher_{name}_s"] / r["student_s"] for r in rounds)
+        summary[f"ratio_vs_{name}"] = dict(median=statistics.median(ratios), min=ratios[0], max=ratios[-1])
+        summary[f"teacher_{name}_s_median"] = statistics.median(r[f"teacher_{name}_s"] for r in rounds)
+    print(f"paired rounds ({args.paired}): student {summary['student_s_median']:.4f} s", end="")
+    for name in teachers:
+        r = summary[f"ratio_vs_{name}"]
+        print(
+            f"; teacher {name} {summary[f'teacher_{name}_s_median']:.4f} s, ratio {r['median']:.3g}x "
+            f"({r['min']:.3g}-{r['max']:.3g})",
+            end="",
+        )
+    print()
+    return summary
+
+
 def run_speed(args) -> dict:
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     on_gpu = device.type == "cuda"
     cfg = load_config(args.config)
     frames, height, width = args.frames or training_clip(cfg)[0], *(args.size or training_clip(cfg)[1:])
+    args.clip = (frames, height, width)
     sampler = random_sampler(cfg, args.chunk_frames, device, dtype)
     if args.text_mask == "full":
         every_text_token_valid(sampler)
@@ -403,44 +443,62 @@ def run_speed(args) -> dict:
         result["peak_flat_within_5pct"] = result["peak_growth"] <= 0.05
     if args.teacher_steps:
         teacher = random_sampler(cfg, 0, device, dtype)
-        if on_gpu:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        seconds, _ = timed(
-            lambda: teacher.generate(
+
+        def teacher_video():
+            return teacher.generate(
                 prompts, seeds, frames, height, width, num_steps=args.teacher_steps, guidance_scale=7.5
-            ),
-            repeats=args.teacher_repeats,
-        )
+            )
+
+        teachers = {}  # "eager" / "graphs" -> seconds for the clip
+        for graphed in dict(both=(False, True), on=(True,), off=(False,))[args.teacher_graphs]:
+            name = "graphs" if graphed else "eager"
+            teacher.set_cuda_graphs(graphed and on_gpu)
+            if on_gpu:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            teachers[name], _ = timed(teacher_video, repeats=args.teacher_repeats)
+            result[f"teacher_{name}"] = dict(
+                seconds=teachers[name],
+                tflop_per_s=teacher_flops / 1e12 / teachers[name],
+                peak_mib=cuda_mib(torch.cuda.max_memory_allocated) if on_gpu else None,
+                graphs=None if teacher.pass_graphs is None else teacher.pass_graphs.summary,
+            )
+        # the headline baseline: the sampler as users run it (eager unless only graphs were asked for)
+        seconds = teachers.get("eager", next(iter(teachers.values())))
         result["teacher"] = dict(
             steps=args.teacher_steps,
             cfg_passes="2, batched as rows of one pass",
             seconds=seconds,
             frames=frames,
-            peak_mib=cuda_mib(torch.cuda.max_memory_allocated) if on_gpu else None,
+            peak_mib=result[f"teacher_{'eager' if 'eager' in teachers else 'graphs'}"]["peak_mib"],
         )
-        del teacher
         for name in variants:
             one_x = result["lengths"][f"{args.lengths[0]}x-{name}"]
             suffix = "" if name == main_name else "_" + name.removeprefix("window-").replace("-", "_")
             result[f"speedup_end_to_end_1x{suffix}"] = seconds / one_x["total_s"]
             result[f"first_chunk_over_teacher_clip{suffix}"] = one_x["first_chunk_s"] / seconds
             flops[name]["achieved_over_ceiling"] = (seconds / one_x["total_s"]) / flops[name]["ceiling"]
-        rows.append(
-            dict(
-                length_multiple=1,
-                cache=f"teacher-{args.teacher_steps}x2",
-                pixel_frames=frames,
-                model_passes=args.teacher_steps,
-                first_chunk_s=seconds,
-                chunk_s_median=None,
-                sustained_frames_per_s=None,
-                frames_per_s=frames * args.batch / seconds,
-                max_cached_frames=None,
-                peak_mib=result["teacher"]["peak_mib"],
-                working_mib=None,
+            if "graphs" in teachers:
+                result[f"speedup_vs_graphed_teacher_1x{suffix}"] = teachers["graphs"] / one_x["total_s"]
+        for name, teacher_s in teachers.items():
+            rows.append(
+                dict(
+                    length_multiple=1,
+                    cache=f"teacher-{args.teacher_steps}x2-{name}",
+                    pixel_frames=frames,
+                    model_passes=args.teacher_steps,
+                    first_chunk_s=teacher_s,
+                    chunk_s_median=None,
+                    sustained_frames_per_s=None,
+                    frames_per_s=frames * args.batch / teacher_s,
+                    max_cached_frames=None,
+                    peak_mib=result[f"teacher_{name}"]["peak_mib"],
+                    working_mib=None,
+                )
             )
-        )
+        if args.paired:
+            result["paired"] = paired_rounds(args, sampler, teacher, teacher_video, teachers, window, prompts, seeds)
+        del teacher
     print_table(
         f"streaming speed on {result['device']} (batch {args.batch}, chunk {args.chunk_frames} latent frames, "
         f"{len(args.step_list)} steps + 1 cache pass per chunk)",
@@ -456,7 +514,8 @@ def run_speed(args) -> dict:
         print("; reserved peak " + ", ".join(f"{k}x {v:.0f}" for k, v in m["peak_reserved_mib"].items()), end="")
         print(f" MiB ({100 * m['reserved_growth']:+.1f}%)")
     for key in sorted(result):
-        if key.startswith(("speedup_end_to_end", "first_chunk_over", "decode_s", "decode_graphed_s", "peak_growth")):
+        headline = ("speedup_end_to_end", "speedup_vs_graphed", "first_chunk_over", "decode_s", "decode_graphed_s")
+        if key.startswith((*headline, "peak_growth")):
             print(f"{key}: {result[key]:.4g}")
     for row in result.get("decode_top_kernels", []):
         print(f"  decode kernel {row['ms']:.3f} ms x{row['calls']}: {row['kernel']}")
@@ -834,6 +893,15 @@ def parse_args(argv=None):
     speed.add_argument("--batch", type=int, default=1)
     speed.add_argument("--teacher-steps", type=int, default=30, help="0: skip the bidirectional 30-step CFG timing")
     speed.add_argument("--teacher-repeats", type=int, default=2)
+    speed.add_argument(
+        "--teacher-graphs",
+        choices=("both", "on", "off"),
+        default="both",
+        help="time the teacher eager, with each pass replayed as a CUDA graph (VideoSampler.set_cuda_graphs), or both",
+    )
+    speed.add_argument(
+        "--paired", type=int, default=0, help="rounds of (each teacher mode, the default student) back to back"
+    )
     toggles = dict(  # flag: (default, help); each takes both | on | off
         merge_refill=("both", "streaming with each refill merged into the next chunk's first pass ('-merged' rows)"),
         overlap_decode=("both", "graphed rows with the chunk decode overlapped with the next chunk's passes"),

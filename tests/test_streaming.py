@@ -296,6 +296,8 @@ def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
             "on",
             "--text-cache",
             "both",
+            "--paired",
+            "2",
             *common,
         ]
     )
@@ -319,7 +321,11 @@ def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
         "speedup_end_to_end_1x_recompute_text",
         "speedup_end_to_end_1x_graphs",
         "speedup_end_to_end_1x_graphs_overlap",
+        "speedup_vs_graphed_teacher_1x",
     } <= set(speed)
+    # both teacher modes timed (on a CPU the "graphs" teacher runs eager), and the paired rounds compare each
+    assert speed["teacher_eager"]["seconds"] > 0 and speed["teacher_graphs"]["graphs"] is None
+    assert len(speed["paired"]["rounds"]) == 2 and speed["paired"]["ratio_vs_graphs"]["median"] > 0
     bench.main(
         [
             "costs",

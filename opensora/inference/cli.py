@@ -44,6 +44,8 @@ INFERENCE_FLAGS = {
     "device": "auto",
     "offload": False,  # keep text encoder and autoencoder on the CPU except while they run
     "progress": True,
+    # the bidirectional sampler: replay each step's model pass as a CUDA graph (pass_graphs.py); auto = on a GPU
+    "cuda_graphs": "off",  # auto | on | off
     "jano": False,  # Jano region-aware caching (opensora/inference/jano.py); settings under jano_settings
     "jano_offload": False,  # with --jano: keep its caches in pinned CPU memory, prefetched on a side stream
     "jano_graphs": False,  # with --jano: replay each step level as CUDA graphs (GPU only; region_graphs.py)
@@ -140,6 +142,7 @@ def check_inference_flags(args) -> None:
         if others:
             raise UserInputError(f"--sequence-parallel-size > 1 does not combine with {' / '.join(others)}: pick one")
     parse_stream_graphs(args.stream_graphs)
+    parse_stream_graphs(args.cuda_graphs, "--cuda-graphs")
     if args.streaming and args.jano:
         raise UserInputError(
             "--jano caches a bidirectional sampler's steps; --streaming has its own KV cache: pick one"
@@ -274,6 +277,7 @@ def _sample(
         progress=bool(args.progress) and writes,
     )
     sampler.set_sequence_parallel(sp)
+    sampler.set_cuda_graphs(parse_stream_graphs(args.cuda_graphs, "--cuda-graphs") != "off")
     if args.jano or args.jano_offload or args.jano_graphs:
         from opensora.inference.jano import JanoCache, JanoConfig
 

@@ -207,6 +207,8 @@ class VideoSampler:
         self.uses_condition = getattr(model, "cond_channels", None) is not None
         # Optional inference cache (opensora.inference.jano: JanoCache, StepCache, FullCompute); None = plain model.
         self.accelerator = None
+        # Whole passes replayed as CUDA graphs (pass_graphs.PassGraphs; set_cuda_graphs); None = eager passes.
+        self.pass_graphs = None
         self.sp = None  # opensora.parallel.sequence_parallel.SequenceGroup while the network is split
 
     def set_sequence_parallel(self, sp) -> None:
@@ -358,8 +360,21 @@ class VideoSampler:
         cond, _ = reference_condition(ref_latent.expand(batch, -1, -1, -1, -1), latent_size[0], cond_type)
         return PreparedCondition(cond, zeros, True)
 
+    def set_cuda_graphs(self, enabled: bool) -> None:
+        """Replay each sampling pass as a CUDA graph (``pass_graphs.PassGraphs``: one graph per pass shape, kept
+        across videos). Only plain passes are graphed: an inference cache (``accelerator``) or sequence parallelism
+        runs its own way, and off a GPU every pass is eager."""
+        from .pass_graphs import PassGraphs
+
+        self.pass_graphs = PassGraphs() if enabled and self.device.type == "cuda" else None
+
     def _model_fn(self, x, t, cond=None, text_mask_has_padding=None, **text):
-        network = self.model if self.accelerator is None else functools.partial(self.accelerator, self.model)
+        if self.accelerator is not None:
+            network = functools.partial(self.accelerator, self.model)
+        elif self.pass_graphs is not None and self.sp is None:
+            network = functools.partial(self.pass_graphs, self.model)
+        else:
+            network = self.model
         return MMDiTAdapter.call_network(
             network, x, t, text, cond, self.dtype, text_mask_has_padding=text_mask_has_padding
         )

@@ -37,13 +37,14 @@ PIPELINE_FLAGS = {  # the streaming flags themselves (--streaming, --window-fram
 STREAM_GRAPHS_CHOICES = ("auto", "on", "off")
 
 
-def parse_stream_graphs(value) -> str:
-    """``--stream-graphs`` as one of ``STREAM_GRAPHS_CHOICES``, or a one-line error naming the choices."""
+def parse_stream_graphs(value, flag: str = "--stream-graphs") -> str:
+    """``flag`` (``--stream-graphs``, ``--cuda-graphs``) as one of ``STREAM_GRAPHS_CHOICES``, or a one-line error
+    naming the choices."""
     from opensora.cli_errors import UserInputError
 
     choice = str(value).lower()
     if choice not in STREAM_GRAPHS_CHOICES:
-        raise UserInputError(f"--stream-graphs must be one of {', '.join(STREAM_GRAPHS_CHOICES)}, got {value!r}")
+        raise UserInputError(f"{flag} must be one of {', '.join(STREAM_GRAPHS_CHOICES)}, got {value!r}")
     return choice
 
 
