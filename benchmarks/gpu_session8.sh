@@ -13,11 +13,11 @@ python -m pytest -q -m gpu tests/test_group_norm.py tests/test_pass_graphs_gpu.p
 common="--lengths 1 --merge-refill off --overlap-decode on --teacher-graphs both"
 timeout 200 python benchmarks/streaming.py speed $common --paired 5 --out /tmp/s256 2>&1 | tail -n 30 | tee -a "$out/log.txt"
 cp /tmp/s256/speed.json "$out/streaming_256.json" 2>/dev/null
-timeout $(( $(left) > 60 ? $(left) - 150 : 10 )) python benchmarks/streaming.py speed $common --size 480 832 \
+timeout $(( $(left) > 60 ? $(left) - 30 : 10 )) python benchmarks/streaming.py speed $common --size 480 832 \
     --paired 3 --teacher-repeats 1 --out /tmp/s480 2>&1 | tail -n 30 | tee -a "$out/log.txt"
 cp /tmp/s480/speed.json "$out/streaming_480.json" 2>/dev/null
 t=$(left)
-if [ "$t" -gt 60 ]; then
+if [ "$t" -gt 90 ]; then
     timeout $((t - 10)) python benchmarks/compile_parity.py --out /tmp/cp --blocks micro \
         --variants default,batch2,no-split-reductions 2>&1 | tail -n 30 | tee -a "$out/log.txt"
     cp /tmp/cp/compile_parity.json "$out/compile_parity_micro.json" 2>/dev/null
