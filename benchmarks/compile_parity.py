@@ -7,7 +7,9 @@ and compiled on the same weights, inputs and output gradients, and reports for e
 that is non-finite or far from eager, in the order outputs -> input grads -> parameter grads. Variants isolate
 one op or one compiler setting each:
 
-  default     block.compile() as MMDiT.set_compile_blocks does
+  default     block.compile(options=compile_block_options()) as MMDiT.set_compile_blocks does (mix-order
+              reductions off, the fix found with this script)
+  mix-order   the same with Inductor's mix-order reductions on (torch 2.10-2.11's default: wrong modulation grads)
   fullgraph   torch.compile(fullgraph=True): fails loudly on a graph break instead of splitting the block
   autotune    mode="max-autotune-no-cudagraphs"
   no-qknorm   QK RMSNorm removed (in eager and compiled alike)
@@ -52,14 +54,17 @@ from opensora.models.mmdit.layers import (  # noqa: E402
     gated_residual,
     modulate,
 )
+from opensora.models.mmdit.model import compile_block_options  # noqa: E402
 from opensora.models.mmdit.rope import rope_cos_sin, video_position_ids  # noqa: E402
 
 HIDDEN, HEADS, GRID, N_TXT = 1536, 12, (11, 24, 32), 512
 VARIANTS = (
-    "default", "batch2", "no-split-reductions", "no-persistent-reductions", "fullgraph", "autotune", "no-qknorm",
+    "default", "mix-order", "batch2", "no-split-reductions", "no-persistent-reductions", "fullgraph", "autotune", "no-qknorm",
     "no-rope", "flash", "fused",
 )  # fmt: skip
 INDUCTOR_OPTIONS = {  # Inductor settings that change how the sums over tokens (the [B, 1, C] grads) are generated
+    # what torch 2.10-2.11 did by default: the mix-order reduction that leaves the modulation grads unwritten
+    "mix-order": {"triton.mix_order_reduction": True},
     "no-split-reductions": {"split_reductions": False},
     "no-persistent-reductions": {"triton.persistent_reductions": False},
 }
@@ -158,8 +163,8 @@ def run_variant(kind, variant, device):
     options = dict(fullgraph=variant == "fullgraph")
     if variant == "autotune":
         options["mode"] = "max-autotune-no-cudagraphs"
-    if variant in INDUCTOR_OPTIONS:
-        options["options"] = INDUCTOR_OPTIONS[variant]
+    # MMDiT.set_compile_blocks' options (mix-order reductions off), then the variant's own
+    options["options"] = compile_block_options(INDUCTOR_OPTIONS.get(variant))
     compiled.compile(**options)
     result = dict(kind=kind, variant=variant)
     for label, scale in GRAD_SCALES.items():

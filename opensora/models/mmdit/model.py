@@ -54,6 +54,26 @@ def unpatchify(tokens: torch.Tensor, grid: Sequence[int], patch_size: Sequence[i
 
 
 @MODELS.register_module()
+def compile_block_options(overrides: Optional[dict] = None) -> dict:
+    """Inductor options for compiled blocks: Inductor's mix-order reductions off, then ``overrides``.
+
+    Why off: on torch 2.10-2.11, Inductor fuses the backward's sums over tokens (the grads of the adaLN shift /
+    scale / gate, [B, 1, C] broadcasts) with the norm's sums over channels into one "mix-order" kernel, and when its
+    output is a slice of a larger buffer (``Modulation``'s ``chunk`` of one linear's output: the grads are a ``cat``
+    of the slices) the final write rebinds instead of writing through the view, so those grads stay uninitialised
+    memory (pytorch/pytorch#193061; workaround TORCHINDUCTOR_MIX_ORDER_REDUCTION=0). Measured on an H100 with torch
+    2.11 (benchmarks/compile_parity.py, one modulated block at the 1B shape, batch 1): the modulation weights' grads
+    had relative error ~1 at unit output grads and ~4e4 at the loss's scale, and the 1B model trained to non-finite
+    grads. Kept off on every version: the pass is a speed feature, and a silent wrong gradient is not worth it."""
+    import torch._inductor.config as inductor_config
+
+    options = {}
+    if hasattr(inductor_config.triton, "mix_order_reduction"):
+        options["triton.mix_order_reduction"] = False
+    options.update(overrides or {})
+    return options
+
+
 class MMDiT(nn.Module, SequenceParallelModel):
     @records_arch  # self.arch: every argument below, to rebuild the model or count its FLOPs (flops.py)
     def __init__(
@@ -194,13 +214,15 @@ class MMDiT(nn.Module, SequenceParallelModel):
         opaque ``opensora::attention`` op there (attention.py), so each block is one graph with no graph break,
         at any batch size. ``nn.Module.compile`` compiles in place, so parameter names and state dicts are
         unchanged. Off by default: compiling costs tens of seconds and gains little on CPU. ``inductor_options``
-        (e.g. ``{"split_reductions": False}``) go to ``torch.compile(options=...)``, to try Inductor settings.
+        (e.g. ``{"split_reductions": False}``) go to ``torch.compile(options=...)`` on top of
+        ``compile_block_options``' defaults, to try Inductor settings.
         """
         if enabled and getattr(self, "sp", None) is not None:
             raise ValueError("compile_blocks=True with sequence parallelism is not supported; turn one off")
+        options = compile_block_options(inductor_options)
         for block in [*self.double_blocks, *self.single_blocks]:
             if enabled:
-                block.compile(options=inductor_options) if inductor_options else block.compile()
+                block.compile(options=options) if options else block.compile()
             else:
                 block._compiled_call_impl = None  # what nn.Module.compile sets; None restores eager calls
         self.compile_blocks = bool(enabled)
