@@ -54,6 +54,8 @@ VARIANTS = {
     "ours-eager-flash": dict(model="ours", backend="flash", compile=False),
     "ours-compile": dict(model="ours", backend="auto", compile=True),
     "ours-compile-flash": dict(model="ours", backend="flash", compile=True),
+    # SDPA traced into the compiled blocks instead of the opaque op (whose backward recomputes the forward)
+    "ours-compile-traced": dict(model="ours", backend="auto", compile=True, attention="traced"),
     "ours-compile-efficient": dict(model="ours", backend="efficient", compile=True),
     "ours-compile-masked": dict(model="ours", backend="auto", compile=True, padded_text=True),
     # MMDiT(fused_kernels=True): Triton LayerNorm+modulation and QK-norm+RoPE kernels (models/mmdit/fused.py)
@@ -168,7 +170,7 @@ def build_ours(shape, spec, ckpt, device, dtype):
         model.set_fused_kernels(True)
     if spec.get("compile"):
         options = spec["compile"] if isinstance(spec["compile"], dict) else None
-        model.set_compile_blocks(True, inductor_options=options)
+        model.set_compile_blocks(True, inductor_options=options, attention=spec.get("attention", "op"))
     t, h, w = shape["grid"]
     gen = torch.Generator(device="cpu").manual_seed(1)
     rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
@@ -319,7 +321,9 @@ def run_variant(name, ckpt, args):
     compile_error = None
     if spec.get("compile") and ckpt == "none":
         options = spec["compile"] if isinstance(spec["compile"], dict) else None
-        toggle = lambda on: model.set_compile_blocks(on, inductor_options=options)  # noqa: E731
+        toggle = lambda on: model.set_compile_blocks(  # noqa: E731
+            on, inductor_options=options, attention=spec.get("attention", "op")
+        )
         compile_error = toggled_vs_eager_error(forward, toggle, "compiled blocks")
     fused_error = None
     if spec.get("fused") and not spec.get("compile") and ckpt == "none":

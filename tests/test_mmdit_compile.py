@@ -59,11 +59,11 @@ def loss_and_grads(model, inputs):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def check_compiled_matches_eager(batch, ckpt):
+def check_compiled_matches_eager(batch, ckpt, attention_mode="op"):
     torch._dynamo.reset()
     eager = small_model(grad_ckpt_double=ckpt, grad_ckpt_single=ckpt)
     compiled = copy.deepcopy(eager)
-    compiled.set_compile_blocks(True)
+    compiled.set_compile_blocks(True, attention=attention_mode)
     inputs = batch_inputs(batch)
     ref_loss, ref_grads = loss_and_grads(eager, inputs)
     loss, grads = loss_and_grads(compiled, inputs)
@@ -113,6 +113,21 @@ def test_compiled_blocks_match_eager_at_batch_1():
     check_compiled_matches_eager(batch=1, ckpt=0)
 
 
+@pytest.fixture
+def restore_compiled_attention():
+    from opensora.models.mmdit.attention import COMPILED_ATTENTION
+
+    yield
+    COMPILED_ATTENTION["mode"] = "op"
+
+
+def test_traced_attention_blocks_match_eager_at_batch_1(restore_compiled_attention):
+    """``attention="traced"``: SDPA traced into the compiled block (no recomputed forward in the backward)."""
+    check_compiled_matches_eager(batch=1, ckpt=0, attention_mode="traced")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        small_model().set_compile_blocks(True, attention="sdpa")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch,ckpt", [(1, 1), (2, 0), (2, 1)])
 def test_compiled_blocks_match_eager(batch, ckpt):
@@ -133,7 +148,8 @@ def test_compile_block_options_turn_mix_order_reductions_off_and_keep_overrides(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_blocks_match_eager_on_the_gpu_at_batch_1_in_bf16():
+@pytest.mark.parametrize("attention_mode", ["op", "traced"])
+def test_compiled_blocks_match_eager_on_the_gpu_at_batch_1_in_bf16(attention_mode, restore_compiled_attention):
     """The case that went wrong on the GPU (issue 16): bf16, batch 1, hidden 1536 and a few thousand tokens, where
     Inductor's mix-order reduction left the modulation weights' grads unwritten. Every gradient of the compiled
     blocks must be finite and within bf16 tolerance of eager (the same weights, inputs and loss)."""
@@ -147,7 +163,7 @@ def test_compiled_blocks_match_eager_on_the_gpu_at_batch_1_in_bf16():
         for p in eager.parameters():
             p.normal_(0, 0.02)
     compiled = copy.deepcopy(eager)
-    compiled.set_compile_blocks(True)
+    compiled.set_compile_blocks(True, attention=attention_mode)
     gen = torch.Generator(device="cuda").manual_seed(0)
     inputs = dict(
         x=torch.randn(1, 4, 4, 48, 64, generator=gen, device="cuda").bfloat16(),  # 3072 video tokens

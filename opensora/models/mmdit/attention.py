@@ -99,10 +99,18 @@ def attention(
     """
     if q.dim() != 4:
         raise ValueError(f"attention expects q/k/v as [B, heads, N, head_dim], got q of shape {tuple(q.shape)}")
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and COMPILED_ATTENTION["mode"] == "op":
         q, k, v = _same_dtype(q, k, v)
         return torch.ops.opensora.attention(q, k, v, mask, check_backend(backend))
     return _dense_sdpa(q, k, v, mask, backend)
+
+
+# How attention enters a compiled block (process-wide; ``MMDiT.set_compile_blocks(attention=...)`` sets it):
+# "op": the opaque custom op below (its backward recomputes the attention forward: one extra forward per block);
+# "traced": the eager code (SDPA under the chosen backends, a dense grad_out) traced into the graph, so the backward
+# reads the forward's saved logsumexp and nothing is recomputed.
+COMPILED_ATTENTION = {"mode": "op"}
+COMPILED_ATTENTION_MODES = ("op", "traced")
 
 
 class RowGroups(tuple):

@@ -16,7 +16,7 @@ from opensora.parallel.sequence_parallel import SequenceGroup, SequenceParallelM
 from opensora.registry import MODELS
 
 from ..arch import records_arch
-from .attention import check_backend, device_major
+from .attention import COMPILED_ATTENTION, COMPILED_ATTENTION_MODES, check_backend, device_major
 from .causal import (
     KVCache,
     TextKVCache,
@@ -206,7 +206,9 @@ class MMDiT(nn.Module, SequenceParallelModel):
         self.fused_kernels = bool(enabled)
         self.arch["fused_kernels"] = self.fused_kernels
 
-    def set_compile_blocks(self, enabled: bool, inductor_options: Optional[dict] = None) -> None:
+    def set_compile_blocks(
+        self, enabled: bool, inductor_options: Optional[dict] = None, attention: Optional[str] = None
+    ) -> None:
         """Compile each block with torch.compile (regional compilation), or go back to eager.
 
         Blocks of one kind share code, so Dynamo compiles one double and one single block graph and reuses
@@ -219,6 +221,10 @@ class MMDiT(nn.Module, SequenceParallelModel):
         """
         if enabled and getattr(self, "sp", None) is not None:
             raise ValueError("compile_blocks=True with sequence parallelism is not supported; turn one off")
+        if attention is not None:  # how attention enters the compiled graphs (attention.py's COMPILED_ATTENTION)
+            if attention not in COMPILED_ATTENTION_MODES:
+                raise ValueError(f"attention must be one of {COMPILED_ATTENTION_MODES}, got {attention!r}")
+            COMPILED_ATTENTION["mode"] = attention
         options = compile_block_options(inductor_options)
         for block in [*self.double_blocks, *self.single_blocks]:
             if enabled:
