@@ -53,7 +53,6 @@ def unpatchify(tokens: torch.Tensor, grid: Sequence[int], patch_size: Sequence[i
     return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, -1, gt * pt, gh * ph, gw * pw)
 
 
-@MODELS.register_module()
 def compile_block_options(overrides: Optional[dict] = None) -> dict:
     """Inductor options for compiled blocks: Inductor's mix-order reductions off, then ``overrides``.
 
@@ -74,6 +73,7 @@ def compile_block_options(overrides: Optional[dict] = None) -> dict:
     return options
 
 
+@MODELS.register_module()
 class MMDiT(nn.Module, SequenceParallelModel):
     @records_arch  # self.arch: every argument below, to rebuild the model or count its FLOPs (flops.py)
     def __init__(
