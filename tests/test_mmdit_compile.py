@@ -59,7 +59,7 @@ def loss_and_grads(model, inputs):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def check_compiled_matches_eager(batch, ckpt, attention_mode="op"):
+def check_compiled_matches_eager(batch, ckpt, attention_mode=None):
     torch._dynamo.reset()
     eager = small_model(grad_ckpt_double=ckpt, grad_ckpt_single=ckpt)
     compiled = copy.deepcopy(eager)
@@ -117,13 +117,14 @@ def test_compiled_blocks_match_eager_at_batch_1():
 def restore_compiled_attention():
     from opensora.models.mmdit.attention import COMPILED_ATTENTION
 
+    mode = COMPILED_ATTENTION["mode"]
     yield
-    COMPILED_ATTENTION["mode"] = "op"
+    COMPILED_ATTENTION["mode"] = mode
 
 
-def test_traced_attention_blocks_match_eager_at_batch_1(restore_compiled_attention):
-    """``attention="traced"``: SDPA traced into the compiled block (no recomputed forward in the backward)."""
-    check_compiled_matches_eager(batch=1, ckpt=0, attention_mode="traced")
+def test_opaque_attention_op_blocks_match_eager_at_batch_1(restore_compiled_attention):
+    """``attention="op"``: attention as the opaque custom op (the default is SDPA traced into the block)."""
+    check_compiled_matches_eager(batch=1, ckpt=0, attention_mode="op")
     with pytest.raises(ValueError, match="attention must be one of"):
         small_model().set_compile_blocks(True, attention="sdpa")
 

@@ -5,8 +5,8 @@ is not always the one it picks; it has also crashed in other projects' layouts. 
 backends it may use. ``"auto"`` resolves once per device: cuDNN first on sm90+ without a mask, flash next,
 then mem-efficient, then math; with a mask flash is left out (it takes none). On CPU ``"auto"`` lets PyTorch
 choose. The GPU test in tests/test_mmdit.py checks every backend against math for the layouts we use.
-Inside ``torch.compile`` (``MMDiT(compile_blocks=True)``) the same SDPA call runs inside a custom op, so the
-compiled graph cannot change its backend or layouts; see the section at the end.
+Inside ``torch.compile`` (``MMDiT(compile_blocks=True)``) the same code is traced into the graph (default), or runs
+inside a custom op that the compiled graph cannot look into (``COMPILED_ATTENTION``, at the end).
 """
 
 from contextlib import nullcontext
@@ -106,10 +106,12 @@ def attention(
 
 
 # How attention enters a compiled block (process-wide; ``MMDiT.set_compile_blocks(attention=...)`` sets it):
-# "op": the opaque custom op below (its backward recomputes the attention forward: one extra forward per block);
-# "traced": the eager code (SDPA under the chosen backends, a dense grad_out) traced into the graph, so the backward
-# reads the forward's saved logsumexp and nothing is recomputed.
-COMPILED_ATTENTION = {"mode": "op"}
+# "traced" (default): the eager code (SDPA under the chosen backends, a dense grad_out) traced into the graph, so
+# the backward reads the forward's saved logsumexp and nothing is recomputed; "op": the opaque custom op below (its
+# backward recomputes the attention forward: one extra forward per block). Measured on an H100 (1B step, batch 1,
+# no checkpointing, benchmarks/README.md): traced 170-171 ms, op 191-193 ms, eager 202-204 ms. Traced SDPA was
+# once blamed for a NaN loss with cuDNN; that was Inductor's mix-order reduction (model.compile_block_options).
+COMPILED_ATTENTION = {"mode": "traced"}
 COMPILED_ATTENTION_MODES = ("op", "traced")
 
 
