@@ -78,6 +78,15 @@ def test_graphed_passes_give_the_eager_videos_bitwise_and_are_reused_across_vide
     assert graphs.captures == 2 and len(graphs.graphs) == 2
 
 
+def test_weights_moved_to_new_tensors_get_a_new_graph():
+    s = sampler()
+    s.pass_graphs = graphs = EagerReplay()
+    videos(s)
+    s.model.to(torch.float64).to(torch.float32)  # same values, new parameter tensors
+    assert torch.equal(videos(s), videos(sampler()))
+    assert graphs.captures == 2
+
+
 def test_passes_a_graph_cannot_take_run_eagerly():
     s = sampler()
     graphs = EagerReplay()

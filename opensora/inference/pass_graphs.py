@@ -6,8 +6,9 @@ pass; where the passes are short (small models, low resolution, few rows) the ho
 the step time, and it moves from host to host. Replayed as a CUDA graph, a pass is one launch.
 
 One graph per pass key: the shapes, dtypes and devices of the pass's tensor inputs, whether the text mask has padding
-(the caller says so: ``MMDiT.key_mask`` would otherwise read the mask on the host, which a capture cannot do) and the
-model. Replay = copy the inputs into the key's static buffers (``x`` and ``timestep`` always; text, pooled vector and
+(the caller says so: ``MMDiT.key_mask`` would otherwise read the mask on the host, which a capture cannot do), the
+model, and where its first parameter lives (a graph reads the weights at their addresses: weights updated in place,
+by an optimizer or ``load_state_dict``, are seen by the next replay; weights re-made by ``model.to`` get a new graph). Replay = copy the inputs into the key's static buffers (``x`` and ``timestep`` always; text, pooled vector and
 condition only when they are other tensors than at the last copy), replay, clone the velocity out of the buffer it
 was copied into inside the graph (``GraphMemory.output``: one pool and one output buffer per shape for all graphs,
 so a graph holds none of its pool alive). The first pass of a key runs the model twice on a side stream and captures
@@ -70,7 +71,10 @@ class PassGraphs:
         if kwargs or not self.usable(x) or torch.is_grad_enabled() or (text_mask is not None and padding is None):
             return eager()
         inputs = dict(x=x, timestep=timestep, text_emb=text_emb, text_mask=text_mask, pooled=pooled, cond=cond)
-        key = (id(model), describe_inputs(inputs), padding)
+        # a graph reads the weights at their addresses: weights moved or re-made (``model.to``) need a new capture
+        first = next(model.parameters(), None)
+        weights = None if first is None else (first.data_ptr(), first.dtype, first.device)
+        key = (id(model), weights, describe_inputs(inputs), padding)
         if key in self.failed:
             return eager()
         statics = self.statics.get(key)
