@@ -122,3 +122,17 @@ def test_set_cuda_graphs_is_a_no_op_off_the_gpu():
     s = sampler()
     s.set_cuda_graphs(True)
     assert s.pass_graphs is None
+
+
+def test_cli_refuses_an_unknown_cuda_graphs_choice_and_takes_the_known_ones_on_a_cpu(tmp_path):
+    from test_streaming import random_causal_checkpoint
+
+    from opensora.cli_errors import UserInputError
+    from opensora.inference import cli
+
+    config, ckpt = random_causal_checkpoint(tmp_path)
+    common = [str(config), "--ckpt", str(ckpt), "--device", "cpu", "--num-steps", "2", "--num-frames", "4"]
+    with pytest.raises(UserInputError, match="--cuda-graphs must be one of auto, on, off"):
+        cli.main([*common, "--cuda-graphs", "maybe"])
+    paths = cli.main([*common, "--cuda-graphs", "on", "--save-dir", str(tmp_path / "out"), "--prompt", "a red circle"])
+    assert len(paths) == 1  # on a CPU "on" samples eagerly
