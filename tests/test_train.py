@@ -461,8 +461,12 @@ def test_gradient_accumulation_matches_the_large_batch(workdir):
         assert a["samples_per_s"] * a["step_time"] == pytest.approx(4.0)  # two micro-batches of 2 per step
     # constant_with_warmup over 5 optimizer steps of lr 1e-3: the scheduler stepped once per window
     assert [r["lr"] for r in split] == pytest.approx([1e-3 * (k + 1) / 5 for k in (1, 2, 3)])
+    # Weights: Adam divides each moment by its root-second moment, which amplifies the fp32 reduction-order
+    # difference of the two batchings for elements whose gradient is near zero (seen: 1 of 49k elements off by
+    # 1.4e-6 after 3 steps). atol 1e-5 is ~2% of one step's update (lr <= 6e-4); a wrong accumulation (a missed
+    # micro-batch, a wrong scale) moves every weight by O(lr) and the grad norms above by far more than 1e-4.
     for name, value in whole_weights.items():
-        torch.testing.assert_close(split_weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(split_weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
 # ---- the command line -------------------------------------------------------------------------------------------
