@@ -8,7 +8,8 @@ the step time, and it moves from host to host. Replayed as a CUDA graph, a pass 
 One graph per pass key: the shapes, dtypes and devices of the pass's tensor inputs, whether the text mask has padding
 (the caller says so: ``MMDiT.key_mask`` would otherwise read the mask on the host, which a capture cannot do), the
 model, and where its first parameter lives (a graph reads the weights at their addresses: weights updated in place,
-by an optimizer or ``load_state_dict``, are seen by the next replay; weights re-made by ``model.to`` get a new graph). Replay = copy the inputs into the key's static buffers (``x`` and ``timestep`` always; text, pooled vector and
+by an optimizer or ``load_state_dict``, are seen by the next replay; weights re-made by ``model.to`` at new addresses
+get a new graph). Replay = copy the inputs into the key's static buffers (``x`` and ``timestep`` always; text, pooled vector and
 condition only when they are other tensors than at the last copy), replay, clone the velocity out of the buffer it
 was copied into inside the graph (``GraphMemory.output``: one pool and one output buffer per shape for all graphs,
 so a graph holds none of its pool alive). The first pass of a key runs the model twice on a side stream and captures
