@@ -100,11 +100,14 @@ def assert_same_records(got: dict, want: dict, steps, keys=("loss", "grad_norm",
 
 
 def safetensors_weights(checkpoint: Path) -> dict:
+    """The model role's weights in a checkpoint directory (``.../step-NNNNNNN``); fails if it holds none (a wrong
+    path would otherwise compare two empty dicts and pass)."""
     from safetensors.torch import load_file
 
     weights = {}
     for shard in sorted((checkpoint / "model" / "model").glob("*.safetensors")):
         weights.update(load_file(str(shard)))
+    assert weights, f"no model weights under {checkpoint / 'model' / 'model'}"
     return weights
 
 
@@ -219,9 +222,7 @@ def test_resume_with_load_under_torchrun_is_exact(zero2_run, workdir):
     resumed = by_step(read_metrics(outputs))
     assert sorted(resumed) == list(range(7, 13))
     assert_same_records(resumed, by_step(read_metrics(zero2_run)), range(7, 13))
-    final, reference = (
-        safetensors_weights(path / "checkpoints" / "step-0000012" / "model") for path in (outputs, zero2_run)
-    )
+    final, reference = (safetensors_weights(path / "checkpoints" / "step-0000012") for path in (outputs, zero2_run))
     assert final.keys() == reference.keys()
     for name in final:
         assert torch.equal(final[name], reference[name]), name
@@ -300,8 +301,8 @@ def test_crash_mid_save_then_resume_auto_is_exact(inprocess_run, workdir, monkey
     records = read_metrics(outputs)
     assert [r["step"] for r in records] == list(range(1, 7))  # the crashed run's steps 3-4 were dropped
     assert_same_records(by_step(records), by_step(read_metrics(inprocess_run)), range(1, 7))
-    final = safetensors_weights(checkpoints / "step-0000006" / "model")
-    reference = safetensors_weights(inprocess_run / "checkpoints" / "step-0000006" / "model")
+    final = safetensors_weights(checkpoints / "step-0000006")
+    reference = safetensors_weights(inprocess_run / "checkpoints" / "step-0000006")
     assert all(torch.equal(final[name], reference[name]) for name in reference)
 
 
@@ -568,3 +569,24 @@ def test_long_video_config_is_sequence_parallel_ready():
     assert video_tokens >= 32_000
     assert video_tokens % sp == 0 and cfg.text_encoder.t5.max_length % sp == 0 and cfg.model.num_heads % sp == 0
     assert list(cfg.bucket_config) == ["512x512"] and cfg.bucket_config["512x512"][cfg.dataset.num_frames]
+
+
+def test_compiled_blocks_train_save_and_resume_exactly(workdir):
+    """``model.compile_blocks=True`` through the real trainer (one rank, ZeRO-2, fp32 on the CPU): the checkpoint has
+    the eager model's parameter names, and resuming from step 2 repeats the uninterrupted compiled run bit for bit
+    (issue 16: the compiled step is the fastest; this is what turning it on in a config must keep)."""
+    config = write_config(workdir["root"] / "compiled.py", workdir["tiny"], model=dict(compile_blocks=True))
+    whole = workdir["root"] / "compiled_whole"
+    build_trainer(config, whole, "--max-steps", "4", "--ckpt-every", "2").train()
+    resumed_dir = workdir["root"] / "compiled_resumed"
+    resumed = build_trainer(config, resumed_dir, "--max-steps", "4", "--ckpt-every", "2")
+    assert resumed.roles["model"].unwrap().compile_blocks
+    resumed.resume(str(whole / "checkpoints" / "step-0000002"))
+    assert resumed.step == 2
+    resumed.train()
+    assert_same_records(by_step(read_metrics(resumed_dir)), by_step(read_metrics(whole)), range(3, 5))
+    final = safetensors_weights(resumed_dir / "checkpoints" / "step-0000004")
+    reference = safetensors_weights(whole / "checkpoints" / "step-0000004")
+    assert set(final) == set(reference) and all(torch.equal(final[name], reference[name]) for name in reference)
+    eager = build_trainer(workdir["tiny"], workdir["root"] / "eager_names", "--max-steps", "1")
+    assert set(reference) == set(eager.roles["model"].unwrap().state_dict())
