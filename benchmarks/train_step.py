@@ -75,6 +75,9 @@ VARIANTS = {
     ),
     # the trainer without its rank-0 EMA (what the EMA's 18 B per parameter cost)
     "trainer-noema": dict(model="trainer", backend="auto", ema=False),
+    # the trainer with compiled blocks (model.compile_blocks=True: the step of ours-compile-traced); the first
+    # warm-up step compiles
+    "trainer-compile": dict(model="trainer", backend="auto", compile=True),
     # the EMA update after the optimizer on the compute stream instead of overlapped on a side stream
     "trainer-ema-serial": dict(model="trainer", backend="auto", ema="serial"),
     # the bare step with the trainer's optimizer precision: bf16 model, fp32 master weights and AdamW moments,
@@ -518,6 +521,8 @@ def run_trainer(name, ckpt, args):
     cfg.plugin = dict(cfg.get("plugin") or {}, **VARIANTS[name].get("plugin", {}))
     if VARIANTS[name].get("ema") is False:
         cfg.ema_decay = None
+    if VARIANTS[name].get("compile"):
+        cfg.model.update(compile_blocks=True)
     trainer = Trainer(cfg)
     if VARIANTS[name].get("ema") == "serial":
         for role in trainer.roles.values():
