@@ -205,7 +205,12 @@ def cuda_mib(fn=None) -> float:
     return (fn or torch.cuda.memory_allocated)() / 2**20 if torch.cuda.is_available() else 0.0
 
 
-def paired_rounds(args, sampler, teacher, teacher_video, teachers, window, prompts, seeds) -> dict:
+def modes(choice: str, both=(False, True)) -> tuple:
+    """The values a ``both | on | off`` flag asks for (``both`` in the given order)."""
+    return dict(both=both, on=(True,), off=(False,))[choice]
+
+
+def paired_rounds(args, sampler, teacher, teacher_video, teachers, window, prompts, seeds, size) -> dict:
     """``--paired N``: N rounds, each timing the default streaming path (the CLI's: text cache, and on a GPU graphs +
     decode overlap) once and every teacher mode once, back to back, so the ratios compare runs a few seconds apart
     (the teacher's time moves from host to host and within a call); per mode the median ratio and its range."""
@@ -213,8 +218,7 @@ def paired_rounds(args, sampler, teacher, teacher_video, teachers, window, promp
     student = StreamingGenerator(
         sampler, step_list=args.step_list, window_frames=window, sink_frames=args.sink_frames, cuda_graphs=on_gpu
     )
-    frames, height, width = args.clip
-    stream_once(student, prompts, seeds, (frames, height, width))  # warm-up: captures its graphs
+    stream_once(student, prompts, seeds, size)  # warm-up: captures its graphs
     rounds = []
     for _ in range(args.paired):
         one = {}
@@ -223,7 +227,7 @@ def paired_rounds(args, sampler, teacher, teacher_video, teachers, window, promp
             one[f"teacher_{name}_s"], _ = timed(teacher_video, repeats=1)
         sync()
         start = time.perf_counter()
-        stream_once(student, prompts, seeds, (frames, height, width))
+        stream_once(student, prompts, seeds, size)
         sync()
         one["student_s"] = time.perf_counter() - start
         rounds.append(one)
@@ -250,7 +254,6 @@ def run_speed(args) -> dict:
     on_gpu = device.type == "cuda"
     cfg = load_config(args.config)
     frames, height, width = args.frames or training_clip(cfg)[0], *(args.size or training_clip(cfg)[1:])
-    args.clip = (frames, height, width)
     sampler = random_sampler(cfg, args.chunk_frames, device, dtype)
     if args.text_mask == "full":
         every_text_token_valid(sampler)
@@ -260,10 +263,10 @@ def run_speed(args) -> dict:
     prompts = ["a red circle moving left"] * args.batch
     seeds = list(range(args.batch))
     vae = sampler.vae
-    text_cache_modes = dict(both=(True, False), on=(True,), off=(False,))[args.text_cache]
+    text_cache_modes = modes(args.text_cache, both=(True, False))
     use_graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and on_gpu)
-    merge_modes = dict(both=(False, True), on=(True,), off=(False,))[args.merge_refill]
-    overlap_modes = dict(both=(False, True), on=(True,), off=(False,))[args.overlap_decode]
+    merge_modes = modes(args.merge_refill)
+    overlap_modes = modes(args.overlap_decode)
     variants = [
         name
         for name, (cached, graphs, merged, overlap) in SPEED_VARIANTS.items()
@@ -450,7 +453,7 @@ def run_speed(args) -> dict:
             )
 
         teachers = {}  # "eager" / "graphs" -> seconds for the clip
-        for graphed in dict(both=(False, True), on=(True,), off=(False,))[args.teacher_graphs]:
+        for graphed in modes(args.teacher_graphs):
             name = "graphs" if graphed else "eager"
             teacher.set_cuda_graphs(graphed and on_gpu)
             if on_gpu:
@@ -463,14 +466,15 @@ def run_speed(args) -> dict:
                 peak_mib=cuda_mib(torch.cuda.max_memory_allocated) if on_gpu else None,
                 graphs=None if teacher.pass_graphs is None else teacher.pass_graphs.summary,
             )
-        # the headline baseline: the sampler as users run it (eager unless only graphs were asked for)
-        seconds = teachers.get("eager", next(iter(teachers.values())))
+        # the headline baseline: the eager sampler unless only graphs were asked for
+        baseline = "eager" if "eager" in teachers else "graphs"
+        seconds = teachers[baseline]
         result["teacher"] = dict(
             steps=args.teacher_steps,
             cfg_passes="2, batched as rows of one pass",
             seconds=seconds,
             frames=frames,
-            peak_mib=result[f"teacher_{'eager' if 'eager' in teachers else 'graphs'}"]["peak_mib"],
+            peak_mib=result[f"teacher_{baseline}"]["peak_mib"],
         )
         for name in variants:
             one_x = result["lengths"][f"{args.lengths[0]}x-{name}"]
@@ -497,7 +501,9 @@ def run_speed(args) -> dict:
                 )
             )
         if args.paired:
-            result["paired"] = paired_rounds(args, sampler, teacher, teacher_video, teachers, window, prompts, seeds)
+            result["paired"] = paired_rounds(
+                args, sampler, teacher, teacher_video, teachers, window, prompts, seeds, (frames, height, width)
+            )
         del teacher
     print_table(
         f"streaming speed on {result['device']} (batch {args.batch}, chunk {args.chunk_frames} latent frames, "

@@ -5,29 +5,12 @@ copied only when it changes, the velocity cloned out of the shared buffer) gives
 
 import pytest
 import torch
+from test_streaming import PROMPTS, random_causal_checkpoint, tiny_sampler
 
 from opensora.inference.pass_graphs import PassGraphs
 from opensora.inference.pipeline import VideoSampler
-from opensora.registry import MODELS, build_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
-
-TINY = dict(
-    type="MMDiT",
-    in_channels=48,
-    cond_channels=49,
-    patch_size=(1, 2, 2),
-    hidden_size=32,
-    num_heads=2,
-    depth_double=1,
-    depth_single=1,
-    mlp_ratio=2.0,
-    text_dim=64,
-    pooled_dim=64,
-    axes_dims=(4, 6, 6),
-    attn_backend="math",
-)
-PROMPTS = ["a red circle moving left", "a blue square moving up"]
 
 
 class EagerReplay(PassGraphs):
@@ -43,14 +26,8 @@ class EagerReplay(PassGraphs):
 
 
 def sampler(seed=0) -> VideoSampler:
-    torch.manual_seed(seed)
-    model = build_module(TINY, MODELS).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    vae = build_module(dict(type="PatchVAE", patch_size=4, temporal_patch_size=1), MODELS).eval()
-    text = build_module(dict(type="TextConditioner", seed=0), MODELS)
-    return VideoSampler(model, vae, text, progress=False)
+    """The streaming tests' tiny sampler with a bidirectional model (no causal chunks)."""
+    return tiny_sampler(seed, causal_chunk_frames=0)
 
 
 def videos(s, prompts=PROMPTS, frames=4, size=16, **kwargs):
@@ -129,8 +106,6 @@ def test_set_cuda_graphs_is_a_no_op_off_the_gpu():
 
 
 def test_cli_refuses_an_unknown_cuda_graphs_choice_and_takes_the_known_ones_on_a_cpu(tmp_path):
-    from test_streaming import random_causal_checkpoint
-
     from opensora.cli_errors import UserInputError
     from opensora.inference import cli
 

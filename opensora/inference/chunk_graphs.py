@@ -86,19 +86,42 @@ class _Graph:
         self.entry: Optional[Dict[int, tuple]] = None  # the text keys/values (a text-cache miss only)
 
 
-class ChunkGraphs:
+class PassGraphFamily:
+    """What every family of whole-pass graphs keeps (``ChunkGraphs``, ``pass_graphs.PassGraphs``): one memory, static
+    inputs and a graph per key, the keys whose capture failed, and the counters ``summary`` reports."""
+
+    def __init__(self, memory: Optional[GraphMemory] = None):
+        self.memory = memory if memory is not None else GraphMemory()  # pool, output and cached-video buffers
+        self.statics: Dict[tuple, StaticInputs] = {}
+        self.graphs: Dict[tuple, object] = {}
+        self.failed: set = set()
+        self.failures: List[str] = []
+        self.captures = self.replays = self.eager = 0
+
+    @staticmethod
+    def usable(x: torch.Tensor) -> bool:
+        """Whether passes on ``x``'s device can be graphed (CUDA only)."""
+        return x.is_cuda and torch.cuda.is_available()
+
+    @property
+    def summary(self) -> dict:
+        return dict(
+            graphs=len(self.graphs),
+            captures=self.captures,
+            replays=self.replays,
+            eager=self.eager,
+            failures=list(self.failures),
+        )
+
+
+class ChunkGraphs(PassGraphFamily):
     """Replays ``model.forward_chunk`` passes as CUDA graphs (see the module docstring); call it like
     ``forward_chunk`` (keywords ``timestep, text_emb, text_mask, pooled, cond, cache, start_frame, store_kv,
     text_cache, text_key``)."""
 
     def __init__(self, model, memory: Optional[GraphMemory] = None):
+        super().__init__(memory)
         self.model = model
-        self.memory = memory if memory is not None else GraphMemory()  # pool, output and cached-video buffers
-        self.statics: Dict[tuple, StaticInputs] = {}
-        self.graphs: Dict[tuple, _Graph] = {}
-        self.failed: set = set()
-        self.failures: List[str] = []
-        self.captures = self.replays = self.eager = 0
         self._prelude: Optional[tuple] = None  # (key, text mask, RoPE tables, mask) of the last chunk
         self.text_statics: Dict[tuple, list] = {}  # (text key, shape, dtype, device) -> [buffers, last source]
 
@@ -292,24 +315,9 @@ class ChunkGraphs:
         self._record(graph, body)
         return graph
 
-    @staticmethod
-    def usable(x: torch.Tensor) -> bool:
-        """Whether passes on ``x``'s device can be graphed (CUDA only)."""
-        return x.is_cuda and torch.cuda.is_available()
-
     def _record(self, graph: _Graph, body) -> None:
         """Warm ``body`` up, capture it into a CUDA graph in ``memory``'s pool, and make ``graph.replay`` replay it.
         (tests/test_streaming.py swaps this for an eager replay to check the buffer plumbing on a CPU.)"""
         cuda_graph = self.memory.capture(body)
         graph.replay = cuda_graph.replay
         graph.cuda_graph = cuda_graph
-
-    @property
-    def summary(self) -> dict:
-        return dict(
-            graphs=len(self.graphs),
-            captures=self.captures,
-            replays=self.replays,
-            eager=self.eager,
-            failures=list(self.failures),
-        )

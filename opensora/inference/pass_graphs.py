@@ -7,13 +7,13 @@ the step time, and it moves from host to host. Replayed as a CUDA graph, a pass 
 
 One graph per pass key: the shapes, dtypes and devices of the pass's tensor inputs, whether the text mask has padding
 (the caller says so: ``MMDiT.key_mask`` would otherwise read the mask on the host, which a capture cannot do), the
-model, and where its parameters and buffers live (a graph reads the weights at their addresses: weights updated in place,
-by an optimizer or ``load_state_dict``, are seen by the next replay; weights re-made by ``model.to`` at new addresses
-get a new graph). Replay = copy the inputs into the key's static buffers (``x`` and ``timestep`` always; text, pooled vector and
-condition only when they are other tensors than at the last copy), replay, clone the velocity out of the buffer it
-was copied into inside the graph (``GraphMemory.output``: one pool and one output buffer per shape for all graphs,
-so a graph holds none of its pool alive). The first pass of a key runs the model twice on a side stream and captures
-it: slower than eager once, then every step of every later video replays it.
+model, and where its parameters and buffers live (a graph reads the weights at their addresses: weights updated in
+place, by an optimizer or ``load_state_dict``, are seen by the next replay; weights re-made by ``model.to`` at new
+addresses get a new graph). Replay = copy the inputs into the key's static buffers (``x`` and ``timestep`` always;
+text, pooled vector and condition only when they are other tensors than at the last copy), replay, clone the
+velocity out of the buffer it was copied into inside the graph (``GraphMemory.output``: one pool and one output
+buffer per shape for all graphs, so a graph holds none of its pool alive). The first pass of a key runs the model
+twice on a side stream and captures it: slower than eager once, then every step of every later video replays it.
 
 The captured body is the model's own forward on the static inputs, so the result is the eager result up to the
 kernels cuBLAS/cuDNN pick inside a capture (tests/test_pass_graphs_gpu.py compares them). A capture that fails leaves
@@ -25,34 +25,25 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 
 from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 
-from .chunk_graphs import StaticInputs, describe_inputs
+from .chunk_graphs import PassGraphFamily, StaticInputs, describe_inputs
 
 _FRESH = ("x", "timestep")  # what changes at every step of a video
 
 
-class PassGraphs:
+class PassGraphs(PassGraphFamily):
     """Call it like the network: ``graphs(model, x, timestep=..., text_emb=..., text_mask=..., pooled=..., cond=...,
-    text_mask_has_padding=...)`` (the accelerator calling convention of ``VideoSampler._model_fn``)."""
+    text_mask_has_padding=...)`` (the accelerator calling convention of ``VideoSampler._model_fn``). ``graphs`` maps
+    a key to (replay, {"out": the shared output buffer}, the CUDA graph)."""
 
     def __init__(self, memory: Optional[GraphMemory] = None, max_graphs: int = 8):
-        self.memory = memory if memory is not None else GraphMemory()
+        super().__init__(memory)
         self.max_graphs = max_graphs  # distinct pass shapes kept; then all are dropped and captured again
-        self.statics: Dict[tuple, StaticInputs] = {}
-        self.graphs: Dict[tuple, tuple] = {}  # key -> (replay, output buffer, the CUDA graph)
-        self.failed: set = set()
-        self.failures: List[str] = []
-        self.captures = self.replays = self.eager = 0
-
-    @staticmethod
-    def usable(x: torch.Tensor) -> bool:
-        """Whether passes on ``x``'s device can be graphed (CUDA only)."""
-        return x.is_cuda and torch.cuda.is_available()
 
     def __call__(self, model, x, timestep, text_emb, text_mask=None, pooled=None, cond=None, **kwargs):
         padding = kwargs.pop("text_mask_has_padding", None)
@@ -126,13 +117,3 @@ class PassGraphs:
         replay to check the buffer plumbing.)"""
         graph = self.memory.capture(body)
         return graph.replay, graph
-
-    @property
-    def summary(self) -> dict:
-        return dict(
-            graphs=len(self.graphs),
-            captures=self.captures,
-            replays=self.replays,
-            eager=self.eager,
-            failures=list(self.failures),
-        )

@@ -215,10 +215,10 @@ class MMDiT(nn.Module, SequenceParallelModel):
         them; this fuses the small ops (norms, RoPE, modulation, gating) around the matmuls. ``attention``
         ("traced", the default, or "op"; process-wide, see attention.py's ``COMPILED_ATTENTION``): SDPA traced into
         the graph, or the opaque ``opensora::attention`` op whose backward recomputes the forward; either way each
-        block is one graph with no graph break, at any batch size. ``nn.Module.compile`` compiles in place, so parameter names and state dicts are
-        unchanged. Off by default: compiling costs tens of seconds and gains little on CPU. ``inductor_options``
-        (e.g. ``{"split_reductions": False}``) go to ``torch.compile(options=...)`` on top of
-        ``compile_block_options``' defaults, to try Inductor settings.
+        block is one graph with no graph break, at any batch size. ``nn.Module.compile`` compiles in place, so
+        parameter names and state dicts are unchanged. Off by default: compiling costs tens of seconds and gains
+        little on CPU. ``inductor_options`` (e.g. ``{"split_reductions": False}``) go to
+        ``torch.compile(options=...)`` on top of ``compile_block_options``' defaults, to try Inductor settings.
         """
         if enabled and getattr(self, "sp", None) is not None:
             raise ValueError("compile_blocks=True with sequence parallelism is not supported; turn one off")
