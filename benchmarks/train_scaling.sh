@@ -12,6 +12,10 @@
 #   benchmarks/train_scaling.sh --repeats 3 --plugins zero2 --steps 25 --skip 8 \
 #       --config configs/diffusion/train/mmdit_1b_bench_shape.py   # 1/2/1/2/1/2 GPUs interleaved, medians + spread
 #   benchmarks/train_scaling.sh --bucket-m 256 --overlap 0 ...     # ZeRO knobs: reduce bucket (M elements), overlap
+#   benchmarks/train_scaling.sh --repeats 3 --plugins "zero2 zero2-ms" --shared-base ...
+#                                                    # only the first plugin runs the first GPU count; the others'
+#                                                    # efficiency is against that run (same repeat): for plugin
+#                                                    # variants that differ only on several ranks
 #
 # --repeats R runs the whole GPU-count list R times, interleaved (1, 2, 1, 2, ...), so a slow machine phase hits
 # both counts alike; the report gives per count the median tokens/s per GPU over the repeats with min / max, and the
@@ -25,7 +29,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && python=.venv/bin/python
-gpus="1 2"; plugins="zero2 ddp"; steps=30; skip=10; tiny=0; launcher=torchrun; repeats=1; bucket_m=128; overlap=True
+gpus="1 2"; plugins="zero2 ddp"; steps=30; skip=10; tiny=0; launcher=torchrun; repeats=1; bucket_m=128; overlap=True; shared_base=0
 config=configs/diffusion/train/mmdit_1b_synthetic.py; out=outputs/bench_scaling; extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -40,10 +44,11 @@ while [ $# -gt 0 ]; do
     --bucket-m) bucket_m=$2; shift 2 ;;
     --overlap) case "$2" in 1|True|true|on) overlap=True ;; *) overlap=False ;; esac; shift 2 ;;
     --tiny) tiny=1; shift ;;
+    --shared-base) shared_base=1; shift ;;
     --profile) extra+=(--profile-steps "{'start': $2, 'steps': 3}"); shift 2 ;;
     --sp) extra+=(--sequence-parallel-size "$2"); shift 2 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n 2,24p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,28p "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)"; exit 2 ;;
   esac
 done
@@ -58,21 +63,26 @@ plugin_cfg() {  # bf16 ZeRO-2 on GPU; the demo config's precision (fp32) on CPU
   # zero2: the 1B configs' settings (128M-element reduce buckets, reduce-scatter overlapped with the backward);
   # zero2-default: colossalai's defaults (12M buckets); zero2-ag: zero2 + the parameter all-gather after the step
   # overlapped with the next forward (overlap_allgather); zero2-ms: zero2 + the multi-rank step shortcut
-  # (multi_rank_shortcut: multi-tensor casts and one all-gather per bucket instead of ColossalAI's per-tensor work).
+  # (multi_rank_shortcut: multi-tensor casts and one all-gather per chunk instead of ColossalAI's per-tensor work,
+  # the gather of each chunk on a side stream behind the optimizer's update of the next); zero2-ms-serial: the same
+  # shortcut with the gather after the whole optimizer step (multi_rank_overlap=False).
   local zero="'type': 'LowLevelZeroPlugin', 'stage': 2"
   case "$1" in
     zero2) echo "{$zero, 'reduce_bucket_size_in_m': $bucket_m, 'overlap_communication': $overlap}" ;;
     zero2-default) echo "{$zero}" ;;
     zero2-ag) echo "{$zero, 'reduce_bucket_size_in_m': $bucket_m, 'overlap_communication': $overlap, 'overlap_allgather': True}" ;;
     zero2-ms) echo "{$zero, 'reduce_bucket_size_in_m': $bucket_m, 'overlap_communication': $overlap, 'multi_rank_shortcut': True}" ;;
+    zero2-ms-serial) echo "{$zero, 'reduce_bucket_size_in_m': $bucket_m, 'overlap_communication': $overlap, 'multi_rank_shortcut': True, 'multi_rank_overlap': False}" ;;
     ddp) echo "{'type': 'TorchDDPPlugin'}" ;;
-    *) echo "unknown plugin $1 (zero2|zero2-default|zero2-ag|zero2-ms|ddp)" >&2; exit 2 ;;
+    *) echo "unknown plugin $1 (zero2|zero2-default|zero2-ag|zero2-ms|zero2-ms-serial|ddp)" >&2; exit 2 ;;
   esac
 }
 mkdir -p "$out"
 for r in $(seq "$repeats"); do
  for plugin in $plugins; do
   for n in $gpus; do
+    first_plugin=${plugins%% *}; first_gpus=${gpus%% *}
+    [ $shared_base = 1 ] && [ "$plugin" != "$first_plugin" ] && [ "$n" = "$first_gpus" ] && continue
     name=${plugin}_${n}gpu; [ "$repeats" -gt 1 ] && name=${name}_r$r
     dir=$out/$name
     rm -rf "$dir"
@@ -96,14 +106,17 @@ for r in $(seq "$repeats"); do
   done
  done
 done
-$python - "$out" "$skip" "$plugins" "$gpus" "$repeats" "$bucket_m" "$overlap" "$config" <<'EOF'
+$python - "$out" "$skip" "$plugins" "$gpus" "$repeats" "$bucket_m" "$overlap" "$config" "$shared_base" <<'EOF'
 import datetime, json, statistics, sys
 from pathlib import Path
 out, skip, plugins, gpus = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(), [int(g) for g in sys.argv[4].split()]
 repeats, knobs = int(sys.argv[5]), dict(reduce_bucket_size_in_m=int(sys.argv[6]), overlap_communication=sys.argv[7] == "True")
+shared_base = sys.argv[9] == "1"  # the first plugin's first-GPU-count runs are every plugin's baseline
 def run_name(plugin, n, r):
     return f"{plugin}_{n}gpu" + (f"_r{r}" if repeats > 1 else "")
 def per_gpu_rate(plugin, n, r):
+    if shared_base and n == gpus[0]:
+        plugin = plugins[0]
     path = out / run_name(plugin, n, r) / "metrics.jsonl"
     recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
     recs = [x for x in recs if "tokens_per_s" in x and x.get("step", 0) > skip]
@@ -112,7 +125,8 @@ rows = []
 for plugin in plugins:
     base = None
     for n in gpus:
-        path = out / run_name(plugin, n, repeats) / "metrics.jsonl"
+        owner = plugins[0] if shared_base and n == gpus[0] else plugin
+        path = out / run_name(owner, n, repeats) / "metrics.jsonl"
         recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
         recs = [r for r in recs if "tokens_per_s" in r and r.get("step", 0) > skip]
         if not recs:
@@ -124,13 +138,13 @@ for plugin in plugins:
         per_gpu = statistics.median(good)
         base_rates = [per_gpu_rate(plugin, gpus[0], r) for r in range(1, repeats + 1)]
         effs = [a / b for a, b in zip(rates, base_rates) if a is not None and b]
-        mem_file = out / f"{run_name(plugin, n, repeats)}.mem"
+        mem_file = out / f"{run_name(owner, n, repeats)}.mem"
         # the trainer's allocator high-water mark (rank 0) when logged, else nvidia-smi's used memory (upper bound)
         mem = [r["peak_memory_gib"] for r in recs if "peak_memory_gib" in r] or (
             [float(l.split(",")[1]) / 1024 for l in mem_file.read_text().splitlines() if "," in l]
             if mem_file.exists() else [])
         base = base or (per_gpu if n == gpus[0] else None)
-        profiles = [json.loads(p.read_text()) for p in sorted((out / run_name(plugin, n, repeats) / "profile").glob("rank*.json"))]
+        profiles = [json.loads(p.read_text()) for p in sorted((out / run_name(owner, n, repeats) / "profile").glob("rank*.json"))]
         profile = {k: [round(p[f"{k}_ms_per_step"], 1) for p in profiles] for k in ("wall", "compute", "exposed", "communication")}
         rows.append(dict(plugin=plugin, gpus=n, tokens_per_s_per_gpu=per_gpu,
                          step_time=statistics.median(r["step_time"] for r in recs),
@@ -145,7 +159,7 @@ for plugin in plugins:
 import torch
 device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
 report = dict(date=datetime.date.today().isoformat(), device=device, torch=torch.__version__, config=sys.argv[8],
-              zero_knobs=knobs, repeats=repeats, skip=skip, rows=rows)
+              zero_knobs=knobs, repeats=repeats, skip=skip, shared_base=shared_base, rows=rows)
 (out / "scaling.json").write_text(json.dumps(report, indent=1))
 print(f"{'plugin':7s} {'gpus':>4s} {'tokens/s/gpu':>13s} {'step s':>7s} {'eff':>6s} {'used GiB':>9s} {'mfu':>6s}")
 for r in rows:

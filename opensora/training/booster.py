@@ -184,10 +184,14 @@ def build_plugin(plugin_cfg: dict, mixed_precision: str = "bf16", on_gpu: bool |
     # multi-tensor copies around one all-gather per bucket (zero_single_rank.py); bit-identical to ColossalAI's path
     # on 2 gloo ranks. Off by default until a GPU run (NCCL, 2 GPUs) has confirmed it; `multi_rank_shortcut=True`.
     multi_rank_shortcut = bool(kwargs.pop("multi_rank_shortcut", False))
+    # in that step, the parameter gather chunk by chunk behind the optimizer (a side stream on GPUs); same bits
+    multi_rank_overlap = bool(kwargs.pop("multi_rank_overlap", True))
     if zero_like:
         zero_sync.install()  # grad norm, clipping and the end of backward without host syncs
         if single_rank_shortcut or multi_rank_shortcut:
-            zero_single_rank.install(single_rank=single_rank_shortcut, multi_rank=multi_rank_shortcut)
+            zero_single_rank.install(
+                single_rank=single_rank_shortcut, multi_rank=multi_rank_shortcut, overlap_gather=multi_rank_overlap
+            )
         else:
             zero_single_rank.uninstall()
     elif single_rank_shortcut or multi_rank_shortcut:
