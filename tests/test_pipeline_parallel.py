@@ -515,6 +515,48 @@ def test_graphed_stages_match_the_graphed_streaming_generator_bitwise_on_cpu(cas
         assert summary["eager"] == 0 and summary["failures"] == [] and summary["replays"] > summary["graphs"] > 0
 
 
+def record_masks(model, monkeypatch) -> list:
+    """Spy on ``model.chunk_stage`` (the one-device pass and each pipeline stage run it): per call, whether it reused
+    cached text keys and whether it got an attention mask."""
+    calls, original = [], model.chunk_stage
+
+    def chunk_stage(inputs, lo, hi, num_text, past, text_kv, *args, **kwargs):
+        calls.append((text_kv is not None, inputs.get("mask") is not None))
+        return original(inputs, lo, hi, num_text, past, text_kv, *args, **kwargs)
+
+    monkeypatch.setattr(model, "chunk_stage", chunk_stage)
+    return calls
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+@pytest.mark.parametrize("case", STREAM_CASES[1:2], ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
+def test_unpadded_text_pipeline_attends_mask_free_like_the_generator(case, graphed, monkeypatch, one_thread):
+    """Every text token valid: the generator's text-cached passes attend without a mask (another attention kernel on
+    a GPU, so other last bits); the pipeline's stages must decide alike (they once built an all-true mask for
+    every pass: 2 H200s then gave max |diff| 1 against the generator). bf16, both lanes, chunks bit for bit."""
+    from test_streaming import EagerReplayGraphs, unpadded
+
+    sampler = unpadded(streaming_sampler(torch.bfloat16))
+    num_frames, size = 7, 16
+    generator_calls = record_masks(sampler.model, monkeypatch)
+    gen, refs, groups, latent_size = generator_reference(
+        sampler, case, num_frames, size, graphs=EagerReplayGraphs if graphed else None
+    )
+    assert not any(has_mask for hit, has_mask in generator_calls if hit), "the generator's cached passes: no mask"
+    assert all(has_mask for hit, has_mask in generator_calls if not hit)
+    split = 1
+    place_model(sampler.model, split, ["cpu", "cpu"])
+    lanes = Lanes(["cpu", "cpu"])
+    runners = (EagerReplayGraphs.make(sampler.model), EagerReplayGraphs.make(sampler.model)) if graphed else False
+    pipeline_calls = record_masks(sampler.model, monkeypatch)
+    stages = generator_stages(sampler, case, gen, groups, latent_size, split, lanes, cuda_graphs=runners)
+    assert stages.text_padded == [False]
+    result, _ = run_plan(stages, "basic", lanes, threads=not graphed)
+    assert_chunks_equal(result, refs)
+    assert sum(hit for hit, _ in pipeline_calls) > 0
+    assert [has_mask for hit, has_mask in pipeline_calls] == [not hit for hit, _ in pipeline_calls]
+
+
 @pytest.mark.parametrize("mode", OVERLAP_MODES)
 @pytest.mark.parametrize("refill,cfg_rows", [(False, True), (True, False), (False, False)])
 def test_streaming_pipeline_variants_match_the_single_device_loop(refill, cfg_rows, mode, one_thread):

@@ -24,6 +24,7 @@ import torch
 from opensora.diffusion import flow_matching as fm
 from opensora.diffusion.guidance import text_cfg
 from opensora.diffusion.sampling import euler_step
+from opensora.models.mmdit.causal import text_keys_all_valid
 from opensora.models.mmdit.model import patchify, unpatchify
 
 from .pipeline_parallel import Lanes, Plan
@@ -333,6 +334,15 @@ def _rows(texts: Sequence[Mapping], key: str):
     return torch.cat(parts)
 
 
+def text_has_padding(branches: Sequence[Mapping]) -> bool:
+    """Whether a text token of any CFG pass of a group is padding (a missing mask: none is), read once per stream as
+    ``StreamingGenerator.prepare_text`` reads it over all its text rows. Without padding a text-cached pass attends
+    without a mask (``forward_chunk(text_mask_has_padding=False)``), which another attention kernel computes: the
+    pipeline and its one-GPU references decide alike, or their outputs differ in the last bits."""
+    mask = _rows(branches, "text_mask")
+    return mask is not None and not bool(mask.all())
+
+
 class CausalStreamingStages:
     """``StreamingGenerator``'s chunk loop with a block-causal MMDiT split over two devices.
 
@@ -433,6 +443,7 @@ class CausalStreamingStages:
                 ]
             )
         self.text_mask1 = [[lanes.pull(t["text_mask"], None, 1) for t in g] for g in self.text]
+        self.text_padded = [text_has_padding(g["branches"]) for g in self.groups]  # one host read per group
         self.caches = [
             [
                 (
@@ -566,10 +577,15 @@ class CausalStreamingStages:
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
         tokens = ctx["grid"][0] * ctx["grid"][1] * ctx["grid"][2]
         device = self.lanes.devices[lane]
-        inputs["mask"] = self._reused(
-            ("mask", lane, g, branch, num_text, tokens, past),
-            lambda: model.chunk_mask(text_mask, num_text, tokens, past, device),
-        )
+        # as forward_chunk: a text-cached pass with every text key valid attends without a mask
+        text_hit = text_cache is not None and text_cache.get(key) is not None
+        if text_hit and text_keys_all_valid(text_mask, self.text_padded[g]):
+            inputs["mask"] = None
+        else:
+            inputs["mask"] = self._reused(
+                ("mask", lane, g, branch, num_text, tokens, past),
+                lambda: model.chunk_mask(text_mask, num_text, tokens, past, device),
+            )
 
         def eager():
             text_kv = None if text_cache is None else text_cache.get(key)
@@ -583,7 +599,7 @@ class CausalStreamingStages:
             return out
 
         runner = None if self.graphs is None else self.graphs[lane]
-        if runner is None or text_cache is None or not runner.usable(inputs["mask"]):
+        if runner is None or text_cache is None or not runner.usable(inputs["cos"]):
             return eager()
         return runner.stage(
             inputs,
@@ -684,6 +700,7 @@ def stream_reference(
         )
         for b in branch_sets
     ]
+    padded = text_has_padding(group["branches"])
     caches = [model.new_kv_cache(window_frames, sink_frames) for _ in texts]
     text_caches = [model.new_text_cache() if text_cache else None for _ in texts]
     noise = StreamNoise(group["seeds"], channels, hw, times, rule, context_t)
@@ -717,6 +734,7 @@ def stream_reference(
                         store_kv=store,
                         text_cache=text_cache_,
                         text_key=t,
+                        text_mask_has_padding=padded,
                     ).float()
                 )
             if rows_mode:
