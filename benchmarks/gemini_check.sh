@@ -2,7 +2,8 @@
 # Issue 16, goal 5: GeminiPlugin in the real trainer on GPUs, next to LowLevelZero (ZeRO-2).
 #
 #   bash benchmarks/gemini_check.sh OUT resume     # ~5-7 min on 2 GPUs: exact-resume check per plugin
-#   bash benchmarks/gemini_check.sh OUT 11b        # ~6-8 min on 2 GPUs: the 11B preset, Gemini+offload and ZeRO-2
+#   bash benchmarks/gemini_check.sh OUT 11b        # 2 GPUs: the 11B preset, Gemini+offload (RUN_TIMEOUT=480 or more:
+#                                                  # JIT builds and the host-side Adam) and ZeRO-2 (~40 s)
 #
 # resume: for each of zero2 (mmdit_1b_bench_shape.py: AdamW, EMA), gemini-static and gemini-auto
 # (mmdit_1b_gemini.py: HybridAdam, no EMA) train STEPS steps saving at STEPS/2 (run A), then resume from that
@@ -61,6 +62,10 @@ if [ "$part" = resume ]; then
     fi
   done
 elif [ "$part" = 11b ]; then
+  # torchrun sets OMP_NUM_THREADS=1 unless it is set: the host-offloaded Adam (ColossalAI's CPUAdam, OpenMP) would
+  # update 11B parameters on one core per rank. On 2 H200s (2026-11-26) the Gemini run had not finished its first
+  # step after 270 s: ~115 s of JIT builds (cpu_adam 72 s, fused_optim 43 s), the boost, then that step.
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / nproc ))}
   zero2="{'type': 'LowLevelZeroPlugin', 'stage': 2, 'reduce_bucket_size_in_m': 128, 'overlap_communication': True}"
   rm -rf "$out/11b-gemini-offload" "$out/11b-zero2"
   train 11b-gemini-offload configs/diffusion/train/mmdit_11b_synthetic.py --max-steps "$steps" --ckpt-every 0 --save-at-end False

@@ -16,7 +16,7 @@ gradients into one fp32 buffer with one multi-tensor copy and writes the updated
 parameters with another (``copy_`` rounds fp32 to bf16 exactly as ``.to()`` does). Bit for bit the same values
 (gradient norm, clipping and the inner optimizer are ColossalAI's / ``zero_sync``'s, called as before).
 
-With several ranks (``install(multi_rank=True)``, opt-in) the backward's reduce-scatter stays ColossalAI's; the step
+With several ranks (``install(multi_rank=True)``, the default) the backward's reduce-scatter stays ColossalAI's; the step
 casts this rank's gradient shards with one multi-tensor copy as above and, after the inner optimizer, gathers the
 parameters without the tensor bucket's per-tensor work: per chunk of at most the bucket size (elements per rank,
 ColossalAI's bound too) the updated master shards are cast by one multi-tensor copy straight into this rank's slice
@@ -25,13 +25,6 @@ multi-tensor copy writes every parameter from its pieces (rank r's shard is elem
 parameter's flat view; the last shard's padding is not copied). The all-gather only moves bytes, so the parameters
 get the same bits as through ``TensorBucket``. Only plain data parallelism takes it: one ZeRO process group (not
 an n-d tuple), no tensor / pipeline parallel group of more than one rank.
-
-The multi-rank step also hides the gather behind the optimizer (``install(overlap_gather=True)``, the default):
-the inner optimizer is called once per chunk, and on GPUs, while it updates chunk i+1 on the compute stream, chunk
-i's cast, all-gather and write-back run on a side stream that waits for chunk i's update; the compute stream waits
-for the side stream before ``step`` returns, so whatever comes next (the EMA, a checkpoint, the next forward) sees
-every parameter written. Only optimizers that update each tensor on its own (AdamW, Adam, SGD, ColossalAI's
-HybridAdam / FusedAdam / CPUAdam) are called per chunk: the same per-tensor arithmetic, so the same bits.
 
 fp8 communication, a communication dtype different from the gradients', CPU offload, ``overlap_allgather`` and
 ``master_weights=False`` take ColossalAI's own path. Idempotent.
@@ -43,13 +36,8 @@ import torch
 import torch.distributed as dist
 
 _ORIGINAL: dict = {}
-ENABLED = {"single_rank": True, "multi_rank": False, "overlap_gather": True}  # set by install()
-# optimizers whose step updates each parameter from its own state and gradient alone: calling them once per chunk
-# of parameters is the same arithmetic as one call over all of them
-PER_TENSOR_OPTIMIZERS = ("AdamW", "Adam", "SGD", "HybridAdam", "FusedAdam", "CPUAdam")
-_SIDE_STREAMS: dict = {}  # device -> the stream the overlapped gather runs on
-# counts, so tests can tell which path ran (optimizer_chunks: inner optimizer calls of the overlapped gather)
-SHORTCUTS_TAKEN = {"reduction": 0, "step": 0, "multi_rank_step": 0, "optimizer_chunks": 0}
+ENABLED = {"single_rank": True, "multi_rank": True}  # set by install()
+SHORTCUTS_TAKEN = {"reduction": 0, "step": 0, "multi_rank_step": 0}  # counts, so tests can tell which path ran
 
 
 def _communicates_gradient_bytes(optimizer) -> bool:
@@ -115,8 +103,7 @@ def _cast_all(tensors: list, dtype: torch.dtype) -> list:
 
 
 def _chunks(pairs: list, bound: float) -> list:
-    """``pairs`` ((working, master, ...)) cut in order into runs whose masters hold at most ``bound`` elements
-    together (a larger one alone)."""
+    """``pairs`` cut in order into runs whose masters hold at most ``bound`` elements together (a larger one alone)."""
     chunks, current, size = [], [], 0
     for pair in pairs:
         numel = pair[1].numel()
@@ -128,67 +115,29 @@ def _chunks(pairs: list, bound: float) -> list:
     return chunks + [current] if current else chunks
 
 
-def _gather_chunk(self, chunk: list, store) -> None:
-    """Write the working parameters of ``chunk`` ((working, master shard, group) in the same order on every rank)
-    from all ranks' updated master shards: what ColossalAI's ``TensorBucket.all_gather`` writes, with three launches
+def _gather_into_params(self, pairs: list) -> None:
+    """Write every working parameter of ``pairs`` ((working, master shard) in the same order on every rank) from all
+    ranks' updated master shards: what ColossalAI's ``TensorBucket.all_gather`` writes, with three launches per chunk
     instead of several per tensor."""
+    store = self.pid_to_bucket_store[id(pairs[0][0])]
     world, rank = store.world_size, store.local_rank
-    sizes = [master.numel() for _, master, _ in chunk]
-    total = sum(sizes)
-    gathered = torch.empty(world * total, dtype=self._dtype, device=chunk[0][1].device)
-    local = gathered[rank * total : (rank + 1) * total]
-    torch._foreach_copy_(list(local.split(sizes)), [master for _, master, _ in chunk])
-    dist.all_gather_into_tensor(gathered, local, group=store.torch_pg)
-    shards = gathered.split(sizes * world)  # rank-major: rank r's shard of chunk[i] is shards[r * len(chunk) + i]
-    targets, sources = [], []
-    for i, ((working, _, _), size) in enumerate(zip(chunk, sizes)):
-        if size == 0:
-            continue
-        # the flat parameter split like its padded copy; the last piece is short by the padding (or absent)
-        for r, target in enumerate(working.data.view(-1).split(size)):
-            targets.append(target)
-            sources.append(shards[r * len(chunk) + i][: target.numel()])
-    torch._foreach_copy_(targets, sources)
-
-
-def _steps_by_chunk(self) -> bool:
-    return ENABLED["overlap_gather"] and type(self.optim).__name__ in PER_TENSOR_OPTIMIZERS
-
-
-def _side_stream(device: torch.device):
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[device]
-
-
-def _step_and_gather(self, stepped: list) -> None:
-    """The inner optimizer's step, then every working parameter gathered from all ranks' updated master shards, in
-    chunks of at most the bucket size (elements per rank). Overlapped (see the module doc): one optimizer call per
-    chunk of at most an eighth of the shard, each chunk's gather behind its update (on GPUs on a side stream, so it
-    runs while the next chunk is updated; on CPUs in turn), so only a small last gather is left exposed."""
-    store = self.pid_to_bucket_store[id(stepped[0][0])]
-    if not _steps_by_chunk(self):
-        self.optim.step()
-        for chunk in _chunks(stepped, store.reduce_bucket_size):
-            _gather_chunk(self, chunk, store)
-        return
-    device = stepped[0][1].device
-    compute = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    side = _side_stream(device) if compute is not None else None
-    bound = min(store.reduce_bucket_size, max(sum(m.numel() for _, m, _ in stepped) // 8, 1))
-    for chunk in _chunks(stepped, bound):
-        for group_id in range(self.num_param_groups):
-            self.optim.param_groups[group_id]["params"] = [m for _, m, g in chunk if g == group_id]
-        self.optim.step()
-        SHORTCUTS_TAKEN["optimizer_chunks"] += 1
-        if side is None:
-            _gather_chunk(self, chunk, store)
-            continue
-        side.wait_stream(compute)  # this chunk's masters are updated
-        with torch.cuda.stream(side):  # the gather buffer is allocated, used and freed on the side stream
-            _gather_chunk(self, chunk, store)
-    if side is not None:
-        compute.wait_stream(side)  # every parameter written before anything after the step runs
+    for chunk in _chunks(pairs, store.reduce_bucket_size):
+        sizes = [master.numel() for _, master in chunk]
+        total = sum(sizes)
+        gathered = torch.empty(world * total, dtype=self._dtype, device=chunk[0][1].device)
+        local = gathered[rank * total : (rank + 1) * total]
+        torch._foreach_copy_(list(local.split(sizes)), [master for _, master in chunk])
+        dist.all_gather_into_tensor(gathered, local, group=store.torch_pg)
+        shards = gathered.split(sizes * world)  # rank-major: rank r's shard of chunk[i] is shards[r * len(chunk) + i]
+        targets, sources = [], []
+        for i, ((working, _), size) in enumerate(zip(chunk, sizes)):
+            if size == 0:
+                continue
+            # the flat parameter split like its padded copy; the last piece is short by the padding (or absent)
+            for r, target in enumerate(working.data.view(-1).split(size)):
+                targets.append(target)
+                sources.append(shards[r * len(chunk) + i][: target.numel()])
+        torch._foreach_copy_(targets, sources)
 
 
 def _step(self, closure=None):
@@ -203,7 +152,7 @@ def _step(self, closure=None):
     if self.mixed_precision_mixin is not None and self.mixed_precision_mixin.should_skip_step():
         self.zero_grad()
         return
-    stepped, all_grads, norms = [], [], []  # (working, master, group) of the parameters that have a gradient
+    stepped, all_grads, norms = [], [], []  # (working, master) pairs of the parameters that have a gradient
     for group_id in range(self.num_param_groups):
         pairs, grads = [], []
         for working, master in zip(
@@ -212,9 +161,9 @@ def _step(self, closure=None):
             store = self.pid_to_grad_store[id(working)]
             partitions = store.get_partitioned_gradients_by_param_id(group_id, id(working))
             if partitions:  # a parameter without a gradient (e.g. an unused layer) is not stepped
-                pairs.append((working, master, group_id))
+                pairs.append((working, master))
                 grads.append(partitions[0 if self._partition_grads else store.local_rank])  # this rank's shard
-        masters = [master for _, master, _ in pairs]
+        masters = [master for _, master in pairs]
         grads = _cast_all(grads, masters[0].dtype) if masters else []
         for master, grad in zip(masters, grads):
             master.grad = grad
@@ -229,25 +178,23 @@ def _step(self, closure=None):
         stepped += pairs
     self._current_grad_norm = low_level_optim.calculate_global_norm_from_list(norm_list=norms)
     self._unscale_and_clip_grads(all_grads, self._current_grad_norm)
-    if stepped and path == "gather":
-        _step_and_gather(self, stepped)
-    else:
-        self.optim.step()
+    self.optim.step()
     for group_id in range(self.num_param_groups):
         for master in self._master_param_groups_of_current_rank[group_id]:
             master.grad = None
         self.optim.param_groups[group_id]["params"] = self._master_param_groups_of_current_rank[group_id]
     if stepped and path == "local":  # one rank: each master is its parameter's whole (unpadded) flat copy
-        working = [w.data for w, _, _ in stepped]
-        torch._foreach_copy_(working, [m.reshape(w.shape) for w, (_, m, _) in zip(working, stepped)])
+        working = [w.data for w, _ in stepped]
+        torch._foreach_copy_(working, [m.reshape(w.shape) for w, (_, m) in zip(working, stepped)])
+    elif stepped:
+        _gather_into_params(self, stepped)
     SHORTCUTS_TAKEN["step" if path == "local" else "multi_rank_step"] += 1
 
 
-def install(single_rank: bool = True, multi_rank: bool = False, overlap_gather: bool = True) -> None:
+def install(single_rank: bool = True, multi_rank: bool = True) -> None:
     """Patch ``LowLevelZeroOptimizer._run_reduction`` and ``.step`` (once per process) and choose which shortcuts
-    they take: ``single_rank`` (groups of one rank), ``multi_rank`` (the step of plain data parallel groups) and, in
-    the latter on GPUs, ``overlap_gather`` (the parameter gather behind the optimizer, chunk by chunk)."""
-    ENABLED.update(single_rank=bool(single_rank), multi_rank=bool(multi_rank), overlap_gather=bool(overlap_gather))
+    they take: ``single_rank`` (groups of one rank) and ``multi_rank`` (the step of plain data parallel groups)."""
+    ENABLED.update(single_rank=bool(single_rank), multi_rank=bool(multi_rank))
     if _ORIGINAL:
         return
     from colossalai.zero.low_level import low_level_optim
