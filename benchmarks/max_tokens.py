@@ -236,6 +236,12 @@ def main(argv=None):
     model, opt = build(shape, device, dtype)
     try_frames(model, opt, shape, 1, device, dtype)  # materialise the optimizer state before measuring
     modes = [m.strip() for m in args.modes.split(",")]
+    env = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, tiny=tiny)
+    env["device"] = torch.cuda.get_device_name() if not tiny else "cpu"
+    if not tiny:
+        env["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"max_tokens_{env['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode in modes:  # each mode's search gets its own equal share (the timed steps at its largest size come on
         # top: sharing what was left starved the last mode when a large mode's timed steps overran)
@@ -247,16 +253,9 @@ def main(argv=None):
             f"peak {r.get('peak_gib')} GiB{' (capped)' if r['capped'] else ''}{' (budget spent)' if r['timed_out'] else ''}",
             flush=True,
         )
-    env = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, tiny=tiny)
-    env["device"] = torch.cuda.get_device_name() if not tiny else "cpu"
-    if not tiny:
-        env["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
-    report = dict(
-        environment=env, shape={k: v for k, v in shape.items()}, rows=rows, wall_s=time.perf_counter() - started
-    )
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"max_tokens_{env['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+        # written after every mode: a run stopped from outside keeps the modes it finished
+        report = dict(environment=env, shape=dict(shape), rows=rows, wall_s=time.perf_counter() - started)
+        out.write_text(json.dumps(report, indent=1))
     print(f"\n{'mode':10s} {'ckpt D:S':>8s} {'max T':>6s} {'tokens':>8s} {'step s':>8s} {'MFU':>6s} {'peak GiB':>9s}")
     for r in rows:
         mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") else "-"

@@ -118,7 +118,9 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
 
 
 def test_train_scaling_script_runs_the_trainer_at_one_and_two_processes(tmp_path):
-    """The scaling benchmark on CPU (gloo, demo config): both process counts train and the report is filled."""
+    """The scaling benchmark on CPU (gloo, demo config): both process counts train and the report is filled; with
+    --shared-base the second variant (ColossalAI's own multi-rank ZeRO step) runs at 2 processes only, is measured
+    against the first one's 1-process run, and trains to the same losses and grad norms as the default step."""
     out = tmp_path / "scaling"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     cmd = [
@@ -126,7 +128,8 @@ def test_train_scaling_script_runs_the_trainer_at_one_and_two_processes(tmp_path
         str(ROOT / "benchmarks" / "train_scaling.sh"),
         "--tiny",
         "--plugins",
-        "zero2",
+        "zero2 zero2-cai",
+        "--shared-base",
         "--gpus",
         "1 2",
         "--out",
@@ -134,15 +137,24 @@ def test_train_scaling_script_runs_the_trainer_at_one_and_two_processes(tmp_path
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    report = json.loads((tmp_path / "scaling_tiny" / "scaling.json").read_text())
-    assert report["device"] == "cpu"
-    rows = {r["gpus"]: r for r in report["rows"]}
-    assert set(rows) == {1, 2} and all("error" not in r for r in rows.values()), report
-    assert rows[1]["scaling_efficiency"] == 1.0 and rows[2]["scaling_efficiency"] > 0
-    for n, r in rows.items():
+    runs = tmp_path / "scaling_tiny"
+    report = json.loads((runs / "scaling.json").read_text())
+    assert report["device"] == "cpu" and report["shared_base"] is True
+    rows = {(r["plugin"], r["gpus"]): r for r in report["rows"]}
+    assert set(rows) == {("zero2", 1), ("zero2", 2), ("zero2-cai", 1), ("zero2-cai", 2)}, report
+    assert all("error" not in r for r in rows.values()), report
+    assert not (runs / "zero2-cai_1gpu").exists()  # the shared 1-process run is zero2's
+    assert rows[("zero2-cai", 1)]["tokens_per_s_per_gpu"] == rows[("zero2", 1)]["tokens_per_s_per_gpu"]
+    for (plugin, n), r in rows.items():
+        assert r["scaling_efficiency"] == 1.0 if n == 1 else r["scaling_efficiency"] > 0
         assert r["tokens_per_s_per_gpu"] > 0 and r["steps"] == 5  # 8 steps, the first 3 skipped as warm-up
-        metrics = [json.loads(l) for l in (tmp_path / "scaling_tiny" / f"zero2_{n}gpu" / "metrics.jsonl").open()]
-        assert [m["step"] for m in metrics] == list(range(1, 9))
+
+    def records(name):
+        metrics = [json.loads(line) for line in (runs / name / "metrics.jsonl").open()]
+        return [(m["step"], m["loss"], m.get("grad_norm")) for m in metrics]
+
+    assert [step for step, _, _ in records("zero2_1gpu")] == list(range(1, 9))
+    assert records("zero2_2gpu") == records("zero2-cai_2gpu")  # the default multi-rank step: ColossalAI's bits
 
 
 def test_cuda_kernels_skips_cpu_events_and_user_annotations():
