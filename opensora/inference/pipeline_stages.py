@@ -578,7 +578,7 @@ class CausalStreamingStages:
         tokens = ctx["grid"][0] * ctx["grid"][1] * ctx["grid"][2]
         device = self.lanes.devices[lane]
         # as forward_chunk: a text-cached pass with every text key valid attends without a mask
-        text_hit = text_cache is not None and text_cache.get(key) is not None
+        text_hit = text_cache is not None and key in text_cache.entries  # (get() would count a hit or miss)
         if text_hit and text_keys_all_valid(text_mask, self.text_padded[g]):
             inputs["mask"] = None
         else:
