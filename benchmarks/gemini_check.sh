@@ -10,8 +10,8 @@
 # checkpoint into a fresh directory and train to STEPS again (run B). PASS when every loss and grad norm of B equals
 # A's bit for bit; also median step time, tokens/s and peak memory (rank 0) of run A.
 # 11b: mmdit_11b_synthetic.py (2304 + 512 tokens, batch 1 per GPU, full checkpointing) with Gemini static placement
-# and the optimizer states offloaded to the host, then ZeRO-2 (fused AdamW) with everything on the GPUs; tokens/s, MFU, peak GPU
-# memory (trainer, rank 0; nvidia-smi per GPU) and the host's peak used memory.
+# and the optimizer states offloaded to the host, then ZeRO-2 (fused AdamW) with everything on the GPUs; tokens/s,
+# MFU, peak GPU memory (trainer, rank 0; nvidia-smi per GPU) and the host's peak used memory.
 # Environment: NPROC (default 2), STEPS (default 6), VARIANTS (resume part, default "zero2 gemini-static
 # gemini-auto"; split them over two calls if one call's 8 minutes do not suffice: HybridAdam JIT-compiles ~80 s on
 # first use), RUN_TIMEOUT (s per run, default 420), PYTHON. Results: OUT/gemini_check_{part}.json.

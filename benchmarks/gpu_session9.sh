@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 9's 2-GPU calls (2 H200s of one host), each part one call of < 10 min; results flat under OUT.
 #   bash benchmarks/gpu_session9.sh OUT scaling   issue 16 goal 2: the ZeRO GPU tests, then ZeRO-2 1-GPU / 2-GPU
-#                                                 interleaved 3 times (ColossalAI's step, the multi-rank shortcut
-#                                                 with the gather overlapped, and serial), then a profiled pair
+#                                                 interleaved 3 times (the default multi-rank step shortcut and
+#                                                 ColossalAI's own step), then a profiled pair
 #   bash benchmarks/gpu_session9.sh OUT 11b       issue 16 goal 5: the 11B preset on 2 GPUs (Gemini + host offload,
 #                                                 then ZeRO-2 with torch's fused AdamW, everything on the GPUs)
 #   bash benchmarks/gpu_session9.sh OUT pipeline  issue 14: the 2-GPU pipeline tests and benchmark (CLI auto split);

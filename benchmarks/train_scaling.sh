@@ -76,10 +76,10 @@ plugin_cfg() {  # bf16 ZeRO-2 on GPU; the demo config's precision (fp32) on CPU
   esac
 }
 mkdir -p "$out"
+first_plugin=${plugins%% *}; first_gpus=${gpus%% *}
 for r in $(seq "$repeats"); do
  for plugin in $plugins; do
   for n in $gpus; do
-    first_plugin=${plugins%% *}; first_gpus=${gpus%% *}
     [ $shared_base = 1 ] && [ "$plugin" != "$first_plugin" ] && [ "$n" = "$first_gpus" ] && continue
     name=${plugin}_${n}gpu; [ "$repeats" -gt 1 ] && name=${name}_r$r
     dir=$out/$name
@@ -112,10 +112,10 @@ repeats, knobs = int(sys.argv[5]), dict(reduce_bucket_size_in_m=int(sys.argv[6])
 shared_base = sys.argv[9] == "1"  # the first plugin's first-GPU-count runs are every plugin's baseline
 def run_name(plugin, n, r):
     return f"{plugin}_{n}gpu" + (f"_r{r}" if repeats > 1 else "")
+def owner(plugin, n):  # whose run stands for `plugin` at `n` GPUs (--shared-base: the first plugin's, at gpus[0])
+    return plugins[0] if shared_base and n == gpus[0] else plugin
 def per_gpu_rate(plugin, n, r):
-    if shared_base and n == gpus[0]:
-        plugin = plugins[0]
-    path = out / run_name(plugin, n, r) / "metrics.jsonl"
+    path = out / run_name(owner(plugin, n), n, r) / "metrics.jsonl"
     recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
     recs = [x for x in recs if "tokens_per_s" in x and x.get("step", 0) > skip]
     return statistics.median(x["tokens_per_s"] for x in recs) / n if recs else None
@@ -123,8 +123,7 @@ rows = []
 for plugin in plugins:
     base = None
     for n in gpus:
-        owner = plugins[0] if shared_base and n == gpus[0] else plugin
-        path = out / run_name(owner, n, repeats) / "metrics.jsonl"
+        path = out / run_name(owner(plugin, n), n, repeats) / "metrics.jsonl"
         recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
         recs = [r for r in recs if "tokens_per_s" in r and r.get("step", 0) > skip]
         if not recs:
@@ -136,13 +135,13 @@ for plugin in plugins:
         per_gpu = statistics.median(good)
         base_rates = [per_gpu_rate(plugin, gpus[0], r) for r in range(1, repeats + 1)]
         effs = [a / b for a, b in zip(rates, base_rates) if a is not None and b]
-        mem_file = out / f"{run_name(owner, n, repeats)}.mem"
+        mem_file = out / f"{run_name(owner(plugin, n), n, repeats)}.mem"
         # the trainer's allocator high-water mark (rank 0) when logged, else nvidia-smi's used memory (upper bound)
         mem = [r["peak_memory_gib"] for r in recs if "peak_memory_gib" in r] or (
             [float(l.split(",")[1]) / 1024 for l in mem_file.read_text().splitlines() if "," in l]
             if mem_file.exists() else [])
         base = base or (per_gpu if n == gpus[0] else None)
-        profiles = [json.loads(p.read_text()) for p in sorted((out / run_name(owner, n, repeats) / "profile").glob("rank*.json"))]
+        profiles = [json.loads(p.read_text()) for p in sorted((out / run_name(owner(plugin, n), n, repeats) / "profile").glob("rank*.json"))]
         profile = {k: [round(p[f"{k}_ms_per_step"], 1) for p in profiles] for k in ("wall", "compute", "exposed", "communication")}
         rows.append(dict(plugin=plugin, gpus=n, tokens_per_s_per_gpu=per_gpu,
                          step_time=statistics.median(r["step_time"] for r in recs),

@@ -146,7 +146,7 @@ def test_train_scaling_script_runs_the_trainer_at_one_and_two_processes(tmp_path
     assert not (runs / "zero2-cai_1gpu").exists()  # the shared 1-process run is zero2's
     assert rows[("zero2-cai", 1)]["tokens_per_s_per_gpu"] == rows[("zero2", 1)]["tokens_per_s_per_gpu"]
     for (plugin, n), r in rows.items():
-        assert r["scaling_efficiency"] == 1.0 if n == 1 else r["scaling_efficiency"] > 0
+        assert (r["scaling_efficiency"] == 1.0) if n == 1 else (r["scaling_efficiency"] > 0)
         assert r["tokens_per_s_per_gpu"] > 0 and r["steps"] == 5  # 8 steps, the first 3 skipped as warm-up
 
     def records(name):

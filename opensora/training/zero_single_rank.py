@@ -16,8 +16,8 @@ gradients into one fp32 buffer with one multi-tensor copy and writes the updated
 parameters with another (``copy_`` rounds fp32 to bf16 exactly as ``.to()`` does). Bit for bit the same values
 (gradient norm, clipping and the inner optimizer are ColossalAI's / ``zero_sync``'s, called as before).
 
-With several ranks (``install(multi_rank=True)``, the default) the backward's reduce-scatter stays ColossalAI's; the step
-casts this rank's gradient shards with one multi-tensor copy as above and, after the inner optimizer, gathers the
+With several ranks (``install(multi_rank=True)``, the default) the backward's reduce-scatter stays ColossalAI's; the
+step casts this rank's gradient shards with one multi-tensor copy as above and, after the inner optimizer, gathers the
 parameters without the tensor bucket's per-tensor work: per chunk of at most the bucket size (elements per rank,
 ColossalAI's bound too) the updated master shards are cast by one multi-tensor copy straight into this rank's slice
 of one bf16 buffer, one in-place ``all_gather_into_tensor`` fills the other ranks' slices (as FSDP2 does), and one
