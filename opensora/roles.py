@@ -49,16 +49,42 @@ class Role:
         if wait is not None:
             wait()
 
-    def clip_and_step(self):
+    def _optimizer_chain(self) -> list:
+        """The optimizer, then each optimizer it wraps (booster and ZeRO wrappers keep theirs as ``.optim``)."""
+        chain = [self.optimizer]
+        while hasattr(chain[-1], "optim"):
+            chain.append(chain[-1].optim)
+        return chain
+
+    def skips_on_device(self) -> bool:
+        """Whether ``clip_and_step(found_inf=flag)`` can skip a step on the device: the inner optimizer honours
+        ``found_inf`` (torch's fused Adam / AdamW / SGD: the update is not applied and the step counters are
+        restored) and its wrappers only copy the unchanged masters back into the weights afterwards. Gemini keeps
+        its own chunked weights: not trusted with it."""
+        *wrappers, inner = self._optimizer_chain()
+        supported = bool(getattr(inner, "_step_supports_amp_scaling", False))
+        return supported and not any(type(w).__name__ == "GeminiOptimizer" for w in wrappers)
+
+    def clip_and_step(self, found_inf: Optional[torch.Tensor] = None):
         """Clip gradients to ``grad_clip`` and step; returns the pre-clip global grad norm: a float, or a 0-dim
-        device tensor that the caller reads later (no host sync in the step; ``opensora.training.zero_sync``)."""
-        if self.plugin_clips:
-            self.optimizer.step()
-            norm = self.optimizer.get_grad_norm()
-        else:
-            max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
-            norm = self.optimizer.clip_grad_by_norm(max_norm)
-            self.optimizer.step()
+        device tensor that the caller reads later (no host sync in the step; ``opensora.training.zero_sync``).
+
+        ``found_inf``: a one-element float tensor on the device, 1 to make this step a no-op without the host
+        reading it (``skips_on_device`` must hold)."""
+        inner = self._optimizer_chain()[-1] if found_inf is not None else None
+        if inner is not None:
+            inner.found_inf = found_inf  # torch's fused kernels read this attribute (GradScaler sets it too)
+        try:
+            if self.plugin_clips:
+                self.optimizer.step()
+                norm = self.optimizer.get_grad_norm()
+            else:
+                max_norm = self.grad_clip if self.grad_clip is not None else float("inf")
+                norm = self.optimizer.clip_grad_by_norm(max_norm)
+                self.optimizer.step()
+        finally:
+            if inner is not None:
+                del inner.found_inf
         if norm is None:
             return None
         return norm.detach() if torch.is_tensor(norm) else float(norm)

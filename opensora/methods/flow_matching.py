@@ -28,6 +28,7 @@ from opensora.registry import METHODS
 class FlowMatching(TrainingMethod):
     required_roles = ("model",)
     trainable_roles = ("model",)
+    same_step_every_iteration = True  # ``iteration`` is not read
 
     def __init__(
         self,

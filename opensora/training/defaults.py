@@ -15,6 +15,10 @@ TRAINER_DEFAULTS = dict(
     grad_accum=1,
     precision="bf16",  # of the frozen components, and of the single role of plain training
     max_consecutive_nonfinite=5,  # non-finite losses in a row before the run stops
+    # "auto": a non-finite step is skipped on the device and the host reads the verdict one step later, where every
+    # stepping optimizer is torch's fused Adam/AdamW and the method's step ignores the iteration; else (and with
+    # "sync") the host reads it before each optimizer step
+    nonfinite_check="auto",
     num_workers=2,
     prefetch_factor=2,  # batches each worker prepares ahead (with num_workers > 0)
     persistent_workers=True,  # keep the workers across epochs (no restart stall at every epoch start)

@@ -147,8 +147,12 @@ class EMA:
         return [(n, p) for n, p in unwrap_model(model).named_parameters() if p.requires_grad]
 
     @torch.no_grad()
-    def update(self, model: nn.Module, step: int) -> None:
-        """Fold the model's current weights in; ``step`` is the trainer's global step (after the update)."""
+    def update(self, model: nn.Module, step: int, after: torch.cuda.Event | None = None) -> None:
+        """Fold the model's current weights in; ``step`` is the trainer's global step (after the update).
+
+        ``after``: an event recorded right after the optimizer step whose weights these are, for an update queued
+        later (behind the next step's forward and backward, which do not write the weights): an overlapped update
+        then starts at that event instead of behind everything queued so far."""
         if not self.enabled:
             return
         tracked = self._tracked(model)
@@ -158,7 +162,9 @@ class EMA:
         shadows = [self.shadow[name] for name, _ in tracked]
         params = [param.detach() for _, param in tracked]
         side = self._side_stream(shadows, params)
-        if side is not None:  # after everything queued so far (the optimizer's writes to the parameters)
+        if side is not None and after is not None:
+            side.wait_event(after)
+        elif side is not None:  # after everything queued so far (the optimizer's writes to the parameters)
             side.wait_stream(torch.cuda.current_stream(side.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if step < self.start_step:

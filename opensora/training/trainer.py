@@ -3,20 +3,28 @@
 config -> components (VAE, text conditioner) -> roles (boosted models, optimizers, schedulers, EMAs) -> method
 -> data -> loop. Each micro-step the loop calls ``method.single_train_step(batch, iteration)`` and backwards
 ``loss_map["total_loss"]`` into every role whose optimizer steps this iteration (``_backward``); at the end of an
-accumulation window it calls ``method.optimizers_schedulers_step`` and ``method.optimizers_zero_grad``. It never
-looks at which method it runs.
+accumulation window it calls ``method.optimizers_step`` and ``method.optimizers_zero_grad``, and once the step is
+known to count (its losses finite on every rank) ``method.schedulers_step``. It never looks at which method it runs.
+
+A step whose loss is not finite on some rank is skipped: no weight, optimizer state, EMA or scheduler changes, and
+the step counter does not move. Where every stepping optimizer can skip on the device (``Role.skips_on_device``) and
+the method's step does not depend on the iteration, the loop never waits for the verdict before stepping: the
+optimizer gets the all-reduced flag as ``found_inf`` and the host reads the verdict one step later, while the GPU
+still holds the next step's forward and backward (``_settle``). Checkpoints, validation and the end of the run
+settle first, so they see exactly what the synchronous check would have produced.
 """
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from mmengine.config import Config
 from tqdm import tqdm
 
-from opensora.config import save_config
+from opensora.config import ConfigValueError, save_config
 from opensora.datasets.dataloader import build_dataloader
 from opensora.dtypes import resolve_dtype
 from opensora.parallel.sequence_parallel import SequenceParallelModel, build_sequence_groups
@@ -39,6 +47,23 @@ logger = logging.getLogger(__name__)
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+NONFINITE_CHECKS = ("auto", "sync", "device")
+
+
+@dataclass
+class QueuedStep:
+    """An optimizer step queued on the device, with what the host needs to finish it once its verdict is read."""
+
+    iteration: int
+    verdict: Any  # [any rank's loss non-finite, rank 0 past the time budget]: ``Trainer._verdict``
+    metrics: HostCopy  # the losses averaged over micro-steps and ranks, then the device grad norms
+    loss_keys: list
+    grad_norms: dict  # role -> norm (float or device tensor; the tensors are read from ``metrics``)
+    data_counts: dict  # the loader's skipped samples and bad files after this step's batches
+    timing: Any  # a StepTiming
+    weights_written: Optional[torch.cuda.Event]  # after the optimizer step: where an EMA update of it may start
 
 
 class Trainer:
@@ -111,6 +136,26 @@ class Trainer:
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
+        self.defer_check = self._choose_nonfinite_check()
+        self.out_of_time = False
+
+    def _choose_nonfinite_check(self) -> bool:
+        """True: skip non-finite steps on the device and read the verdict a step late (see the module docstring)."""
+        check = self.setting("nonfinite_check")
+        if check not in NONFINITE_CHECKS:
+            raise ConfigValueError(f"nonfinite_check={check!r}: expected one of {', '.join(NONFINITE_CHECKS)}")
+        roles = [role for role in self.roles.values() if role.trainable and role.optimizer is not None]
+        unsupported = [role.name for role in roles if not role.skips_on_device()]
+        why = None
+        if not self.method.same_step_every_iteration:
+            why = f"method {type(self.method).__name__}'s step depends on the iteration"
+        elif unsupported:
+            why = f"the optimizers of roles {unsupported} cannot skip a step on the device (fused torch AdamW can)"
+        if check == "device" and why is not None:
+            raise ConfigValueError(f"nonfinite_check='device': {why}; use 'auto' or 'sync'")
+        if self.is_main and check == "auto" and why is not None:
+            logger.info("non-finite check before each optimizer step (one host wait per step): %s", why)
+        return check != "sync" and why is None
 
     def setting(self, name: str):
         """Top-level config key ``name``, or its default from ``TRAINER_DEFAULTS``."""
@@ -184,24 +229,32 @@ class Trainer:
             params = [p for p in role.model.parameters() if p.requires_grad]
             role.optimizer.backward(scaled, inputs=params, retain_graph=position < len(roles) - 1)
 
-    def _step_verdict(self, losses, started: float) -> tuple:
-        """(every rank's losses finite, time budget spent): one all-reduce and one host sync per step, after the
-        backward kernels are queued. Every rank must agree on both, or ranks would disagree about stepping or
-        stopping and deadlock; rank 0's clock decides the budget."""
+    def _verdict(self, losses, started: float) -> tuple:
+        """(flags, verdict): flags = [any rank's losses non-finite, rank 0 past the time budget] as 0/1 on the
+        device, all-reduced with MAX after the backward kernels are queued; the verdict is their host copy, queued
+        now and read a step later (deferred check), or the values read at once (the one host wait of a step). Every
+        rank must agree on both, or ranks would disagree about stepping or stopping and deadlock; rank 0's clock
+        decides the budget."""
         nonfinite = torch.stack([~torch.isfinite(loss.detach()).all() for loss in losses]).any().float()
         late = self.is_main and self.max_minutes is not None and time.monotonic() - started > 60.0 * self.max_minutes
         flags = torch.stack((nonfinite, torch.full_like(nonfinite, float(late))))  # a fill, not a host-to-device copy
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.SUM)
-        nonfinite, late = flags.tolist()
-        return nonfinite == 0, late > 0
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        return flags, HostCopy([flags]) if self.defer_check else flags.tolist()
 
-    def _update_emas(self, iteration: int) -> None:
+    def _read_verdict(self, verdict) -> bool:
+        """Whether the step's losses were finite everywhere (``verdict`` from ``_verdict``); notes a spent time
+        budget."""
+        nonfinite, late = verdict.values()[0].tolist() if isinstance(verdict, HostCopy) else verdict
+        self.out_of_time = self.out_of_time or late > 0
+        return nonfinite == 0
+
+    def _update_emas(self, iteration: int, after: Optional[torch.cuda.Event]) -> None:
         for name in self.method.roles_to_update(iteration):
             role = self.roles[name]
             if role.ema is not None:
                 role.wait_for_params()
-                role.ema.update(role.unwrap(), step=self.step)
+                role.ema.update(role.unwrap(), step=self.step, after=after)
 
     def _fence_emas(self) -> None:
         for role in self.roles.values():
@@ -209,66 +262,121 @@ class Trainer:
                 role.ema.fence()
 
     def train(self) -> None:
-        """The loop. Per optimizer step the host waits for the GPU once (``_step_verdict``); the step's metrics are
-        all-reduced on the device and read one step later (``_flush``), so no ``.item()`` stalls the next step."""
+        """The loop. The host never waits for the GPU inside a step where the non-finite check is deferred (else
+        once per step, before the optimizer step); metrics are all-reduced on the device and read one step later
+        (``_flush``), so no ``.item()`` stalls the next step."""
         progress = tqdm(
             total=self.max_steps, initial=self.step, disable=not self.is_main, desc="train", dynamic_ncols=True
         )
         batches = self._batches()
         started = time.monotonic()
-        pending = None  # the previous step's metrics, still on the device
-        out_of_time = False
-        while self.step < self.max_steps and not out_of_time:
-            iteration = self.step
+        self._pending = None  # the previous step's metrics, still on the device
+        self.out_of_time = False
+        queued = None  # the last step queued whose verdict is not read yet (deferred check only)
+        while self.step + (queued is not None) < self.max_steps and not self.out_of_time:
+            iteration = self.step + (queued is not None)  # assumes the queued step counts: the method ignores it
             losses, loss_maps = [], []
-            self.profiler.begin(self.step)
+            self.profiler.begin(iteration)
             self.throughput.start()
             for _ in range(self.grad_accum):
                 batch = next(batches)
                 loss_map, outputs = self.method.single_train_step(batch, iteration)
-                # a non-finite loss is backwarded too and its window's gradients discarded below: no sync before
-                # the backward
+                # a non-finite loss is backwarded too and its window's gradients discarded: no sync before the backward
                 self._backward(loss_map["total_loss"], iteration)
                 losses.append(loss_map["total_loss"])
                 loss_maps.append({k: v.detach().float() for k, v in loss_map.items()})
                 self.throughput.add(outputs)
-            finite, out_of_time = self._step_verdict(losses, started)
-            if not finite:
-                self._handle_nonfinite(iteration)
+            flags, verdict = self._verdict(losses, started)
+            if queued is not None:  # the GPU still holds this step's forward and backward: it does not drain here
+                self._settle(queued, progress)
+                queued = None
+            if not self.defer_check and not self._read_verdict(verdict):
+                self.method.optimizers_zero_grad(iteration)
+                self._skipped()
                 continue
-            self.nonfinite_in_a_row = 0
             self._fence_emas()  # the optimizers write the weights the previous step's overlapped EMA updates read
-            grad_norms = self.method.optimizers_schedulers_step(iteration)
+            grad_norms = self.method.optimizers_step(iteration, found_inf=flags[0] if self.defer_check else None)
             self.method.optimizers_zero_grad(iteration)
-            self.step += 1
-            self._update_emas(iteration)
-            timing = self.throughput.stop()
-            self.profiler.end(self.step)
-            self._flush(pending, progress)
-            pending = self._pending_record(loss_maps, grad_norms, timing)
-            if self.ckpt_every and self.step % self.ckpt_every == 0 and self.step < self.max_steps:
-                pending = self._flush(pending, progress)  # records reach the disk before the checkpoint covering them
-                self.save()
-                self.throughput.restart()
-            if self.validator is not None and self.validator.due(self.step):
-                pending = self._flush(pending, progress)  # this step's record first, then its validation record
-                self.validator.run(self.step)
-                self.throughput.restart()
-        if out_of_time and self.is_main:
+            this_step = self._queued_step(iteration, verdict, loss_maps, grad_norms, self.throughput.stop())
+            self.profiler.end(iteration + 1)
+            if self.defer_check and not self._settles_now(iteration + 1):
+                queued = this_step
+                continue
+            if self._settle(this_step, progress):
+                self._after_step(progress)
+        if queued is not None:
+            self._settle(queued, progress)
+        if self.out_of_time and self.is_main:
             logger.info("max_minutes=%s reached at step %d: saving and stopping", self.max_minutes, self.step)
-        self._flush(pending, progress)
+        self._pending = self._flush(self._pending, progress)
         progress.close()
         if self.setting("save_at_end"):
             self.save()
         self.metrics.close()
         barrier()
 
+    def _settles_now(self, count: int) -> bool:
+        """Whether a step that would be the ``count``-th must be settled before the loop goes on: a checkpoint,
+        a validation or the end of the run comes after it."""
+        return (
+            count >= self.max_steps
+            or (self.ckpt_every and count % self.ckpt_every == 0)
+            or (self.validator is not None and self.validator.due(count))
+        )
+
+    def _queued_step(self, iteration, verdict, loss_maps, grad_norms, timing) -> QueuedStep:
+        """A just-queued optimizer step: its losses averaged over micro-steps and ranks on the device (the all-reduce
+        and a non-blocking copy to the host are queued now; ``HostCopy``), and what the host finishes it with."""
+        keys = list(loss_maps[0])
+        means = torch.stack([torch.stack([m[key] for m in loss_maps]).mean() for key in keys])
+        device_norms = [grad_norms[name] for name in self._trainable_names() if torch.is_tensor(grad_norms.get(name))]
+        weights_written = None
+        if self.defer_check and any(role.ema is not None for role in self.roles.values()) and means.is_cuda:
+            weights_written = torch.cuda.Event()
+            weights_written.record()
+        return QueuedStep(
+            iteration=iteration,
+            verdict=verdict,
+            metrics=HostCopy([all_reduce_mean(means)] + device_norms),
+            loss_keys=keys,
+            grad_norms=grad_norms,
+            data_counts=dict(skipped_samples=self.loader.num_skipped, bad_files=len(self.loader.bad_paths)),
+            timing=timing,
+            weights_written=weights_written,
+        )
+
+    def _settle(self, step: QueuedStep, progress) -> bool:
+        """Finish a queued step on the host once its verdict is read: a finite one counts (scheduler, step counter,
+        EMA, metrics), a non-finite one was a no-op on the device and is counted as skipped. Returns whether it
+        counted."""
+        if self.defer_check and not self._read_verdict(step.verdict):  # (the synchronous check read it already)
+            self._skipped()
+            return False
+        self.nonfinite_in_a_row = 0
+        self.method.schedulers_step(step.iteration)
+        self.step += 1
+        self._update_emas(step.iteration, after=step.weights_written)
+        self._pending = self._flush(self._pending, progress)
+        self._pending = (self.step, step, self._host_record(step.grad_norms))
+        return True
+
+    def _after_step(self, progress) -> None:
+        """Checkpoint and validation after a counted step that was settled at once."""
+        if self.ckpt_every and self.step % self.ckpt_every == 0 and self.step < self.max_steps:
+            self._pending = self._flush(self._pending, progress)  # records reach the disk before the checkpoint
+            self.save()
+            self.throughput.restart()
+        if self.validator is not None and self.validator.due(self.step):
+            self._pending = self._flush(self._pending, progress)  # this step's record first, then its validation
+            self.validator.run(self.step)
+            self.throughput.restart()
+
     def _batches(self):
         """Endless iterator over epochs; the loader knows where a resumed run left off (and stops on an empty one)."""
         return self.loader.batches_forever()
 
-    def _handle_nonfinite(self, iteration: int) -> None:
-        self.method.optimizers_zero_grad(iteration)
+    def _skipped(self) -> None:
+        """Count a skipped step; stop the run after ``max_consecutive_nonfinite`` in a row."""
         self.nonfinite_in_a_row += 1
         self.nonfinite_total += 1
         if self.is_main:
@@ -278,39 +386,37 @@ class Trainer:
                 f"{self.nonfinite_in_a_row} non-finite losses in a row at step {self.step}; stopping"
             )
 
-    def _pending_record(self, loss_maps, grad_norms, timing) -> tuple:
-        """This step's metrics with the losses averaged over micro-steps and ranks on the device (the all-reduce and
-        a non-blocking copy to the host are queued now, read by ``_flush`` one step later without waiting for the
-        steps queued since: ``HostCopy``); lr and grad norm per trainable role (plain ``lr`` /
-        ``grad_norm`` when only one role trains, so single-model runs keep Open-Sora's names)."""
-        keys = list(loss_maps[0])
-        means = torch.stack([torch.stack([m[key] for m in loss_maps]).mean() for key in keys])
+    def _trainable_names(self) -> list:
+        return [name for name, role in self.roles.items() if role.trainable]
+
+    def _host_record(self, grad_norms: dict) -> dict:
+        """A counted step's record as far as the host knows it: lr (after its scheduler step) and grad norm per
+        trainable role (plain ``lr`` / ``grad_norm`` when only one role trains, so single-model runs keep Open-Sora's
+        names; a device norm stays a tensor until ``_flush``), and the skip count."""
         record = {}
-        trainable = [role for role in self.roles.values() if role.trainable]
-        for role in trainable:
-            suffix = "" if len(trainable) == 1 else f"/{role.name}"
-            if role.lr_scheduler is not None:
-                record["lr" + suffix] = role.lr_scheduler.get_last_lr()[0]
-            if role.name in grad_norms:
-                record["grad_norm" + suffix] = grad_norms[role.name]
+        names = self._trainable_names()
+        for name in names:
+            suffix = "" if len(names) == 1 else f"/{name}"
+            scheduler = self.roles[name].lr_scheduler
+            if scheduler is not None:
+                record["lr" + suffix] = scheduler.get_last_lr()[0]
+            if name in grad_norms:
+                record["grad_norm" + suffix] = grad_norms[name]
         record["nonfinite_total"] = self.nonfinite_total
-        record["skipped_samples"] = self.loader.num_skipped
-        record["bad_files"] = len(self.loader.bad_paths)
-        device_keys = [key for key, value in record.items() if torch.is_tensor(value)]
-        on_host = HostCopy([all_reduce_mean(means)] + [record[key] for key in device_keys])
-        return self.step, keys, device_keys, on_host, record, timing
+        return record
 
     def _flush(self, pending, progress=None) -> None:
-        """Write a pending record (``_pending_record``) to the metrics; returns ``None`` (nothing left pending)."""
+        """Write a pending record (``_settle``) to the metrics; returns ``None`` (nothing left pending)."""
         if pending is None:
             return None
-        step, keys, device_keys, on_host, record, timing = pending
-        losses, *device_values = on_host.values()
-        values = dict(zip(("loss" if key == "total_loss" else key for key in keys), losses.tolist()))
-        record = {**record, **{key: float(value) for key, value in zip(device_keys, device_values)}}
-        record = {**values, **record, **timing.record()}
-        self.metrics.log(step, record)
+        count, step, record = pending
+        losses, *device_norms = step.metrics.values()
+        values = dict(zip(("loss" if key == "total_loss" else key for key in step.loss_keys), losses.tolist()))
+        device_keys = [key for key, value in record.items() if torch.is_tensor(value)]  # in ``_queued_step``'s order
+        record = {**record, **{key: float(value) for key, value in zip(device_keys, device_norms)}}
+        record = {**values, **record, **step.data_counts, **step.timing.record()}
+        self.metrics.log(count, record)
         if progress is not None:
-            progress.update(step - progress.n)
+            progress.update(count - progress.n)
             progress.set_postfix(loss=f"{record['loss']:.4f}")
         return None
