@@ -13,8 +13,10 @@
 # and the optimizer states offloaded to the host, then ZeRO-2 (fused AdamW) with everything on the GPUs; tokens/s,
 # MFU, peak GPU memory (trainer, rank 0; nvidia-smi per GPU) and the host's peak used memory.
 # Environment: NPROC (default 2), STEPS (default 6), VARIANTS (resume part, default "zero2 gemini-static
-# gemini-auto"; split them over two calls if one call's 8 minutes do not suffice: HybridAdam JIT-compiles ~80 s on
-# first use), RUN_TIMEOUT (s per run, default 420), PYTHON. Results: OUT/gemini_check_{part}.json.
+# gemini-auto"; 11b part, default "gemini-offload zero2"; split them over two calls if one call's 8 minutes do not suffice: HybridAdam JIT-compiles ~80 s on
+# first use), RUN_TIMEOUT (s per run, default 420), RESUME_ARGS (resume part: more train.py flags for both runs, e.g.
+# "--model.depth_double 2 --model.depth_single 4 --model.grad_ckpt_double 2 --model.grad_ckpt_single 4": a quarter of
+# the 1B model, so each save writes ~4 GB instead of ~17), PYTHON. Results: OUT/gemini_check_{part}.json.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -53,10 +55,13 @@ if [ "$part" = resume ]; then
       gemini-auto) config=configs/diffusion/train/mmdit_1b_gemini.py; extra=(--plugin "$gemini_auto") ;;
     esac
     rm -rf "$out/$variant-A" "$out/$variant-B"
-    train "$variant-A" "$config" --max-steps "$steps" --ckpt-every "$half" --save-at-end False "${extra[@]}"
+    # shellcheck disable=SC2086  # RESUME_ARGS: several flags
+    train "$variant-A" "$config" --max-steps "$steps" --ckpt-every "$half" --save-at-end False "${extra[@]}" ${RESUME_ARGS:-}
     ckpt=$(ls -d "$out/$variant-A"/checkpoints/step-* 2> /dev/null | head -1)
     if [ -n "$ckpt" ]; then
-      train "$variant-B" "$config" --max-steps "$steps" --ckpt-every 0 --save-at-end False --load "$ckpt" "${extra[@]}"
+      # shellcheck disable=SC2086
+      train "$variant-B" "$config" --max-steps "$steps" --ckpt-every 0 --save-at-end False --load "$ckpt" "${extra[@]}" \
+        ${RESUME_ARGS:-}
     else
       echo "   no checkpoint from $variant-A: resume not tried"
     fi
@@ -68,11 +73,18 @@ elif [ "$part" = 11b ]; then
   per_rank=$(( $(nproc) / nproc )); [ "$per_rank" -ge 1 ] || per_rank=1
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$per_rank}
   zero2="{'type': 'LowLevelZeroPlugin', 'stage': 2, 'reduce_bucket_size_in_m': 128, 'overlap_communication': True}"
-  rm -rf "$out/11b-gemini-offload" "$out/11b-zero2"
-  train 11b-gemini-offload configs/diffusion/train/mmdit_11b_synthetic.py --max-steps "$steps" --ckpt-every 0 --save-at-end False
-  # ZeRO-2 with torch's fused AdamW (the 1B configs' optimizer; HybridAdam is Gemini's)
-  train 11b-zero2 configs/diffusion/train/mmdit_11b_synthetic.py --max-steps "$steps" --ckpt-every 0 --save-at-end False \
-    --plugin "$zero2" --optimizer.type AdamW
+  for variant in ${VARIANTS:-gemini-offload zero2}; do
+    rm -rf "$out/11b-$variant"
+    case $variant in
+      gemini-offload)
+        train 11b-gemini-offload configs/diffusion/train/mmdit_11b_synthetic.py --max-steps "$steps" --ckpt-every 0 \
+          --save-at-end False ;;
+      zero2)  # with torch's fused AdamW (the 1B configs' optimizer; HybridAdam is Gemini's)
+        train 11b-zero2 configs/diffusion/train/mmdit_11b_synthetic.py --max-steps "$steps" --ckpt-every 0 \
+          --save-at-end False --plugin "$zero2" --optimizer.type AdamW ;;
+      *) echo "unknown 11b variant '$variant' (gemini-offload | zero2)"; exit 2 ;;
+    esac
+  done
 else
   echo "unknown part '$part' (resume | 11b)"; exit 2
 fi

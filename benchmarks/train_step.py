@@ -80,6 +80,9 @@ VARIANTS = {
     "trainer-compile": dict(model="trainer", backend="auto", compile=True),
     # the EMA update after the optimizer on the compute stream instead of overlapped on a side stream
     "trainer-ema-serial": dict(model="trainer", backend="auto", ema="serial"),
+    # the non-finite check read by the host before each optimizer step (the default reads it a step late, fused
+    # AdamW skipping a non-finite step on the device)
+    "trainer-sync": dict(model="trainer", backend="auto", nonfinite_check="sync"),
     # the bare step with the trainer's optimizer precision: bf16 model, fp32 master weights and AdamW moments,
     # gradients cast to fp32, torch AdamW on the masters (foreach, the trainer's default; or fused), masters
     # copied back to bf16. trainer minus this = the trainer's own overhead; this minus ours-eager = the precision.
@@ -523,6 +526,8 @@ def run_trainer(name, ckpt, args):
         cfg.ema_decay = None
     if VARIANTS[name].get("compile"):
         cfg.model.update(compile_blocks=True)
+    if VARIANTS[name].get("nonfinite_check"):
+        cfg.nonfinite_check = VARIANTS[name]["nonfinite_check"]
     trainer = Trainer(cfg)
     if VARIANTS[name].get("ema") == "serial":
         for role in trainer.roles.values():
