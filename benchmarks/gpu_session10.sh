@@ -6,10 +6,12 @@
 #   bash benchmarks/gpu_session10.sh OUT step      one GPU: goal 3 on this GPU (gpu_issue16_one_gpu.sh step)
 #   bash benchmarks/gpu_session10.sh OUT resume    one GPU: exact resume of zero2 (deferred check), Gemini static and
 #                                                  auto over 4 steps, on a quarter of the 1B model (saves of ~4 GB)
+#   bash benchmarks/gpu_session10.sh OUT multi     2 GPUs: the deferred check's tests on CUDA (two ranks over NCCL
+#                                                  included), then 2-GPU ZeRO-2 scaling with it, 3 interleaved rounds
 #   bash benchmarks/gpu_session10.sh OUT 11b       2 GPUs: the 11B preset with Gemini + host-offloaded optimizer
 set -uo pipefail
-out=${1:?usage: gpu_session10.sh OUT trainer|step|resume|11b}
-part=${2:?usage: gpu_session10.sh OUT trainer|step|resume|11b}
+out=${1:?usage: gpu_session10.sh OUT trainer|step|resume|multi|11b}
+part=${2:?usage: gpu_session10.sh OUT trainer|step|resume|multi|11b}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
@@ -31,13 +33,23 @@ resume)
     cp /tmp/gc/gemini_check_resume.json "$out/" 2> /dev/null
     for f in /tmp/gc/*.log; do tail -5 "$f" > "$out/$(basename "$f").tail"; done
     ;;
+multi)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    nvidia-smi --query-gpu=index,name --format=csv,noheader | tee -a "$out/gpu.txt"
+    timeout 200 python -m pytest -q tests/test_nonfinite_check.py -p no:cacheprovider 2>&1 | tail -8 \
+        | tee "$out/nonfinite_tests.txt"
+    timeout 330 bash benchmarks/train_scaling.sh --repeats 3 --plugins zero2 --gpus "1 2" --steps 16 --skip 5 \
+        --config configs/diffusion/train/mmdit_1b_bench_shape.py --out /tmp/scaling 2>&1 | grep -v "^==" | tail -n 14 \
+        | tee "$out/scaling.txt"
+    cp /tmp/scaling/scaling.json "$out/scaling_r3.json" 2> /dev/null
+    ;;
 11b)
     RUN_TIMEOUT=540 STEPS=4 VARIANTS=gemini-offload bash benchmarks/gemini_check.sh /tmp/gc11 11b
     cp /tmp/gc11/gemini_check_11b.json "$out/" 2> /dev/null
     tail -30 /tmp/gc11/11b-gemini-offload.log > "$out/11b-gemini-offload.log.tail"
     ;;
 *)
-    echo "unknown part '$part' (trainer|step|resume|11b)" >&2
+    echo "unknown part '$part' (trainer|step|resume|multi|11b)" >&2
     exit 2
     ;;
 esac

@@ -34,23 +34,25 @@ FUSED = dict(fused=True)
 KEYS = ("loss", "grad_norm", "lr", "nonfinite_total", "skipped_samples")
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    from opensora.datasets.moving_shapes import write_dataset
-
-    root = tmp_path_factory.mktemp("nonfinite")
-    csv = write_dataset(root / "data", num=16, seed=0, height=32, width=32, num_frames=4, progress=False)
-    config = write_config(
-        root / "fused.py",
+def rendered_config(root: Path, **extra) -> Path:
+    """The demo config on 16 MovingShapes clips of 4 frames at 32x32 rendered in memory (no files, no PyAV: the
+    file also runs on GPU machines without it), 2 clips per rank and step."""
+    return write_config(
+        root / "rendered.py",
         DEMO_CONFIG,
-        dataset=dict(data_path=str(csv)),
+        dataset=dict(_delete_=True, type="MovingShapesDataset", num=16, seed=0, height=32, width=32, num_frames=4),
         bucket_config={"_delete_": True, "32x32": {4: (1.0, 2)}},
         num_workers=0,
         warmup_steps=3,  # the lr changes every step early on: a scheduler stepped for a skipped step shows
-        optimizer=FUSED,
         keep_last=5,
+        **extra,
     )
-    return dict(root=root, config=config)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nonfinite")
+    return dict(root=root, config=rendered_config(root, optimizer=FUSED))
 
 
 def nan_when(method, bad):
@@ -153,16 +155,7 @@ def test_gpu_deferred_check_trains_bit_for_bit_as_the_synchronous_one(tmp_path):
     Frames rendered on the fly (no PyAV)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    config = write_config(
-        tmp_path / "gpu.py",
-        DEMO_CONFIG,
-        precision="bf16",
-        dataset=dict(_delete_=True, type="MovingShapesDataset", num=64, seed=0, height=32, width=32, num_frames=4),
-        bucket_config={"_delete_": True, "32x32": {4: (1.0, 2)}},
-        num_workers=0,
-        warmup_steps=3,
-        keep_last=5,
-    )
+    config = rendered_config(tmp_path, precision="bf16")
     runs = both_checks(dict(root=tmp_path, config=config))
     assert all(shadow.is_cuda for shadow in runs["auto"]["trainer"].roles["model"].ema.shadow.values())
     assert runs["auto"]["reads"] == [2, 3, 4, 5, 5, 6, 7, 9, 10, 11, 11]
