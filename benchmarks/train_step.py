@@ -435,6 +435,8 @@ class SyncAudit:
         import traceback
 
         text = str(message)
+        if text.startswith("Synchronization debug mode is a prototype"):  # torch's notice on enabling: not a sync
+            return None
         if "synchroniz" not in text.lower():
             return self._saved(message, category, filename, lineno, file, line)
         frames = [

@@ -273,7 +273,7 @@ def _two_rank_body(rank, world_size, config, root):
             defer=trainer.defer_check,
             step=trainer.step,
             skipped=trainer.nonfinite_total,
-            weights={k: v.detach().clone() for k, v in weights.items()},
+            weights={k: v.detach().cpu() for k, v in weights.items()},  # each rank's GPU: compared on the host
             records=read_metrics(Path(root) / f"two_{check}") if rank == 0 else None,
         )
     return results
@@ -300,7 +300,7 @@ def test_two_ranks_skip_together_and_match_the_synchronous_check(data):
 def test_device_check_is_refused_where_it_cannot_skip(data, tmp_path):
     from opensora.config import ConfigValueError
 
-    foreach = write_config(tmp_path / "foreach.py", data["config"], optimizer=dict(fused=None))
+    foreach = write_config(tmp_path / "foreach.py", data["config"], optimizer=dict(fused=False))
     assert not build_trainer(foreach, tmp_path / "auto", "--tensorboard", "false").defer_check  # auto falls back
     device = write_config(tmp_path / "device.py", foreach, nonfinite_check="device")
     with pytest.raises(ConfigValueError, match="nonfinite_check='device': the optimizers of roles .'model'. cannot"):
