@@ -317,7 +317,8 @@ class Trainer:
 
     def _settles_now(self, count: int) -> bool:
         """Whether a step that would be the ``count``-th must be settled before the loop goes on: a checkpoint,
-        a validation or the end of the run comes after it."""
+        a validation or the end of the run comes after it. (Validation is due on rank 0 only: ranks may settle a step
+        at different points, which is safe because settling issues no collective.)"""
         return (
             count >= self.max_steps
             or (self.ckpt_every and count % self.ckpt_every == 0)
