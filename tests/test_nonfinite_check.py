@@ -308,3 +308,40 @@ def test_device_check_is_refused_where_it_cannot_skip(data, tmp_path):
     typo = write_config(tmp_path / "typo.py", data["config"], nonfinite_check="later")
     with pytest.raises(ConfigValueError, match="nonfinite_check='later': expected one of auto, sync, device"):
         build_trainer(typo, tmp_path / "typo", "--tensorboard", "false")
+
+
+def test_deferred_check_discards_a_whole_accumulation_window(data, tmp_path):
+    """grad_accum=2 with a NaN on the second micro-step of the second window: that window is skipped as a whole,
+    exactly as with the synchronous check."""
+    config = write_config(tmp_path / "accum.py", data["config"], grad_accum=2)
+    runs = {}
+    for check in ("sync", "auto"):
+        trainer, records, _ = run(
+            dict(root=tmp_path, config=config), check, check, lambda call, b: call == 4, "--max-steps", "4"
+        )
+        runs[check] = dict(trainer=trainer, records=records, state=trained_state(trainer))
+    assert runs["auto"]["trainer"].defer_check and runs["auto"]["trainer"].step == 4
+    assert [r["nonfinite_total"] for r in runs["auto"]["records"]] == [0, 1, 1, 1]
+    assert_same_records(by_step(runs["auto"]["records"]), by_step(runs["sync"]["records"]), range(1, 5), keys=KEYS)
+    assert_same_state(runs["auto"]["state"], runs["sync"]["state"])
+
+
+def test_deferred_check_settles_before_validation(data, tmp_path):
+    """Validation every 2 steps with a NaN where step 2 would come: the skipped attempt is settled at once, step 2
+    validates after the retry, and training matches the synchronous check bit for bit."""
+    pytest.importorskip("av")  # the samples are written as mp4
+    validation = dict(every=2, prompts=["a red circle moving left", "a blue square moving up"], num_steps=2)
+    config = write_config(tmp_path / "val.py", data["config"], max_steps=4, validation=validation)
+    runs = {}
+    for check in ("sync", "auto"):
+        trainer, records, reads = run(dict(root=tmp_path, config=config), check, check, lambda call, b: call == 2)
+        runs[check] = dict(trainer=trainer, records=records, reads=reads, state=trained_state(trainer))
+    auto = runs["auto"]
+    assert auto["trainer"].defer_check
+    assert auto["reads"] == [2, 2, 3, 5, 5]  # calls 2, 3 (step 2: validation) and 5 (the end) settle at once
+    validated = [r["step"] for r in auto["records"] if "val/seconds" in r]
+    assert validated == [r["step"] for r in runs["sync"]["records"] if "val/seconds" in r] == [2, 4]
+    train = {check: [r for r in runs[check]["records"] if "loss" in r] for check in runs}
+    assert [r["step"] for r in train["auto"]] == [1, 2, 3, 4]
+    assert_same_records(by_step(train["auto"]), by_step(train["sync"]), range(1, 5), keys=KEYS)
+    assert_same_state(auto["state"], runs["sync"]["state"])
