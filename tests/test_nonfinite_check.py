@@ -23,6 +23,7 @@ from test_train import (
     build_trainer,
     by_step,
     launcher_env,
+    nan_when,
     read_metrics,
     safetensors_weights,
     write_config,
@@ -53,22 +54,6 @@ def rendered_config(root: Path, **extra) -> Path:
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("nonfinite")
     return dict(root=root, config=rendered_config(root, optimizer=FUSED))
-
-
-def nan_when(method, bad):
-    """Wrap ``method.single_train_step``: NaN loss where ``bad(call, batch)`` (call counts from 1 in this process)."""
-    real_step = method.single_train_step
-    seen = {"calls": 0}
-
-    def step(batch, iteration):
-        seen["calls"] += 1
-        loss_map, outputs = real_step(batch, iteration)
-        if bad(seen["calls"], batch):
-            loss_map = {**loss_map, "total_loss": loss_map["total_loss"] * float("nan")}
-        return loss_map, outputs
-
-    method.single_train_step = step
-    return seen
 
 
 def watch_reads(trainer, seen):
@@ -211,8 +196,7 @@ def bad_batches(data) -> set:
 _KILLED_RUN = """
 import os, signal, sys
 sys.path[:0] = [{tests!r}, {root!r}]
-from test_train import build_trainer
-from test_nonfinite_check import nan_when
+from test_train import build_trainer, nan_when
 trainer = build_trainer({config!r}, {outputs!r}, "--tensorboard", "false", "--max-steps", "8", "--ckpt-every", "2")
 assert trainer.defer_check
 bad = {bad!r}

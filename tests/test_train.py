@@ -313,20 +313,20 @@ def test_resume_auto_without_checkpoint_starts_fresh(inprocess_run):
     assert (inprocess_run / "checkpoints" / "step-0000006" / "COMPLETE").is_file()
 
 
-def _nan_on_calls(method, bad_calls):
-    """Wrap ``method.single_train_step`` so that the given 1-based calls return a NaN loss."""
+def nan_when(method, bad):
+    """Wrap ``method.single_train_step``: NaN loss where ``bad(call, batch)`` (call counts from 1 in this process)."""
     real_step = method.single_train_step
-    counter = {"calls": 0}
+    seen = {"calls": 0}
 
     def step(batch, iteration):
-        counter["calls"] += 1
+        seen["calls"] += 1
         loss_map, outputs = real_step(batch, iteration)
-        if bad_calls is None or counter["calls"] in bad_calls:
+        if bad(seen["calls"], batch):
             loss_map = {**loss_map, "total_loss": loss_map["total_loss"] * float("nan")}
         return loss_map, outputs
 
     method.single_train_step = step
-    return counter
+    return seen
 
 
 def test_nonfinite_loss_is_skipped_and_counted(workdir):
@@ -336,7 +336,7 @@ def test_nonfinite_loss_is_skipped_and_counted(workdir):
     config = write_config(workdir["root"] / "nan.py", workdir["tiny"], max_consecutive_nonfinite=3)
     trainer = build_trainer(config, outputs, "--max-steps", "3", "--tensorboard", "false")
     model = trainer.roles["model"].unwrap()
-    counter = _nan_on_calls(trainer.method, bad_calls={2})
+    counter = nan_when(trainer.method, lambda call, batch: call == 2)
     trainer.train()
     records = read_metrics(outputs)
     assert [r["step"] for r in records] == [1, 2, 3]  # the run went on after the bad step
@@ -348,7 +348,7 @@ def test_nonfinite_loss_is_skipped_and_counted(workdir):
     # three in a row: the run stops with NonFiniteLossError instead of training on garbage
     trainer.max_steps = 10
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    _nan_on_calls(trainer.method, bad_calls=None)
+    nan_when(trainer.method, lambda call, batch: True)
     with pytest.raises(NonFiniteLossError, match="3 non-finite losses in a row"):
         trainer.train()
     assert trainer.step == 3 and trainer.nonfinite_total == 4
