@@ -13,7 +13,7 @@ dataset = dict(
     _delete_=True, type="SyntheticLatentDataset", num=256, latent_frames=9, latent_height=32, latent_width=32
 )
 bucket_config = {"_delete_": True, "256x256": {33: (1.0, 1)}}
-model = mmdit_config("11b", attn_backend="auto", grad_ckpt_double=19, grad_ckpt_single=38, compile_blocks=True)
+model = mmdit_config("11b", attn_backend="auto", grad_ckpt_double=19, grad_ckpt_single=38)
 method = dict(condition_probs=dict(t2v=1.0))  # the 11B preset has a condition input; text-to-video here
 optimizer = dict(type="HybridAdam", betas=(0.9, 0.999), eps=1e-15, weight_decay=0.0)
 ema_decay = None
