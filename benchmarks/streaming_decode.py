@@ -236,8 +236,35 @@ def run_speed(args) -> dict:
                 for i in range(1, args.chunks):
                     graphed(stream[:, :, i * args.chunk : (i + 1) * args.chunk], first=False)
     result["decode_ms"] = {name: spread(t) for name, t in times.items()}
+    # options of the graphed exact decode, one at a time (each holds its own graph pool), each next to the default
+    options = {
+        "contiguous-layout": dict(channels_last=False),
+        "fp32-scores-attention": dict(attention_kernel="fp32-scores"),
+        "attention-window-2": dict(attention_window=2),
+    }
+    result["options"] = {}
+    for name, option in options.items():
+        layout = option.pop("channels_last", None)
+        other = ExactChunkDecode(vae, graphs=True, postprocess=uint8_frames_on_device, **option)
+        other.decoder.channels_last = layout
+        diffs = []
+        for i in range(args.chunks):
+            part = stream[:, :, i * args.chunk : (i + 1) * args.chunk]
+            diffs.append(int((graphed(part, first=i == 0).int() - other(part, first=i == 0).int()).abs().max().item()))
+        pair = {"default": cuda_ms(lambda: graphed(later, first=False), args.repeats * 2)}
+        pair[name] = cuda_ms(lambda: other(later, first=False), args.repeats * 2)
+        result["options"][name] = dict(
+            {k: spread(v) for k, v in pair.items()}, max_abs_diff_vs_default_per_chunk=diffs, failures=other.failures
+        )
+        other = None  # frees its graph pool before the next option
+        torch.cuda.empty_cache()
     for name, s in result["decode_ms"].items():
         print(f"{name:<40} median {s['median_ms']:8.2f} ms  (min {s['min_ms']:.2f}, max {s['max_ms']:.2f})")
+    for name, o in result["options"].items():
+        print(
+            f"option {name:<33} median {o[name]['median_ms']:8.2f} ms vs default {o['default']['median_ms']:8.2f} ms; "
+            f"max|diff| vs default per chunk {o['max_abs_diff_vs_default_per_chunk']}"
+        )
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     eager(later, first=False)

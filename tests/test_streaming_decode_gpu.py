@@ -3,6 +3,8 @@ norm (+ SiLU, into a strided padded buffer), a whole clip as one chunk, chunks w
 CUDA-graph replays against eager chunk decodes. Real-size layer widths (the diffusers default config) at a small frame
 size, so the kernels see the real channel counts."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,22 @@ def vae():
     return HunyuanVideoVAE(config={}, seed=0, dtype="bf16", device="cuda", parallel_group_norm=False)
 
 
+@pytest.fixture(scope="module")
+def decoder32(vae):
+    """The same weights in fp32: the reference both bf16 decodes are measured against."""
+    return copy.deepcopy(vae.vae).float()
+
+
+def assert_bf16_close(ours, plain, reference):
+    """``ours`` (bf16) is as close to the fp32 ``reference`` as the eager diffusers bf16 decode ``plain`` is
+    (uint8 frames: mean and max |diff|, with a little slack for a different order of bf16 roundings)."""
+    ours, plain, reference = uint8(ours), uint8(plain), uint8(reference)
+    err, base = (ours - reference).abs(), (plain - reference).abs()
+    assert ours.shape == reference.shape
+    assert err.mean() <= 1.25 * base.mean() + 0.05, (err.mean().item(), base.mean().item())
+    assert err.max() <= 1.5 * base.max() + 2, (err.max().item(), base.max().item())
+
+
 @pytest.mark.parametrize(
     "shape, groups", [((1, 128, 12, 96, 160), 32), ((1, 512, 3, 12, 20), 32), ((2, 64, 5, 7, 9), 4)]
 )
@@ -43,28 +61,34 @@ def test_fused_group_norm_matches_torch_in_bf16(shape, groups, silu):
     assert padded[:, :, :2].abs().max() == 0 and padded[..., 0].abs().max() == 0  # nothing written outside
 
 
-def test_one_chunk_equals_the_diffusers_decoder(vae):
-    z = torch.randn(
-        1, 16, 3, 8, 12, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(1)
-    )
-    with torch.no_grad():
-        ref = vae.vae.decoder(vae.vae.post_quant_conv(z))
-        ours = StreamingDecoder(vae.vae).decode(z, first=True)
-    assert ours.shape == ref.shape
-    diff = (uint8(ours) - uint8(ref)).abs()
-    assert diff.mean() < 0.5 and diff.max() <= 8  # bf16 rounding of different (fused) kernels
+def latents(frames, seed):
+    return torch.randn(1, 16, frames, 8, 12, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
 
 
-def test_chunks_with_the_whole_clip_statistics_equal_the_whole_clip(vae):
-    z = torch.randn(
-        1, 16, 7, 8, 12, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(2)
-    )
+@pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.parametrize("attention_kernel", ["sdpa", "fp32-scores"])
+def test_one_chunk_equals_the_diffusers_decoder(vae, decoder32, channels_last, attention_kernel):
+    z = latents(3, 1)
     with torch.no_grad():
-        ref = vae.vae.decoder(vae.vae.post_quant_conv(z))
-        stats = whole_clip_stats(vae.vae, z)
-        ours = StreamingDecoder(vae.vae, "fixed", attention_window=7, fixed_stats=stats).decode_clip(z, 3)
-    diff = (uint8(ours) - uint8(ref)).abs()
-    assert ours.shape == ref.shape and diff.mean() < 0.5 and diff.max() <= 8
+        reference = decoder32.decoder(decoder32.post_quant_conv(z))
+        zb = z.bfloat16()
+        plain = vae.vae.decoder(vae.vae.post_quant_conv(zb))
+        decoder = StreamingDecoder(vae.vae, attention_kernel=attention_kernel)
+        decoder.channels_last = channels_last
+        ours = decoder.decode(zb, first=True)
+    assert ours.is_contiguous(memory_format=torch.channels_last_3d) == channels_last
+    assert_bf16_close(ours, plain, reference)
+
+
+def test_chunks_with_the_whole_clip_statistics_equal_the_whole_clip(vae, decoder32):
+    z = latents(7, 2)
+    with torch.no_grad():
+        reference = decoder32.decoder(decoder32.post_quant_conv(z))
+        zb = z.bfloat16()
+        plain = vae.vae.decoder(vae.vae.post_quant_conv(zb))
+        stats = whole_clip_stats(vae.vae, zb)
+        ours = StreamingDecoder(vae.vae, "fixed", attention_window=7, fixed_stats=stats).decode_clip(zb, 3)
+    assert_bf16_close(ours, plain, reference)
 
 
 @pytest.mark.parametrize("rule", ["running", "chunk"])

@@ -67,13 +67,15 @@ class CausalConvCache:
     def pads(self) -> bool:
         return bool(self.front or self.pad_h or self.pad_w)
 
-    def new_input(self, like: torch.Tensor, frames: Optional[int] = None, size: Optional[tuple] = None):
+    def new_input(self, like: torch.Tensor, frames: Optional[int] = None, size: Optional[tuple] = None, fmt=None):
         """An empty ``PaddedInput`` for ``frames`` new frames of spatial ``size`` (default: ``like``'s) with
-        ``like``'s batch, channels, dtype and device."""
+        ``like``'s batch, channels, dtype and device, in memory format ``fmt`` (default: contiguous)."""
         b, c, t, h, w = like.shape
         h, w = size or (h, w)
         shape = (b, c, self.front + (frames or t), h + 2 * self.pad_h, w + 2 * self.pad_w)
-        return PaddedInput(torch.empty(shape, dtype=like.dtype, device=like.device), self.front, self.pad_h, self.pad_w)
+        fmt = fmt or torch.contiguous_format
+        buffer = torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=fmt)
+        return PaddedInput(buffer, self.front, self.pad_h, self.pad_w)
 
     def run(self, padded: PaddedInput, first: bool) -> torch.Tensor:
         """Complete the padding of ``padded`` (border, cached or replicated front frames), convolve, keep the cache."""
@@ -93,10 +95,10 @@ class CausalConvCache:
             self.cache.copy_(buf[:, :, -front:])
         return out
 
-    def __call__(self, x: torch.Tensor, first: bool) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, first: bool, fmt=None) -> torch.Tensor:
         """The conv of a chunk ``x`` whose padding is not folded into a producer (a copy into the buffer)."""
         if not self.pads:
             return self.conv(x)
-        padded = self.new_input(x)
+        padded = self.new_input(x, fmt=fmt)
         padded.interior.copy_(x)
         return self.run(padded, first)

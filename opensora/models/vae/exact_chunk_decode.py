@@ -33,6 +33,7 @@ class ExactChunkDecode:
         attention_window: latent frames of earlier chunks the mid-block attention sees.
         graphs: replay each chunk decode as a CUDA graph (GPU only; falls back to eager if a capture fails).
         postprocess: applied to the decoded frames [B, 3, F, H, W] inside the graph (identity when None).
+        decoder_options: further ``StreamingDecoder`` options (``attention_kernel``).
     """
 
     def __init__(
@@ -42,9 +43,10 @@ class ExactChunkDecode:
         attention_window: int = DEFAULT_ATTENTION_WINDOW,
         graphs: bool = True,
         postprocess: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        **decoder_options,
     ):
         self.vae = vae
-        self.decoder = StreamingDecoder(vae.vae, stats=stats, attention_window=attention_window)
+        self.decoder = StreamingDecoder(vae.vae, stats=stats, attention_window=attention_window, **decoder_options)
         self.use_graphs = bool(graphs)
         self.postprocess = postprocess or (lambda frames: frames)
         self.graphs: dict = {}

@@ -84,6 +84,83 @@ if triton is not None:
         base = (bc // channels) * out_sb + (bc % channels) * out_sc + t * out_st + h * out_sh
         tl.store(out_ptr + base[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _block_moments_cl_kernel(
+        x_ptr, mean_ptr, m2_ptr, voxels, num_blocks, C: tl.constexpr, G: tl.constexpr, BLOCK_V: tl.constexpr
+    ):
+        """Channels-last x [N, voxels, C]: per block of voxels, every group's mean and centred sum of squares."""
+        n = tl.program_id(0)
+        block = tl.program_id(1)
+        v = block * BLOCK_V + tl.arange(0, BLOCK_V)
+        inside = v < voxels
+        rows = (n * voxels + v).to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * C + tl.arange(0, C)[None, :], mask=inside[:, None], other=0.0)
+        xg = tl.reshape(x.to(tl.float32), (BLOCK_V, G, C // G))
+        count = (tl.minimum(voxels - block * BLOCK_V, BLOCK_V) * (C // G)).to(tl.float32)
+        mean = tl.sum(tl.sum(xg, axis=2), axis=0) / count
+        keep = tl.reshape(tl.broadcast_to(inside[:, None], (BLOCK_V, C)), (BLOCK_V, G, C // G))
+        centred = tl.where(keep, xg - mean[None, :, None], 0.0)
+        slot = (n * num_blocks + block) * G + tl.arange(0, G)
+        tl.store(mean_ptr + slot, mean)
+        tl.store(m2_ptr + slot, tl.sum(tl.sum(centred * centred, axis=2), axis=0))
+
+    @triton.jit
+    def _normalize_cl_kernel(
+        x_ptr, out_ptr, scale_ptr, shift_ptr, voxels, channels, height, width,
+        out_sb, out_st, out_sh, out_sw,
+        SILU: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        """Channels-last x [N, voxels, C] -> ``out`` (any view whose channel stride is 1)."""
+        n = tl.program_id(1)
+        v = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+        c = tl.arange(0, BLOCK_C)
+        mask = (v < voxels)[:, None] & (c < channels)[None, :]
+        x = tl.load(x_ptr + (n * voxels + v)[:, None] * channels + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + n * channels + c, mask=c < channels, other=0.0)
+        shift = tl.load(shift_ptr + n * channels + c, mask=c < channels, other=0.0)
+        y = x * scale[None, :] + shift[None, :]
+        if SILU:
+            y = y * tl.sigmoid(y)
+        w = v % width
+        h = (v // width) % height
+        t = v // (width * height)
+        base = n * out_sb + t * out_st + h * out_sh + w * out_sw
+        tl.store(out_ptr + base[:, None] + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _upsample_cl_kernel(
+        x_ptr, out_ptr, out_voxels, channels, in_t, in_h, in_w, out_h, out_w,
+        out_sb, out_st, out_sh, out_sw,
+        FT: tl.constexpr, FH: tl.constexpr, FW: tl.constexpr, FIRST: tl.constexpr,
+        BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        """Nearest upsampling of channels-last x [N, T, H, W, C] into ``out`` (channel stride 1); ``FIRST``: output
+        frame 0 comes from input frame 0 alone (the causal first-frame rule), later ones ``FT`` to an input frame."""
+        n = tl.program_id(1)
+        v = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+        c = tl.arange(0, BLOCK_C)
+        mask = (v < out_voxels)[:, None] & (c < channels)[None, :]
+        wo = v % out_w
+        ho = (v // out_w) % out_h
+        to = v // (out_w * out_h)
+        if FIRST:
+            ti = tl.where(to == 0, 0, 1 + (to - 1) // FT)
+        else:
+            ti = to // FT
+        src = (((n * in_t + ti) * in_h + ho // FH) * in_w + wo // FW) * channels
+        x = tl.load(x_ptr + src[:, None] + c[None, :], mask=mask, other=0.0)
+        base = n * out_sb + to * out_st + ho * out_sh + wo * out_sw
+        tl.store(out_ptr + base[:, None] + c[None, :], x, mask=mask)
+
+
+def channels_last(x: torch.Tensor) -> bool:
+    """Whether x [N, C, T, H, W] is laid out channels-last (``torch.channels_last_3d``) and dense."""
+    return x.dim() == 5 and x.stride(1) == 1 and x.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
 
 def merge_moments(counts: torch.Tensor, means: torch.Tensor, m2s: torch.Tensor, dim: int = -1):
     """Chan's rule: (count, mean, centred sum of squares) of the union of parts given along ``dim``."""
@@ -96,6 +173,8 @@ def merge_moments(counts: torch.Tensor, means: torch.Tensor, m2s: torch.Tensor, 
 def group_moments(x: torch.Tensor, num_groups: int) -> Tuple[int, torch.Tensor, torch.Tensor]:
     """(elements per row, mean [N, G], biased variance [N, G]) of x [N, C, ...] per (sample, group), in fp32."""
     n, c = x.shape[:2]
+    if triton_ready(x) and channels_last(x) and c > 1 and _pow2(c) and _pow2(num_groups):
+        return _group_moments_cl(x, num_groups)
     rows = x.reshape(n * num_groups, -1)
     row_len = rows.shape[1]
     if not triton_ready(x):
@@ -110,6 +189,48 @@ def group_moments(x: torch.Tensor, num_groups: int) -> Tuple[int, torch.Tensor, 
     counts = (row_len - starts).clamp(max=MOMENT_BLOCK)
     _, mean, m2 = merge_moments(counts, means, m2s)
     return row_len, mean.view(n, num_groups), (m2 / row_len).view(n, num_groups)
+
+
+def _group_moments_cl(x: torch.Tensor, num_groups: int):
+    n, c = x.shape[:2]
+    voxels = x.numel() // (n * c)
+    block_v = max(1, MOMENT_BLOCK // c)
+    num_blocks = triton.cdiv(voxels, block_v)
+    means = torch.empty(n, num_blocks, num_groups, device=x.device, dtype=torch.float32)
+    m2s = torch.empty_like(means)
+    _block_moments_cl_kernel[(n, num_blocks)](x, means, m2s, voxels, num_blocks, C=c, G=num_groups, BLOCK_V=block_v)
+    starts = torch.arange(num_blocks, device=x.device, dtype=torch.float32) * block_v
+    counts = ((voxels - starts).clamp(max=block_v) * (c // num_groups)).view(1, -1, 1)
+    row_len = voxels * (c // num_groups)
+    _, mean, m2 = merge_moments(counts, means, m2s, dim=1)
+    return row_len, mean, m2 / row_len
+
+
+def upsample_into(x: torch.Tensor, out: torch.Tensor, factors: Tuple[int, int, int], first: bool) -> None:
+    """Nearest upsampling of x [N, C, T, H, W] by ``factors`` (t, h, w) into ``out``; with ``first`` the first frame
+    is upsampled in space only (diffusers' causal upsampler on a clip's first frame)."""
+    ft, fh, fw = factors
+    n, c, t, h, w = x.shape
+    if triton_ready(x) and channels_last(x) and out.stride(1) == 1:
+        out_voxels = out.shape[2] * out.shape[3] * out.shape[4]
+        block_c = triton.next_power_of_2(c)
+        block_v = max(1, NORM_TILE // block_c)
+        grid = (triton.cdiv(out_voxels, block_v), n)
+        sb, _, st, sh, sw = out.stride()
+        _upsample_cl_kernel[grid](
+            x, out, out_voxels, c, t, h, w, out.shape[3], out.shape[4], sb, st, sh, sw,
+            FT=ft, FH=fh, FW=fw, FIRST=first, BLOCK_V=block_v, BLOCK_C=block_c,
+        )  # fmt: skip
+        return
+    single = 1 if first else 0
+    if single:
+        out[:, :, :1].unflatten(3, (h, fh)).unflatten(5, (w, fw)).copy_(
+            x[:, :, :1, :, None, :, None].expand(n, c, 1, h, fh, w, fw)
+        )
+    rest = t - single
+    if rest:
+        view = out[:, :, single:].unflatten(2, (rest, ft)).unflatten(4, (h, fh)).unflatten(6, (w, fw))
+        view.copy_(x[:, :, single:, None, :, None, :, None].expand(n, c, rest, ft, h, fh, w, fw))
 
 
 def norm_affine(mean, var, num_channels: int, weight, bias, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -127,17 +248,28 @@ def norm_affine(mean, var, num_channels: int, weight, bias, eps: float) -> Tuple
 
 
 def normalize_into(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, out: torch.Tensor, silu: bool) -> None:
-    """``out[...] = act(x * scale + shift)`` for x [N, C, T, H, W] (contiguous) and ``out`` of x's shape with a unit
-    last stride (any view, e.g. the interior of a padded buffer); scale/shift [N, C] fp32. One rounding to
-    ``out``'s dtype."""
+    """``out[...] = act(x * scale + shift)`` for x [N, C, T, H, W] and ``out`` of x's shape (any view, e.g. the
+    interior of a padded buffer: unit last stride for a contiguous x, unit channel stride for a channels-last x);
+    scale/shift [N, C] fp32. One rounding to ``out``'s dtype."""
     if x.dim() != 5 or out.shape != x.shape:
         raise ValueError(f"normalize_into expects x [N, C, T, H, W] and out of its shape, got {x.shape}, {out.shape}")
+    if triton_ready(x) and channels_last(x) and out.stride(1) == 1:
+        n, c, t, h, w = x.shape
+        block_c = triton.next_power_of_2(c)
+        block_v = max(1, NORM_TILE // block_c)
+        grid = (triton.cdiv(t * h * w, block_v), n)
+        sb, _, st, sh, sw = out.stride()
+        _normalize_cl_kernel[grid](
+            x, out, scale, shift, t * h * w, c, h, w, sb, st, sh, sw,
+            SILU=silu, BLOCK_V=block_v, BLOCK_C=block_c,
+        )  # fmt: skip
+        return
     if not triton_ready(x) or out.stride(-1) != 1 or x.shape[-1] > MAX_WIDTH:
         y = torch.addcmul(shift[:, :, None, None, None], x.float(), scale[:, :, None, None, None])
         out.copy_(F.silu(y) if silu else y)
         return
     n, c, t, h, w = x.shape
-    x = x.contiguous()
+    x = x.contiguous()  # NCTHW rows for the kernel below
     block_w = triton.next_power_of_2(w)
     rows_per_program = max(1, NORM_TILE // block_w)
     num_rows = n * c * t * h

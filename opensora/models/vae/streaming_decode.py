@@ -36,9 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .conv_cache import CausalConvCache
-from .fused_group_norm import group_moments, norm_affine, normalize_into
+from .fused_group_norm import group_moments, norm_affine, normalize_into, upsample_into
 
 STATS_RULES = ("running", "chunk", "fixed")
+ATTENTION_KERNELS = ("sdpa", "fp32-scores")
 DEFAULT_ATTENTION_WINDOW = 8  # latent frames of earlier chunks the mid-block attention sees (a 33-frame clip: exact)
 
 
@@ -85,13 +86,30 @@ class NormStatistics:
         return self.mean.float(), (self.m2 / self.count).float()
 
 
+def fp32_score_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d)) v`` as two GEMMs with fp32 scores, for head widths the fused SDPA kernels handle
+    slowly (this decoder's single 512-wide head). bf16 values are exact in TF32, so the TF32 product of their fp32
+    copies is the fp32-accumulated score; the probabilities are rounded to v's dtype for the second GEMM (as the
+    fused kernels do)."""
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = q.dtype in (torch.bfloat16, torch.float16)
+    try:
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    probs = torch.softmax(scores.mul_(q.shape[-1] ** -0.5), dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 class FrameCausalAttentionCache:
     """The mid block's frame-causal attention (diffusers ``Attention`` with its group norm, residual and output
     projection) over a chunk, with the keys/values of the last ``window`` earlier latent frames kept in a static
     buffer (right-aligned: the newest frame last). Each query frame attends to the cached frames and to the chunk's
     frames up to its own, one unmasked SDPA call per query frame (the whole clip's mask, without building it)."""
 
-    def __init__(self, attn, window: int, norm_stats: NormStatistics):
+    def __init__(self, attn, window: int, norm_stats: NormStatistics, kernel: str = "sdpa"):
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
         if (
             attn.spatial_norm is not None
             or attn.norm_q is not None
@@ -99,16 +117,16 @@ class FrameCausalAttentionCache:
             or attn.is_cross_attention
         ):
             raise ValueError("unsupported attention layout for the chunked decoder")
-        self.attn, self.window, self.stats = attn, int(window), norm_stats
+        self.attn, self.window, self.stats, self.kernel = attn, int(window), norm_stats, kernel
         self.keys = self.values = None
 
     def __call__(self, x: torch.Tensor, first: bool, cached: int, record: bool, normalize) -> torch.Tensor:
         attn = self.attn
         b, c, t, h, w = x.shape
         hw, heads = h * w, attn.heads
-        normed = torch.empty_like(x)
+        normed = torch.empty_like(x)  # x's memory format: tokens below are a view for channels-last
         normalize(self.stats, x, normed, silu=False, first=first, record=record)
-        tokens = normed.flatten(2).transpose(1, 2)  # [B, T*H*W, C]
+        tokens = normed.permute(0, 2, 3, 4, 1).reshape(b, t * hw, c)  # [B, T*H*W, C]
 
         def split_heads(proj):
             return proj(tokens).view(b, t * hw, heads, -1).transpose(1, 2)
@@ -125,13 +143,14 @@ class FrameCausalAttentionCache:
         for frame in range(t):  # query frame sees the cache and the chunk's frames up to its own
             end = (cached + frame + 1) * hw
             q = query[:, :, frame * hw : (frame + 1) * hw]
-            outs.append(F.scaled_dot_product_attention(q, key[:, :, :end], value[:, :, :end]))
+            attend = F.scaled_dot_product_attention if self.kernel == "sdpa" else fp32_score_attention
+            outs.append(attend(q, key[:, :, :end], value[:, :, :end]))
         self._keep(key, value, cached + t, hw)
         out = torch.cat(outs, dim=2).transpose(1, 2).reshape(b, t * hw, -1)
         out = attn.to_out[1](attn.to_out[0](out))
-        residual = x.flatten(2).transpose(1, 2)
+        residual = x.permute(0, 2, 3, 4, 1).reshape(b, t * hw, c)
         out = (out + residual) / attn.rescale_output_factor if attn.residual_connection else out
-        return out.transpose(1, 2).reshape(b, c, t, h, w)
+        return out.view(b, t, h, w, c).permute(0, 4, 1, 2, 3)  # channels-last layout
 
     def _keep(self, key: torch.Tensor, value: torch.Tensor, frames: int, hw: int) -> None:
         if not self.window:
@@ -153,6 +172,7 @@ class StreamingDecoder:
         stats: GroupNorm statistics rule, ``"running"`` / ``"chunk"`` / ``"fixed"`` (module docstring).
         attention_window: latent frames of earlier chunks kept for the mid block's attention.
         fixed_stats: for ``stats="fixed"``: one (mean [N, G], var [N, G]) per GroupNorm in ``norm_order``.
+        attention_kernel: ``"sdpa"`` (PyTorch's fused attention) or ``"fp32-scores"`` (``fp32_score_attention``).
 
     ``decode(z, first)``: z are raw latents [B, C, t, h, w] (after the latent normalisation is undone); returns the
     chunk's pixel frames [B, 3, F, H, W] in z's dtype (F = 1 + 4 (t - 1) for the first chunk, 4 t after).
@@ -164,6 +184,7 @@ class StreamingDecoder:
         stats: str = "running",
         attention_window: int = DEFAULT_ATTENTION_WINDOW,
         fixed_stats: Optional[List[tuple]] = None,
+        attention_kernel: str = "sdpa",
     ):
         from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoCausalConv3d
 
@@ -183,11 +204,16 @@ class StreamingDecoder:
         }
         mid = self.decoder.mid_block
         self.attentions = [
-            None if a is None else FrameCausalAttentionCache(a, attention_window, self.stats[id(a.group_norm)])
+            None
+            if a is None
+            else FrameCausalAttentionCache(a, attention_window, self.stats[id(a.group_norm)], attention_kernel)
             for a in mid.attentions
         ]
         self.frames_seen = 0  # latent frames decoded in this clip (host state: which graph a chunk replays)
         self.record = False
+        # activations' memory format: channels-last on a GPU (cuDNN's convs run NDHWC: no layout conversions
+        # around each conv, and the fused kernels read and write channels contiguously); contiguous elsewhere
+        self.fmt, self.channels_last = torch.contiguous_format, None  # None: channels-last on CUDA
 
     # --- state -----------------------------------------------------------------------------------------------
     def state_tensors(self) -> List[torch.Tensor]:
@@ -206,21 +232,21 @@ class StreamingDecoder:
         norm = stats.norm
         mean, var = stats(x, first, record)
         scale, shift = norm_affine(mean, var, x.shape[1], norm.weight, norm.bias, norm.eps)
-        normalize_into(x.contiguous(), scale, shift, out, silu)
+        normalize_into(x.contiguous(memory_format=self.fmt), scale, shift, out, silu)
 
     def _norm_act_conv(self, norm, conv_module, x, first: bool) -> torch.Tensor:
         """conv(SiLU(norm(x))) with the normalised activations written into the conv's padded input."""
         conv = self.convs[id(conv_module)]
-        padded = conv.new_input(x)
+        padded = conv.new_input(x, fmt=self.fmt)
         self._normalize(self.stats[id(norm)], x, padded.interior, True, first, self.record)
         return conv.run(padded, first)
 
     def _resnet(self, block, x: torch.Tensor, first: bool) -> torch.Tensor:
-        x = x.contiguous()
+        x = x.contiguous(memory_format=self.fmt)
         h = self._norm_act_conv(block.norm1, block.conv1, x, first)
         h = block.dropout(h)  # identity at inference; kept so the layer order is the block's
         h = self._norm_act_conv(block.norm2, block.conv2, h, first)
-        residual = x if block.conv_shortcut is None else self.convs[id(block.conv_shortcut)](x, first)
+        residual = x if block.conv_shortcut is None else self.convs[id(block.conv_shortcut)](x, first, self.fmt)
         return h.add_(residual)
 
     def _upsample(self, up, x: torch.Tensor, first: bool) -> torch.Tensor:
@@ -229,16 +255,8 @@ class StreamingDecoder:
         conv = self.convs[id(up.conv)]
         b, c, t, h, w = x.shape
         single = 1 if first else 0
-        padded = conv.new_input(x, frames=single + (t - single) * ft, size=(h * fh, w * fw))
-        inner = padded.interior
-        if single:
-            inner[:, :, :1].unflatten(3, (h, fh)).unflatten(5, (w, fw)).copy_(
-                x[:, :, :1, :, None, :, None].expand(b, c, 1, h, fh, w, fw)
-            )
-        rest = t - single
-        if rest:
-            view = inner[:, :, single:].unflatten(2, (rest, ft)).unflatten(4, (h, fh)).unflatten(6, (w, fw))
-            view.copy_(x[:, :, single:, None, :, None, :, None].expand(b, c, rest, ft, h, fh, w, fw))
+        padded = conv.new_input(x, frames=single + (t - single) * ft, size=(h * fh, w * fw), fmt=self.fmt)
+        upsample_into(x.contiguous(memory_format=self.fmt), padded.interior, (ft, fh, fw), first)
         return conv.run(padded, first)
 
     @torch.no_grad()
@@ -249,8 +267,10 @@ class StreamingDecoder:
             raise RuntimeError("a later chunk before the first one: decode the clip's first chunk with first=True")
         dec = self.decoder
         cached = 0 if first else self.frames_seen
-        x = self.vae.post_quant_conv(z)
-        x = self.convs[id(dec.conv_in)](x, first)
+        use_cl = z.is_cuda if self.channels_last is None else self.channels_last
+        self.fmt = torch.channels_last_3d if use_cl else torch.contiguous_format
+        x = self.vae.post_quant_conv(z).contiguous(memory_format=self.fmt)
+        x = self.convs[id(dec.conv_in)](x, first, self.fmt)
         mid = dec.mid_block
         x = self._resnet(mid.resnets[0], x, first)
         for attention, resnet in zip(self.attentions, mid.resnets[1:]):
