@@ -12,10 +12,10 @@ for part in "$@"; do
   t0=$(date +%s)
   case $part in
     tests)  # bf16 vs the fp32 masked reference, compiled with checkpointing / LoRA / causal, recompiles
-      timeout ${TESTS_S:-150} python -m pytest -q -p no:cacheprovider -s tests/test_text_padding_gpu.py \
+      timeout ${TESTS_S:-150} python -m pytest -q -p no:cacheprovider -s tests/test_text_padding_gpu.py -k "${TESTS_K:-}" \
         > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt" ;;
     step)  # the real configuration next to diffusers' Flux, interleaved
-      timeout ${STEP_S:-300} python benchmarks/padded_text_step.py --out "$OUT/padded_text_step.json" \
+      timeout ${STEP_S:-300} python benchmarks/padded_text_step.py --out "$OUT/padded_text_step.json" ${STEP_ARGS:-} \
         > "$OUT/padded_text_step.txt" 2>&1; tail -16 "$OUT/padded_text_step.txt" ;;
     fp8)
       timeout ${FP8_S:-300} python benchmarks/fp8_step.py --out "$OUT/fp8_step.json" > "$OUT/fp8_step.txt" 2>&1

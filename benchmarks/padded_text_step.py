@@ -23,6 +23,11 @@ bf16 matmul ceiling (--ceiling-tflops, 752 on H100/H200) and the vendor dense pe
 kernels ran over (diffusers-512: all 512 text tokens).
 
   python benchmarks/padded_text_step.py --out $OUT/padded_text_step.json
+  python benchmarks/padded_text_step.py --warm-lengths 0    # cold: cuDNN meets each prompt length in the timed steps
+
+cuDNN builds an execution plan per new attention shape (~0.1 s); a padded batch gives each row its own shape, so the
+first steps that meet a prompt length pay it (once per length per run). By default the benchmark builds them first
+(``text_padding.warm_attention_lengths``) and times the steady state; ``--warm-lengths 0`` times the cold start.
   python benchmarks/padded_text_step.py --tiny          # CPU smoke test of the script
 """
 
@@ -239,6 +244,19 @@ def run(args):
     torch.manual_seed(0)
     variants = build(shape, device, dtype, args)
     cuda = device.type == "cuda"
+    warm_s = None
+    if args.warm_lengths and cuda:  # steady state: cuDNN has built its plan for every prompt length of the range
+        from opensora.models.mmdit.text_padding import warm_attention_lengths
+
+        t0 = time.perf_counter()
+        lo, hi = shape["valid"]
+        video = shape["grid"][0] * shape["grid"][1] * shape["grid"][2]
+        warm_attention_lengths(
+            shape["heads"], shape["hidden"] // shape["heads"], video, range(lo, hi + 1), device, dtype
+        )
+        torch.cuda.synchronize()
+        warm_s = round(time.perf_counter() - t0, 1)
+        print(f"cuDNN plans for prompt lengths {lo}-{hi}: {warm_s} s", flush=True)
     warm = {}
     index = 0
     for v in variants:  # warm-up (compilation happens here: the first steps of the first compiled variant)
@@ -291,7 +309,7 @@ def run(args):
                  ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip
         if a in by and b in by:
             ratios[f"{a} / {b}"] = by[a]["step_ms"] / by[b]["step_ms"]
-    return dict(rows=rows, ratios=ratios, graphs=counters["stats"]["unique_graphs"])
+    return dict(rows=rows, ratios=ratios, graphs=counters["stats"]["unique_graphs"], warm_lengths_s=warm_s)
 
 
 def main(argv=None):
@@ -301,6 +319,12 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--variants", default="", help=f"comma list (default all): {','.join(VARIANTS)}")
     parser.add_argument("--no-diffusers", action="store_true")
+    parser.add_argument(
+        "--warm-lengths",
+        type=int,
+        default=1,
+        help="1: build cuDNN's plans for every prompt length of the range before timing (steady state); 0: cold",
+    )
     parser.add_argument("--ceiling-tflops", type=float, default=752.0, help="measured bf16 matmul ceiling")
     parser.add_argument("--vendor-tflops", type=float, default=989.0, help="vendor dense bf16 peak (H100/H200 SXM)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU in fp32 (smoke test)")

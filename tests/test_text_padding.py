@@ -29,11 +29,23 @@ def test_key_ranges_equal_sdpa_with_their_boolean_mask():
     torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
     grad = torch.randn(out.shape, generator=gen)
     grads = torch.autograd.grad(out, (q, k, v), grad)
-    reference_grads = torch.autograd.grad(reference, (q, k, v), grad)
+    reference_grads = torch.autograd.grad(reference, (q, k, v), grad, retain_graph=True)
     for got, want in zip(grads, reference_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="3 rows for a batch of 2"):
         attention(q[:2], k[:2], v[:2], ranges)
+
+    # queries_at_keys: the queries at the key positions as above, zeros elsewhere, gradients through them only
+    selected = KeyRanges(ranges.rows, queries_at_keys=True)
+    out = attention(q, k, v, selected, backend="math")
+    keep = mask[:, 0, 0, :, None]  # [B, N, 1]: the rows' own key positions
+    torch.testing.assert_close(out, torch.where(keep, reference, 0.0), rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    reference_grads = torch.autograd.grad(reference, (q, k, v), grad * keep)
+    for got, want in zip(grads, reference_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="sorted, non-overlapping"):
+        KeyRanges([((5, 11), (0, 2))], queries_at_keys=True)
 
 
 def test_trimmed_lengths_and_masks_that_are_not_prefixes():

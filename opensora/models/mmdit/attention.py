@@ -130,18 +130,28 @@ class RowGroups(tuple):
 
 class KeyRanges:
     """A key mask given as ranges: batch row ``b`` attends to the keys ``[start, stop)`` of each pair in
-    ``rows[b]`` (in order) and to no other key; every query of the row sees the same keys. What a padded prompt
-    needs (text_padding.py: the row's valid text tokens and the video tokens), without a dense boolean mask that
-    would rule out the flash / cuDNN kernels.
+    ``rows[b]`` (in order) and to no other key. What a padded prompt needs (text_padding.py: the row's valid text
+    tokens and the video tokens), without a dense boolean mask that would rule out the flash / cuDNN kernels.
 
     ``attend`` runs one mask-free SDPA call per row on that row's keys/values (copied out of the joint sequence):
-    the same result as SDPA with the equivalent boolean mask, for every query. Inside ``torch.compile`` the range
-    bounds are host ints: Dynamo specialises on the first batch's values and, when they change, recompiles once
-    with them symbolic (automatic dynamic shapes), so a stream of batches costs a couple of graphs, not one per
-    batch."""
+    the same result as SDPA with the equivalent boolean mask. ``queries_at_keys`` (self-attention, sorted
+    non-overlapping ranges): only the queries at the row's key positions are computed, the others output zeros
+    (padded tokens whose outputs nobody reads); a row's call then has one shape, ``[n, n]`` with ``n`` its token
+    count, so the kernels' per-shape set-up (cuDNN builds an execution plan per new shape, ~0.1 s) is paid once per
+    prompt length, not once per (batch text length, prompt length) pair.
 
-    def __init__(self, rows):
+    Inside ``torch.compile`` the range bounds are host ints: Dynamo specialises on the first batch's values and,
+    when they change, recompiles once with them symbolic (automatic dynamic shapes), so a stream of batches costs a
+    couple of graphs, not one per batch."""
+
+    def __init__(self, rows, queries_at_keys: bool = False):
         self.rows = tuple(tuple((int(start), int(stop)) for start, stop in ranges) for ranges in rows)
+        self.queries_at_keys = bool(queries_at_keys)
+        if self.queries_at_keys:
+            for ranges in self.rows:
+                bounds = [b for pair in ranges for b in pair]
+                if bounds != sorted(bounds):
+                    raise ValueError(f"queries_at_keys needs sorted, non-overlapping ranges, got {ranges}")
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -160,8 +170,21 @@ class KeyRanges:
             raise ValueError(f"KeyRanges has {len(self.rows)} rows for a batch of {q.shape[0]}")
         outputs = []
         for row, ranges in enumerate(self.rows):
-            keys, values = (torch.cat([t[row : row + 1, :, start:stop] for start, stop in ranges], 2) for t in (k, v))
-            outputs.append(attention(q[row : row + 1], keys, values, None, backend))
+            gather = lambda t: torch.cat([t[row : row + 1, :, start:stop] for start, stop in ranges], 2)  # noqa: E731
+            keys, values = gather(k), gather(v)
+            if not self.queries_at_keys:
+                outputs.append(attention(q[row : row + 1], keys, values, None, backend))
+                continue
+            out = attention(gather(q), keys, values, None, backend)
+            pieces, done, at = [], 0, 0  # scatter back: zeros in the gaps between the ranges
+            for start, stop in ranges:
+                if start > at:
+                    pieces.append(out.new_zeros(1, start - at, out.shape[2]))
+                pieces.append(out[:, done : done + stop - start])
+                done, at = done + stop - start, stop
+            if at < q.shape[2]:
+                pieces.append(out.new_zeros(1, q.shape[2] - at, out.shape[2]))
+            outputs.append(torch.cat(pieces, 1))
         return torch.cat(outputs)
 
 

@@ -7,8 +7,10 @@ output never depends on them: text RoPE ids are all zero, every other op is per 
 * ``trim_text``: cut the text columns after the longest valid prompt of the batch, rounded up to
   ``TEXT_LENGTH_MULTIPLE`` so a training run sees few text lengths (few compiled graphs);
 * ``padded_text_keys``: the rows that still hold padding attend through ``attention.KeyRanges`` (one mask-free
-  SDPA call per row over its valid text and video keys) instead of a dense boolean mask, which would leave the
-  flash / cuDNN kernels (measured: +42% on a 1B training step).
+  SDPA call per row over its valid text and video tokens, padded queries output zeros) instead of a dense boolean
+  mask, which would leave the flash / cuDNN kernels (measured: +42% on a 1B training step). cuDNN builds an
+  execution plan per new row length (~0.1 s, once per prompt length per run; ``warm_attention_lengths`` pays it
+  up front).
 
 Both equal the masked computation on the video output and every gradient (tests/test_text_padding.py). Reading the
 valid lengths is one small host read per forward when the mask lives on the GPU; inside a CUDA graph capture
@@ -19,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .attention import KeyRanges
+from .attention import KeyRanges, attention
 
 TEXT_LENGTH_MULTIPLE = 32  # trimmed text lengths are multiples of this (at most 16 lengths for 512-token prompts)
 
@@ -73,4 +75,15 @@ def padded_text_keys(lengths: Sequence[int], num_text: int, num_video: int) -> O
     if all(length >= num_text for length in lengths):
         return None
     total = num_text + num_video
-    return KeyRanges([((0, min(length, num_text)), (num_text, total)) for length in lengths])
+    return KeyRanges([((0, min(length, num_text)), (num_text, total)) for length in lengths], queries_at_keys=True)
+
+
+def warm_attention_lengths(num_heads: int, head_dim: int, num_video: int, lengths, device, dtype) -> None:
+    """Run attention forward and backward once for each valid text length in ``lengths`` (a row of
+    ``length + num_video`` tokens), so the kernels' per-shape set-up (cuDNN's execution plans, ~0.1 s each) happens
+    here and not in the first training steps that meet each prompt length. Optional: a run pays the same once per
+    new length as it goes."""
+    for length in lengths:
+        shape = (1, num_heads, int(length) + num_video, head_dim)
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        attention(q, k, v).sum().backward()
