@@ -238,15 +238,13 @@ def run_speed(args) -> dict:
     result["decode_ms"] = {name: spread(t) for name, t in times.items()}
     # options of the graphed exact decode, one at a time (each holds its own graph pool), each next to the default
     options = {
-        "contiguous-layout": dict(channels_last=False),
+        "channels-last-layout": dict(channels_last=True),
         "fp32-scores-attention": dict(attention_kernel="fp32-scores"),
         "attention-window-2": dict(attention_window=2),
     }
     result["options"] = {}
     for name, option in options.items():
-        layout = option.pop("channels_last", None)
         other = ExactChunkDecode(vae, graphs=True, postprocess=uint8_frames_on_device, **option)
-        other.decoder.channels_last = layout
         diffs = []
         for i in range(args.chunks):
             part = stream[:, :, i * args.chunk : (i + 1) * args.chunk]

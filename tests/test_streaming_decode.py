@@ -41,12 +41,12 @@ def latents(frames, seed=0):
     return torch.randn(1, 4, frames, 4, 6, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 3])
-def test_chunked_causal_convs_equal_the_whole_clip_with_its_statistics(vae, chunk):
+@pytest.mark.parametrize("chunk, channels_last", [(1, False), (2, False), (3, False), (2, True)])
+def test_chunked_causal_convs_equal_the_whole_clip_with_its_statistics(vae, chunk, channels_last):
     z = latents(7)
     ref = whole_clip(vae, z)
     stats = whole_clip_stats(vae, z)
-    decoder = StreamingDecoder(vae, "fixed", attention_window=7, fixed_stats=stats)
+    decoder = StreamingDecoder(vae, "fixed", attention_window=7, fixed_stats=stats, channels_last=channels_last)
     with torch.no_grad():
         out = decoder.decode_clip(z, chunk)
     assert out.shape == ref.shape == (1, 3, 25, 32, 48)

@@ -73,8 +73,7 @@ def test_one_chunk_equals_the_diffusers_decoder(vae, decoder32, channels_last, a
         reference = decoder32.decoder(decoder32.post_quant_conv(z))
         zb = z.bfloat16()
         plain = vae.vae.decoder(vae.vae.post_quant_conv(zb))
-        decoder = StreamingDecoder(vae.vae, attention_kernel=attention_kernel)
-        decoder.channels_last = channels_last
+        decoder = StreamingDecoder(vae.vae, attention_kernel=attention_kernel, channels_last=channels_last)
         ours = decoder.decode(zb, first=True)
     assert ours.is_contiguous(memory_format=torch.channels_last_3d) == channels_last
     assert_bf16_close(ours, plain, reference)
@@ -91,14 +90,29 @@ def test_chunks_with_the_whole_clip_statistics_equal_the_whole_clip(vae, decoder
     assert_bf16_close(ours, plain, reference)
 
 
+def test_channels_last_moments_at_a_480x832_chunk():
+    """A 12-frame chunk at 480x832 in channels-last: ~75k statistics blocks (more than a grid's second axis takes)."""
+    from opensora.models.vae.fused_group_norm import group_moments
+
+    gen = torch.Generator("cuda").manual_seed(4)
+    x = torch.randn(1, 128, 12, 480, 832, device="cuda", generator=gen, dtype=torch.bfloat16) + 1
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+    _, mean, var = group_moments(x, 32)
+    ref_var, ref_mean = torch.var_mean(x.float().reshape(1, 32, -1), dim=-1, correction=0)
+    torch.testing.assert_close(mean, ref_mean, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(var, ref_var, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("rule", ["running", "chunk"])
-def test_graph_replays_equal_eager_chunk_decodes(vae, rule):
+def test_graph_replays_equal_eager_chunk_decodes(vae, rule, channels_last):
     """Six chunks with a window of 4 latent frames: the attention cache fills and rolls, the first chunk is replayed
     again for a second clip; every replay equals the eager decode of the same chunk bitwise."""
     gen = torch.Generator("cuda").manual_seed(3)
     z = torch.randn(1, 16, 18, 8, 12, device="cuda", generator=gen)
-    eager = ExactChunkDecode(vae, stats=rule, attention_window=4, graphs=False)
-    graphed = ExactChunkDecode(vae, stats=rule, attention_window=4, graphs=True)
+    options = dict(stats=rule, attention_window=4, channels_last=channels_last)
+    eager = ExactChunkDecode(vae, graphs=False, **options)
+    graphed = ExactChunkDecode(vae, graphs=True, **options)
     for clip in range(2):
         for start in range(0, 18 if clip == 0 else 6, 3):
             part = z[:, :, start : start + 3] * (1 + clip)

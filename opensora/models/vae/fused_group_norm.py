@@ -36,8 +36,8 @@ if triton is not None:
 
     @triton.jit
     def _block_moments_kernel(x_ptr, mean_ptr, m2_ptr, row_len, num_blocks, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        block = tl.program_id(1)
+        block = tl.program_id(0)  # blocks on grid axis 0 (axis 1 allows 65535)
+        row = tl.program_id(1)
         offsets = block * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < row_len
         x = tl.load(x_ptr + row.to(tl.int64) * row_len + offsets, mask=inside, other=0.0).to(tl.float32)
@@ -88,9 +88,10 @@ if triton is not None:
     def _block_moments_cl_kernel(
         x_ptr, mean_ptr, m2_ptr, voxels, num_blocks, C: tl.constexpr, G: tl.constexpr, BLOCK_V: tl.constexpr
     ):
-        """Channels-last x [N, voxels, C]: per block of voxels, every group's mean and centred sum of squares."""
-        n = tl.program_id(0)
-        block = tl.program_id(1)
+        """Channels-last x [N, voxels, C]: per block of voxels, every group's mean and centred sum of squares. The
+        blocks run on grid axis 0 (axis 1 allows 65535: a 480x832 chunk has ~75k blocks)."""
+        block = tl.program_id(0)
+        n = tl.program_id(1).to(tl.int64)
         v = block * BLOCK_V + tl.arange(0, BLOCK_V)
         inside = v < voxels
         rows = (n * voxels + v).to(tl.int64)
@@ -111,7 +112,7 @@ if triton is not None:
         SILU: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         """Channels-last x [N, voxels, C] -> ``out`` (any view whose channel stride is 1)."""
-        n = tl.program_id(1)
+        n = tl.program_id(1).to(tl.int64)
         v = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
         mask = (v < voxels)[:, None] & (c < channels)[None, :]
@@ -136,7 +137,7 @@ if triton is not None:
     ):  # fmt: skip
         """Nearest upsampling of channels-last x [N, T, H, W, C] into ``out`` (channel stride 1); ``FIRST``: output
         frame 0 comes from input frame 0 alone (the causal first-frame rule), later ones ``FT`` to an input frame."""
-        n = tl.program_id(1)
+        n = tl.program_id(1).to(tl.int64)
         v = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
         mask = (v < out_voxels)[:, None] & (c < channels)[None, :]
@@ -184,7 +185,7 @@ def group_moments(x: torch.Tensor, num_groups: int) -> Tuple[int, torch.Tensor, 
     num_blocks = triton.cdiv(row_len, MOMENT_BLOCK)
     means = torch.empty(rows.shape[0], num_blocks, device=x.device, dtype=torch.float32)
     m2s = torch.empty_like(means)
-    _block_moments_kernel[(rows.shape[0], num_blocks)](rows, means, m2s, row_len, num_blocks, BLOCK=MOMENT_BLOCK)
+    _block_moments_kernel[(num_blocks, rows.shape[0])](rows, means, m2s, row_len, num_blocks, BLOCK=MOMENT_BLOCK)
     starts = torch.arange(num_blocks, device=x.device, dtype=torch.float32) * MOMENT_BLOCK
     counts = (row_len - starts).clamp(max=MOMENT_BLOCK)
     _, mean, m2 = merge_moments(counts, means, m2s)
@@ -198,7 +199,7 @@ def _group_moments_cl(x: torch.Tensor, num_groups: int):
     num_blocks = triton.cdiv(voxels, block_v)
     means = torch.empty(n, num_blocks, num_groups, device=x.device, dtype=torch.float32)
     m2s = torch.empty_like(means)
-    _block_moments_cl_kernel[(n, num_blocks)](x, means, m2s, voxels, num_blocks, C=c, G=num_groups, BLOCK_V=block_v)
+    _block_moments_cl_kernel[(num_blocks, n)](x, means, m2s, voxels, num_blocks, C=c, G=num_groups, BLOCK_V=block_v)
     starts = torch.arange(num_blocks, device=x.device, dtype=torch.float32) * block_v
     counts = ((voxels - starts).clamp(max=block_v) * (c // num_groups)).view(1, -1, 1)
     row_len = voxels * (c // num_groups)

@@ -173,6 +173,10 @@ class StreamingDecoder:
         attention_window: latent frames of earlier chunks kept for the mid block's attention.
         fixed_stats: for ``stats="fixed"``: one (mean [N, G], var [N, G]) per GroupNorm in ``norm_order``.
         attention_kernel: ``"sdpa"`` (PyTorch's fused attention) or ``"fp32-scores"`` (``fp32_score_attention``).
+        channels_last: activations in ``torch.channels_last_3d``: cuDNN runs these convs NDHWC, so a contiguous
+            layout pays a conversion on each side of every conv (31 ms of a 221 ms chunk at 480x832 on an H200); the
+            fused kernels read and write channels contiguously in that layout. Off by default: it is timed end to
+            end at 256px only (``benchmarks/streaming_decode.py speed`` compares both).
 
     ``decode(z, first)``: z are raw latents [B, C, t, h, w] (after the latent normalisation is undone); returns the
     chunk's pixel frames [B, 3, F, H, W] in z's dtype (F = 1 + 4 (t - 1) for the first chunk, 4 t after).
@@ -185,6 +189,7 @@ class StreamingDecoder:
         attention_window: int = DEFAULT_ATTENTION_WINDOW,
         fixed_stats: Optional[List[tuple]] = None,
         attention_kernel: str = "sdpa",
+        channels_last: bool = False,
     ):
         from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoCausalConv3d
 
@@ -211,9 +216,8 @@ class StreamingDecoder:
         ]
         self.frames_seen = 0  # latent frames decoded in this clip (host state: which graph a chunk replays)
         self.record = False
-        # activations' memory format: channels-last on a GPU (cuDNN's convs run NDHWC: no layout conversions
-        # around each conv, and the fused kernels read and write channels contiguously); contiguous elsewhere
-        self.fmt, self.channels_last = torch.contiguous_format, None  # None: channels-last on CUDA
+        self.channels_last = bool(channels_last)
+        self.fmt = torch.channels_last_3d if self.channels_last else torch.contiguous_format
 
     # --- state -----------------------------------------------------------------------------------------------
     def state_tensors(self) -> List[torch.Tensor]:
@@ -267,8 +271,6 @@ class StreamingDecoder:
             raise RuntimeError("a later chunk before the first one: decode the clip's first chunk with first=True")
         dec = self.decoder
         cached = 0 if first else self.frames_seen
-        use_cl = z.is_cuda if self.channels_last is None else self.channels_last
-        self.fmt = torch.channels_last_3d if use_cl else torch.contiguous_format
         x = self.vae.post_quant_conv(z).contiguous(memory_format=self.fmt)
         x = self.convs[id(dec.conv_in)](x, first, self.fmt)
         mid = dec.mid_block
