@@ -102,7 +102,7 @@ def test_each_block_is_one_graph_without_breaks():
     vec = torch.randn(1, 64)
     rope = model.rope((2, 4, 4), 6, "cpu")
     mask = model.key_mask(inputs["text_mask"], 32)
-    rows = KeyRanges([((0, 4), (6, 38))])  # a padded prompt's keys (text_padding.py): per-row SDPA in the graph
+    rows = KeyRanges([((0, 4), (6, 38))], queries_at_keys=True)  # a padded prompt (text_padding.py): per-row SDPA
     for block, args in (
         (model.double_blocks[0], (img, txt, vec, rope, mask)),
         (model.single_blocks[0], (torch.cat((txt, img), 1), vec, rope, None)),
