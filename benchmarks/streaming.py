@@ -35,9 +35,11 @@ from train_step import count_host_syncs  # noqa: E402  (benchmarks/train_step.py
 
 from opensora.config import load_config  # noqa: E402
 from opensora.inference import pipeline  # noqa: E402
+from opensora.inference.io import uint8_frames_on_device  # noqa: E402
 from opensora.inference.pipeline import VideoSampler, resolve_device, role_model_config  # noqa: E402
 from opensora.inference.streaming import ChunkDecoder, GraphedDecode, StreamingGenerator  # noqa: E402
 from opensora.models.mmdit.flops import mmdit_chunk_flops, mmdit_forward_flops  # noqa: E402
+from opensora.models.vae.exact_chunk_decode import exact_chunk_decode  # noqa: E402
 from opensora.registry import MODELS, build_module  # noqa: E402
 
 
@@ -312,8 +314,19 @@ def run_speed(args) -> dict:
         lengths={},
         memory={},
     )
-    # the decode share of a chunk: one later chunk's latents (with the decoder's overlap context) decoded alone
+    # the decode share of a chunk under the overlap rule: one later chunk's latents with the overlap context decoded
+    # alone (decode_s_per_chunk, decode_graphed_s_per_chunk); under the exact-once rules one later chunk of a clip in
+    # progress (exact_decode_s_per_chunk: graphed on a GPU, as the graphed rows run it)
     latent_hw = sampler.latent_size(frames, height, width)[1:]
+    exact = exact_chunk_decode(vae, args.decode_rule, graphs=on_gpu, postprocess=uint8_frames_on_device)
+    if exact is not None:
+        clip = torch.randn(args.batch, vae.latent_channels, 2 * args.chunk_frames, *latent_hw, device=device)
+        later = clip[:, :, args.chunk_frames :]
+        exact(clip[:, :, : args.chunk_frames], first=True)
+        for _ in range(-(-exact.decoder.attention_window // args.chunk_frames) + 1):  # fill the attention window
+            exact(later, first=False)
+        result["exact_decode_s_per_chunk"], _ = timed(lambda: exact(later, first=False), repeats=3)
+        del exact
     overlap = ChunkDecoder(sampler.decode, vae).overlap
     chunk_latents = torch.randn(args.batch, vae.latent_channels, args.chunk_frames + overlap, *latent_hw, device=device)
     result["decode_s_per_chunk"], _ = timed(lambda: sampler.decode(chunk_latents), repeats=3)
@@ -545,6 +558,7 @@ def run_speed(args) -> dict:
         print(f" MiB ({100 * m['reserved_growth']:+.1f}%)")
     for key in sorted(result):
         headline = ("speedup_end_to_end", "speedup_vs_graphed", "first_chunk_over", "decode_s", "decode_graphed_s")
+        headline += ("exact_decode_s",)
         if key.startswith((*headline, "peak_growth")):
             print(f"{key}: {result[key]:.4g}")
     for row in result.get("decode_top_kernels", []):
