@@ -59,8 +59,10 @@ def parallel_group_norm(
 
 
 class ParallelGroupNorm(nn.GroupNorm):
-    """``nn.GroupNorm`` (same parameters and state_dict) that takes ``parallel_group_norm`` where PyTorch's kernel
-    would be badly parallel: CUDA input, at most one (sample, group) row per ``SMS_PER_ROW`` SMs, long rows."""
+    """``nn.GroupNorm`` (same parameters and state_dict) that splits each long (sample, group) row over the GPU where
+    PyTorch's kernel would be badly parallel: CUDA input and long rows; with Triton (inference) the block-split
+    ``fused_group_norm`` for any number of groups, else ``parallel_group_norm`` at most one row per ``SMS_PER_ROW``
+    SMs."""
 
     def uses_parallel(self, x: torch.Tensor) -> bool:
         if not x.is_cuda or x.dim() < 2 or not x.is_contiguous():
