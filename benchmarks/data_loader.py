@@ -5,19 +5,17 @@ worker, measured in the main process) and with N workers, and compares with what
 consumes at that shape. The GPU side is not run here: its samples/s comes from the measured 1B step in
 benchmarks/results/ (scaled by FLOPs to this shape at the same achieved TFLOP/s) or from --gpu-samples-per-s.
 
-  python benchmarks/data_loader.py --workers 0,2 --batches 12
+  python -m benchmarks.data_loader --workers 0,2 --batches 12
 """
 
 import argparse
 import datetime
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT
 
 FRAMES, SIZE = 33, 256
 # HunyuanVideo-style VAE: 4x time (causal: 1 + (T-1)/4), 8x space, 16 channels; MMDiT patch 1x2x2.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16, goal 5: GeminiPlugin in the real trainer on GPUs, next to LowLevelZero (ZeRO-2).
+# GeminiPlugin in the real trainer on GPUs, next to LowLevelZero (ZeRO-2).
 #
 #   bash benchmarks/gemini_check.sh OUT resume     # ~5-7 min on 2 GPUs: exact-resume check per plugin
 #   bash benchmarks/gemini_check.sh OUT 11b        # 2 GPUs: the 11B preset, Gemini+offload (RUN_TIMEOUT=480 or more:

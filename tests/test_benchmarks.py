@@ -80,7 +80,8 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
     out = tmp_path / "step.json"
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "train_step.py"),
+        "-m",
+        "benchmarks.train_step",
         "--tiny",
         "--warmup",
         "1",
@@ -213,8 +214,7 @@ def test_train_scaling_script_runs_sequence_parallel(tmp_path):
 def test_master_weight_adamw_steps_fp32_masters_and_rounds_them_into_the_model():
     """The bare step's master-weight optimizer = torch AdamW on fp32 copies fed the bf16 gradients cast to fp32,
     with the model holding the masters rounded to bf16 after every step."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from train_step import MasterWeightAdamW
+    from benchmarks.train_step import MasterWeightAdamW
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3)).to(torch.bfloat16)
@@ -254,11 +254,11 @@ def test_idle_gaps_and_host_op_counts():
 
 
 def test_max_tokens_smoke_on_cpu(tmp_path):
-    """benchmarks/max_tokens.py --tiny: every mode searched (capped on CPU, no OOM there), rows written."""
+    """benchmarks.max_tokens --tiny: every mode searched (capped on CPU, no OOM there), rows written."""
     out = tmp_path / "max_tokens.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "max_tokens.py"), "--tiny", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.max_tokens", "--tiny", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
