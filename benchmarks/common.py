@@ -6,6 +6,8 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where a run writes when not told (git-ignored): results/ holds only the raw files a report cites, copied there.
+OUT = ROOT / "outputs" / "benchmarks"
 
 # The 1B preset at the shape of the peer comparison with diffusers' Flux: 11 x 24 x 32 = 8448 video tokens (33 frames
 # at 384x512 after the 8x VAE and 2x2 patches) + 512 text tokens, batch 1.

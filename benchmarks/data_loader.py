@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT
+from benchmarks.common import OUT, ROOT
 
 FRAMES, SIZE = 33, 256
 # HunyuanVideo-style VAE: 4x time (causal: 1 + (T-1)/4), 8x space, 16 channels; MMDiT patch 1x2x2.
@@ -133,7 +133,7 @@ def main(argv=None):
         gpu=gpu,
         workers_needed_per_gpu=(gpu["samples_per_s"] / per_worker) if gpu else None,
     )
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"data_loader_{report['date']}.json")
+    out = Path(args.out or OUT / f"data_loader_{report['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     for r in runs:

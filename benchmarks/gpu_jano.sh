@@ -5,10 +5,10 @@
 #   bash benchmarks/gpu_jano.sh [TEACHER_CKPT_DIR]
 # Without a checkpoint it first trains the teacher for TEACHER_MINUTES (default 4) as gpu_moving_shapes.sh does (without
 # that script's own scoring). Env: PARTS (default quality,levels,offload), TESTS=0 skips the pytest GPU tests,
-# RESULTS (default benchmarks/results) receives jano_<parts>.json; TRACE=DIR also writes the offload profiles (gzip
+# RESULTS (default outputs/benchmarks) receives jano_<parts>.json; TRACE=DIR also writes the offload profiles (gzip
 # chrome traces) there; the summary table goes to stdout.
 set -euo pipefail
-results=${RESULTS:-benchmarks/results}
+results=${RESULTS:-outputs/benchmarks}
 runs=${RUNS:-outputs/gpu_moving_shapes}
 parts=${PARTS:-quality,levels,offload}
 mkdir -p "$results"

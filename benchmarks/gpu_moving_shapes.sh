@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # MovingShapes on one GPU: train the teacher for a fixed wall-clock budget, score its samples
 # (30 Euler steps + CFG), distil it with DMD2 into a 4-step student, score the student, and time both samplers on
-# the same device and batch. Results: JSON under ${RESULTS:-benchmarks/results}/.
+# the same device and batch. Results: JSON under ${RESULTS:-outputs/benchmarks}/.
 #   bash benchmarks/gpu_moving_shapes.sh [TEACHER_MINUTES] [DISTILL_MINUTES]   (DISTILL_MINUTES 0: teacher only)
 # VALIDATE_EVERY=N: the teacher run samples and scores the config's validation prompts every N steps.
 set -euo pipefail
 teacher_minutes=${1:-4}
 distill_minutes=${2:-2.5}
-results=${RESULTS:-benchmarks/results}
+results=${RESULTS:-outputs/benchmarks}
 runs=${RUNS:-outputs/gpu_moving_shapes}
 mkdir -p "$results" "$runs"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import FULL, ROOT, TINY, model_config, randomize_
+from benchmarks.common import FULL, OUT, TINY, model_config, randomize_
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
@@ -235,7 +235,7 @@ def main(argv=None):
     env["device"] = torch.cuda.get_device_name() if not tiny else "cpu"
     if not tiny:
         env["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"max_tokens_{env['date']}.json")
+    out = Path(args.out or OUT / f"max_tokens_{env['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode in modes:  # each mode's search gets its own equal share (the timed steps at its largest size come on

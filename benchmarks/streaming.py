@@ -961,7 +961,7 @@ def parse_args(argv=None):
 
     for p in (speed, quality, costs):
         p.add_argument("--device", default="auto")
-        p.add_argument("--out", default="benchmarks/results/streaming")
+        p.add_argument("--out", default="outputs/benchmarks/streaming")
     return parser.parse_args(argv)
 
 

@@ -43,7 +43,7 @@ import time
 import warnings
 from pathlib import Path
 
-from benchmarks.common import FULL, ROOT, TINY, count_host_syncs, model_config, randomize_, shape_tokens
+from benchmarks.common import FULL, OUT, ROOT, TINY, count_host_syncs, model_config, randomize_, shape_tokens
 
 # name -> how to build it; ckpt: "none" | "full" | "D,S" (first D double and S single blocks checkpointed)
 VARIANTS = {
@@ -633,7 +633,7 @@ def main(argv=None):
     parser.add_argument(
         "--profile", default="", help="comma list of variant@ckpt whose GPU kernel time to split by category"
     )
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_step_<date>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default outputs/benchmarks/train_step_<date>.json)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per variant subprocess")
     parser.add_argument(
         "--trainer-config",
@@ -659,7 +659,7 @@ def main(argv=None):
         return 0
 
     runs = parse_runs(args.runs)
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"train_step_{datetime.date.today().isoformat()}.json")
+    out = Path(args.out or OUT / f"train_step_{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     report = dict(environment=environment(args), runs=[])
     passthrough = [
