@@ -272,3 +272,53 @@ def test_max_tokens_smoke_on_cpu(tmp_path):
         assert row["capped"] and row["max_frames"] == 4 and row["step_s"] > 0 and not row["timed_out"]
     # checkpointing more blocks: the selective mode sits between none and full
     assert [(r["grad_ckpt_double"], r["grad_ckpt_single"]) for r in rows] == [(0, 0), (0, 1), (1, 2)]
+
+
+BENCHMARK_MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "common"))
+
+
+@pytest.mark.parametrize("name", BENCHMARK_MODULES)
+def test_every_benchmark_module_imports_as_a_package_module_and_prints_its_help(name, monkeypatch, capsys):
+    """`python -m benchmarks.NAME --help` without running anything: the module imports (its shared helpers come from
+    benchmarks.common, not from another script through sys.path) and builds its command line."""
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{name}")
+    monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--help"])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+    assert "sys.path" not in (ROOT / "benchmarks" / f"{name}.py").read_text()
+
+
+def expand_braces(text):
+    """``a_{x,y}.json`` -> ``[a_x.json, a_y.json]`` (the shorthand the reports use for a run's .json and .txt)."""
+    start = text.find("{")
+    if start < 0:
+        return [text]
+    end = text.index("}", start)
+    return [
+        name
+        for choice in text[start + 1 : end].split(",")
+        for name in expand_braces(text[:start] + choice + text[end + 1 :])
+    ]
+
+
+def test_results_hold_exactly_the_files_the_reports_cite_and_the_readme_links_resolve():
+    import re
+
+    bench = ROOT / "benchmarks"
+    readme = (bench / "README.md").read_text()
+    texts = [readme] + [p.read_text() for p in sorted((bench / "reports").glob("*.md"))]
+    cited = set()
+    for text in texts:
+        for token in re.findall(r"`results/([^`\s]+)`", text):
+            for name in expand_braces(token):
+                assert (bench / "results" / name).exists(), f"cited but missing: results/{name}"
+                cited.add(name.split("/")[0])
+    stored = {p.name for p in (bench / "results").iterdir()}
+    assert stored - cited == set(), f"in results/ but cited by no report: {sorted(stored - cited)}"
+    links = re.findall(r"\]\((reports/[^)]+)\)", readme)
+    assert links and all((bench / link).is_file() for link in links)
+    assert len(readme.splitlines()) <= 150
