@@ -321,4 +321,6 @@ def test_results_hold_exactly_the_files_the_reports_cite_and_the_readme_links_re
     assert stored - cited == set(), f"in results/ but cited by no report: {sorted(stored - cited)}"
     links = re.findall(r"\]\((reports/[^)]+)\)", readme)
     assert links and all((bench / link).is_file() for link in links)
+    named = {name for text in texts for name in re.findall(r"[\w.-]+_\d{4}-\d{2}\.md", text)}
+    assert {name for name in named if not (bench / "reports" / name).is_file()} == set()
     assert len(readme.splitlines()) <= 150
