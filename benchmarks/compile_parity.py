@@ -18,8 +18,8 @@ one op or one compiler setting each:
   batch2      batch 2 instead of 1 (the fault was seen at batch 1 only)
   no-split-reductions / no-persistent-reductions   Inductor options for the token sums
 
-What the earlier runs pointed at (benchmarks/reports/training_step_h200_2026-11.md): the non-finite grads were the time/pooled
-embedders' and some blocks' modulation weights, i.e. the gradient reaching ``vec``; every other weight was finite.
+What the earlier runs pointed at (benchmarks/reports/training_step_h200_2026-11.md): the non-finite grads were the
+time/pooled embedders' and some blocks' modulation weights, i.e. the gradient reaching ``vec``; every other weight was finite.
 Those grads are sums over all tokens of [B, 1, C] broadcasts (shift, scale, gate), so the variants that change
 batch size and Inductor's reduction codegen come first.
 
