@@ -28,8 +28,10 @@ from .causal import (
     text_filling_hooks,
     text_keys_all_valid,
 )
+from .fp8 import check_recipe, convert_block_linears
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .rope import rope_cos_sin, video_position_ids
+from .text_padding import padded_text_keys, trim_text
 
 TIMESTEP_FEATURES = 256
 
@@ -100,11 +102,13 @@ class MMDiT(nn.Module, SequenceParallelModel):
         compile_blocks: bool = False,
         causal_chunk_frames: int = 0,
         fused_kernels: bool = False,
+        fp8_linears: Optional[str] = None,
     ):
         """``causal_chunk_frames``: 0 = bidirectional attention; K > 0 = block-causal over chunks of K latent frames
         (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``). ``fused_kernels``: run
         the blocks' modulation and QK-norm + RoPE through the Triton kernels of fused.py where they can run
-        (CUDA with Triton installed; elsewhere the same eager code as off)."""
+        (CUDA with Triton installed; elsewhere the same eager code as off). ``fp8_linears`` ("tensorwise" /
+        "rowwise"): train the block linears in FP8 through torchao (fp8.py); a training option, left out of ``arch``."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -166,6 +170,9 @@ class MMDiT(nn.Module, SequenceParallelModel):
         self.set_compile_blocks(compile_blocks)
         self.set_fused_kernels(fused_kernels)
         self.sp = None
+        self.arch.pop("fp8_linears")  # not architecture: a rebuild from ``arch`` (sampling, export) needs no torchao
+        if check_recipe(fp8_linears) is not None:
+            convert_block_linears(self, fp8_linears)
 
     def set_sequence_parallel(self, sp: Optional[SequenceGroup]) -> None:
         """Split every sample's tokens over the ranks of ``sp`` (opensora.parallel.sequence_parallel); ``None`` turns
@@ -328,6 +335,8 @@ class MMDiT(nn.Module, SequenceParallelModel):
                 text_key=text_key,
                 text_mask_has_padding=text_mask_has_padding,
             )
+        # padded prompts: cut the text after the longest valid prompt (exact, text_padding.py)
+        text_emb, text_mask, text_lengths = trim_text(text_emb, text_mask, text_mask_has_padding)
         if self.causal_chunk_frames and timestep.dim() == 2:
             return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
@@ -339,8 +348,11 @@ class MMDiT(nn.Module, SequenceParallelModel):
                 grid[0], grid[1] * grid[2], self.causal_chunk_frames // self.patch_size[0], x.device
             )
             mask = joint_attention_mask(text_mask, txt.shape[1], video)
+        elif text_lengths is not None and self.sp is None:  # rows with padding left: KeyRanges, not a dense mask
+            mask = padded_text_keys(text_lengths, txt.shape[1], img.shape[1])
         else:
-            mask = self.key_mask(text_mask, img.shape[1], text_mask_has_padding)
+            has_padding = text_mask_has_padding if text_lengths is None else min(text_lengths) < txt.shape[1]
+            mask = self.key_mask(text_mask, img.shape[1], has_padding)
 
         if self.sp is not None:
             img, txt, rope, mask = self.shard_sequence(img, txt, rope, mask)
