@@ -1,8 +1,8 @@
 """Where does ``compile_blocks=True`` go non-finite? One 1B block, compiled vs eager, tensor by tensor.
 
-Issue 16: the compiled 1B MMDiT gives non-finite gradients on GPU at batch 1 in bf16 (not on CPU). This script
+The compiled 1B MMDiT once gave non-finite gradients on GPU at batch 1 in bf16 (not on CPU). This script
 builds one double- and one single-stream block at the 1B shapes (hidden 1536, 12 x 128 heads, 8448 video + 512
-text tokens, batch 1, bf16, weights ~N(0, 0.02) like benchmarks/train_step.py), runs forward + backward eagerly
+text tokens, batch 1, bf16, weights ~N(0, 0.02) like ``benchmarks.train_step``), runs forward + backward eagerly
 and compiled on the same weights, inputs and output gradients, and reports for each variant the first tensor
 that is non-finite or far from eager, in the order outputs -> input grads -> parameter grads. Variants isolate
 one op or one compiler setting each:
@@ -15,12 +15,11 @@ one op or one compiler setting each:
   no-qknorm   QK RMSNorm removed (in eager and compiled alike)
   no-rope     identity rotation (cos 1, sin 0)
   flash       attention backend "flash" instead of "auto" (cuDNN on sm90)
-  fused       the Triton kernels of models/mmdit/fused.py inside the compiled block (eager reference unfused)
   batch2      batch 2 instead of 1 (the fault was seen at batch 1 only)
   no-split-reductions / no-persistent-reductions   Inductor options for the token sums
 
-What the earlier runs point at (benchmarks/README.md, Known problems): the non-finite grads were the time/pooled
-embedders' and some blocks' modulation weights, i.e. the gradient reaching ``vec``; every other weight was finite.
+What the earlier runs pointed at (benchmarks/reports/training_step_h200_2026-11.md): the non-finite grads were the
+time/pooled embedders' and some blocks' modulation weights, i.e. the gradient reaching ``vec``; every other weight was finite.
 Those grads are sums over all tokens of [B, 1, C] broadcasts (shift, scale, gate), so the variants that change
 batch size and Inductor's reduction codegen come first.
 
@@ -28,7 +27,7 @@ Each variant runs twice: output gradients ~N(0, 1) and at the scale the step's M
 (2 (out - target) / numel, ~1e-7): bf16 underflow or an eps in a compiled backward shows only at the second.
 ``--model`` adds the whole 1B model, one step compiled vs eager, with non-finite / worst grads per block.
 
-  python benchmarks/compile_parity.py --out DIR [--variants default,no-rope] [--model]
+  python -m benchmarks.compile_parity --out DIR [--variants default,no-rope] [--model]
 
 Writes DIR/compile_parity.json (and prints one line per variant); each variant is guarded, so one crash does not
 hide the others.
@@ -37,15 +36,11 @@ hide the others.
 import argparse
 import copy
 import json
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from opensora.models.mmdit.layers import (  # noqa: E402
     DoubleStreamBlock,
@@ -60,7 +55,7 @@ from opensora.models.mmdit.rope import rope_cos_sin, video_position_ids  # noqa:
 HIDDEN, HEADS, GRID, N_TXT = 1536, 12, (11, 24, 32), 512
 VARIANTS = (
     "default", "mix-order", "batch2", "no-split-reductions", "no-persistent-reductions", "fullgraph", "autotune", "no-qknorm",
-    "no-rope", "flash", "fused",
+    "no-rope", "flash",
 )  # fmt: skip
 INDUCTOR_OPTIONS = {  # Inductor settings that change how the sums over tokens (the [B, 1, C] grads) are generated
     # what torch 2.10-2.11 did by default: the mix-order reduction that leaves the modulation grads unwritten
@@ -158,8 +153,6 @@ def run_variant(kind, variant, device):
     block = make_block(kind, variant, device)
     streams, vec, rope = make_inputs(kind, variant, device)
     compiled = copy.deepcopy(block)
-    if variant == "fused" and kind != "micro":
-        compiled.fused = True
     options = dict(fullgraph=variant == "fullgraph")
     if variant == "autotune":
         options["mode"] = "max-autotune-no-cudagraphs"
@@ -188,8 +181,7 @@ def run_variant(kind, variant, device):
 
 def run_model(device):
     """The whole 1B model as train_step.py builds it: one step eager, one compiled, grads compared per block."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import train_step
+    from benchmarks import train_step
 
     torch._dynamo.reset()
     spec = dict(model="ours", backend="auto", compile=False)

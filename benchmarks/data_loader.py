@@ -5,19 +5,17 @@ worker, measured in the main process) and with N workers, and compares with what
 consumes at that shape. The GPU side is not run here: its samples/s comes from the measured 1B step in
 benchmarks/results/ (scaled by FLOPs to this shape at the same achieved TFLOP/s) or from --gpu-samples-per-s.
 
-  python benchmarks/data_loader.py --workers 0,2 --batches 12
+  python -m benchmarks.data_loader --workers 0,2 --batches 12
 """
 
 import argparse
 import datetime
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import OUT, ROOT
 
 FRAMES, SIZE = 33, 256
 # HunyuanVideo-style VAE: 4x time (causal: 1 + (T-1)/4), 8x space, 16 channels; MMDiT patch 1x2x2.
@@ -135,7 +133,7 @@ def main(argv=None):
         gpu=gpu,
         workers_needed_per_gpu=(gpu["samples_per_s"] / per_worker) if gpu else None,
     )
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"data_loader_{report['date']}.json")
+    out = Path(args.out or OUT / f"data_loader_{report['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     for r in runs:

@@ -9,7 +9,7 @@ size, frames, number of clips), `--key value` config overrides given to BOTH the
 and one or more sampling settings. Variant 0 is demo_fast unchanged, the calibration.
 
 Variants are compared at equal *steps*, not equal time: `make demo` trains demo_fast's `max_steps` (3200 since it
-moved to DDP, ~9.2 min at 0.173 s/step on the 2-core CI machine; the sweep of 2026-11-23 ran with 2400 steps of
+moved to DDP, ~9.2 min at 0.173 s/step on the 2-core CI machine; an earlier sweep ran with 2400 steps of
 LowLevelZero at 0.24 s/step), and a lent host's cores may be faster or slower. So the sweep runs in two phases:
 
 1. probe: every variant builds its clips and trains `--probe-steps` throwaway steps, all at once on their cores,
@@ -22,7 +22,7 @@ LowLevelZero at 0.24 s/step), and a lent host's cores may be faster or slower. S
    further sampling settings run at the same time as its first, on the driver's cores (`--first-core` cores before
    the variants', idle while the driver waits), so they cost no deadline time.
 
-    python benchmarks/demo_sweep.py --results DIR [--work DIR] [--variants 0,1,2] [--steps 2400]
+    python -m benchmarks.demo_sweep --results DIR [--work DIR] [--variants 0,1,2] [--steps 2400]
         [--deadline-minutes 9.5] [--cores-per-variant 2] [--first-core 2] [--no-pin] [--smoke]
 
 Files under --results (few and small): DIR/vK_NAME.json per variant (stage timings, planned / done steps, s/step,
@@ -48,10 +48,8 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-
-from run_demo import dataset_command, eval_command, sample_command, train_command  # noqa: E402
+from benchmarks.common import ROOT
+from tools.run_demo import dataset_command, eval_command, sample_command, train_command
 
 TRAIN_CONFIG = "configs/diffusion/train/demo_fast.py"
 SAMPLE_CONFIG = "configs/diffusion/inference/demo_fast.py"
@@ -376,7 +374,8 @@ def child_env(threads: int) -> dict:
 
 
 def launch(index: int, cores, args, phase_args: list) -> subprocess.Popen:
-    cmd = [sys.executable, __file__, "--run-one", str(index), "--results", args.results, "--work", args.work]
+    cmd = [sys.executable, "-m", "benchmarks.demo_sweep", "--run-one", str(index)]
+    cmd += ["--results", args.results, "--work", args.work]
     cmd += ["--deadline-at", str(args.deadline_at), "--started-at", str(args.started_at)]
     cmd += ["--probe-steps", str(args.probe_steps), *phase_args] + (["--smoke"] if args.smoke else [])
 

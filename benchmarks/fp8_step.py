@@ -7,7 +7,7 @@ blocks and full checkpointing (the training configs' setting), bf16 weights, fus
 run in interleaved rounds in this process. Also reported: each FP8 variant's loss after one identical step relative
 to bf16's and the relative error of its output (a sanity check, not the quality check of a training run).
 
-  python benchmarks/fp8_step.py --out $OUT/fp8_step.json
+  python -m benchmarks.fp8_step --out $OUT/fp8_step.json
 """
 
 import argparse
@@ -18,11 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.padded_text_step import REAL, our_config  # noqa: E402
-from benchmarks.train_step import LATENT_CHANNELS, randomize_, spread  # noqa: E402
+from benchmarks.common import OUT, randomize_
+from benchmarks.padded_text_step import REAL, our_config
+from benchmarks.train_step import LATENT_CHANNELS, spread
 
 WIDTHS = {
     "1b": dict(REAL),
@@ -145,7 +143,7 @@ def main(argv=None):
 
     env = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, device=torch.cuda.get_device_name())
     rows = []
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"fp8_step_{env['date']}.json")
+    out = Path(args.out or OUT / f"fp8_step_{env['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.widths.split(","):
         try:

@@ -14,19 +14,15 @@ Pass counts (X = one bf16 [8960, 1536] activation, 27.5 MB; fp32 intermediates c
                downcast); bwd ~13X (the same in reverse, plus the rms_norm backward)
                fused fwd 2X; bwd 3X
 
-  python benchmarks/fused_kernels.py --out DIR
+  python -m benchmarks.fused_kernels --out DIR
 """
 
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from opensora.models.mmdit import fused  # noqa: E402
 from opensora.models.mmdit.layers import QKNorm, modulate  # noqa: E402

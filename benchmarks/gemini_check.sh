@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16, goal 5: GeminiPlugin in the real trainer on GPUs, next to LowLevelZero (ZeRO-2).
+# GeminiPlugin in the real trainer on GPUs, next to LowLevelZero (ZeRO-2).
 #
 #   bash benchmarks/gemini_check.sh OUT resume     # ~5-7 min on 2 GPUs: exact-resume check per plugin
 #   bash benchmarks/gemini_check.sh OUT 11b        # 2 GPUs: the 11B preset, Gemini+offload (RUN_TIMEOUT=480 or more:
@@ -68,8 +68,8 @@ if [ "$part" = resume ]; then
   done
 elif [ "$part" = 11b ]; then
   # torchrun sets OMP_NUM_THREADS=1 unless it is set: the host-offloaded Adam (ColossalAI's CPUAdam, OpenMP) would
-  # update 11B parameters on one core per rank. On 2 H200s (2026-11-26) the Gemini run had not finished its first
-  # step after 270 s: ~115 s of JIT builds (cpu_adam 72 s, fused_optim 43 s), the boost, then that step.
+  # update 11B parameters on one core per rank: a Gemini run then had not finished its first step after 270 s
+  # (~115 s of JIT builds, cpu_adam 72 s and fused_optim 43 s, the boost, then that step).
   per_rank=$(( $(nproc) / nproc )); [ "$per_rank" -ge 1 ] || per_rank=1
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$per_rank}
   zero2="{'type': 'LowLevelZeroPlugin', 'stage': 2, 'reduce_bucket_size_in_m': 128, 'overlap_communication': True}"

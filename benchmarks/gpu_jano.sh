@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Issue 15 on one GPU: the GPU tests of the region cache, the OffloadManager and the level graphs, then
-# benchmarks/jano.py (quality on the MovingShapes teacher, per-level step time at the 1B shape, eager and as CUDA
+# Jano on one GPU: the GPU tests of the region cache, the OffloadManager and the level graphs, then
+# benchmarks.jano (quality on the MovingShapes teacher, per-level step time at the 1B shape, eager and as CUDA
 # graphs, offload vs on-GPU caches with a profile, with and without graphs).
 #   bash benchmarks/gpu_jano.sh [TEACHER_CKPT_DIR]
 # Without a checkpoint it first trains the teacher for TEACHER_MINUTES (default 4) as gpu_moving_shapes.sh does (without
 # that script's own scoring). Env: PARTS (default quality,levels,offload), TESTS=0 skips the pytest GPU tests,
-# RESULTS (default benchmarks/results) receives jano_<parts>.json; TRACE=DIR also writes the offload profiles (gzip
+# RESULTS (default outputs/benchmarks) receives jano_<parts>.json; TRACE=DIR also writes the offload profiles (gzip
 # chrome traces) there; the summary table goes to stdout.
 set -euo pipefail
-results=${RESULTS:-benchmarks/results}
+results=${RESULTS:-outputs/benchmarks}
 runs=${RUNS:-outputs/gpu_moving_shapes}
 parts=${PARTS:-quality,levels,offload}
 mkdir -p "$results"
@@ -23,7 +23,7 @@ if [ -z "$ckpt" ] && [[ "$parts" == *quality* ]]; then
         | grep -v -i "warn" | tail -n 3
     ckpt=$(ls -d "$runs"/teacher/checkpoints/step-* | tail -n 1)
 fi
-python3 benchmarks/jano.py --config configs/diffusion/train/moving_shapes_gpu.py ${ckpt:+--ckpt "$ckpt"} \
+python3 -m benchmarks.jano --config configs/diffusion/train/moving_shapes_gpu.py ${ckpt:+--ckpt "$ckpt"} \
     --parts "$parts" --num-steps "${TEACHER_STEPS:-30}" --repeats "${REPEATS:-2}" ${TRACE:+--trace "$TRACE"} \
     --out "$results/jano_${parts//,/_}.json" 2>&1 \
     | grep -v -i "warn"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17, item 1 on one GPU: LoRA finetune of a trained MovingShapes teacher on the subset it scores worst on.
+# LoRA on one GPU: finetune of a trained MovingShapes teacher on the subset it scores worst on.
 #   bash benchmarks/gpu_lora.sh TEACHER_CKPT OUT        (TEACHER_CKPT: a checkpoint dir of moving_shapes_gpu.py,
 #                                                        e.g. from benchmarks/gpu_moving_shapes.sh 4 0)
 # 1. score the teacher on all 72 held captions (STEPS Euler steps + CFG 4) and pick the shape or direction value
@@ -20,14 +20,14 @@ teacher=$(cd "$teacher" && pwd)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 base_cfg=${BASE_CFG:-configs/diffusion/train/moving_shapes_gpu.py}  # the teacher's config (scoring)
-quality=(python benchmarks/moving_shapes_quality.py --num-steps "$steps" --guidance-scale 4 --repeats 1
+quality=(python -m benchmarks.moving_shapes_quality --num-steps "$steps" --guidance-scale 4 --repeats 1
          --batch-size 96)
 lora_cfg=$(realpath "${LORA_CFG:-configs/diffusion/train/moving_shapes_lora_gpu.py}")  # LoRA settings
 hashes() { (cd "$teacher" && find . -type f | LC_ALL=C sort | xargs sha256sum); }
 
 hashes > "$out/teacher_hashes_before.txt"
 "${quality[@]}" "$base_cfg" --ckpt "$teacher" --json "$out/teacher_all.json" | tail -n 6
-subset=$(python benchmarks/lora_report.py worst "$out/teacher_all.json")
+subset=$(python -m benchmarks.lora_report worst "$out/teacher_all.json")
 key=${subset%%=*}
 value=${subset#*=}
 echo "finetuning on the teacher's worst subset: $key=$value"
@@ -50,7 +50,7 @@ lora=$(ls -d "$out"/run/checkpoints/step-* | tail -n 1)
 python tools/convert_checkpoint.py "$lora" "$out/adapter.safetensors" --lora-only --overwrite
 python tools/convert_checkpoint.py "$lora" "$out/merged.safetensors" --merge-lora --overwrite
 hashes > "$out/teacher_hashes_after.txt"
-python benchmarks/lora_report.py report --teacher "$teacher" --lora "$lora" --adapter-file "$out/adapter.safetensors" \
+python -m benchmarks.lora_report report --teacher "$teacher" --lora "$lora" --adapter-file "$out/adapter.safetensors" \
     --before "$out/teacher_subset.json" --after "$out/lora_subset.json" \
     --before-all "$out/teacher_all.json" --after-all "$out/lora_all.json" \
     --hashes-before "$out/teacher_hashes_before.txt" --hashes-after "$out/teacher_hashes_after.txt" \

@@ -15,13 +15,13 @@ for part in "$@"; do
       timeout ${TESTS_S:-150} python -m pytest -q -p no:cacheprovider -s tests/test_text_padding_gpu.py -k "${TESTS_K:-}" \
         > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt" ;;
     step)  # the real configuration next to diffusers' Flux, interleaved
-      timeout ${STEP_S:-300} python benchmarks/padded_text_step.py --out "$OUT/padded_text_step.json" ${STEP_ARGS:-} \
+      timeout ${STEP_S:-300} python -m benchmarks.padded_text_step --out "$OUT/padded_text_step.json" ${STEP_ARGS:-} \
         > "$OUT/padded_text_step.txt" 2>&1; tail -16 "$OUT/padded_text_step.txt" ;;
     fp8)
-      timeout ${FP8_S:-300} python benchmarks/fp8_step.py --out "$OUT/fp8_step.json" > "$OUT/fp8_step.txt" 2>&1
+      timeout ${FP8_S:-300} python -m benchmarks.fp8_step --out "$OUT/fp8_step.json" > "$OUT/fp8_step.txt" 2>&1
       tail -9 "$OUT/fp8_step.txt" ;;
     trainer)  # the trainer with the GPU configs' defaults (compiled blocks) vs the bare compiled step
-      timeout 400 python benchmarks/train_step.py --runs "trainer-compile@full;ours-compile-traced@full" \
+      timeout 400 python -m benchmarks.train_step --runs "trainer-compile@full;ours-compile-traced@full" \
         --out "$OUT/trainer_compile.json" > "$OUT/trainer_compile.txt" 2>&1; tail -6 "$OUT/trainer_compile.txt" ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13 on one GPU: Self-Forcing from a trained MovingShapes GPU teacher (benchmarks/gpu_moving_shapes.sh makes one).
+# Self-Forcing on one GPU: from a trained MovingShapes GPU teacher (benchmarks/gpu_moving_shapes.sh makes one).
 # Stage 1, causal ODE init (configs/distill/causal_ode_gpu.py): the block-causal student regresses the teacher's
 # guided ODE trajectory at its 4-step list. Stage 2, Self-Forcing (configs/distill/self_forcing_gpu.py): DMD on the
 # student's own chunk-by-chunk rollout through its KV cache, teacher = real score, critic = fake score.

@@ -18,12 +18,12 @@ common=(--frames 33 --text-cache on --cuda-graphs on --merge-refill off --overla
     --teacher-graphs on --teacher-repeats 1)
 {
     python -m pytest -q tests/test_streaming_decode_gpu.py tests/test_group_norm.py 2>&1 | tail -25
-    python benchmarks/streaming_decode.py speed --out "$out"
-    python benchmarks/streaming.py speed --size 480 832 --lengths 1 4 "${common[@]}" --out "$out/s480"
-    if [ "${RULES:-0}" = 1 ]; then python benchmarks/streaming_decode.py rules --out "$out"; fi
-    python benchmarks/streaming.py speed --size 256 256 --lengths 1 4 "${common[@]}" --out "$out/s256"
+    python -m benchmarks.streaming_decode speed --out "$out"
+    python -m benchmarks.streaming speed --size 480 832 --lengths 1 4 "${common[@]}" --out "$out/s480"
+    if [ "${RULES:-0}" = 1 ]; then python -m benchmarks.streaming_decode rules --out "$out"; fi
+    python -m benchmarks.streaming speed --size 256 256 --lengths 1 4 "${common[@]}" --out "$out/s256"
     if [ "${OVERLAP:-0}" = 1 ]; then
-        python benchmarks/streaming.py speed --size 480 832 --lengths 1 --decode-rule overlap "${common[@]}" \
+        python -m benchmarks.streaming speed --size 480 832 --lengths 1 --decode-rule overlap "${common[@]}" \
             --teacher-steps 0 --out "$out/s480_overlap"
     fi
 } 2>&1 | tee "$out/log.txt"

@@ -5,26 +5,22 @@ one's max error against ``F.group_norm`` on the fp32 copy. Then one streaming ch
 VAE (5 latent frames: 3 new + 2 of context, 256px), graphed as the streaming sampler runs it, with and without the
 swap to ``ParallelGroupNorm``. Table on stdout, JSON in ``--out``/group_norm.json.
 
-  python benchmarks/group_norm.py --out DIR
-  python benchmarks/group_norm.py --tiny --out DIR   # CPU smoke test (tiny shapes, eager decode)
+  python -m benchmarks.group_norm --out DIR
+  python -m benchmarks.group_norm --tiny --out DIR   # CPU smoke test (tiny shapes, eager decode)
 """
 
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from opensora.models.vae import HunyuanVideoVAE  # noqa: E402
-from opensora.models.vae.group_norm import parallel_group_norm  # noqa: E402
+from benchmarks.common import cuda_time_ms
+from opensora.models.vae import HunyuanVideoVAE
+from opensora.models.vae.group_norm import parallel_group_norm
 
 SHAPES = [  # (shape, groups)
     ((1, 128, 5, 128, 128), 32),
@@ -38,8 +34,6 @@ TINY_VAE = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_gr
 
 def time_ms(fn, warmup, iters, device):
     if device.type == "cuda":
-        from fused_kernels import time_ms as cuda_time_ms  # CUDA events, median
-
         return cuda_time_ms(fn, warmup, iters)
     for _ in range(warmup):
         fn()

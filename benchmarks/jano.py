@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Jano region cache and OffloadManager on one GPU, side by side in one run (issue 15). Three parts:
+"""Jano region cache and OffloadManager on one GPU, side by side in one run. Three parts:
 
 (a) quality on the trained MovingShapes teacher (benchmarks/gpu_moving_shapes.sh trains it): full compute, Jano
     settings, Jano with --jano-offload and the TeaCache-style baseline sample the 72 held captions with the same seeds;
@@ -18,8 +18,8 @@
     (``device_graphs``, ``offload_graphs``), and paired alternated runs of (device, offload), (device_graphs,
     offload_graphs) and (device, device_graphs): the offload goal is checked on the graphed pair.
 
-  python benchmarks/jano.py --config configs/diffusion/train/moving_shapes_gpu.py --ckpt CKPT_DIR --out OUT.json
-  python benchmarks/jano.py --smoke          # CPU: tiny random model, parts (a)-(c) without timings that matter
+  python -m benchmarks.jano --config configs/diffusion/train/moving_shapes_gpu.py --ckpt CKPT_DIR --out OUT.json
+  python -m benchmarks.jano --smoke          # CPU: tiny random model, parts (a)-(c) without timings that matter
 
 Results: JSON to --out; a summary table and the goal checks (>= 2x fewer FLOPs and >= 1.8x wall-clock at PSNR >= 25
 dB and accuracy within 2 points; offload <= 3% slower than on-GPU caches) are printed at the end.
@@ -131,8 +131,7 @@ def build_sampler(cfg, ckpt):
 
 
 def part_quality(args) -> dict:
-    from moving_shapes_quality import held_caption_setup  # benchmarks/ (this script's directory)
-
+    from benchmarks.common import held_caption_setup
     from opensora.config import load_config
     from opensora.eval.moving_shapes import score_rows
 

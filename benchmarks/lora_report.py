@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Helpers of benchmarks/gpu_lora.sh: pick the subset a teacher scores worst on, and report a LoRA finetune.
 
-  python benchmarks/lora_report.py worst TEACHER_SCORES.json          -> prints e.g. "direction=left"
-  python benchmarks/lora_report.py report --teacher CKPT --lora CKPT --adapter-file F --before J --after J
+  python -m benchmarks.lora_report worst TEACHER_SCORES.json          -> prints e.g. "direction=left"
+  python -m benchmarks.lora_report report --teacher CKPT --lora CKPT --adapter-file F --before J --after J
       [--before-all J --after-all J] --hashes-before F --hashes-after F --json OUT
 
 The report: subset (and all-caption) scores before / after, the adapter's size on disk, the base's and the adapter's
@@ -14,14 +14,11 @@ afterwards (every file of the teacher checkpoint hashes the same, and the adapte
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from opensora.convert.weights import load_role_weights  # noqa: E402
-from opensora.lora import base_fingerprint  # noqa: E402
+from opensora.convert.weights import load_role_weights
+from opensora.lora import base_fingerprint
 
 
 def worst_subset(scores: dict) -> str:

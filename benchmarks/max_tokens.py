@@ -1,6 +1,6 @@
 """Largest per-GPU token count of the 1B MMDiT training step with no / selective / full activation checkpointing.
 
-Issue 16, goal 4. The 1B preset (benchmarks/train_step.py's shape: 8 double + 16 single blocks, 12 x 128 heads,
+The 1B preset (``benchmarks.common.FULL``, the training-step shape: 8 double + 16 single blocks, 12 x 128 heads,
 512 text tokens, batch 1) at 384x512 (24 x 32 = 768 video tokens per latent frame); the search runs over the latent
 frame count T (tokens = 768 T + 512). Memory is the trainer's on one GPU: bf16 working weights and gradients plus an
 fp32 master copy with fp32 AdamW moments (what ZeRO keeps on a single rank), so "fits" means "fits in the trainer",
@@ -8,9 +8,9 @@ not in the lighter bare benchmark step. For each mode: doubling from ``--start-f
 memory (or ``--max-frames``), then bisection; at the largest T that fits, two timed steps (CUDA events) and the peak
 memory. The allocator runs with ``expandable_segments`` (less fragmentation; set it in real runs too).
 
-  python benchmarks/max_tokens.py --out benchmarks/results/max_tokens_<date>_h200.json
-  python benchmarks/max_tokens.py --modes none,4:8,full --max-frames 160 --budget-s 420
-  python benchmarks/max_tokens.py --tiny      # CPU smoke test (no OOM there: stops at --max-frames)
+  python -m benchmarks.max_tokens --out OUT/max_tokens.json
+  python -m benchmarks.max_tokens --modes none,4:8,full --max-frames 160 --budget-s 420
+  python -m benchmarks.max_tokens --tiny      # CPU smoke test (no OOM there: stops at --max-frames)
 
 Modes: ``none``, ``full`` or ``D:S`` = the first D double and S single blocks checkpointed (``grad_ckpt_double`` /
 ``grad_ckpt_single`` in a model config); ``selective`` = ``4:8`` (half of each kind).
@@ -26,10 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import FULL, OUT, TINY, model_config, randomize_
+
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 TOKENS_H, TOKENS_W = 24, 32  # video tokens per latent frame: 384x512 pixels, 8x VAE, 2x2 patches
 
@@ -71,7 +70,6 @@ class MasterAdamW:
 
 def build(shape, device, dtype):
     import torch
-    from train_step import model_config, randomize_
 
     from opensora.models.mmdit import MMDiT
 
@@ -195,8 +193,6 @@ def tokens(shape, frames):
 
 
 def train_flops(shape, frames):
-    from train_step import model_config
-
     from opensora.models.mmdit import mmdit_train_flops
 
     cfg = model_config(shape)
@@ -206,7 +202,6 @@ def train_flops(shape, frames):
 
 def main(argv=None):
     import torch
-    from train_step import FULL, TINY
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="none,selective,full", help="comma list: none, selective, full, D:S")
@@ -240,7 +235,7 @@ def main(argv=None):
     env["device"] = torch.cuda.get_device_name() if not tiny else "cpu"
     if not tiny:
         env["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"max_tokens_{env['date']}.json")
+    out = Path(args.out or OUT / f"max_tokens_{env['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode in modes:  # each mode's search gets its own equal share (the timed steps at its largest size come on

@@ -6,7 +6,7 @@ the same way from files); speed = wall-clock seconds to generate the whole batch
 synchronised). Needs no PyAV: frames go straight from the sampler to the evaluator. Used for the GPU teacher
 (many Euler steps + CFG) and the DMD2 student (its step list, no CFG), same device, same batch:
 
-  python benchmarks/moving_shapes_quality.py CONFIG --ckpt DIR [--role student] [--num-steps 30]
+  python -m benchmarks.moving_shapes_quality CONFIG --ckpt DIR [--role student] [--num-steps 30]
       [--guidance-scale 4] [--json OUT] [--where direction=left] [--seeds-per-prompt 4]
 
 ``--where KEY=V1,V2`` scores only the held captions with those attributes (a subset, e.g. what a LoRA finetune
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import held_caption_setup
 from opensora.config import load_config
-from opensora.datasets.moving_shapes import all_captions, parse_caption
 from opensora.eval.moving_shapes import score_rows
 from opensora.inference.pipeline import VideoSampler
 
@@ -41,22 +41,6 @@ def parse_where(items) -> dict:
             raise SystemExit(f"--where {item!r}: use color=..., shape=... or direction=... (comma-separated values)")
         where[key] = set(values.split(","))
     return where
-
-
-def held_caption_setup(cfg, num_prompts=None, seed=1000, where=None, seeds_per_prompt=1):
-    """(frames, height, width) of the config's one bucket, the first ``num_prompts`` held captions (those matching
-    ``where``, each repeated ``seeds_per_prompt`` times), their seeds."""
-    size = next(iter(cfg.bucket_config))  # "HxW"
-    height, width = (int(v) for v in size.split("x"))
-    num_frames = int(next(iter(cfg.bucket_config[size])))
-    attributes = ("color", "shape", "direction")
-    captions = [
-        text
-        for text in all_captions()
-        if all(value in (where or {}).get(key, {value}) for key, value in zip(attributes, parse_caption(text)))
-    ]
-    prompts = [text for text in captions[:num_prompts] for _ in range(seeds_per_prompt)]
-    return (num_frames, height, width), prompts, [seed + i for i in range(len(prompts))]
 
 
 def main(argv=None) -> dict:

@@ -22,13 +22,13 @@ bf16 matmul ceiling (--ceiling-tflops, 752 on H100/H200) and the vendor dense pe
 ``useful`` counts the valid tokens only (2304 video + each row's valid text); ``processed`` the tokens the variant's
 kernels ran over (diffusers-512: all 512 text tokens).
 
-  python benchmarks/padded_text_step.py --out $OUT/padded_text_step.json
-  python benchmarks/padded_text_step.py --warm-lengths 0    # cold: cuDNN meets each prompt length in the timed steps
+  python -m benchmarks.padded_text_step --out $OUT/padded_text_step.json
+  python -m benchmarks.padded_text_step --warm-lengths 0    # cold: cuDNN meets each prompt length in the timed steps
 
 cuDNN builds an execution plan per new attention shape (~0.1 s); a padded batch gives each row its own shape, so the
 first steps that meet a prompt length pay it (once per length per run). By default the benchmark builds them first
 (``text_padding.warm_attention_lengths``) and times the steady state; ``--warm-lengths 0`` times the cold start.
-  python benchmarks/padded_text_step.py --tiny          # CPU smoke test of the script
+  python -m benchmarks.padded_text_step --tiny          # CPU smoke test of the script
 """
 
 import argparse
@@ -40,10 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.train_step import LATENT_CHANNELS, flux_model, randomize_, spread  # noqa: E402
+from benchmarks.common import OUT, model_config, randomize_
+from benchmarks.train_step import LATENT_CHANNELS, flux_model, spread
 
 REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_double=8, depth_single=16,
             hidden=1536, heads=12, text_dim=4096, pooled_dim=768, axes=(16, 56, 56))  # fmt: skip
@@ -55,19 +53,7 @@ VARIANTS = ("ours-padded", "ours-unpadded-128", "ours-unpadded-70", "ours-masked
 
 
 def our_config(shape):
-    from opensora.models.mmdit import mmdit_config
-
-    cfg = mmdit_config(
-        "1b",
-        in_channels=LATENT_CHANNELS,
-        hidden_size=shape["hidden"],
-        num_heads=shape["heads"],
-        depth_double=shape["depth_double"],
-        depth_single=shape["depth_single"],
-        text_dim=shape["text_dim"],
-        pooled_dim=shape["pooled_dim"],
-        axes_dims=shape["axes"],
-    )
+    cfg = model_config(shape, in_channels=LATENT_CHANNELS)
     cfg.pop("type")
     return cfg
 
@@ -339,7 +325,7 @@ def main(argv=None):
     if torch.cuda.is_available() and not args.tiny:
         env["device"] = torch.cuda.get_device_name()
     report = dict(environment=env, **result)
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"padded_text_step_{env['date']}.json")
+    out = Path(args.out or OUT / f"padded_text_step_{env['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(json.dumps(env))

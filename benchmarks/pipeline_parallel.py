@@ -26,8 +26,8 @@ so graphed vs eager is reported, not required). Then the bidirectional multi-ste
 weights without the causal mask, ``--bi-frames`` latent frames) with the same block split and the CFG branches x
 prompt groups as the items in flight, bit-identical to one GPU running the same micro-batches.
 
-  python benchmarks/pipeline_parallel.py --out DIR          # 2 GPUs, <= ~7 min; DIR/pipeline_parallel.{json,txt}
-  python benchmarks/pipeline_parallel.py --tiny --out DIR   # CPU smoke test
+  python -m benchmarks.pipeline_parallel --out DIR          # 2 GPUs, <= ~7 min; DIR/pipeline_parallel.{json,txt}
+  python -m benchmarks.pipeline_parallel --tiny --out DIR   # CPU smoke test
 
 Timing: ``--repeats`` timed runs after one warm-up run per configuration (graph captures happen there), the
 median reported; frames/s counts decoded frames of all items (the stand-in decoder makes one frame per latent
@@ -48,7 +48,6 @@ import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -803,8 +802,8 @@ def graphs_fell_back(m) -> bool:
 
 def row_ok(row) -> bool:
     """Eager runs equal the eager 1-GPU reference; graphed 2-GPU runs equal the graphed 1-GPU baseline, and no
-    graphed variant fell back to eager passes (the H200 run of 2026-11-23 had every stage-1 pass eager, unnoticed,
-    because those eager passes happened to equal the graphed ones bit for bit)."""
+    graphed variant fell back to eager passes (eager passes can equal the graphed ones bit for bit, so a run whose
+    stage-1 captures all failed would otherwise pass unnoticed)."""
     for mode, m in row["modes"].items():
         if graphs_fell_back(m):
             return False

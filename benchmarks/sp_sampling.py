@@ -5,10 +5,10 @@ The 1B MMDiT of ``configs/diffusion/train/mmdit_1b_long_synthetic.py`` (random w
 step, batched), through ``VideoSampler.denoise`` -- the loop ``scripts/diffusion/inference.py`` runs. Text
 encoding and decoding (the config's stand-in encoders) are outside the timed region.
 
-  python benchmarks/sp_sampling.py --out benchmarks/results/sp_sampling_1gpu.json                    # 1 GPU
-  torchrun --nproc_per_node 2 benchmarks/sp_sampling.py --out benchmarks/results/sp_sampling_2gpu.json
-  python benchmarks/sp_sampling.py --tiny                                                            # CPU smoke
-  torchrun --nproc_per_node 2 benchmarks/sp_sampling.py --tiny
+  python -m benchmarks.sp_sampling --out OUT/sp_sampling_1gpu.json                      # 1 GPU
+  torchrun --nproc_per_node 2 -m benchmarks.sp_sampling --out OUT/sp_sampling_2gpu.json   # 2 GPUs
+  python -m benchmarks.sp_sampling --tiny                                                 # CPU smoke
+  torchrun --nproc_per_node 2 -m benchmarks.sp_sampling --tiny
 
 Under torchrun the world is one sequence-parallel group (``--sequence-parallel-size`` = world size). Each run
 reports the median of ``--repeats`` timed denoising loops after one warm-up loop, and saves the final latents
@@ -28,12 +28,10 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""Streaming generation (issue 13): speed and memory at the 1B shape, quality of a causal student on MovingShapes,
+"""Streaming generation: speed and memory at the 1B shape, quality of a causal student on MovingShapes,
 and the fixed costs of the full-video sampler. Writes JSON under --out and prints a table.
 
   # (a) 1B shape, random weights, one GPU: per-chunk latency, time to first chunk, frames/s (VAE decode included),
   #     peak memory at 1x and 4x the training length (goal: flat within 5%), next to the 30-step CFG teacher
-  python benchmarks/streaming.py speed --out benchmarks/results/streaming_1b
+  python -m benchmarks.streaming speed --out OUT/streaming_1b
   # (b) a causal student checkpoint vs its bidirectional teacher on the 72 held MovingShapes captions
-  python benchmarks/streaming.py quality --student-config C --student-ckpt S --teacher-config T --teacher-ckpt P \
-      --out benchmarks/results/streaming_quality
+  python -m benchmarks.streaming quality --student-config C --student-ckpt S --teacher-config T --teacher-ckpt P \
+      --out OUT/streaming_quality
   # (c) where VideoSampler.generate spends its time outside the model passes (runs on a CPU too)
-  python benchmarks/streaming.py costs --config configs/diffusion/train/moving_shapes_gpu.py --out DIR
+  python -m benchmarks.streaming costs --config configs/diffusion/train/moving_shapes_gpu.py --out DIR
 
 Timing: wall clock around whole generations (CUDA synchronised), after one warm-up generation; the streaming
 chunk times come from the generator (each chunk ends when its decoded uint8 frames are on the host).
@@ -28,11 +28,8 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from train_step import count_host_syncs  # noqa: E402  (benchmarks/train_step.py)
-
+from benchmarks.common import count_host_syncs  # noqa: E402
 from opensora.config import load_config  # noqa: E402
 from opensora.inference import pipeline  # noqa: E402
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402
@@ -1016,7 +1013,7 @@ def parse_args(argv=None):
 
     for p in (speed, quality, costs):
         p.add_argument("--device", default="auto")
-        p.add_argument("--out", default="benchmarks/results/streaming")
+        p.add_argument("--out", default="outputs/benchmarks/streaming")
     return parser.parse_args(argv)
 
 

@@ -4,10 +4,10 @@ one chunk decodes. Writes JSON under --out and prints tables.
 
   # (a) rules: PSNR / max |diff| of the uint8 frames of each chunk rule against the whole-clip decode, over MovingShapes
   #     clips and natural-image-like random textures encoded and decoded by the same VAE
-  python benchmarks/streaming_decode.py rules --out DIR                      # real-size VAE (random weights), GPU
-  python benchmarks/streaming_decode.py rules --tiny --size 64 64 --out DIR  # tiny random VAE, fp32, CPU
+  python -m benchmarks.streaming_decode rules --out DIR                      # real-size VAE (random weights), GPU
+  python -m benchmarks.streaming_decode rules --tiny --size 64 64 --out DIR  # tiny random VAE, fp32, CPU
   # (b) speed: one chunk of 3 latent frames at 480x832 (bf16), interleaved with the eager diffusers decode
-  python benchmarks/streaming_decode.py speed --out DIR
+  python -m benchmarks.streaming_decode speed --out DIR
 
 Rules: ``running`` / ``chunk`` (exact-once decode, GroupNorm statistics over the frames seen so far / over the chunk),
 ``fixed`` (exact-once with the whole clip's own statistics: what is left is arithmetic), ``overlap`` (the previous
@@ -19,15 +19,10 @@ whole latent clip (``vae.decoder(vae.post_quant_conv(z))``, no tiling).
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from opensora.datasets.moving_shapes import render_from_attributes  # noqa: E402
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402

@@ -4,16 +4,16 @@ Same shape for both: 8 double + 16 single blocks, 12 heads x 128, 64-wide input 
 2x2 patches for ours, Flux's packed 64 channels for diffusers), 4096-dim text features, 8448 video + 512 text
 tokens, batch 1, parameters and activations in bf16, fused AdamW. Every variant runs in its own subprocess (a
 crashed kernel must not take the others down, and memory peaks stay separate); the driver collects one JSON
-under benchmarks/results/ and prints a table.
+(``--out``) and prints a table.
 
 Timing: CUDA events around each step after warm-up (compilation happens there), median of the timed steps.
 MFU = model FLOPs (3x the forward matmuls, recompute not counted, the same number for both models) / time /
 the bf16 ceiling (752 TFLOP/s measured on H200; pass --peak-tflops for another device).
 
-  python benchmarks/train_step.py                       # all default variants on the GPU
-  python benchmarks/train_step.py --variants ours-compile,diffusers --iters 20
-  python benchmarks/train_step.py --tiny                # CPU smoke test of the script itself
-  python benchmarks/train_step.py --runs "trainer@full;ours-eager@full;trainer@full;ours-eager@full"
+  python -m benchmarks.train_step                       # all default variants on the GPU
+  python -m benchmarks.train_step --variants ours-compile,diffusers --iters 20
+  python -m benchmarks.train_step --tiny                # CPU smoke test of the script itself
+  python -m benchmarks.train_step --runs "trainer@full;ours-eager@full;trainer@full;ours-eager@full"
 
 Trainer mode (variant ``trainer``): the real ``Trainer`` built from ``--trainer-config``
 (default configs/diffusion/train/mmdit_1b_bench_shape.py: this shape, batch 1, latents and text features from memory,
@@ -43,8 +43,7 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import FULL, OUT, ROOT, TINY, count_host_syncs, model_config, randomize_, shape_tokens
 
 # name -> how to build it; ckpt: "none" | "full" | "D,S" (first D double and S single blocks checkpointed)
 VARIANTS = {
@@ -58,15 +57,12 @@ VARIANTS = {
     "ours-compile-traced": dict(model="ours", backend="auto", compile=True, attention="traced"),
     "ours-compile-efficient": dict(model="ours", backend="efficient", compile=True),
     "ours-compile-masked": dict(model="ours", backend="auto", compile=True, padded_text=True),
-    # MMDiT(fused_kernels=True): Triton LayerNorm+modulation and QK-norm+RoPE kernels (models/mmdit/fused.py)
-    "ours-fused": dict(model="ours", backend="auto", compile=False, fused=True),
-    "ours-compile-fused": dict(model="ours", backend="auto", compile=True, fused=True),
     # candidate fixes for the compiled path's non-finite vec-path grads (see compile_parity.py)
     "ours-compile-nosplit": dict(model="ours", backend="auto", compile={"split_reductions": False}),
     "ours-compile-nopersistent": dict(model="ours", backend="auto", compile={"triton.persistent_reductions": False}),
     # the real Trainer (ZeRO-2 bf16, EMA, scheduler, loss check, metrics, loader) on in-memory latents at this shape
     "trainer": dict(model="trainer", backend="auto"),
-    # the trainer's defaults before session 6, to price them: torch's foreach AdamW on the fp32 masters instead of
+    # the trainer's earlier defaults, to price them: torch's foreach AdamW on the fp32 masters instead of
     # the fused one (the fused kernel orders the update's arithmetic differently: not bit-identical), and without the
     # one-rank ZeRO shortcuts (bit-identical either way)
     "trainer-foreach": dict(model="trainer", backend="auto", optimizer=dict(fused=False)),
@@ -102,62 +98,7 @@ DEFAULT_RUNS = [
     ("diffusers", "none"),
 ]
 
-FULL = dict(
-    grid=(11, 24, 32),
-    text_tokens=512,
-    depth_double=8,
-    depth_single=16,
-    hidden=1536,
-    heads=12,
-    text_dim=4096,
-    pooled_dim=768,
-    axes=(16, 56, 56),
-)
-TINY = dict(
-    grid=(2, 4, 4),
-    text_tokens=8,
-    depth_double=1,
-    depth_single=2,
-    hidden=64,
-    heads=2,
-    text_dim=32,
-    pooled_dim=16,
-    axes=(8, 12, 12),
-)
 LATENT_CHANNELS = 16
-
-
-def shape_tokens(shape):
-    t, h, w = shape["grid"]
-    return t * h * w, shape["text_tokens"]
-
-
-def randomize_(model, std=0.02, seed=0):
-    """Random weights everywhere (zero-initialised gates too): zeros would make kernels unrealistically fast."""
-    import torch
-
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * std)
-
-
-def model_config(shape, **extra):
-    """The 1B preset's config dict at a benchmark shape (``SHAPES`` / ``TINY`` keys), plus ``extra`` settings."""
-    from opensora.models.mmdit import mmdit_config
-
-    return mmdit_config(
-        "1b",
-        hidden_size=shape["hidden"],
-        num_heads=shape["heads"],
-        depth_double=shape["depth_double"],
-        depth_single=shape["depth_single"],
-        text_dim=shape["text_dim"],
-        pooled_dim=shape["pooled_dim"],
-        axes_dims=shape["axes"],
-        **extra,
-    )
 
 
 def build_ours(shape, spec, ckpt, device, dtype):
@@ -172,8 +113,6 @@ def build_ours(shape, spec, ckpt, device, dtype):
     randomize_(model)
     model.to(device=device, dtype=dtype).train()
     model.set_grad_ckpt(*ckpt_counts(ckpt, shape))
-    if spec.get("fused"):
-        model.set_fused_kernels(True)
     if spec.get("compile"):
         options = spec["compile"] if isinstance(spec["compile"], dict) else None
         model.set_compile_blocks(True, inductor_options=options, attention=spec.get("attention", "op"))
@@ -257,21 +196,6 @@ def model_flops(shape):
     return mmdit_train_flops(model_config(shape), *shape_tokens(shape))
 
 
-def count_host_syncs(step):
-    """Run one step under CUDA sync debug mode and count the synchronising calls it reports."""
-    import torch
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    messages = [str(w.message).splitlines()[0][:160] for w in caught]
-    return [m for m in messages if "synchroniz" in m.lower() and "prototype" not in m]
-
-
 def run_variant(name, ckpt, args):
     """Build, warm up and time one variant in this process; returns its result dict."""
     import torch
@@ -331,9 +255,6 @@ def run_variant(name, ckpt, args):
             on, inductor_options=options, attention=spec.get("attention", "op")
         )
         compile_error = toggled_vs_eager_error(forward, toggle, "compiled blocks")
-    fused_error = None
-    if spec.get("fused") and not spec.get("compile") and ckpt == "none":
-        fused_error = toggled_vs_eager_error(forward, model.set_fused_kernels, "fused kernels")
     warm_times = []
     for _ in range(args.warmup):
         w0 = time.perf_counter()
@@ -380,7 +301,6 @@ def run_variant(name, ckpt, args):
         host_syncs=syncs,
         loss=float(loss),
         compiled_vs_eager_rel_err=compile_error,
-        fused_vs_eager_rel_err=fused_error,
     )
     if args.profile and cuda:
         result["profile"] = profile_breakdown(guarded_step)
@@ -604,7 +524,7 @@ def run_trainer(name, ckpt, args):
 
 def toggled_vs_eager_error(forward, toggle, what):
     """||on - off|| / ||off|| of the forward output (same weights and inputs) for a model switch ``toggle(bool)``
-    (``set_compile_blocks`` / ``set_fused_kernels``); leaves the switch on."""
+    (``set_compile_blocks``); leaves the switch on."""
     import torch
 
     with torch.no_grad():
@@ -713,7 +633,7 @@ def main(argv=None):
     parser.add_argument(
         "--profile", default="", help="comma list of variant@ckpt whose GPU kernel time to split by category"
     )
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_step_<date>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default outputs/benchmarks/train_step_<date>.json)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per variant subprocess")
     parser.add_argument(
         "--trainer-config",
@@ -739,7 +659,7 @@ def main(argv=None):
         return 0
 
     runs = parse_runs(args.runs)
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"train_step_{datetime.date.today().isoformat()}.json")
+    out = Path(args.out or OUT / f"train_step_{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     report = dict(environment=environment(args), runs=[])
     passthrough = [
@@ -758,7 +678,7 @@ def main(argv=None):
     ] + (["--tiny"] if args.tiny else [])
     profiled = set()
     for name, ckpt in runs:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f"{name}@{ckpt}", *passthrough]
+        cmd = [sys.executable, "-m", "benchmarks.train_step", "--child", f"{name}@{ckpt}", *passthrough]
         if args.profile_steps and (name, ckpt) not in profiled:
             profiled.add((name, ckpt))
             cmd += ["--profile-steps", str(args.profile_steps)]

@@ -80,7 +80,8 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
     out = tmp_path / "step.json"
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "train_step.py"),
+        "-m",
+        "benchmarks.train_step",
         "--tiny",
         "--warmup",
         "1",
@@ -213,8 +214,7 @@ def test_train_scaling_script_runs_sequence_parallel(tmp_path):
 def test_master_weight_adamw_steps_fp32_masters_and_rounds_them_into_the_model():
     """The bare step's master-weight optimizer = torch AdamW on fp32 copies fed the bf16 gradients cast to fp32,
     with the model holding the masters rounded to bf16 after every step."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from train_step import MasterWeightAdamW
+    from benchmarks.train_step import MasterWeightAdamW
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3)).to(torch.bfloat16)
@@ -254,11 +254,11 @@ def test_idle_gaps_and_host_op_counts():
 
 
 def test_max_tokens_smoke_on_cpu(tmp_path):
-    """benchmarks/max_tokens.py --tiny: every mode searched (capped on CPU, no OOM there), rows written."""
+    """benchmarks.max_tokens --tiny: every mode searched (capped on CPU, no OOM there), rows written."""
     out = tmp_path / "max_tokens.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "max_tokens.py"), "--tiny", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.max_tokens", "--tiny", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -272,3 +272,55 @@ def test_max_tokens_smoke_on_cpu(tmp_path):
         assert row["capped"] and row["max_frames"] == 4 and row["step_s"] > 0 and not row["timed_out"]
     # checkpointing more blocks: the selective mode sits between none and full
     assert [(r["grad_ckpt_double"], r["grad_ckpt_single"]) for r in rows] == [(0, 0), (0, 1), (1, 2)]
+
+
+BENCHMARK_MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "common"))
+
+
+@pytest.mark.parametrize("name", BENCHMARK_MODULES)
+def test_every_benchmark_module_imports_as_a_package_module_and_prints_its_help(name, monkeypatch, capsys):
+    """`python -m benchmarks.NAME --help` without running anything: the module imports (its shared helpers come from
+    benchmarks.common, not from another script through sys.path) and builds its command line."""
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{name}")
+    monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--help"])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+    assert "sys.path" not in (ROOT / "benchmarks" / f"{name}.py").read_text()
+
+
+def expand_braces(text):
+    """``a_{x,y}.json`` -> ``[a_x.json, a_y.json]`` (the shorthand the reports use for a run's .json and .txt)."""
+    start = text.find("{")
+    if start < 0:
+        return [text]
+    end = text.index("}", start)
+    return [
+        name
+        for choice in text[start + 1 : end].split(",")
+        for name in expand_braces(text[:start] + choice + text[end + 1 :])
+    ]
+
+
+def test_results_hold_exactly_the_files_the_reports_cite_and_the_readme_links_resolve():
+    import re
+
+    bench = ROOT / "benchmarks"
+    readme = (bench / "README.md").read_text()
+    texts = [readme] + [p.read_text() for p in sorted((bench / "reports").glob("*.md"))]
+    cited = set()
+    for text in texts:
+        for token in re.findall(r"`results/([^`\s]+)`", text):
+            for name in expand_braces(token):
+                assert (bench / "results" / name).exists(), f"cited but missing: results/{name}"
+                cited.add(name.split("/")[0])
+    stored = {p.name for p in (bench / "results").iterdir()}
+    assert stored - cited == set(), f"in results/ but cited by no report: {sorted(stored - cited)}"
+    links = re.findall(r"\]\((reports/[^)]+)\)", readme)
+    assert links and all((bench / link).is_file() for link in links)
+    named = {name for text in texts for name in re.findall(r"[\w.-]+_\d{4}-\d{2}\.md", text)}
+    assert {name for name in named if not (bench / "reports" / name).is_file()} == set()
+    assert len(readme.splitlines()) <= 150

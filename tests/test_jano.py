@@ -270,7 +270,7 @@ def test_benchmark_script_smoke(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "jano.json"
-    cmd = [sys.executable, str(root / "benchmarks/jano.py"), "--smoke", "--parts", "levels,offload", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.jano", "--smoke", "--parts", "levels,offload", "--out", str(out)]
     result = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())

@@ -1,12 +1,12 @@
 # `make demo`'s training config: demo.py shrunk until the tiny model learns colour, shape and motion direction
-# within minutes on 2 CPU cores (benchmarks/README.md, "The make demo config", has the runs behind each choice).
+# within minutes on 2 CPU cores (benchmarks/reports/demo_cpu_2026-11.md has the runs behind each choice).
 # demo.py stays the shared base of the tests and the distillation demos (32x32x16 clips).
 _base_ = ["demo.py"]
 
 max_steps = 3200  # 9.7 min on 2 cores (0.18 s/step, DDP below): shape 0.847 in one run; 2400 ZeRO steps took as long
 ckpt_every = 1200
 # One process has nothing to shard: LowLevelZero's flat-buffer copies and per-parameter hooks cost ~40% of the step
-# on 2 cores (benchmarks/README.md). DDP also trains on `colossalai run --nproc_per_node 2` (gloo).
+# on 2 cores (benchmarks/reports/demo_cpu_2026-11.md). DDP also trains on `colossalai run --nproc_per_node 2` (gloo).
 plugin = dict(_delete_=True, type="TorchDDPPlugin")
 lr = 2e-3  # twice demo.py's: the short run learns shape sooner (QK-norm and grad clip keep it stable)
 

@@ -1,5 +1,5 @@
 # The 11B preset (Open-Sora 2.0's size: 19 double + 38 single blocks, 3072 wide, 24 x 128 heads) on in-memory
-# latents, for issue 16 goal 5: does it train on two GPUs of one host, and how fast. 256px x 33 frames (9 latent
+# latents: does it train on two GPUs of one host, and how fast. 256px x 33 frames (9 latent
 # frames x 16 x 16 = 2304 video tokens) + 512 text tokens, batch 1 per GPU, full checkpointing, bf16.
 # Default plugin: Gemini, static placement, optimizer states (fp32 master + Adam moments, 12 bytes/param = 132 GB for
 # 11B) offloaded to the host. benchmarks/gemini_check.sh also tries ZeRO-2 (LowLevelZero) with everything on GPU.

@@ -1,8 +1,8 @@
-# The real trainer at exactly the shape of benchmarks/train_step.py's bare step, with loading that costs nothing:
+# The real trainer at exactly the shape of the bare step of benchmarks/train_step.py, with loading that costs nothing:
 # 1B preset (8 double + 16 single blocks, 12 x 128 heads), latent [16, 11, 48, 64] -> 11 x 24 x 32 = 8448 video tokens
 # + 512 text tokens (no padding, so no attention mask, as in the bare step), batch 1, bf16, full checkpointing.
 # Latents and text features come from memory (SyntheticLatentDataset): no VAE, no text encoder, no decoding.
-#   python benchmarks/train_step.py --runs "trainer@full;ours-eager@full"      # trainer vs bare step, one call
+#   python -m benchmarks.train_step --runs "trainer@full;ours-eager@full"      # trainer vs bare step, one call
 #   torchrun --nproc_per_node 1 scripts/diffusion/train.py configs/diffusion/train/mmdit_1b_bench_shape.py
 # What differs from the bare step is what the trainer adds: the ZeRO-2 bf16 optimizer (fp32 master weights, grad
 # clipping), the lr scheduler, the EMA on rank 0, the loss-finite check, metrics and the data loader.
