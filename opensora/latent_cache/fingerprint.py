@@ -32,6 +32,8 @@ _ENCODE_SETTINGS = (
     "temporal_compression",
     "max_length",
     "clip_max_length",
+    "patch_size",  # PatchVAE: no library config, its packing is these
+    "temporal_patch_size",
 )
 # library config keys that say nothing about the computation
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "torch_dtype", "dtype", "architectures")
