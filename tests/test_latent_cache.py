@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from test_train import DEMO_CONFIG, launcher_env, read_metrics, safetensors_weights, write_config
 
 from dist_utils import find_free_port
-from test_train import DEMO_CONFIG, launcher_env, read_metrics, safetensors_weights, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECOMPUTE = ROOT / "scripts" / "diffusion" / "precompute.py"
