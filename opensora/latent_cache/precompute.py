@@ -188,6 +188,32 @@ class _ChunkWriter:
                 self.error = error
 
 
+_EMPTY_ROW = dict(
+    reason="",
+    slots=[],
+    resolution="",
+    aspect=-1,
+    num_frames=0,
+    height=0,
+    width=0,
+    frame_indices=[],
+    flip=False,
+    fps=0.0,
+    shard="",
+    latents_key="",
+    latent_shape=[],
+    latents_dtype="",
+    text_key="",
+    pooled_key="",
+    text_tokens=0,
+    **{
+        f"{name}_{field}": (-1 if field == "offset" else 0)
+        for name in ("latents", "text", "pooled")
+        for field in ("offset", "nbytes")
+    },
+)
+
+
 def _sample_row(dataset, index: int) -> dict:
     return dict(
         sample=index,
@@ -392,7 +418,8 @@ def _write_index(root: Path, plan: dict, num_samples: int) -> Path:
     missing = [chunk for chunk in range(num_chunks) if chunk not in done]
     if missing:
         raise RuntimeError(f"chunks {missing[:5]} of {root} are not finished; rerun the same command")
-    rows = store.read_records(root, range(num_chunks))
+    # one type per column: rows of bad and unbucketed samples get the clip columns' empty values
+    rows = [dict(_EMPTY_ROW, **row) for row in store.read_records(root, range(num_chunks))]
     seen = sorted({row["sample"] for row in rows})
     if seen != list(range(num_samples)):
         raise RuntimeError(f"{root}: the progress records cover {len(seen)} of {num_samples} samples")
