@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Encode a training config's dataset once: ``python scripts/diffusion/precompute.py CONFIG --outputs DIR
 [--epochs N] [--flip] [--samples-per-shard N] [--encode-batch-size N]`` (also ``torchrun --nproc_per_node N``).
-Train from it with ``--dataset "dict(type='CachedLatentDataset', data_path='DIR')"``; a killed run continues when the
+Train from it with ``--dataset "{'type': 'CachedLatentDataset', 'data_path': 'DIR'}"``; a killed run continues when the
 same command is run again."""
 
 import sys
