@@ -100,6 +100,30 @@ def test_training_from_the_cache_is_bit_identical_to_training_from_the_videos(da
     assert reference.loader.state_dict()["epoch"] == trainer.loader.state_dict()["epoch"] == 1
 
 
+def test_validation_builds_the_encoders_when_it_first_samples(data, tmp_path):
+    outputs = tmp_path / "validated"
+    flags = ("--max-steps", 2, "--validation.every", 2, "--validation.num_steps", 2)
+    trainer = train(data["cached"], outputs, *flags, "--validation.prompts", "['a red circle moving left']")
+    assert trainer.components.vae.is_built and trainer.components.text_encoder.is_built
+    records = [r for r in read_metrics(outputs) if "val/seconds" in r]
+    assert [r["step"] for r in records] == [2]
+
+
+def test_precompute_script_reports_bad_input_in_one_line(data, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "diffusion" / "precompute.py"), str(data["videos"])]
+        + ["--outputs", str(tmp_path / "c"), "--samples-per-shard", "0"],
+        env=launcher_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "precompute.py: error: --samples-per-shard must be >= 1, got 0"
+    assert not (tmp_path / "c").exists()
+
+
 def test_index_lists_every_clip_once_with_what_made_it(data):
     from opensora.latent_cache.store import read_index
 
