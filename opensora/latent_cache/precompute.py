@@ -8,6 +8,7 @@ the encoders never wait for the disk. Layout and crash safety: ``opensora.latent
 command continues where a killed run stopped; a rerun with another config, table or encoders is refused.
 """
 
+import errno
 import logging
 import os
 import queue
@@ -452,6 +453,14 @@ def main(argv=None) -> None:
     _check_config(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
-    path = run(cfg, args)
+    try:
+        path = run(cfg, args)
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise UserInputError(
+            f"no space left on the device of {args.outputs}: free some and rerun the same command (finished chunks "
+            "are kept)"
+        ) from None
     if path is not None:
         logger.info("done in %.1f s: %s", time.monotonic() - started, path)
