@@ -100,6 +100,31 @@ def test_training_from_the_cache_is_bit_identical_to_training_from_the_videos(da
     assert reference.loader.state_dict()["epoch"] == trainer.loader.state_dict()["epoch"] == 1
 
 
+def test_resuming_from_a_checkpoint_continues_the_cached_data_exactly(data, tmp_path):
+    reference = data["root"] / "from_cache"
+    if not (reference / "metrics.jsonl").exists():  # the equivalence test did not run first
+        train(data["cached"], reference, "--max-steps", STEPS)
+    outputs = tmp_path / "resumed"
+    train(data["cached"], outputs, "--max-steps", 7, "--ckpt-every", 7)  # stops mid-epoch
+    from opensora.config import load_config_from_cli
+    from opensora.training.launch import TRAIN_FLAGS
+    from opensora.training.trainer import Trainer
+
+    cfg, _ = load_config_from_cli(
+        [str(data["cached"]), "--outputs", str(outputs), "--max-steps", str(STEPS)], script_flags=TRAIN_FLAGS
+    )
+    trainer = Trainer(cfg)
+    trainer.resume(auto=True)
+    trainer.train()
+    want = {r["step"]: r for r in read_metrics(reference)}
+    for record in read_metrics(outputs):
+        assert (record["loss"], record["grad_norm"]) == (
+            want[record["step"]]["loss"],
+            want[record["step"]]["grad_norm"],
+        )
+    assert max(r["step"] for r in read_metrics(outputs)) == STEPS
+
+
 def test_validation_builds_the_encoders_when_it_first_samples(data, tmp_path):
     outputs = tmp_path / "validated"
     flags = ("--max-steps", 2, "--validation.every", 2, "--validation.num_steps", 2)
