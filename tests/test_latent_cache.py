@@ -248,7 +248,10 @@ def test_same_weights_under_another_config_entry_are_accepted(data):
 
 
 def test_bad_precompute_input_is_one_line_and_keeps_the_cache(data, tmp_path, capsys):
-    before = {p: p.stat().st_mtime_ns for p in data["cache"].rglob("*")}
+    def state():  # every file but the run lock (each attempt takes it and writes its pid)
+        return {p: p.stat().st_mtime_ns for p in data["cache"].rglob("*") if p.name != ".lock"}
+
+    before = state()
     not_a_cache = tmp_path / "other"
     not_a_cache.mkdir()
     (not_a_cache / "notes.txt").write_text("mine")
@@ -270,8 +273,19 @@ def test_bad_precompute_input_is_one_line_and_keeps_the_cache(data, tmp_path, ca
         assert precompute(*argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and words in err, (argv, err)
-    assert {p: p.stat().st_mtime_ns for p in data["cache"].rglob("*")} == before
+    assert state() == before
     assert (not_a_cache / "notes.txt").read_text() == "mine" and a_file.read_text() == "x"
+
+
+def test_a_second_precompute_into_a_directory_being_written_is_refused(data, capsys):
+    from opensora.latent_cache.store import hold_lock
+
+    lock = hold_lock(data["cache"])  # as a run in progress holds it
+    try:
+        assert precompute(data["videos"], "--outputs", data["cache"], "--epochs", 2) == 2
+    finally:
+        lock.close()
+    assert "being written by another precompute run (pid" in capsys.readouterr().err
 
 
 def test_rerunning_a_finished_cache_changes_nothing(data):

@@ -14,8 +14,9 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from tqdm import tqdm
@@ -58,7 +59,8 @@ def _check_flags(argv, args) -> None:
     outputs = Path(str(args.outputs))
     if outputs.exists() and not outputs.is_dir():
         raise UserInputError(f"--outputs {outputs} is a file: give a directory for the cache")
-    if outputs.is_dir() and any(outputs.iterdir()) and not (outputs / store.PLAN_FILE).is_file():
+    own = {store.LOCK_FILE}  # a run killed before writing its plan leaves only its lock file
+    if outputs.is_dir() and set(os.listdir(outputs)) - own and not (outputs / store.PLAN_FILE).is_file():
         raise UserInputError(
             f"--outputs {outputs} holds files but no latent cache ({store.PLAN_FILE} missing): give a new or empty "
             "directory (nothing there is overwritten)"
@@ -101,7 +103,6 @@ def _make_plan_record(cfg, args, dataset, dtype, vae, text_encoder) -> dict:
 
 def _start(root: Path, plan: dict, text_encoder) -> List[int]:
     """Rank 0: write or check the plan, clear temporaries of a killed run; returns the unfinished chunks."""
-    root.mkdir(parents=True, exist_ok=True)
     plan_path = root / store.PLAN_FILE
     if plan_path.is_file():
         import json
@@ -318,6 +319,22 @@ def _broadcast(value, world: int):
     return holder[0]
 
 
+@dataclass
+class _Job:
+    """One rank's share of a precompute run and what it needs."""
+
+    cfg: Any
+    args: Any
+    root: Path
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype
+    dataset: Any = None
+    vae: Any = None
+    text_encoder: Any = None
+
+
 def run(cfg, args) -> Optional[Path]:
     """Encode what is missing of the cache; rank 0 then writes the index. Returns the index path on rank 0."""
     rank, world = _rank_world()
@@ -328,63 +345,64 @@ def run(cfg, args) -> Optional[Path]:
         # chunks hours apart, hence the long timeout
         torch.distributed.init_process_group("gloo", timeout=timedelta(hours=48))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda":
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else None
+    if device is not None:
         torch.cuda.set_device(device)
     dtype = resolve_dtype(cfg.get("precision", TRAINER_DEFAULTS["precision"]))
-    root = Path(str(args.outputs))
+    job = _Job(cfg, args, Path(str(args.outputs)), rank, world, device or torch.device("cpu"), dtype)
 
-    dataset = build_module(cfg.dataset, DATASETS)
-    if not isinstance(dataset, VideoTextDataset):
-        raise UserInputError(f"dataset type {type(dataset).__name__} is not a video dataset: nothing to encode")
-    sampler = BucketBatchSampler(dataset, cfg.bucket_config, num_replicas=1, rank=0, seed=int(cfg.get("seed", 0)))
-    vae = build_vae(cfg.vae, device, dtype)
-    text_encoder = build_text_encoder(cfg.text_encoder, device)
-    plan = _make_plan_record(cfg, args, dataset, dtype, vae, text_encoder) if rank == 0 else None
+    job.dataset = build_module(cfg.dataset, DATASETS)
+    if not isinstance(job.dataset, VideoTextDataset):
+        raise UserInputError(f"dataset type {type(job.dataset).__name__} is not a video dataset: nothing to encode")
+    sampler = BucketBatchSampler(job.dataset, cfg.bucket_config, num_replicas=1, rank=0, seed=int(cfg.get("seed", 0)))
+    job.vae = build_vae(cfg.vae, job.device, dtype)
+    job.text_encoder = build_text_encoder(cfg.text_encoder, job.device)
+    plan = _make_plan_record(cfg, args, job.dataset, dtype, job.vae, job.text_encoder) if rank == 0 else None
+    lock, todo, message = None, None, None
     try:
-        todo = _start(root, plan, text_encoder) if rank == 0 else None
-        message = None
-    except UserInputError as error:
-        todo, message = None, str(error)
-    todo, message = _broadcast((todo, message), world)
-    if message is not None:
-        raise UserInputError(message)
+        if rank == 0:
+            job.root.mkdir(parents=True, exist_ok=True)
+            lock = store.hold_lock(job.root)  # until this run ends (the OS drops it if the process dies)
+            todo = _start(job.root, plan, job.text_encoder)
+    except (UserInputError, BlockingIOError) as error:
+        message = str(error)
+    try:
+        todo, message = _broadcast((todo, message), world)
+        if message is not None:
+            raise UserInputError(message)
+        clips = plan_clips(job.dataset, sampler, int(args.epochs))
+        _encode_chunks(job, clips, todo[rank::world])
+        if world > 1:
+            torch.distributed.barrier()
+        return _write_index(job.root, plan, len(job.dataset)) if rank == 0 else None
+    finally:
+        if lock is not None:
+            lock.close()
 
-    clips = plan_clips(dataset, sampler, int(args.epochs))
-    per_shard = int(args.samples_per_shard)
-    mine = todo[rank::world]
+
+def _encode_chunks(job: _Job, clips, mine: List[int]) -> None:
+    """Encode chunks ``mine``: clips decoded in DataLoader workers, written chunk by chunk from a thread."""
+    per_shard = int(job.args.samples_per_shard)
     items = [
         (chunk, clip)
         for chunk in mine
         for plan_of_sample in clips[chunk * per_shard : (chunk + 1) * per_shard]
         for clip in plan_of_sample.clips
     ]
-    _encode_chunks(root, dataset, clips, mine, items, vae, text_encoder, device, dtype, args, cfg, rank)
-
-    if world > 1:
-        torch.distributed.barrier()
-    if rank != 0:
-        return None
-    return _write_index(root, plan, len(dataset))
-
-
-def _encode_chunks(root, dataset, clips, mine, items, vae, text_encoder, device, dtype, args, cfg, rank) -> None:
-    num_workers = int(cfg.get("num_workers", TRAINER_DEFAULTS["num_workers"]))
+    dataset = job.dataset
+    num_workers = int(job.cfg.get("num_workers", TRAINER_DEFAULTS["num_workers"]))
     loader = torch.utils.data.DataLoader(
         _ClipSource(dataset, items),
         batch_size=None,
         num_workers=num_workers,
         prefetch_factor=4 if num_workers else None,
     )
-    encoder = _Encoder(dataset, vae, text_encoder, device, dtype, bool(args.flip), int(args.encode_batch_size))
-    writer = _ChunkWriter(root)
-    per_shard = int(args.samples_per_shard)
-    bar = tqdm(total=len(items), unit="clip", desc=f"precompute (rank {rank})", disable=rank != 0, smoothing=0.05)
+    encoder = _Encoder(
+        dataset, job.vae, job.text_encoder, job.device, job.dtype, bool(job.args.flip), int(job.args.encode_batch_size)
+    )
+    writer = _ChunkWriter(job.root)
+    bar = tqdm(total=len(items), unit="clip", desc=f"precompute (rank {job.rank})", disable=job.rank != 0)
     bad = 0
-    chunk_positions = {chunk: [] for chunk in mine}
-    for position, (chunk, _) in enumerate(items):
-        chunk_positions[chunk].append(position)
     pending_chunks = list(mine)
 
     def finish(chunk):

@@ -32,6 +32,7 @@ PLAN_FILE = "plan.json"
 INDEX_FILE = "index.parquet"
 NULL_TEXT_FILE = "null_text.safetensors"
 BAD_SAMPLES_FILE = "bad_samples.csv"
+LOCK_FILE = ".lock"
 SHARD_DIR = "shards"
 RECORD_DIR = "progress"
 # parquet schema metadata key holding the cache's provenance (JSON)
@@ -70,6 +71,25 @@ def write_atomic(path: Path, write) -> None:
 
 def write_json_atomic(path: Path, value) -> None:
     write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(value, indent=1, sort_keys=True)))
+
+
+def hold_lock(root: Path):
+    """An exclusive lock on the cache directory for this process's lifetime (released by the OS even on kill -9);
+    a second precompute into the same directory is refused instead of racing the first one."""
+    import fcntl
+
+    handle = open(Path(root) / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise BlockingIOError(f"{root} is being written by another precompute run ({owner}); wait for it") from None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename}")
+    handle.flush()
+    return handle
 
 
 def shard_relpath(chunk: int) -> str:
