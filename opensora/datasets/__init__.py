@@ -22,6 +22,7 @@ __all__ = [
 ]
 
 from . import (
+    cached_latents,  # noqa: E402,F401  (registers CachedLatentDataset)
     moving_shapes_dataset,  # noqa: E402,F401  (registers MovingShapesDataset)
     synthetic_latents,  # noqa: E402,F401  (registers SyntheticLatentDataset)
 )

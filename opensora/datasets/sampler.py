@@ -70,7 +70,9 @@ class BucketBatchSampler(torch.utils.data.Sampler):
     """Yields ``KeyBatch`` lists for one rank.
 
     Args:
-        dataset: anything with ``usable_frames()``, ``heights``, ``widths`` arrays (``VideoTextDataset``).
+        dataset: anything with ``usable_frames()``, ``heights``, ``widths`` arrays (``VideoTextDataset``). One that
+            also has ``fixed_bucket_assignment(epoch, table)`` (stored clips) fixes the buckets; the plan's shuffles
+            are unchanged, and ``check_bucket_table(table)`` refuses a bucket config it cannot serve.
         bucket_config: ``{resolution: {num_frames: (probability, batch_size)}}``, see ``buckets.py``.
         num_replicas, rank: data-parallel world size and this rank (default: from torch.distributed, else 1, 0).
         seed: shared by all ranks.
@@ -106,6 +108,10 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         self.epoch = 0
         self.batches_consumed = 0
         self._plan_cache: Dict[int, EpochPlan] = {}
+        # a dataset of stored clips (CachedLatentDataset) decides each sample's bucket itself
+        self._fixed_assignment = getattr(dataset, "fixed_bucket_assignment", None)
+        if self._fixed_assignment is not None:
+            dataset.check_bucket_table(self.table)
         self._report_unbucketable(dataset)
 
     def _report_unbucketable(self, dataset) -> None:
@@ -154,9 +160,18 @@ class BucketBatchSampler(torch.utils.data.Sampler):
             self._plan_cache = {epoch: self._plan(epoch)}  # keep one epoch: plans can be large
         return self._plan_cache[epoch]
 
+    def bucket_assignment(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Per sample: the frame bucket (-1: sits out) and aspect-ratio index that ``epoch``'s plan uses."""
+        return self._assign(epoch, np.random.default_rng([self.seed, epoch]))
+
+    def _assign(self, epoch: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+        # draws from ``rng`` even when the dataset fixes the buckets, so the shuffles that follow stay the same
+        drawn = self.table.assign(self.usable_frames, self.heights, self.widths, rng)
+        return drawn if self._fixed_assignment is None else self._fixed_assignment(epoch, self.table)
+
     def _plan(self, epoch: int) -> EpochPlan:
         rng = np.random.default_rng([self.seed, epoch])
-        frame_bucket, aspect = self.table.assign(self.usable_frames, self.heights, self.widths, rng)
+        frame_bucket, aspect = self._assign(epoch, rng)
         num_ratios = len(self.table.ratio_values)
         codes = np.where(frame_bucket >= 0, frame_bucket * num_ratios + aspect, -1)
         present = np.flatnonzero(np.bincount(codes[codes >= 0], minlength=1))

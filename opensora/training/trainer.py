@@ -28,11 +28,12 @@ from opensora.config import ConfigValueError, save_config
 from opensora.datasets.dataloader import build_dataloader
 from opensora.dtypes import resolve_dtype
 from opensora.parallel.sequence_parallel import SequenceParallelModel, build_sequence_groups
-from opensora.registry import DATASETS, METHODS, MODELS, build_module
+from opensora.registry import DATASETS, METHODS, build_module
 from opensora.role_config import role_configs
-from opensora.roles import Components, Role
+from opensora.roles import Role
 from opensora.training import checkpoint as ckpt
 from opensora.training.compile_time import CompileLog
+from opensora.training.components import build_components
 from opensora.training.defaults import TRAINER_DEFAULTS
 from opensora.training.distributed import all_reduce_mean, barrier, init_distributed
 from opensora.training.host_copy import HostCopy
@@ -90,14 +91,9 @@ class Trainer:
             save_config(cfg, self.outputs)
 
         dtype = resolve_dtype(self.setting("precision"))
-        vae = build_module(cfg.get("vae"), MODELS)
-        text_encoder = build_module(cfg.get("text_encoder"), MODELS)
-        vae = vae.to(self.device, dtype).eval().requires_grad_(False) if vae is not None else None
-        text_encoder = text_encoder.to(self.device) if text_encoder is not None else None
-        null_text = text_encoder.null_embeddings(1) if text_encoder is not None else None
-        self.components = Components(
-            vae=vae, text_encoder=text_encoder, device=self.device, dtype=dtype, null_text=null_text
-        )
+        # the dataset first: one of precomputed features checks them against the config and spares the encoders
+        dataset = build_module(cfg.dataset, DATASETS)
+        self.components = build_components(cfg, self.device, dtype, dataset)
 
         self.roles: Dict[str, Role] = {
             name: build_role(name, role_cfg, self.components, cfg.plugin, self.is_main, self.max_steps)
@@ -109,7 +105,6 @@ class Trainer:
         # after boosting (colossalai's lazy imports draw from `random`): different noise on every data-parallel rank
         seed_everything(int(cfg.seed) + self.dp_rank)
 
-        dataset = build_module(cfg.dataset, DATASETS)
         self.loader, _ = build_dataloader(  # the loader owns its sampler and its resumable state
             dataset,
             bucket_config=cfg.bucket_config,

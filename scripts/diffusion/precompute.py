@@ -1,0 +1,13 @@
+#!/usr/bin/env python
+"""Encode a training config's dataset once: ``python scripts/diffusion/precompute.py CONFIG --outputs DIR
+[--epochs N] [--flip] [--samples-per-shard N] [--encode-batch-size N]`` (also ``torchrun --nproc_per_node N``).
+Train from it with ``--dataset "{'type': 'CachedLatentDataset', 'data_path': 'DIR'}"``; a killed run continues when the
+same command is run again."""
+
+import sys
+
+from opensora.cli_errors import run_cli
+from opensora.latent_cache.precompute import main
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, sys.argv[1:], prog="precompute.py"))
