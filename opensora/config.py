@@ -16,7 +16,13 @@ Python literal or, failing that, the text as a string. The bare word ``None`` se
 A key that does not exist is an error naming the key and the nearest valid ones, because a typo that silently
 adds a new key is the classic way to train the wrong model. A config opens a subtree to new keys by listing its
 dotted prefix in the top-level ``_allow_new_keys_`` list, e.g. ``_allow_new_keys_ = ["model.extra", "wandb"]``
-lets ``--wandb.project demo`` create ``wandb`` and ``wandb.project``.
+lets ``--wandb.project demo`` create ``wandb`` and ``wandb.project``. The documented optional blocks need no such
+listing: ``--lora.rank 16``, ``--init-from PATH``, ``--validation.every 100``, ``--dataset.target-fps 8`` and the role
+keys under ``models.<role>`` are settable on any config that can use them (``opensora.config_schema``).
+
+One value a config copies into several keys (a teacher checkpoint that every role starts from) is set by one flag
+when the config links them: ``_links_ = dict(teacher_ckpt=["models.teacher.init_from.path", ...])`` makes
+``--teacher-ckpt P`` set ``teacher_ckpt`` and every listed key the command line does not set itself.
 
 Overrides never mutate the loaded config: ``apply_overrides`` returns a new ``Config``. ``save_config`` writes
 the resolved config next to a run's outputs (temporary file + rename, so a crash never leaves half a file).
@@ -42,6 +48,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from mmengine.config import Config
 
+from opensora.config_schema import MISSING, OptionalKeys, block_from_value
 from opensora.config_values import (
     BARE_FLAG,
     ConfigKeyError,
@@ -69,6 +76,8 @@ __all__ = [
 
 # Top-level config key listing the dotted prefixes under which overrides may create keys.
 ALLOW_NEW_KEYS = "_allow_new_keys_"
+# Top-level config key mapping a key to the dotted keys that a command-line value of it also sets.
+LINKS = "_links_"
 
 _MISSING = object()
 
@@ -222,9 +231,29 @@ def apply_overrides(cfg: Config | Mapping, overrides: Any, *, allow_new: Iterabl
     """
     tree = copy.deepcopy(cfg.to_dict() if isinstance(cfg, Config) else _plain(cfg))
     open_prefixes = _open_prefixes(tree) + [_normalise(p) for p in allow_new]
-    for key, value in _as_pairs(overrides):
-        _set_dotted(tree, key, value, open_prefixes)
+    optional = OptionalKeys(tree)
+    pairs = _as_pairs(overrides)
+    for key, value in pairs:
+        _set_dotted(tree, key, value, open_prefixes, optional)
+    _follow_links(tree, {_normalise(key) for key, _ in pairs}, open_prefixes, optional)
     return _rebuild(cfg, tree)
+
+
+def _follow_links(tree: dict, given: set, open_prefixes: list[str], optional: OptionalKeys) -> None:
+    """``_links_ = dict(teacher_ckpt=["models.teacher.init_from.path", ...])``: a linked key set on the command line
+    sets its targets too (those not set there themselves), so one flag reaches every place a value was copied to."""
+    links = tree.get(LINKS, {})
+    if not isinstance(links, Mapping) or not all(isinstance(v, (list, tuple)) for v in links.values()):
+        raise ConfigValueError(f"{LINKS} must map a key to a list of dotted keys, got {links!r}")
+    for source, targets in links.items():
+        if _normalise(str(source)) not in given:
+            continue
+        value = tree
+        for part in str(source).split("."):
+            value = value[_find_key(value, part)]
+        for target in targets:
+            if _normalise(str(target)) not in given:
+                _set_dotted(tree, str(target), copy.deepcopy(value), open_prefixes, optional)
 
 
 def dotted_keys(tree: Config | Mapping, into_lists: bool = True) -> list[str]:
@@ -247,7 +276,7 @@ def _iter_dotted(node: Any, prefix: str, into_lists: bool) -> Iterator[str]:
         yield from _iter_dotted(child, path, into_lists)
 
 
-def _set_dotted(tree: dict, key: str, value: Any, open_prefixes: list[str]) -> None:
+def _set_dotted(tree: dict, key: str, value: Any, open_prefixes: list[str], optional: OptionalKeys) -> None:
     parts = key.split(".")
     node: Any = tree
     canonical: list[str] = []  # the path spelled as the config spells it
@@ -267,18 +296,25 @@ def _set_dotted(tree: dict, key: str, value: Any, open_prefixes: list[str]) -> N
                 if negated is not _MISSING:
                     node[negated] = False
                     break
+            here = ".".join(canonical + [_normalise(part)])
             if child_key is _MISSING:
                 new_path = canonical + [_normalise(p) for p in parts[depth:]]
-                if not _is_open(".".join(new_path), open_prefixes):
-                    raise _unknown_key_error(tree, key, canonical, node, open_prefixes)
+                template = optional.template(here) if is_last else None
+                if _is_open(".".join(new_path), open_prefixes) or (is_last and template is not MISSING):
+                    pass
+                elif is_last or not optional.is_block(here):
+                    raise _unknown_key_error(tree, key, canonical, node, open_prefixes, optional)
                 child_key = _normalise(part)
                 if is_last:
-                    node[child_key] = _parse_new_value(value)
+                    templated = template is not None and template is not MISSING
+                    node[child_key] = _cast(value, template, here) if templated else _parse_new_value(value)
                     break
                 node[child_key] = {}
             elif is_last:
                 node[child_key] = _cast(value, node[child_key], ".".join(canonical + [str(child_key)]))
                 break
+            elif optional.is_block(here):  # lora=None, init_from="ckpt": a key is set inside the block
+                node[child_key] = block_from_value(here, node[child_key])
         else:
             where = ".".join(canonical)
             raise ConfigValueError(
@@ -348,11 +384,11 @@ def _open_prefixes(tree: Mapping) -> list[str]:
 
 
 def _unknown_key_error(
-    tree: Mapping, key: str, canonical: list[str], parent: Mapping, open_prefixes: list[str]
+    tree: Mapping, key: str, canonical: list[str], parent: Mapping, open_prefixes: list[str], optional: OptionalKeys
 ) -> ConfigKeyError:
     typed = [_normalise(p) for p in key.split(".")]
     wanted = ".".join(canonical + typed[len(canonical) :])
-    candidates = dotted_keys(tree, into_lists=False)
+    candidates = list(dict.fromkeys(dotted_keys(tree, into_lists=False) + optional.paths()))
     close = _closest(wanted, candidates)
     if not close:  # a short or misplaced key is far from every full path: compare leaf names instead
         by_leaf: dict[str, list[str]] = {}

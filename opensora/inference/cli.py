@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from opensora.checkpoint_layout import checkpoint_root, find_latest_checkpoint
+from opensora.checkpoint_layout import newest_checkpoint_of
 from opensora.cli_errors import UserInputError, check_range, run_cli
 from opensora.config import load_config_from_cli, save_config
 from opensora.inference.pipeline_cli import PIPELINE_FLAGS, parse_stream_graphs, streaming_options
@@ -80,12 +80,7 @@ def resolve_checkpoint(path) -> Path:
     """A checkpoint directory or file as given, or the newest complete checkpoint of a training outputs dir."""
     if path is None:
         raise SystemExit("--ckpt PATH is required (a checkpoint directory or a .safetensors file)")
-    path = Path(path)
-    if path.is_dir() and checkpoint_root(path).is_dir():
-        latest = find_latest_checkpoint(path)
-        if latest is None:
-            raise SystemExit(f"{path} holds no complete checkpoint under checkpoints/")
-        return Path(latest)
+    path = newest_checkpoint_of(path)
     if not path.exists():
         raise SystemExit(f"checkpoint {path} does not exist")
     return path
