@@ -44,7 +44,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from mmengine.config import Config
 
@@ -58,6 +58,7 @@ from opensora.config_values import (
     _parse_new_value,
     _plain,
 )
+from opensora.file_modes import match_umask
 
 __all__ = [
     "ALLOW_NEW_KEYS",
@@ -122,6 +123,7 @@ def save_config(cfg: Config | Mapping, out_dir: str | os.PathLike, name: str = "
         cfg.dump(str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        match_umask(tmp)  # mkstemp made it 0600: give it the mode open() gives the run's other files
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -172,14 +174,27 @@ def split_cli(argv: Sequence[str]) -> tuple[str, list[tuple[str, Any]]]:
     return argv[0], parse_overrides(argv[1:])
 
 
-def cli_usage(prog: str, script_flags: Mapping[str, Any], description: str | None = None) -> str:
+def cli_usage(
+    prog: str,
+    script_flags: Mapping[str, Any],
+    description: str | None = None,
+    flag_help: Mapping[str, str] | None = None,
+    config_path: str | None = None,
+) -> str:
+    """Usage text; with ``config_path`` the defaults shown are the ones that config gives (``script_flags`` then holds
+    the resolved values), else the script's own."""
     lines = [f"usage: {prog} CONFIG.py [--key value | --key=value | --flag | --no-flag ...]"]
     if description:
         lines += ["", description]
     if script_flags:
-        lines += ["", "script options (also config keys):"]
-        lines += [f"  --{name.replace('_', '-'):<24} default: {default!r}" for name, default in script_flags.items()]
+        where = f"as {config_path} sets them" if config_path else "a config's own value of a key wins over these"
+        lines += ["", f"script options (also config keys; defaults {where}):"]
+        for name, default in script_flags.items():
+            text = (flag_help or {}).get(name)
+            lines.append(f"  --{name.replace('_', '-'):<24} default: {default!r}" + (f"  {text}" if text else ""))
     lines += ["", "Any other --dotted.key overrides the config; values are cast to the existing key's type."]
+    if not config_path:
+        lines += ["`{prog} CONFIG.py --help` shows the defaults that CONFIG gives.".format(prog=prog)]
     return "\n".join(lines)
 
 
@@ -189,6 +204,9 @@ def load_config_from_cli(
     *,
     prog: str | None = None,
     description: str | None = None,
+    flag_help: Mapping[str, str] | None = None,
+    config_defaults: Callable[[Mapping], Mapping[str, Any]] | None = None,
+    repeatable: Iterable[str] = (),
 ) -> tuple[Config, SimpleNamespace]:
     """Load ``CONFIG`` from ``argv`` with overrides; return ``(cfg, args)``.
 
@@ -196,26 +214,57 @@ def load_config_from_cli(
     "max_steps": None, "resume": None}``. They are ordinary config keys: the config's value wins over the
     default, the command line wins over both, and a key absent from the config is created with the default
     (values given on the command line are cast to the default's type, or parsed as a literal when it is None).
-    ``args`` holds ``config`` (the path) and the final value of every script flag. ``-h``/``--help`` prints
-    usage and exits.
+    ``config_defaults(tree)``: defaults that depend on the config (a training config's clip size), between the
+    config's own values and ``script_flags``. ``repeatable``: flags that may be given several times; they collect
+    into a list (``--prompt a --prompt b``). ``args`` holds ``config`` (the path) and the final value of every script
+    flag. ``-h``/``--help`` prints usage (with ``CONFIG`` before it: the defaults that config gives) and exits.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     flags = {_normalise(name): default for name, default in (script_flags or {}).items()}
     for name in flags:
         if not name.isidentifier():
             raise ValueError(f"script flag {name!r} must be a top-level identifier-like config key")
+    prog = prog or Path(sys.argv[0]).name
     if "-h" in argv or "--help" in argv:
-        print(cli_usage(prog or Path(sys.argv[0]).name, flags, description))
+        given = argv[0] if argv and not argv[0].startswith("-") and Path(argv[0]).is_file() else None
+        if given is not None:
+            tree = _with_flags(load_config(given), flags, config_defaults).to_dict()
+            flags = {name: tree[_find_key(tree, name)] for name in flags}
+        print(cli_usage(prog, flags, description, flag_help, given))
         raise SystemExit(0)
     config_path, overrides = split_cli(argv)
-    cfg = load_config(config_path)
-    tree = cfg.to_dict()
-    for name, default in flags.items():
-        if _find_key(tree, name) is _MISSING:
-            tree[name] = copy.deepcopy(default)
-    cfg = apply_overrides(_rebuild(cfg, tree), overrides)
+    overrides = _collect_repeated(overrides, {_normalise(name) for name in repeatable})
+    cfg = apply_overrides(_with_flags(load_config(config_path), flags, config_defaults), overrides)
     args = SimpleNamespace(config=config_path, **{name: cfg[_find_key(cfg.to_dict(), name)] for name in flags})
     return cfg, args
+
+
+def _with_flags(cfg: Config, flags: Mapping[str, Any], config_defaults) -> Config:
+    """``cfg`` with every script flag it lacks, from ``config_defaults(cfg)`` or else the script's default."""
+    tree = cfg.to_dict()
+    derived = dict(config_defaults(tree)) if config_defaults is not None else {}
+    for name, default in flags.items():
+        if _find_key(tree, name) is _MISSING:
+            tree[name] = copy.deepcopy(derived.get(name, default))
+    return _rebuild(cfg, tree)
+
+
+def _collect_repeated(pairs: list[tuple[str, Any]], repeatable: set) -> list[tuple[str, Any]]:
+    """A repeatable flag given more than once becomes one pair holding the list of its values, in order."""
+    counts: dict = {}
+    for key, _ in pairs:
+        counts[_normalise(key)] = counts.get(_normalise(key), 0) + 1
+    collected, out = {}, []
+    for key, value in pairs:
+        name = _normalise(key)
+        if name in repeatable and counts[name] > 1:
+            if name not in collected:
+                collected[name] = []
+                out.append((key, collected[name]))
+            collected[name].append(value)
+        else:
+            out.append((key, value))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
