@@ -9,7 +9,8 @@ module that defines (and checks) each block, so a new key there is settable here
     --models.student.grad-clip 1                      any role key of an existing role (role_config.ROLE_DEFAULTS),
     --models.student.lora.rank 4                        and that role's lora / init_from / lr_decay blocks
     --validation.every 100 --validation.seed 7        validation (training.defaults.VALIDATION_DEFAULTS)
-    --dataset.target-fps 8                            any keyword argument of the config's dataset class
+    --dataset.target-fps 8                            any keyword argument of the config's dataset class,
+    --model.causal-chunk-frames 1                       and of its network's (model, models.<role>.model)
 
 A block the config sets to None (``lora = None``) is created like a missing one. Each settable key comes with a
 template, the value whose type an override is cast to (``opensora.config_values``; None: a Python literal, or the text
@@ -55,14 +56,14 @@ def _validation() -> dict:
     return VALIDATION_DEFAULTS
 
 
-def _dataset_keys(tree: Mapping) -> dict:
-    """The keyword arguments of the config's dataset class with their defaults (its signature is the schema)."""
-    dataset = tree.get("dataset")
-    if not isinstance(dataset, Mapping) or not dataset.get("type"):
+def _constructor_keys(block: Any, registry_name: str) -> dict:
+    """The keyword arguments of the class a ``dict(type=...)`` block builds, with their defaults: the class's
+    signature is the schema of its block (``dataset``, ``model``)."""
+    if not isinstance(block, Mapping) or not block.get("type"):
         return {}
-    from opensora.registry import DATASETS
+    from opensora import registry
 
-    cls = DATASETS.get(dataset["type"])
+    cls = getattr(registry, registry_name).get(block["type"])
     if cls is None:
         return {}
     keys = {}
@@ -102,13 +103,22 @@ class OptionalKeys:
 
     def _block_keys(self, parts: tuple) -> Optional[dict]:
         if parts == ("dataset",):
-            return _dataset_keys(self._tree)
+            return _constructor_keys(self._tree.get("dataset"), "DATASETS")
+        if parts == ("model",) or (len(parts) == 3 and parts[0] == "models" and parts[2] == "model"):
+            node = self._tree.get("model") if len(parts) == 1 else self._node(parts)
+            return _constructor_keys(node, "MODELS") if node is not None else None
         for pattern, keys in self._blocks.items():
             if len(pattern) == len(parts) and all(
                 p == q or (p == ROLE and q in self._roles) for p, q in zip(pattern, parts)
             ):
                 return keys()
         return None
+
+    def _node(self, parts: tuple) -> Any:
+        node: Any = self._tree
+        for part in parts:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        return node
 
     def is_block(self, path: str) -> bool:
         """Whether ``path`` names an optional block (a dict that may be created)."""
@@ -127,7 +137,7 @@ class OptionalKeys:
     def paths(self) -> list:
         """Every optional key of this tree as a dotted path (for "did you mean" hints)."""
         found = []
-        patterns = list(self._blocks) + [("dataset",)]
+        patterns = list(self._blocks) + [("dataset",), ("model",)] + [("models", r, "model") for r in self._roles]
         for pattern in patterns:
             names = self._roles if ROLE in pattern else [None]
             for role in names:
