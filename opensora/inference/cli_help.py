@@ -23,11 +23,16 @@ INFERENCE_HELP = {
 
 
 def training_clip_defaults(tree: Mapping) -> dict:
-    """``resolution`` and ``num_frames`` of a config that trains on buckets (its first bucket); {} otherwise."""
+    """``resolution`` and ``num_frames`` of a config that trains on buckets (its first bucket), and ``fps`` when its
+    dataset resamples clips to a ``target_fps``; {} otherwise."""
     from opensora.datasets.buckets import first_bucket
 
     buckets = tree.get("bucket_config")
     if not buckets:
         return {}
     resolution, num_frames = first_bucket(buckets)
-    return dict(resolution=resolution, num_frames=num_frames)
+    defaults = dict(resolution=resolution, num_frames=num_frames)
+    dataset = tree.get("dataset")
+    if isinstance(dataset, Mapping) and dataset.get("target_fps"):
+        defaults["fps"] = dataset["target_fps"]  # the rate the model saw its clips at
+    return defaults
