@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 COLOSSALAI := colossalai==0.5.0
 DEMO_DIR ?= outputs/demo
 
-.PHONY: venv demo test test-fast clean-venv
+.PHONY: venv demo demo-stream test test-fast clean-venv
 
 venv: $(STAMP)
 
@@ -24,6 +24,10 @@ $(STAMP): requirements.txt setup.py Makefile
 
 demo: venv
 	$(PY) tools/run_demo.py --out $(DEMO_DIR)
+
+# make demo's teacher (reused when make demo trained it) -> causal ODE init -> Self-Forcing -> streamed samples, scored
+demo-stream: venv
+	$(PY) tools/run_demo.py --stream --out $(DEMO_DIR)
 
 test: venv
 	$(PY) -m ruff check .

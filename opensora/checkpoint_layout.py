@@ -70,3 +70,24 @@ def find_latest_checkpoint(outputs: str | Path) -> Path | None:
     """The newest complete checkpoint directory, or None."""
     found = list_checkpoints(outputs)
     return found[-1][1] if found else None
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A training run's outputs directory (it has ``checkpoints/``), as opposed to one checkpoint."""
+    return checkpoint_root(path).is_dir()
+
+
+def newest_checkpoint_of(path: str | Path) -> Path:
+    """``path`` itself, or, for a run directory, its newest complete checkpoint: what the sampler, the converter
+    and ``init_from`` read when given a run. A run without one is a ``FileNotFoundError`` naming what is there."""
+    path = Path(path)
+    if not (path.is_dir() and is_run_dir(path)):
+        return path
+    latest = find_latest_checkpoint(path)
+    if latest is None:
+        unfinished = sorted(p.name for p in checkpoint_root(path).iterdir())
+        raise FileNotFoundError(
+            f"run directory {path} holds no complete checkpoint under checkpoints/ (found: {unfinished or 'nothing'}; "
+            f"a checkpoint counts once its {COMPLETE_MARKER} marker is written)"
+        )
+    return latest

@@ -16,7 +16,13 @@ Python literal or, failing that, the text as a string. The bare word ``None`` se
 A key that does not exist is an error naming the key and the nearest valid ones, because a typo that silently
 adds a new key is the classic way to train the wrong model. A config opens a subtree to new keys by listing its
 dotted prefix in the top-level ``_allow_new_keys_`` list, e.g. ``_allow_new_keys_ = ["model.extra", "wandb"]``
-lets ``--wandb.project demo`` create ``wandb`` and ``wandb.project``.
+lets ``--wandb.project demo`` create ``wandb`` and ``wandb.project``. The documented optional blocks need no such
+listing: ``--lora.rank 16``, ``--init-from PATH``, ``--validation.every 100``, ``--dataset.target-fps 8`` and the role
+keys under ``models.<role>`` are settable on any config that can use them (``opensora.config_schema``).
+
+One value a config copies into several keys (a teacher checkpoint that every role starts from) is set by one flag
+when the config links them: ``_links_ = dict(teacher_ckpt=["models.teacher.init_from.path", ...])`` makes
+``--teacher-ckpt P`` set ``teacher_ckpt`` and every listed key the command line does not set itself.
 
 Overrides never mutate the loaded config: ``apply_overrides`` returns a new ``Config``. ``save_config`` writes
 the resolved config next to a run's outputs (temporary file + rename, so a crash never leaves half a file).
@@ -31,7 +37,6 @@ created with the script's default, so ``cfg.max_steps`` always exists after load
 
 from __future__ import annotations
 
-import ast
 import copy
 import difflib
 import os
@@ -39,9 +44,21 @@ import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from mmengine.config import Config
+
+from opensora.config_schema import MISSING, OptionalKeys, block_from_value
+from opensora.config_values import (
+    BARE_FLAG,
+    ConfigKeyError,
+    ConfigValueError,
+    _a_type,
+    _cast,
+    _parse_new_value,
+    _plain,
+)
+from opensora.file_modes import match_umask
 
 __all__ = [
     "ALLOW_NEW_KEYS",
@@ -60,44 +77,10 @@ __all__ = [
 
 # Top-level config key listing the dotted prefixes under which overrides may create keys.
 ALLOW_NEW_KEYS = "_allow_new_keys_"
+# Top-level config key mapping a key to the dotted keys that a command-line value of it also sets.
+LINKS = "_links_"
 
-_TRUE_WORDS = frozenset({"true", "1", "yes"})
-_FALSE_WORDS = frozenset({"false", "0", "no"})
 _MISSING = object()
-
-
-class _BareFlag:
-    """Marks an override given without a value (``--flag``): True for a bool key."""
-
-    _instance = None
-
-    def __new__(cls):
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "BARE_FLAG"
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-
-BARE_FLAG = _BareFlag()
-
-
-class ConfigKeyError(KeyError):
-    """A config key that does not exist (and may not be created); the message names the nearest valid keys."""
-
-    def __str__(self) -> str:  # KeyError would print the message inside quotes
-        return str(self.args[0]) if self.args else ""
-
-
-class ConfigValueError(ValueError):
-    """An override whose value cannot be cast to the type of the key it sets, or a malformed command line."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -140,6 +123,7 @@ def save_config(cfg: Config | Mapping, out_dir: str | os.PathLike, name: str = "
         cfg.dump(str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        match_umask(tmp)  # mkstemp made it 0600: give it the mode open() gives the run's other files
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -190,14 +174,27 @@ def split_cli(argv: Sequence[str]) -> tuple[str, list[tuple[str, Any]]]:
     return argv[0], parse_overrides(argv[1:])
 
 
-def cli_usage(prog: str, script_flags: Mapping[str, Any], description: str | None = None) -> str:
+def cli_usage(
+    prog: str,
+    script_flags: Mapping[str, Any],
+    description: str | None = None,
+    flag_help: Mapping[str, str] | None = None,
+    config_path: str | None = None,
+) -> str:
+    """Usage text; with ``config_path`` the defaults shown are the ones that config gives (``script_flags`` then holds
+    the resolved values), else the script's own."""
     lines = [f"usage: {prog} CONFIG.py [--key value | --key=value | --flag | --no-flag ...]"]
     if description:
         lines += ["", description]
     if script_flags:
-        lines += ["", "script options (also config keys):"]
-        lines += [f"  --{name.replace('_', '-'):<24} default: {default!r}" for name, default in script_flags.items()]
+        where = f"as {config_path} sets them" if config_path else "a config's own value of a key wins over these"
+        lines += ["", f"script options (also config keys; defaults {where}):"]
+        for name, default in script_flags.items():
+            text = (flag_help or {}).get(name)
+            lines.append(f"  --{name.replace('_', '-'):<24} default: {default!r}" + (f"  {text}" if text else ""))
     lines += ["", "Any other --dotted.key overrides the config; values are cast to the existing key's type."]
+    if not config_path:
+        lines += ["`{prog} CONFIG.py --help` shows the defaults that CONFIG gives.".format(prog=prog)]
     return "\n".join(lines)
 
 
@@ -207,6 +204,9 @@ def load_config_from_cli(
     *,
     prog: str | None = None,
     description: str | None = None,
+    flag_help: Mapping[str, str] | None = None,
+    config_defaults: Callable[[Mapping], Mapping[str, Any]] | None = None,
+    repeatable: Iterable[str] = (),
 ) -> tuple[Config, SimpleNamespace]:
     """Load ``CONFIG`` from ``argv`` with overrides; return ``(cfg, args)``.
 
@@ -214,26 +214,57 @@ def load_config_from_cli(
     "max_steps": None, "resume": None}``. They are ordinary config keys: the config's value wins over the
     default, the command line wins over both, and a key absent from the config is created with the default
     (values given on the command line are cast to the default's type, or parsed as a literal when it is None).
-    ``args`` holds ``config`` (the path) and the final value of every script flag. ``-h``/``--help`` prints
-    usage and exits.
+    ``config_defaults(tree)``: defaults that depend on the config (a training config's clip size), between the
+    config's own values and ``script_flags``. ``repeatable``: flags that may be given several times; they collect
+    into a list (``--prompt a --prompt b``). ``args`` holds ``config`` (the path) and the final value of every script
+    flag. ``-h``/``--help`` prints usage (with ``CONFIG`` before it: the defaults that config gives) and exits.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     flags = {_normalise(name): default for name, default in (script_flags or {}).items()}
     for name in flags:
         if not name.isidentifier():
             raise ValueError(f"script flag {name!r} must be a top-level identifier-like config key")
+    prog = prog or Path(sys.argv[0]).name
     if "-h" in argv or "--help" in argv:
-        print(cli_usage(prog or Path(sys.argv[0]).name, flags, description))
+        given = argv[0] if argv and not argv[0].startswith("-") and Path(argv[0]).is_file() else None
+        if given is not None:
+            tree = _with_flags(load_config(given), flags, config_defaults).to_dict()
+            flags = {name: tree[_find_key(tree, name)] for name in flags}
+        print(cli_usage(prog, flags, description, flag_help, given))
         raise SystemExit(0)
     config_path, overrides = split_cli(argv)
-    cfg = load_config(config_path)
-    tree = cfg.to_dict()
-    for name, default in flags.items():
-        if _find_key(tree, name) is _MISSING:
-            tree[name] = copy.deepcopy(default)
-    cfg = apply_overrides(_rebuild(cfg, tree), overrides)
+    overrides = _collect_repeated(overrides, {_normalise(name) for name in repeatable})
+    cfg = apply_overrides(_with_flags(load_config(config_path), flags, config_defaults), overrides)
     args = SimpleNamespace(config=config_path, **{name: cfg[_find_key(cfg.to_dict(), name)] for name in flags})
     return cfg, args
+
+
+def _with_flags(cfg: Config, flags: Mapping[str, Any], config_defaults) -> Config:
+    """``cfg`` with every script flag it lacks, from ``config_defaults(cfg)`` or else the script's default."""
+    tree = cfg.to_dict()
+    derived = dict(config_defaults(tree)) if config_defaults is not None else {}
+    for name, default in flags.items():
+        if _find_key(tree, name) is _MISSING:
+            tree[name] = copy.deepcopy(derived.get(name, default))
+    return _rebuild(cfg, tree)
+
+
+def _collect_repeated(pairs: list[tuple[str, Any]], repeatable: set) -> list[tuple[str, Any]]:
+    """A repeatable flag given more than once becomes one pair holding the list of its values, in order."""
+    counts: dict = {}
+    for key, _ in pairs:
+        counts[_normalise(key)] = counts.get(_normalise(key), 0) + 1
+    collected, out = {}, []
+    for key, value in pairs:
+        name = _normalise(key)
+        if name in repeatable and counts[name] > 1:
+            if name not in collected:
+                collected[name] = []
+                out.append((key, collected[name]))
+            collected[name].append(value)
+        else:
+            out.append((key, value))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,9 +280,29 @@ def apply_overrides(cfg: Config | Mapping, overrides: Any, *, allow_new: Iterabl
     """
     tree = copy.deepcopy(cfg.to_dict() if isinstance(cfg, Config) else _plain(cfg))
     open_prefixes = _open_prefixes(tree) + [_normalise(p) for p in allow_new]
-    for key, value in _as_pairs(overrides):
-        _set_dotted(tree, key, value, open_prefixes)
+    optional = OptionalKeys(tree)
+    pairs = _as_pairs(overrides)
+    for key, value in pairs:
+        _set_dotted(tree, key, value, open_prefixes, optional)
+    _follow_links(tree, {_normalise(key) for key, _ in pairs}, open_prefixes, optional)
     return _rebuild(cfg, tree)
+
+
+def _follow_links(tree: dict, given: set, open_prefixes: list[str], optional: OptionalKeys) -> None:
+    """``_links_ = dict(teacher_ckpt=["models.teacher.init_from.path", ...])``: a linked key set on the command line
+    sets its targets too (those not set there themselves), so one flag reaches every place a value was copied to."""
+    links = tree.get(LINKS, {})
+    if not isinstance(links, Mapping) or not all(isinstance(v, (list, tuple)) for v in links.values()):
+        raise ConfigValueError(f"{LINKS} must map a key to a list of dotted keys, got {links!r}")
+    for source, targets in links.items():
+        if _normalise(str(source)) not in given:
+            continue
+        value = tree
+        for part in str(source).split("."):
+            value = value[_find_key(value, part)]
+        for target in targets:
+            if _normalise(str(target)) not in given:
+                _set_dotted(tree, str(target), copy.deepcopy(value), open_prefixes, optional)
 
 
 def dotted_keys(tree: Config | Mapping, into_lists: bool = True) -> list[str]:
@@ -274,7 +325,7 @@ def _iter_dotted(node: Any, prefix: str, into_lists: bool) -> Iterator[str]:
         yield from _iter_dotted(child, path, into_lists)
 
 
-def _set_dotted(tree: dict, key: str, value: Any, open_prefixes: list[str]) -> None:
+def _set_dotted(tree: dict, key: str, value: Any, open_prefixes: list[str], optional: OptionalKeys) -> None:
     parts = key.split(".")
     node: Any = tree
     canonical: list[str] = []  # the path spelled as the config spells it
@@ -294,18 +345,25 @@ def _set_dotted(tree: dict, key: str, value: Any, open_prefixes: list[str]) -> N
                 if negated is not _MISSING:
                     node[negated] = False
                     break
+            here = ".".join(canonical + [_normalise(part)])
             if child_key is _MISSING:
                 new_path = canonical + [_normalise(p) for p in parts[depth:]]
-                if not _is_open(".".join(new_path), open_prefixes):
-                    raise _unknown_key_error(tree, key, canonical, node, open_prefixes)
+                template = optional.template(here) if is_last else None
+                if _is_open(".".join(new_path), open_prefixes) or (is_last and template is not MISSING):
+                    pass
+                elif is_last or not optional.is_block(here):
+                    raise _unknown_key_error(tree, key, canonical, node, open_prefixes, optional)
                 child_key = _normalise(part)
                 if is_last:
-                    node[child_key] = _parse_new_value(value)
+                    templated = template is not None and template is not MISSING
+                    node[child_key] = _cast(value, template, here) if templated else _parse_new_value(value)
                     break
                 node[child_key] = {}
             elif is_last:
                 node[child_key] = _cast(value, node[child_key], ".".join(canonical + [str(child_key)]))
                 break
+            elif optional.is_block(here):  # lora=None, init_from="ckpt": a key is set inside the block
+                node[child_key] = block_from_value(here, node[child_key])
         else:
             where = ".".join(canonical)
             raise ConfigValueError(
@@ -375,11 +433,11 @@ def _open_prefixes(tree: Mapping) -> list[str]:
 
 
 def _unknown_key_error(
-    tree: Mapping, key: str, canonical: list[str], parent: Mapping, open_prefixes: list[str]
+    tree: Mapping, key: str, canonical: list[str], parent: Mapping, open_prefixes: list[str], optional: OptionalKeys
 ) -> ConfigKeyError:
     typed = [_normalise(p) for p in key.split(".")]
     wanted = ".".join(canonical + typed[len(canonical) :])
-    candidates = dotted_keys(tree, into_lists=False)
+    candidates = list(dict.fromkeys(dotted_keys(tree, into_lists=False) + optional.paths()))
     close = _closest(wanted, candidates)
     if not close:  # a short or misplaced key is far from every full path: compare leaf names instead
         by_leaf: dict[str, list[str]] = {}
@@ -413,164 +471,7 @@ def _closest(word: str, candidates: list[str], cutoff: float = 0.6, margin: floa
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Casting
-
-
-def _cast(value: Any, existing: Any, key: str) -> Any:
-    """Cast an override to the type of ``existing``: strings are parsed, Python values checked."""
-    if value is BARE_FLAG:
-        if isinstance(existing, bool):
-            return True
-        raise ConfigValueError(
-            f"--{key} needs a value (it holds {_a_type(existing)}): use --{key} VALUE or --{key}=VALUE"
-        )
-    if not isinstance(value, str):
-        return _coerce(value, existing, key)
-    if value.strip() == "None":
-        return None
-    if existing is None:
-        return _parse_literal(value)
-    if isinstance(existing, bool):  # before int: bool is an int subclass
-        return _parse_bool(value, key)
-    if isinstance(existing, int):
-        return _parse_int(value, key)
-    if isinstance(existing, float):
-        return _parse_float(value, key)
-    if isinstance(existing, str):
-        return value
-    if isinstance(existing, (list, tuple)):
-        return _parse_sequence(value, existing, key)
-    if isinstance(existing, dict):
-        parsed = _literal_eval(value)
-        if not isinstance(parsed, dict):
-            raise ConfigValueError(f"config key '{key}' holds a dict; give a Python dict literal, got {value!r}")
-        return parsed
-    raise ConfigValueError(f"config key '{key}' holds {_a_type(existing)}, which cannot be set from the command line")
-
-
-def _parse_bool(text: str, key: str) -> bool:
-    word = text.strip().lower()
-    if word in _TRUE_WORDS:
-        return True
-    if word in _FALSE_WORDS:
-        return False
-    raise ConfigValueError(f"config key '{key}' is a bool; expected true/false/1/0/yes/no, got {text!r}")
-
-
-def _parse_int(text: str, key: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        pass
-    try:  # "1e3" is a fine way to type a step count
-        number = float(text)
-    except ValueError:
-        number = None
-    if number is not None and number.is_integer():
-        return int(number)
-    raise ConfigValueError(f"config key '{key}' is an int; got {text!r}")
-
-
-def _parse_float(text: str, key: str) -> float:
-    try:
-        return float(text.strip())
-    except ValueError:
-        raise ConfigValueError(f"config key '{key}' is a float; got {text!r}") from None
-
-
-def _parse_sequence(text: str, existing: list | tuple, key: str) -> list | tuple:
-    stripped = text.strip()
-    if stripped.startswith(("[", "(")):
-        parsed = _literal_eval(stripped)
-        if not isinstance(parsed, (list, tuple)):
-            raise ConfigValueError(f"config key '{key}' holds {_a_type(existing)}; got {text!r}")
-        templates = _element_templates(existing, len(parsed))
-        items = [_coerce(item, like, f"{key}[{i}]") for i, (item, like) in enumerate(zip(parsed, templates))]
-    else:
-        if any(isinstance(item, (list, tuple, dict)) for item in existing):
-            raise ConfigValueError(
-                f"config key '{key}' holds nested containers; give a Python literal such as [[1, 2], [3, 4]]"
-            )
-        pieces = [piece.strip() for piece in stripped.split(",")] if stripped else []
-        if pieces and pieces[-1] == "":  # tolerate a trailing comma: "1,"
-            pieces.pop()
-        templates = _element_templates(existing, len(pieces))
-        items = [_cast(piece, like, f"{key}[{i}]") for i, (piece, like) in enumerate(zip(pieces, templates))]
-    return type(existing)(items)
-
-
-def _element_templates(existing: list | tuple, count: int) -> list:
-    """Values whose types ``count`` new elements take: the common type of the existing elements, position by
-    position for a mixed sequence of the same length (``(1.0, 16)``), else None (parse as a literal)."""
-    if existing and len({type(item) for item in existing}) == 1:
-        return [existing[0]] * count
-    if len(existing) == count:
-        return list(existing)
-    return [None] * count
-
-
-def _coerce(value: Any, existing: Any, key: str) -> Any:
-    """Check a Python value against the type of ``existing``; ints widen to floats, nothing else converts."""
-    if value is None or existing is None:
-        return value
-    if isinstance(existing, bool):
-        if isinstance(value, bool):
-            return value
-    elif isinstance(existing, float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif isinstance(existing, int):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif isinstance(existing, (list, tuple)):
-        if isinstance(value, (list, tuple)):
-            templates = _element_templates(existing, len(value))
-            return type(existing)(
-                _coerce(item, like, f"{key}[{i}]") for i, (item, like) in enumerate(zip(value, templates))
-            )
-    elif isinstance(existing, dict):
-        if isinstance(value, Mapping):
-            return _plain(value)
-    elif isinstance(value, type(existing)):
-        return value
-    raise ConfigValueError(f"config key '{key}' holds {_a_type(existing)}; got {value!r} ({type(value).__name__})")
-
-
-def _parse_new_value(value: Any) -> Any:
-    if value is BARE_FLAG:
-        return True
-    if isinstance(value, str):
-        return _parse_literal(value)
-    return _plain(value) if isinstance(value, Mapping) else value
-
-
-def _parse_literal(text: str) -> Any:
-    """A Python literal if ``text`` is one (true/false too), else the text itself."""
-    word = text.strip().lower()
-    if word in ("true", "false"):
-        return word == "true"
-    try:
-        return ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return text
-
-
-def _literal_eval(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as error:
-        raise ConfigValueError(f"not a Python literal: {text!r} ({error})") from None
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Small helpers
-
-
-def _a_type(value: Any) -> str:
-    name = type(value).__name__
-    return ("an " if name[0] in "aeiou" else "a ") + name
 
 
 def _normalise(name: str) -> str:
@@ -592,14 +493,6 @@ def _as_pairs(overrides: Any) -> list[tuple[str, Any]]:
         key = item[0][2:] if item[0].startswith("--") else item[0]
         pairs.append((key, item[1]))
     return pairs
-
-
-def _plain(mapping: Mapping) -> dict:
-    """A plain nested dict (ConfigDicts converted) so overrides never touch the caller's objects."""
-    if isinstance(mapping, Config):
-        return mapping.to_dict()
-    to_dict = getattr(mapping, "to_dict", None)
-    return copy.deepcopy(to_dict() if callable(to_dict) else dict(mapping))
 
 
 def _rebuild(original: Config | Mapping, tree: dict) -> Config:

@@ -51,8 +51,8 @@ def lora_settings(lora: Mapping, where: str = "lora") -> Dict[str, Any]:
     if out["alpha"] <= 0:
         raise UserInputError(f"'{where}.alpha' must be > 0, got {out['alpha']!r}")
     targets = out["target_modules"]
-    if isinstance(targets, str):
-        targets = [targets]
+    if isinstance(targets, str):  # "qkv,proj" from the command line (--lora.target-modules qkv,proj)
+        targets = [name.strip() for name in targets.split(",") if name.strip()]
     if not targets:
         raise UserInputError(
             f"'{where}.target_modules' is empty: name the Linear layers to adapt, e.g. ['qkv', 'proj']"

@@ -34,6 +34,8 @@ ROLE_DEFAULTS = dict(
     lora=None,  # dict(rank=8, alpha=8, target_modules=["qkv", ...], dropout=0.0): train a LoRA adapter only
 )
 ROLE_KEYS = ("model", *ROLE_DEFAULTS)
+# ``init_from = dict(...)`` keys (a plain path string means dict(path=...)): ``opensora.convert.weights.load_role_weights``
+INIT_FROM_DEFAULTS = dict(path=None, role="model", ema=True)
 
 # Open-Sora's top-level keys: plain training's shorthand for the single role ``model``
 SHORTHAND_KEYS = (
@@ -66,6 +68,13 @@ def _with_defaults(name: str, role: Mapping) -> Dict[str, Any]:
     entry checked and completed (``opensora.lora.lora_settings``)."""
     out = {**copy.deepcopy(ROLE_DEFAULTS), **copy.deepcopy(dict(role))}
     out["optimizer"] = optimizer_settings(out["optimizer"])
+    if isinstance(out["init_from"], Mapping):
+        unknown = [key for key in out["init_from"] if key not in INIT_FROM_DEFAULTS]
+        if unknown or not out["init_from"].get("path"):
+            raise ConfigKeyError(
+                f"'models.{name}.init_from' needs a path and takes only {list(INIT_FROM_DEFAULTS)}; got "
+                f"{dict(out['init_from'])}"
+            )
     try:
         out["lr_decay"] = lr_decay_settings(out["lr_decay"], where=f"models.{name}.lr_decay")
     except KeyError as error:

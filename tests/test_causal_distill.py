@@ -17,8 +17,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 TINY = dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, mlp_ratio=2.0, axes_dims=[4, 6, 6])
 RUNS = {
-    # config, roles, method overrides (tiny clips: 4 latent frames -> 2 chunks of 2)
-    "causal_ode": ("configs/distill/causal_ode_demo.py", ("student", "teacher"), "dict(teacher_num_steps=4)"),
+    # config, roles, method overrides (tiny clips: 4 latent frames -> 4 chunks of 1)
+    "causal_ode": (
+        "configs/distill/causal_ode_demo.py",
+        ("student", "teacher"),
+        "dict(teacher_num_steps=4, num_cached_pairs=8)",
+    ),
     "causvid": (
         "configs/distill/causvid_demo.py",
         ("student", "teacher", "critic"),
@@ -40,7 +44,7 @@ def _write_run_config(tmp: Path, name: str) -> Path:
     from opensora.registry import MODELS, build_module
 
     base_config, roles, method = RUNS[name]
-    meta = write_dataset(tmp / "data", num=8, seed=0, height=16, width=16, num_frames=4, progress=False)
+    meta = write_dataset(tmp / "data", num=8, seed=0, height=18, width=18, num_frames=4, progress=False)
     base = load_config(str(REPO / base_config), [])
     torch.manual_seed(0)
     teacher = build_module({**base.models.teacher.model, **TINY}, MODELS)
@@ -55,7 +59,7 @@ def _write_run_config(tmp: Path, name: str) -> Path:
     text = f"""_base_ = ["{REPO / base_config}"]
 _tiny = {TINY!r}
 dataset = dict(_delete_=True, type="VideoTextDataset", data_path="{meta}", frame_interval=1)
-bucket_config = dict(_delete_=True, **{{"16x16": {{4: (1.0, 2)}}}})
+bucket_config = dict(_delete_=True, **{{"18x18": {{4: (1.0, 2)}}}})
 num_workers = 0
 tensorboard = False
 keep_last = 5
@@ -134,8 +138,8 @@ def test_student_exports_alone_and_samples_causally(run, tmp_path):
                 ["a red circle moving left"],
                 [7],
                 num_frames=4,
-                height=16,
-                width=16,
+                height=18,
+                width=18,
                 num_steps=None,
                 step_list=list(cfg.method.step_list),
                 guidance_scale=1.0,
@@ -143,9 +147,9 @@ def test_student_exports_alone_and_samples_causally(run, tmp_path):
         )
         # chunk by chunk with the KV cache, as the student is meant to run (and as Self-Forcing trains it)
         stream = StreamingGenerator(sampler, step_list=list(cfg.method.step_list), rollout=rollout)
-        chunks = list(stream.stream(["a red circle moving left"], [7], num_frames=4, height=16, width=16))
+        chunks = list(stream.stream(["a red circle moving left"], [7], num_frames=4, height=18, width=18))
         # the last chunk saw chunk 0 in the cache; it is not refilled itself (no chunk reads it)
-        assert [chunk.start_frame for chunk in chunks] == [0, 2] and chunks[-1].cached_frames == 2
+        assert [chunk.start_frame for chunk in chunks] == [0, 1, 2, 3] and chunks[-1].cached_frames == 3
         streamed.append(torch.cat([chunk.frames for chunk in chunks], dim=1))
     assert torch.equal(videos[0], videos[1]) and torch.equal(streamed[0], streamed[1])
-    assert streamed[0].shape == videos[0].shape == (1, 4, 16, 16, 3) and streamed[0].dtype == torch.uint8
+    assert streamed[0].shape == videos[0].shape == (1, 4, 18, 18, 3) and streamed[0].dtype == torch.uint8

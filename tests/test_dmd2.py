@@ -104,7 +104,7 @@ def _write_run_config(tmp: Path) -> Path:
     from opensora.registry import MODELS
     from opensora.config import load_config
 
-    meta = write_dataset(tmp / "data", num=8, seed=0, height=16, width=16, num_frames=4, progress=False)
+    meta = write_dataset(tmp / "data", num=8, seed=0, height=18, width=18, num_frames=4, progress=False)
     base = load_config(str(REPO / "configs/distill/dmd2_demo.py"), [])
     torch.manual_seed(0)
     teacher = build_module({**base.models.teacher.model, **TINY}, MODELS)
@@ -118,7 +118,7 @@ def _write_run_config(tmp: Path) -> Path:
     text = f"""_base_ = ["{REPO / "configs/distill/dmd2_demo.py"}"]
 _tiny = {TINY!r}
 dataset = dict(_delete_=True, type="VideoTextDataset", data_path="{meta}", frame_interval=1)
-bucket_config = dict(_delete_=True, **{{"16x16": {{4: (1.0, 2)}}}})
+bucket_config = dict(_delete_=True, **{{"18x18": {{4: (1.0, 2)}}}})
 num_workers = 0
 tensorboard = False
 keep_last = 5
@@ -209,8 +209,8 @@ def test_student_exports_alone_and_samples_with_its_step_list(distill_runs, tmp_
                 ["a red circle moving left"],
                 [7],
                 num_frames=4,
-                height=16,
-                width=16,
+                height=18,
+                width=18,
                 num_steps=None,
                 step_list=list(cfg.method.step_list),
                 guidance_scale=1.0,

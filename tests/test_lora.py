@@ -275,8 +275,10 @@ dataset = dict(_delete_=True, type="VideoTextDataset", data_path={str(setup["csv
 bucket_config = dict(_delete_=True, **{{"32x32": {{4: (1.0, 2)}}}})
 num_workers = 0
 tensorboard = False
-models = dict(student=dict(init_from={weights}, lora=dict(rank=4, target_modules={TARGETS!r})),
-              teacher=dict(init_from={weights}), critic=dict(init_from={weights}{critic_extra}))
+vae = dict(patch_size=4)  # the demo.py base weights: 48-channel latents (dmd2_demo.py fits make demo's 27)
+_net = dict(in_channels=48, cond_channels=49)
+models = dict(student=dict(model=_net, init_from={weights}, lora=dict(rank=4, target_modules={TARGETS!r})),
+              teacher=dict(model=_net, init_from={weights}), critic=dict(model=_net, init_from={weights}{critic_extra}))
 method = dict(student_update_every=2, step_list=[1.0, 0.5])
 """)
     torch.set_num_threads(2)

@@ -8,7 +8,8 @@
     python tools/convert_checkpoint.py SRC DST --from diffusers|opensora [--dtype bf16] [--axes-dims 16,56,56]
     python tools/convert_checkpoint.py inspect SRC [--role model] [--no-ema]      (or: SRC --inspect)
 
-SRC is a training checkpoint directory (``.../checkpoints/step-0000500``) or an exported ``.safetensors`` file;
+SRC is a training checkpoint directory (``.../checkpoints/step-0000500``), a training run's outputs directory (its
+newest complete checkpoint, named on stderr) or an exported ``.safetensors`` file;
 ``--to opensora`` (default) keeps our keys, ``opensora2`` writes Open-Sora 2.0's MMDiT layout (split q/k/v as in the
 released v2 checkpoint unless ``--opensora2-fused-qkv``), ``diffusers`` writes FluxTransformer2DModel keys (a DST
 without ``.safetensors`` becomes a ``from_pretrained`` directory). ``--from`` imports foreign weights (a diffusers
@@ -30,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from opensora.checkpoint_layout import newest_checkpoint_of  # noqa: E402
 from opensora.cli_errors import UserInputError, run_cli  # noqa: E402
 from opensora.convert.export import (  # noqa: E402
     export_weights,
@@ -118,6 +120,14 @@ def _convert_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _newest_checkpoint(src) -> Path:
+    """SRC as given, or a run directory's newest complete checkpoint (said on stderr, as the sampler logs it)."""
+    resolved = newest_checkpoint_of(src)
+    if resolved != Path(src):
+        print(f"{src} is a training run: using its newest complete checkpoint {resolved}", file=sys.stderr)
+    return resolved
+
+
 def main(argv=None) -> int:
     """Bad input (a missing or foreign file, a layout that does not fit) is one line and exit code 2."""
     return run_cli(_run, argv, prog="convert_checkpoint.py", also=(ValueError, KeyError))
@@ -127,15 +137,17 @@ def _run(argv) -> int:
     argv = list(argv)
     if argv and argv[0] == "inspect":
         args = _inspect_parser().parse_args(argv[1:])
-        print(format_summary(inspect_weights(args.src, role=args.role, ema=args.ema)))
+        print(format_summary(inspect_weights(_newest_checkpoint(args.src), role=args.role, ema=args.ema)))
         return 0
     parser = _convert_parser()
     args = parser.parse_args(argv)
     if args.inspect:
-        print(format_summary(inspect_weights(args.src, role=args.role, ema=args.ema)))
+        print(format_summary(inspect_weights(_newest_checkpoint(args.src), role=args.role, ema=args.ema)))
         return 0
     if args.dst is None:
         parser.error("DST is required unless --inspect / inspect is used")
+    if args.from_ is None:
+        args.src = str(_newest_checkpoint(args.src))
     dst = Path(args.dst)
     if dst.exists() and dst.resolve() == Path(args.src).resolve():
         raise UserInputError(f"DST {dst} is SRC: write the converted weights to another path")

@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """`make demo`: build MovingShapes -> train the demo model -> sample the held prompts -> score them.
 
+`make demo-stream` (``--stream``) goes on from that teacher to a streaming student: causal ODE init
+(configs/distill/causal_ode_demo.py) -> Self-Forcing (configs/distill/self_forcing_demo.py) -> the held prompts
+streamed chunk by chunk -> scored like the teacher's samples. A teacher that `make demo` already trained is reused.
+
 Every stage is the user-facing command (printed before it runs), so the demo doubles as a walkthrough. Re-running
 resumes training from the newest checkpoint (`--resume auto`) and regenerates samples and scores.
 The command builders below are shared with `benchmarks/demo_sweep.py`, which tunes the demo with these very commands.
@@ -70,7 +74,27 @@ def sample_command(py, sample_config, ckpt, data_dir, samples_dir, num_steps, ov
         *steps,
         "--seed",
         SAMPLE_SEED,
+        "--overwrite",  # a re-run regenerates the samples it scores (instead of adding more)
         *overrides,
+    ]
+
+
+def stream_commands(py, data_dir, teacher_dir, out, ode_steps=None, self_forcing_steps=None) -> list:
+    """The three commands from a trained demo teacher to streamed samples: causal ODE init, Self-Forcing (both
+    resumable), streaming the held prompts. Step counts None: the configs'."""
+    data = ["--dataset.data_path", Path(data_dir) / "meta.csv", "--teacher-ckpt", teacher_dir]
+    ode, self_forcing = Path(out) / "causal_ode", Path(out) / "self_forcing"
+    steps = lambda n: [] if n is None else ["--max-steps", n]  # noqa: E731
+    return [
+        [py, "scripts/diffusion/train.py", "configs/distill/causal_ode_demo.py", "--outputs", ode, "--resume", "auto"]
+        + data
+        + steps(ode_steps),
+        [py, "scripts/diffusion/train.py", "configs/distill/self_forcing_demo.py", "--outputs", self_forcing]
+        + ["--resume", "auto", *data, "--ode-ckpt", ode, *steps(self_forcing_steps)],
+        sample_command(
+            py, "configs/distill/self_forcing_demo.py", self_forcing, data_dir, Path(out) / "stream_samples", None
+        )
+        + ["--streaming"],
     ]
 
 
@@ -104,6 +128,9 @@ def main(argv=None) -> None:
     parser.add_argument("--num-steps", type=int, default=None, help="sampling steps (default: the sample config's)")
     parser.add_argument("--train-config", default="configs/diffusion/train/demo_fast.py")
     parser.add_argument("--sample-config", default="configs/diffusion/inference/demo_fast.py")
+    parser.add_argument("--stream", action="store_true", help="go on to a streaming student (make demo-stream)")
+    parser.add_argument("--ode-steps", type=int, default=None, help="--stream: causal ODE init steps (the config's)")
+    parser.add_argument("--self-forcing-steps", type=int, default=None, help="--stream: Self-Forcing steps")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
@@ -121,15 +148,22 @@ def main(argv=None) -> None:
 
     from opensora.checkpoint_layout import find_latest_checkpoint
 
-    ckpt = find_latest_checkpoint(train)
-    run(sample_command(py, args.sample_config, ckpt, data, samples, args.num_steps))
-    scores = out / "eval.json"
+    if args.stream:  # the teacher's own samples are make demo's business: straight on to the student
+        *distill, stream = stream_commands(py, data, train, out, args.ode_steps, args.self_forcing_steps)
+        for command in distill:
+            run(command)
+        run(stream)
+        samples, scores, name = out / "stream_samples", out / "eval_stream.json", "streaming demo"
+    else:
+        ckpt = find_latest_checkpoint(train)
+        run(sample_command(py, args.sample_config, ckpt, data, samples, args.num_steps))
+        scores, name = out / "eval.json", "demo"
     run(eval_command(py, samples, scores))
 
     report = json.loads(scores.read_text())
     minutes = (time.time() - started) / 60
     print(
-        f"\nMovingShapes demo ({minutes:.1f} min): n={report['n']}  colour {report['color_acc']:.3f}  "
+        f"\nMovingShapes {name} ({minutes:.1f} min): n={report['n']}  colour {report['color_acc']:.3f}  "
         f"shape {report['shape_acc']:.3f}  direction {report['direction_acc']:.3f}  "
         f"(chance 0.167 / 0.333 / 0.250)"
     )

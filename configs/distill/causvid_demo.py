@@ -7,8 +7,13 @@ _base_ = ["dmd2_demo.py"]
 
 outputs = "outputs/demo/causvid"
 
-ode_ckpt = "outputs/demo/causal_ode/checkpoints/step-0000300"  # the causal ODE-init student (EMA weights)
-num_frames_per_chunk = 2  # latent frames per chunk: 16-frame clips -> 8 chunks (see causal_ode_demo.py)
+ode_ckpt = "outputs/demo/causal_ode"  # the causal ODE-init run (its newest checkpoint; the student's EMA weights)
+num_frames_per_chunk = 1  # latent frames per chunk: 4-frame clips -> 4 chunks (see causal_ode_demo.py)
+# --teacher-ckpt sets the teacher and the critic; --ode-ckpt the student
+_links_ = dict(
+    teacher_ckpt=["models.teacher.init_from.path", "models.critic.init_from.path"],
+    ode_ckpt=["models.student.init_from.path"],
+)
 
 # ---- streaming sampling, read by scripts/diffusion/inference.py (step_list, role, guidance_scale come from the base):
 # chunk by chunk with the KV cache, with the rollout rule the student was trained with

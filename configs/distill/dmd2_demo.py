@@ -1,21 +1,19 @@
-# DMD2 distillation of the MovingShapes demo teacher (configs/diffusion/train/demo.py) into a 4-step student,
-# on CPU in minutes. Train the teacher first (its 32x32x16 clips and checkpoints under outputs/demo; `make demo` runs
-# the smaller demo_fast.py instead):
-#   python tools/run_demo.py --train-config configs/diffusion/train/demo.py \
-#       --sample-config configs/diffusion/inference/demo.py
-# or python scripts/diffusion/train.py configs/diffusion/train/demo.py --outputs outputs/demo/train, then:
+# DMD2 distillation of `make demo`'s MovingShapes teacher (configs/diffusion/train/demo_fast.py: 24x24 clips of 4
+# frames) into a 4-step student, on CPU in minutes. After `make demo` (or with --teacher-ckpt RUN_OR_CHECKPOINT):
 #   python scripts/diffusion/train.py configs/distill/dmd2_demo.py
 # and sample the student with the same inference script (this file carries step_list / role / guidance_scale):
 #   python scripts/diffusion/inference.py configs/distill/dmd2_demo.py --ckpt outputs/demo/dmd2 --prompt "..."
-_base_ = ["../diffusion/train/demo.py"]
+_base_ = ["../diffusion/train/demo_fast.py"]
 
 outputs = "outputs/demo/dmd2"
 max_steps = 400
 ckpt_every = 200
 
-teacher_ckpt = "outputs/demo/train/checkpoints/step-0001000"  # the demo teacher's final checkpoint (EMA weights)
-# resolved when the file loads: on the command line override --models.{student,teacher,critic}.init_from.path
+# the teacher: `make demo`'s run (a run directory stands for its newest complete checkpoint; EMA weights)
+teacher_ckpt = "outputs/demo/train"
 _teacher_weights = dict(path=teacher_ckpt, role="model", ema=True)
+# --teacher-ckpt P sets every role that starts from the teacher (the values above were copied when the file loaded)
+_links_ = dict(teacher_ckpt=[f"models.{role}.init_from.path" for role in ("student", "teacher", "critic")])
 
 # ---- few-step sampling (read by the inference script: step_list replaces num_steps) -------------------------
 step_list = [1.0, 0.75, 0.5, 0.25]  # student times, t = 1 is noise; a final 0 is implied
@@ -58,5 +56,6 @@ method = dict(
     guidance_scale=3.0,  # teacher CFG for the real score
     min_timestep=20,
     max_timestep=980,
-    adapter=dict(type="MMDiTAdapter", num_train_timesteps=1000, shift=dict(base_tokens=256, base_shift=1.0)),
+    # the teacher's own timestep shift (demo_fast.py: 64 tokens -> shift 3)
+    adapter=dict(type="MMDiTAdapter", num_train_timesteps=1000, shift={{_base_.method.shift}}),
 )

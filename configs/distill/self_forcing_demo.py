@@ -7,6 +7,8 @@
 _base_ = ["causvid_demo.py"]
 
 outputs = "outputs/demo/self_forcing"
+max_steps = 200  # `make demo-stream`: ~1 s per step on 2 cores (the student updates on every 5th)
+ckpt_every = 100
 rollout = "renoise"  # between steps of a chunk: x0 re-noised with fresh noise ("euler": Euler step); also the sampler's
 
 method = dict(

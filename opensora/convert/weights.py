@@ -29,6 +29,7 @@ from opensora.checkpoint_layout import (
     META_FILE,
     MODEL_DIR,
     is_role_dir,
+    newest_checkpoint_of,
 )
 from opensora.cli_errors import UserInputError
 
@@ -156,7 +157,9 @@ def _merged(adapter: LoadedWeights, base) -> LoadedWeights:
 
 
 def _load_stored(path: Path, role: str, ema: bool) -> LoadedWeights:
-    """What is stored at ``path`` for ``role``: full weights, or an adapter (metadata ``lora`` set)."""
+    """What is stored at ``path`` for ``role``: full weights, or an adapter (metadata ``lora`` set). A run directory
+    stands for its newest complete checkpoint."""
+    path = newest_checkpoint_of(path)
     if path.is_file():
         metadata = read_metadata(path)
         step = int(metadata["step"]) if "step" in metadata else None

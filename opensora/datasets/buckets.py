@@ -207,3 +207,12 @@ class BucketTable:
         chosen = np.where(accepted.any(axis=1), accepted.argmax(axis=1), -1)
         aspect = closest_aspect_ratio(heights, widths, self.ratio_values)
         return chosen, aspect
+
+
+def first_bucket(bucket_config: Mapping) -> Tuple[str, int]:
+    """(resolution name, frame count) of a bucket config's first bucket: the clip size a config trains on first,
+    which validation samples and the sampler defaults to for a training config."""
+    if not bucket_config:
+        raise ValueError("bucket_config is empty")
+    resolution = next(iter(bucket_config))
+    return str(resolution), int(next(iter(bucket_config[resolution])))

@@ -30,14 +30,12 @@ import torch
 from opensora.cli_errors import UserInputError
 from opensora.registry import DATASETS
 
+from .media_probe import IMAGE_FPS, IMAGE_SUFFIXES, UnreadableMediaError, is_image, probe_header  # noqa: F401
 from .transforms import resize_center_crop
 from .video_io import frame_to_rgb
 
 logger = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-# fps reported for still images (a large value marks "no motion", as Open-Sora does).
-IMAGE_FPS = 120.0
 _METADATA_COLUMNS = ("num_frames", "height", "width", "fps")
 
 SampleKey = Union[int, str, Tuple[int, ...]]
@@ -58,10 +56,6 @@ class SampleList(list):
     def __init__(self, samples=(), skipped=()):
         super().__init__(samples)
         self.skipped: List[Tuple[str, str]] = list(skipped)
-
-
-def is_image(path: str) -> bool:
-    return str(path).lower().endswith(IMAGE_SUFFIXES)
 
 
 def parse_sample_key(key) -> Tuple[int, int, int, int, int]:
@@ -107,22 +101,11 @@ def read_table(data_path) -> pd.DataFrame:
 def probe_media(path: str) -> Tuple[int, int, int, float]:
     """(num_frames, height, width, fps) from the file header, without decoding; zeros when unreadable."""
     try:
-        if is_image(path):
-            from PIL import Image
-
-            with Image.open(path) as image:
-                width, height = image.size
-            return 1, height, width, IMAGE_FPS
-        with av.open(path) as container:
-            stream = container.streams.video[0]
-            rate = stream.average_rate or stream.guessed_rate or 0
-            frames = stream.frames
-            if not frames and stream.duration and rate:
-                frames = int(float(stream.duration * stream.time_base * rate))
-            return int(frames or 0), stream.height, stream.width, float(rate)
-    except Exception as error:  # any unreadable file: report, let the sampler leave it out
+        info = probe_header(path)
+    except UnreadableMediaError as error:  # any unreadable file: report, let the sampler leave it out
         logger.warning("cannot probe %s (%s): it will be left out", path, error)
         return 0, 0, 0, 0.0
+    return info.num_frames, info.height, info.width, info.fps
 
 
 # ----------------------------------------------------------------------------------------------- decoding

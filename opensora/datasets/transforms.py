@@ -22,7 +22,8 @@ def resize_center_crop(frames: np.ndarray, size: Tuple[int, int], interpolation:
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"expected uint8 frames [T, H, W, 3], got {frames.dtype} {frames.shape}")
     target_height, target_width = size
-    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float()  # [T, 3, H, W]
+    # torch.from_numpy needs a writable array (it warns on a read-only one, e.g. np.asarray of a PIL image): copy only then
+    video = torch.from_numpy(np.require(frames, requirements=("C", "W"))).permute(0, 3, 1, 2).float()  # [T, 3, H, W]
     height, width = video.shape[-2:]
     resized_height, resized_width = cover_size(height, width, target_height, target_width)
     if (resized_height, resized_width) != (height, width):

@@ -61,7 +61,8 @@ def read_video(path, max_frames: Optional[int] = None) -> np.ndarray:
     if path.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp", ".bmp"):
         from PIL import Image
 
-        return np.asarray(Image.open(path).convert("RGB"))[None]
+        with Image.open(path) as image:  # np.array: a writable copy (np.asarray of a PIL image is read-only)
+            return np.array(image.convert("RGB"))[None]
     import av
 
     frames = []

@@ -14,10 +14,13 @@ import os
 import sys
 from pathlib import Path
 
-from opensora.checkpoint_layout import checkpoint_root, find_latest_checkpoint
+from opensora.checkpoint_layout import newest_checkpoint_of
 from opensora.cli_errors import UserInputError, check_range, run_cli
 from opensora.config import load_config_from_cli, save_config
+from opensora.inference.cli_help import INFERENCE_HELP, training_clip_defaults
 from opensora.inference.pipeline_cli import PIPELINE_FLAGS, parse_stream_graphs, streaming_options
+from opensora.inference.save_dir import plan_save_dir
+from opensora.quiet_logs import quiet_third_party
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +28,13 @@ INFERENCE_FLAGS = {
     "ckpt": None,  # checkpoint directory (step-XXXXXXX), a training outputs dir (newest checkpoint) or a .safetensors
     "role": "model",  # which network of the checkpoint ("student" for a distilled one)
     "ema": True,  # --no-ema: the raw (non-EMA) weights
-    "prompt": None,  # one prompt, or several separated by '|'
+    "prompt": None,  # one prompt; repeat --prompt for several (a single one is split at '|', as it always was)
     "prompt_file": None,  # .txt (one per line) or .csv with a 'text' column
     "save_dir": "samples",
+    "overwrite": False,  # start --save-dir over instead of adding after its earlier samples (save_dir.py)
     "num_steps": 30,
     "step_list": None,  # explicit t values (e.g. "1.0,0.75,0.5,0.25"); replaces num_steps
-    "seed": 0,  # sample i uses seed + i
+    "seed": 0,  # sample i uses seed + i (a config's own seed key wins: --help CONFIG shows it)
     "num_frames": 16,
     "resolution": "256px",  # bucket-style name: "256px", "720p" or an exact "HxW"
     "aspect_ratio": "1:1",  # height:width, for area resolutions
@@ -80,12 +84,7 @@ def resolve_checkpoint(path) -> Path:
     """A checkpoint directory or file as given, or the newest complete checkpoint of a training outputs dir."""
     if path is None:
         raise SystemExit("--ckpt PATH is required (a checkpoint directory or a .safetensors file)")
-    path = Path(path)
-    if path.is_dir() and checkpoint_root(path).is_dir():
-        latest = find_latest_checkpoint(path)
-        if latest is None:
-            raise SystemExit(f"{path} holds no complete checkpoint under checkpoints/")
-        return Path(latest)
+    path = newest_checkpoint_of(path)
     if not path.exists():
         raise SystemExit(f"checkpoint {path} does not exist")
     return path
@@ -153,11 +152,15 @@ def check_inference_flags(args) -> None:
 def main(argv=None, on_chunk=None) -> list:
     """Run the sampling CLI; returns the written sample paths. ``on_chunk(chunk, paths)`` (streaming only) is
     called after each chunk's frames are in the files."""
+    quiet_third_party()
     cfg, args = load_config_from_cli(
         argv,
         script_flags=INFERENCE_FLAGS,
         prog="inference.py",
         description="Sample videos from a trained (or distilled) model.",
+        flag_help=INFERENCE_HELP,
+        config_defaults=training_clip_defaults,
+        repeatable=("prompt",),
     )
     check_inference_flags(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -165,9 +168,11 @@ def main(argv=None, on_chunk=None) -> list:
     from opensora.inference.prompts import resolve_prompts
 
     try:
-        prompts = resolve_prompts(None if args.prompt is None else str(args.prompt), args.prompt_file)
+        prompts = resolve_prompts(args.prompt, args.prompt_file)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(str(error)) from None
+    if isinstance(args.prompt, str) and "|" in args.prompt:
+        logger.info("--prompt split at '|' into %d prompts (repeat --prompt to keep a '|' in one)", len(prompts))
     ckpt = resolve_checkpoint(args.ckpt)
     try:
         step_list = parse_step_list(args.step_list)
@@ -179,6 +184,7 @@ def main(argv=None, on_chunk=None) -> list:
     batch_size = max(1, int(args.batch_size))
     save_dir = Path(args.save_dir)
     sp, device = start_sequence_parallel(int(args.sequence_parallel_size), args.device)
+    args.save_plan = plan_save_dir(save_dir, bool(args.overwrite))
     if sp is not None:
         try:
             return _sample(
@@ -239,7 +245,7 @@ def _sample(
     if writes:
         save_dir.mkdir(parents=True, exist_ok=True)
     if sp is None or dist.get_rank() == 0:
-        save_config(cfg, save_dir)
+        save_config(cfg, save_dir, args.save_plan.config_name)
     if args.pp_devices:
         from opensora.inference.pipeline_cli import run_pipelined
 
@@ -346,23 +352,24 @@ def _sample(
         )
         if not writes:  # a sequence-parallel rank > 0: it took part in the denoising, its group's rank 0 writes
             continue
-        for index, prompt, frames in zip(indices, chunk, videos.numpy()):
+        for i, prompt, frames in zip(indices, chunk, videos.numpy()):
+            index = args.save_plan.index(i)
             stem = save_dir / sample_stem(index, prompt)
             path = save_sample(stem, frames, fps=float(args.fps))
             write_sidecar(
-                stem.with_suffix(".json"), dict(index=index, prompt=prompt, seed=seeds[index], path=path.name, **common)
+                stem.with_suffix(".json"), dict(index=index, prompt=prompt, seed=seeds[i], path=path.name, **common)
             )
             written.append(path)
             rows.append(dict(index=index, path=path.name, text=prompt))
-        if groups == 1:
-            write_samples_csv(save_dir, rows)  # rewritten after each batch: usable even if the run stops early
+        if groups == 1:  # rewritten after each batch: usable even if the run stops early
+            write_samples_csv(save_dir, args.save_plan.rows(rows))
     if groups > 1:  # one samples.csv in prompt order, written by rank 0 from every group's rows
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(rows, everyone, dst=0)
         if dist.get_rank() == 0:
             rows = sorted((row for part in everyone for row in part), key=lambda row: row["index"])
     if (groups == 1 and writes) or (groups > 1 and dist.get_rank() == 0):
-        write_samples_csv(save_dir, [dict(path=r["path"], text=r["text"]) for r in rows])
+        write_samples_csv(save_dir, args.save_plan.rows(rows))
     if writes:
         logger.info("wrote %d sample(s) to %s", len(written), save_dir)
     return written
@@ -373,6 +380,7 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
     appended to the samples' mp4 files as soon as it is decoded."""
     from opensora.inference.io import write_samples_csv, write_sidecar
     from opensora.inference.prompts import sample_stem
+    from opensora.inference.stream_progress import stream_progress_bar
     from opensora.inference.stream_writer import BatchVideoWriters
     from opensora.inference.streaming import StreamingGenerator
 
@@ -393,10 +401,12 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
         chunk_frames=generator.chunk_frames,
     )
     batch_size = max(1, int(args.batch_size))
+    latent_frames = sampler.latent_size(num_frames, height, width)[0]
+    bar = stream_progress_bar(latent_frames, generator.chunk_frames, len(prompts), batch_size, bool(args.progress))
     written, rows = [], []
     for start in range(0, len(prompts), batch_size):
         batch = list(range(start, min(start + batch_size, len(prompts))))
-        stems = [save_dir / sample_stem(i, prompts[i]) for i in batch]
+        stems = [save_dir / sample_stem(args.save_plan.index(i), prompts[i]) for i in batch]
         seconds = []
         with BatchVideoWriters(stems, height, width, float(args.fps)) as writers:
             for chunk in generator.stream(
@@ -404,13 +414,14 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
             ):
                 writers.write(chunk.frames.numpy())
                 seconds.append(round(chunk.seconds, 4))
+                bar.update(1)
                 if on_chunk is not None:
                     on_chunk(chunk, writers.paths)
         for i, stem in zip(batch, stems):
             write_sidecar(
                 stem.with_suffix(".json"),
                 dict(
-                    index=i,
+                    index=args.save_plan.index(i),
                     prompt=prompts[i],
                     seed=seeds[i],
                     path=stem.with_suffix(".mp4").name,
@@ -420,7 +431,8 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
             )
             written.append(stem.with_suffix(".mp4"))
             rows.append(dict(path=stem.with_suffix(".mp4").name, text=prompts[i]))
-        write_samples_csv(save_dir, rows)
+        write_samples_csv(save_dir, args.save_plan.rows(rows))
+    bar.close()
     logger.info("streamed %d sample(s) and samples.csv to %s", len(written), save_dir)
     return written
 

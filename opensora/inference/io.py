@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from opensora.datasets.transforms import resize_center_crop
+from opensora.file_modes import match_umask
 from opensora.datasets.video_io import read_video, write_video
 
 
@@ -53,6 +54,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w", newline="") as f:
         f.write(text)
+    match_umask(tmp)  # mkstemp made it 0600; the mp4 beside it has open()'s mode
     os.replace(tmp, path)
 
 

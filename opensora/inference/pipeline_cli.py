@@ -269,16 +269,23 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     written, rows = [], []
     for g, group in enumerate(groups):
         indices = [g * batch + i for i in range(len(group["seeds"]))]
-        stems = [save_dir / sample_stem(index, prompts[index]) for index in indices]
+        stems = [save_dir / sample_stem(args.save_plan.index(index), prompts[index]) for index in indices]
         with BatchVideoWriters(stems, height, width, float(args.fps)) as writers:  # as --streaming writes them
             for c in range(num_chunks):
                 writers.write(result.frames[(g, c)].numpy())
         for index, stem, path in zip(indices, stems, writers.paths):
             write_sidecar(
                 stem.with_suffix(".json"),
-                dict(index=index, prompt=prompts[index], seed=seeds[index], path=path.name, **common, **pp_record),
+                dict(
+                    index=args.save_plan.index(index),
+                    prompt=prompts[index],
+                    seed=seeds[index],
+                    path=path.name,
+                    **common,
+                    **pp_record,
+                ),
             )
             written.append(path)
             rows.append(dict(path=path.name, text=prompts[index]))
-    write_samples_csv(save_dir, rows)
+    write_samples_csv(save_dir, args.save_plan.rows(rows))
     return written

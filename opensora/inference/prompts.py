@@ -3,7 +3,7 @@
 import csv
 import re
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 PROMPT_COLUMNS = ("text", "prompt", "caption")  # csv columns accepted as the prompt, first found wins
 _NON_WORD = re.compile(r"[^a-z0-9]+")
@@ -34,13 +34,21 @@ def read_prompt_file(path) -> List[str]:
     return prompts
 
 
-def resolve_prompts(prompt: Optional[str] = None, prompt_file=None) -> List[str]:
-    """The run's prompts from ``--prompt`` (one, or several separated by '|') xor ``--prompt-file``."""
+def resolve_prompts(prompt=None, prompt_file=None) -> List[str]:
+    """The run's prompts from ``--prompt`` xor ``--prompt-file``.
+
+    ``prompt``: one string, or a list (``--prompt`` repeated: each taken as it is, '|' included). A single string is
+    split at '|' into several prompts, the older spelling of several prompts kept for existing scripts (a prompt that
+    itself holds '|' goes in a --prompt-file, or is given with a second --prompt).
+    """
     if (prompt is None) == (prompt_file is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if prompt_file is not None:
         return read_prompt_file(prompt_file)
-    prompts = [p.strip() for p in str(prompt).split("|")]
+    if isinstance(prompt, (list, tuple)):
+        prompts = [str(p).strip() for p in prompt]
+    else:
+        prompts = [p.strip() for p in str(prompt).split("|")]
     if not all(prompts):
         raise ValueError(f"empty prompt in --prompt {prompt!r}")
     return prompts

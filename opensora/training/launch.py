@@ -6,6 +6,7 @@ import sys
 
 from opensora.cli_errors import check_range, run_cli
 from opensora.config import ConfigKeyError, ConfigValueError, load_config_from_cli
+from opensora.quiet_logs import quiet_third_party
 from opensora.role_config import role_configs
 from opensora.training.defaults import TRAINER_DEFAULTS
 from opensora.training.run_dir import check_load_path, prepare_outputs
@@ -44,6 +45,7 @@ def check_train_flags(cfg, args) -> None:
 
 
 def main(argv=None) -> None:
+    quiet_third_party()
     try:
         cfg, args = load_config_from_cli(
             argv,

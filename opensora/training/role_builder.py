@@ -7,7 +7,7 @@ weights before boosting (``opensora.lora``): the base is frozen, and the optimiz
 
 import contextlib
 import inspect
-from pathlib import Path
+import logging
 from typing import Mapping
 
 import torch
@@ -62,9 +62,11 @@ def load_initial_weights(model: nn.Module, init_from) -> dict:
     from opensora.convert.weights import check_shapes_fit, load_role_weights
 
     spec = dict(init_from) if isinstance(init_from, Mapping) else {"path": init_from}
-    weights = load_role_weights(spec.pop("path"), **spec)
+    spec_path = spec.pop("path")
+    weights = load_role_weights(spec_path, **spec)
     check_shapes_fit({k: v.shape for k, v in weights.state_dict.items()}, model, f"init_from {weights.path}")
     model.load_state_dict(weights.state_dict, strict=True)
+    logging.getLogger(__name__).info("init_from %s: loaded %s", spec_path, weights.path)
     return weights.state_dict
 
 
@@ -145,7 +147,10 @@ def build_role(
 
 
 def _absolute_init_from(init_from):
-    """``init_from`` with an absolute path, so an export from another directory finds the base weights."""
+    """``init_from`` with an absolute path, so an export from another directory finds the base weights (a run
+    directory as the checkpoint it stood for: the run may train on and move its newest checkpoint)."""
+    from opensora.checkpoint_layout import newest_checkpoint_of
+
     spec = dict(init_from) if isinstance(init_from, Mapping) else {"path": init_from}
-    spec["path"] = str(Path(spec["path"]).resolve())
+    spec["path"] = str(newest_checkpoint_of(spec["path"]).resolve())
     return spec

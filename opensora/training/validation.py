@@ -123,9 +123,11 @@ def validation_settings(cfg: Mapping) -> Optional[Dict[str, Any]]:
         buckets = cfg.get("bucket_config") or {}
         if not buckets:
             raise ConfigValueError("validation needs resolution and num_frames (the config has no bucket_config)")
-        first_res = next(iter(buckets))
+        from opensora.datasets.buckets import first_bucket
+
+        first_res, first_frames = first_bucket(buckets)
         s["resolution"] = s["resolution"] or first_res
-        s["num_frames"] = s["num_frames"] or int(next(iter(buckets[first_res])))
+        s["num_frames"] = s["num_frames"] or first_frames
     s["num_frames"] = int(s["num_frames"])
     return s
 

@@ -1,0 +1,38 @@
+"""What ``inference.py --help`` says about its flags, and the defaults a training config gives them.
+
+Sampling with a training or distillation config (``--ckpt outputs/run``) samples at the clip size the model was
+trained on (the config's first bucket, ``opensora.datasets.buckets.first_bucket``) unless the config or the command
+line sets ``resolution`` / ``num_frames``: a 24x24 demo model sampled at the generic 256x256 takes 14x as long and
+shows nothing it learnt.
+"""
+
+from typing import Mapping
+
+INFERENCE_HELP = {
+    "ckpt": "checkpoint dir, .safetensors, or a training run dir (its newest complete checkpoint)",
+    "prompt": "a prompt; repeat --prompt for several (one --prompt with '|' is split there, for old scripts)",
+    "prompt_file": ".txt (one prompt per line) or .csv with a text/prompt/caption column",
+    "save_dir": "samples are added after those already there; --overwrite starts the directory over",
+    "overwrite": "delete the samples earlier runs wrote to --save-dir and number from 0 again",
+    "seed": "sample i uses seed + i; a config's own 'seed' key (a training config's) is the default",
+    "num_frames": "a training config's default: its first bucket's frame count",
+    "resolution": "'256px', '720p' or exact 'HxW'; a training config's default: its first bucket",
+    "step_list": "explicit t values, e.g. 1.0,0.75,0.5,0.25 (replaces --num-steps)",
+    "streaming": "causal models: chunk by chunk with a KV cache, each chunk appended to the mp4 as it is done",
+}
+
+
+def training_clip_defaults(tree: Mapping) -> dict:
+    """``resolution`` and ``num_frames`` of a config that trains on buckets (its first bucket), and ``fps`` when its
+    dataset resamples clips to a ``target_fps``; {} otherwise."""
+    from opensora.datasets.buckets import first_bucket
+
+    buckets = tree.get("bucket_config")
+    if not buckets:
+        return {}
+    resolution, num_frames = first_bucket(buckets)
+    defaults = dict(resolution=resolution, num_frames=num_frames)
+    dataset = tree.get("dataset")
+    if isinstance(dataset, Mapping) and dataset.get("target_fps"):
+        defaults["fps"] = dataset["target_fps"]  # the rate the model saw its clips at
+    return defaults
