@@ -22,8 +22,8 @@ Modes, each in its own subprocess (GPU memory of one does not leak into the next
 Trainer numbers: median samples/s and step time over the timed steps (the trainer's own records), and the host
 time spent waiting for each batch. Storage at 480x832 x 129 is computed from the VAE's latent shape (no encode).
 
-  python benchmarks/latent_cache.py --out benchmarks/results/latent_cache_h100.json   # ~5 min on one H100
-  python benchmarks/latent_cache.py --tiny          # CPU smoke test of the script (tiny components, fp32)
+  python -m benchmarks.latent_cache --out $OUT/latent_cache_h100.json   # ~5 min on one H100
+  python -m benchmarks.latent_cache --tiny          # CPU smoke test of the script (tiny components, fp32)
 """
 
 import argparse
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import OUT, ROOT
 
 T5_XXL = dict(
     vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, feed_forward_proj="gated-gelu"
@@ -286,7 +286,19 @@ def run_mode(mode: str, args, work: Path, csv: Path, cache: Path) -> dict:
         return result
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     out = work / f"{mode}.json"
-    command = [sys.executable, __file__, "--mode", mode, "--work", str(work), "--csv", str(csv), "--cache", str(cache)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.latent_cache",
+        "--mode",
+        mode,
+        "--work",
+        str(work),
+        "--csv",
+        str(csv),
+        "--cache",
+        str(cache),
+    ]
     command += [
         "--warmup",
         str(args.warmup),
@@ -306,7 +318,7 @@ def run_mode(mode: str, args, work: Path, csv: Path, cache: Path) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny components, fp32")
-    parser.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/latent_cache_<dev>.json)")
+    parser.add_argument("--out", default=None, help="result JSON (default: outputs/benchmarks/latent_cache_<dev>.json)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--samples-per-shard", type=int, default=16)
@@ -316,7 +328,6 @@ def main(argv=None) -> None:
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     if args.mode:  # a child: one mode, one JSON
         run = run_precompute if args.mode == "precompute" else run_trainer
         Path(args.result).write_text(json.dumps(run(args), default=float))
@@ -340,7 +351,7 @@ def main(argv=None) -> None:
     results["speedup_from_cache"] = results["from_cache"]["samples_per_s"] / results["on_the_fly"]["samples_per_s"]
     results["storage"] = storage_table(results["precompute"], args.tiny)
     tag = "cpu" if device == "cpu" else device.split()[-1].lower().replace("-", "")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"latent_cache_{tag}.json")
+    out = Path(args.out or OUT / f"latent_cache_{tag}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     p = results["precompute"]

@@ -366,13 +366,9 @@ def test_two_ranks_killed_mid_way_then_rerun_stores_every_sample_once(data, tmp_
 
 # ---- the benchmark's CPU mode ----------------------------------------------------------------------------------
 def test_latent_cache_benchmark_tiny_mode(tmp_path):
-    import importlib.util
-
+    from benchmarks import latent_cache as bench
     from opensora.models.vae import HunyuanVideoVAE
 
-    spec = importlib.util.spec_from_file_location("latent_cache_bench", ROOT / "benchmarks" / "latent_cache.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "result.json"
     bench.main(["--tiny", "--warmup", "1", "--iters", "2", "--samples-per-shard", "8", "--out", str(out)])
     result = json.loads(out.read_text())
