@@ -59,7 +59,9 @@ def random_sampler(cfg, causal_chunk_frames: int, device, dtype, seed: int = 0, 
     ``vae_cfg`` replaces the config's autoencoder."""
     torch.manual_seed(seed)
     model_cfg = dict(role_model_config(cfg), causal_chunk_frames=causal_chunk_frames)
-    model_cfg.update(grad_ckpt_double=0, grad_ckpt_single=0)
+    # no block compilation: the training configs turn it on, but the streamed passes (KV hooks) are not verified
+    # with it and recompile per cache state
+    model_cfg.update(grad_ckpt_double=0, grad_ckpt_single=0, compile_blocks=False)
     model = build_module(model_cfg, MODELS).to(device, dtype).eval().requires_grad_(False)
     with torch.no_grad():  # on the device: perturbing 1B parameters on the CPU takes a while
         for p in model.parameters():

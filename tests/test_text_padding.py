@@ -128,8 +128,9 @@ def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_
 
 
 def test_key_ranges_reach_every_block_and_no_dense_mask_is_built(monkeypatch):
-    """The trimmed batch with rows of different lengths attends through KeyRanges in all blocks."""
-    model = MMDiT(**tiny_kwargs()).eval()
+    """A training-mode batch with rows of different lengths attends through KeyRanges in all blocks; an eval-mode
+    pass (sampling, frozen teachers) keeps the dense mask."""
+    model = MMDiT(**tiny_kwargs()).train()
     perturb(model)
     seen = []
     import opensora.models.mmdit.layers as layers
@@ -148,3 +149,7 @@ def test_key_ranges_reach_every_block_and_no_dense_mask_is_built(monkeypatch):
     with torch.no_grad():
         model(**padded_batch([32, 32], text_len=50))  # equal rows trimmed to their length: no mask at all
     assert set(seen) == {"NoneType"}
+    seen.clear()
+    with torch.no_grad():
+        model.eval()(**padded_batch([3, 9], text_len=50))
+    assert set(seen) == {"Tensor"}

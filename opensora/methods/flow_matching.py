@@ -92,8 +92,8 @@ class FlowMatching(TrainingMethod):
             condition = build_training_condition(x0, self.condition_probs, **self.condition_kwargs)
             cond, loss_mask = condition.cond, condition.loss_mask
 
-        # whether the text has padded tokens is not read from the device (a host sync per step): a mask means
-        # "build the key mask" (an all-true one gives the same attention); no mask means no padding
+        # whether the text has padded tokens is not read here: a mask means "may have padding" (the model in
+        # training reads the valid lengths once to trim the text, models/mmdit/text_padding.py); no mask, no padding
         pred = MMDiTAdapter.call_network(
             self.roles["model"].model,
             x_t,

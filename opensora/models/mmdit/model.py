@@ -335,8 +335,11 @@ class MMDiT(nn.Module, SequenceParallelModel):
                 text_key=text_key,
                 text_mask_has_padding=text_mask_has_padding,
             )
-        # padded prompts: cut the text after the longest valid prompt (exact, text_padding.py)
-        text_emb, text_mask, text_lengths = trim_text(text_emb, text_mask, text_mask_has_padding)
+        # padded prompts in training: cut the text after the longest valid prompt, attend per row (text_padding.py);
+        # eval passes keep the dense mask that the sampler's stages, caches and graphs reproduce bit for bit
+        text_lengths = None
+        if self.training:
+            text_emb, text_mask, text_lengths = trim_text(text_emb, text_mask, text_mask_has_padding)
         if self.causal_chunk_frames and timestep.dim() == 2:
             return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)

@@ -12,9 +12,11 @@ output never depends on them: text RoPE ids are all zero, every other op is per 
   execution plan per new row length (~0.1 s, once per prompt length per run; ``warm_attention_lengths`` pays it
   up front).
 
-Both equal the masked computation on the video output and every gradient (tests/test_text_padding.py). Reading the
-valid lengths is one small host read per forward when the mask lives on the GPU; inside a CUDA graph capture
-nothing is read and the dense mask path runs unchanged.
+Both equal the masked computation on the video output and every gradient (tests/test_text_padding.py). ``MMDiT``
+applies them in training mode (``model.train()``: the trained networks); eval-mode passes (sampling, frozen teachers)
+keep the dense mask, which the sampler's pipeline stages, region caches and CUDA graphs reproduce bit for bit.
+Reading the valid lengths is one small host read per forward when the mask lives on the GPU; inside a CUDA graph
+capture nothing is read and the dense mask path runs unchanged.
 """
 
 from typing import List, Optional, Sequence, Tuple
