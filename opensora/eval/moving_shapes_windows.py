@@ -1,0 +1,237 @@
+"""Score long MovingShapes clips window by window: does a streamed video keep its colour, shape, motion and
+brightness after the training length?
+
+A clip of ``T`` frames is cut into windows of ``window`` frames every ``stride`` frames (default: non-overlapping);
+each window is read like a short clip (``opensora.eval.moving_shapes.read_shape``) and scored per attribute:
+
+* colour and shape: the caption's, in every window;
+* direction: what the motion rule says for that window (``motion``):
+  ``linear`` and ``wrap`` -- the caption's direction throughout (a linear clip past the training length has no
+  defined answer: its shape leaves the frame); ``bounce`` -- the caption's direction reversed at every wall contact
+  *of the clip itself*: the shape's extent along the motion axis is tracked over the whole clip and the expected
+  direction flips each time the shape reaches the wall it is heading for (so a sample that bounces where it really
+  touches a wall is right, one that turns mid-canvas or sticks to the wall is wrong). A window whose steps do not
+  mostly go one way (``majority_direction``: a bounce near its middle) is not scored for direction. With the
+  generator's own motion at hand (ground truth), ``expected_directions`` replaces the tracking;
+* frame statistics: the window's pixel mean and standard deviation (over frames, pixels and channels) and its
+  background level (the median grey level: the shape covers under 15% of the frame) must lie in the range a correct
+  clip *with that caption* can have -- rendered by the generator at the smallest and largest shape size
+  (``SIZE_RANGE``), widened by ``stats_margin`` (relative). A correct bounce or wrap clip always keeps its whole
+  shape in view, so its statistics are those of its size alone. The background level catches a darkening or
+  brightening frame even where the shape's size variation hides it in the mean (a uniform shift leaves the
+  standard deviation alone).
+
+Why a per-caption range: the old rule (one range for all captions, the min/max over 288 training clips) let the
+caption decide the verdict -- a small red triangle's clip mean sits 3.3 grey levels above the background, right at
+that range's lower end, while a large magenta square sits at its upper end -- so ground truth itself scored 0.96
+(fresh seeds at 64x64x16) and a one-grey-level darker background threw out 10% of correct clips, while a bright
+shape could darken a lot before leaving. Per caption, the range covers exactly what that caption allows, so ground
+truth scores 1.0 and a brightness drift is caught for every caption alike.
+"""
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from opensora.datasets.moving_shapes import (
+    DIRECTION_VECTORS,
+    MOTIONS,
+    OPPOSITE,
+    SIZE_RANGE,
+    ShapeMotion,
+    majority_direction,
+    parse_caption,
+    render_video,
+)
+from opensora.eval.moving_shapes import downsample, find_foreground, mask_centroids, read_shape
+
+STATS_MARGIN = 0.05  # relative widening of the per-caption (mean, std) range (sub-pixel coverage, codec rounding)
+WALL_TOLERANCE = 0.06  # a shape within this fraction of min(H, W) (and at least 2 px) of a wall touches it
+
+
+# ---- frame statistics ---------------------------------------------------------------------------------------------
+STATISTICS = ("mean", "std", "background")
+
+
+def frame_stats(frames: np.ndarray) -> Tuple[float, float, float]:
+    """(mean, standard deviation, background = median grey level) of uint8 frames [T, H, W, 3], in grey levels."""
+    values = np.asarray(frames, dtype=np.float32)
+    return float(values.mean()), float(values.std()), float(np.median(values.mean(axis=-1)))
+
+
+@lru_cache(maxsize=256)
+def stats_range(color: str, shape: str, height: int, width: int, margin: float = STATS_MARGIN) -> Dict[str, tuple]:
+    """The ``STATISTICS`` ranges of a correct clip of this colour and shape at this size: the generator's renders at
+    the smallest and largest shape size (mean and std grow with the shape's area), widened by ``margin``."""
+    stats = []
+    for fraction in SIZE_RANGE:
+        size = fraction * min(height, width)
+        still = ShapeMotion(color, shape, "none", size, width / 2, height / 2, 0.0, 0.0)
+        stats.append(frame_stats(render_video(still, height, width, 1)))
+    return {name: (min(v) * (1 - margin), max(v) * (1 + margin)) for name, v in zip(STATISTICS, zip(*stats))}
+
+
+def stats_in_range(frames: np.ndarray, color: Optional[str], shape: Optional[str], margin: float = STATS_MARGIN):
+    """Whether a window's ``STATISTICS`` lie in its caption's ranges (False when the caption names no colour/shape)."""
+    if color is None or shape is None:
+        return False
+    ranges = stats_range(color, shape, frames.shape[1], frames.shape[2], float(margin))
+    return all(ranges[name][0] <= value <= ranges[name][1] for name, value in zip(STATISTICS, frame_stats(frames)))
+
+
+# ---- the direction a window should have -----------------------------------------------------------------------------
+def window_starts(num_frames: int, window: int, stride: Optional[int] = None) -> List[int]:
+    if window < 2 or num_frames < window:
+        raise ValueError(f"need 2 <= window <= clip frames, got window={window} for {num_frames} frames")
+    stride = int(stride or window)
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    return list(range(0, num_frames - window + 1, stride))
+
+
+def bounce_step_directions(frames: np.ndarray, direction: str) -> List[str]:
+    """Per frame step, the direction a bouncing shape should take, tracked on the clip itself: the caption's
+    ``direction`` at first, reversed at each frame where the shape's extent is at the wall it is heading for and
+    its centroid gets no nearer to that wall in the next frame (the turning point)."""
+    frames = np.asarray(frames)
+    frames = frames.astype(np.float64) / 255 if frames.dtype == np.uint8 else frames.astype(np.float64)
+    frames = downsample(frames)
+    t, h, w, _ = frames.shape
+    fg = find_foreground(frames)
+    ux, uy = DIRECTION_VECTORS[direction]
+    extent = w if ux else h
+    tolerance = max(2.0, WALL_TOLERANCE * min(h, w))
+    along = np.full(t, np.nan)  # centroid along the motion axis
+    ids = np.nonzero(fg.valid)[0]
+    if len(ids):
+        along[ids] = mask_centroids(fg.masks[ids])[:, 1 if ux else 0]
+    heading, steps = direction, []
+    for f in range(t - 1):
+        if fg.valid[f]:
+            occupied = np.nonzero(fg.masks[f].any(axis=0 if ux else 1))[0]  # the columns (rows) the shape covers
+            sign = sum(DIRECTION_VECTORS[heading])  # +1: towards the right / bottom wall
+            at_wall = occupied.max() >= extent - 1 - tolerance if sign > 0 else occupied.min() <= tolerance
+            turning = np.isnan(along[f + 1]) or (along[f + 1] - along[f]) * sign <= 0
+            if at_wall and turning:
+                heading = OPPOSITE[heading]
+        steps.append(heading)
+    return steps
+
+
+def expected_window_directions(
+    frames: np.ndarray, direction: Optional[str], motion: str, starts: Sequence[int], window: int
+) -> List[Optional[str]]:
+    """The direction each window should show (None: not scored), from the caption and the motion rule."""
+    if direction is None:
+        return [None] * len(starts)
+    if motion != "bounce":
+        return [direction] * len(starts)
+    steps = bounce_step_directions(frames, direction)
+    return [majority_direction(steps[s : s + window - 1]) for s in starts]
+
+
+# ---- scoring ------------------------------------------------------------------------------------------------------
+@dataclass
+class WindowScore:
+    start_frame: int
+    color_acc: float
+    shape_acc: float
+    direction_acc: Optional[float]  # None when no clip has a scored direction in this window
+    direction_n: int  # clips whose direction is scored in this window
+    stats_in_range: float  # share of clips whose frame statistics lie in their caption's range
+    frame_mean: float
+    frame_std: float
+    background: float
+
+
+def score_windows(
+    videos: Sequence[np.ndarray],
+    prompts: Sequence[str],
+    window: int,
+    stride: Optional[int] = None,
+    motion: str = "linear",
+    expected_directions: Optional[Sequence[Sequence[Optional[str]]]] = None,
+    stats_margin: float = STATS_MARGIN,
+) -> dict:
+    """Per-window scores of uint8 videos [T, H, W, 3] (one per prompt; all of the same length) and their summary:
+    ``windows`` (a ``WindowScore`` dict per window), ``{color,shape,direction,stats}_window_min`` (the worst
+    window), ``*_vs_first_min`` (the worst window over the first) and the settings. ``expected_directions[i][k]``:
+    clip i's true direction in window k where known (ground truth), instead of the motion rule's reading."""
+    if motion not in MOTIONS:
+        raise ValueError(f"unknown motion {motion!r}; choose one of {list(MOTIONS)}")
+    if len(videos) != len(prompts) or not len(videos):
+        raise ValueError(f"need one prompt per video and at least one video, got {len(videos)} and {len(prompts)}")
+    starts = window_starts(len(videos[0]), window, stride)
+    wrap = motion == "wrap"
+    hits = {a: np.zeros((len(videos), len(starts))) for a in ("color", "shape", "stats")}
+    direction_hits = np.full((len(videos), len(starts)), np.nan)  # nan: not scored
+    moments = np.zeros((len(videos), len(starts), len(STATISTICS)))
+    for i, (video, prompt) in enumerate(zip(videos, prompts)):
+        video = np.asarray(video)
+        if len(video) != len(videos[0]):
+            raise ValueError(f"video {i} has {len(video)} frames, video 0 has {len(videos[0])}")
+        color, shape, direction = parse_caption(prompt)
+        expected = (
+            list(expected_directions[i])
+            if expected_directions is not None
+            else expected_window_directions(video, direction, motion, starts, window)
+        )
+        for k, start in enumerate(starts):
+            clip = video[start : start + window]
+            reading = read_shape(clip, wrap)
+            hits["color"][i, k] = reading.color == color
+            hits["shape"][i, k] = reading.shape == shape
+            hits["stats"][i, k] = stats_in_range(clip, color, shape, stats_margin)
+            moments[i, k] = frame_stats(clip)
+            if expected[k] is not None:
+                direction_hits[i, k] = reading.direction == expected[k]
+    windows = []
+    for k, start in enumerate(starts):
+        scored = direction_hits[:, k][~np.isnan(direction_hits[:, k])]
+        windows.append(
+            WindowScore(
+                start_frame=start,
+                color_acc=float(hits["color"][:, k].mean()),
+                shape_acc=float(hits["shape"][:, k].mean()),
+                direction_acc=float(scored.mean()) if len(scored) else None,
+                direction_n=int(len(scored)),
+                stats_in_range=float(hits["stats"][:, k].mean()),
+                frame_mean=float(moments[:, k, 0].mean()),
+                frame_std=float(moments[:, k, 1].mean()),
+                background=float(moments[:, k, 2].mean()),
+            ).__dict__
+        )
+    return dict(
+        window=int(window),
+        stride=int(stride or window),
+        motion=motion,
+        stats_margin=float(stats_margin),
+        windows=windows,
+        **summarise_windows(windows),
+    )
+
+
+def summarise_windows(windows: Sequence[dict]) -> dict:
+    """The worst window per attribute and the worst window relative to the first (drift)."""
+    keys = dict(color="color_acc", shape="shape_acc", direction="direction_acc", stats="stats_in_range")
+    out = {}
+    for name, key in keys.items():
+        values = [w[key] for w in windows if w[key] is not None]
+        out[f"{name}_window_min"] = min(values) if values else None
+        first = windows[0][key]
+        out[f"{name}_vs_first_min"] = min(v / first for v in values) if values and first else None
+    return out
+
+
+__all__ = [
+    "frame_stats",
+    "stats_range",
+    "stats_in_range",
+    "window_starts",
+    "bounce_step_directions",
+    "expected_window_directions",
+    "score_windows",
+    "summarise_windows",
+]
