@@ -225,7 +225,25 @@ def summarise_windows(windows: Sequence[dict]) -> dict:
     return out
 
 
+# ---- flicker at chunk edges ----------------------------------------------------------------------------------------
+def chunk_edge_flicker(videos: np.ndarray, chunk_pixel_frames: int, first_chunk_pixel_frames: int) -> dict:
+    """Mean |frame[f+1] - frame[f]| across chunk edges vs inside chunks of streamed uint8 videos [B, T, H, W, 3]:
+    ``edge_over_inside`` near 1 means the chunk seams do not show (a causal VAE's first chunk is shorter, hence
+    ``first_chunk_pixel_frames``)."""
+    diffs = np.abs(np.diff(np.asarray(videos, dtype=np.float32), axis=1)).mean(axis=(0, 2, 3, 4))  # [T-1]
+    edges = set(range(first_chunk_pixel_frames - 1, diffs.shape[0], chunk_pixel_frames))
+    at_edge = [d for i, d in enumerate(diffs) if i in edges]
+    inside = [d for i, d in enumerate(diffs) if i not in edges]
+    ratio = float(np.mean(at_edge) / np.mean(inside)) if at_edge and inside and np.mean(inside) > 0 else None
+    return dict(
+        edge_diff=float(np.mean(at_edge)) if at_edge else None,
+        inside_diff=float(np.mean(inside)) if inside else None,
+        edge_over_inside=ratio,
+    )
+
+
 __all__ = [
+    "chunk_edge_flicker",
     "frame_stats",
     "stats_range",
     "stats_in_range",
