@@ -129,13 +129,24 @@ def test_a_bounce_that_turns_mid_canvas_is_wrong_after_the_turn():
     assert wrong["direction_window_min"] < 0.75
 
 
-def test_frame_statistics_catch_a_darkening_background_for_every_caption():
-    """Per-caption ranges: ground truth is in range (above); 3 grey levels darker (the drift seen in long rollouts)
-    is out for dim and bright captions alike; a linear clip whose shape has left the frame is out too."""
+def test_frame_statistics_catch_a_darkening_background_and_a_changed_shape_for_every_caption():
+    """Ground truth is in range (above) and stays so 2 grey levels darker (a sampler's colour bias); 5 levels darker
+    (the drift seen in long rollouts: frame means 18-21 over a background of 24) is out for dim and bright captions
+    alike, and so is a shape of twice its area (beyond the size range) or half its contrast; a linear clip whose shape has
+    left the frame is out too."""
     _, videos, prompts = long_clips("wrap")
-    darker = [np.clip(v.astype(int) - 3, 0, 255).astype(np.uint8) for v in videos]
-    report = score_windows(darker, prompts, WINDOW, motion="wrap")
+
+    def shifted(delta):
+        return [np.clip(v.astype(int) + delta, 0, 255).astype(np.uint8) for v in videos]
+
+    assert score_windows(shifted(-2), prompts, WINDOW, motion="wrap")["stats_window_min"] == 1.0
+    report = score_windows(shifted(-5), prompts, WINDOW, motion="wrap")
     assert report["stats_window_min"] == 0.0 and report["color_window_min"] == 1.0
+    faded = [(ms.BACKGROUND + (v.astype(float) - ms.BACKGROUND) * 0.5).round().astype(np.uint8) for v in videos]
+    assert score_windows(faded, prompts, WINDOW, motion="wrap")["stats_window_min"] == 0.0
+    motions, _, _ = long_clips("wrap")
+    grown = [ms.render_video(replace(m, size=m.size * 2**0.5), SIZE, SIZE, LONG) for m in motions]
+    assert score_windows(grown, prompts, WINDOW, motion="wrap")["stats_window_min"] == 0.0
     for video, combo in zip(videos, COMBOS):
         assert stats_in_range(video[:WINDOW], *combo[:2]) and not stats_in_range(video[:WINDOW], "red", None)
     # a linear clip carried on at the training speed past the training length: the shape leaves the frame
