@@ -36,10 +36,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from opensora.datasets.moving_shapes import (
+    BACKGROUND,
     DIRECTION_VECTORS,
     MOTIONS,
     OPPOSITE,
-    BACKGROUND,
     SIZE_RANGE,
     ShapeMotion,
     majority_direction,
