@@ -140,3 +140,31 @@ def test_default_cache_window_needs_room_beside_the_sinks():
     method, _, _ = make_long_rollout(kv_window_frames=None, kv_sink_frames=3)  # default window: 4 - 1 = 3 frames
     with pytest.raises(ValueError, match="sink frames"):
         method.generate(method.adapter.prepare_batch(tiny_batch(1)), with_grad=False)
+
+
+def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_generates():
+    """Train/test consistency past the clip length: the training rollout through the rolling cache with a sink (3x the
+    clip, exit at the last step) equals the streaming sampler's latents with the same window and sink frames."""
+    from test_methods_framework import tiny_batch
+
+    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.streaming import StreamingGenerator
+
+    steps = [1.0, 0.6, 0.3]
+    method, roles, _ = make_long_rollout(num_frames_per_chunk=2, rollout="euler", kv_window_frames=4, kv_sink_frames=2)
+    batch = tiny_batch(2)
+    prepared = method.adapter.prepare_batch(batch)
+    comp = method.components
+    sampler = VideoSampler(roles["student"].unwrap(), comp.vae, comp.text_encoder, progress=False)
+    stream = StreamingGenerator(sampler, step_list=steps, rollout="euler", window_frames=4, sink_frames=2)
+    seeds = [3, 4]
+    with torch.no_grad():
+        chunks = list(stream.stream(batch["text"], seeds, num_frames=3 * CLIP, height=16, width=16, decode=False))
+    streamed = torch.cat([chunk.latents for chunk in chunks], dim=2)
+    assert max(chunk.cached_frames for chunk in chunks) == 4  # the cache rolled
+    generators = [torch.Generator().manual_seed(s) for s in seeds]  # the sampler's noise: one draw per chunk
+    noise = torch.cat(
+        [torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators]) for _ in range(6)], dim=2
+    )
+    rolled = method.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False)
+    torch.testing.assert_close(rolled, streamed, rtol=1e-4, atol=1e-5)
