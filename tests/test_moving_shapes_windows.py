@@ -157,6 +157,27 @@ def test_frame_statistics_catch_a_darkening_background_and_a_changed_shape_for_e
     assert out["windows"][0]["stats_in_range"] == 1.0 and out["windows"][-1]["stats_in_range"] < 0.5
 
 
+def test_a_prompt_switch_is_scored_against_the_caption_in_force():
+    """A schedule [(0, A), (32, B)]: windows before the switch are scored against A, after it against B, a window
+    with the switch inside is not scored; a video that ignores the switch fails every window after it."""
+    _, videos, prompts = long_clips("wrap")
+    mid = LONG // 2
+    order = [1, 2, 3, 0]  # each video switches to the next clip's content and caption
+    switched = [np.concatenate([videos[i][:mid], videos[j][mid:]]) for i, j in enumerate(order)]
+    schedules = [[(0, prompts[i]), (mid, prompts[j])] for i, j in enumerate(order)]
+    report = score_windows(switched, schedules, WINDOW, stride=WINDOW // 2, motion="wrap")
+    straddling = [w for w in report["windows"] if w["start_frame"] < mid < w["start_frame"] + WINDOW]
+    assert [w["start_frame"] for w in straddling] == [mid - WINDOW // 2]
+    assert straddling[0]["scored_n"] == 0 and straddling[0]["color_acc"] is None
+    for key in ("color", "shape", "direction", "stats"):
+        assert report[f"{key}_window_min"] == 1.0, key
+    ignored = score_windows(videos, schedules, WINDOW, motion="wrap")  # the stream kept the first prompt's content
+    after = [w for w in ignored["windows"] if w["start_frame"] >= mid]
+    assert all(w["color_acc"] == 0.0 for w in after) and ignored["color_vs_first_min"] == 0.0
+    with pytest.raises(ValueError, match="bounce"):
+        score_windows(switched, schedules, WINDOW, motion="bounce")
+
+
 def test_window_scoring_refuses_bad_input():
     _, videos, prompts = long_clips("wrap", num_frames=FRAMES)
     with pytest.raises(ValueError, match="window"):

@@ -146,19 +146,33 @@ def expected_window_directions(
 @dataclass
 class WindowScore:
     start_frame: int
-    color_acc: float
-    shape_acc: float
+    color_acc: Optional[float]  # None when no clip is scored in this window (every one straddles a prompt switch)
+    shape_acc: Optional[float]
     direction_acc: Optional[float]  # None when no clip has a scored direction in this window
     direction_n: int  # clips whose direction is scored in this window
-    stats_in_range: float  # share of clips whose frame statistics lie in their caption's range
+    stats_in_range: Optional[float]  # share of clips whose frame statistics lie in their caption's range
     frame_mean: float
     frame_std: float
     background: float
+    scored_n: int  # clips scored in this window (all but those straddling a prompt switch)
+
+
+def caption_of_window(prompt, start: int, window: int) -> Optional[str]:
+    """The caption in force over frames ``start .. start + window - 1``: ``prompt`` itself, or for a prompt schedule
+    ``[(first_frame, caption), ...]`` the one entry covering the whole window (None when a switch falls inside)."""
+    if isinstance(prompt, str):
+        return prompt
+    schedule = sorted((int(frame), text) for frame, text in prompt)
+    if not schedule or schedule[0][0] != 0:
+        raise ValueError(f"a prompt schedule must start at frame 0, got {schedule[:1]}")
+    active = [text for frame, text in schedule if frame <= start][-1]
+    switches = [frame for frame, _ in schedule if start < frame < start + window]
+    return None if switches else active
 
 
 def score_windows(
     videos: Sequence[np.ndarray],
-    prompts: Sequence[str],
+    prompts: Sequence,
     window: int,
     stride: Optional[int] = None,
     motion: str = "linear",
@@ -168,49 +182,64 @@ def score_windows(
     """Per-window scores of uint8 videos [T, H, W, 3] (one per prompt; all of the same length) and their summary:
     ``windows`` (a ``WindowScore`` dict per window), ``{color,shape,direction,stats}_window_min`` (the worst
     window), ``*_vs_first_min`` (the worst window over the first) and the settings. ``expected_directions[i][k]``:
-    clip i's true direction in window k where known (ground truth), instead of the motion rule's reading."""
+    clip i's true direction in window k where known (ground truth), instead of the motion rule's reading.
+
+    A prompt may be a schedule ``[(0, caption), (frame, next caption), ...]`` (a prompt switched mid-stream): each
+    window is scored against the caption in force over all of it; a window with a switch inside is not scored for
+    that clip (``scored_n``). Schedules are scored with linear or wrap motion (the bounce rule tracks one caption)."""
     if motion not in MOTIONS:
         raise ValueError(f"unknown motion {motion!r}; choose one of {list(MOTIONS)}")
     if len(videos) != len(prompts) or not len(videos):
         raise ValueError(f"need one prompt per video and at least one video, got {len(videos)} and {len(prompts)}")
+    if motion == "bounce" and not all(isinstance(p, str) for p in prompts):
+        raise ValueError("prompt schedules are scored with linear or wrap motion, not bounce")
     starts = window_starts(len(videos[0]), window, stride)
     wrap = motion == "wrap"
-    hits = {a: np.zeros((len(videos), len(starts))) for a in ("color", "shape", "stats")}
-    direction_hits = np.full((len(videos), len(starts)), np.nan)  # nan: not scored
+    hits = {a: np.full((len(videos), len(starts)), np.nan) for a in ("color", "shape", "stats", "direction")}
     moments = np.zeros((len(videos), len(starts), len(STATISTICS)))
     for i, (video, prompt) in enumerate(zip(videos, prompts)):
         video = np.asarray(video)
         if len(video) != len(videos[0]):
             raise ValueError(f"video {i} has {len(video)} frames, video 0 has {len(videos[0])}")
-        color, shape, direction = parse_caption(prompt)
-        expected = (
-            list(expected_directions[i])
-            if expected_directions is not None
-            else expected_window_directions(video, direction, motion, starts, window)
-        )
+        captions = [caption_of_window(prompt, start, window) for start in starts]
+        if expected_directions is not None:
+            expected = list(expected_directions[i])
+        elif isinstance(prompt, str):
+            expected = expected_window_directions(video, parse_caption(prompt)[2], motion, starts, window)
+        else:  # linear / wrap: each window's caption names its direction
+            expected = [None if c is None else parse_caption(c)[2] for c in captions]
         for k, start in enumerate(starts):
             clip = video[start : start + window]
+            moments[i, k] = frame_stats(clip)
+            if captions[k] is None:
+                continue
+            color, shape, _ = parse_caption(captions[k])
             reading = read_shape(clip, wrap)
             hits["color"][i, k] = reading.color == color
             hits["shape"][i, k] = reading.shape == shape
             hits["stats"][i, k] = stats_in_range(clip, color, shape, stats_margin)
-            moments[i, k] = frame_stats(clip)
             if expected[k] is not None:
-                direction_hits[i, k] = reading.direction == expected[k]
+                hits["direction"][i, k] = reading.direction == expected[k]
+
+    def share(name, k):
+        scored = hits[name][:, k][~np.isnan(hits[name][:, k])]
+        return (float(scored.mean()) if len(scored) else None), int(len(scored))
+
     windows = []
     for k, start in enumerate(starts):
-        scored = direction_hits[:, k][~np.isnan(direction_hits[:, k])]
+        direction_acc, direction_n = share("direction", k)
         windows.append(
             WindowScore(
                 start_frame=start,
-                color_acc=float(hits["color"][:, k].mean()),
-                shape_acc=float(hits["shape"][:, k].mean()),
-                direction_acc=float(scored.mean()) if len(scored) else None,
-                direction_n=int(len(scored)),
-                stats_in_range=float(hits["stats"][:, k].mean()),
+                color_acc=share("color", k)[0],
+                shape_acc=share("shape", k)[0],
+                direction_acc=direction_acc,
+                direction_n=direction_n,
+                stats_in_range=share("stats", k)[0],
                 frame_mean=float((moments[:, k, 0] + moments[:, k, 2]).mean()),
                 frame_std=float(moments[:, k, 1].mean()),
                 background=float(moments[:, k, 2].mean()),
+                scored_n=share("color", k)[1],
             ).__dict__
         )
     return dict(
@@ -230,7 +259,7 @@ def summarise_windows(windows: Sequence[dict]) -> dict:
     for name, key in keys.items():
         values = [w[key] for w in windows if w[key] is not None]
         out[f"{name}_window_min"] = min(values) if values else None
-        first = windows[0][key]
+        first = next((w[key] for w in windows if w[key] is not None), None)  # the first scored window
         out[f"{name}_vs_first_min"] = min(v / first for v in values) if values and first else None
     return out
 
@@ -260,6 +289,7 @@ __all__ = [
     "window_starts",
     "bounce_step_directions",
     "expected_window_directions",
+    "caption_of_window",
     "score_windows",
     "summarise_windows",
 ]
