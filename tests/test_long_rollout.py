@@ -168,3 +168,30 @@ def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_genera
     )
     rolled = method.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False)
     torch.testing.assert_close(rolled, streamed, rtol=1e-4, atol=1e-5)
+
+
+def test_demo_config_trains_a_few_steps_at_the_demo_clip_shape():
+    """configs/distill/long_rollout_demo.py's method on the demo's 32x32x16 clips (16 latent frames, chunks of 2, a
+    rollout of up to 4x the clip through a 14-frame cache with a 2-frame sink) with the tiny networks: finite losses,
+    the student moves on its iterations only, the critic every iteration."""
+    from test_methods_framework import make_components, make_dmd2_roles, trainer_like_step
+
+    from opensora.config import load_config
+
+    cfg = load_config("configs/distill/long_rollout_demo.py")
+    method_cfg = {k: v for k, v in cfg.method.items() if k != "adapter"}
+    method_cfg.update(student_update_every=2, step_list=[1.0, 0.5])  # two steps per chunk keep the test short
+    roles = causal_student(make_dmd2_roles(), cfg.method.num_frames_per_chunk)
+    method = build_module(method_cfg, METHODS, roles=roles, components=make_components())
+    batch = dict(video=torch.rand(1, 3, 16, 32, 32) * 2 - 1, text=["a red circle moving left"])
+    student = roles["student"].unwrap()
+    torch.manual_seed(0)  # the same window draws every run
+    for iteration in range(2):
+        before = [p.detach().clone() for p in student.parameters()]
+        loss_map, outputs, grad_norms = trainer_like_step(method, roles, batch, iteration)
+        assert all(torch.isfinite(v) for v in loss_map.values()) and set(loss_map) >= {"critic_loss", "total_loss"}
+        moved = any(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
+        assert moved == (iteration == 0) and ("student" in grad_norms) == (iteration == 0)
+        start, end = outputs["window_start_frame"], outputs["rollout_frames"]
+        assert end - start == 16 and 16 <= end <= 64 and end % 2 == 0
+    assert method.cache_window(method.adapter.prepare_batch(batch)) == 14 and method.kv_sink_frames == 2
