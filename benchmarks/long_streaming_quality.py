@@ -77,6 +77,16 @@ def stage_config(args, stage: str) -> Path:
     return path
 
 
+def training_summary(run_dir: Path) -> dict:
+    """Steps, median step time and the last logged value of each loss of a stage's metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = [row for row in rows if "step_time" in row]
+    times = sorted(row["step_time"] for row in rows)
+    losses = {k: v for row in rows for k, v in row.items() if k.endswith("loss")}  # the last value of each
+    return dict(steps=len(rows), step_time_median=times[len(times) // 2] if times else None, last_losses=losses)
+
+
 def last_checkpoint(run_dir: Path):
     found = sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []
     return found[-1] if found else None
@@ -174,6 +184,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
     first_pixels = vae.get_video_size((chunk, 4, 4))[0]
     result = dict(
         ckpt=str(ckpt),
+        training=training_summary(Path(args.out) / name),
         window_frames=window,
         sink_frames=args.sink_frames,
         seconds=seconds,
@@ -240,6 +251,7 @@ def evaluate(args, checkpoints: dict) -> dict:
         seeds=[seeds[0], seeds[-1]],
         clip=list(clip),
         long_multiple=args.long_multiple,
+        long_init=args.long_init,
         teacher=teacher_scores,
     )
     for name in ("self_forcing", "long_rollout"):
@@ -260,7 +272,7 @@ def print_report(report: dict) -> None:
         s = report[name]
         print(
             f"{name:<16} colour {s['color_acc']:.3f} shape {s['shape_acc']:.3f} direction {s['direction_acc']:.3f}"
-            f"  {s['frames_per_s']:.1f} frames/s"
+            f"  {s['frames_per_s']:.1f} frames/s; trained {s['training']['steps']} steps"
         )
         print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}:")
         for w in s["long"]["windows"]:
@@ -280,6 +292,13 @@ def parse_args(argv=None):
     parser.add_argument("--teacher-minutes", type=float, default=4.0)
     parser.add_argument("--ode-minutes", type=float, default=1.5)
     parser.add_argument("--student-minutes", type=float, default=2.5, help="each of the two students")
+    parser.add_argument(
+        "--long-init",
+        choices=("ode", "self_forcing"),
+        default="ode",
+        help="the long-rollout student starts from the causal init (as Self-Forcing) or from the Self-Forcing student "
+        "(long tuning after it, Self-Forcing++'s order; compare then with Self-Forcing trained for the sum)",
+    )
     parser.add_argument("--stop-after", choices=STAGES, default=None, help="end after this stage (calls under 10 min)")
     parser.add_argument("--long-multiple", type=int, default=8)
     parser.add_argument("--window-frames", type=int, default=None, help="cache window (latent frames); clip - chunk")
@@ -315,8 +334,9 @@ def main(argv=None) -> dict:
     checkpoints["ode"] = train(args, "ode", args.ode_minutes, dict(student=teacher, teacher=teacher))
     if args.stop_after == "ode":
         return {}
-    for name in ("self_forcing", "long_rollout"):  # the same init, teacher and budget
-        inits = dict(student=checkpoints["ode"], teacher=teacher, critic=teacher)
+    for name in ("self_forcing", "long_rollout"):  # the same teacher and budget; the same init by default
+        start = checkpoints["self_forcing"] if name == "long_rollout" and args.long_init == "self_forcing" else None
+        inits = dict(student=start or checkpoints["ode"], teacher=teacher, critic=teacher)
         checkpoints[name] = train(args, name, args.student_minutes, inits)
         if args.stop_after == name:
             return {}

@@ -33,6 +33,7 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
     for name in ("self_forcing", "long_rollout"):
         student = report[name]
         assert student["ckpt"] == str(stages[name]) and student["frames_per_s"] > 0
+        assert student["training"]["steps"] == 2 and "critic_loss" in student["training"]["last_losses"]
         long = student["long"]
         assert long["frames"] == 24 and [w["start_frame"] for w in long["windows"]] == [0, 8, 16]
         assert long["window"] == 8 and student["window_frames"] == 6 and student["sink_frames"] == 2
