@@ -10,13 +10,13 @@ teacher.
   python benchmarks/long_streaming_quality.py --out DIR --stop-after ode   # teacher + causal init
   python benchmarks/long_streaming_quality.py --out DIR                    # students + scoring
   # CPU smoke test of the whole chain with tiny networks and clips (tests/test_long_streaming_quality.py)
-  python benchmarks/long_streaming_quality.py --tiny --out /tmp/long_tiny
+  python benchmarks/long_streaming_quality.py --tiny --out outputs/long_streaming_tiny
 
 The teacher learns clips of the ``--motion`` rule (default ``wrap``: the shape crosses an edge and re-enters at the
 opposite one, so every window of a long clip has the caption's direction; ``bounce`` reverses at the walls), so the
 continuation past the training length is defined and the teacher knows it. Both students sample with the same
 rolling cache (``--window-frames``, ``--sink-frames``). Written to ``--out``: ``report.json`` (every number, the
-issue's criteria as pass/fail) and the stage run directories (checkpoints, metrics.jsonl).
+criteria below as pass/fail) and the stage run directories (checkpoints, metrics.jsonl).
 
 Criteria (each student): every window keeps >= 95% of the first window's colour, shape and direction accuracy;
 every window's share of clips with frame statistics in range >= 95% of the teacher's share at the training length;
