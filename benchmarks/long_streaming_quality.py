@@ -123,8 +123,13 @@ def train(args, stage: str, minutes: float, inits: dict) -> Path:
         command += [f"--models.{role}.init_from.path", str(path)]
     print(f"== {stage}: {' '.join(command[5:])}", flush=True)
     started = time.monotonic()
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # this checkout
-    subprocess.run(command, check=True, cwd=ROOT, env=env)
+    if args.launcher == "in-process":  # one process, the trainer's own single-rank set-up (no imports per stage)
+        from opensora.training.launch import main as train_main
+
+        train_main(command[7:])
+    else:
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # this checkout
+        subprocess.run(command, check=True, cwd=ROOT, env=env)
     print(f"   {stage} trained in {time.monotonic() - started:.0f} s", flush=True)
     return last_checkpoint(run_dir)
 
@@ -309,6 +314,12 @@ def parse_args(argv=None):
     parser.add_argument("--teacher-steps", type=int, default=30)
     parser.add_argument("--teacher-guidance", type=float, default=4.0)
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--launcher",
+        choices=("torchrun", "in-process"),
+        default="torchrun",
+        help="how each stage trains: torchrun with one process (as on a GPU), or in this process (quicker smoke tests)",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny networks and clips, a few steps")
     parser.add_argument("--tiny-steps", type=int, default=2)
     args = parser.parse_args(argv)

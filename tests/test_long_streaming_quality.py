@@ -1,6 +1,7 @@
 """benchmarks/long_streaming_quality.py --tiny: the whole measurement chain on CPU (teacher -> causal ODE init ->
 Self-Forcing and long-rollout DMD from the same init -> both streamed and scored per window), and a repeated call
-reusing every finished stage (how a GPU session splits it into calls under its time limit)."""
+reusing every finished stage (how a GPU session splits it into calls under its time limit). The stages train in
+this process (--launcher in-process: the same trainer command without torchrun, a minute less on CI)."""
 
 import importlib.util
 import json
@@ -25,7 +26,7 @@ def _benchmark():
 def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_path, capsys):
     bench = _benchmark()
     out = tmp_path / "run"
-    report = bench.main(["--tiny", "--out", str(out), "--device", "cpu"])
+    report = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--launcher", "in-process"])
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
     assert report["motion"] == "wrap" and report["clip"] == [8, 16, 16] and report["prompts"] == 4
     stages = {name: bench.last_checkpoint(out / name) for name in bench.STAGES}
