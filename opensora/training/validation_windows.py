@@ -10,6 +10,10 @@ them), a bidirectional one samples the whole clip -- scores them per window of `
 ``val/{color,shape,direction,stats}_window_min`` (the worst window) and ``val/*_vs_first_min`` (the worst window
 over the first). The long samples go to ``samples/step-N/long/`` with their ``samples.csv``
 (``tools/eval_moving_shapes.py CSV --window W --motion M`` re-scores them).
+
+The long clips share validation's ``max_seconds``: a batch of them starts only while time is left, except the first,
+so a validation with long clips lasts at most ``max_seconds`` plus one batch of each kind (size it accordingly: a
+128-frame clip costs 8x a 16-frame one).
 """
 
 import time
