@@ -1,4 +1,4 @@
-"""Causal ODE init, CausVid and Self-Forcing through the real trainer CLI on 2 gloo ranks, with tiny causal students:
+"""Causal ODE init, CausVid, Self-Forcing and long-rollout DMD through the real trainer CLI on 2 gloo ranks, with tiny causal students:
 losses bit-identical after a checkpoint/resume, checkpoints namespaced by role, the student exported alone and
 sampled with the full causal forward and with the streaming sampler (chunk by chunk through the KV cache)."""
 
@@ -32,6 +32,12 @@ RUNS = {
         "configs/distill/self_forcing_demo.py",
         ("student", "teacher", "critic"),
         "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3])",
+    ),
+    "long_rollout": (  # 3x the clip through a 3-frame rolling cache with a 1-frame sink
+        "configs/distill/long_rollout_demo.py",
+        ("student", "teacher", "critic"),
+        "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3], rollout_multiple=3, kv_window_frames=3, "
+        "kv_sink_frames=1)",
     ),
 }
 
@@ -86,7 +92,11 @@ def test_resume_is_bit_identical_on_two_ranks(run):
     assert [row["step"] for row in full] == list(range(1, 7))
     assert full == split
     assert all(math.isfinite(row["loss"]) for row in full)
-    if name in ("causvid", "self_forcing"):  # two-time-scale rule inside the real trainer: the student steps at 0, 2, 4
+    if name in (
+        "causvid",
+        "self_forcing",
+        "long_rollout",
+    ):  # two-time-scale rule inside the real trainer: the student steps at 0, 2, 4
         assert [("grad_norm/student" in row) for row in full] == [True, False] * 3
         assert all("critic_loss" in row for row in full)
         assert [("generator_loss" in row) for row in full] == [True, False] * 3

@@ -2,27 +2,66 @@
 """Score videos against their MovingShapes captions (colour, shape, motion direction).
 
     python tools/eval_moving_shapes.py SAMPLES.csv --json scores.json
+    # long clips, window by window (16 frames each; wrap / bounce: the motion rule the clips follow)
+    python tools/eval_moving_shapes.py SAMPLES.csv --window 16 --motion wrap --json windows.json
 
 The csv needs columns ``path`` and ``text``; a relative path is taken relative to the csv's directory.
-Videos that cannot be decoded are reported and counted as wrong.
+Videos that cannot be decoded are reported and counted as wrong (the window mode refuses them instead: its windows
+need every clip).
 """
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
-from opensora.eval.moving_shapes import evaluate_csv
+from opensora.eval.moving_shapes import evaluate_csv, load_rows
+
+
+def evaluate_windows(args) -> dict:
+    from opensora.cli_errors import UserInputError
+    from opensora.eval.moving_shapes_windows import score_windows
+
+    rows = list(load_rows(args.csv, progress=not args.no_progress))
+    broken = [path for path, _, _, error in rows if error is not None]
+    if not rows or broken:
+        raise UserInputError(f"{args.csv}: {'no videos' if not rows else f'cannot decode {broken}'}; fix the csv")
+    lengths = {len(frames) for _, _, frames, _ in rows}
+    if len(lengths) > 1 or min(lengths) < args.window:
+        raise UserInputError(
+            f"window scoring needs clips of one length >= --window {args.window}; got lengths {sorted(lengths)}"
+        )
+    videos, prompts = [frames for _, _, frames, _ in rows], [text for _, text, _, _ in rows]
+    return score_windows(videos, prompts, args.window, args.stride, args.motion, stats_margin=args.stats_margin)
 
 
 def main(argv=None):
+    from opensora.datasets.moving_shapes import MOTIONS
+    from opensora.eval.moving_shapes_windows import STATS_MARGIN
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("csv", help="csv with columns path,text")
     parser.add_argument("--json", default=None, help="write the full report (per-video predictions) here")
+    parser.add_argument("--window", type=int, default=None, help="score windows of this many frames")
+    parser.add_argument("--stride", type=int, default=None, help="frames between window starts (default: --window)")
+    parser.add_argument("--motion", choices=MOTIONS, default="linear", help="the motion rule of the clips")
+    parser.add_argument("--stats-margin", type=float, default=STATS_MARGIN, help="relative frame-statistics margin")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    report = evaluate_csv(args.csv, json_out=args.json, progress=not args.no_progress)
-    print(report.summary())
-    for path in report.failed:
-        print(f"  failed to decode: {path}", file=sys.stderr)
+    if args.window is None:
+        report = evaluate_csv(args.csv, json_out=args.json, progress=not args.no_progress)
+        print(report.summary())
+        for path in report.failed:
+            print(f"  failed to decode: {path}", file=sys.stderr)
+    else:
+        report = evaluate_windows(args)
+        print(f"{len(report['windows'])} windows of {args.window} frames ({args.motion} motion)")
+        for w in report["windows"]:
+            print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in w.items()))
+        print("  " + "  ".join(f"{k} {v:.3f}" for k, v in report.items() if k.endswith("_min") and v is not None))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
         print(f"report: {args.json}")
 

@@ -3,6 +3,8 @@
 and prompts.txt. Example:
 
     python tools/make_demo_dataset.py --out data/moving_shapes --num 512 --seed 0
+    # long clips with a defined motion (ground truth for per-window scoring: eval_moving_shapes.py --window 16)
+    python tools/make_demo_dataset.py --out data/wrap_long --num 72 --size 64 --num-frames 128 --motion wrap
 """
 
 import argparse
@@ -28,6 +30,13 @@ def parse_args(argv=None):
         help="fraction of samples written as single png frames captioned without a direction",
     )
     parser.add_argument("--crf", type=int, default=18, help="H.264 quality (lower is better)")
+    parser.add_argument(
+        "--motion",
+        choices=("linear", "bounce", "wrap"),
+        default="linear",
+        help="linear: the travel spans the clip; bounce / wrap: the speed of a --reference-frames clip, any length",
+    )
+    parser.add_argument("--reference-frames", type=int, default=16, help="bounce / wrap: frames per travel")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.size is not None:
@@ -48,6 +57,8 @@ def main(argv=None):
         image_fraction=args.image_fraction,
         crf=args.crf,
         progress=not args.no_progress,
+        motion=args.motion,
+        reference_frames=args.reference_frames,
     )
     print(f"wrote {args.num} clips; index: {meta}")
 

@@ -16,6 +16,14 @@ renders a whole dataset to disk:
 ``path`` in meta.csv is relative to the directory holding meta.csv (portable: the folder can be moved).
 Image samples (``image_fraction > 0``) are single png frames captioned without a direction
 (``"a red circle"``) and have ``direction == "none"``.
+
+Long clips (``motion``): ``"linear"`` (the default above) moves the centre by (dx, dy) over the clip, whatever its
+length, so past the training length there is no defined continuation. ``"bounce"`` and ``"wrap"`` fix the speed
+instead -- (dx, dy) per ``reference_frames - 1`` frames (the training clip length) -- and define the motion for any
+length: ``bounce`` reflects the centre off the walls (the shape always fully in frame, the direction reverses at each
+contact); ``wrap`` moves on a torus (the shape leaves one edge and re-enters at the opposite one, drawn split across
+the edge; the direction never changes). ``direction_at`` / ``window_direction`` give the true direction per frame and
+per window. The caption names the direction at frame 0.
 """
 
 import csv
@@ -43,6 +51,10 @@ SHAPES: Tuple[str, ...] = ("circle", "square", "triangle")
 DIRECTIONS: Tuple[str, ...] = ("left", "right", "up", "down")
 BACKGROUND: Tuple[int, int, int] = (24, 24, 24)
 NO_DIRECTION = "none"  # direction attribute of single-frame image samples
+MOTIONS: Tuple[str, ...] = ("linear", "bounce", "wrap")
+# a window's true direction is the one most of its frame steps take, when at least this share of them do (a window
+# around a bounce has none: it is not scored for direction)
+WINDOW_DIRECTION_MAJORITY = 0.6
 
 # Unit vectors in image coordinates (x to the right, y downwards).
 DIRECTION_VECTORS: Dict[str, Tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
@@ -68,6 +80,8 @@ META_COLUMNS = (
     "y0",
     "dx",
     "dy",
+    "motion",
+    "reference_frames",
 )
 
 
@@ -120,8 +134,11 @@ def _check_attributes(color, shape, direction=None):
 # ----------------------------------------------------------------------------------------------- geometry
 @dataclass(frozen=True)
 class ShapeMotion:
-    """One clip's content. Positions are the shape centre in pixels (x right, y down) at frame 0; the
-    centre moves by (dx, dy) pixels over the whole clip (frame 0 to frame T-1)."""
+    """One clip's content. Positions are the shape centre in pixels (x right, y down) at frame 0.
+
+    ``motion="linear"``: the centre moves by (dx, dy) over the whole clip (frame 0 to frame T-1). ``"bounce"`` /
+    ``"wrap"``: it moves by (dx, dy) every ``reference_frames - 1`` frames, reflected off the walls or wrapped
+    around the canvas (``canvas_height`` x ``canvas_width``, needed by these two modes); see the module docstring."""
 
     color: str
     shape: str
@@ -131,18 +148,86 @@ class ShapeMotion:
     y0: float
     dx: float
     dy: float
+    motion: str = "linear"
+    reference_frames: int = 0  # bounce / wrap: frames over which the centre travels (dx, dy)
+    canvas_height: int = 0
+    canvas_width: int = 0
+
+    def __post_init__(self):
+        if self.motion not in MOTIONS:
+            raise ValueError(f"unknown motion {self.motion!r}; choose one of {list(MOTIONS)}")
+        if self.motion != "linear" and (self.reference_frames < 2 or min(self.canvas_height, self.canvas_width) < 1):
+            raise ValueError(f"motion {self.motion!r} needs reference_frames >= 2 and the canvas height/width")
+
+    def unfolded_centre(self, frame_index: int, num_frames: int) -> Tuple[float, float]:
+        """The centre before any reflection or wrap: a straight line at constant speed."""
+        span = (num_frames if self.motion == "linear" else self.reference_frames) - 1
+        progress = frame_index / span if span > 0 else 0.0
+        return self.x0 + progress * self.dx, self.y0 + progress * self.dy
 
     def centre(self, frame_index: int, num_frames: int) -> Tuple[float, float]:
-        progress = frame_index / (num_frames - 1) if num_frames > 1 else 0.0
-        return self.x0 + progress * self.dx, self.y0 + progress * self.dy
+        x, y = self.unfolded_centre(frame_index, num_frames)
+        if self.motion == "bounce":
+            half = self.size / 2
+            return reflect(x, half, self.canvas_width - half), reflect(y, half, self.canvas_height - half)
+        if self.motion == "wrap":
+            return x % self.canvas_width, y % self.canvas_height
+        return x, y
+
+    def direction_at(self, frame_index: int, num_frames: int) -> str:
+        """The direction the shape moves from ``frame_index`` to the next frame (the caption's one for linear and
+        wrap; reversed after every wall contact when bouncing)."""
+        if self.motion != "bounce" or self.direction == NO_DIRECTION:
+            return self.direction
+        (xa, ya), (xb, yb) = (self.centre(f, num_frames) for f in (frame_index, frame_index + 1))
+        step = (xb - xa) if self.dx else (yb - ya)
+        ux, uy = DIRECTION_VECTORS[self.direction]
+        return self.direction if step * (ux + uy) > 0 else OPPOSITE[self.direction]
+
+    def window_direction(self, start: int, length: int, num_frames: int) -> Optional[str]:
+        """The true direction of frames ``start .. start + length - 1``: the one most frame steps take (at least
+        ``WINDOW_DIRECTION_MAJORITY`` of them), else None (a bounce near the window's middle)."""
+        return majority_direction([self.direction_at(f, num_frames) for f in range(start, start + length - 1)])
+
+
+def majority_direction(steps: Sequence[str]) -> Optional[str]:
+    """The direction of a window from its per-step directions: the most common one when at least
+    ``WINDOW_DIRECTION_MAJORITY`` of the steps take it, else None (ambiguous: not scored)."""
+    if not steps:
+        return None
+    best = max(sorted(set(steps)), key=list(steps).count)
+    return best if list(steps).count(best) >= WINDOW_DIRECTION_MAJORITY * len(steps) else None
+
+
+OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
+
+
+def reflect(value: float, low: float, high: float) -> float:
+    """``value`` folded into [low, high] by reflection off both ends (a ball between two walls)."""
+    length = high - low
+    if length <= 0:
+        return low
+    u = (value - low) % (2 * length)
+    return low + (u if u <= length else 2 * length - u)
 
 
 def sample_motion(
-    rng: np.random.Generator, color: str, shape: str, direction: str, height: int, width: int, moving: bool = True
+    rng: np.random.Generator,
+    color: str,
+    shape: str,
+    direction: str,
+    height: int,
+    width: int,
+    moving: bool = True,
+    motion: str = "linear",
+    reference_frames: int = 16,
 ) -> ShapeMotion:
     """Draw size, start and travel so the motion is clearly visible and the shape stays in frame.
 
-    ``direction == "none"`` or ``moving=False`` gives a static shape anywhere in frame.
+    ``direction == "none"`` or ``moving=False`` gives a static shape anywhere in frame. ``motion="linear"`` keeps
+    the whole travel inside the frame; ``"bounce"`` starts the centre anywhere the shape fits and ``"wrap"``
+    anywhere on the torus (the same travel per ``reference_frames``), so any window of a long clip is as likely as
+    another. Linear draws are unchanged by the other modes' existence (same stream, same values).
     """
     _check_attributes(color, shape, direction)
     size = float(rng.uniform(*SIZE_RANGE) * min(height, width))
@@ -161,8 +246,17 @@ def sample_motion(
     sign = ux + uy
     along0 = sweep_start if sign > 0 else sweep_start + travel
     across0 = float(rng.uniform(half, across_extent - half))
+    if motion == "bounce":
+        along0 = float(rng.uniform(half, along_extent - half))
+    elif motion == "wrap":
+        along0 = float(rng.uniform(0.0, along_extent))
+    elif motion != "linear":
+        raise ValueError(f"unknown motion {motion!r}; choose one of {list(MOTIONS)}")
     x0, y0 = (along0, across0) if ux else (across0, along0)
-    return ShapeMotion(color, shape, direction, size, x0, y0, ux * travel, uy * travel)
+    extra = {}
+    if motion != "linear":
+        extra = dict(motion=motion, reference_frames=int(reference_frames), canvas_height=height, canvas_width=width)
+    return ShapeMotion(color, shape, direction, size, x0, y0, ux * travel, uy * travel, **extra)
 
 
 def shape_coverage(shape: str, centre_x: float, centre_y: float, size: float, height: int, width: int) -> np.ndarray:
@@ -192,9 +286,13 @@ def render_video(motion: ShapeMotion, height: int, width: int, num_frames: int) 
     background = np.asarray(BACKGROUND, dtype=np.float64)
     foreground = np.asarray(PALETTE[motion.color], dtype=np.float64)
     frames = np.empty((num_frames, height, width, 3), dtype=np.uint8)
+    # on a torus the shape is drawn at its centre and at the copies one canvas away (it is smaller than the canvas,
+    # so the copies never overlap): a shape crossing an edge shows on both sides
+    copies = [(0, 0)] if motion.motion != "wrap" else [(i * width, j * height) for i in (-1, 0, 1) for j in (-1, 0, 1)]
     for t in range(num_frames):
         cx, cy = motion.centre(t, num_frames)
-        alpha = shape_coverage(motion.shape, cx, cy, motion.size, height, width)[..., None]
+        alpha = sum(shape_coverage(motion.shape, cx + ox, cy + oy, motion.size, height, width) for ox, oy in copies)
+        alpha = np.minimum(alpha, 1.0)[..., None]
         frames[t] = np.round(background + alpha * (foreground - background)).astype(np.uint8)
     return frames
 
@@ -208,10 +306,13 @@ def render_from_attributes(
     num_frames: int = 16,
     seed: int = 0,
     moving: bool = True,
+    motion: str = "linear",
+    reference_frames: int = 16,
 ) -> np.ndarray:
     """Convenience: sample a motion for these attributes with ``seed`` and render it [T, H, W, 3] uint8."""
     rng = np.random.default_rng(seed)
-    return render_video(sample_motion(rng, color, shape, direction, height, width, moving), height, width, num_frames)
+    drawn = sample_motion(rng, color, shape, direction, height, width, moving, motion, reference_frames)
+    return render_video(drawn, height, width, num_frames)
 
 
 # ----------------------------------------------------------------------------------------------- dataset
@@ -234,11 +335,21 @@ def image_indices(num: int, image_fraction: float) -> set:
     return set(np.linspace(0, num - 1, num_images).round().astype(int).tolist())
 
 
-def clip_motion(index: int, combo: Tuple[str, str, str], seed: int, height: int, width: int, image: bool):
+def clip_motion(
+    index: int,
+    combo: Tuple[str, str, str],
+    seed: int,
+    height: int,
+    width: int,
+    image: bool,
+    motion: str = "linear",
+    reference_frames: int = 16,
+):
     """The motion of clip ``index``: its own random stream, so clip i does not depend on ``num``."""
     rng = np.random.default_rng([seed, index])
     color, shape, direction = combo
-    return sample_motion(rng, color, shape, NO_DIRECTION if image else direction, height, width)
+    direction = NO_DIRECTION if image else direction
+    return sample_motion(rng, color, shape, direction, height, width, motion=motion, reference_frames=reference_frames)
 
 
 def write_dataset(
@@ -252,8 +363,11 @@ def write_dataset(
     image_fraction: float = 0.0,
     crf: int = 18,
     progress: bool = True,
+    motion: str = "linear",
+    reference_frames: int = 16,
 ) -> Path:
     """Render ``num`` clips to ``out_dir`` (see the module docstring for the layout); returns meta.csv's path.
+    ``motion`` / ``reference_frames``: long-clip motion (``sample_motion``).
 
     Deterministic: the same arguments give identical csv/json files and identical decoded frames.
     """
@@ -265,6 +379,7 @@ def write_dataset(
         )
     if not 0.0 <= image_fraction <= 1.0:
         raise ValueError(f"image_fraction must be in [0, 1], got {image_fraction}")
+    motion_mode = motion
     fps = float(fps)
     out_dir = Path(out_dir)
     (out_dir / "videos").mkdir(parents=True, exist_ok=True)
@@ -278,11 +393,13 @@ def write_dataset(
     rows = []
     for index in indices:
         image = index in images
-        motion = clip_motion(index, combos[index], seed, height, width, image)
+        motion = clip_motion(index, combos[index], seed, height, width, image, motion_mode, reference_frames)
         frames = render_video(motion, height, width, 1 if image else num_frames)
         rel_path = f"videos/{index:06d}.{'png' if image else 'mp4'}"
         write_video(out_dir / rel_path, frames, fps=fps, crf=crf)
-        record = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(motion).items()}
+        record = {
+            k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(motion).items() if k in META_COLUMNS
+        }
         row = {
             "path": rel_path,
             "text": caption(motion.color, motion.shape, motion.direction),
@@ -307,6 +424,8 @@ def write_dataset(
         fps=fps,
         image_fraction=image_fraction,
         crf=crf,
+        motion=motion_mode,
+        reference_frames=reference_frames,
     )
     attributes = {
         "palette": {name: list(rgb) for name, rgb in PALETTE.items()},
@@ -342,7 +461,10 @@ __all__: Sequence[str] = (
     "DIRECTIONS",
     "BACKGROUND",
     "NO_DIRECTION",
+    "MOTIONS",
     "ShapeMotion",
+    "reflect",
+    "majority_direction",
     "caption",
     "all_captions",
     "all_combinations",

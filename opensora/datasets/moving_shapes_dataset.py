@@ -7,6 +7,10 @@ table of videos. Useful on machines without PyAV and for benchmarks that must no
 ``where`` keeps only the clips whose attributes match, e.g. ``where=dict(direction="left")`` or
 ``where=dict(shape=["triangle", "square"])`` (a subset to finetune on); kept clips are the very same clips as in the
 unfiltered dataset (same index streams), so a subset of ``num`` clips holds about ``num * fraction`` of them.
+
+``motion="bounce"`` / ``"wrap"`` serves clips of the long-clip modes (``moving_shapes.sample_motion``): the shape
+travels at the speed of a ``reference_frames`` clip (default: ``num_frames``) from a start anywhere on its path, so
+the clips are windows of endless bouncing / wrapping motion (a teacher trained on them knows what comes next).
 """
 
 from typing import Mapping, Optional, Tuple
@@ -31,15 +35,21 @@ class MovingShapesDataset(VideoTextDataset):
         frame_interval: int = 1,
         interpolation: str = "bilinear",
         where: Optional[Mapping] = None,
+        motion: str = "linear",
+        reference_frames: Optional[int] = None,
     ):
         if num < 1:
             raise ValueError(f"num must be >= 1, got {num}")
+        if motion not in shapes.MOTIONS:
+            raise ValueError(f"MovingShapesDataset motion {motion!r} unknown; choose from {list(shapes.MOTIONS)}")
+        self.motion = motion
+        self.reference_frames = int(reference_frames or num_frames)
         combos = shapes.dataset_attributes(num, seed)
         self.clip_ids = _matching(combos, where)
         num = len(self.clip_ids)
         self.data_path = (
             f"moving_shapes(num={num}, seed={seed}, {height}x{width}x{num_frames}"
-            f"{f', where={dict(where)}' if where else ''})"
+            f"{f', where={dict(where)}' if where else ''}{f', motion={motion}' if motion != 'linear' else ''})"
         )
         self.num_frames_default = int(num_frames)
         self.image_size = (int(height), int(width))
@@ -64,6 +74,8 @@ class MovingShapesDataset(VideoTextDataset):
             int(self.heights[index]),
             int(self.widths[index]),
             image=False,
+            motion=self.motion,
+            reference_frames=self.reference_frames,
         )
         clip = shapes.render_video(
             motion, int(self.heights[index]), int(self.widths[index]), int(self.num_frames[index])

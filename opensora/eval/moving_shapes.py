@@ -16,6 +16,11 @@ pixel-perfect input:
   the fitted travel is small.
 
 Predictions "none" and "static" never match a caption, so noise or frozen videos score at or below chance.
+
+``wrap=True`` reads clips of the ``wrap`` motion (a torus): smoothing, connected components, centroids (circular
+means) and the alignment shifts wrap around the canvas edges, and the centroid track is unwrapped before the line
+fit, so a shape split across an edge is one shape moving on. Per-window scoring of long clips:
+``opensora.eval.moving_shapes_windows``.
 """
 
 import json
@@ -46,9 +51,9 @@ STATIC_TRAVEL_MIN_PX = 1.5
 
 
 # ----------------------------------------------------------------------------------------------- pixels
-def smooth3x3(frames: np.ndarray) -> np.ndarray:
-    """Separable [1, 2, 1] / 4 blur over H and W of [T, H, W, C] (edge pixels replicated)."""
-    padded = np.pad(frames, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="edge")
+def smooth3x3(frames: np.ndarray, wrap: bool = False) -> np.ndarray:
+    """Separable [1, 2, 1] / 4 blur over H and W of [T, H, W, C] (edge pixels replicated, or wrapped on a torus)."""
+    padded = np.pad(frames, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="wrap" if wrap else "edge")
     rows = (padded[:, :-2] + 2 * padded[:, 1:-1] + padded[:, 2:]) / 4
     return (rows[:, :, :-2] + 2 * rows[:, :, 1:-1] + rows[:, :, 2:]) / 4
 
@@ -64,14 +69,18 @@ def downsample(frames: np.ndarray, max_side: int = ANALYSIS_SIDE) -> np.ndarray:
     return frames[:, :h, :w].reshape(t, h // factor, factor, w // factor, factor, c).mean(axis=(2, 4))
 
 
-def largest_components(masks: np.ndarray) -> np.ndarray:
+def largest_components(masks: np.ndarray, wrap: bool = False) -> np.ndarray:
     """Keep only the largest 4-connected component of each mask in [T, H, W] (numpy label propagation:
-    every pixel takes the smallest label among itself and its neighbours until nothing changes)."""
+    every pixel takes the smallest label among itself and its neighbours until nothing changes). ``wrap``: pixels
+    on opposite edges are neighbours (a torus)."""
     t, h, w = masks.shape
     big = t * h * w + 1
     labels = np.where(masks, np.arange(t * h * w).reshape(t, h, w), big)
     while True:
-        padded = np.pad(labels, ((0, 0), (1, 1), (1, 1)), constant_values=big)
+        if wrap:
+            padded = np.pad(labels, ((0, 0), (1, 1), (1, 1)), mode="wrap")
+        else:
+            padded = np.pad(labels, ((0, 0), (1, 1), (1, 1)), constant_values=big)
         neighbours = np.minimum.reduce(
             [
                 padded[:, 1:-1, 1:-1],
@@ -104,12 +113,12 @@ class Foreground:
     background: np.ndarray  # [T, 3] median colour
 
 
-def find_foreground(frames: np.ndarray) -> Foreground:
+def find_foreground(frames: np.ndarray, wrap: bool = False) -> Foreground:
     """Background = per-frame median colour; foreground = pixels whose (lightly smoothed) distance to it is
     above the midpoint between the background level and the brightest 1%, kept only when that peak stands
     MIN_CONTRAST_SIGMAS robust noise sigmas above the background (so pure noise has no foreground)."""
     t, h, w, _ = frames.shape
-    smoothed = smooth3x3(frames)
+    smoothed = smooth3x3(frames, wrap)
     background = np.median(smoothed.reshape(t, -1, 3), axis=1)  # [T, 3]
     distance = np.linalg.norm(smoothed - background[:, None, None, :], axis=-1)  # [T, H, W]
     flat = distance.reshape(t, -1)
@@ -119,7 +128,7 @@ def find_foreground(frames: np.ndarray) -> Foreground:
     peak = np.sort(flat, axis=1)[:, -k:].mean(axis=1)
     contrast = peak - level
     clear = (contrast >= MIN_CONTRAST_SIGMAS * noise) & (contrast >= MIN_CONTRAST)
-    masks = largest_components((distance > (level + 0.5 * contrast)[:, None, None]) & clear[:, None, None])
+    masks = largest_components((distance > (level + 0.5 * contrast)[:, None, None]) & clear[:, None, None], wrap)
     areas = masks.reshape(t, -1).sum(axis=1)
     valid = clear & (areas >= max(3, MIN_AREA_FRACTION * h * w))
     masks &= valid[:, None, None]
@@ -133,21 +142,34 @@ def foreground_masks(frames: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return fg.masks, fg.valid
 
 
-def mask_centroids(masks: np.ndarray) -> np.ndarray:
-    """Centroids [T, 2] as (y, x) pixel indices of non-empty masks [T, H, W]."""
-    ys, xs = np.mgrid[0 : masks.shape[1], 0 : masks.shape[2]]
+def mask_centroids(masks: np.ndarray, wrap: bool = False) -> np.ndarray:
+    """Centroids [T, 2] as (y, x) pixel indices of non-empty masks [T, H, W]; ``wrap``: circular means on the
+    torus (in [0, H) x [0, W)), so a shape split across an edge has its centroid inside the shape."""
+    h, w = masks.shape[1:]
+    ys, xs = np.mgrid[0:h, 0:w]
     areas = masks.sum(axis=(1, 2))
-    return np.stack([(masks * ys).sum(axis=(1, 2)) / areas, (masks * xs).sum(axis=(1, 2)) / areas], axis=1)
+    if not wrap:
+        return np.stack([(masks * ys).sum(axis=(1, 2)) / areas, (masks * xs).sum(axis=(1, 2)) / areas], axis=1)
+
+    def circular(coords, period):
+        angle = 2 * np.pi * coords / period
+        mean = np.arctan2((masks * np.sin(angle)).sum(axis=(1, 2)), (masks * np.cos(angle)).sum(axis=(1, 2)))
+        return (mean * period / (2 * np.pi)) % period
+
+    return np.stack([circular(ys, h), circular(xs, w)], axis=1)
 
 
-def bilinear_shift(image: np.ndarray, dy: float, dx: float) -> np.ndarray:
-    """``out[i, j] = image[i + dy, j + dx]`` with bilinear interpolation and zeros outside."""
+def bilinear_shift(image: np.ndarray, dy: float, dx: float, wrap: bool = False) -> np.ndarray:
+    """``out[i, j] = image[i + dy, j + dx]`` with bilinear interpolation and zeros outside (``wrap``: indices
+    modulo the image size, a torus)."""
     h, w = image.shape
     y0, x0 = int(np.floor(dy)), int(np.floor(dx))
     fy, fx = dy - y0, dx - x0
     padded = np.pad(image, ((h + 1, h + 1), (w + 1, w + 1)))
 
     def window(oy, ox):
+        if wrap:
+            return np.roll(image, (-oy, -ox), axis=(0, 1))
         oy, ox = int(np.clip(oy, -h - 1, h)), int(np.clip(ox, -w - 1, w))
         return padded[h + 1 + oy : 2 * h + 1 + oy, w + 1 + ox : 2 * w + 1 + ox]
 
@@ -172,17 +194,17 @@ def gaussian_blur(image: np.ndarray, sigma: float) -> np.ndarray:
     return sum(tap * rows[:, i : i + w] for i, tap in enumerate(taps))
 
 
-def aligned_coverage(frames: np.ndarray, fg: Foreground, shape_rgb: np.ndarray) -> np.ndarray:
+def aligned_coverage(frames: np.ndarray, fg: Foreground, shape_rgb: np.ndarray, wrap: bool = False) -> np.ndarray:
     """Average over valid frames of the shape's coverage map, each frame shifted so its mask centroid sits
     at the frame centre. Coverage = projection of (pixel - background) on (shape colour - background), so
     noise averages out instead of biasing it; rigid motion makes this a denoised view of the shape."""
     t, h, w, _ = frames.shape
     ids = np.nonzero(fg.valid)[0]
     total = np.zeros((h, w))
-    for i, (cy, cx) in zip(ids, mask_centroids(fg.masks[ids])):
+    for i, (cy, cx) in zip(ids, mask_centroids(fg.masks[ids], wrap)):
         contrast = shape_rgb - fg.background[i]
         coverage = (frames[i] - fg.background[i]) @ contrast / max(float(contrast @ contrast), 1e-6)
-        total += bilinear_shift(coverage, cy - (h - 1) / 2, cx - (w - 1) / 2)
+        total += bilinear_shift(coverage, cy - (h - 1) / 2, cx - (w - 1) / 2, wrap)
     return total / len(ids)
 
 
@@ -280,15 +302,15 @@ class ShapeReading:
         return {"color": self.color, "shape": self.shape, "direction": self.direction}
 
 
-def read_shape(frames: np.ndarray) -> ShapeReading:
-    """Estimate (colour, shape, direction) from uint8 or [0, 1] float frames [T, H, W, 3]."""
+def read_shape(frames: np.ndarray, wrap: bool = False) -> ShapeReading:
+    """Estimate (colour, shape, direction) from uint8 or [0, 1] float frames [T, H, W, 3] (``wrap``: on a torus)."""
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
         raise ValueError(f"expected frames [T, H, W, 3], got {frames.shape}")
     frames = frames.astype(np.float64) / 255 if frames.dtype == np.uint8 else frames.astype(np.float64)
     frames = downsample(frames)
     t, h, w, _ = frames.shape
-    fg = find_foreground(frames)
+    fg = find_foreground(frames, wrap)
     reading = ShapeReading(valid_frames=int(fg.valid.sum()), num_frames=t)
     if fg.valid.sum() < max(1, MIN_VALID_FRAME_FRACTION * t):
         return reading
@@ -296,12 +318,14 @@ def read_shape(frames: np.ndarray) -> ShapeReading:
     reading.mean_rgb = [round(float(c), 4) for c in shape_rgb]
     reading.color = classify_color(shape_rgb)
 
-    reading.shape, residuals = fit_shape(aligned_coverage(frames, fg, shape_rgb))
+    reading.shape, residuals = fit_shape(aligned_coverage(frames, fg, shape_rgb, wrap))
     reading.shape_residuals = {k: round(v, 3) for k, v in residuals.items()}
 
     ids = np.nonzero(fg.valid)[0]
     if len(ids) >= 2:
-        cy, cx = mask_centroids(fg.masks[ids]).T
+        cy, cx = mask_centroids(fg.masks[ids], wrap).T
+        if wrap:  # a track across an edge continues past it instead of jumping back by a canvas
+            cy, cx = np.unwrap(cy, period=h), np.unwrap(cx, period=w)
         travel_x = theil_sen_slope(ids.astype(float), cx) * (t - 1)
         travel_y = theil_sen_slope(ids.astype(float), cy) * (t - 1)
         reading.travel_xy = [round(travel_x, 3), round(travel_y, 3)]
@@ -335,8 +359,8 @@ class EvalReport:
         return "\n".join(lines)
 
 
-def score_rows(items: List[Tuple[str, str, Optional[np.ndarray], Optional[str]]]) -> EvalReport:
-    """Score (path, caption, frames or None, decode error or None) items.
+def score_rows(items: List[Tuple[str, str, Optional[np.ndarray], Optional[str]]], wrap: bool = False) -> EvalReport:
+    """Score (path, caption, frames or None, decode error or None) items (``wrap``: clips on a torus).
 
     Each attribute's accuracy is over the rows whose caption names it (an image caption has no direction);
     ``all_acc`` is over rows naming all three. Undecodable videos count as wrong.
@@ -348,7 +372,7 @@ def score_rows(items: List[Tuple[str, str, Optional[np.ndarray], Optional[str]]]
         truth = dict(zip(ATTRIBUTES, parse_caption(text)))
         if error is None:
             try:
-                reading = read_shape(frames)
+                reading = read_shape(frames, wrap)
             except Exception as exc:  # a malformed array is a wrong answer, not a crash
                 error = f"{type(exc).__name__}: {exc}"
         if error is not None:

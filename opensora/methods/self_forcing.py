@@ -57,7 +57,7 @@ class SelfForcing(CausVid):
         self.context_noise = float(context_noise)
         self.kv_window_frames = kv_window_frames
         self.kv_sink_frames = int(kv_sink_frames)
-        self.last_refill_passes = 0.0
+        self.last_extra_passes = 0.0
 
     # ---- the rollout ----------------------------------------------------------------------------------------
     def draw_exit_step(self) -> int:
@@ -71,24 +71,40 @@ class SelfForcing(CausVid):
         graded = -(-self.grad_frames // self.num_frames_per_chunk)  # ceil: a chunk is graded whole
         return max(0, chunks - graded)
 
+    def cache_window(self, batch) -> Optional[int]:
+        """Latent frames the rollout's KV cache keeps (``kv_window_frames``; None: all)."""
+        return self.kv_window_frames
+
     def _next_state(self, x: torch.Tensor, x0: torch.Tensor, i: int) -> torch.Tensor:
         t, t_next = self.step_times[i], self.step_times[i + 1]
         if self.rollout == "euler":  # v = (x_t - x0) / t, then the sampler's Euler step
             return euler_step(x, (x - x0) / t.to(x.device), t, t_next)
         return self.adapter.add_noise(x0, torch.randn_like(x0), t_next.to(x.device).expand(x.shape[0]))
 
-    def rollout_chunks(self, noise: torch.Tensor, batch, exit_index: int, with_grad: bool) -> torch.Tensor:
+    def rollout_chunks(
+        self,
+        noise: torch.Tensor,
+        batch,
+        exit_index: int,
+        with_grad: bool,
+        graded: Optional[range] = None,
+        keep_from: int = 0,
+    ) -> torch.Tensor:
         """The autoregressive rollout described in the module docstring; returns the video's x0 [B, C, T, H, W].
-        With ``exit_index`` the last step it is exactly what the streaming sampler generates from ``noise``."""
+        With ``exit_index`` the last step it is exactly what the streaming sampler generates from ``noise``.
+
+        ``noise`` may be longer than the batch's clip (a long rollout). ``graded``: the chunks whose exit step keeps
+        a graph (default: those of ``grad_frames``); ``keep_from``: the first chunk returned (earlier chunks only
+        fill the cache, so their outputs are dropped as soon as they are stored)."""
         chunk = self.num_frames_per_chunk
         frames = noise.shape[2]
         count = num_chunks(frames, chunk)
-        first_graded = self.first_graded_chunk(frames)
+        graded = range(self.first_graded_chunk(frames), count) if graded is None else graded
         b = noise.shape[0]
         t_exit = self.step_times[exit_index].to(noise.device).expand(b)
         t_context = torch.full((b,), self.context_noise, device=noise.device)
         cache = self.adapter.new_kv_cache(
-            self.student, batch, window_frames=self.kv_window_frames, sink_frames=self.kv_sink_frames
+            self.student, batch, window_frames=self.cache_window(batch), sink_frames=self.kv_sink_frames
         )
         outputs = []
         try:
@@ -100,9 +116,10 @@ class SelfForcing(CausVid):
                         t = self.step_times[i].to(x.device).expand(b)
                         x0 = self.adapter.predict_x0_streaming(self.student, x, t, batch, cache, start, False)
                         x = self._next_state(x, x0, i)
-                with torch.set_grad_enabled(with_grad and c >= first_graded):
+                with torch.set_grad_enabled(with_grad and c in graded):
                     x0 = self.adapter.predict_x0_streaming(self.student, x, t_exit, batch, cache, start, False)
-                outputs.append(x0)
+                if c >= keep_from:
+                    outputs.append(x0)
                 if c + 1 < count:  # cache refill: the chunk's own output as clean (or lightly noised) context
                     with torch.no_grad():
                         context = x0.detach()
@@ -111,7 +128,10 @@ class SelfForcing(CausVid):
                         self.adapter.predict_x0_streaming(self.student, context, t_context, batch, cache, start, True)
         finally:
             cache.clear()
-        self.last_refill_passes = (count - 1) / count
+        # clip-equivalent student passes beyond DMD2's count (exit_index + 1 over one clip): the refills, and the
+        # chunks a rollout longer than the clip adds
+        clip_chunks = batch.latent_shape[2] // chunk
+        self.last_extra_passes = ((count - 1) + (count - clip_chunks) * (exit_index + 1)) / clip_chunks
         return torch.cat(outputs, dim=2)
 
     def generate(self, batch, with_grad: bool) -> Tuple[torch.Tensor, int]:
@@ -122,8 +142,8 @@ class SelfForcing(CausVid):
 
     def single_train_step(self, batch, iteration: int):
         loss_map, outputs = super().single_train_step(batch, iteration)
-        # DMD2 counts step_index + 1 full-clip student passes for the rollout, which the chunk passes add up to;
-        # the cache refills add (count - 1) / count of one more
-        outputs["flops"] += self.adapter.forward_flops(self.critic, self._last_batch) * self.last_refill_passes
+        # DMD2 counts step_index + 1 full-clip student passes for the rollout, which the chunk passes of one clip add
+        # up to; the cache refills add (count - 1) / count of one more (``last_extra_passes``)
+        outputs["flops"] += self.adapter.forward_flops(self.critic, self._last_batch) * self.last_extra_passes
         outputs["exit_step"] = outputs["student_step_index"]
         return loss_map, outputs

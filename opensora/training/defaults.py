@@ -48,4 +48,7 @@ VALIDATION_DEFAULTS = dict(
     max_seconds=300.0,  # stop sampling (between batches) once this is spent; other ranks wait at most ~this
     max_prompts=64,  # a config listing more prompts is an error
     fps=8,
+    long_frames=None,  # also sample this many frames and log per-window scores (``validation_windows``)
+    window_frames=None,  # frames per scored window of a long clip; None: num_frames
+    motion="linear",  # the MovingShapes motion rule the long clips are scored by: linear, bounce or wrap
 )

@@ -17,7 +17,8 @@ Every ``every`` optimizer steps rank 0
   tensorboard; the grid and the mp4s to wandb when it is enabled;
 * with ``score="moving_shapes"`` scores the uint8 frames in memory with ``opensora.eval.moving_shapes`` (before mp4
   compression, so numbers can differ slightly from scoring the files) and logs ``val/color_acc``,
-  ``val/shape_acc``, ``val/direction_acc``, ``val/all_acc``; always ``val/seconds`` and ``val/num_samples``
+  ``val/shape_acc``, ``val/direction_acc``, ``val/all_acc`` (with ``long_frames``: long clips scored per window,
+  ``val/*_window_min``, see ``opensora.training.validation_windows``); always ``val/seconds`` and ``val/num_samples``
   (``metrics.jsonl``: a separate record with the same ``step``; tensorboard tags ``val/...``).
 
 No effect on training: the live network is only read, every RNG stream (python, numpy, torch CPU, the current CUDA
@@ -129,7 +130,9 @@ def validation_settings(cfg: Mapping) -> Optional[Dict[str, Any]]:
         s["resolution"] = s["resolution"] or first_res
         s["num_frames"] = s["num_frames"] or first_frames
     s["num_frames"] = int(s["num_frames"])
-    return s
+    from opensora.training.validation_windows import long_clip_settings
+
+    return long_clip_settings(s)
 
 
 def frame_grid(videos: np.ndarray, frames: int = GRID_FRAMES) -> np.ndarray:
@@ -231,6 +234,7 @@ class Validator:
             progress=False,
         )
         height, width = video_size_for(s["resolution"], s["aspect_ratio"])
+        self._sampler, self._size = sampler, (height, width)  # long clips (validation_windows) reuse them
         prompts, seeds, batch = s["prompts"], s["seeds"], int(s["batch_size"])
         videos = []
         for start in range(0, len(prompts), batch):
@@ -279,6 +283,11 @@ class Validator:
 
             report = score_rows([(row["path"], row["text"], frames, None) for row, frames in zip(rows, videos)])
             record.update({f"val/{a}_acc": getattr(report, f"{a}_acc") for a in ("color", "shape", "direction", "all")})
+        if s["long_frames"]:  # per-window scores of long clips (drift past the training length)
+            from opensora.training.validation_windows import long_clip_record
+
+            args = (self._sampler, s, self.cfg, prompts, seeds, *self._size, save_dir, started)
+            record.update(long_clip_record(*args))
         record["val/num_samples"] = len(prompts)
         record["val/seconds"] = time.monotonic() - started  # sampling, writing and scoring
         settings = {k: s[k] for k in ("role", "num_frames", "resolution", "num_steps", "step_list", "guidance_scale")}

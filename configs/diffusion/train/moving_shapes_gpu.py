@@ -8,7 +8,9 @@ max_steps = 4000
 ckpt_every = 2000
 precision = "bf16"
 
-dataset = dict(_delete_=True, type="MovingShapesDataset", num=7200, seed=0, height=64, width=64, num_frames=16)
+dataset = dict(
+    _delete_=True, type="MovingShapesDataset", num=7200, seed=0, height=64, width=64, num_frames=16, motion="linear"
+)  # motion: linear, or bounce / wrap (defined past the clip length: long streaming)
 bucket_config = dict(_delete_=True, **{"64x64": {16: (1.0, 32)}})
 num_workers = 12
 

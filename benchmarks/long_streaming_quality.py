@@ -1,0 +1,362 @@
+#!/usr/bin/env python
+"""Long streaming without drift, measured in one call on MovingShapes: teacher -> causal ODE init -> Self-Forcing
+and long-rollout DMD from the same init, then both students streamed on the same prompts and seeds, scored per
+window at ``--long-multiple`` x the training length (default 8x: 128 frames) and at the training length against the
+teacher.
+
+  # one GPU: every stage (about 4 + 1.5 + 2.5 + 2.5 minutes of training, then sampling and scoring)
+  python benchmarks/long_streaming_quality.py --out benchmarks/results/long_streaming --seed 424242
+  # the same in calls under 10 minutes each: a stage whose final checkpoint exists is reused, so repeat the call
+  python benchmarks/long_streaming_quality.py --out DIR --stop-after ode   # teacher + causal init
+  python benchmarks/long_streaming_quality.py --out DIR                    # students + scoring
+  # CPU smoke test of the whole chain with tiny networks and clips (tests/test_long_streaming_quality.py)
+  python benchmarks/long_streaming_quality.py --tiny --out outputs/long_streaming_tiny
+
+The teacher learns clips of the ``--motion`` rule (default ``wrap``: the shape crosses an edge and re-enters at the
+opposite one, so every window of a long clip has the caption's direction; ``bounce`` reverses at the walls), so the
+continuation past the training length is defined and the teacher knows it. Both students sample with the same
+rolling cache (``--window-frames``, ``--sink-frames``). Written to ``--out``: ``report.json`` (every number, the
+criteria below as pass/fail) and the stage run directories (checkpoints, metrics.jsonl).
+
+Criteria (each student): every window keeps >= 95% of the first window's colour, shape and direction accuracy;
+every window's share of clips with frame statistics in range >= 95% of the teacher's share at the training length;
+chunk-edge flicker <= 1.1x the in-chunk frame change; at the training length >= 98% of the teacher's accuracy.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STAGES = ("teacher", "ode", "self_forcing", "long_rollout")
+CONFIGS = dict(
+    teacher="configs/diffusion/train/moving_shapes_gpu.py",
+    ode="configs/distill/causal_ode_gpu.py",
+    self_forcing="configs/distill/self_forcing_gpu.py",
+    long_rollout="configs/distill/long_rollout_gpu.py",
+)
+# --tiny: every stage on CPU in seconds (16x16 clips of 8 frames, a 2-block MMDiT, a few steps)
+TINY_MODEL = "dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6))"
+TINY_DATA = (
+    "dataset = dict(num=72, height=16, width=16, num_frames=8)\n"
+    "bucket_config = dict(_delete_=True, **{'16x16': {8: (1.0, 2)}})\n"
+    "num_workers = 0\nprecision = 'fp32'\ntensorboard = False\n"
+)
+
+
+# ---- stages -----------------------------------------------------------------------------------------------------
+def stage_config(args, stage: str) -> Path:
+    """The stage's config: the project's GPU config with the motion rule (and, with --tiny, tiny sizes) on top."""
+    lines = [
+        f"_base_ = [{str(ROOT / CONFIGS[stage])!r}]",
+        f"dataset = dict(motion={args.motion!r})",
+        f"seed = {int(args.train_seed)}",
+    ]
+    if args.tiny:
+        lines.append(TINY_DATA)
+        if stage == "teacher":
+            lines.append(f"model = {TINY_MODEL}")
+        else:
+            roles = ("student", "teacher") if stage == "ode" else ("student", "teacher", "critic")
+            tiny_roles = ", ".join(f"{r}=dict(model={TINY_MODEL}, precision='fp32')" for r in roles)
+            lines.append(f"models = dict({tiny_roles})")
+            if stage == "ode":
+                lines.append("method = dict(teacher_num_steps=4)")
+            if stage == "long_rollout":
+                lines.append("window_frames = 6\nmethod = dict(kv_window_frames=6, rollout_multiple=3)")
+    path = Path(args.out) / "configs" / f"{stage}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def training_summary(run_dir: Path) -> dict:
+    """Steps, median step time and the last logged value of each loss of a stage's metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = [row for row in rows if "step_time" in row]
+    times = sorted(row["step_time"] for row in rows)
+    losses = {k: v for row in rows for k, v in row.items() if k.endswith("loss")}  # the last value of each
+    return dict(steps=len(rows), step_time_median=times[len(times) // 2] if times else None, last_losses=losses)
+
+
+def last_checkpoint(run_dir: Path):
+    found = sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []
+    return found[-1] if found else None
+
+
+def train(args, stage: str, minutes: float, inits: dict) -> Path:
+    """Run one stage with the project's trainer (torchrun, one process) unless its final checkpoint exists."""
+    run_dir = Path(args.out) / stage
+    done = last_checkpoint(run_dir)
+    if done is not None:
+        print(f"== {stage}: reusing {done}")
+        return done
+    budget = (
+        ["--max-steps", str(args.tiny_steps)]
+        if args.tiny
+        else ["--max-steps", "1000000", "--max-minutes", str(minutes)]
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        str(ROOT / "scripts/diffusion/train.py"),
+        str(stage_config(args, stage)),
+        "--outputs",
+        str(run_dir),
+        "--ckpt-every",
+        "0",
+        *budget,
+    ]
+    for role, path in inits.items():
+        command += [f"--models.{role}.init_from.path", str(path)]
+    print(f"== {stage}: {' '.join(command[5:])}", flush=True)
+    started = time.monotonic()
+    if args.launcher == "in-process":  # one process, the trainer's own single-rank set-up (no imports per stage)
+        from opensora.training.launch import main as train_main
+
+        train_main(command[7:])
+    else:
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # this checkout
+        subprocess.run(command, check=True, cwd=ROOT, env=env)
+    print(f"   {stage} trained in {time.monotonic() - started:.0f} s", flush=True)
+    return last_checkpoint(run_dir)
+
+
+# ---- scoring ----------------------------------------------------------------------------------------------------
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    started = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - started, out
+
+
+def accuracy(videos, prompts, motion) -> dict:
+    from opensora.eval.moving_shapes import score_rows
+
+    report = score_rows([(f"s{i}", t, v, None) for i, (t, v) in enumerate(zip(prompts, videos))], wrap=motion == "wrap")
+    return {f"{a}_acc": getattr(report, f"{a}_acc") for a in ("color", "shape", "direction", "all")}
+
+
+def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
+    """Stream the student at the training length (accuracy, speed) and at the long length (windows, flicker)."""
+    from opensora.config import load_config
+    from opensora.eval.moving_shapes_windows import chunk_edge_flicker, score_windows
+    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.streaming import StreamingGenerator
+
+    cfg = load_config(str(stage_config(args, name)))
+    sampler = VideoSampler.from_config(cfg, ckpt, role="student", device=args.device, progress=False)
+    frames, height, width = clip
+    chunk = sampler.model.causal_chunk_frames
+    latent_frames = sampler.latent_size(frames, height, width)[0]
+    window = args.window_frames if args.window_frames is not None else latent_frames - chunk
+    generator = StreamingGenerator(
+        sampler,
+        step_list=list(cfg.step_list),
+        rollout=cfg.get("rollout", "renoise"),
+        window_frames=window,
+        sink_frames=args.sink_frames,
+        context_time=float(cfg.get("context_time") or 0.0),
+    )
+
+    def stream(num_frames):
+        return generator.generate(prompts, seeds, num_frames, height, width).numpy()
+
+    stream(frames)  # warm-up
+    seconds, short = timed(lambda: stream(frames))
+    long_frames = frames * args.long_multiple
+    long_seconds, long = timed(lambda: stream(long_frames))
+    vae = sampler.vae
+    chunk_pixels = chunk * vae.temporal_compression
+    first_pixels = vae.get_video_size((chunk, 4, 4))[0]
+    result = dict(
+        ckpt=str(ckpt),
+        training=training_summary(Path(args.out) / name),
+        window_frames=window,
+        sink_frames=args.sink_frames,
+        seconds=seconds,
+        frames_per_s=len(prompts) * frames / seconds,
+        long_seconds=long_seconds,
+        long_frames_per_s=len(prompts) * long_frames / long_seconds,
+        **accuracy(short, prompts, args.motion),
+        long=dict(
+            frames=long_frames,
+            **score_windows(list(long), prompts, frames, motion=args.motion),
+            flicker=chunk_edge_flicker(long, chunk_pixels, first_pixels),
+        ),
+    )
+    result["over_teacher"] = {
+        k: (result[k] / teacher[k] if teacher[k] else None) for k in ("color_acc", "shape_acc", "direction_acc")
+    }
+    result["criteria"] = criteria(result, teacher)
+    return result
+
+
+def criteria(student: dict, teacher: dict) -> dict:
+    """The measurement's pass/fail lines for one student (None where a number is missing)."""
+    long = student["long"]
+    out = {}
+    for attribute in ("color", "shape", "direction"):
+        value = long[f"{attribute}_vs_first_min"]
+        out[f"{attribute}_every_window_ge_95pct_of_first"] = None if value is None else value >= 0.95
+    share = teacher["stats_in_range"]
+    worst = long["stats_window_min"]
+    out["stats_every_window_ge_95pct_of_teacher"] = None if worst is None or not share else worst >= 0.95 * share
+    flicker = long["flicker"]["edge_over_inside"]
+    out["flicker_le_1.1"] = None if flicker is None else flicker <= 1.1
+    for key, ratio in student["over_teacher"].items():
+        out[f"{key}_ge_98pct_of_teacher"] = None if ratio is None else ratio >= 0.98
+    return out
+
+
+def evaluate(args, checkpoints: dict) -> dict:
+    from opensora.config import load_config
+    from opensora.datasets.moving_shapes import all_captions
+    from opensora.eval.moving_shapes_windows import score_windows
+    from opensora.inference.pipeline import VideoSampler
+
+    prompts = all_captions()[: args.num_prompts]
+    seeds = [args.seed + i for i in range(len(prompts))]
+    cfg = load_config(str(stage_config(args, "teacher")))
+    clip = (int(cfg.dataset.num_frames), int(cfg.dataset.height), int(cfg.dataset.width))
+    teacher = VideoSampler.from_config(cfg, checkpoints["teacher"], role="model", device=args.device, progress=False)
+
+    def sample():
+        return teacher.generate(
+            prompts, seeds, *clip, num_steps=args.teacher_steps, guidance_scale=args.teacher_guidance, batch_size=16
+        ).numpy()
+
+    seconds, videos = timed(sample)
+    teacher_scores = dict(ckpt=str(checkpoints["teacher"]), seconds=seconds, **accuracy(videos, prompts, args.motion))
+    teacher_scores["stats_in_range"] = score_windows(list(videos), prompts, clip[0], motion=args.motion)[
+        "stats_window_min"
+    ]
+    report = dict(
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        motion=args.motion,
+        prompts=len(prompts),
+        seeds=[seeds[0], seeds[-1]],
+        clip=list(clip),
+        long_multiple=args.long_multiple,
+        long_init=args.long_init,
+        teacher=teacher_scores,
+    )
+    for name in ("self_forcing", "long_rollout"):
+        report[name] = evaluate_student(args, name, checkpoints[name], prompts, seeds, clip, teacher_scores)
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(
+        f"\nMovingShapes ({report['motion']}) on {report['device']}: {report['prompts']} prompts, clip {report['clip']}"
+    )
+    t = report["teacher"]
+    print(
+        f"teacher          colour {t['color_acc']:.3f} shape {t['shape_acc']:.3f} direction {t['direction_acc']:.3f}"
+        f" stats in range {t['stats_in_range']:.3f}"
+    )
+    for name in ("self_forcing", "long_rollout"):
+        s = report[name]
+        print(
+            f"{name:<16} colour {s['color_acc']:.3f} shape {s['shape_acc']:.3f} direction {s['direction_acc']:.3f}"
+            f"  {s['frames_per_s']:.1f} frames/s; trained {s['training']['steps']} steps"
+        )
+        print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}:")
+        for w in s["long"]["windows"]:
+            direction = "  -  " if w["direction_acc"] is None else f"{w['direction_acc']:.3f}"
+            print(
+                f"    from {w['start_frame']:>4}: colour {w['color_acc']:.3f} shape {w['shape_acc']:.3f} "
+                f"direction {direction} stats {w['stats_in_range']:.3f} background {w['background']:.1f}"
+            )
+        print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/long_streaming")
+    parser.add_argument("--motion", choices=("wrap", "bounce"), default="wrap")
+    parser.add_argument("--teacher-ckpt", default=None, help="a trained teacher (of --motion clips): skip its stage")
+    parser.add_argument("--teacher-minutes", type=float, default=4.0)
+    parser.add_argument("--ode-minutes", type=float, default=1.5)
+    parser.add_argument("--student-minutes", type=float, default=2.5, help="each of the two students")
+    parser.add_argument(
+        "--long-init",
+        choices=("ode", "self_forcing"),
+        default="ode",
+        help="the long-rollout student starts from the causal init (as Self-Forcing) or from the Self-Forcing student "
+        "(long tuning after it, Self-Forcing++'s order; compare then with Self-Forcing trained for the sum)",
+    )
+    parser.add_argument("--stop-after", choices=STAGES, default=None, help="end after this stage (calls under 10 min)")
+    parser.add_argument("--long-multiple", type=int, default=8)
+    parser.add_argument("--window-frames", type=int, default=None, help="cache window (latent frames); clip - chunk")
+    parser.add_argument("--sink-frames", type=int, default=2)
+    parser.add_argument("--num-prompts", type=int, default=72)
+    parser.add_argument("--seed", type=int, default=424242, help="first sampling seed (prompt i uses seed + i)")
+    parser.add_argument("--train-seed", type=int, default=0)
+    parser.add_argument("--teacher-steps", type=int, default=30)
+    parser.add_argument("--teacher-guidance", type=float, default=4.0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--launcher",
+        choices=("torchrun", "in-process"),
+        default="torchrun",
+        help="how each stage trains: torchrun with one process (as on a GPU), or in this process (quicker smoke tests)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny networks and clips, a few steps")
+    parser.add_argument("--tiny-steps", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.num_prompts, args.teacher_steps, args.long_multiple = (
+            min(args.num_prompts, 4),
+            2,
+            min(args.long_multiple, 3),
+        )
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoints = {"teacher": Path(args.teacher_ckpt) if args.teacher_ckpt else None}
+    if checkpoints["teacher"] is None:
+        checkpoints["teacher"] = train(args, "teacher", args.teacher_minutes, {})
+    if args.stop_after == "teacher":
+        return {}
+    teacher = checkpoints["teacher"]
+    checkpoints["ode"] = train(args, "ode", args.ode_minutes, dict(student=teacher, teacher=teacher))
+    if args.stop_after == "ode":
+        return {}
+    for name in ("self_forcing", "long_rollout"):  # the same teacher and budget; the same init by default
+        start = checkpoints["self_forcing"] if name == "long_rollout" and args.long_init == "self_forcing" else None
+        inits = dict(student=start or checkpoints["ode"], teacher=teacher, critic=teacher)
+        checkpoints[name] = train(args, name, args.student_minutes, inits)
+        if args.stop_after == name:
+            return {}
+    report = evaluate(args, checkpoints)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print_report(report)
+    print(f"report: {out / 'report.json'}")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,28 @@
+# Long-rollout DMD on one GPU (MovingShapes 64x64x16): configs/distill/self_forcing_gpu.py with the student rolled out
+# 8x the clip length through its rolling KV cache and DMD on one clip-length window of it per iteration
+# (opensora/methods/long_rollout.py). Start from the causal ODE init (or a Self-Forcing student):
+#   torchrun --nproc_per_node N scripts/diffusion/train.py configs/distill/long_rollout_gpu.py \
+#       --models.student.init_from.path S --models.teacher.init_from.path T --models.critic.init_from.path T
+# benchmarks/long_streaming_quality.py runs teacher -> causal init -> Self-Forcing vs this method on the same seeds.
+_base_ = ["self_forcing_gpu.py"]
+
+outputs = "outputs/moving_shapes_gpu/long_rollout"
+
+# the rolling KV cache in latent frames, read by the method and by the streaming sampler (set it: the sampler's None
+# keeps every frame)
+window_frames = 14  # 16 latent frames per clip minus one chunk
+sink_frames = {{_base_.num_frames_per_chunk}}
+
+method = dict(
+    _delete_=True,
+    type="LongRollout",
+    step_list={{_base_.step_list}},
+    num_frames_per_chunk={{_base_.num_frames_per_chunk}},
+    rollout={{_base_.rollout}},
+    real_guidance_scale=4.0,
+    rollout_multiple=8,  # the measured length: 8x the training clip
+    window="uniform",
+    kv_window_frames=window_frames,
+    kv_sink_frames=sink_frames,
+    adapter={{_base_.method.adapter}},
+)

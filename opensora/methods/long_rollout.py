@@ -1,0 +1,110 @@
+"""Long-rollout DMD (Self-Forcing++-style): DMD on teacher-length windows of the student's own long rollouts.
+
+A Self-Forcing student only ever learns from rollouts of the teacher's length, so what it does after that length
+-- attending to a rolling KV cache that has dropped its first frames, at RoPE positions it never saw -- is never
+corrected, and it drifts. This method trains exactly that regime: the student streams ``rollout_multiple`` times
+the clip length through the rolling cache it will stream with (``kv_window_frames``, ``kv_sink_frames``), and the
+DMD loss judges a teacher-length window of that rollout, which the bidirectional teacher can score.
+
+For one iteration, with the clip of ``T`` latent frames (the batch's) in chunks of ``K`` (``W = T / K`` chunks):
+
+1. Exit step ``j`` and the window's last chunk ``e`` in ``[W, rollout_multiple * W]``, both drawn on rank 0 and
+   broadcast (every rank draws, so RNG streams advance alike and resume stays exact). ``window="uniform"`` draws
+   ``e`` uniformly; ``"last"`` always takes the rollout's last window (the furthest from the start).
+2. Self-Forcing's rollout (``SelfForcing.rollout_chunks``: the same per-chunk steps, rule, exit step and cache
+   refill) over chunks ``0 .. e - 1`` with noise of ``e * K`` frames and the rolling cache. Chunks before the
+   window run entirely under ``no_grad`` and only fill the cache; their outputs are dropped at once. The window's
+   chunks ``e - W .. e - 1`` keep their exit step's graph (only on student iterations; ``grad_frames`` narrows them
+   to the window's last frames as in Self-Forcing). Chunks after ``e`` are never generated: nothing judges them.
+3. DMD2 on the window as a clip of its own (``DMD2.single_train_step``): teacher with CFG (real score) and critic
+   (fake score, trained with flow matching on the windows) at the clip length they know; the generator loss and
+   the two-time-scale rule are DMD2's. The caption stays the clip's, which suits motion that keeps its direction
+   (MovingShapes ``wrap``); with ``bounce`` the caption names the first direction only.
+
+Memory is bounded by the window: one student graph per graded chunk (as many as Self-Forcing at the clip length)
+plus a KV cache of at most ``kv_window_frames`` frames; the longer rollout costs time (no-grad passes), not memory.
+``kv_window_frames`` defaults to the clip length minus one chunk (what the streaming sampler keeps by default) and
+``kv_sink_frames`` to one chunk (the first chunk stays in view as an attention sink, LongLive's frame sink).
+"""
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from opensora.methods.causal import num_chunks, shared_randint
+from opensora.methods.self_forcing import SelfForcing
+from opensora.registry import METHODS
+
+WINDOWS = ("uniform", "last")
+
+
+@METHODS.register_module()
+class LongRollout(SelfForcing):
+    def __init__(
+        self,
+        roles,
+        components,
+        rollout_multiple: int = 4,
+        window: str = "uniform",
+        kv_window_frames: Optional[int] = None,
+        kv_sink_frames: Optional[int] = None,
+        **self_forcing_kwargs,
+    ):
+        super().__init__(roles, components, **self_forcing_kwargs)
+        if int(rollout_multiple) != rollout_multiple or rollout_multiple < 1:
+            raise ValueError(f"LongRollout: rollout_multiple must be a whole number >= 1, got {rollout_multiple}")
+        if window not in WINDOWS:
+            raise ValueError(f"LongRollout: window must be one of {WINDOWS}, got {window!r}")
+        chunk = self.num_frames_per_chunk
+        sinks = chunk if kv_sink_frames is None else int(kv_sink_frames)
+        if sinks < 0 or (kv_window_frames is not None and not sinks < int(kv_window_frames)):
+            raise ValueError(
+                f"LongRollout: need 0 <= kv_sink_frames < kv_window_frames, got {sinks} and {kv_window_frames}"
+            )
+        self.rollout_multiple = int(rollout_multiple)
+        self.window = window
+        self.kv_window_frames = None if kv_window_frames is None else int(kv_window_frames)  # None: clip - K
+        self.kv_sink_frames = sinks
+        self.last_window = (0, 0)  # (first latent frame of the judged window, latent frames rolled out)
+
+    # ---- the rollout ----------------------------------------------------------------------------------------
+    def cache_window(self, batch) -> int:
+        """The rolling cache's size: ``kv_window_frames``, by default the clip's latent frames minus one chunk."""
+        clip_frames = batch.latent_shape[2]
+        window = self.kv_window_frames if self.kv_window_frames is not None else clip_frames - self.num_frames_per_chunk
+        if not self.kv_sink_frames < window:
+            raise ValueError(
+                f"LongRollout: the cache window of {window} latent frames leaves no room beside "
+                f"{self.kv_sink_frames} sink frames; set kv_window_frames or a longer clip"
+            )
+        return window
+
+    def draw_window_end(self, clip_chunks: int) -> int:
+        """The chunk after the judged window: in ``[W, rollout_multiple * W]``, the same on every rank."""
+        longest = self.rollout_multiple * clip_chunks
+        drawn = shared_randint(longest - clip_chunks + 1, self.components.device)  # drawn in both modes (RNG)
+        return longest if self.window == "last" else clip_chunks + drawn
+
+    def generate(self, batch, with_grad: bool) -> Tuple[torch.Tensor, int]:
+        """A teacher-length window ``x0`` [B, C, T, H, W] of a long rollout, and the exit step."""
+        self._last_batch = batch
+        chunk = self.num_frames_per_chunk
+        clip_frames = batch.latent_shape[2]
+        clip_chunks = num_chunks(clip_frames, chunk)
+        exit_index = self.draw_exit_step()
+        end = self.draw_window_end(clip_chunks)
+        start = end - clip_chunks
+        long_shape = (*batch.latent_shape[:2], end * chunk, *batch.latent_shape[3:])
+        noise = self.adapter.noise(dataclasses.replace(batch, latent_shape=long_shape))
+        graded = range(start, end)
+        if self.grad_frames is not None:  # Self-Forcing's grad_frames, counted from the window's end
+            graded = range(max(start, end - -(-self.grad_frames // chunk)), end)
+        x0 = self.rollout_chunks(noise, batch, exit_index, with_grad, graded=graded, keep_from=start)
+        self.last_window = (start * chunk, end * chunk)
+        return x0, exit_index
+
+    def single_train_step(self, batch, iteration: int):
+        loss_map, outputs = super().single_train_step(batch, iteration)
+        outputs["window_start_frame"], outputs["rollout_frames"] = self.last_window
+        return loss_map, outputs

@@ -1,0 +1,118 @@
+"""Validation of long clips: MovingShapes scores per window, so drift past the training length shows on the curve.
+
+    validation = dict(every=500, prompts=[...], score="moving_shapes", long_frames=128, motion="wrap")
+
+With ``long_frames`` set, every validation also samples each prompt at ``long_frames`` frames -- a causal network
+streams them chunk by chunk through its rolling KV cache (``StreamingGenerator`` with the config's sampling keys
+``window_frames``, ``sink_frames``, ``rollout``, ``context_time``, as ``scripts/diffusion/inference.py`` reads
+them), a bidirectional one samples the whole clip -- scores them per window of ``window_frames`` pixel frames
+(default: the validation clip length) with ``opensora.eval.moving_shapes_windows`` under the ``motion`` rule, and logs
+``val/{color,shape,direction,stats}_window_min`` (the worst window) and ``val/*_vs_first_min`` (the worst window
+over the first). The long samples go to ``samples/step-N/long/`` with their ``samples.csv``
+(``tools/eval_moving_shapes.py CSV --window W --motion M`` re-scores them).
+
+The long clips share validation's ``max_seconds``: a batch of them starts only while time is left, except the first,
+so a validation with long clips lasts at most ``max_seconds`` plus one batch of each kind (size it accordingly: a
+128-frame clip costs 8x a 16-frame one).
+"""
+
+import time
+from pathlib import Path
+from typing import Dict, List, Mapping
+
+import torch
+
+from opensora.config import ConfigValueError
+
+ATTRIBUTES = ("color", "shape", "direction", "stats")
+
+
+def long_clip_settings(s: dict) -> dict:
+    """Check and resolve ``long_frames`` / ``window_frames`` / ``motion`` of resolved validation settings ``s``."""
+    from opensora.datasets.moving_shapes import MOTIONS
+
+    if s["long_frames"] is None:
+        return s
+    if s["score"] != "moving_shapes":
+        raise ConfigValueError('validation.long_frames needs validation.score="moving_shapes" (windows are scored)')
+    s["window_frames"] = int(s["window_frames"] or s["num_frames"])
+    s["long_frames"] = int(s["long_frames"])
+    if not 2 <= s["window_frames"] <= s["long_frames"]:
+        raise ConfigValueError(
+            f"validation needs 2 <= window_frames <= long_frames, got {s['window_frames']} and {s['long_frames']}"
+        )
+    if s["motion"] not in MOTIONS:
+        raise ConfigValueError(f"validation.motion must be one of {list(MOTIONS)}, got {s['motion']!r}")
+    return s
+
+
+def sample_long_clips(sampler, s: Mapping, cfg: Mapping, prompts, seeds, height: int, width: int, started: float):
+    """uint8 ``[N, long_frames, H, W, 3]`` for the prompts (fewer when ``max_seconds`` runs out between batches)."""
+    network = sampler.model
+    batch = int(s["batch_size"])
+    if getattr(network, "causal_chunk_frames", 0):
+        from opensora.inference.streaming import StreamingGenerator
+
+        generator = StreamingGenerator(
+            sampler,
+            step_list=s["step_list"],
+            num_steps=s["num_steps"],
+            rollout=cfg.get("rollout") or "renoise",
+            guidance_scale=s["guidance_scale"],
+            window_frames=cfg.get("window_frames"),
+            sink_frames=int(cfg.get("sink_frames") or 0),
+            context_time=float(cfg.get("context_time") or 0.0),
+        )
+
+        def generate(p, sd):
+            return generator.generate(p, sd, s["long_frames"], height, width)
+    else:
+
+        def generate(p, sd):
+            return sampler.generate(
+                p,
+                sd,
+                num_frames=s["long_frames"],
+                height=height,
+                width=width,
+                num_steps=s["num_steps"],
+                step_list=s["step_list"],
+                guidance_scale=s["guidance_scale"],
+            )
+
+    videos: List[torch.Tensor] = []
+    for start in range(0, len(prompts), batch):
+        if start and time.monotonic() - started > float(s["max_seconds"]):
+            break
+        videos.append(generate(list(prompts[start : start + batch]), list(seeds[start : start + batch])))
+    return torch.cat(videos).numpy()
+
+
+def long_clip_record(sampler, s: Mapping, cfg: Mapping, prompts, seeds, height, width, save_dir, started) -> Dict:
+    """Sample, save and score the long clips; returns the ``val/*_window_min`` / ``val/*_vs_first_min`` record and
+    writes ``save_dir/long/windows.json`` (every window's scores)."""
+    import json
+
+    from opensora.eval.moving_shapes_windows import score_windows
+    from opensora.inference.io import save_sample, write_samples_csv
+    from opensora.inference.prompts import sample_stem
+
+    videos = sample_long_clips(sampler, s, cfg, prompts, seeds, height, width, started)
+    prompts = list(prompts[: len(videos)])
+    out = Path(save_dir) / "long"
+    rows = []
+    for i, (prompt, frames) in enumerate(zip(prompts, videos)):
+        rows.append(dict(path=save_sample(out / sample_stem(i, prompt), frames, fps=s["fps"]).name, text=prompt))
+    write_samples_csv(out, rows)
+    report = score_windows(list(videos), prompts, s["window_frames"], motion=s["motion"])
+    (out / "windows.json").write_text(json.dumps(dict(long_frames=s["long_frames"], **report), indent=1) + "\n")
+    record = {}
+    for name in ATTRIBUTES:
+        for kind in ("window_min", "vs_first_min"):
+            value = report[f"{name}_{kind}"]
+            record[f"val/{name}_{kind}"] = float("nan") if value is None else float(value)
+    record["val/long_samples"] = len(videos)
+    return record
+
+
+__all__ = ["long_clip_settings", "sample_long_clips", "long_clip_record"]

@@ -1,0 +1,197 @@
+"""Long-rollout DMD policy: the student streams past the clip length through its rolling cache (sink frames kept),
+only the judged window keeps graphs, nothing after the window is generated, and one clip-length rollout is exactly
+Self-Forcing's (a spy records every streaming call, as in test_self_forcing.py)."""
+
+import pytest
+import torch
+from test_self_forcing import StreamingSpy, causal_student
+
+from opensora.registry import METHODS, build_module
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
+
+CLIP = 4  # latent frames of test_methods_framework.tiny_batch
+
+
+def make_long_rollout(fake=False, **kwargs):
+    from test_methods_framework import make_components, make_dmd2_roles
+
+    cfg = dict(
+        type="LongRollout",
+        step_list=[1.0, 0.6, 0.3],
+        num_frames_per_chunk=1,
+        real_guidance_scale=2.0,
+        rollout_multiple=3,
+        kv_window_frames=3,
+        kv_sink_frames=1,
+    )
+    cfg.update(kwargs)
+    roles = causal_student(make_dmd2_roles(), cfg["num_frames_per_chunk"])
+    method = build_module(cfg, METHODS, roles=roles, components=make_components())
+    return method, roles, StreamingSpy(method.adapter, fake)
+
+
+def fixed_draws(method, exit_index, end):
+    method.draw_exit_step = lambda: exit_index
+    method.draw_window_end = lambda clip_chunks: end
+
+
+@pytest.mark.parametrize("end", [4, 9, 12])
+def test_only_the_window_keeps_graphs_and_nothing_after_it_is_generated(end):
+    from test_methods_framework import tiny_batch
+
+    method, _, spy = make_long_rollout()
+    fixed_draws(method, 1, end)
+    held = []
+    predict = spy.predict
+
+    def recording(handle, noisy, t, batch, cache, start_frame, store_kv, conditional=True):
+        held.append((start_frame, list(cache.frame_ids)))
+        return predict(handle, noisy, t, batch, cache, start_frame, store_kv, conditional)
+
+    method.adapter.predict_x0_streaming = recording
+    batch = method.adapter.prepare_batch(tiny_batch(2))
+    window, _ = method.generate(batch, with_grad=True)
+    assert window.shape == batch.latent_shape and window.requires_grad
+    start = end - CLIP
+    assert method.last_window == (start, end)
+    assert max(call["start"] for call in spy.calls) == end - 1  # chunks after the window never run
+    exits = [call for call in spy.calls if not call["store"] and call["t"] == pytest.approx(0.6)]
+    assert [call["start"] for call in exits] == list(range(end))
+    assert [call["graph"] for call in exits] == [c >= start for c in range(end)]  # graphs: the window's chunks only
+    assert not any(call["graph"] for call in spy.calls if call["store"] or call["t"] != pytest.approx(0.6))
+    torch.testing.assert_close(window, torch.cat([call["output"] for call in exits[start:]], dim=2))
+    # the rolling cache: at most 3 frames, frame 0 kept as a sink once the window rolls
+    assert all(len(ids) <= 3 and (ids[:1] == [0] or not ids) for _, ids in held)
+    assert all(ids == [0, s - 2, s - 1] for s, ids in held if s >= 3)
+    window.sum().backward()  # the DMD gradient reaches the student through the window's exit steps
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in method.student.unwrap().parameters())
+    spy.calls.clear()
+    assert not method.generate(batch, with_grad=False)[0].requires_grad  # critic iterations build no graph
+    assert not any(call["graph"] for call in spy.calls)
+
+
+def test_one_clip_rollout_is_self_forcing():
+    """rollout_multiple=1: the window is the clip and the cache never rolls, so the sample is Self-Forcing's."""
+    from test_methods_framework import make_components, tiny_batch
+
+    method, roles, _ = make_long_rollout(rollout_multiple=1, kv_window_frames=None, kv_sink_frames=0)
+    reference = build_module(
+        dict(type="SelfForcing", step_list=[1.0, 0.6, 0.3], num_frames_per_chunk=1, real_guidance_scale=2.0),
+        METHODS,
+        roles=roles,
+        components=make_components(),
+    )
+    batch = method.adapter.prepare_batch(tiny_batch(2))
+    noise = method.adapter.noise(batch)
+    for m in (method, reference):  # the same starting noise and exit step (the two draw them in another order)
+        m.adapter.noise = lambda shaped, noise=noise: noise[:, :, : shaped.latent_shape[2]].clone()
+        m.draw_exit_step = lambda: 2
+    method.draw_window_end = lambda clip_chunks: clip_chunks  # the one draw Self-Forcing does not make
+    torch.manual_seed(3)  # the same re-noising draws
+    ours, _ = method.generate(batch, with_grad=False)
+    torch.manual_seed(3)
+    theirs, _ = reference.generate(batch, with_grad=False)
+    assert method.last_window == (0, CLIP)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_window_draws_cover_the_rollout_and_last_takes_the_end():
+    method, _, _ = make_long_rollout()
+    torch.manual_seed(0)
+    ends = {method.draw_window_end(CLIP) for _ in range(200)}
+    assert ends == set(range(CLIP, 3 * CLIP + 1))
+    last, _, _ = make_long_rollout(window="last")
+    assert {last.draw_window_end(CLIP) for _ in range(5)} == {3 * CLIP}
+
+
+def test_trains_a_few_steps_with_finite_losses_on_the_two_time_scale_rule():
+    from test_methods_framework import tiny_batch, trainer_like_step
+
+    method, roles, _ = make_long_rollout(student_update_every=2)
+    before = {k: v.clone() for k, v in roles["student"].unwrap().state_dict().items()}
+    for iteration in range(3):
+        loss_map, outputs, grad_norms = trainer_like_step(method, roles, tiny_batch(1), iteration)
+        assert all(torch.isfinite(v) for v in loss_map.values())
+        assert ("generator_loss" in loss_map) == (iteration % 2 == 0)
+        assert set(grad_norms) == ({"critic", "student"} if iteration % 2 == 0 else {"critic"})
+        start, end = outputs["window_start_frame"], outputs["rollout_frames"]
+        assert end - start == CLIP and CLIP <= end <= 3 * CLIP and outputs["flops"] > 0
+    after = roles["student"].unwrap().state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(rollout_multiple=0), "rollout_multiple"),
+        (dict(window="middle"), "window"),
+        (dict(kv_window_frames=2, kv_sink_frames=2), "kv_sink_frames"),
+    ],
+)
+def test_bad_settings_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        make_long_rollout(**bad)
+
+
+def test_default_cache_window_needs_room_beside_the_sinks():
+    from test_methods_framework import tiny_batch
+
+    method, _, _ = make_long_rollout(kv_window_frames=None, kv_sink_frames=3)  # default window: 4 - 1 = 3 frames
+    with pytest.raises(ValueError, match="sink frames"):
+        method.generate(method.adapter.prepare_batch(tiny_batch(1)), with_grad=False)
+
+
+def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_generates():
+    """Train/test consistency past the clip length: the training rollout through the rolling cache with a sink (3x the
+    clip, exit at the last step) equals the streaming sampler's latents with the same window and sink frames."""
+    from test_methods_framework import tiny_batch
+
+    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.streaming import StreamingGenerator
+
+    steps = [1.0, 0.6, 0.3]
+    method, roles, _ = make_long_rollout(num_frames_per_chunk=2, rollout="euler", kv_window_frames=4, kv_sink_frames=2)
+    batch = tiny_batch(2)
+    prepared = method.adapter.prepare_batch(batch)
+    comp = method.components
+    sampler = VideoSampler(roles["student"].unwrap(), comp.vae, comp.text_encoder, progress=False)
+    stream = StreamingGenerator(sampler, step_list=steps, rollout="euler", window_frames=4, sink_frames=2)
+    seeds = [3, 4]
+    with torch.no_grad():
+        chunks = list(stream.stream(batch["text"], seeds, num_frames=3 * CLIP, height=16, width=16, decode=False))
+    streamed = torch.cat([chunk.latents for chunk in chunks], dim=2)
+    assert max(chunk.cached_frames for chunk in chunks) == 4  # the cache rolled
+    generators = [torch.Generator().manual_seed(s) for s in seeds]  # the sampler's noise: one draw per chunk
+    noise = torch.cat(
+        [torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators]) for _ in range(6)], dim=2
+    )
+    rolled = method.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False)
+    torch.testing.assert_close(rolled, streamed, rtol=1e-4, atol=1e-5)
+
+
+def test_demo_config_trains_a_few_steps_at_the_demo_clip_shape():
+    """configs/distill/long_rollout_demo.py's method on the demo's 32x32x16 clips (16 latent frames, chunks of 2, a
+    rollout of up to 4x the clip through a 14-frame cache with a 2-frame sink) with the tiny networks: finite losses,
+    the student moves on its iterations only, the critic every iteration."""
+    from test_methods_framework import make_components, make_dmd2_roles, trainer_like_step
+
+    from opensora.config import load_config
+
+    cfg = load_config("configs/distill/long_rollout_demo.py")
+    method_cfg = {k: v for k, v in cfg.method.items() if k != "adapter"}
+    method_cfg.update(student_update_every=2, step_list=[1.0, 0.5])  # two steps per chunk keep the test short
+    roles = causal_student(make_dmd2_roles(), cfg.method.num_frames_per_chunk)
+    method = build_module(method_cfg, METHODS, roles=roles, components=make_components())
+    batch = dict(video=torch.rand(1, 3, 16, 32, 32) * 2 - 1, text=["a red circle moving left"])
+    student = roles["student"].unwrap()
+    torch.manual_seed(0)  # the same window draws every run
+    for iteration in range(2):
+        before = [p.detach().clone() for p in student.parameters()]
+        loss_map, outputs, grad_norms = trainer_like_step(method, roles, batch, iteration)
+        assert all(torch.isfinite(v) for v in loss_map.values()) and set(loss_map) >= {"critic_loss", "total_loss"}
+        moved = any(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
+        assert moved == (iteration == 0) and ("student" in grad_norms) == (iteration == 0)
+        start, end = outputs["window_start_frame"], outputs["rollout_frames"]
+        assert end - start == 16 and 16 <= end <= 64 and end % 2 == 0
+    assert method.cache_window(method.adapter.prepare_batch(batch)) == 14 and method.kv_sink_frames == 2

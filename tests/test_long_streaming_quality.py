@@ -1,0 +1,50 @@
+"""benchmarks/long_streaming_quality.py --tiny: the whole measurement chain on CPU (teacher -> causal ODE init ->
+Self-Forcing and long-rollout DMD from the same init -> both streamed and scored per window), and a repeated call
+reusing every finished stage (how a GPU session splits it into calls under its time limit). The stages train in
+this process (--launcher in-process: the same trainer command without torchrun, a minute less on CI)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "long_streaming_quality", ROOT / "benchmarks/long_streaming_quality.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_path, capsys):
+    bench = _benchmark()
+    out = tmp_path / "run"
+    report = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--launcher", "in-process"])
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
+    assert report["motion"] == "wrap" and report["clip"] == [8, 16, 16] and report["prompts"] == 4
+    stages = {name: bench.last_checkpoint(out / name) for name in bench.STAGES}
+    assert all(stages.values())
+    for name in ("self_forcing", "long_rollout"):
+        student = report[name]
+        assert student["ckpt"] == str(stages[name]) and student["frames_per_s"] > 0
+        assert student["training"]["steps"] == 2 and "critic_loss" in student["training"]["last_losses"]
+        long = student["long"]
+        assert long["frames"] == 24 and [w["start_frame"] for w in long["windows"]] == [0, 8, 16]
+        assert long["window"] == 8 and student["window_frames"] == 6 and student["sink_frames"] == 2
+        assert set(student["criteria"]) >= {"flicker_le_1.1", "stats_every_window_ge_95pct_of_teacher"}
+    # the long-rollout student trained with the rolling cache and sinks of its config
+    config = (out / "configs/long_rollout.py").read_text()
+    assert "LongRollout" not in config and "long_rollout_gpu.py" in config and "motion='wrap'" in config
+    # a second call reuses every stage instead of training again
+    capsys.readouterr()
+    assert bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--stop-after", "long_rollout"]) == {}
+    printed = capsys.readouterr().out
+    assert all(f"== {name}: reusing" in printed for name in bench.STAGES)
+    assert all(bench.last_checkpoint(out / name) == path for name, path in stages.items())

@@ -1,0 +1,213 @@
+"""Long MovingShapes clips (bounce / wrap motion) and their per-window scoring, against the generator's ground truth."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opensora.datasets import moving_shapes as ms
+from opensora.eval.moving_shapes_windows import (
+    bounce_step_directions,
+    score_windows,
+    stats_in_range,
+    window_starts,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SIZE, FRAMES, LONG, WINDOW = 32, 16, 64, 16
+# a few clips covering every colour, shape and direction
+COMBOS = [
+    ("red", "triangle", "left"),
+    ("cyan", "circle", "up"),
+    ("blue", "square", "right"),
+    ("yellow", "triangle", "down"),
+]
+
+
+def long_clips(motion, num_frames=LONG, size=SIZE, seed=10):
+    motions = [
+        ms.sample_motion(np.random.default_rng(seed + i), *combo, size, size, motion=motion, reference_frames=FRAMES)
+        for i, combo in enumerate(COMBOS)
+    ]
+    return motions, [ms.render_video(m, size, size, num_frames) for m in motions], [ms.caption(*c) for c in COMBOS]
+
+
+# ---- the generator ----------------------------------------------------------------------------------------------
+def test_reflect_is_a_triangle_wave_between_the_walls():
+    assert [ms.reflect(v, 2.0, 5.0) for v in (2.0, 4.0, 5.0, 6.0, 8.0, 9.0, 11.0, 0.0)] == [2, 4, 5, 4, 2, 3, 5, 4]
+
+
+@pytest.mark.parametrize("motion", ["bounce", "wrap"])
+def test_long_modes_continue_the_linear_clip_at_its_speed(motion):
+    """A training (linear) clip keeps its shape in frame, so bounce / wrap at the same speed equal it for its length,
+    then go on: the centre keeps moving (dx, dy) per training clip, the shape never shrinks or leaves."""
+    linear = ms.sample_motion(np.random.default_rng(3), "green", "square", "left", SIZE, SIZE)
+    long = replace(linear, motion=motion, reference_frames=FRAMES, canvas_height=SIZE, canvas_width=SIZE)
+    frames = ms.render_video(long, SIZE, SIZE, 8 * FRAMES)
+    np.testing.assert_array_equal(frames[:FRAMES], ms.render_video(linear, SIZE, SIZE, FRAMES))
+    speed = abs(linear.dx) / (FRAMES - 1)
+    steps = [long.unfolded_centre(t + 1, 8 * FRAMES)[0] - long.unfolded_centre(t, 8 * FRAMES)[0] for t in range(50)]
+    np.testing.assert_allclose(steps, -speed)
+    coverage = (frames.astype(float) - ms.BACKGROUND).sum(axis=(1, 2, 3))
+    np.testing.assert_allclose(coverage, coverage[0], rtol=0.05)  # the whole shape in view (anti-aliasing: +-3%)
+    directions = {long.direction_at(t, 8 * FRAMES) for t in range(8 * FRAMES - 1)}
+    assert directions == ({"left", "right"} if motion == "bounce" else {"left"})
+
+
+def test_bounce_direction_is_the_sign_of_the_centre_step_and_reverses_at_the_walls():
+    motion = ms.sample_motion(np.random.default_rng(5), "red", "circle", "down", SIZE, SIZE, motion="bounce")
+    half = motion.size / 2
+    for t in range(LONG - 1):
+        y, y_next = motion.centre(t, LONG)[1], motion.centre(t + 1, LONG)[1]
+        assert half - 1e-9 <= y <= SIZE - half + 1e-9
+        assert motion.direction_at(t, LONG) == ("down" if y_next > y else "up")
+    assert motion.direction_at(0, LONG) == "down"  # the caption names the direction at frame 0
+
+
+def test_dataset_serves_long_mode_windows_and_keeps_linear_clips_unchanged():
+    from opensora.datasets.moving_shapes_dataset import MovingShapesDataset
+
+    linear = MovingShapesDataset(num=6, seed=1, height=SIZE, width=SIZE, num_frames=FRAMES)
+    wrap = MovingShapesDataset(num=6, seed=1, height=SIZE, width=SIZE, num_frames=FRAMES, motion="wrap")
+    for index in range(6):
+        combo = ms.dataset_attributes(6, 1)[index]
+        expected = ms.render_video(ms.clip_motion(index, combo, 1, SIZE, SIZE, False), SIZE, SIZE, FRAMES)
+        np.testing.assert_array_equal(linear.read_frames(index, FRAMES, 0)[0], expected)
+        motion = ms.clip_motion(index, combo, 1, SIZE, SIZE, False, "wrap", FRAMES)
+        np.testing.assert_array_equal(
+            wrap.read_frames(index, FRAMES, 0)[0], ms.render_video(motion, SIZE, SIZE, FRAMES)
+        )
+        assert wrap.texts[index] == ms.caption(*combo)
+    with pytest.raises(ValueError, match="motion"):
+        MovingShapesDataset(num=2, motion="zigzag")
+
+
+# ---- per-window scoring against the ground truth ----------------------------------------------------------------
+@pytest.mark.parametrize("motion", ["bounce", "wrap"])
+def test_ground_truth_scores_one_in_every_window(motion):
+    motions, videos, prompts = long_clips(motion)
+    starts = window_starts(LONG, WINDOW)
+    truth = [[m.window_direction(s, WINDOW, LONG) for s in starts] for m in motions]
+    for expected in (truth, None):  # the generator's directions, then the rule tracked on the clips themselves
+        report = score_windows(videos, prompts, WINDOW, motion=motion, expected_directions=expected)
+        assert len(report["windows"]) == LONG // WINDOW
+        for key in ("color", "shape", "direction", "stats"):
+            assert report[f"{key}_window_min"] == 1.0, (key, expected is None, report["windows"])
+    if motion == "bounce":  # the tracked rule finds the generator's turning points (to a frame step)
+        for m, video in zip(motions, videos):
+            truth = [m.direction_at(t, LONG) for t in range(LONG - 1)]
+            turns = sum(a != b for a, b in zip(truth, truth[1:]))
+            tracked = bounce_step_directions(video, m.direction)
+            assert turns >= 2 and sum(a != b for a, b in zip(tracked, truth)) <= turns
+
+
+def test_motion_reversed_midway_scores_low_on_direction_in_the_later_windows():
+    _, videos, prompts = long_clips("wrap")
+    mid = LONG // 2
+    # frames after the middle retrace the first half backwards: same shapes and colours, motion reversed
+    reversed_ = [np.concatenate([v[:mid], v[mid - 1 :: -1][: LONG - mid]]) for v in videos]
+    report = score_windows(reversed_, prompts, WINDOW, motion="wrap")
+    directions = [w["direction_acc"] for w in report["windows"]]
+    assert directions[: mid // WINDOW] == [1.0] * (mid // WINDOW)
+    assert max(directions[mid // WINDOW :]) <= 0.25
+    assert report["color_window_min"] == report["shape_window_min"] == 1.0
+    assert report["direction_vs_first_min"] <= 0.25
+
+
+def test_a_bounce_that_turns_mid_canvas_is_wrong_after_the_turn():
+    """The bounce rule reads the clip's own wall contacts: a shape that turns back before reaching a wall (here: a
+    wrap clip, which never turns, scored as bounce after its first contact) breaks the rule from there on."""
+    motions, videos, prompts = long_clips("bounce")
+    report = score_windows(videos, prompts, WINDOW, motion="bounce")
+    assert report["direction_window_min"] == 1.0
+    _, wrapped, _ = long_clips("wrap")
+    wrong = score_windows(wrapped, prompts, WINDOW, motion="bounce")  # straight on through the walls
+    assert wrong["direction_window_min"] < 0.75
+
+
+def test_frame_statistics_catch_a_darkening_background_and_a_changed_shape_for_every_caption():
+    """Ground truth is in range (above) and stays so 2 grey levels darker (a sampler's colour bias); 5 levels darker
+    (the drift seen in long rollouts: frame means 18-21 over a background of 24) is out for dim and bright captions
+    alike, and so is a shape of twice its area (beyond the size range) or half its contrast; a linear clip whose shape has
+    left the frame is out too."""
+    _, videos, prompts = long_clips("wrap")
+
+    def shifted(delta):
+        return [np.clip(v.astype(int) + delta, 0, 255).astype(np.uint8) for v in videos]
+
+    assert score_windows(shifted(-2), prompts, WINDOW, motion="wrap")["stats_window_min"] == 1.0
+    report = score_windows(shifted(-5), prompts, WINDOW, motion="wrap")
+    assert report["stats_window_min"] == 0.0 and report["color_window_min"] == 1.0
+    faded = [(ms.BACKGROUND + (v.astype(float) - ms.BACKGROUND) * 0.5).round().astype(np.uint8) for v in videos]
+    assert score_windows(faded, prompts, WINDOW, motion="wrap")["stats_window_min"] == 0.0
+    motions, _, _ = long_clips("wrap")
+    grown = [ms.render_video(replace(m, size=m.size * 2**0.5), SIZE, SIZE, LONG) for m in motions]
+    assert score_windows(grown, prompts, WINDOW, motion="wrap")["stats_window_min"] == 0.0
+    for video, combo in zip(videos, COMBOS):
+        assert stats_in_range(video[:WINDOW], *combo[:2]) and not stats_in_range(video[:WINDOW], "red", None)
+    # a linear clip carried on at the training speed past the training length: the shape leaves the frame
+    motions, _, _ = long_clips("linear")
+    scale = (4 * FRAMES - 1) / (FRAMES - 1)
+    linear = [ms.render_video(replace(m, dx=m.dx * scale, dy=m.dy * scale), SIZE, SIZE, 4 * FRAMES) for m in motions]
+    out = score_windows(linear, prompts, WINDOW, motion="linear")
+    assert out["windows"][0]["stats_in_range"] == 1.0 and out["windows"][-1]["stats_in_range"] < 0.5
+
+
+def test_a_prompt_switch_is_scored_against_the_caption_in_force():
+    """A schedule [(0, A), (32, B)]: windows before the switch are scored against A, after it against B, a window
+    with the switch inside is not scored; a video that ignores the switch fails every window after it."""
+    _, videos, prompts = long_clips("wrap")
+    mid = LONG // 2
+    order = [1, 2, 3, 0]  # each video switches to the next clip's content and caption
+    switched = [np.concatenate([videos[i][:mid], videos[j][mid:]]) for i, j in enumerate(order)]
+    schedules = [[(0, prompts[i]), (mid, prompts[j])] for i, j in enumerate(order)]
+    report = score_windows(switched, schedules, WINDOW, stride=WINDOW // 2, motion="wrap")
+    straddling = [w for w in report["windows"] if w["start_frame"] < mid < w["start_frame"] + WINDOW]
+    assert [w["start_frame"] for w in straddling] == [mid - WINDOW // 2]
+    assert straddling[0]["scored_n"] == 0 and straddling[0]["color_acc"] is None
+    for key in ("color", "shape", "direction", "stats"):
+        assert report[f"{key}_window_min"] == 1.0, key
+    ignored = score_windows(videos, schedules, WINDOW, motion="wrap")  # the stream kept the first prompt's content
+    after = [w for w in ignored["windows"] if w["start_frame"] >= mid]
+    assert all(w["color_acc"] == 0.0 for w in after) and ignored["color_vs_first_min"] == 0.0
+    with pytest.raises(ValueError, match="bounce"):
+        score_windows(switched, schedules, WINDOW, motion="bounce")
+
+
+def test_window_scoring_refuses_bad_input():
+    _, videos, prompts = long_clips("wrap", num_frames=FRAMES)
+    with pytest.raises(ValueError, match="window"):
+        score_windows(videos, prompts, FRAMES + 1)
+    with pytest.raises(ValueError, match="motion"):
+        score_windows(videos, prompts, WINDOW, motion="zigzag")
+    with pytest.raises(ValueError, match="one prompt per video"):
+        score_windows(videos, prompts[:1], WINDOW)
+
+
+def test_eval_tool_scores_windows_of_a_written_long_dataset(tmp_path):
+    meta = ms.write_dataset(
+        tmp_path / "d",
+        num=3,
+        seed=2,
+        height=SIZE,
+        width=SIZE,
+        num_frames=2 * FRAMES,
+        progress=False,
+        motion="wrap",
+        reference_frames=FRAMES,
+    )
+    out = tmp_path / "w.json"
+    env_cmd = [sys.executable, str(REPO / "tools/eval_moving_shapes.py"), str(meta), "--window", str(WINDOW)]
+    run = subprocess.run(
+        env_cmd + ["--motion", "wrap", "--json", str(out), "--no-progress"], capture_output=True, text=True, cwd=REPO
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert [w["start_frame"] for w in report["windows"]] == [0, FRAMES]
+    assert report["color_window_min"] == report["direction_window_min"] == report["stats_window_min"] == 1.0
+    bad = subprocess.run(env_cmd[:-1] + ["999", "--no-progress"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "window" in bad.stderr
