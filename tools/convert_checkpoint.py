@@ -30,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from opensora.checkpoint_layout import is_complete  # noqa: E402
+from opensora.checkpoint_manifest import verify_checkpoint  # noqa: E402
 from opensora.cli_errors import UserInputError, run_cli  # noqa: E402
 from opensora.convert.export import (  # noqa: E402
     export_weights,
@@ -131,6 +133,8 @@ def _run(argv) -> int:
         return 0
     parser = _convert_parser()
     args = parser.parse_args(argv)
+    if args.from_ is None and is_complete(args.src):  # a training checkpoint: every file against its manifest
+        verify_checkpoint(args.src, checksums=True, only=args.role)
     if args.inspect:
         print(format_summary(inspect_weights(args.src, role=args.role, ema=args.ema)))
         return 0
