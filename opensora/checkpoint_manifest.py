@@ -151,7 +151,7 @@ def check_safetensors_complete(path: str | Path) -> None:
             head = f.read(8)
             length = int.from_bytes(head, "little") if len(head) == 8 else -1
             if length < 2 or 8 + length > size:
-                raise ValueError(f"its header claims {length} bytes")
+                raise ValueError(f"truncated, or not safetensors: its header alone claims {length:,} bytes")
             header = json.loads(f.read(length))
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     except (ValueError, KeyError, TypeError, IndexError) as error:

@@ -442,6 +442,11 @@ def _verified_choice(outputs, load) -> tuple[str | None, str | None]:
             if load is not None:
                 return None, str(damaged)
             logger.warning("--resume auto: skipping a damaged checkpoint: %s", str(damaged).split("; ")[0])
+    if candidates:  # a fresh start would drop the run's records and mix a new run into its directory
+        return None, (
+            f"--resume auto: every checkpoint under {checkpoint_root(outputs)} is damaged (the warnings above name "
+            f"the files); copy a good one back, or start elsewhere with --outputs NEW_DIR"
+        )
     return None, None
 
 
@@ -453,5 +458,5 @@ def resolve_resume_path(outputs: str | Path, load: str | Path | None = None, res
         return None
     path, error = broadcast_object(_verified_choice(outputs, load) if get_rank() == 0 else None)
     if error is not None:
-        raise DamagedCheckpointError(Path(load), error)
+        raise DamagedCheckpointError(Path(load or checkpoint_root(outputs)), error)
     return None if path is None else Path(path)

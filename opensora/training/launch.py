@@ -11,6 +11,7 @@ from opensora.role_config import role_configs
 from opensora.shape_rules import check_training_shapes
 from opensora.training.defaults import TRAINER_DEFAULTS
 from opensora.training.run_dir import check_load_path, check_max_steps_after, prepare_outputs
+from opensora.training.run_lock import check_not_in_use
 from opensora.training.validation import validation_settings
 from opensora.writable import check_writable_dir
 
@@ -68,6 +69,9 @@ def main(argv=None) -> int:
     if args.load is not None:
         check_load_path(args.load)
         check_max_steps_after(args.load, args.max_steps)
+    check_not_in_use(
+        cfg.outputs, bool(args.overwrite)
+    )  # before "already holds a run": a live run's directory is busy, not finished
     move_old_run = prepare_outputs(cfg.outputs, args.load, args.resume == "auto", bool(args.overwrite))
     check_writable_dir(cfg.outputs, "--outputs")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -82,11 +86,14 @@ def main(argv=None) -> int:
                 logging.getLogger(__name__).warning(
                     "--overwrite: moved the earlier run in %s to %s", cfg.outputs, aside
                 )
+            from opensora.training.checkpoint import resolve_resume_path
             from opensora.training.trainer import Trainer
 
+            # verified (sizes and checksums, on rank 0) before anything is built: a damaged --load is refused at once
+            resume_from = resolve_resume_path(cfg.outputs, load=args.load, resume_auto=args.resume == "auto")
             trainer = Trainer(cfg)
             trainer.preemption = preemption
-            trainer.resume(load=args.load, auto=args.resume == "auto")
+            trainer.resume_from(resume_from, auto=args.resume == "auto")
             trainer.train()
         if not trainer.preempted:
             return 0

@@ -72,6 +72,29 @@ def _read(lock: Path) -> dict | None:
         return {}  # half-written by a holder that died mid-write: treated as stale below (no host, no pid)
 
 
+def _job() -> str:
+    """The launch this process belongs to: ranks of one torchrun job share its rendezvous address and run id."""
+    return ":".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
+
+
+def _in_use(outputs: Path, lock: Path, record: dict) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(record.get("started", 0))))
+    return (
+        f"--outputs {outputs} is in use by another run (host {record.get('host')}, pid {record.get('pid')}, since "
+        f"{since}; lock {lock}): wait for it to end, or write elsewhere with --outputs NEW_DIR. If that process is "
+        f"gone, delete {lock}"
+    )
+
+
+def check_not_in_use(outputs: str | os.PathLike, overwrite: bool = False) -> None:
+    """Read-only, on every rank before anything else: refuse when another live run holds ``outputs`` (rank 0 takes
+    the lock itself later, ``claim_outputs``; a lock of this very launch, taken by a faster rank 0, is no refusal)."""
+    lock = Path(outputs) / LOCK_FILE
+    record = _read(lock)
+    if record is not None and record.get("job") != _job() and _holder_alive(record, lock):
+        raise RunLockedError(("--overwrite refused: " if overwrite else "") + _in_use(Path(outputs), lock, record))
+
+
 class RunLock:
     """``RunLock(outputs).acquire()`` ... ``release()`` (or ``with``). Creates ``outputs`` if missing and removes it
     again on release when the run left nothing in it (a refused start leaves no empty run directory)."""
@@ -87,7 +110,7 @@ class RunLock:
         if not self.outputs.exists():
             self.outputs.mkdir(parents=True)
             self._created_dir = True
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "job": _job()}
         for _ in range(5):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -107,12 +130,7 @@ class RunLock:
             return  # released meanwhile: try again
         if _holder_alive(record, self.path):
             self.release()
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(record.get("started", 0))))
-            raise RunLockedError(
-                f"--outputs {self.outputs} is in use by another run (host {record.get('host')}, pid "
-                f"{record.get('pid')}, since {since}; lock {self.path}): wait for it to end, or write elsewhere "
-                f"with --outputs NEW_DIR. If that process is gone, delete {self.path}"
-            )
+            raise RunLockedError(_in_use(self.outputs, self.path, record))
         stale = self.path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
         try:
             os.replace(self.path, stale)  # atomic: of two runs taking over, one moves it

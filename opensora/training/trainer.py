@@ -141,6 +141,7 @@ class Trainer:
         self.preempted = False  # every rank agreed to stop at a stop signal (``_verdict``)
         self.stop_signal = 0  # its number (the largest one, where ranks got different signals)
         self.last_checkpoint: Optional[Path] = None
+        self._records_started = False  # config.py and the metrics sinks: written once the start is settled
 
     def _choose_nonfinite_check(self) -> bool:
         """True: skip non-finite steps on the device and read the verdict a step late (see the module docstring)."""
@@ -184,7 +185,10 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def resume(self, load: Optional[str] = None, auto: bool = False) -> None:
         """Resume from checkpoint directory ``load``, or with ``auto`` from the newest complete one in outputs."""
-        path = ckpt.resolve_resume_path(self.outputs, load=load, resume_auto=auto)  # verified against its manifest
+        self.resume_from(ckpt.resolve_resume_path(self.outputs, load=load, resume_auto=auto), auto)
+
+    def resume_from(self, path: Optional[Path], auto: bool = False) -> None:
+        """Resume from ``path``, a checkpoint ``checkpoint.resolve_resume_path`` chose and verified (None: fresh)."""
         if path is None:
             if auto and self.is_main:
                 logger.info("--resume auto: no complete checkpoint in %s, starting fresh", self.outputs)
@@ -208,7 +212,7 @@ class Trainer:
     def _start_records(self) -> None:
         """Write the run's config and open its metrics, once the checkpoint it continues from has loaded (a refused
         resume leaves the run directory as it was). A fresh start drops records of an earlier run past its step."""
-        if self.is_main and not getattr(self, "_records_started", False):
+        if self.is_main and not self._records_started:
             save_config(self.cfg, self.outputs)
         self._records_started = True
         self.metrics.truncate_after(self.step)
@@ -289,11 +293,17 @@ class Trainer:
         """The loop. The host never waits for the GPU inside a step where the non-finite check is deferred (else
         once per step, before the optimizer step); metrics are all-reduced on the device and read one step later
         (``_flush``), so no ``.item()`` stalls the next step."""
-        if not getattr(self, "_records_started", False):
+        if not self._records_started:
             self._start_records()
         progress = tqdm(
             total=self.max_steps, initial=self.step, disable=not self.is_main, desc="train", dynamic_ncols=True
         )
+        try:
+            self._loop(progress)
+        finally:
+            progress.close()  # ends the bar's line, so an error message starts on a line of its own
+
+    def _loop(self, progress) -> None:
         batches = self._batches()
         started = time.monotonic()
         self._pending = None  # the previous step's metrics, still on the device
