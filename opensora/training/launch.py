@@ -91,6 +91,8 @@ def main(argv=None) -> int:
 
             # verified (sizes and checksums, on rank 0) before anything is built: a damaged --load is refused at once
             resume_from = resolve_resume_path(cfg.outputs, load=args.load, resume_auto=args.resume == "auto")
+            if resume_from is not None and args.load is None:
+                check_max_steps_after(resume_from, args.max_steps, "--resume auto: the newest checkpoint")
             trainer = Trainer(cfg)
             trainer.preemption = preemption
             trainer.resume_from(resume_from, auto=args.resume == "auto")

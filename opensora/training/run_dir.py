@@ -105,12 +105,12 @@ def checkpoint_step(path) -> Optional[int]:
         return None
 
 
-def check_max_steps_after(load, max_steps: int) -> None:
-    """``--load CKPT --max-steps N`` with N at or below the checkpoint's step would train nothing."""
-    step = checkpoint_step(load)
+def check_max_steps_after(checkpoint, max_steps: int, flag: str = "--load") -> None:
+    """Resuming from ``checkpoint`` with ``--max-steps`` at or below its step would train nothing."""
+    step = checkpoint_step(checkpoint)
     if step is not None and int(max_steps) <= step:
         raise UserInputError(
-            f"--load {load} is at step {step} and --max-steps {max_steps} is not past it: nothing to train. "
+            f"{flag} {checkpoint} is at step {step} and --max-steps {max_steps} is not past it: nothing to train. "
             f"--max-steps counts all steps, not steps to add: pass --max-steps {step + int(max_steps)} to train "
             f"{max_steps} more"
         )
