@@ -79,16 +79,17 @@ class Preemption:
         self._writer.close()  # ends the helper thread (its recv returns b"")
 
     def _watch(self) -> None:
-        while True:
-            try:
-                data = self._reader.recv(64)
-            except OSError:
-                return
-            if not data:
-                return
-            for number in data:
-                if number in {int(s) for s in SIGNALS}:
-                    self.receive(signal.Signals(number))
+        with self._reader:
+            while True:
+                try:
+                    data = self._reader.recv(64)
+                except OSError:
+                    return
+                if not data:  # the writer was closed: the run is over
+                    return
+                for number in data:
+                    if number in {int(s) for s in SIGNALS}:
+                        self.receive(signal.Signals(number))
 
     def receive(self, sig: signal.Signals) -> None:
         """One stop signal: the first asks for a graceful stop, a later one (after the window) exits now."""
