@@ -51,6 +51,16 @@ def in_process(script: str, *args, capsys) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess([sys.executable, script, *argv], code, out.out, out.err)
 
 
+@pytest.fixture(autouse=True)
+def _keep_environment():
+    """An in-process run sets the torchrun variables (a free MASTER_PORT its process group keeps listening on): a
+    later subprocess must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def forbid_building_the_trainer(monkeypatch) -> None:
     """Fail the test if the refusal under test comes only after the trainer (models, data) was built."""
     import opensora.training.trainer
@@ -298,23 +308,51 @@ def test_a_live_run_holds_its_outputs_and_a_signal_stops_it_with_a_checkpoint(wo
     assert not (outputs / ".run.lock").exists()
 
 
-def test_a_second_signal_stops_at_once_without_a_checkpoint(work):
+_SLOW_DISK_TRAIN = """
+import sys, time
+import opensora.training.checkpoint as checkpoint
+real = checkpoint.write_manifest
+checkpoint.write_manifest = lambda directory: (time.sleep(120), real(directory))[1]  # a save that takes long
+from opensora.cli_errors import run_cli
+from opensora.training.launch import main
+sys.exit(run_cli(main, sys.argv[1:], prog="train.py"))
+"""
+
+
+def test_a_second_signal_stops_at_once_and_removes_the_partial_checkpoint(work):
     """The first SIGTERM asks for a checkpoint at the end of the step; a second one (past the 2 s in which a
-    launcher's forwarded copy counts as the same request) exits at once with 128 + 15, leaving no checkpoint."""
+    launcher's forwarded copy counts as the same request) arrives while that checkpoint is being written (a slow
+    disk, injected): the run exits at once with 128 + 15 and leaves no checkpoint, not even a partial one."""
     outputs = work["root"] / "twice"
-    live = start(TRAIN, work["tiny"], "--outputs", outputs, "--max-steps", 100000, "--ckpt-every", 100000)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    args = [work["tiny"], "--outputs", outputs, "--max-steps", 100000, "--ckpt-every", 100000]
+    live = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_DISK_TRAIN, *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    checkpoints = outputs / "checkpoints"
     try:
-        wait_for(lambda: (outputs / ".run.lock").is_file() or live.poll() is not None, what="the run lock")
+        wait_for(lambda: metrics_rows(outputs) >= 1 or live.poll() is not None, what="the first step")
         live.send_signal(signal.SIGTERM)
-        time.sleep(2.3)
+        first = time.monotonic()
+        wait_for(lambda: list(checkpoints.glob(".tmp-step-*")) or live.poll() is not None, what="the save")
+        assert live.poll() is None
+        time.sleep(max(0.0, first + 2.2 - time.monotonic()))
         live.send_signal(signal.SIGTERM)
-        _, stderr = live.communicate(timeout=60)
+        _, stderr = live.communicate(timeout=30)
     finally:
         if live.poll() is None:
             live.kill()
     assert live.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert "second SIGTERM: stopped at once without a new checkpoint" in stderr.strip().splitlines()[-1]
-    assert not list((outputs / "checkpoints").glob("*")) if (outputs / "checkpoints").exists() else True
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("train.py: second SIGTERM: stopped at once without a new checkpoint; removed the partial")
+    assert list(checkpoints.iterdir()) == []
 
 
 def test_a_second_signal_during_a_save_removes_the_partial_checkpoint(tmp_path):
