@@ -516,3 +516,34 @@ def test_resume_auto_refuses_when_every_checkpoint_is_damaged(work, capsys):
     result = in_process(TRAIN, work["tiny"], "--outputs", outputs, "--max-steps", 6, "--resume", "auto", capsys=capsys)
     assert_refused(result, "--resume auto: every checkpoint under", "is damaged")
     assert snapshot(outputs) == before
+
+
+def test_the_lock_itself_two_claims_stale_records_and_a_half_written_one(tmp_path):
+    """The O_EXCL claim that two runs started together race for (the pre-check cannot see a lock not yet written)."""
+    import socket
+
+    from opensora.training.run_lock import LOCK_FILE, RunLock, RunLockedError
+
+    outputs = tmp_path / "run"
+    first = RunLock(outputs).acquire()
+    with pytest.raises(RunLockedError, match=f"host {socket.gethostname()}, pid {os.getpid()}"):
+        RunLock(outputs).acquire()
+    first.release()
+    assert not outputs.exists(), "a lock that created the directory removes it when the run left nothing"
+
+    outputs.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock = outputs / LOCK_FILE
+    lock.write_text(json.dumps(dict(host=socket.gethostname(), pid=int(dead.stdout), started=time.time())) + "\n")
+    RunLock(outputs).acquire().release()  # a dead holder: taken over
+    lock.write_text(json.dumps(dict(host=socket.gethostname(), pid=os.getpid(), started=time.time() - 10**6)))
+    RunLock(outputs).acquire().release()  # our pid, but this process started after that lock: a reused pid
+    lock.write_text("")  # a holder that died between creating and writing the file, long ago
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    RunLock(outputs).acquire().release()
+    lock.write_text(json.dumps(dict(host="another-node", pid=1, started=time.time())))
+    with pytest.raises(RunLockedError, match="host another-node, pid 1"):  # alive until its heartbeat stops
+        RunLock(outputs).acquire()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    RunLock(outputs).acquire().release()
+    assert outputs.is_dir() and not lock.exists()
