@@ -69,9 +69,8 @@ def main(argv=None) -> int:
     if args.load is not None:
         check_load_path(args.load)
         check_max_steps_after(args.load, args.max_steps)
-    check_not_in_use(
-        cfg.outputs, bool(args.overwrite)
-    )  # before "already holds a run": a live run's directory is busy, not finished
+    # a live run's directory is busy, not finished: said before "already holds a run"
+    check_not_in_use(cfg.outputs, bool(args.overwrite))
     move_old_run = prepare_outputs(cfg.outputs, args.load, args.resume == "auto", bool(args.overwrite))
     check_writable_dir(cfg.outputs, "--outputs")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
