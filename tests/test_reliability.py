@@ -497,7 +497,9 @@ def test_unwritable_outputs_and_save_dir_are_one_line(work, tmp_path, capsys, mo
     assert_refused(result, f"--save-dir {tmp_path / 'samples'} is not writable (Read-only file system")
     result = in_process(TRAIN, work["tiny"], "--outputs", tmp_path / "run", "--max-steps", 2, capsys=capsys)
     assert_refused(result, f"--outputs {tmp_path / 'run'} is not writable (Read-only file system")
-    assert not (tmp_path / "samples").exists() and not (tmp_path / "run").exists()
+    result = in_process(CONVERT, checkpoint, tmp_path / "out" / "model.safetensors", capsys=capsys)
+    assert_refused(result, f"DST's folder {tmp_path / 'out'} is not writable (Read-only file system")
+    assert not any((tmp_path / name).exists() for name in ("samples", "run", "out"))
 
 
 def test_load_with_max_steps_at_or_below_its_step_says_what_to_pass(work, tmp_path):

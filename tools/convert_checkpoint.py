@@ -42,6 +42,7 @@ from opensora.convert.export import (  # noqa: E402
 from opensora.convert.opensora2 import HALF_SPLIT, ROPE_PAIRINGS  # noqa: E402
 from opensora.convert.weights import LORA_KEY, load_role_weights  # noqa: E402
 from opensora.dtypes import SHORT_NAMES  # noqa: E402
+from opensora.writable import check_writable_dir  # noqa: E402
 
 
 def _inspect_parser() -> argparse.ArgumentParser:
@@ -145,6 +146,7 @@ def _run(argv) -> int:
         raise UserInputError(f"DST {dst} is SRC: write the converted weights to another path")
     if dst.exists() and not args.overwrite:
         raise UserInputError(f"DST {dst} already exists: pass --overwrite to replace it, or choose another path")
+    check_writable_dir(dst.parent, "DST's folder")  # before reading SRC: a read-only target fails at once
     if args.from_ is not None:
         if args.to != "opensora":
             parser.error("--from imports into our layout; convert the result with a second call for --to")
