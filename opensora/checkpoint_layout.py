@@ -14,6 +14,7 @@ Training writes this layout (``opensora.training.checkpoint``); inference, the c
     rng/rank{r}.pt         python/numpy/torch(/cuda) RNG state of every rank r
     config.py              the resolved config text
     meta.json              step, world size, roles, time
+    manifest.json          every file's size and CRC-32 (``opensora.checkpoint_manifest``), checked by every reader
     COMPLETE               completion marker, written last
 
 ``role`` is ``model`` for plain training and ``student``, ``critic``... for distillation. Saves go to a hidden

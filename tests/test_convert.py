@@ -293,3 +293,44 @@ def test_ours_to_diffusers_flux_loads_strictly_and_matches(tmp_path):
     assert _cli()([str(ours_file), str(tmp_path / "flux"), "--to", "diffusers"]) == 0
     loaded = FluxTransformer2DModel.from_pretrained(tmp_path / "flux").eval()
     torch.testing.assert_close(_diffusers(loaded, x, t, text, pooled, guidance), expected, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_zero_weight_condition_input_is_folded_for_diffusers(tmp_path):
+    """A text-to-video model's ``cond_in``: weight never trained (zero), bias trained and added on every call. The
+    diffusers export folds the bias into ``x_embedder``'s: the Flux model computes what ours computes with a
+    condition given (any: the weight ignores it). A nonzero weight is refused in one line and writes nothing."""
+    from diffusers import FluxTransformer2DModel
+
+    model = _randomise(MMDiT(**TINY, cond_channels=17, guidance_embed=True).eval(), seed=7)
+    model.cond_in.weight.zero_()
+    assert model.cond_in.bias.abs().min() > 0
+    source = tmp_path / "t2v.safetensors"
+    save_file(model.state_dict(), str(source), metadata={"arch": arch_to_json(model.arch)})
+    with pytest.warns(UserWarning, match="folded cond_in's bias"):
+        assert _cli()([str(source), str(tmp_path / "flux"), "--to", "diffusers"]) == 0
+    flux = FluxTransformer2DModel.from_pretrained(tmp_path / "flux").eval()
+
+    x, t, text, pooled = _inputs(seed=3)
+    guidance = torch.full((x.shape[0],), 3.0)
+    cond = torch.randn(x.shape[0], 17, *x.shape[2:], generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(text.shape[:2], dtype=torch.bool)
+    ours = model(x, timestep=t, text_emb=text, text_mask=mask, pooled=pooled, guidance=guidance, cond=cond)
+    torch.testing.assert_close(_diffusers(flux, x, t, text, pooled, guidance), ours, rtol=1e-5, atol=1e-5)
+    dropped = _ours(model, x, t, text, pooled, guidance)  # without the bias: what the export must not compute
+    assert (dropped - ours).abs().max() > 100 * 1e-5
+
+    model.cond_in.weight[0, 0] = 1e-3  # one trained entry: Flux has nothing to hold it
+    trained = tmp_path / "i2v.safetensors"
+    save_file(model.state_dict(), str(trained), metadata={"arch": arch_to_json(model.arch)})
+    result = subprocess.run(
+        [sys.executable, "tools/convert_checkpoint.py", str(trained), str(tmp_path / "refused"), "--to", "diffusers"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "cond_in's weight is not zero" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "refused").exists()

@@ -329,3 +329,47 @@ def test_deferred_check_settles_before_validation(data, tmp_path):
     assert [r["step"] for r in train["auto"]] == [1, 2, 3, 4]
     assert_same_records(by_step(train["auto"]), by_step(train["sync"]), range(1, 5), keys=KEYS)
     assert_same_state(auto["state"], runs["sync"]["state"])
+
+
+class _SignalAt:
+    """Stands in for the launcher's ``Preemption``: a SIGTERM 'arrives' while micro-step ``call`` runs."""
+
+    def __init__(self, seen: dict, call: int):
+        self.seen, self.call = seen, call
+
+    @property
+    def signal_number(self) -> int:
+        return int(signal.SIGTERM) if self.seen["calls"] >= self.call else 0
+
+
+def test_preemption_under_the_deferred_check_saves_a_settled_step_and_resumes_exactly(data):
+    """The stop flag rides in the verdict that is read a step late: the signal arrives during the 3rd micro-step (a
+    NaN one, still unsettled), the run stops after settling every queued step, saves at that settled step (the skip
+    counted, the scheduler not stepped for it) and ``--resume auto`` continues bit for bit."""
+    bad = bad_batches(data)  # NaN on the 3rd and 6th batch
+    rule = lambda call, batch: int(batch["index"][0]) in bad  # noqa: E731
+    flags = ("--max-steps", "8", "--ckpt-every", "100")
+    reference, records, _ = run(data, "uninterrupted_preempt", "auto", rule, *flags)
+
+    outputs = data["root"] / "preempted"
+    trainer = build_trainer(data["config"], outputs, "--tensorboard", "false", *flags)
+    assert trainer.defer_check
+    trainer.preemption = _SignalAt(nan_when(trainer.method, rule), 3)
+    trainer.train()
+    assert trainer.preempted and trainer.stop_signal == signal.SIGTERM
+    step = trainer.step
+    assert 1 <= step < 8 and trainer.nonfinite_total == 1
+    assert trainer.last_checkpoint == outputs / "checkpoints" / f"step-{step:07d}"
+    assert sorted(p.name for p in (outputs / "checkpoints").iterdir()) == [f"step-{step:07d}"]
+    got = read_metrics(outputs)
+    assert [r["step"] for r in got] == list(range(1, step + 1))
+    assert_same_records(by_step(got), by_step(records), range(1, step + 1), keys=KEYS)
+
+    resumed = build_trainer(data["config"], outputs, "--tensorboard", "false", *flags)
+    resumed.resume(auto=True)
+    nan_when(resumed.method, rule)
+    resumed.train()
+    got = read_metrics(outputs)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert_same_records(by_step(got), by_step(records), range(1, 9), keys=KEYS)
+    assert_same_state(trained_state(resumed), trained_state(reference))

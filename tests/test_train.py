@@ -13,8 +13,10 @@ such overrides in a config file (as these tests do) or use torchrun. It also nee
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -590,3 +592,50 @@ def test_compiled_blocks_train_save_and_resume_exactly(workdir):
     assert set(final) == set(reference) and all(torch.equal(final[name], reference[name]) for name in reference)
     eager = build_trainer(workdir["tiny"], workdir["root"] / "eager_names", "--max-steps", "1")
     assert set(reference) == set(eager.roles["model"].unwrap().state_dict())
+
+
+# ---- preemption on 2 ranks ---------------------------------------------------------------------------------------
+def test_sigterm_on_one_rank_checkpoints_both_and_resume_auto_is_exact(zero2_run, workdir):
+    """SIGTERM reaches rank 1 only (as a node-local signal might): both ranks agree in their per-step all-reduce,
+    finish the same optimizer step, save one checkpoint at that (settled) step and exit with code 75; ``--resume auto``
+    then continues to step 12 bit-identically to the uninterrupted run."""
+    import psutil
+
+    outputs = workdir["root"] / "preempted"
+    port = str(find_free_port())
+    command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", port]
+    command += [str(TRAIN_SCRIPT), str(workdir["tiny"]), "--outputs", str(outputs), "--max-steps", "12"]
+    command += ["--ckpt-every", "6"]
+    launcher = subprocess.Popen(
+        command, cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    metrics = outputs / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (metrics.is_file() and metrics.read_text().strip()) and launcher.poll() is None:
+            assert time.monotonic() < deadline, "no step logged"
+            time.sleep(0.02)
+        workers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert len(workers) == 1, "rank 1 not found"
+        workers[0].send_signal(signal.SIGTERM)
+        log, _ = launcher.communicate(timeout=TIMEOUT_S)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    stops = [line for line in log.splitlines() if "train.py: stopped by SIGTERM after step" in line]
+    assert len(stops) == 1, log[-4000:]  # rank 0 says it, once
+    step = int(stops[0].split("after step ")[1].split(":")[0])
+    assert 1 <= step < 12, log[-4000:]
+    assert "exitcode  : 75" in log or "exit code 75" in log, log[-4000:]
+    checkpoints = outputs / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        f"step-{s:07d}" for s in sorted({step, 6} & set(range(1, step + 1)))
+    ]
+    assert [r["step"] for r in read_metrics(outputs)] == list(range(1, step + 1))
+
+    launch("torchrun", workdir["tiny"], outputs, "--max-steps", "12", "--ckpt-every", "6", "--resume", "auto")
+    resumed, reference = by_step(read_metrics(outputs)), by_step(read_metrics(zero2_run))
+    assert sorted(resumed) == list(range(1, 13))
+    assert_same_records(resumed, reference, range(1, 13))
+    final, want = (safetensors_weights(path / "checkpoints" / "step-0000012") for path in (outputs, zero2_run))
+    assert final.keys() == want.keys() and all(torch.equal(final[k], want[k]) for k in want)

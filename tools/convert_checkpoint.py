@@ -32,6 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opensora.checkpoint_layout import newest_checkpoint_of  # noqa: E402
+from opensora.checkpoint_layout import is_complete  # noqa: E402
+from opensora.checkpoint_manifest import verify_checkpoint  # noqa: E402
 from opensora.cli_errors import UserInputError, run_cli  # noqa: E402
 from opensora.convert.export import (  # noqa: E402
     export_weights,
@@ -42,6 +44,7 @@ from opensora.convert.export import (  # noqa: E402
 from opensora.convert.opensora2 import HALF_SPLIT, ROPE_PAIRINGS  # noqa: E402
 from opensora.convert.weights import LORA_KEY, load_role_weights  # noqa: E402
 from opensora.dtypes import SHORT_NAMES  # noqa: E402
+from opensora.writable import check_writable_dir  # noqa: E402
 
 
 def _inspect_parser() -> argparse.ArgumentParser:
@@ -141,18 +144,21 @@ def _run(argv) -> int:
         return 0
     parser = _convert_parser()
     args = parser.parse_args(argv)
+    if args.from_ is None:
+        args.src = str(_newest_checkpoint(args.src))
+        if is_complete(args.src):  # a training checkpoint: every file against its manifest
+            verify_checkpoint(args.src, checksums=True, only=args.role)
     if args.inspect:
-        print(format_summary(inspect_weights(_newest_checkpoint(args.src), role=args.role, ema=args.ema)))
+        print(format_summary(inspect_weights(args.src, role=args.role, ema=args.ema)))
         return 0
     if args.dst is None:
         parser.error("DST is required unless --inspect / inspect is used")
-    if args.from_ is None:
-        args.src = str(_newest_checkpoint(args.src))
     dst = Path(args.dst)
     if dst.exists() and dst.resolve() == Path(args.src).resolve():
         raise UserInputError(f"DST {dst} is SRC: write the converted weights to another path")
     if dst.exists() and not args.overwrite:
         raise UserInputError(f"DST {dst} already exists: pass --overwrite to replace it, or choose another path")
+    check_writable_dir(dst.parent, "DST's folder")  # before reading SRC: a read-only target fails at once
     if args.from_ is not None:
         if args.to != "opensora":
             parser.error("--from imports into our layout; convert the result with a second call for --to")

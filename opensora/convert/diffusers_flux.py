@@ -26,7 +26,7 @@ single_blocks.N.norm.{query,key}_scale                 single_transformer_blocks
 single_blocks.N.linear2 (cols attn|mlp)                single_transformer_blocks.N.proj_out (same column order)
 final_layer.adaLN_modulation (rows shift|scale)        norm_out.linear (rows scale|shift: halves swapped)
 final_layer.linear                                     proj_out
-cond_in                                                (none: dropped on export if all zero, else an error)
+cond_in                                                (none: a zero weight's bias folds into x_embedder's bias)
 =====================================================  ===========================================================
 """
 
@@ -95,19 +95,26 @@ def _rules() -> List[Rule]:
 def to_diffusers_flux(state: StateDict, drop_zero_cond: bool = True) -> StateDict:
     """Our MMDiT state dict -> ``FluxTransformer2DModel`` keys.
 
-    diffusers' Flux has no condition input: a ``cond_in`` that is all zeros (never trained, e.g. a fresh or
-    text-to-video model) is a no-op and is dropped with a warning; a trained one raises, since dropping it would
-    change what the model computes for I2V/V2V.
+    diffusers' Flux has no condition input. Ours adds ``cond_in(cond) = W cond + b`` to ``img_in``'s output on every
+    call that passes a condition (the sampler always does, with zeros for text-to-video). With ``W`` all zero (a
+    model never trained on I2V/V2V, or a fresh one) that term is the constant ``b``: it is folded into ``img_in``'s
+    bias, which is exact. A nonzero ``W`` raises, since no Flux weights compute it.
     """
     state = dict(state)
     cond = {k: state.pop(k) for k in [k for k in state if k.startswith("cond_in.")]}
+    weight, bias = cond.get("cond_in.weight"), cond.get("cond_in.bias")
     if cond:
-        if not drop_zero_cond or any(bool(t.any()) for t in cond.values()):
+        if not drop_zero_cond or weight is None or bool(weight.any()):
             raise ValueError(
-                "this MMDiT has a trained condition input (cond_in), which FluxTransformer2DModel cannot hold; "
-                "export it in our or the Open-Sora 2.0 layout instead"
+                "this MMDiT has a trained condition input (cond_in's weight is not zero), which "
+                "FluxTransformer2DModel cannot hold; export it in our or the Open-Sora 2.0 layout instead"
             )
-        warnings.warn("dropping the all-zero cond_in (unused condition input) for the diffusers Flux layout")
+        if bias is not None and bool(bias.any()):
+            folded = state["img_in.bias"].double() + bias.double()
+            state["img_in.bias"] = folded.to(state["img_in.bias"].dtype)
+            warnings.warn("folded cond_in's bias into img_in's bias (its weight is zero) for the diffusers Flux layout")
+        else:
+            warnings.warn("dropping the all-zero cond_in (unused condition input) for the diffusers Flux layout")
     return export_state(state, _rules(), hidden_size_of(state, "img_in.weight"), LAYOUT)
 
 

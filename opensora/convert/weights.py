@@ -19,7 +19,7 @@ from typing import Dict, Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file as _load_file
 
 from opensora.checkpoint_layout import (
     ADAPTER_FILE,
@@ -31,6 +31,7 @@ from opensora.checkpoint_layout import (
     is_role_dir,
     newest_checkpoint_of,
 )
+from opensora.checkpoint_manifest import check_safetensors_complete, verify_checkpoint
 from opensora.cli_errors import UserInputError
 
 from .arch import ARCH_FILE, ARCH_KEY, arch_from_json
@@ -49,6 +50,13 @@ class LoadedWeights:
     config_text: Optional[str] = None  # the training config, when the checkpoint carries one
     metadata: Dict[str, str] = field(default_factory=dict)
     arch: Optional[dict] = None  # the network's keyword arguments, when the checkpoint records them as JSON
+
+
+def load_file(path) -> Dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file`` after checking the file is whole: a truncated or foreign file is one error
+    naming it, never a ``SafetensorError`` traceback."""
+    check_safetensors_complete(path)
+    return _load_file(str(path))
 
 
 def shard_names(directory: Path) -> list:
@@ -171,6 +179,7 @@ def _load_stored(path: Path, role: str, ema: bool) -> LoadedWeights:
     if not role_dir.is_dir():
         roles = sorted(p.name for p in path.iterdir() if is_role_dir(p))
         raise FileNotFoundError(f"checkpoint {path} has no role '{role}'; it has {roles}")
+    verify_checkpoint(path, only=role, quiet=True)  # the role's files against the manifest's sizes (a stat each)
     meta_file = path / META_FILE
     step = json.loads(meta_file.read_text()).get("step") if meta_file.is_file() else None
     config_file = path / CONFIG_FILE

@@ -9,6 +9,7 @@ a training step resumes at exactly the next batch, however far the workers had p
 
 import logging
 import random
+import signal
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -44,6 +45,10 @@ def seed_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+    # stop signals are the main process's (graceful preemption: finish the step, save): a worker that Ctrl-C or
+    # Slurm's SIGTERM killed would fail the very step being finished. Workers still exit with their parent.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class ResumableDataLoader:

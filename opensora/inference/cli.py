@@ -15,12 +15,16 @@ import sys
 from pathlib import Path
 
 from opensora.checkpoint_layout import newest_checkpoint_of
+from opensora.checkpoint_manifest import verify_checkpoint
 from opensora.cli_errors import UserInputError, check_range, run_cli
 from opensora.config import load_config_from_cli, save_config
 from opensora.inference.cli_help import INFERENCE_HELP, training_clip_defaults
 from opensora.inference.pipeline_cli import PIPELINE_FLAGS, parse_stream_graphs, streaming_options
+from opensora.inference.reference_check import check_reference
 from opensora.inference.save_dir import plan_save_dir
 from opensora.quiet_logs import quiet_third_party
+from opensora.shape_rules import check_sampling_shape
+from opensora.writable import check_writable_dir
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ INFERENCE_FLAGS = {
     "image_guidance_scale": 3.0,  # image CFG scale w_img (reference conditions only; 1 = 2 passes)
     "cond_type": "t2v",  # t2v | i2v_head | i2v_tail | i2v_loop | v2v_head | v2v_tail
     "ref": None,  # reference image (i2v_*) or video (v2v_*)
+    "verify_checkpoint": False,  # check every file's checksum against the checkpoint's manifest (sizes: always)
     "dtype": "auto",  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
     "device": "auto",
     "offload": False,  # keep text encoder and autoencoder on the CPU except while they run
@@ -125,9 +130,11 @@ def check_inference_flags(args) -> None:
         raise UserInputError(f"--cond-type {args.cond_type!r} is not one of {', '.join(CONDITION_TYPES)}")
     if args.ref is not None and not Path(str(args.ref)).is_file():
         raise UserInputError(f"--ref {args.ref}: no such file")
+    check_reference(args.cond_type, args.ref)
     save_dir = Path(str(args.save_dir))
     if save_dir.exists() and not save_dir.is_dir():
         raise UserInputError(f"--save-dir {save_dir} is a file; give a directory (it is created if missing)")
+    check_writable_dir(save_dir, "--save-dir")
     check_range("sequence_parallel_size", args.sequence_parallel_size, 1, integer=True)
     if int(args.sequence_parallel_size) > 1:
         others = [
@@ -179,6 +186,9 @@ def main(argv=None, on_chunk=None) -> list:
         height, width = video_size_for(str(args.resolution), args.aspect_ratio)
     except ValueError as error:
         raise UserInputError(f"--step-list / --resolution / --aspect-ratio: {error}") from None
+    check_sampling_shape(cfg, args.role, int(args.num_frames), height, width, str(args.resolution))
+    if ckpt.is_dir():  # sizes always (a stat per file), checksums with --verify-checkpoint
+        verify_checkpoint(ckpt, checksums=bool(args.verify_checkpoint), only=args.role)
     args.step_list = step_list
     num_frames = int(args.num_frames)
     batch_size = max(1, int(args.batch_size))
@@ -242,11 +252,15 @@ def _sample(
     from opensora.inference.prompts import per_sample_seeds, sample_stem
 
     writes = sp is None or sp.rank == 0  # this group's rank 0 writes its samples
-    if writes:
-        save_dir.mkdir(parents=True, exist_ok=True)
-    if sp is None or dist.get_rank() == 0:
-        save_config(cfg, save_dir, args.save_plan.config_name)
+
+    def start_save_dir():  # once the weights have loaded: a refused start leaves no half-made save-dir
+        if writes:
+            save_dir.mkdir(parents=True, exist_ok=True)
+        if sp is None or dist.get_rank() == 0:
+            save_config(cfg, save_dir, args.save_plan.config_name)
+
     if args.pp_devices:
+        start_save_dir()
         from opensora.inference.pipeline_cli import run_pipelined
 
         common = dict(
@@ -283,6 +297,7 @@ def _sample(
         offload=bool(args.offload),
         progress=bool(args.progress) and writes,
     )
+    start_save_dir()
     sampler.set_sequence_parallel(sp)
     sampler.set_cuda_graphs(parse_stream_graphs(args.cuda_graphs, "--cuda-graphs") != "off")
     if args.jano or args.jano_offload or args.jano_graphs:

@@ -17,12 +17,14 @@ newest-checkpoint lookup: ``opensora.checkpoint_layout``, shared with inference 
     rng/rank{r}.pt         python/numpy/torch(/cuda) RNG state of every rank r
     config.py              the resolved config text, for people to read      (if given; never executed on load)
     meta.json              step, world size, time
+    manifest.json          size and CRC-32 of every file above (``opensora.checkpoint_manifest``)
     COMPLETE               completion marker, written last
 
 Every rank writes into a hidden sibling ``.tmp-step-{step:07d}``; after a barrier rank 0 writes the marker and
 renames the directory into place (``os.replace`` is atomic on one filesystem), so a crash mid-save leaves the
 previous checkpoint untouched and only a tmp directory behind, which the next save removes.
-Everything is loadable with ``torch.load(weights_only=True)``.
+Everything is loadable with ``torch.load(weights_only=True)``, and every load here is weights-only, ColossalAI's
+included (``opensora.safe_load``); a checkpoint is checked against its manifest before anything is loaded.
 
 Why ``master/``: ColossalAI's checkpoint IO rebuilds the optimizer's fp32 master weights from the saved
 bf16/fp16 model weights on load, which rounds them, so a resumed bf16 run drifts from the uninterrupted one.
@@ -33,6 +35,7 @@ different world size the rounded masters are kept and a warning says so).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -54,14 +57,18 @@ from opensora.checkpoint_layout import (
     TMP_PREFIX,
     checkpoint_dir,
     checkpoint_root,
-    find_latest_checkpoint,
+    find_latest_checkpoint,  # noqa: F401  (re-exported: callers and tests find the newest checkpoint here)
     is_complete,
     list_checkpoints,
 )
+from opensora.checkpoint_manifest import DamagedCheckpointError, verify_checkpoint, write_manifest
+from opensora.safe_load import load_tensors, weights_only_loads
 
-from .checkpoint_checks import any_rank_failed, check_model_fits, save_failure
+from .checkpoint_checks import any_rank_failed, check_model_fits, is_write_failure, save_failure
 from .distributed import barrier, broadcast_object, get_rank, get_world_size
 from .rng import get_rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
 
 
 def _remove_leftover_tmp_dirs(root: Path) -> None:
@@ -71,11 +78,22 @@ def _remove_leftover_tmp_dirs(root: Path) -> None:
                 shutil.rmtree(child, ignore_errors=True)
 
 
+def _sizes_match(path: Path) -> bool:
+    try:
+        verify_checkpoint(path, quiet=True)
+        return True
+    except DamagedCheckpointError:
+        return False
+
+
 def prune_checkpoints(outputs: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints; returns the deleted paths."""
+    """Delete all but the newest ``keep_last`` complete checkpoints; returns the deleted paths. A damaged checkpoint
+    (its files differ in size from its manifest) neither counts as kept nor is deleted: it stays for its owner to
+    inspect, and the intact older ones it would have pushed out stay too."""
     if keep_last is None or keep_last <= 0:
         return []
-    doomed = [path for _, path in list_checkpoints(outputs)[:-keep_last]]
+    intact = [path for _, path in list_checkpoints(outputs) if _sizes_match(path)]
+    doomed = intact[:-keep_last]
     for path in doomed:
         # Rename first so a crash mid-delete never leaves a half-deleted dir that still looks complete.
         trash = path.with_name(f"{TMP_PREFIX}delete-{path.name}")
@@ -129,7 +147,7 @@ def _load_master_params(model, optimizer, directory: Path, rank: int, saved_worl
             f"{get_world_size()}: rebuilding them from the low-precision model weights"
         )
         return
-    saved = torch.load(path, weights_only=True)
+    saved = load_tensors(path)
     if len(saved) != len(masters) or any(a.shape != b.shape for a, b in zip(saved, masters)):
         raise RuntimeError(f"{path} does not match this optimizer's master parameters (model or plugin changed?)")
     with torch.no_grad():
@@ -311,21 +329,28 @@ def save_checkpoint(
         error = failed
     if any_rank_failed(error):  # a collective: also the barrier that ends the writing phase
         failure = save_failure(tmp, final, error or OSError("another rank failed to write its part"))
-        if error is not None and not isinstance(error, OSError):
+        if error is not None and not is_write_failure(error):
             raise error  # not an IO problem: keep the original error (the tmp dir is gone already)
         raise failure from error
 
+    meta = {
+        "step": int(step),
+        "world_size": world_size,
+        "roles": sorted(trained),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    error = None
     if rank == 0:
-        meta = {
-            "step": int(step),
-            "world_size": world_size,
-            "roles": sorted(trained),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        _publish(tmp, final, meta)
-        prune_checkpoints(outputs, keep_last)
-    barrier()
+        try:
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            write_manifest(tmp)  # after every other file, before the marker
+            _publish(tmp, final, meta)
+        except OSError as failed:
+            error = failed
+        else:
+            prune_checkpoints(outputs, keep_last)
+    if any_rank_failed(error):  # a collective: also the barrier that ends the save on every rank
+        raise save_failure(tmp, final, error or OSError("rank 0 failed to finish the checkpoint")) from error
     return final
 
 
@@ -385,15 +410,17 @@ def load_checkpoint(
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if not is_complete(path):
         raise RuntimeError(f"checkpoint {path} has no {COMPLETE_MARKER} marker: it is an interrupted save")
+    verify_checkpoint(path, quiet=True)  # sizes, every rank (a stat per file); checksums: rank 0 in resolve_resume_path
     meta = json.loads((path / META_FILE).read_text())
-    for name, role in _trained_roles(roles).items():
-        _load_role(name, role, path / name, int(meta.get("world_size", 0)), load_optimizer)
+    with weights_only_loads():  # ColossalAI's loads of optimizer shards, param groups and lr_scheduler.pt too
+        for name, role in _trained_roles(roles).items():
+            _load_role(name, role, path / name, int(meta.get("world_size", 0)), load_optimizer)
 
-    extra_state = torch.load(path / "extra_state.pt", weights_only=True)
+    extra_state = load_tensors(path / "extra_state.pt")
     if restore_rng:
         rng_file = path / "rng" / f"rank{get_rank()}.pt"
         if rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=True))
+            set_rng_state(load_tensors(rng_file))
         else:
             warnings.warn(
                 f"{rng_file} missing (saved with world size {meta.get('world_size')}); this rank's RNG is not restored"
@@ -402,11 +429,34 @@ def load_checkpoint(
     return LoadedState(path=path, step=int(meta["step"]), extra_state=extra_state, meta=meta)
 
 
+def _verified_choice(outputs, load) -> tuple[str | None, str | None]:
+    """Rank 0: (checkpoint to resume from, None) or (None, why not). ``load`` must verify (sizes and checksums);
+    without it the newest complete checkpoint under ``outputs`` that verifies is taken, and each damaged newer one is
+    skipped with a warning naming it."""
+    candidates = [Path(load)] if load is not None else [path for _, path in reversed(list_checkpoints(outputs))]
+    for path in candidates:
+        try:
+            verify_checkpoint(path, checksums=True)
+            return str(path), None
+        except DamagedCheckpointError as damaged:
+            if load is not None:
+                return None, str(damaged)
+            logger.warning("--resume auto: skipping a damaged checkpoint: %s", str(damaged).split("; ")[0])
+    if candidates:  # a fresh start would drop the run's records and mix a new run into its directory
+        return None, (
+            f"--resume auto: every checkpoint under {checkpoint_root(outputs)} is damaged (the warnings above name "
+            f"the files); copy a good one back, or start elsewhere with --outputs NEW_DIR"
+        )
+    return None, None
+
+
 def resolve_resume_path(outputs: str | Path, load: str | Path | None = None, resume_auto: bool = False) -> Path | None:
-    """``--load DIR`` wins; ``--resume auto`` picks rank 0's view of the newest complete checkpoint."""
-    if load is not None:
-        return Path(load)
-    if not resume_auto:
+    """``--load DIR`` wins; ``--resume auto`` picks the newest complete checkpoint that verifies. Rank 0 checks the
+    files against the checkpoint's manifest (sizes and checksums) and every rank gets its answer: a damaged ``--load``
+    is the same one-line error on every rank."""
+    if load is None and not resume_auto:
         return None
-    latest = find_latest_checkpoint(outputs) if get_rank() == 0 else None
-    return broadcast_object(latest)
+    path, error = broadcast_object(_verified_choice(outputs, load) if get_rank() == 0 else None)
+    if error is not None:
+        raise DamagedCheckpointError(Path(load or checkpoint_root(outputs)), error)
+    return None if path is None else Path(path)

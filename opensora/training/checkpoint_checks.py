@@ -4,13 +4,14 @@
   headers, no data loaded) with the model's. ColossalAI's loader skips size mismatches, so a checkpoint of another
   architecture would load "fine" and fail later in the EMA or the first optimizer step.
 * ``save_failure``: a save that fails on any rank (disk full, quota, permissions) removes the partial temporary
-  directory at once and raises one error naming the path and the free bytes there.
+  directory at once and raises one error naming the path and the free bytes there; a full disk reads "no space
+  left on device" however the serializer reported it (``write_failure_cause``).
 """
 
 import errno
 import shutil
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -58,11 +59,47 @@ def free_bytes(path) -> int:
         return -1
 
 
+# How the serializers report a full disk or quota, besides an ``OSError`` with its errno: torch's zip writer as an
+# enforce failure ("unexpected pos", "file write failed"), safetensors as a Rust io error in its message.
+_FULL_DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+_FULL_DISK_MESSAGES = (
+    "unexpected pos",
+    "file write failed",
+    "failed writing file",
+    "no space left on device",
+    "storagefull",
+    "os error 28",
+    "code: 28",
+    "disk quota exceeded",
+    "os error 122",
+)
+
+
+def write_failure_cause(error: BaseException) -> Optional[str]:
+    """'no space left on device' / 'disk quota exceeded' when ``error`` (or its cause) is one of the ways the
+    serializers report a full filesystem; None for anything else."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if getattr(error, "errno", None) in _FULL_DISK_ERRNOS:
+            return _FULL_DISK_ERRNOS[error.errno]
+        text = str(error).lower()
+        if any(marker in text for marker in _FULL_DISK_MESSAGES):
+            return "disk quota exceeded" if "quota" in text or "os error 122" in text else "no space left on device"
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def is_write_failure(error: BaseException) -> bool:
+    """An IO problem (reported as ``CheckpointSaveError``), not a bug (which keeps its traceback)."""
+    return isinstance(error, OSError) or write_failure_cause(error) is not None
+
+
 def save_failure(tmp: Path, final: Path, error: BaseException) -> CheckpointSaveError:
     """Remove the partial ``tmp`` directory now and describe the failure (what, where, how much space is left)."""
     shutil.rmtree(tmp, ignore_errors=True)
     free = free_bytes(final.parent)
-    cause = "no space left on device" if getattr(error, "errno", None) == errno.ENOSPC else str(error)
+    cause = write_failure_cause(error) or str(error)
     return CheckpointSaveError(
         f"saving checkpoint {final} failed: {cause} ({free:,} bytes free on that filesystem); the partial "
         f"temporary directory {tmp} was removed and earlier checkpoints are untouched"

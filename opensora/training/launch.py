@@ -1,16 +1,20 @@
 """``scripts/diffusion/train.py``'s logic, importable: parse the config and flags, build the trainer, run."""
 
 import logging
-import os
+import signal
 import sys
+from pathlib import Path
 
 from opensora.cli_errors import check_range, run_cli
 from opensora.config import ConfigKeyError, ConfigValueError, load_config_from_cli
 from opensora.quiet_logs import quiet_third_party
 from opensora.role_config import role_configs
+from opensora.shape_rules import check_training_shapes
 from opensora.training.defaults import TRAINER_DEFAULTS
-from opensora.training.run_dir import check_load_path, prepare_outputs
+from opensora.training.run_dir import check_load_path, check_max_steps_after, prepare_outputs
+from opensora.training.run_lock import check_not_in_use
 from opensora.training.validation import validation_settings
+from opensora.writable import check_writable_dir
 
 _FLAG_SETTINGS = (
     "outputs",
@@ -44,7 +48,7 @@ def check_train_flags(cfg, args) -> None:
         check_range("lr", cfg.lr, 0)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     quiet_third_party()
     try:
         cfg, args = load_config_from_cli(
@@ -63,23 +67,48 @@ def main(argv=None) -> None:
     if args.resume not in (None, "auto"):
         raise SystemExit(f"--resume only takes 'auto' (got {args.resume!r}); use --load DIR for a given checkpoint")
     check_train_flags(cfg, args)
+    check_training_shapes(cfg)  # every bucket against the VAE and patch sizes, before anything is built
     if args.load is not None:
         check_load_path(args.load)
-    aside = prepare_outputs(
-        cfg.outputs,
-        args.load,
-        args.resume == "auto",
-        bool(args.overwrite),
-        is_main=int(os.environ.get("RANK", "0")) == 0,
-    )
+        check_max_steps_after(args.load, args.max_steps)
+    # a live run's directory is busy, not finished: said before "already holds a run"
+    check_not_in_use(cfg.outputs, bool(args.overwrite))
+    move_old_run = prepare_outputs(cfg.outputs, args.load, args.resume == "auto", bool(args.overwrite))
+    check_writable_dir(cfg.outputs, "--outputs")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if aside is not None:
-        logging.getLogger(__name__).warning("--overwrite: moved the earlier run in %s to %s", cfg.outputs, aside)
-    from opensora.training.trainer import Trainer  # heavy imports after argument errors are reported
+    from opensora.training.distributed import init_distributed  # heavy imports after argument errors are reported
+    from opensora.training.preemption import EXIT_PREEMPTED, Preemption
+    from opensora.training.run_lock import claim_outputs
 
-    trainer = Trainer(cfg)
-    trainer.resume(load=args.load, auto=args.resume == "auto")
-    trainer.train()
+    with Preemption(Path(cfg.outputs) / "checkpoints") as preemption:  # until the end: a launcher may signal again
+        rank = init_distributed()[0]
+        with claim_outputs(cfg.outputs, move_old_run) as aside:  # one run per outputs directory (rank 0 holds it)
+            if aside is not None:
+                logging.getLogger(__name__).warning(
+                    "--overwrite: moved the earlier run in %s to %s", cfg.outputs, aside
+                )
+            from opensora.training.checkpoint import resolve_resume_path
+            from opensora.training.trainer import Trainer
+
+            # verified (sizes and checksums, on rank 0) before anything is built: a damaged --load is refused at once
+            resume_from = resolve_resume_path(cfg.outputs, load=args.load, resume_auto=args.resume == "auto")
+            if resume_from is not None and args.load is None:
+                check_max_steps_after(resume_from, args.max_steps, "--resume auto: the newest checkpoint")
+            trainer = Trainer(cfg)
+            trainer.preemption = preemption
+            trainer.resume_from(resume_from, auto=args.resume == "auto")
+            trainer.train()
+        if not trainer.preempted:
+            return 0
+        if rank == 0:
+            print(
+                f"train.py: stopped by {signal.Signals(trainer.stop_signal).name} after step "
+                f"{trainer.step}: checkpoint {trainer.last_checkpoint} saved; continue with --resume auto "
+                f"(exit code {EXIT_PREEMPTED})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return EXIT_PREEMPTED
 
 
 if __name__ == "__main__":

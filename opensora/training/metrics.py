@@ -24,14 +24,21 @@ class MetricsLogger:
         self.path = Path(outputs) / "metrics.jsonl"
         self._tb = None
         self._wandb = None
-        if not enabled:
+        # the sinks open on first use (``start``): a run refused at resume leaves nothing in its outputs directory
+        self._settings = (Path(outputs), tensorboard, dict(wandb_cfg or {}), run_config)
+        self._started = False
+
+    def start(self) -> None:
+        """Create the outputs directory and open tensorboard / wandb (once; on rank 0 only)."""
+        if not self.enabled or self._started:
             return
+        self._started = True
+        outputs, tensorboard, wandb_cfg, run_config = self._settings
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(outputs) / "tensorboard"))
-        wandb_cfg = dict(wandb_cfg or {})
+            self._tb = SummaryWriter(log_dir=str(outputs / "tensorboard"))
         if wandb_cfg.pop("enable", False):
             import wandb
 
@@ -42,6 +49,7 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop the records of steps after ``step`` that a crashed run wrote past its checkpoint."""
+        self.start()
         if not self.enabled or not self.path.exists():
             return
         kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
@@ -53,6 +61,7 @@ class MetricsLogger:
         """One ``metrics.jsonl`` record; tensorboard scalars are tagged ``{prefix}{key}``."""
         if not self.enabled:
             return
+        self.start()
         record = {"step": step, **{k: v for k, v in values.items() if v is not None}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -69,6 +78,7 @@ class MetricsLogger:
         moviepy); the mp4 files ``paths`` as wandb videos."""
         if not self.enabled:
             return
+        self.start()
         if self._tb is not None:
             self._tb.add_image("val/samples", grid, step, dataformats="HWC")
             if _has_module("moviepy"):

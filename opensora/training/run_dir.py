@@ -3,12 +3,15 @@
 * A fresh run (no ``--load`` / ``--resume auto``) into a directory that already holds a run (checkpoints or a
   non-empty ``metrics.jsonl``) is refused: it would truncate the old metrics, overwrite its checkpoints and let a
   later ``--resume auto`` mix the two runs. ``--overwrite`` moves the old run aside to
-  ``{outputs}.replaced-{time}`` (nothing is deleted) and starts fresh.
+  ``{outputs}.replaced-{time}`` (nothing is deleted) and starts fresh, never while another run holds the directory
+  (``run_lock``).
+* ``--load CKPT --max-steps N`` with N at or below the checkpoint's step is refused (it would train nothing).
 * ``--load`` must name one checkpoint: a run's outputs directory is answered with its list of checkpoints.
 
 Pure filesystem checks with no torch import, so ``train.py`` reports them before any heavy start-up.
 """
 
+import json
 import os
 import re
 import time
@@ -62,24 +65,28 @@ def check_load_path(load) -> None:
         )
 
 
-def prepare_outputs(outputs, load: Optional[str], resume_auto: bool, overwrite: bool, is_main: bool) -> Optional[Path]:
-    """Refuse a fresh run into a directory holding a run unless ``overwrite``; then (rank 0 only) move the old run
-    aside. Returns where the old run went, or None."""
+def prepare_outputs(outputs, load: Optional[str], resume_auto: bool, overwrite: bool) -> bool:
+    """Refuse a fresh run into a directory holding a run unless ``overwrite``; returns whether the old run is to be
+    moved aside (``move_run_aside``, by rank 0 once it holds the run lock: never a live run's directory)."""
     outputs = Path(outputs)
     if outputs.exists() and not outputs.is_dir():
         raise UserInputError(f"--outputs {outputs} is a file, not a directory")
     if resume_auto or not holds_run(outputs):
-        return None
+        return False
     if load is not None and Path(load).resolve().is_relative_to(outputs.resolve()):
-        return None  # continuing this run from one of its own checkpoints
+        return False  # continuing this run from one of its own checkpoints
     if not overwrite:
         raise UserInputError(
             f"--outputs {outputs} already holds a run ({describe_checkpoints(outputs)}); a fresh run would mix "
             f"with it. Continue it with --resume auto, write elsewhere with --outputs NEW_DIR, or pass --overwrite "
             f"to move the old run aside to {outputs}.replaced-<time> and start fresh"
         )
-    if not is_main:
-        return None
+    return True
+
+
+def move_run_aside(outputs) -> Path:
+    """Move the run in ``outputs`` to ``{outputs}.replaced-{time}`` (nothing is deleted); returns where it went."""
+    outputs = Path(outputs)
     aside = outputs.with_name(f"{outputs.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
     suffix = 1
     while aside.exists():
@@ -87,3 +94,23 @@ def prepare_outputs(outputs, load: Optional[str], resume_auto: bool, overwrite: 
         suffix += 1
     os.replace(outputs, aside)
     return aside
+
+
+def checkpoint_step(path) -> Optional[int]:
+    """The step a checkpoint directory records in its ``meta.json`` (None when it does not say)."""
+    meta = Path(path) / "meta.json"
+    try:
+        return int(json.loads(meta.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_max_steps_after(checkpoint, max_steps: int, flag: str = "--load") -> None:
+    """Resuming from ``checkpoint`` with ``--max-steps`` at or below its step would train nothing."""
+    step = checkpoint_step(checkpoint)
+    if step is not None and int(max_steps) <= step:
+        raise UserInputError(
+            f"{flag} {checkpoint} is at step {step} and --max-steps {max_steps} is not past it: nothing to train. "
+            f"--max-steps counts all steps, not steps to add: pass --max-steps {step + int(max_steps)} to train "
+            f"{max_steps} more"
+        )

@@ -24,6 +24,7 @@ import torch
 from mmengine.config import Config
 from tqdm import tqdm
 
+from opensora.cli_errors import UserInputError
 from opensora.config import ConfigValueError, save_config
 from opensora.datasets.dataloader import build_dataloader
 from opensora.dtypes import resolve_dtype
@@ -87,8 +88,6 @@ class Trainer:
         max_minutes = self.setting("max_minutes")
         self.max_minutes = None if max_minutes is None else float(max_minutes)
         seed_everything(int(cfg.seed))  # same initial weights on every rank
-        if self.is_main:
-            save_config(cfg, self.outputs)
 
         dtype = resolve_dtype(self.setting("precision"))
         # the dataset first: one of precomputed features checks them against the config and spares the encoders
@@ -135,6 +134,11 @@ class Trainer:
         self.compile_log = CompileLog()  # logs the seconds torch.compile took when a step compiled
         self.defer_check = self._choose_nonfinite_check()
         self.out_of_time = False
+        self.preemption = None  # an ``opensora.training.preemption.Preemption`` (``requested``) set by the launcher
+        self.preempted = False  # every rank agreed to stop at a stop signal (``_verdict``)
+        self.stop_signal = 0  # its number (the largest one, where ranks got different signals)
+        self.last_checkpoint: Optional[Path] = None
+        self._records_started = False  # config.py and the metrics sinks: written once the start is settled
 
     def _choose_nonfinite_check(self) -> bool:
         """True: skip non-finite steps on the device and read the verdict a step late (see the module docstring)."""
@@ -178,25 +182,41 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def resume(self, load: Optional[str] = None, auto: bool = False) -> None:
         """Resume from checkpoint directory ``load``, or with ``auto`` from the newest complete one in outputs."""
-        path = ckpt.resolve_resume_path(self.outputs, load=load, resume_auto=auto)
+        self.resume_from(ckpt.resolve_resume_path(self.outputs, load=load, resume_auto=auto), auto)
+
+    def resume_from(self, path: Optional[Path], auto: bool = False) -> None:
+        """Resume from ``path``, a checkpoint ``checkpoint.resolve_resume_path`` chose and verified (None: fresh)."""
         if path is None:
             if auto and self.is_main:
                 logger.info("--resume auto: no complete checkpoint in %s, starting fresh", self.outputs)
-            # a fresh start must not append to the records of an earlier run (e.g. one that died before saving)
-            self.metrics.truncate_after(self.step)
+            self._start_records()
             return
         loaded = ckpt.load_checkpoint(path, self.roles)
         state = loaded.extra_state
         self.step = int(state["trainer"]["step"])
+        if self.step >= self.max_steps:
+            raise UserInputError(
+                f"{path} is at step {self.step}, at or past --max-steps {self.max_steps}: nothing to train. "
+                f"--max-steps counts all steps (not steps to add): pass --max-steps {self.step + self.max_steps} "
+                f"to train {self.max_steps} more"
+            )
         self.nonfinite_total = int(state["trainer"].get("nonfinite_total", 0))
         self.loader.load_state_dict(state["data"])
-        self.metrics.truncate_after(self.step)
+        self._start_records()
         if self.is_main:
             logger.info("resumed from %s at step %d", path, self.step)
 
+    def _start_records(self) -> None:
+        """Write the run's config and open its metrics, once the checkpoint it continues from has loaded (a refused
+        resume leaves the run directory as it was). A fresh start drops records of an earlier run past its step."""
+        if self.is_main and not self._records_started:
+            save_config(self.cfg, self.outputs)
+        self._records_started = True
+        self.metrics.truncate_after(self.step)
+
     def save(self) -> Path:
         trainer_state = dict(step=self.step, nonfinite_total=self.nonfinite_total)
-        return ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             self.outputs,
             self.step,
             self.roles,
@@ -204,6 +224,8 @@ class Trainer:
             config_text=self.cfg.pretty_text,
             keep_last=int(self.setting("keep_last")),
         )
+        self.last_checkpoint = path
+        return path
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def _updating_roles(self, iteration: int) -> list:
@@ -227,14 +249,18 @@ class Trainer:
             role.optimizer.backward(scaled, inputs=params, retain_graph=position < len(roles) - 1)
 
     def _verdict(self, losses, started: float) -> tuple:
-        """(flags, verdict): flags = [any rank's losses non-finite, rank 0 past the time budget] as 0/1 on the
-        device, all-reduced with MAX after the backward kernels are queued; the verdict is their host copy, queued
+        """(flags, verdict): flags = [any rank's losses non-finite, rank 0 past the time budget, any rank got a stop
+        signal] as 0/1 on the device, all-reduced with MAX after the backward kernels are queued; the verdict is their host copy, queued
         now and read a step later (deferred check), or the values read at once (the one host wait of a step). Every
         rank must agree on both, or ranks would disagree about stepping or stopping and deadlock; rank 0's clock
         decides the budget."""
         nonfinite = torch.stack([~torch.isfinite(loss.detach()).all() for loss in losses]).any().float()
         late = self.is_main and self.max_minutes is not None and time.monotonic() - started > 60.0 * self.max_minutes
-        flags = torch.stack((nonfinite, torch.full_like(nonfinite, float(late))))  # a fill, not a host-to-device copy
+        stop = 0 if self.preemption is None else self.preemption.signal_number  # which signal: rank 0 names it
+        # fills, not host-to-device copies
+        flags = torch.stack(
+            (nonfinite, torch.full_like(nonfinite, float(late)), torch.full_like(nonfinite, float(stop)))
+        )
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         return flags, HostCopy([flags]) if self.defer_check else flags.tolist()
@@ -242,8 +268,10 @@ class Trainer:
     def _read_verdict(self, verdict) -> bool:
         """Whether the step's losses were finite everywhere (``verdict`` from ``_verdict``); notes a spent time
         budget."""
-        nonfinite, late = verdict.values()[0].tolist() if isinstance(verdict, HostCopy) else verdict
+        nonfinite, late, stop = verdict.values()[0].tolist() if isinstance(verdict, HostCopy) else verdict
         self.out_of_time = self.out_of_time or late > 0
+        if stop > 0 and not self.preempted:
+            self.preempted, self.stop_signal = True, int(stop)
         return nonfinite == 0
 
     def _update_emas(self, iteration: int, after: Optional[torch.cuda.Event]) -> None:
@@ -262,15 +290,23 @@ class Trainer:
         """The loop. The host never waits for the GPU inside a step where the non-finite check is deferred (else
         once per step, before the optimizer step); metrics are all-reduced on the device and read one step later
         (``_flush``), so no ``.item()`` stalls the next step."""
+        if not self._records_started:
+            self._start_records()
         progress = tqdm(
             total=self.max_steps, initial=self.step, disable=not self.is_main, desc="train", dynamic_ncols=True
         )
+        try:
+            self._loop(progress)
+        finally:
+            progress.close()  # ends the bar's line, so an error message starts on a line of its own
+
+    def _loop(self, progress) -> None:
         batches = self._batches()
         started = time.monotonic()
         self._pending = None  # the previous step's metrics, still on the device
         self.out_of_time = False
         queued = None  # the last step queued whose verdict is not read yet (deferred check only)
-        while self.step + (queued is not None) < self.max_steps and not self.out_of_time:
+        while self.step + (queued is not None) < self.max_steps and not (self.out_of_time or self.preempted):
             iteration = self.step + (queued is not None)  # assumes the queued step counts: the method ignores it
             losses, loss_maps = [], []
             self.profiler.begin(iteration)
@@ -307,7 +343,8 @@ class Trainer:
             logger.info("max_minutes=%s reached at step %d: saving and stopping", self.max_minutes, self.step)
         self._pending = self._flush(self._pending, progress)
         progress.close()
-        if self.setting("save_at_end"):
+        saved_now = self.last_checkpoint is not None and self.last_checkpoint.name == f"step-{self.step:07d}"
+        if (self.setting("save_at_end") or self.preempted) and not saved_now:
             self.save()
         self.metrics.close()
         barrier()
