@@ -300,11 +300,19 @@ def test_a_live_run_holds_its_outputs_and_a_signal_stops_it_with_a_checkpoint(wo
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = dict(host=lock["host"], pid=int(dead.stdout), started=time.time() - 60)
     (outputs / ".run.lock").write_text(json.dumps(stale) + "\n")
-    # taken over (else "in use"), then refused for its own reason (nothing past step), and released again
+    # taken over (else "in use"); the run is finished at that --max-steps (a requeue): nothing to do, exit 0
+    before = {name: entry for name, entry in snapshot(outputs).items() if name != ".run.lock"}
     result = in_process(
         TRAIN, work["tiny"], "--outputs", outputs, "--max-steps", step, "--resume", "auto", capsys=capsys
     )
-    assert_refused(result, f"the newest checkpoint {checkpoint} is at step {step}", f"pass --max-steps {2 * step}")
+    assert result.returncode == 0 and "already finished" in result.stderr and "nothing to train" in result.stderr
+    assert not (outputs / ".run.lock").exists()
+    assert snapshot(outputs) == before
+    # below the newest step: refused, saying what to pass
+    result = in_process(
+        TRAIN, work["tiny"], "--outputs", outputs, "--max-steps", step - 1, "--resume", "auto", capsys=capsys
+    )
+    assert_refused(result, f"the newest checkpoint {checkpoint} is at step {step}", f"pass --max-steps {2 * step - 1}")
     assert not (outputs / ".run.lock").exists()
 
 

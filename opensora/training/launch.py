@@ -11,7 +11,7 @@ from opensora.quiet_logs import quiet_third_party
 from opensora.role_config import role_configs
 from opensora.shape_rules import check_training_shapes
 from opensora.training.defaults import TRAINER_DEFAULTS
-from opensora.training.run_dir import check_load_path, check_max_steps_after, prepare_outputs
+from opensora.training.run_dir import check_load_path, check_max_steps_after, checkpoint_step, prepare_outputs
 from opensora.training.run_lock import check_not_in_use
 from opensora.training.validation import validation_settings
 from opensora.writable import check_writable_dir
@@ -93,6 +93,15 @@ def main(argv=None) -> int:
             # verified (sizes and checksums, on rank 0) before anything is built: a damaged --load is refused at once
             resume_from = resolve_resume_path(cfg.outputs, load=args.load, resume_auto=args.resume == "auto")
             if resume_from is not None and args.load is None:
+                if checkpoint_step(resume_from) == int(args.max_steps):  # a finished run started again (a requeue)
+                    if rank == 0:
+                        print(
+                            f"train.py: {cfg.outputs} already finished: its newest checkpoint is at step "
+                            f"{args.max_steps} = --max-steps; nothing to train (pass a larger --max-steps to go on)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    return 0
                 check_max_steps_after(resume_from, args.max_steps, "--resume auto: the newest checkpoint")
             trainer = Trainer(cfg)
             trainer.preemption = preemption
