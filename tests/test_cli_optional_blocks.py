@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_lora import _convert  # tools/convert_checkpoint.py's main, in this process
 
 from opensora.config import ConfigKeyError, load_config
 
@@ -155,19 +156,18 @@ def test_runs_are_quiet_and_honour_the_umask(runs):
     assert config.stat().st_mode & 0o777 == 0o640  # umask 027, as the process set it (mkstemp alone gives 0600)
 
 
-def test_converter_takes_a_run_directory(runs, tmp_path):
+def test_converter_takes_a_run_directory(runs, tmp_path, capsys):
     root = runs["root"]
     (root / "base/checkpoints/step-0000003").mkdir()  # newer, but never completed: not a checkpoint
-    cmd = [sys.executable, str(ROOT / "tools/convert_checkpoint.py")]
-    from_run = subprocess.run([*cmd, root / "base", tmp_path / "run.safetensors"], capture_output=True, text=True)
-    assert from_run.returncode == 0, from_run.stderr
-    assert "newest complete checkpoint" in from_run.stderr and "step-0000002" in from_run.stderr
-    explicit = root / "base/checkpoints/step-0000002"
-    subprocess.run([*cmd, explicit, tmp_path / "ckpt.safetensors"], check=True, capture_output=True)
+    assert _convert(root / "base", tmp_path / "run.safetensors") == 0
+    said = capsys.readouterr().err
+    assert "newest complete checkpoint" in said and "step-0000002" in said
+    assert _convert(root / "base/checkpoints/step-0000002", tmp_path / "ckpt.safetensors") == 0
     a, b = load_file(str(tmp_path / "run.safetensors")), load_file(str(tmp_path / "ckpt.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     empty = tmp_path / "empty_run"
     (empty / "checkpoints/.tmp-step-0000001").mkdir(parents=True)
-    failed = subprocess.run([*cmd, empty, tmp_path / "x.safetensors"], capture_output=True, text=True)
-    assert failed.returncode == 2 and "no complete checkpoint" in failed.stderr
-    assert len(failed.stderr.strip().splitlines()) == 1
+    capsys.readouterr()
+    assert _convert(empty, tmp_path / "x.safetensors") == 2
+    said = capsys.readouterr().err
+    assert "no complete checkpoint" in said and len(said.strip().splitlines()) == 1
