@@ -83,13 +83,15 @@ def test_unknown_keys_are_still_refused_with_the_nearest_valid_name(config, argv
 
 
 def test_teacher_flag_reaches_every_role_that_starts_from_the_teacher():
-    for name, roles in (("ode_init_demo", ("student", "teacher")), ("dmd2_demo", ("student", "teacher", "critic"))):
+    everyone = ("student", "teacher", "critic")
+    for name, roles in (("ode_init_demo", everyone[:2]), ("dmd2_demo", everyone), ("dmd2_gpu", everyone)):
         cfg = load_config(DISTILL / f"{name}.py", ["--teacher-ckpt", "runs/teacher"])
         assert {r: cfg.models[r].init_from.path for r in roles} == dict.fromkeys(roles, "runs/teacher"), name
     # the streaming student starts from the ODE init, the teacher and critic from the teacher
-    cfg = load_config(DISTILL / "self_forcing_demo.py", ["--teacher-ckpt", "T", "--ode-ckpt", "O"])
-    assert (cfg.models.student.init_from.path, cfg.models.teacher.init_from.path) == ("O", "T")
-    assert cfg.models.critic.init_from.path == "T" and cfg.models.student.init_from.role == "student"
+    for name in ("self_forcing_demo", "self_forcing_gpu"):
+        cfg = load_config(DISTILL / f"{name}.py", ["--teacher-ckpt", "T", "--ode-ckpt", "O"])
+        assert (cfg.models.student.init_from.path, cfg.models.teacher.init_from.path) == ("O", "T"), name
+        assert cfg.models.critic.init_from.path == "T" and cfg.models.student.init_from.role == "student", name
     # a key set on the command line itself wins over the link
     cfg = load_config(DISTILL / "dmd2_demo.py", ["--teacher-ckpt", "T", "--models.critic.init-from.path", "C"])
     assert (cfg.models.critic.init_from.path, cfg.models.student.init_from.path) == ("C", "T")
