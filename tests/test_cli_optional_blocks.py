@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_lora import _convert  # tools/convert_checkpoint.py's main, in this process
 
 from opensora.config import ConfigKeyError, load_config
 
@@ -82,13 +83,15 @@ def test_unknown_keys_are_still_refused_with_the_nearest_valid_name(config, argv
 
 
 def test_teacher_flag_reaches_every_role_that_starts_from_the_teacher():
-    for name, roles in (("ode_init_demo", ("student", "teacher")), ("dmd2_demo", ("student", "teacher", "critic"))):
+    everyone = ("student", "teacher", "critic")
+    for name, roles in (("ode_init_demo", everyone[:2]), ("dmd2_demo", everyone), ("dmd2_gpu", everyone)):
         cfg = load_config(DISTILL / f"{name}.py", ["--teacher-ckpt", "runs/teacher"])
         assert {r: cfg.models[r].init_from.path for r in roles} == dict.fromkeys(roles, "runs/teacher"), name
     # the streaming student starts from the ODE init, the teacher and critic from the teacher
-    cfg = load_config(DISTILL / "self_forcing_demo.py", ["--teacher-ckpt", "T", "--ode-ckpt", "O"])
-    assert (cfg.models.student.init_from.path, cfg.models.teacher.init_from.path) == ("O", "T")
-    assert cfg.models.critic.init_from.path == "T" and cfg.models.student.init_from.role == "student"
+    for name in ("self_forcing_demo", "self_forcing_gpu"):
+        cfg = load_config(DISTILL / f"{name}.py", ["--teacher-ckpt", "T", "--ode-ckpt", "O"])
+        assert (cfg.models.student.init_from.path, cfg.models.teacher.init_from.path) == ("O", "T"), name
+        assert cfg.models.critic.init_from.path == "T" and cfg.models.student.init_from.role == "student", name
     # a key set on the command line itself wins over the link
     cfg = load_config(DISTILL / "dmd2_demo.py", ["--teacher-ckpt", "T", "--models.critic.init-from.path", "C"])
     assert (cfg.models.critic.init_from.path, cfg.models.student.init_from.path) == ("C", "T")
@@ -155,19 +158,18 @@ def test_runs_are_quiet_and_honour_the_umask(runs):
     assert config.stat().st_mode & 0o777 == 0o640  # umask 027, as the process set it (mkstemp alone gives 0600)
 
 
-def test_converter_takes_a_run_directory(runs, tmp_path):
+def test_converter_takes_a_run_directory(runs, tmp_path, capsys):
     root = runs["root"]
     (root / "base/checkpoints/step-0000003").mkdir()  # newer, but never completed: not a checkpoint
-    cmd = [sys.executable, str(ROOT / "tools/convert_checkpoint.py")]
-    from_run = subprocess.run([*cmd, root / "base", tmp_path / "run.safetensors"], capture_output=True, text=True)
-    assert from_run.returncode == 0, from_run.stderr
-    assert "newest complete checkpoint" in from_run.stderr and "step-0000002" in from_run.stderr
-    explicit = root / "base/checkpoints/step-0000002"
-    subprocess.run([*cmd, explicit, tmp_path / "ckpt.safetensors"], check=True, capture_output=True)
+    assert _convert(root / "base", tmp_path / "run.safetensors") == 0
+    said = capsys.readouterr().err
+    assert "newest complete checkpoint" in said and "step-0000002" in said
+    assert _convert(root / "base/checkpoints/step-0000002", tmp_path / "ckpt.safetensors") == 0
     a, b = load_file(str(tmp_path / "run.safetensors")), load_file(str(tmp_path / "ckpt.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     empty = tmp_path / "empty_run"
     (empty / "checkpoints/.tmp-step-0000001").mkdir(parents=True)
-    failed = subprocess.run([*cmd, empty, tmp_path / "x.safetensors"], capture_output=True, text=True)
-    assert failed.returncode == 2 and "no complete checkpoint" in failed.stderr
-    assert len(failed.stderr.strip().splitlines()) == 1
+    capsys.readouterr()
+    assert _convert(empty, tmp_path / "x.safetensors") == 2
+    said = capsys.readouterr().err
+    assert "no complete checkpoint" in said and len(said.strip().splitlines()) == 1

@@ -169,7 +169,7 @@ def test_distillation_run_validates_the_student_on_its_step_list(tmp_path):
     summary = json.loads((outputs / "samples/step-0000002/validation.json").read_text())
     assert summary["role"] == "student" and summary["ema"]
     assert summary["step_list"] == [1.0, 0.6, 0.3] and summary["guidance_scale"] == 1.0
-    assert summary["resolution"] == "16x16" and summary["num_frames"] == 4
+    assert summary["resolution"] == "18x18" and summary["num_frames"] == 4
     assert (outputs / "samples/step-0000002/0000_a_red_circle_moving_left.mp4").stat().st_size > 0
 
 

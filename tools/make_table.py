@@ -69,8 +69,10 @@ def main(argv=None) -> int:
         from opensora.config import load_config
 
         cfg = load_config(args.config, config_overrides)
-        if not cfg.get("bucket_config") or not cfg.get("dataset"):
-            raise UserInputError(f"--config {args.config} has no bucket_config / dataset to summarise")
+        if not cfg.get("bucket_config") or "data_path" not in (cfg.get("dataset") or {}):
+            raise UserInputError(
+                f"--config {args.config} has no bucket_config or no dataset that reads a table (dataset.data_path)"
+            )
     try:
         table = build_folder_table(
             args.folder, args.captions, allow_uncaptioned=args.allow_uncaptioned, progress=not args.no_progress

@@ -1,9 +1,8 @@
 # DMD2 on GPU: distil the MovingShapes GPU teacher (configs/diffusion/train/moving_shapes_gpu.py) into a
 # 4-step student. Same data and architecture as the teacher (init_from loads strictly, so a mismatch fails at
 # start-up naming the keys):
-#   torchrun --nproc_per_node N scripts/diffusion/train.py configs/distill/dmd2_gpu.py \
-#       --models.student.init_from.path T --models.teacher.init_from.path T --models.critic.init_from.path T
-# with T the teacher's checkpoint directory. Sample the student with this same config:
+#   torchrun --nproc_per_node N scripts/diffusion/train.py configs/distill/dmd2_gpu.py --teacher-ckpt T
+# with T the teacher's run or checkpoint directory (it sets every role's init_from.path, see _links_). Sample the student with this same config:
 #   python scripts/diffusion/inference.py configs/distill/dmd2_gpu.py --ckpt OUTPUTS --prompt "..."
 _base_ = ["../diffusion/train/moving_shapes_gpu.py"]
 
@@ -14,6 +13,7 @@ bucket_config = {"64x64": {16: (1.0, 16)}}
 
 teacher_ckpt = "outputs/moving_shapes_gpu/checkpoints/step-0004000"
 _teacher_weights = dict(path=teacher_ckpt, role="model", ema=True)
+_links_ = dict(teacher_ckpt=[f"models.{role}.init_from.path" for role in ("student", "teacher", "critic")])
 
 step_list = [1.0, 0.75, 0.5, 0.25]
 role = "student"

@@ -1,8 +1,7 @@
 # ODE-pair (KD) initialisation on GPU: the MovingShapes GPU teacher (configs/diffusion/train/moving_shapes_gpu.py)
 # teaches a 4-step student its guided ODE trajectory. Bidirectional student; causal_ode_gpu.py makes it causal.
-#   torchrun --nproc_per_node N scripts/diffusion/train.py configs/distill/ode_init_gpu.py \
-#       --models.student.init_from.path T --models.teacher.init_from.path T
-# with T the teacher's checkpoint directory.
+#   torchrun --nproc_per_node N scripts/diffusion/train.py configs/distill/ode_init_gpu.py --teacher-ckpt T
+# with T the teacher's run or checkpoint directory (it sets both roles' init_from.path, see _links_).
 _base_ = ["../diffusion/train/moving_shapes_gpu.py"]
 
 outputs = "outputs/moving_shapes_gpu/ode_init"
@@ -11,6 +10,7 @@ ckpt_every = 500
 
 teacher_ckpt = "outputs/moving_shapes_gpu/checkpoints/step-0004000"
 _teacher_weights = dict(path=teacher_ckpt, role="model", ema=True)
+_links_ = dict(teacher_ckpt=["models.student.init_from.path", "models.teacher.init_from.path"])
 
 step_list = [1.0, 0.75, 0.5, 0.25]
 role = "student"

@@ -1,12 +1,16 @@
 # Self-Forcing on GPU: configs/distill/dmd2_gpu.py with the causal ODE-init student (causal_ode_gpu.py) rolled out
 # chunk by chunk through its KV cache (stage 2 of benchmarks/gpu_self_forcing.sh):
 #   torchrun --nproc_per_node N scripts/diffusion/train.py configs/distill/self_forcing_gpu.py \
-#       --models.student.init_from.path S --models.teacher.init_from.path T --models.critic.init_from.path T
-# with S the causal ODE-init checkpoint and T the teacher's.
+#       --ode-ckpt S --teacher-ckpt T
+# with S the causal ODE-init run or checkpoint and T the teacher's (see _links_).
 _base_ = ["dmd2_gpu.py"]
 
 outputs = "outputs/moving_shapes_gpu/self_forcing"
 ode_ckpt = "outputs/moving_shapes_gpu/causal_ode/checkpoints/step-0001000"
+_links_ = dict(
+    teacher_ckpt=["models.teacher.init_from.path", "models.critic.init_from.path"],
+    ode_ckpt=["models.student.init_from.path"],
+)
 num_frames_per_chunk = 2  # 8 chunks per 16-frame clip
 
 # streaming sampling, read by scripts/diffusion/inference.py: chunk by chunk with the KV cache, the training rollout

@@ -19,7 +19,15 @@ def bucket_summary(table_path, cfg: Mapping, num_ranks: int = 1) -> List[str]:
     from . import sampler as sampler_module
     from .sampler import BucketBatchSampler
 
-    dataset = build_module(dict(cfg["dataset"]), DATASETS, data_path=str(table_path))
+    try:
+        dataset = build_module(dict(cfg["dataset"]), DATASETS, data_path=str(table_path))
+    except TypeError as error:  # a dataset type that does not read a table (rendered or synthetic data)
+        from opensora.cli_errors import UserInputError
+
+        raise UserInputError(
+            f"the config's dataset (type {cfg['dataset'].get('type')!r}) does not read a table ({error}); "
+            "summarise with a config whose dataset is a VideoTextDataset"
+        ) from None
     quiet = logging.getLogger(sampler_module.__name__)
     level, quiet.level = quiet.level, logging.ERROR  # its "fit no bucket" warning is a line of this summary
     try:

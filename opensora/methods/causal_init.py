@@ -34,6 +34,7 @@ each micro-step picks ``batch_size`` of them with the global RNG. The cache cost
 """
 
 import dataclasses
+import logging
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -150,6 +151,13 @@ class CausalODEInit(TrainingMethod):
         if shape in self._cache:
             return self._cache[shape]
         device = self.components.device
+        # the first step waits for this (a minute on 2 CPU cores for the demo's 144 pairs): say why it stands still
+        logging.getLogger(__name__).info(
+            "integrating %d teacher ODE trajectories (%d steps each) once for latent shape %s",
+            self.num_cached_pairs,
+            self.teacher_num_steps,
+            shape,
+        )
         generator = torch.Generator(device="cpu").manual_seed(self.pair_seed + get_rank())
         null = {k: v[:1] for k, v in self.components.null_text.items()}
         states, finals, texts = [], [], []
