@@ -13,7 +13,7 @@ part=${2:?usage: gpu_long_streaming.sh OUT prep|students|eval}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-run=(python benchmarks/long_streaming_quality.py --out "$out" ${EXTRA:-})
+run=(python -m benchmarks.long_streaming_quality --out "$out" ${EXTRA:-})
 case "$part" in
 prep) "${run[@]}" --stop-after ode 2>&1 | grep -v -i warn | tail -n 20 ;;
 students) "${run[@]}" --stop-after long_rollout 2>&1 | grep -v -i warn | tail -n 20 ;;

@@ -5,12 +5,12 @@ window at ``--long-multiple`` x the training length (default 8x: 128 frames) and
 teacher.
 
   # one GPU: every stage (about 4 + 1.5 + 2.5 + 2.5 minutes of training, then sampling and scoring)
-  python benchmarks/long_streaming_quality.py --out benchmarks/results/long_streaming --seed 424242
+  python -m benchmarks.long_streaming_quality --out outputs/benchmarks/long_streaming --seed 424242
   # the same in calls under 10 minutes each: a stage whose final checkpoint exists is reused, so repeat the call
-  python benchmarks/long_streaming_quality.py --out DIR --stop-after ode   # teacher + causal init
-  python benchmarks/long_streaming_quality.py --out DIR                    # students + scoring
+  python -m benchmarks.long_streaming_quality --out DIR --stop-after ode   # teacher + causal init
+  python -m benchmarks.long_streaming_quality --out DIR                    # students + scoring
   # CPU smoke test of the whole chain with tiny networks and clips (tests/test_long_streaming_quality.py)
-  python benchmarks/long_streaming_quality.py --tiny --out outputs/long_streaming_tiny
+  python -m benchmarks.long_streaming_quality --tiny --out outputs/long_streaming_tiny
 
 The teacher learns clips of the ``--motion`` rule (default ``wrap``: the shape crosses an edge and re-enters at the
 opposite one, so every window of a long clip has the caption's direction; ``bounce`` reverses at the walls), so the
