@@ -40,10 +40,16 @@ from pathlib import Path
 
 import torch
 
-from opensora.inference import jano
-from opensora.inference.jano import ACTIVE, FULL, MEDIUM, REFRESH, JanoCache, JanoConfig
-from opensora.inference.offload import DeviceStore, OffloadManager, PackedOffloadManager, StaticDeviceStore, make_store
-from opensora.inference.region_graphs import RegionGraphs
+from opensora.inference.cache import jano
+from opensora.inference.cache.jano import ACTIVE, FULL, MEDIUM, REFRESH, JanoCache, JanoConfig
+from opensora.inference.cache.region_graphs import RegionGraphs
+from opensora.inference.cache.stores import (
+    DeviceStore,
+    OffloadManager,
+    PackedOffloadManager,
+    StaticDeviceStore,
+    make_store,
+)
 
 CUDA = torch.cuda.is_available()
 MANAGERS = (OffloadManager, PackedOffloadManager)
@@ -110,7 +116,7 @@ def quality_methods(num_steps: int) -> dict:
 
 
 def build_sampler(cfg, ckpt):
-    from opensora.inference.pipeline import VideoSampler, resolve_device, resolve_sampling_dtype, role_model_config
+    from opensora.inference.sampler import VideoSampler, resolve_device, resolve_sampling_dtype, role_model_config
     from opensora.registry import MODELS, build_module
 
     if ckpt is not None:

@@ -24,7 +24,7 @@ import torch
 from opensora.config import load_config
 from opensora.datasets.moving_shapes import all_captions, parse_caption
 from opensora.eval.moving_shapes import score_rows
-from opensora.inference.pipeline import VideoSampler
+from opensora.inference.sampler import VideoSampler
 
 
 def sync():

@@ -1,4 +1,4 @@
-"""Two-GPU pipeline overlap (opensora/inference/pipeline_parallel.py) vs one GPU, at the 1B MMDiT shape.
+"""Two-GPU pipeline overlap (opensora/inference/pipeline_parallel/schedule.py) vs one GPU, at the 1B MMDiT shape.
 
 Streaming: a causal 1B MMDiT (8 double + 16 single blocks, 1536 wide, random weights) generates ``--chunks`` chunks
 of ``--chunk-frames`` latent frames at 256px (32x32x16 latents, 256 tokens per frame) with ``--text-len`` text
@@ -55,10 +55,9 @@ import torch.nn as nn  # noqa: E402
 
 from opensora.diffusion.guidance import text_cfg  # noqa: E402
 from opensora.diffusion.sampling import euler_step, timesteps_for_sampling  # noqa: E402
-from opensora.inference.chunk_graphs import ChunkGraphs  # noqa: E402
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402
-from opensora.inference.pipeline_cli import auto_split  # noqa: E402
-from opensora.inference.pipeline_parallel import (  # noqa: E402
+from opensora.inference.pipeline_parallel.cli import auto_split  # noqa: E402
+from opensora.inference.pipeline_parallel.schedule import (  # noqa: E402
     OVERLAP_MODES,
     Lanes,
     Plan,
@@ -67,7 +66,7 @@ from opensora.inference.pipeline_parallel import (  # noqa: E402
     measured_task_ms,
     run_plan,
 )
-from opensora.inference.pipeline_stages import (  # noqa: E402
+from opensora.inference.pipeline_parallel.stages import (  # noqa: E402
     BidirectionalStages,
     CausalStreamingStages,
     measure_stage_times,
@@ -77,7 +76,8 @@ from opensora.inference.pipeline_stages import (  # noqa: E402
     stream_reference,
     typical_past_frames,
 )
-from opensora.inference.streaming import ChunkDecoder, StreamingGenerator  # noqa: E402
+from opensora.inference.streaming.chunk_graphs import ChunkGraphs  # noqa: E402
+from opensora.inference.streaming.generator import ChunkDecoder, StreamingGenerator  # noqa: E402
 from opensora.models.mmdit.configs import mmdit_config  # noqa: E402
 from opensora.models.mmdit.model import MMDiT  # noqa: E402
 

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from opensora.inference.offload import DeviceStore, NaiveOffload, OffloadManager, PackedOffloadManager, SplitStore
+from opensora.inference.cache.stores import DeviceStore, NaiveOffload, OffloadManager, PackedOffloadManager, SplitStore
 
 
 class FakeStream:
@@ -464,7 +464,7 @@ def test_packed_block_allocated_once_across_trajectories():
 def test_packed_matches_the_device_store_inside_the_jano_sampler():
     from test_jano import denoise, inputs, sampler_for, tiny_model
 
-    from opensora.inference.jano import JanoCache, JanoConfig
+    from opensora.inference.cache.jano import JanoCache, JanoConfig
 
     model, batch = tiny_model(), inputs()
     config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)
@@ -570,7 +570,7 @@ class SimBackend(FakeBackend):
 def test_managers_match_the_device_store_with_side_streams_that_run_late(kind, seed):
     from test_jano import denoise, inputs, sampler_for, tiny_model
 
-    from opensora.inference.jano import JanoCache, JanoConfig
+    from opensora.inference.cache.jano import JanoCache, JanoConfig
 
     model, batch = tiny_model(), inputs()
     config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)

@@ -7,7 +7,7 @@ import torch
 from test_jano import denoise, inputs, random_plan, sampler_for, tiny_model
 from test_offload import FakeBackend, SimBackend
 
-from opensora.inference.jano import (
+from opensora.inference.cache.jano import (
     ACTIVE,
     FULL,
     MEDIUM,
@@ -18,8 +18,8 @@ from opensora.inference.jano import (
     RegionPlan,
     entry_shapes,
 )
-from opensora.inference.offload import DeviceStore, PackedOffloadManager, StaticDeviceStore, make_store
-from opensora.inference.region_graphs import RegionGraphs
+from opensora.inference.cache.region_graphs import RegionGraphs
+from opensora.inference.cache.stores import DeviceStore, PackedOffloadManager, StaticDeviceStore, make_store
 
 SCHEDULE = [REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM, REFRESH, ACTIVE, FULL]
 CONFIG = dict(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)

@@ -17,7 +17,7 @@ from pathlib import Path
 from opensora.checkpoint_layout import checkpoint_root, find_latest_checkpoint
 from opensora.cli_errors import UserInputError, check_range, run_cli
 from opensora.config import load_config_from_cli, save_config
-from opensora.inference.pipeline_cli import PIPELINE_FLAGS, parse_stream_graphs, streaming_options
+from opensora.inference.pipeline_parallel.cli import PIPELINE_FLAGS, parse_stream_graphs, streaming_options
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ INFERENCE_FLAGS = {
     # the bidirectional sampler: replay each step's model pass as a CUDA graph (pass_graphs.py); auto = on a GPU
     # (1B, 256px, 30 steps x CFG on an H100: 0.95 s graphed vs 1.11-1.46 s eager; equal at 480p, where it is GPU-bound)
     "cuda_graphs": "auto",  # auto | on | off
-    "jano": False,  # Jano region-aware caching (opensora/inference/jano.py); settings under jano_settings
+    "jano": False,  # Jano region-aware caching (opensora/inference/cache/jano.py); settings under jano_settings
     "jano_offload": False,  # with --jano: keep its caches in pinned CPU memory, prefetched on a side stream
     "jano_graphs": False,  # with --jano: replay each step level as CUDA graphs (GPU only; region_graphs.py)
     # JanoConfig's fields; override one with e.g. --jano-settings.warmup_steps 4
@@ -73,7 +73,9 @@ INFERENCE_FLAGS = {
     # groups share the prompts (data parallel), each group's rank 0 writes
     "sequence_parallel_size": 1,
 }
-INFERENCE_FLAGS.update(PIPELINE_FLAGS)  # --streaming --pp-devices ... (two-GPU pipeline overlap, pipeline_cli.py)
+INFERENCE_FLAGS.update(
+    PIPELINE_FLAGS
+)  # --streaming --pp-devices ... (two-GPU pipeline overlap, pipeline_parallel/cli.py)
 
 
 def resolve_checkpoint(path) -> Path:
@@ -161,8 +163,8 @@ def main(argv=None, on_chunk=None) -> list:
     )
     check_inference_flags(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from opensora.inference.pipeline import video_size_for
     from opensora.inference.prompts import resolve_prompts
+    from opensora.inference.sampler import video_size_for
 
     try:
         prompts = resolve_prompts(None if args.prompt is None else str(args.prompt), args.prompt_file)
@@ -208,7 +210,7 @@ def start_sequence_parallel(size: int, device):
     ``(None, device)``. Starts torch.distributed itself (no ColossalAI, no training stack)."""
     if size == 1:
         return None, device
-    from opensora.inference.pipeline import resolve_device
+    from opensora.inference.sampler import resolve_device
     from opensora.parallel.process_group import init_process_group_from_env
     from opensora.parallel.sequence_parallel import build_sequence_groups
 
@@ -232,8 +234,8 @@ def _sample(
     import torch.distributed as dist
 
     from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
-    from opensora.inference.pipeline import VideoSampler
     from opensora.inference.prompts import per_sample_seeds, sample_stem
+    from opensora.inference.sampler import VideoSampler
 
     writes = sp is None or sp.rank == 0  # this group's rank 0 writes its samples
     if writes:
@@ -241,7 +243,7 @@ def _sample(
     if sp is None or dist.get_rank() == 0:
         save_config(cfg, save_dir)
     if args.pp_devices:
-        from opensora.inference.pipeline_cli import run_pipelined
+        from opensora.inference.pipeline_parallel.cli import run_pipelined
 
         common = dict(
             config=str(args.config),
@@ -280,7 +282,7 @@ def _sample(
     sampler.set_sequence_parallel(sp)
     sampler.set_cuda_graphs(parse_stream_graphs(args.cuda_graphs, "--cuda-graphs") != "off")
     if args.jano or args.jano_offload or args.jano_graphs:
-        from opensora.inference.jano import JanoCache, JanoConfig
+        from opensora.inference.cache.jano import JanoCache, JanoConfig
 
         store = "offload" if args.jano_offload else "device"
         settings = dict(args.jano_settings or {}, store=store, graphs=bool(args.jano_graphs))
@@ -373,8 +375,8 @@ def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chu
     appended to the samples' mp4 files as soon as it is decoded."""
     from opensora.inference.io import write_samples_csv, write_sidecar
     from opensora.inference.prompts import sample_stem
-    from opensora.inference.stream_writer import BatchVideoWriters
-    from opensora.inference.streaming import StreamingGenerator
+    from opensora.inference.streaming.generator import StreamingGenerator
+    from opensora.inference.streaming.writer import BatchVideoWriters
 
     num_frames, height, width = size
     if args.cond_type != "t2v" or args.ref is not None:

@@ -200,7 +200,7 @@ class Validator:
         """The private copy with the role's current EMA weights (its live weights when it keeps no EMA)."""
         live = self.role.unwrap()
         if self._network is None:
-            from opensora.inference.pipeline import role_model_config
+            from opensora.inference.sampler import role_model_config
             from opensora.registry import MODELS, build_module
 
             first = next(live.parameters())
@@ -218,7 +218,7 @@ class Validator:
         return self._network
 
     def _sample(self, started: float):
-        from opensora.inference.pipeline import VideoSampler, video_size_for
+        from opensora.inference.sampler import VideoSampler, video_size_for
 
         s = self.settings
         sampler = VideoSampler(

@@ -1,6 +1,6 @@
 """One pass that refills the KV cache with a finished chunk and takes the first denoising step of the next chunk.
 
-Streaming (opensora/inference/streaming.py) re-runs every finished chunk once at the context time to store its
+Streaming (opensora/inference/streaming/generator.py) re-runs every finished chunk once at the context time to store its
 keys/values, then starts the next chunk with a pass at the first step time. Both passes attend to the same cache,
 and the second depends on the first only through the finished chunk's keys/values, which the first computes. So
 they can be one forward of twice the rows:
@@ -33,7 +33,7 @@ With a ``TextKVCache`` holding both times (every chunk after the second) the tex
 its own time's cached text keys/values. Otherwise the text rows run and the missing entries are recorded.
 
 ``MergedGraphs`` replays the merged pass as a CUDA graph per shape (inputs copied into static buffers,
-outputs cloned out), like ``opensora.inference.chunk_graphs`` does for the single-chunk passes.
+outputs cloned out), like ``opensora.inference.streaming.chunk_graphs`` does for the single-chunk passes.
 """
 
 import warnings

@@ -388,7 +388,7 @@ class MMDiT(nn.Module, SequenceParallelModel):
         """Blocks ``lo..hi-1`` of ``[*double_blocks, *single_blocks]`` on ``state``: ``dict(img, txt)`` before and
         inside the double blocks (``txt`` None in a video-only pass), ``dict(tokens, num_text)`` once the single
         blocks began (text rows first). ``kv_hooks[i - lo]`` is block i's kv_hook. ``run_blocks`` is the whole range,
-        and a pipeline stage (``pipeline_stages``) a part of it: the same operations in the same order."""
+        and a pipeline stage (``inference.pipeline_parallel.stages``) a part of it: the same operations in the same order."""
         depth = len(self.double_blocks)
         for i in range(lo, hi):
             hook = None if kv_hooks is None else kv_hooks[i - lo]
@@ -513,7 +513,7 @@ class MMDiT(nn.Module, SequenceParallelModel):
         (a ``KVCache``); ``text_kv``: the text keys/values per block of a text-cache hit (None: run the text rows);
         ``pending`` / ``entry`` (dicts or None) receive each block's chunk video / text keys/values.
 
-        It is ``chunk_stage`` over every block: the two-GPU pipeline (``pipeline_stages``) runs ``chunk_stage`` on
+        It is ``chunk_stage`` over every block: the two-GPU pipeline (``inference.pipeline_parallel.stages``) runs ``chunk_stage`` on
         the two halves of the blocks, so it cannot compute anything else."""
         inputs = dict(x=x, timestep=timestep, text_emb=text_emb, pooled=pooled, cond=cond, guidance=guidance, mask=mask)
         inputs.update(cos=rope[0], sin=rope[1])

@@ -37,7 +37,7 @@ model's output bit for bit (tests/test_jano.py).
 
 The region-cached forward (``RegionForward``) drives the MMDiT's own submodules with a token subset (RoPE rows
 gathered per row) and the blocks' ``kv_hook`` seam; the model has no branch for it. Cache entries go through a
-store (offload.py): on the device, the dual-stream ``PackedOffloadManager`` (``--jano-offload``), or a naive synchronous
+store (stores.py): on the device, the dual-stream ``PackedOffloadManager`` (``--jano-offload``), or a naive synchronous
 offload. Keys follow
 the spec: ``{s|m}_kv_{layer}`` (keys and values stacked, [2, rows, heads, tokens, head_dim]) and ``{s|m}_x``
 (final-layer outputs, [rows, tokens, patch features]). ``--jano-graphs`` (``JanoConfig.graphs``) replays every level
@@ -58,7 +58,7 @@ from opensora.models.mmdit.flops import linear_flops, mmdit_forward_flops
 from opensora.models.mmdit.layers import modulate
 from opensora.models.mmdit.model import patchify, unpatchify
 
-from .offload import make_store
+from .stores import make_store
 
 FULL, ACTIVE, MEDIUM, REFRESH = 0, 1, 2, 3  # step levels
 STATIC_CLASS, MEDIUM_CLASS, ACTIVE_CLASS = 1, 2, 3  # token classes
@@ -461,7 +461,7 @@ class JanoCache(_Accelerator):
     """Region-aware caching over one sampling trajectory (see the module docstring).
 
     Args:
-        config: ``JanoConfig`` (or a dict of its fields). store: a cache store (offload.py); by default the one
+        config: ``JanoConfig`` (or a dict of its fields). store: a cache store (stores.py); by default the one
         ``config.store`` names, made for the model's device at the first call. graphs: with ``config.graphs``, the
         class that wraps the ``RegionForward`` (default ``region_graphs.RegionGraphs``).
     """

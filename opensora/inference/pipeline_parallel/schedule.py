@@ -983,7 +983,7 @@ def calibrated_split(
     ``calibrate_block_ms`` so that the stages at ``measured["split"]`` cost ``measured["stage0"]`` /
     ``measured["stage1"]`` ms per pass, then ``choose_split`` on those. ``measured`` comes from a profiled ``off``
     run (``measured_task_ms``: also ``prep`` / ``update`` / ``decode`` per task, used as their costs) or from a few
-    timed passes (``pipeline_stages.measure_stage_passes``: the decode then costs the probe's ``decode_ms``, prep
+    timed passes (``stages.measure_stage_passes``: the decode then costs the probe's ``decode_ms``, prep
     and update 0, as ``choose_split`` has them by default). ``num_double``: the model's double blocks (the first
     ones). Returns (split, ``choose_split``'s candidates on the calibrated times, details: ``probe_split`` (the
     choice from the uncalibrated probe), ``block_ms`` (calibrated), ``costs`` (per-kind costs at the chosen split,

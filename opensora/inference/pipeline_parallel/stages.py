@@ -27,7 +27,7 @@ from opensora.diffusion.sampling import euler_step
 from opensora.models.mmdit.causal import text_keys_all_valid
 from opensora.models.mmdit.model import patchify, unpatchify
 
-from .pipeline_parallel import Lanes, Plan
+from .schedule import Lanes, Plan
 
 STAGE0_MODULES = ("img_in", "cond_in", "txt_in", "time_in", "vector_in", "guidance_in")
 
@@ -93,7 +93,7 @@ def latent_grid(model, shape) -> tuple:
 
 
 def seeded_latent_noise(seeds: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
-    """Row i from a CPU generator seeded with seeds[i] (as ``pipeline.seeded_noise``)."""
+    """Row i from a CPU generator seeded with seeds[i] (as ``sampler.seeded_noise``)."""
     return torch.stack([torch.randn(tuple(shape), generator=torch.Generator("cpu").manual_seed(int(s))) for s in seeds])
 
 
@@ -240,7 +240,7 @@ def sample_microbatched(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Streaming (causal MMDiT with KV caches), chunk by chunk: the math of ``streaming.StreamingGenerator``
+# Streaming (causal MMDiT with KV caches), chunk by chunk: the math of ``StreamingGenerator``
 # ----------------------------------------------------------------------------------------------------------
 STEP_RULES = ("renoise", "euler")
 _REUSED_ENTRIES = 64  # CausalStreamingStages._reused: RoPE tables of ~16 chunk starts x masks x a few groups
@@ -280,7 +280,7 @@ class StreamNoise:
         self.reserved: Deque[Tuple[int, torch.Tensor]] = deque()  # (frames, host buffer) per chunk: ``reserve``
 
     def draw(self, frames: int) -> torch.Tensor:
-        from opensora.inference.pipeline import noise_from_generators
+        from opensora.inference.sampler import noise_from_generators
 
         return noise_from_generators(self.gens, (self.channels, frames, *self.hw))
 
@@ -364,10 +364,10 @@ class CausalStreamingStages:
             shorter). times: the chunk's schedule with the final 0 (``StreamingGenerator.schedule``).
         refill: re-run each chunk's result at ``context_t`` with ``store_kv`` (as ``StreamingGenerator`` always
             does); False stores the keys/values of the last denoising step instead (the cache is written by the
-            denoising pass, as FlashVSR's one-step model does: a different sampler, with no 1-GPU twin in streaming.py).
+            denoising pass, as FlashVSR's one-step model does: a different sampler, with no 1-GPU twin in the streaming generator).
         rule: ``renoise`` or ``euler``. guidance_scale: CFG ``u + w (c - u)`` with two branches.
         make_decoder: called once per group: a callable decoding that group's chunks in order (lane 1), e.g. a
-            ``streaming.ChunkDecoder``; None: no decode.
+            ``streaming.generator.ChunkDecoder``; None: no decode.
         window_frames / sink_frames: the caches' rolling window (see ``KVCache``).
         text_cache: keep every block's text keys/values per pass time after the first chunk (``StreamingGenerator``'s
             ``text_cache``, on by default there and here). It changes which rows a pass runs, hence the GEMM shapes and
@@ -464,7 +464,7 @@ class CausalStreamingStages:
             for g in self.text
         ]
         if cuda_graphs is True:  # one runner per lane (a graph pool lives on one device); pass them on to keep them
-            from opensora.inference.chunk_graphs import ChunkGraphs
+            from opensora.inference.streaming.chunk_graphs import ChunkGraphs
 
             cuda_graphs = (ChunkGraphs(model), ChunkGraphs(model))
         self.graphs = tuple(cuda_graphs) if cuda_graphs else None
@@ -883,7 +883,7 @@ def measure_stage_passes(
         for step in range(plan.forwards(c)) if c == 0 else [plan.writer_step]:
             forward(ctx, step, plan.store_kv(step))
     if cuda_graphs:  # fill eagerly, capture only the timed passes (one graph per stage)
-        from opensora.inference.chunk_graphs import ChunkGraphs
+        from opensora.inference.streaming.chunk_graphs import ChunkGraphs
 
         stages.graphs = (ChunkGraphs(model), ChunkGraphs(model))
     ctx = stages.prepare(0, plan.num_chunks - 1)

@@ -40,7 +40,7 @@ from opensora.diffusion import flow_matching as fm
 from opensora.diffusion.guidance import text_cfg
 from opensora.diffusion.sampling import timesteps_for_sampling, timesteps_from_list
 from opensora.inference.io import uint8_frames_on_device
-from opensora.inference.pipeline import _module_dtype, noise_from_generators
+from opensora.inference.sampler import _module_dtype, noise_from_generators
 from opensora.models.mmdit.causal_refill import MergedGraphs, refill_and_step
 from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 from opensora.models.vae.base import video_num_frames
@@ -274,7 +274,7 @@ class StreamingGenerator:
         self.passes = 0  # model passes run (a merged pass counts once), over every ``stream`` call
         self.cuda_graphs = self.merged_graphs = None
         if cuda_graphs:
-            from opensora.inference.chunk_graphs import ChunkGraphs
+            from opensora.inference.streaming.chunk_graphs import ChunkGraphs
 
             self.cuda_graphs = ChunkGraphs(model, GraphMemory())
             self.merged_graphs = MergedGraphs(model, self.cuda_graphs.memory) if merge_refill else None

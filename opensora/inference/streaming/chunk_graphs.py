@@ -243,7 +243,7 @@ class ChunkGraphs(PassGraphFamily):
         slot=None,
     ):
         """``MMDiT.chunk_stage(inputs, lo, hi, ...)`` replayed as a CUDA graph: the whole pass (``__call__``) or one
-        pipeline stage's block range (``pipeline_stages``), with ``cache`` / ``text_cache`` over blocks lo..hi-1.
+        pipeline stage's block range (``pipeline_parallel.stages``), with ``cache`` / ``text_cache`` over blocks lo..hi-1.
         ``inputs`` as ``chunk_stage`` takes them; ``fresh``: the inputs copied on every call (the others only when
         they are other tensors than at the last copy); ``slot``: keeps separate static buffers per work item (e.g.
         per prompt group of a pipeline) so items taking turns do not recopy each other's caches; ``eager``: the

@@ -47,7 +47,7 @@ import torch
 
 from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 
-from .chunk_graphs import StaticInputs, describe_inputs
+from ..streaming.chunk_graphs import StaticInputs, describe_inputs
 from .jano import ACTIVE, FULL, MEDIUM, REFRESH, RegionForward, RegionPlan, entry_shapes
 
 _ALIGN = 256

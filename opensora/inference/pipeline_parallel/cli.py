@@ -1,9 +1,9 @@
-"""``inference.py --streaming --pp-devices cuda:0,cuda:1``: streaming generation on two GPUs (pipeline_parallel.py).
+"""``inference.py --streaming --pp-devices cuda:0,cuda:1``: streaming generation on two GPUs (pipeline_parallel/).
 
     python scripts/diffusion/inference.py CONFIG --ckpt CKPT --prompt "..." --streaming --step-list 1.0,0.75,0.5,0.25 \
         --pp-devices cuda:0,cuda:1 --pp-overlap aggressive --pp-split auto [--profile]
 
-Same sampler as ``--streaming`` on one GPU (``streaming.StreamingGenerator``: its schedule, rollout, CFG layout,
+Same sampler as ``--streaming`` on one GPU (``StreamingGenerator``: its schedule, rollout, CFG layout,
 noise order, cache refill at ``--context-time``, rolling window, chunk decoder), so the videos are bit-identical
 to it; each prompt group (``--batch-size`` prompts) is one item in flight (several groups overlap fully). GPU0:
 text features, noise, embedders and blocks[0..split]; GPU1: the other blocks, the final layer, the sampler update
@@ -75,7 +75,7 @@ def device_decoder(vae, sampler_dtype):
     """``VideoSampler.decode`` on ``vae``'s device without the host copy: latents cast as it casts them (to the
     autoencoder's dtype; the sampler's for a parameter-free one) -> uint8 frames on the device."""
     from opensora.inference.io import uint8_frames_on_device
-    from opensora.inference.pipeline import _module_dtype
+    from opensora.inference.sampler import _module_dtype
 
     dtype = _module_dtype(vae, sampler_dtype)
     return lambda latents: uint8_frames_on_device(vae.decode(latents.to(dtype)))
@@ -90,8 +90,8 @@ def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, gener
     measured passes and the calibrated choice). The split moves work between the GPUs, never changes a value."""
     import torch
 
-    from opensora.inference.pipeline_parallel import Lanes, calibrated_split, choose_split
-    from opensora.inference.pipeline_stages import (
+    from opensora.inference.pipeline_parallel.schedule import Lanes, calibrated_split, choose_split
+    from opensora.inference.pipeline_parallel.stages import (
         CausalStreamingStages,
         measure_stage_passes,
         measure_stage_times,
@@ -160,8 +160,7 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     """Generate ``prompts`` with the two-GPU streaming pipeline; returns the written sample paths."""
 
     from opensora.inference.io import write_samples_csv, write_sidecar
-    from opensora.inference.pipeline import VideoSampler
-    from opensora.inference.pipeline_parallel import (
+    from opensora.inference.pipeline_parallel.schedule import (
         OVERLAP_MODES,
         Lanes,
         dump_json,
@@ -169,14 +168,15 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         parse_split,
         run_plan,
     )
-    from opensora.inference.pipeline_stages import (
+    from opensora.inference.pipeline_parallel.stages import (
         CausalStreamingStages,
         all_blocks,
         place_model,
     )
     from opensora.inference.prompts import sample_stem
-    from opensora.inference.stream_writer import BatchVideoWriters
-    from opensora.inference.streaming import ChunkDecoder, StreamingGenerator
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import ChunkDecoder, StreamingGenerator
+    from opensora.inference.streaming.writer import BatchVideoWriters
 
     if not args.streaming:
         raise SystemExit("--pp-devices drives the streaming sampler: add --streaming")
