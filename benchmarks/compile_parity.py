@@ -15,7 +15,6 @@ one op or one compiler setting each:
   no-qknorm   QK RMSNorm removed (in eager and compiled alike)
   no-rope     identity rotation (cos 1, sin 0)
   flash       attention backend "flash" instead of "auto" (cuDNN on sm90)
-  fused       the Triton kernels of models/mmdit/fused.py inside the compiled block (eager reference unfused)
   batch2      batch 2 instead of 1 (the fault was seen at batch 1 only)
   no-split-reductions / no-persistent-reductions   Inductor options for the token sums
 
@@ -60,7 +59,7 @@ from opensora.models.mmdit.rope import rope_cos_sin, video_position_ids  # noqa:
 HIDDEN, HEADS, GRID, N_TXT = 1536, 12, (11, 24, 32), 512
 VARIANTS = (
     "default", "mix-order", "batch2", "no-split-reductions", "no-persistent-reductions", "fullgraph", "autotune", "no-qknorm",
-    "no-rope", "flash", "fused",
+    "no-rope", "flash",
 )  # fmt: skip
 INDUCTOR_OPTIONS = {  # Inductor settings that change how the sums over tokens (the [B, 1, C] grads) are generated
     # what torch 2.10-2.11 did by default: the mix-order reduction that leaves the modulation grads unwritten
@@ -158,8 +157,6 @@ def run_variant(kind, variant, device):
     block = make_block(kind, variant, device)
     streams, vec, rope = make_inputs(kind, variant, device)
     compiled = copy.deepcopy(block)
-    if variant == "fused" and kind != "micro":
-        compiled.fused = True
     options = dict(fullgraph=variant == "fullgraph")
     if variant == "autotune":
         options["mode"] = "max-autotune-no-cudagraphs"

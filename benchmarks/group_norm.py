@@ -37,10 +37,19 @@ TINY_VAE = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_gr
 
 
 def time_ms(fn, warmup, iters, device):
-    if device.type == "cuda":
-        from fused_kernels import time_ms as cuda_time_ms  # CUDA events, median
-
-        return cuda_time_ms(fn, warmup, iters)
+    if device.type == "cuda":  # CUDA events, median
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
     for _ in range(warmup):
         fn()
     times = []

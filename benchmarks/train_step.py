@@ -58,9 +58,6 @@ VARIANTS = {
     "ours-compile-traced": dict(model="ours", backend="auto", compile=True, attention="traced"),
     "ours-compile-efficient": dict(model="ours", backend="efficient", compile=True),
     "ours-compile-masked": dict(model="ours", backend="auto", compile=True, padded_text=True),
-    # MMDiT(fused_kernels=True): Triton LayerNorm+modulation and QK-norm+RoPE kernels (models/mmdit/fused.py)
-    "ours-fused": dict(model="ours", backend="auto", compile=False, fused=True),
-    "ours-compile-fused": dict(model="ours", backend="auto", compile=True, fused=True),
     # candidate fixes for the compiled path's non-finite vec-path grads (see compile_parity.py)
     "ours-compile-nosplit": dict(model="ours", backend="auto", compile={"split_reductions": False}),
     "ours-compile-nopersistent": dict(model="ours", backend="auto", compile={"triton.persistent_reductions": False}),
@@ -172,8 +169,6 @@ def build_ours(shape, spec, ckpt, device, dtype):
     randomize_(model)
     model.to(device=device, dtype=dtype).train()
     model.set_grad_ckpt(*ckpt_counts(ckpt, shape))
-    if spec.get("fused"):
-        model.set_fused_kernels(True)
     if spec.get("compile"):
         options = spec["compile"] if isinstance(spec["compile"], dict) else None
         model.set_compile_blocks(True, inductor_options=options, attention=spec.get("attention", "op"))
@@ -331,9 +326,6 @@ def run_variant(name, ckpt, args):
             on, inductor_options=options, attention=spec.get("attention", "op")
         )
         compile_error = toggled_vs_eager_error(forward, toggle, "compiled blocks")
-    fused_error = None
-    if spec.get("fused") and not spec.get("compile") and ckpt == "none":
-        fused_error = toggled_vs_eager_error(forward, model.set_fused_kernels, "fused kernels")
     warm_times = []
     for _ in range(args.warmup):
         w0 = time.perf_counter()
@@ -380,7 +372,6 @@ def run_variant(name, ckpt, args):
         host_syncs=syncs,
         loss=float(loss),
         compiled_vs_eager_rel_err=compile_error,
-        fused_vs_eager_rel_err=fused_error,
     )
     if args.profile and cuda:
         result["profile"] = profile_breakdown(guarded_step)
@@ -604,7 +595,7 @@ def run_trainer(name, ckpt, args):
 
 def toggled_vs_eager_error(forward, toggle, what):
     """||on - off|| / ||off|| of the forward output (same weights and inputs) for a model switch ``toggle(bool)``
-    (``set_compile_blocks`` / ``set_fused_kernels``); leaves the switch on."""
+    (``set_compile_blocks``); leaves the switch on."""
     import torch
 
     with torch.no_grad():

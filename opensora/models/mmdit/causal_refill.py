@@ -44,6 +44,7 @@ import torch
 from .attention import RowGroups
 from .causal import KVCache, TextKVCache, joint_attention_mask, text_keys_all_valid
 from .graph_memory import GraphMemory, StaticPast, on_capture_device
+from .patches import unpatchify
 
 
 def _rows(a: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -242,8 +243,6 @@ def merged_body(model, inputs: Dict[str, Optional[torch.Tensor]], num_text: int,
 
     hooks = [make(i) for i in range(past.num_blocks)]
     out = model.run_blocks(img, txt, vec, (inputs["cos"], inputs["sin"]), mask, hooks)
-    from .model import unpatchify
-
     entries = None if text_kv is not None else (entry_prev, entry_next)
     return unpatchify(out[rows:], grid, model.patch_size), pending, entries
 
