@@ -3,22 +3,20 @@
 import pytest
 import torch
 
-from opensora.inference.cache.jano import (
+from benchmarks.offload_stores import NaiveOffload, OffloadManager
+from opensora.inference.cache.jano import FullCompute, JanoCache, StepCache, region_forward_flops
+from opensora.inference.cache.plan import (
     ACTIVE,
     FULL,
     MEDIUM,
     REFRESH,
-    FullCompute,
-    JanoCache,
     JanoConfig,
-    RegionForward,
     RegionPlan,
-    StepCache,
     region_classes,
-    region_forward_flops,
     step_levels,
 )
-from opensora.inference.cache.stores import DeviceStore, NaiveOffload, OffloadManager, PackedOffloadManager
+from opensora.inference.cache.region_forward import RegionForward
+from opensora.inference.cache.stores import DeviceStore, PackedOffloadManager
 from opensora.inference.sampler import PreparedCondition, VideoSampler
 from opensora.models.mmdit import MMDiT, mmdit_config, mmdit_forward_flops
 

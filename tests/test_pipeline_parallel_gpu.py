@@ -8,16 +8,13 @@ import copy
 
 import pytest
 import torch
+from streaming_reference import stream_reference
 
 from opensora.inference.pipeline_parallel.cli import device_decoder
-from opensora.inference.pipeline_parallel.schedule import OVERLAP_MODES, Lanes, run_plan
-from opensora.inference.pipeline_parallel.stages import (
-    BidirectionalStages,
-    CausalStreamingStages,
-    place_model,
-    sample_microbatched,
-    stream_reference,
-)
+from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan
+from opensora.inference.pipeline_parallel.schedule import OVERLAP_MODES
+from opensora.inference.pipeline_parallel.stages import BidirectionalStages, place_model, sample_microbatched
+from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages
 from opensora.inference.sampler import VideoSampler
 from opensora.inference.streaming.chunk_graphs import ChunkGraphs
 from opensora.inference.streaming.generator import ChunkDecoder
@@ -70,9 +67,9 @@ def assert_every_mode_matches(sampler, case, gen, refs, groups, latent_size, gra
         2,
         lane1_decoder(sampler),
         graphs=graphs,
-        rule=rollout,
+        rollout=rollout,
         guidance_scale=guidance,
-        context_t=context_time,
+        context_time=context_time,
         window_frames=window,
     ):
         for g, chunks in enumerate(refs):

@@ -7,17 +7,9 @@ import torch
 from test_jano import denoise, inputs, random_plan, sampler_for, tiny_model
 from test_offload import FakeBackend, SimBackend
 
-from opensora.inference.cache.jano import (
-    ACTIVE,
-    FULL,
-    MEDIUM,
-    REFRESH,
-    JanoCache,
-    JanoConfig,
-    RegionForward,
-    RegionPlan,
-    entry_shapes,
-)
+from opensora.inference.cache.jano import JanoCache
+from opensora.inference.cache.plan import ACTIVE, FULL, MEDIUM, REFRESH, JanoConfig, RegionPlan, entry_shapes
+from opensora.inference.cache.region_forward import RegionForward
 from opensora.inference.cache.region_graphs import RegionGraphs
 from opensora.inference.cache.stores import DeviceStore, PackedOffloadManager, StaticDeviceStore, make_store
 

@@ -1,4 +1,4 @@
-"""Sampling pipeline: text (+ reference image/video) -> latent noise -> Euler flow sampler with CFG -> decoded video.
+"""The sampler: text (+ reference image/video) -> latent noise -> Euler flow sampler with CFG -> decoded video.
 
 ``VideoSampler.from_config(cfg, ckpt)`` builds the network of one role from the config, loads its weights
 (EMA by default) and the frozen autoencoder and text conditioner; ``generate(prompts, seeds, ...)`` returns

@@ -35,358 +35,42 @@ Exactness: levels 0 and 3 run exactly the model's forward (same ops, same order;
 a step whose computed set would be every token runs as level 3; so all-active regions, or ``--jano`` off, give the
 model's output bit for bit (tests/test_jano.py).
 
-The region-cached forward (``RegionForward``) drives the MMDiT's own submodules with a token subset (RoPE rows
-gathered per row) and the blocks' ``kv_hook`` seam; the model has no branch for it. Cache entries go through a
-store (stores.py): on the device, the dual-stream ``PackedOffloadManager`` (``--jano-offload``), or a naive synchronous
-offload. Keys follow
-the spec: ``{s|m}_kv_{layer}`` (keys and values stacked, [2, rows, heads, tokens, head_dim]) and ``{s|m}_x``
-(final-layer outputs, [rows, tokens, patch features]). ``--jano-graphs`` (``JanoConfig.graphs``) replays every level
-as CUDA graphs (region_graphs.py) against stores at fixed addresses (``StaticDeviceStore``, or the packed manager with
-fixed slots); off, the eager forward below runs as before.
+Where it lives: plan.py (step levels, region classes, the plan: pure), region_forward.py (``RegionForward``: the
+model's own ``patch_inputs`` / ``embed_patches``, ``run_block_range`` and ``final_tokens`` with a token subset, RoPE
+rows gathered per row, and cache hooks on the blocks' ``kv_hook`` seam; the model has no branch for it), stores.py
+(the ``CacheStore`` protocol; on the device, or the dual-stream ``PackedOffloadManager`` of ``--jano-offload``),
+region_graphs.py (``--jano-graphs``, ``JanoConfig.graphs``: every level replayed as CUDA graphs against stores at
+fixed addresses, ``StaticDeviceStore`` or the packed manager with fixed slots), and this module: the policy that
+drives them over a trajectory, and a whole-step baseline. Cache keys: ``{s|m}_kv_{layer}`` (keys and values stacked,
+[2, rows, heads, tokens, head_dim]) and ``{s|m}_x`` (final-layer outputs, [rows, tokens, patch features]).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 
-from opensora.models.mmdit.attention import device_major
 from opensora.models.mmdit.flops import linear_flops, mmdit_forward_flops
 from opensora.models.mmdit.layers import modulate
-from opensora.models.mmdit.model import patchify, unpatchify
+from opensora.models.mmdit.patches import patchify
 
+from .plan import (
+    ACTIVE,
+    FULL,
+    MEDIUM,
+    REFRESH,
+    JanoConfig,
+    RegionPlan,
+    entry_shapes,
+    medium_read_later,
+    region_classes,
+    step_levels,
+)
+from .region_forward import RegionForward
+from .region_graphs import RegionGraphs
 from .stores import make_store
-
-FULL, ACTIVE, MEDIUM, REFRESH = 0, 1, 2, 3  # step levels
-STATIC_CLASS, MEDIUM_CLASS, ACTIVE_CLASS = 1, 2, 3  # token classes
-
-
-@dataclass
-class JanoConfig:
-    """Settings of the region cache (config key ``jano``; flags ``--jano``, ``--jano-offload``)."""
-
-    warmup_steps: int = 6  # full steps before the region analysis (Jano: 6 of 50)
-    cooldown_steps: int = 2  # full steps at the end
-    refresh_interval: int = 5  # a level-3 refresh every this many cached steps
-    medium_interval: int = 2  # a level-2 step every this many cached steps between refreshes
-    static_threshold: float = 0.2
-    medium_threshold: float = 0.6
-    analysis_steps: int = 3  # warm-up output changes averaged into the score
-    dilation: int = 1  # grow dynamic regions by this many tokens in (h, w)
-    batch_quantile: float = 1.0  # token counts over rows: 1 = the largest (exact superset); see RegionPlan
-    share_branches: bool = True  # the guidance branches of a sample share its regions (Jano: one mask)
-    store: str = "device"  # device | offload (PackedOffloadManager) | offload_slots | offload_static | naive
-    graphs: bool = False  # replay each level's region forward as CUDA graphs (region_graphs.py; --jano-graphs)
-
-    def __post_init__(self):
-        if self.warmup_steps < 2:
-            raise ValueError(
-                f"jano warmup_steps must be >= 2 (the analysis needs two outputs), got {self.warmup_steps}"
-            )
-        if self.refresh_interval < 1 or self.medium_interval < 1:
-            raise ValueError("jano refresh_interval and medium_interval must be >= 1")
-        if not 0 < self.batch_quantile <= 1:
-            raise ValueError(f"jano batch_quantile must lie in (0, 1], got {self.batch_quantile}")
-        if not 0 <= self.static_threshold <= self.medium_threshold <= 1:
-            raise ValueError(
-                f"jano thresholds must satisfy 0 <= static ({self.static_threshold}) <= medium "
-                f"({self.medium_threshold}) <= 1"
-            )
-
-
-def step_levels(num_steps: int, config: JanoConfig) -> List[int]:
-    """The level of each of ``num_steps`` steps (see the module docstring)."""
-    levels = []
-    for step in range(num_steps):
-        if step < config.warmup_steps or step >= num_steps - config.cooldown_steps:
-            levels.append(FULL)
-            continue
-        j = step - config.warmup_steps
-        if j % config.refresh_interval == 0:
-            levels.append(REFRESH)
-        elif j % config.medium_interval == 0:
-            levels.append(MEDIUM)
-        else:
-            levels.append(ACTIVE)
-    return levels
-
-
-def region_classes(score: torch.Tensor, grid, config: JanoConfig, fixed: Optional[torch.Tensor] = None):
-    """Token classes [R, N] (1 static, 2 medium, 3 active) from per-token change ``score`` [R, N] on ``grid``
-    (t, h, w); ``fixed`` [R, N] bool marks tokens forced static (condition frames)."""
-    rows = score.shape[0]
-    score = score.float()
-    score = score / score.amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    if config.dilation > 0:
-        d = config.dilation
-        kernel, pad = (1, 2 * d + 1, 2 * d + 1), (0, d, d)  # in space only: a frame's motion is its own
-        score = F.max_pool3d(score.view(rows, 1, *grid), kernel, stride=1, padding=pad).view(rows, -1)
-    classes = torch.full_like(score, STATIC_CLASS, dtype=torch.int8)
-    classes[score > config.static_threshold] = MEDIUM_CLASS
-    classes[score > config.medium_threshold] = ACTIVE_CLASS
-    if fixed is not None:
-        classes[fixed] = STATIC_CLASS
-    return classes
-
-
-@dataclass
-class RegionPlan:
-    """Per-row token order (active, medium, static; index order inside a class) and how many of them a level-1
-    (``k_active``) and level-2 (``k_medium``) step computes."""
-
-    order: torch.Tensor  # [R, N] long
-    k_active: int
-    k_medium: int
-    _entry_keys: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @classmethod
-    def from_classes(
-        cls, classes: torch.Tensor, score: Optional[torch.Tensor] = None, batch_quantile: float = 1.0
-    ) -> "RegionPlan":
-        """``score`` [R, N] (optional) orders tokens inside a class, most changing first. ``batch_quantile`` picks
-        the counts over rows: 1 = the largest (every row computes all its dynamic tokens); below 1, rows above it
-        leave their least changing dynamic tokens to the cache (an approximation that bounds the cost)."""
-        key = (ACTIVE_CLASS - classes).float()
-        if score is not None:
-            score = score.float()
-            key = key - 0.5 * score / score.amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        order = torch.sort(key, dim=1, stable=True).indices
-
-        def count(selected):
-            counts = selected.sum(1).float()
-            return int(torch.quantile(counts, float(batch_quantile), interpolation="higher"))
-
-        k_active = max(1, count(classes == ACTIVE_CLASS))
-        k_medium = max(k_active, count(classes >= MEDIUM_CLASS))
-        return cls(order, k_active, k_medium)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.order.shape[1]
-
-    def computed(self, level: int) -> int:
-        return {ACTIVE: self.k_active, MEDIUM: self.k_medium}.get(level, self.num_tokens)
-
-    def entry_keys(self, layers: int, level: int) -> Tuple[str, ...]:
-        """Entries a level-1/2 step reads, in reading order (``begin_fetch_step``'s argument; made once per level)."""
-        keys = self._entry_keys.get((layers, level))
-        if keys is None:
-            keys = []
-            for layer in range(layers):
-                keys += self.reads(level, f"kv_{layer}")
-            keys = self._entry_keys[(layers, level)] = tuple(keys + self.reads(level, "x"))
-        return keys
-
-    def reads(self, level: int, name: str) -> List[str]:
-        """Entries of cache ``name`` (``kv_{layer}`` or ``x``) a level-1/2 step reads: medium (level 1), static."""
-        keys = []
-        if level == ACTIVE and self.k_medium > self.k_active:
-            keys.append(f"m_{name}")
-        if self.k_medium < self.num_tokens:
-            keys.append(f"s_{name}")
-        return keys
-
-
-def entry_shapes(model, rows: int, plan: RegionPlan, num_layers: int) -> dict:
-    """Shape of every cache entry, in reservation order (medium, then static; layers, then outputs)."""
-    heads = model.num_heads
-    head_dim = model.hidden_size // heads
-    features = model.final_layer.linear.out_features
-    shapes = {}
-    for part, count in (("m", plan.k_medium - plan.k_active), ("s", plan.num_tokens - plan.k_medium)):
-        if count == 0:
-            continue
-        for layer in range(num_layers):
-            shapes[f"{part}_kv_{layer}"] = (2, rows, heads, count, head_dim)
-        shapes[f"{part}_x"] = (rows, count, features)
-    return shapes
-
-
-def _gather_tokens(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[R, N, F] rows picked by ``index`` [R, K] -> [R, K, F]."""
-    return torch.gather(tokens, 1, index[..., None].expand(-1, -1, tokens.shape[-1]))
-
-
-def _gather_heads(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[R, H, L, D] positions ``index`` [R, K] (of dim 2) -> [R, H, K, D]."""
-    r, h, _, d = t.shape
-    return torch.gather(t, 2, index[:, None, :, None].expand(r, h, index.shape[1], d))
-
-
-class RegionForward:
-    """The MMDiT's forward at a step level, computing only a token subset below level 3 (see the module docstring).
-
-    Levels 0 and 3 compute every token in the model's own order; level 3 also stores the medium/static keys,
-    values and outputs. Levels 1/2 compute ``plan.order[:, :K]`` and fill in the rest from ``store``.
-    """
-
-    def __init__(self, model):
-        if getattr(model, "sp", None) is not None:
-            raise ValueError("region caching cannot be combined with sequence parallelism")
-        if getattr(model, "compile_blocks", False):
-            raise ValueError(
-                "region caching runs Python cache hooks inside every block; build the model with "
-                "compile_blocks=False (or call model.set_compile_blocks(False))"
-            )
-        self.model = model
-        self.num_layers = len(model.double_blocks) + len(model.single_blocks)
-
-    def __call__(
-        self,
-        level,
-        x,
-        timestep,
-        text_emb,
-        text_mask=None,
-        pooled=None,
-        cond=None,
-        guidance=None,
-        text_mask_has_padding=None,
-        plan: Optional[RegionPlan] = None,
-        store=None,
-        store_medium: bool = True,
-    ) -> torch.Tensor:
-        """``store_medium=False``: a level-2 step does not store its medium entries (the caller knows no step reads
-        them before they are overwritten, so they need not cross the bus)."""
-        state = self.prepare(
-            level, x, timestep, text_emb, text_mask, pooled, cond, guidance, text_mask_has_padding, plan, store
-        )
-        hooks = self.hooks(level, plan, store, state["n_txt"], store_medium)
-        self.run_layers(state, 0, self.num_layers, hooks)
-        return self.finish(state, level, plan, store, store_medium)
-
-    def prepare(
-        self, level, x, timestep, text_emb, text_mask, pooled, cond, guidance, text_mask_has_padding, plan, store
-    ) -> dict:
-        """The work before the first block: checks, embeddings, RoPE rows and (below level 3) the token subset.
-        Returns the forward's state (``run_layers`` and ``finish`` carry it on; ``region_graphs`` cuts it there)."""
-        m = self.model
-        if x.dim() != 5 or x.shape[1] != m.in_channels:
-            raise ValueError(f"x must be [B, {m.in_channels}, T, H, W], got {tuple(x.shape)}")
-        if cond is not None and m.cond_in is None:
-            raise ValueError("cond was given but this MMDiT was built with cond_channels=None")
-        full = level in (FULL, REFRESH)
-        if not full or level == REFRESH:
-            if plan is None or store is None:
-                raise ValueError(f"step level {level} needs a region plan and a cache store")
-        b, _, t, h, w = x.shape
-        pt, ph, pw = m.patch_size
-        grid = (t // pt, h // ph, w // pw)
-        patches = patchify(x, m.patch_size)
-        cond_patches = None if cond is None else patchify(cond, m.patch_size)
-        txt = m.txt_in(text_emb)
-        vec = m.conditioning_vector(timestep, pooled, guidance)
-        n, n_txt = patches.shape[1], txt.shape[1]
-        rope = m.rope(grid, n_txt, x.device)
-        mask = m.key_mask(text_mask, n, text_mask_has_padding)  # [B, 1, 1, L + N]: valid for the extended keys
-        if x.is_cuda:
-            device_major(x.device)
-
-        index = None
-        if not full:
-            index = plan.order[:, : plan.computed(level)]
-            patches = _gather_tokens(patches, index)
-            cond_patches = None if cond_patches is None else _gather_tokens(cond_patches, index)
-            rope = tuple(
-                torch.cat((table[:n_txt].expand(b, -1, -1), table[n_txt:][index]), 1)[:, None] for table in rope
-            )
-        img = m.img_in(patches)
-        if cond_patches is not None:
-            img = img + m.cond_in(cond_patches)
-        return dict(img=img, txt=txt, vec=vec, rope=rope, mask=mask, grid=grid, n_txt=n_txt)
-
-    def hooks(self, level, plan, store, n_txt: int, store_medium: bool = True) -> list:
-        """The ``kv_hook`` of every layer (double blocks first) at ``level``."""
-        if level == FULL:
-            return [None] * self.num_layers
-        return [self._kv_hook(level, plan, store, layer, n_txt, store_medium) for layer in range(self.num_layers)]
-
-    def run_layers(self, state: dict, lo: int, hi: int, hooks) -> None:
-        """Layers ``lo`` to ``hi - 1`` (double blocks, then single blocks) on ``state``, in place."""
-        m = self.model
-        depth_double = len(m.double_blocks)
-        vec, rope, mask = state["vec"], state["rope"], state["mask"]
-        for i in range(lo, hi):
-            if i < depth_double:
-                state["img"], state["txt"] = m.double_blocks[i](
-                    state["img"], state["txt"], vec, rope, mask, kv_hook=hooks[i]
-                )
-                continue
-            if "tokens" not in state:
-                state["tokens"] = torch.cat((state.pop("txt"), state.pop("img")), dim=1)
-            state["tokens"] = m.single_blocks[i - depth_double](state["tokens"], vec, rope, mask, kv_hook=hooks[i])
-
-    def finish(self, state: dict, level, plan, store, store_medium: bool = True) -> torch.Tensor:
-        """The final layer on ``state`` (after every block), the cached outputs, and the video layout."""
-        m = self.model
-        if "tokens" not in state:
-            state["tokens"] = torch.cat((state.pop("txt"), state.pop("img")), dim=1)
-        out = m.final_layer(state["tokens"][:, state["n_txt"] :], state["vec"])
-        if level != FULL:
-            out = self._outputs(level, plan, store, out, store_medium)
-            store.flush()  # a store that batches its copies issues this step's last ones now
-        return unpatchify(out, state["grid"], m.patch_size)
-
-    @staticmethod
-    def _kv_hook(level, plan: RegionPlan, store, layer: int, n_txt: int, store_medium: bool = True):
-        k1, k2, n = plan.k_active, plan.k_medium, plan.num_tokens
-        m_key, s_key = f"m_kv_{layer}", f"s_kv_{layer}"
-
-        def hook(k, v, mask):
-            if level == REFRESH:
-                if k1 < k2:
-                    pos = n_txt + plan.order[:, k1:k2]
-                    store.store_async(torch.stack((_gather_heads(k, pos), _gather_heads(v, pos))), m_key)
-                if k2 < n:
-                    pos = n_txt + plan.order[:, k2:]
-                    store.store_async(torch.stack((_gather_heads(k, pos), _gather_heads(v, pos))), s_key)
-                return k, v, mask
-            if level == MEDIUM and k1 < k2 and store_medium:  # the medium tokens were computed: refresh their cache
-                store.store_async(
-                    torch.stack((k[:, :, n_txt + k1 : n_txt + k2], v[:, :, n_txt + k1 : n_txt + k2])), m_key
-                )
-            keys = plan.reads(level, f"kv_{layer}")
-            cached = [store.fetch(key) for key in keys]
-            k = torch.cat([k] + [entry[0] for entry in cached], dim=2)
-            v = torch.cat([v] + [entry[1] for entry in cached], dim=2)
-            for key in keys:
-                store.release(key)
-            return k, v, mask
-
-        return hook
-
-    @staticmethod
-    def _outputs(level, plan: RegionPlan, store, out: torch.Tensor, store_medium: bool = True) -> torch.Tensor:
-        """Store (level 3) or complete (levels 1/2) the final-layer outputs; returns [R, N, F] in token order."""
-        k1, k2, n = plan.k_active, plan.k_medium, plan.num_tokens
-        if level == REFRESH:
-            if k1 < k2:
-                store.store_async(_gather_tokens(out, plan.order[:, k1:k2]), "m_x")
-            if k2 < n:
-                store.store_async(_gather_tokens(out, plan.order[:, k2:]), "s_x")
-            return out
-        if level == MEDIUM and k1 < k2 and store_medium:
-            store.store_async(out[:, k1:k2].contiguous(), "m_x")
-        keys = plan.reads(level, "x")
-        permuted = torch.cat([out] + [store.fetch(key) for key in keys], dim=1)
-        for key in keys:
-            store.release(key)
-        return torch.empty_like(permuted).scatter_(1, plan.order[..., None].expand_as(permuted), permuted)
-
-
-def medium_read_later(level_of, step: int, num_steps: int) -> bool:
-    """Whether a level-1 step reads the medium cache that step ``step`` (level 2) writes before a later level-2 or
-    level-3 step overwrites it; ``level_of(j)`` is step j's level."""
-    for j in range(step + 1, num_steps):
-        level = level_of(j)
-        if level == ACTIVE:
-            return True
-        if level in (MEDIUM, REFRESH):
-            return False
-    return False
 
 
 def region_forward_flops(
@@ -507,8 +191,6 @@ class JanoCache(_Accelerator):
         if self._forward is None or self._forward.model is not model:
             self._forward = RegionForward(model)
             if self.config.graphs:
-                from .region_graphs import RegionGraphs
-
                 self._forward = (self.graphs_class or RegionGraphs)(self._forward)
         if self.store is None:
             self.store = make_store(self.config.store, x.device, graphs=self.config.graphs)
@@ -548,7 +230,7 @@ class JanoCache(_Accelerator):
             # Queue the next step's prefetches now: the first ring slots fill while this step's tail still computes
             # (this step's stores were queued before them, and each key's prefetch waits for its store).
             self.store.begin_fetch_step(self.plan.entry_keys(self._forward.num_layers, following))
-            if getattr(self.store, "wants_hints", False):  # the steps after the queued one
+            if self.store.wants_hints:  # the steps after the queued one
                 self.store.hint_upcoming(self._keys_after(self.step))
         return out
 
@@ -650,9 +332,7 @@ class StepCache(_Accelerator):
         guidance=None,
         text_mask_has_padding=None,
     ):
-        img = model.img_in(patchify(x, model.patch_size))
-        if cond is not None:
-            img = img + model.cond_in(patchify(cond, model.patch_size))
+        img = model.embed_patches(*model.patch_inputs(x, cond)[:2])
         vec = model.conditioning_vector(timestep, pooled, guidance)
         shift, scale = model.double_blocks[0].img_mod(vec)[:2]
         modulated = modulate(img, shift, scale)
