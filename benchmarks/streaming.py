@@ -35,9 +35,11 @@ from train_step import count_host_syncs  # noqa: E402  (benchmarks/train_step.py
 
 from opensora.config import load_config  # noqa: E402
 from opensora.inference import sampler as pipeline  # noqa: E402
+from opensora.inference.io import uint8_frames_on_device  # noqa: E402
 from opensora.inference.sampler import VideoSampler, resolve_device, role_model_config  # noqa: E402
 from opensora.inference.streaming.generator import ChunkDecoder, GraphedDecode, StreamingGenerator  # noqa: E402
 from opensora.models.mmdit.flops import mmdit_chunk_flops, mmdit_forward_flops  # noqa: E402
+from opensora.models.vae.exact_chunk_decode import exact_chunk_decode  # noqa: E402
 from opensora.registry import MODELS, build_module  # noqa: E402
 
 
@@ -50,8 +52,14 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def random_sampler(cfg, causal_chunk_frames: int, device, dtype, seed: int = 0) -> VideoSampler:
-    """A sampler around the config's network with random weights (all parameters perturbed, so no output is 0)."""
+# The autoencoder Open-Sora 2.0 ships: diffusers' HunyuanVideo VAE at its default config (246M parameters), random
+# weights. ``--vae config`` takes the config's autoencoder instead (a stand-in: its rows are named so).
+REAL_VAE = dict(type="HunyuanVideoVAE", config={}, seed=0, dtype="bf16")
+
+
+def random_sampler(cfg, causal_chunk_frames: int, device, dtype, seed: int = 0, vae_cfg=None) -> VideoSampler:
+    """A sampler around the config's network with random weights (all parameters perturbed, so no output is 0);
+    ``vae_cfg`` replaces the config's autoencoder."""
     torch.manual_seed(seed)
     model_cfg = dict(role_model_config(cfg), causal_chunk_frames=causal_chunk_frames)
     model_cfg.update(grad_ckpt_double=0, grad_ckpt_single=0)
@@ -59,7 +67,7 @@ def random_sampler(cfg, causal_chunk_frames: int, device, dtype, seed: int = 0) 
     with torch.no_grad():  # on the device: perturbing 1B parameters on the CPU takes a while
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    vae = build_module(cfg["vae"], MODELS).to(device, dtype).eval().requires_grad_(False)
+    vae = build_module(vae_cfg or cfg["vae"], MODELS).to(device, dtype).eval().requires_grad_(False)
     text = build_module(cfg["text_encoder"], MODELS).to(device).eval()
     shift = (cfg.get("method") or {}).get("shift") or {}
     return VideoSampler(model, vae, text, shift=shift, device=device, progress=False)
@@ -216,7 +224,12 @@ def paired_rounds(args, sampler, teacher, teacher_video, teachers, window, promp
     (the teacher's time moves from host to host and within a call); per mode the median ratio and its range."""
     on_gpu = torch.cuda.is_available() and sampler.device.type == "cuda"
     student = StreamingGenerator(
-        sampler, step_list=args.step_list, window_frames=window, sink_frames=args.sink_frames, cuda_graphs=on_gpu
+        sampler,
+        step_list=args.step_list,
+        window_frames=window,
+        sink_frames=args.sink_frames,
+        cuda_graphs=on_gpu,
+        decode_rule=args.decode_rule,
     )
     stream_once(student, prompts, seeds, size)  # warm-up: captures its graphs
     rounds = []
@@ -254,7 +267,10 @@ def run_speed(args) -> dict:
     on_gpu = device.type == "cuda"
     cfg = load_config(args.config)
     frames, height, width = args.frames or training_clip(cfg)[0], *(args.size or training_clip(cfg)[1:])
-    sampler = random_sampler(cfg, args.chunk_frames, device, dtype)
+    real_vae = args.vae == "real" or (args.vae == "auto" and on_gpu)
+    sampler = random_sampler(cfg, args.chunk_frames, device, dtype, vae_cfg=REAL_VAE if real_vae else None)
+    vae_tag = "" if real_vae else "-config-vae"  # rows with the config's (stand-in) autoencoder say so
+    stand_in = vae_tag + ("" if args.decode_rule == "running" else f"-{args.decode_rule}-decode")
     if args.text_mask == "full":
         every_text_token_valid(sampler)
     model = sampler.model
@@ -274,6 +290,7 @@ def run_speed(args) -> dict:
         and (not graphs or (use_graphs and cached))
         and merged in merge_modes
         and (overlap in overlap_modes if graphs else not overlap)
+        and (not args.only or name in args.only)
     ]
     weights_mib = sum(p.numel() * p.element_size() for m in (model, vae) for p in m.parameters()) / 2**20
     result = dict(
@@ -284,6 +301,8 @@ def run_speed(args) -> dict:
         text_mask=args.text_mask,
         device=device_name(),
         config=args.config,
+        vae="HunyuanVideo VAE, diffusers default config (random weights)" if real_vae else "the config's",
+        decode_rule=args.decode_rule,
         batch=args.batch,
         chunk_frames=args.chunk_frames,
         steps=args.step_list,
@@ -295,8 +314,19 @@ def run_speed(args) -> dict:
         lengths={},
         memory={},
     )
-    # the decode share of a chunk: one later chunk's latents (with the decoder's overlap context) decoded alone
+    # the decode share of a chunk under the overlap rule: one later chunk's latents with the overlap context decoded
+    # alone (decode_s_per_chunk, decode_graphed_s_per_chunk); under the exact-once rules one later chunk of a clip in
+    # progress (exact_decode_s_per_chunk: graphed on a GPU, as the graphed rows run it)
     latent_hw = sampler.latent_size(frames, height, width)[1:]
+    exact = exact_chunk_decode(vae, args.decode_rule, graphs=on_gpu, postprocess=uint8_frames_on_device)
+    if exact is not None:
+        clip = torch.randn(args.batch, vae.latent_channels, 2 * args.chunk_frames, *latent_hw, device=device)
+        later = clip[:, :, args.chunk_frames :]
+        exact(clip[:, :, : args.chunk_frames], first=True)
+        for _ in range(-(-exact.decoder.attention_window // args.chunk_frames) + 1):  # fill the attention window
+            exact(later, first=False)
+        result["exact_decode_s_per_chunk"], _ = timed(lambda: exact(later, first=False), repeats=3)
+        del exact
     overlap = ChunkDecoder(sampler.decode, vae).overlap
     chunk_latents = torch.randn(args.batch, vae.latent_channels, args.chunk_frames + overlap, *latent_hw, device=device)
     result["decode_s_per_chunk"], _ = timed(lambda: sampler.decode(chunk_latents), repeats=3)
@@ -360,6 +390,7 @@ def run_speed(args) -> dict:
             merge_refill=merged,
             overlap_decode=overlap,
             trim_text=args.text_mask == "trim",
+            decode_rule=args.decode_rule,
         )
         if on_gpu:
             torch.cuda.empty_cache()
@@ -377,6 +408,8 @@ def run_speed(args) -> dict:
             _, chunks = stream_once(gen, prompts, seeds, size)
             summary = chunk_summary(chunks, args.batch)
             summary.update(
+                name=name + stand_in,
+                chunk_s_max=max(c["seconds"] for c in chunks[1:]) if len(chunks) > 1 else None,
                 length_multiple=multiple,
                 pixel_frames=pixel_frames,
                 latent_frames=latent,
@@ -411,11 +444,13 @@ def run_speed(args) -> dict:
                     k: summary.get(k)
                     for k in (
                         "length_multiple",
+                        "name",
                         "cache",
                         "pixel_frames",
                         "model_passes",
                         "first_chunk_s",
                         "chunk_s_median",
+                        "chunk_s_max",
                         "sustained_frames_per_s",
                         "frames_per_s",
                         "max_cached_frames",
@@ -445,7 +480,7 @@ def run_speed(args) -> dict:
         result["peak_growth"] = max(m["growth"] for m in result["memory"].values())
         result["peak_flat_within_5pct"] = result["peak_growth"] <= 0.05
     if args.teacher_steps:
-        teacher = random_sampler(cfg, 0, device, dtype)
+        teacher = random_sampler(cfg, 0, device, dtype, vae_cfg=REAL_VAE if real_vae else None)
 
         def teacher_video():
             return teacher.generate(
@@ -488,11 +523,13 @@ def run_speed(args) -> dict:
             rows.append(
                 dict(
                     length_multiple=1,
+                    name=f"teacher-{args.teacher_steps}x2-{name}{vae_tag}",
                     cache=f"teacher-{args.teacher_steps}x2-{name}",
                     pixel_frames=frames,
                     model_passes=args.teacher_steps,
                     first_chunk_s=teacher_s,
                     chunk_s_median=None,
+                    chunk_s_max=None,
                     sustained_frames_per_s=None,
                     frames_per_s=frames * args.batch / teacher_s,
                     max_cached_frames=None,
@@ -521,6 +558,7 @@ def run_speed(args) -> dict:
         print(f" MiB ({100 * m['reserved_growth']:+.1f}%)")
     for key in sorted(result):
         headline = ("speedup_end_to_end", "speedup_vs_graphed", "first_chunk_over", "decode_s", "decode_graphed_s")
+        headline += ("exact_decode_s",)
         if key.startswith((*headline, "peak_growth")):
             print(f"{key}: {result[key]:.4g}")
     for row in result.get("decode_top_kernels", []):
@@ -897,6 +935,20 @@ def parse_args(argv=None):
     speed.add_argument("--window-frames", type=int, default=None, help="default: training latent frames - chunk")
     speed.add_argument("--sink-frames", type=int, default=0)
     speed.add_argument("--batch", type=int, default=1)
+    speed.add_argument(
+        "--vae",
+        choices=("auto", "real", "config"),
+        default="auto",
+        help="real: the HunyuanVideo VAE at diffusers' default config (random weights); config: the config's "
+        "autoencoder (a stand-in, rows named '-config-vae'); auto: real on a GPU, the config's on a CPU",
+    )
+    speed.add_argument("--only", nargs="+", default=None, choices=list(SPEED_VARIANTS), help="run these variants only")
+    speed.add_argument(
+        "--decode-rule",
+        choices=("running", "chunk", "overlap"),
+        default="running",
+        help="StreamingGenerator(decode_rule=...): exact-once chunk decode (running / chunk statistics) or overlap",
+    )
     speed.add_argument("--teacher-steps", type=int, default=30, help="0: skip the bidirectional 30-step CFG timing")
     speed.add_argument("--teacher-repeats", type=int, default=2)
     speed.add_argument(

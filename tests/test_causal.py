@@ -85,6 +85,30 @@ def test_streaming_matches_full_forward_with_the_default_cpu_attention_kernel():
     assert torch.equal(again, streamed)
 
 
+def test_long_padded_prompts_are_trimmed_exactly_in_the_full_forward_and_its_gradients():
+    """40 text columns with 3 and 9 valid: the full causal forward trims them to 32 (text_padding.py); it equals the
+    untrimmed streamed chunks (which keep all 40 behind the dense mask) and, with gradients, each prompt alone."""
+    model = causal_model(backend="auto").train()
+    data = padded_inputs(t=4)
+    gen = torch.Generator().manual_seed(7)
+    data["text_emb"] = torch.randn(2, 40, data["text_emb"].shape[2], generator=gen)
+    data["text_mask"] = torch.arange(40)[None] < torch.tensor([[3], [9]])
+    with torch.no_grad():
+        streamed, _ = stream(model, data, 2)
+    full = model(**data)
+    assert (full - streamed).abs().max() <= 1e-5 * streamed.abs().max()
+    full.square().sum().backward()
+    batched = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for row, length in enumerate((3, 9)):  # gradients accumulate: the sum over the two prompts alone
+        alone = {k: v[row : row + 1] for k, v in data.items() if k != "text_mask"}
+        alone["text_emb"] = alone["text_emb"][:, :length]
+        model(**alone).square().sum().backward()
+    for name, p in model.named_parameters():  # float reordering only (CPU flash blocks keys by count): ~1e-4 worst
+        error, scale = (p.grad - batched[name]).abs().max(), batched[name].abs().max()
+        assert error <= 1e-3 * scale, (name, error, scale)
+
+
 def test_chunks_see_the_past_and_not_the_future():
     model = causal_model()
     data = padded_inputs()

@@ -12,6 +12,7 @@ import torch
 from torch.library import opcheck
 
 from opensora.models.mmdit import MMDiT, attention, mmdit_config
+from opensora.models.mmdit.attention import KeyRanges
 
 TEXT_DIM, POOLED_DIM = 24, 16
 
@@ -101,9 +102,12 @@ def test_each_block_is_one_graph_without_breaks():
     vec = torch.randn(1, 64)
     rope = model.rope((2, 4, 4), 6, "cpu")
     mask = model.key_mask(inputs["text_mask"], 32)
+    rows = KeyRanges([((0, 4), (6, 38))], queries_at_keys=True)  # a padded prompt (text_padding.py): per-row SDPA
     for block, args in (
         (model.double_blocks[0], (img, txt, vec, rope, mask)),
         (model.single_blocks[0], (torch.cat((txt, img), 1), vec, rope, None)),
+        (model.double_blocks[0], (img, txt, vec, rope, rows)),
+        (model.single_blocks[0], (torch.cat((txt, img), 1), vec, rope, rows)),
     ):
         explained = torch._dynamo.explain(block)(*args)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

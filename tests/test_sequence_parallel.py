@@ -34,7 +34,8 @@ def model_and_inputs(padded_text: bool, cond: bool, grad_ckpt: int, uneven: bool
     with torch.no_grad():
         for p in model.parameters():  # zero-initialised layers too, so every parameter gets a gradient
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    batch, text_len = 2, (7 if uneven else 8)
+    # padded text (even case): 40 columns with 5 and 3 valid, which the model trims to 32 before splitting
+    batch, text_len = 2, (7 if uneven else 40 if padded_text else 8)
     frames, size = (3, 6) if uneven else (2, 8)  # uneven: 7 text and 3x3x3 = 27 video tokens, padded per rank
     mask = torch.ones(batch, text_len, dtype=torch.bool)
     if padded_text:
@@ -88,6 +89,7 @@ def _sp_body(rank, world_size, padded_text, cond, grad_ckpt, uneven=False, cuda=
     errors = {n: ((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12)).item() for n in grads}
     return dict(
         out_err=(out - ref_out).abs().max().item(),
+        out_scale=ref_out.abs().max().item(),
         loss=loss.item(),
         ref_loss=ref_loss.item(),
         partial=partial,
@@ -109,7 +111,8 @@ def test_sequence_parallel_matches_one_process(world_size, padded_text, cond, gr
     """uneven: token counts the group does not divide (7 text, 27 video tokens) are padded and masked."""
     results = run_distributed(_sp_body, world_size=world_size, args=(padded_text, cond, grad_ckpt, uneven))
     for r in results:
-        assert r["out_err"] < 1e-5, r
+        # the one-process reference attends a padded batch row by row (KeyRanges), the ranks with a mask: rounding
+        assert r["out_err"] < 1e-6 * max(10.0, r["out_scale"]), r
         assert r["partial"] > 0.1, r
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6), r
         name, error = r["worst_grad"]

@@ -32,6 +32,7 @@ from opensora.registry import DATASETS, METHODS, MODELS, build_module
 from opensora.role_config import role_configs
 from opensora.roles import Components, Role
 from opensora.training import checkpoint as ckpt
+from opensora.training.compile_time import CompileLog
 from opensora.training.defaults import TRAINER_DEFAULTS
 from opensora.training.distributed import all_reduce_mean, barrier, init_distributed
 from opensora.training.host_copy import HostCopy
@@ -136,6 +137,7 @@ class Trainer:
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
+        self.compile_log = CompileLog()  # logs the seconds torch.compile took when a step compiled
         self.defer_check = self._choose_nonfinite_check()
         self.out_of_time = False
 
@@ -417,6 +419,8 @@ class Trainer:
         record = {**record, **{key: float(value) for key, value in zip(device_keys, device_norms)}}
         record = {**values, **record, **step.data_counts, **step.timing.record()}
         self.metrics.log(count, record)
+        if self.is_main:  # what compiled blocks cost at start-up, and any later recompile
+            self.compile_log.after_step(count, record.get("step_time", 0.0))
         if progress is not None:
             progress.update(count - progress.n)
             progress.set_postfix(loss=f"{record['loss']:.4f}")

@@ -52,6 +52,9 @@ model = mmdit_config(
     attn_backend="auto",
     grad_ckpt_double=8,  # recompute every block in backward: 65/129-frame buckets need it at these batch sizes
     grad_ckpt_single=16,
+    # torch.compile per block (one graph per block kind, compiled at the first steps; the log says how long):
+    # 1.2-1.6x the eager step. Padded prompts cost their valid tokens only (models/mmdit/text_padding.py).
+    compile_blocks=True,
 )
 
 # ---- optimisation ---------------------------------------------------------------------------------------------

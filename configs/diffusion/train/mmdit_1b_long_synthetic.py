@@ -12,6 +12,7 @@ _base_ = ["mmdit_1b_synthetic.py"]
 
 outputs = "outputs/mmdit_1b_long_synthetic"
 sequence_parallel_size = 4
+model = dict(compile_blocks=False)  # compiled blocks do not combine with sequence parallelism (yet)
 
 dataset = dict(height=512, width=512, num_frames=129)
 bucket_config = {"_delete_": True, "512x512": {129: (1.0, 1)}}

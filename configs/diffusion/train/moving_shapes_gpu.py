@@ -18,6 +18,7 @@ model = dict(
     depth_double=4,
     depth_single=8,
     axes_dims=(16, 24, 24),
+    compile_blocks=True,  # one graph per block kind, compiled in the first steps (the log says how long)
 )
 lr = 5e-4
 warmup_steps = 200

@@ -85,11 +85,13 @@ class RegionForward:
             if plan is None or store is None:
                 raise ValueError(f"step level {level} needs a region plan and a cache store")
         patches, cond_patches, grid = m.patch_inputs(x, cond)
+        text_emb, text_mask, lengths = m.prepare_text(text_emb, text_mask, text_mask_has_padding)
         txt = m.txt_in(text_emb)
         vec = m.conditioning_vector(timestep, pooled, guidance)
         n, n_txt = patches.shape[1], txt.shape[1]
         rope = m.rope(grid, n_txt, x.device)
-        mask = m.key_mask(text_mask, n, text_mask_has_padding)  # [B, 1, 1, L + N]: valid for the extended keys
+        # forward's padding mask; below level 3 the queries are a subset of the keys (the hooks add the cached ones)
+        mask = m.padding_mask(text_mask, lengths, n_txt, n, text_mask_has_padding, own_keys=full)
         if not full:  # the computed tokens only: their patches and RoPE rows, per row in the plan's order
             index = plan.order[:, : plan.computed(level)]
             patches = _gather_tokens(patches, index)

@@ -57,6 +57,10 @@ _STATE = ("img", "txt", "tokens")  # what changes from layer to layer
 _CONSTANTS = ("vec", "mask")  # made before the first layer, read by all
 
 
+def _host_only(value) -> bool:
+    return value is not None and not isinstance(value, torch.Tensor)
+
+
 class _SegmentStore:
     """The store a segment's body sees: entries the host fetched for it; stores go to the segment's output views."""
 
@@ -296,7 +300,10 @@ class RegionGraphs:
                 )
                 entry.meta = dict(n_txt=state["n_txt"], grid=state["grid"])
                 if not last:  # later segments read the constants from shared buffers
-                    entry.constants = {name: memory.output(f"jano.{name}", state[name]) for name in _CONSTANTS}
+                    entry.constants = {  # a KeyRanges mask holds host ints only: nothing to keep in a buffer
+                        name: state[name] if _host_only(state[name]) else memory.output(f"jano.{name}", state[name])
+                        for name in _CONSTANTS
+                    }
                     entry.constants["rope"] = tuple(
                         memory.output(f"jano.rope{i}", table) for i, table in enumerate(state["rope"])
                     )

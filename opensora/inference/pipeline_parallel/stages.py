@@ -124,41 +124,38 @@ class BidirectionalStages:
         grid = latent_grid(model, self.latent_shape)
         branches = []
         for text in spec["branches"]:
-            text_emb = text["text_emb"].to(dev0, self.dtype)
-            pooled = text["pooled"].to(dev0, self.dtype)
             mask = None if text.get("text_mask") is None else text["text_mask"].to(dev0)
+            # the text and padding mask ``forward`` attends with (trimmed after the longest valid prompt)
+            text_emb, mask, lengths = model.prepare_text(text["text_emb"].to(dev0, self.dtype), mask)
+            pooled = text["pooled"].to(dev0, self.dtype)
             vecs = [
                 model.conditioning_vector(torch.full((batch,), t, device=dev0).to(self.dtype), pooled, None)
                 for t in self.times[:-1]
             ]
-            key_mask = model.key_mask(mask, grid[0] * grid[1] * grid[2])
-            branches.append(dict(text_emb=text_emb, mask=key_mask, vec=vecs))
-        rope = model.rope(grid, branches[0]["text_emb"].shape[1], dev0)
+            key_mask = model.padding_mask(mask, lengths, text_emb.shape[1], grid[0] * grid[1] * grid[2])
+            rope = model.rope(grid, text_emb.shape[1], dev0)  # per branch: a trimmed text has its own length
+            branches.append(dict(text_emb=text_emb, mask=key_mask, vec=vecs, rope=rope))
         # lane 1's copies of the tables are pulled by its first stage1 (``lane1``), not here: see ``Stages``
-        return dict(x=x, grid=grid, rope=rope, branches=branches, ready=lanes.event(0))
+        return dict(x=x, grid=grid, branches=branches, ready=lanes.event(0))
 
     def lane1(self, ctx) -> dict:
         """The RoPE tables, masks and conditioning vectors on lane 1, pulled once per group by its first stage1
         (the copies wait for the prep's event, which that stage1's input already waited for)."""
         if "lane1" not in ctx:
             pull, ready = self.lanes.pull, ctx["ready"]
-            ctx["lane1"] = dict(
-                rope=pull(ctx["rope"], ready, 1),
-                branches=[pull(dict(mask=b["mask"], vec=b["vec"]), ready, 1) for b in ctx["branches"]],
-            )
+            ctx["lane1"] = [pull(dict(mask=b["mask"], vec=b["vec"], rope=b["rope"]), ready, 1) for b in ctx["branches"]]
         return ctx["lane1"]
 
     def stage0(self, ctx, branch: int, step: int, x, store_kv: bool) -> dict:
         b = ctx["branches"][branch]
         img, txt, _ = self.model.embed_tokens(x.to(self.dtype), b["text_emb"])
         return self.model.run_block_range(
-            dict(img=img, txt=txt), 0, self.split + 1, b["vec"][step], ctx["rope"], b["mask"]
+            dict(img=img, txt=txt), 0, self.split + 1, b["vec"][step], b["rope"], b["mask"]
         )
 
     def stage1(self, ctx, branch: int, step: int, state, store_kv: bool) -> torch.Tensor:
-        b = self.lane1(ctx)["branches"][branch]
-        rope = self.lane1(ctx)["rope"]
-        state = self.model.run_block_range(state, self.split + 1, self.num_blocks, b["vec"][step], rope, b["mask"])
+        b = self.lane1(ctx)[branch]
+        state = self.model.run_block_range(state, self.split + 1, self.num_blocks, b["vec"][step], b["rope"], b["mask"])
         return final_velocity(self.model, state, b["vec"][step], ctx["grid"])
 
     def update(self, ctx, step: int, outputs: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:

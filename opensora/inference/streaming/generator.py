@@ -17,8 +17,10 @@ Per chunk of ``K`` latent frames (``MMDiT.causal_chunk_frames``) at absolute lat
    and the context time) after the first chunk made them, and later passes run the video tokens only
    (``TextKVCache``: exact, the text stream of a causal model never sees the video).
 3. Decode. An autoencoder without temporal compression (the demo's ``PatchVAE``) decodes frames independently, so
-   chunk-wise decoding is exact. A temporally compressing one gets ``decode_overlap`` earlier latent frames as
-   context and only the new chunk's pixel frames are kept: an approximation of the whole-video decode whose
+   chunk-wise decoding is exact. The causal HunyuanVideo VAE decodes each latent frame once by default
+   (``decode_rule``, ``models/vae/exact_chunk_decode.py``: conv caches, a GroupNorm statistics rule). Under
+   ``decode_rule="overlap"`` (and for other temporally compressing autoencoders) a chunk gets ``decode_overlap``
+   earlier latent frames as context and only the new chunk's pixel frames are kept: an approximation of the whole-video decode whose
    error shrinks with the overlap (the decoder's temporal receptive field is finite), not an identity.
    With ``overlap_decode`` (default with CUDA graphs) chunk ``k`` is decoded on a side stream while the next chunk's
    passes run, and handed out one chunk later (``DecodeAhead``); the frames are the same.
@@ -44,6 +46,7 @@ from opensora.inference.sampler import _module_dtype
 from opensora.models.mmdit.causal_refill import MergedGraphs, refill_and_step
 from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 from opensora.models.vae.base import video_num_frames
+from opensora.models.vae.exact_chunk_decode import exact_chunk_decode
 
 from .chunk_graphs import ChunkGraphs
 from .rules import StreamNoise, check_rollout, rollout_step, text_has_padding
@@ -67,8 +70,9 @@ class ChunkDecoder:
     """Decodes latent chunks in order, giving each the ``overlap`` previous latent frames as context (see the
     module docstring); with a frame-independent autoencoder (no temporal compression) the result is exact."""
 
-    def __init__(self, decode_fn, vae, overlap: Optional[int] = None):
+    def __init__(self, decode_fn, vae, overlap: Optional[int] = None, exact=None):
         self.decode_fn = decode_fn  # latents -> uint8 [B, F, H, W, 3]
+        self.exact, self.device_output = exact, False  # exact-once decode (exact_chunk_decode): no overlap
         self.compression = int(getattr(vae, "temporal_compression", 1))
         self.causal = bool(getattr(vae, "causal_temporal", False))
         temporal = self.compression > 1 or self.causal
@@ -78,6 +82,9 @@ class ChunkDecoder:
 
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         start, end = self.decoded_latents, self.decoded_latents + latents.shape[2]
+        if self.exact is not None:
+            frames, self.decoded_latents = self.exact(latents, first=start == 0), end
+            return frames if self.device_output else frames.cpu()
         new_pixels = video_num_frames(end, self.compression, self.causal) - (
             video_num_frames(start, self.compression, self.causal) if start else 0
         )
@@ -198,7 +205,11 @@ class StreamingGenerator:
         guidance_scale: text CFG ``u + w (c - u)`` per chunk (1: no unconditional branch).
         window_frames / sink_frames: the KV cache's rolling window (``KVCache``); None keeps every frame.
         context_time: time at which the finished chunk is re-run to fill the cache (0: clean).
-        decode_overlap: latent frames of context for a temporally compressing autoencoder (default 2).
+        decode_overlap: latent frames of context for a temporally compressing autoencoder (default 2) under the
+            overlap rule.
+        decode_rule: ``"running"`` (default) / ``"chunk"``: the exact-once chunk decode of a HunyuanVideo VAE with
+            that GroupNorm statistics rule (``models/vae/streaming_decode.py``; its graphs follow ``decode_graphs``);
+            ``"overlap"``: re-decode ``decode_overlap`` earlier latent frames with each chunk.
         text_cache: reuse every block's text keys/values per distinct pass time across the chunks of a video
             (``TextKVCache``): the text stream depends only on (prompts, t), so after the first chunk each pass runs
             the video tokens alone. Bit-identical to ``False`` (recompute the text every pass) on CPU fp32; costs
@@ -246,6 +257,7 @@ class StreamingGenerator:
         decode_graphs: Optional[bool] = None,
         overlap_decode: Optional[bool] = None,
         trim_text: bool = False,
+        decode_rule: str = "running",
     ):
         model = sampler.model
         if not getattr(model, "causal_chunk_frames", 0):
@@ -268,7 +280,14 @@ class StreamingGenerator:
         self.trim_text = bool(trim_text)
         decode_graphs = cuda_graphs if decode_graphs is None else decode_graphs
         self.decode_graphs = None
-        if decode_graphs and not getattr(sampler, "offload", False):  # an offloaded autoencoder moves: no graphs
+        offloaded = getattr(sampler, "offload", False)  # an offloaded autoencoder moves: overlap rule, no graphs
+        self.exact_decode = None
+        if not offloaded:
+            graphs = bool(decode_graphs)
+            self.exact_decode = exact_chunk_decode(
+                sampler.vae, decode_rule, graphs=graphs, postprocess=uint8_frames_on_device
+            )
+        if decode_graphs and not offloaded and self.exact_decode is None:
             vae_dtype = _module_dtype(sampler.vae, sampler.dtype)
             self.decode_graphs = GraphedDecode(sampler.vae, vae_dtype, sampler.decode)
         self.passes = 0  # model passes run (a merged pass counts once), over every ``stream`` call
@@ -360,7 +379,7 @@ class StreamingGenerator:
             seeds, sampler.vae.latent_channels, latent_size[1:], times, self.rollout, self.context_time, device
         )
         decode_fn = self.decode_graphs or sampler.decode
-        decoder = ChunkDecoder(decode_fn, sampler.vae, self.decode_overlap) if decode else None
+        decoder = ChunkDecoder(decode_fn, sampler.vae, self.decode_overlap, self.exact_decode) if decode else None
 
         def guided_rows(x):
             return torch.cat([x] * len(branches)) if guided else x
@@ -416,7 +435,7 @@ class StreamingGenerator:
         ahead = None
         if decoder is not None and self.overlaps_decode(device):
             if device.type == "cuda":
-                decoder.decode_fn = self.device_decode
+                decoder.decode_fn, decoder.device_output = self.device_decode, True
             ahead = DecodeAhead(decoder, device)
         held = None  # look-ahead: the chunk being decoded while the next one's passes are enqueued
 

@@ -99,6 +99,8 @@ def attention(
     """
     if q.dim() != 4:
         raise ValueError(f"attention expects q/k/v as [B, heads, N, head_dim], got q of shape {tuple(q.shape)}")
+    if isinstance(mask, KeyRanges):
+        return mask.attend(q, k, v, backend)
     if torch.compiler.is_compiling() and COMPILED_ATTENTION["mode"] == "op":
         q, k, v = _same_dtype(q, k, v)
         return torch.ops.opensora.attention(q, k, v, mask, check_backend(backend))
@@ -124,6 +126,66 @@ class RowGroups(tuple):
     def attend(self, q: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         """[B, heads, Nq, head_dim] queries -> [B, Nq, heads * head_dim], the groups' outputs in row order."""
         return torch.cat([attention(q[start:stop], k, v.contiguous(), None, backend) for start, stop, k, v in self])
+
+
+class KeyRanges:
+    """A key mask given as ranges: batch row ``b`` attends to the keys ``[start, stop)`` of each pair in
+    ``rows[b]`` (in order) and to no other key. What a padded prompt needs (text_padding.py: the row's valid text
+    tokens and the video tokens), without a dense boolean mask that would rule out the flash / cuDNN kernels.
+
+    ``attend`` runs one mask-free SDPA call per row on that row's keys/values (copied out of the joint sequence):
+    the same result as SDPA with the equivalent boolean mask. ``queries_at_keys`` (self-attention, sorted
+    non-overlapping ranges): only the queries at the row's key positions are computed, the others output zeros
+    (padded tokens whose outputs nobody reads); a row's call then has one shape, ``[n, n]`` with ``n`` its token
+    count, so the kernels' per-shape set-up (cuDNN builds an execution plan per new shape, ~0.1 s) is paid once per
+    prompt length, not once per (batch text length, prompt length) pair.
+
+    Inside ``torch.compile`` the range bounds are host ints: Dynamo specialises on the first batch's values and,
+    when they change, recompiles once with them symbolic (automatic dynamic shapes), so a stream of batches costs a
+    couple of graphs, not one per batch."""
+
+    def __init__(self, rows, queries_at_keys: bool = False):
+        self.rows = tuple(tuple((int(start), int(stop)) for start, stop in ranges) for ranges in rows)
+        self.queries_at_keys = bool(queries_at_keys)
+        if self.queries_at_keys:
+            for ranges in self.rows:
+                bounds = [b for pair in ranges for b in pair]
+                if bounds != sorted(bounds):
+                    raise ValueError(f"queries_at_keys needs sorted, non-overlapping ranges, got {ranges}")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def dense(self, num_keys: int, device=None) -> torch.Tensor:
+        """The equivalent boolean key mask [B, 1, 1, num_keys] (True = may attend)."""
+        mask = torch.zeros(len(self.rows), num_keys, dtype=torch.bool, device=device)
+        for row, ranges in enumerate(self.rows):
+            for start, stop in ranges:
+                mask[row, start:stop] = True
+        return mask[:, None, None, :]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        """[B, heads, N, head_dim] q/k/v -> [B, N, heads * head_dim], each row over its own keys only."""
+        if len(self.rows) != q.shape[0]:
+            raise ValueError(f"KeyRanges has {len(self.rows)} rows for a batch of {q.shape[0]}")
+        outputs = []
+        for row, ranges in enumerate(self.rows):
+            gather = lambda t: torch.cat([t[row : row + 1, :, start:stop] for start, stop in ranges], 2)  # noqa: E731
+            keys, values = gather(k), gather(v)
+            if not self.queries_at_keys:
+                outputs.append(attention(q[row : row + 1], keys, values, None, backend))
+                continue
+            out = attention(gather(q), keys, values, None, backend)
+            pieces, done, at = [], 0, 0  # scatter back: zeros in the gaps between the ranges
+            for start, stop in ranges:
+                if start > at:
+                    pieces.append(out.new_zeros(1, start - at, out.shape[2]))
+                pieces.append(out[:, done : done + stop - start])
+                done, at = done + stop - start, stop
+            if at < q.shape[2]:
+                pieces.append(out.new_zeros(1, q.shape[2] - at, out.shape[2]))
+            outputs.append(torch.cat(pieces, 1))
+        return torch.cat(outputs)
 
 
 def _same_dtype(q, k, v):

@@ -19,9 +19,11 @@ from ..arch import records_arch
 from .attention import COMPILED_ATTENTION, COMPILED_ATTENTION_MODES, check_backend, device_major
 from .causal import KVCache, TextKVCache, block_causal_video_mask, joint_attention_mask, per_chunk_timestep_forward
 from .causal_stream import CausalStreaming
+from .fp8 import check_recipe, convert_block_linears
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .patches import patchify, unpatchify
 from .rope import rope_cos_sin, video_position_ids
+from .text_padding import padded_text_keys, trim_text
 
 TIMESTEP_FEATURES = 256
 
@@ -72,9 +74,12 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         grad_ckpt_single: int = 0,
         compile_blocks: bool = False,
         causal_chunk_frames: int = 0,
+        fp8_linears: Optional[str] = None,
     ):
         """``causal_chunk_frames``: 0 = bidirectional attention; K > 0 = block-causal over chunks of K latent frames
-        (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``, causal_stream.py)."""
+        (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``, causal_stream.py).
+        ``fp8_linears`` ("tensorwise" / "rowwise"): train the block linears in FP8 through torchao (fp8.py); a
+        training option, left out of ``arch``."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -135,6 +140,9 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         self.compile_blocks = False
         self.set_compile_blocks(compile_blocks)
         self.sp = None
+        self.arch.pop("fp8_linears")  # not architecture: a rebuild from ``arch`` (sampling, export) needs no torchao
+        if check_recipe(fp8_linears) is not None:
+            convert_block_linears(self, fp8_linears)
 
     def set_sequence_parallel(self, sp: Optional[SequenceGroup]) -> None:
         """Split every sample's tokens over the ranks of ``sp`` (opensora.parallel.sequence_parallel); ``None`` turns
@@ -223,6 +231,22 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         video = text_mask.new_ones(text_mask.shape[0], num_video_tokens)
         return torch.cat((text_mask, video), dim=1)[:, None, None, :]
 
+    @staticmethod
+    def prepare_text(text_emb, text_mask, text_mask_has_padding: Optional[bool] = None):
+        """The text a bidirectional pass attends to: ``(text_emb, text_mask, lengths)`` cut after the batch's longest
+        valid prompt (``text_padding.trim_text``: exact; ``lengths`` None when nothing was read). ``forward`` and
+        every caller that runs the blocks itself (pipeline stages, the region cache) start from it."""
+        return trim_text(text_emb, text_mask, text_mask_has_padding)
+
+    def padding_mask(self, text_mask, lengths, num_text: int, num_video: int, has_padding=None, own_keys=True):
+        """How a bidirectional pass hides padded text keys (after ``prepare_text``): ``KeyRanges`` for rows with
+        padding left (no sequence parallelism: one mask-free SDPA call per row, text_padding.py), else the dense
+        ``key_mask`` or None. ``own_keys=False`` for a pass whose queries are not its keys (a cache adds the keys of
+        tokens it did not recompute): every query of a row then attends over that row's ranges."""
+        if lengths is not None and self.sp is None:
+            return padded_text_keys(lengths, num_text, num_video, queries_at_keys=own_keys)
+        return self.key_mask(text_mask, num_video, has_padding if lengths is None else min(lengths) < num_text)
+
     def rope(self, grid, num_text_tokens: int, device, time_offset: int = 0):
         """RoPE tables of [text, video]; ``time_offset`` (in time patches) shifts the video's time ids."""
         video_ids = video_position_ids(*grid, device=device)
@@ -289,6 +313,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
                 text_key=text_key,
                 text_mask_has_padding=text_mask_has_padding,
             )
+        text_emb, text_mask, text_lengths = self.prepare_text(text_emb, text_mask, text_mask_has_padding)
         if self.causal_chunk_frames and timestep.dim() == 2:
             return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
@@ -301,7 +326,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
             )
             mask = joint_attention_mask(text_mask, txt.shape[1], video)
         else:
-            mask = self.key_mask(text_mask, img.shape[1], text_mask_has_padding)
+            mask = self.padding_mask(text_mask, text_lengths, txt.shape[1], img.shape[1], text_mask_has_padding)
 
         if self.sp is not None:
             img, txt, rope, mask = self.shard_sequence(img, txt, rope, mask)

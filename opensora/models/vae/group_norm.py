@@ -2,13 +2,16 @@
 
 PyTorch's CUDA group norm reduces each (sample, group) row in one thread block, so a VAE decode at batch 1 with
 4-32 groups runs its statistics on 4-32 SMs while each row holds millions of elements (C/G x T x H x W): about
-half the decode's GPU time. ``torch.sum`` / ``torch.linalg.vector_norm`` split a long row across the whole GPU.
+half the decode's GPU time. ``torch.sum`` / ``torch.linalg.vector_norm`` split a long row across the whole GPU;
+where Triton runs (the GPU image), ``fused_group_norm``'s block-split kernels do so for any number of groups.
 """
 
 from typing import Optional
 
 import torch
 from torch import nn
+
+from .fused_group_norm import fused_group_norm, triton_ready
 
 # The parallel path pays off when PyTorch's kernel leaves nearly every SM idle and each row is long. Measured on an
 # H100 (132 SMs; benchmarks/group_norm.py, bf16): 4 rows of 1.1M elements 3.3x faster, but 32 rows of 328k 0.62x and
@@ -63,13 +66,21 @@ class ParallelGroupNorm(nn.GroupNorm):
         if not x.is_cuda or x.dim() < 2 or not x.is_contiguous():
             return False
         rows = x.shape[0] * self.num_groups
-        return (
-            rows * SMS_PER_ROW <= torch.cuda.get_device_properties(x.device).multi_processor_count
-            and x.numel() // max(rows, 1) >= MIN_ROW_ELEMENTS
-        )
+        if x.numel() // max(rows, 1) < MIN_ROW_ELEMENTS:
+            return False
+        if self.uses_fused(x):  # block-split rows: any number of groups
+            return True
+        return rows * SMS_PER_ROW <= torch.cuda.get_device_properties(x.device).multi_processor_count
+
+    @staticmethod
+    def uses_fused(x: torch.Tensor) -> bool:
+        """The Triton kernels of ``fused_group_norm`` (inference only: they have no backward)."""
+        return triton_ready(x) and not (torch.is_grad_enabled() and x.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_parallel(x):
+            if self.uses_fused(x):
+                return fused_group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
             return parallel_group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         return super().forward(x)
 

@@ -1,0 +1,160 @@
+"""Padded prompts on the GPU in bf16 (cuDNN attention, head size 128): the trimmed text with ``KeyRanges`` is as close
+to the fp32 masked reference as the old bf16 dense-mask path, on the output and every gradient, eager and with
+compiled blocks (no, full and selective checkpointing), for a LoRA network and for the causal student; and a stream of
+batches with fresh prompt lengths settles on a few compiled graphs."""
+
+import copy
+
+import pytest
+import torch
+from test_text_padding import dense_masked_forward
+
+from opensora.models.mmdit import MMDiT, mmdit_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+TEXT_DIM, POOLED_DIM, TEXT_LEN = 64, 16, 300
+
+
+def gpu_model(dtype=torch.bfloat16, **overrides):
+    cfg = mmdit_config(
+        "tiny",
+        hidden_size=256,
+        num_heads=2,  # head size 128, as in the 1B and 11B presets
+        axes_dims=(32, 48, 48),
+        depth_double=2,
+        depth_single=2,
+        text_dim=TEXT_DIM,
+        pooled_dim=POOLED_DIM,
+        in_channels=4,
+        cond_channels=None,
+    )
+    cfg.pop("type")
+    cfg.update(overrides)
+    model = MMDiT(**cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.cuda().to(dtype).train()
+
+
+def padded_batch(lengths, seed=1, frames=4):
+    gen = torch.Generator().manual_seed(seed)
+    size = len(lengths)
+    data = dict(
+        x=torch.randn(size, 4, frames, 16, 16, generator=gen),
+        timestep=torch.rand(size, generator=gen),
+        text_emb=torch.randn(size, TEXT_LEN, TEXT_DIM, generator=gen),
+        pooled=torch.randn(size, POOLED_DIM, generator=gen),
+    )
+    data = {k: v.cuda() for k, v in data.items()}
+    data["text_mask"] = (torch.arange(TEXT_LEN)[None] < torch.tensor(lengths)[:, None]).cuda()
+    return data
+
+
+def cast(data, dtype):
+    return {k: v.to(dtype) if v.is_floating_point() and k != "timestep" else v for k, v in data.items()}
+
+
+def loss_and_grads(model, out):
+    loss = out.float().square().mean()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return loss.detach(), {n: g.float() for n, g in zip(names, grads)}
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def compare_to_fp32_masked(model_bf16, data, reference, baseline):
+    """Errors of the model's own forward (trim + KeyRanges) against the fp32 reference must stay within twice
+    those of the bf16 dense-mask baseline (plus a small floor): the new path may not be less accurate."""
+    out = model_bf16(**cast(data, torch.bfloat16))
+    loss, grads = loss_and_grads(model_bf16, out)
+    ref_out, ref_loss, ref_grads = reference
+    base_out, base_grads = baseline
+    assert torch.isfinite(out).all()
+    assert rel(out, ref_out) <= 2 * rel(base_out, ref_out) + 2e-3
+    assert abs(loss.item() - ref_loss.item()) <= 2e-2 * abs(ref_loss.item())
+    for name, ref in ref_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        limit = 2 * rel(base_grads[name], ref) + 5e-3
+        assert rel(grads[name], ref) <= limit, f"{name}: {rel(grads[name], ref):.3g} > {limit:.3g}"
+
+
+@pytest.fixture(scope="module")
+def references():
+    """fp32 masked reference and the bf16 dense-mask baseline for one padded batch (lengths 20, 77, 120, 3)."""
+    data = padded_batch([20, 77, 120, 3])
+    fp32 = gpu_model(torch.float32)
+    out = dense_masked_forward(fp32, data)
+    reference = (out.detach(), *loss_and_grads(fp32, out))
+    bf16 = gpu_model()
+    base = dense_masked_forward(bf16, cast(data, torch.bfloat16))
+    baseline = (base.detach(), loss_and_grads(bf16, base)[1])
+    return data, reference, baseline
+
+
+@pytest.mark.parametrize("compiled, ckpt", [(False, 0), (True, 0), (True, 2), (True, 1)])
+def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_masked_path(references, compiled, ckpt):
+    data, reference, baseline = references
+    model = gpu_model(grad_ckpt_double=ckpt, grad_ckpt_single=ckpt)  # ckpt 1 of 2 blocks: selective
+    model.set_compile_blocks(compiled)
+    compare_to_fp32_masked(model, data, reference, baseline)
+
+
+def test_a_stream_of_fresh_prompt_lengths_settles_on_a_few_graphs_and_matches_eager():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    eager = gpu_model(grad_ckpt_double=2, grad_ckpt_single=2)
+    compiled = copy.deepcopy(eager)
+    compiled.set_compile_blocks(True)
+    gen = torch.Generator().manual_seed(5)
+    graphs = []
+    for step in range(7):
+        lengths = torch.randint(20, 121, (4,), generator=gen).tolist()
+        if step == 3:
+            lengths[1] = 1  # the null prompt of text dropout: one valid token
+        data = cast(padded_batch(lengths, seed=step), torch.bfloat16)
+        got = loss_and_grads(compiled, compiled(**data))
+        want = loss_and_grads(eager, eager(**data))
+        assert abs(got[0].item() - want[0].item()) <= 1e-2 * abs(want[0].item())
+        for name, ref in want[1].items():
+            assert rel(got[1][name], ref) < 5e-2, (step, name)
+        graphs.append(counters["stats"]["unique_graphs"])
+    print("unique graphs after each step:", graphs)
+    assert graphs[-1] == graphs[-3], graphs  # the last batches compiled nothing new
+    assert graphs[-1] <= 10, graphs
+
+
+def test_compiled_lora_network_with_padded_text_matches_eager():
+    from opensora.lora import add_lora, lora_settings
+
+    eager = add_lora(
+        gpu_model(grad_ckpt_double=2, grad_ckpt_single=2), lora_settings(dict(rank=4, target_modules=["qkv", "proj"]))
+    )
+    with torch.no_grad():
+        for name, p in eager.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: give it values so the adapter's path matters
+                p.normal_(0, 0.05)
+    compiled = copy.deepcopy(eager)
+    compiled.set_compile_blocks(True)
+    data = cast(padded_batch([20, 77, 120, 3]), torch.bfloat16)
+    got, want = loss_and_grads(compiled, compiled(**data)), loss_and_grads(eager, eager(**data))
+    assert set(got[1]) == set(want[1]) and all("lora_" in n for n in got[1])
+    for name, ref in want[1].items():
+        assert torch.isfinite(got[1][name]).all() and rel(got[1][name], ref) < 5e-2, name
+
+
+def test_compiled_causal_student_with_padded_text_matches_eager():
+    eager = gpu_model(causal_chunk_frames=2, grad_ckpt_double=2, grad_ckpt_single=2)
+    compiled = copy.deepcopy(eager)
+    compiled.set_compile_blocks(True)
+    data = cast(padded_batch([20, 77, 120, 3]), torch.bfloat16)
+    got, want = loss_and_grads(compiled, compiled(**data)), loss_and_grads(eager, eager(**data))
+    assert abs(got[0].item() - want[0].item()) <= 1e-2 * abs(want[0].item())
+    for name, ref in want[1].items():
+        assert torch.isfinite(got[1][name]).all() and rel(got[1][name], ref) < 5e-2, name
