@@ -58,6 +58,7 @@ def test_defaults_pass_their_checks_and_the_namespace_is_read_once():
         (dict(pp_overlap="max"), "--pp-overlap must be one of"),
         (dict(pp_devices="cuda:0", streaming=True), "--pp-devices needs exactly two devices"),
         (dict(pp_devices="cuda:0,cuda:1"), "--pp-devices drives the streaming sampler: add --streaming"),
+        (dict(pp_devices=(0, 1)), "--pp-devices drives the streaming sampler"),  # "--pp-devices 0,1" parses to ints
         (dict(jano_settings=dict(warmup_steps=1)), "--jano-settings: jano warmup_steps must be >= 2"),
         (dict(jano_settings=dict(warmup=4)), "--jano-settings.warmup is not a Jano setting"),
         (dict(jano=True, streaming=True), "--streaming has its own KV cache: pick one"),

@@ -179,7 +179,8 @@ class PipelineOptions(_Options):
 
     def devices(self) -> List[str]:
         value = self.pp_devices
-        devices = [d.strip() for d in (value.split(",") if isinstance(value, str) else value) if str(d).strip()]
+        items = value.split(",") if isinstance(value, str) else value  # "cuda:0,cuda:1", or a parsed 0,1 -> (0, 1)
+        devices = [str(d).strip() for d in items if str(d).strip()]
         if len(devices) != 2:
             raise UserInputError(f"--pp-devices needs exactly two devices (e.g. cuda:0,cuda:1), got {value!r}")
         return devices
