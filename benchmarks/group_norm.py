@@ -63,7 +63,7 @@ def bench_shape(shape, groups, device, warmup, iters):
 
 def bench_decode(device, tiny, warmup, iters):
     """One chunk decode of the tiny VAE (graphed on the GPU, as ``StreamingGenerator(cuda_graphs=True)`` runs it)."""
-    from opensora.inference.streaming import GraphedDecode
+    from opensora.inference.streaming.generator import GraphedDecode
 
     latent = torch.randn((1, 16, 5) + ((4, 4) if tiny else (32, 32)), generator=torch.Generator().manual_seed(1))
     latent = latent.to(device, torch.bfloat16)

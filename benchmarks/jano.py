@@ -40,10 +40,13 @@ from pathlib import Path
 
 import torch
 
-from opensora.inference import jano
-from opensora.inference.jano import ACTIVE, FULL, MEDIUM, REFRESH, JanoCache, JanoConfig
-from opensora.inference.offload import DeviceStore, OffloadManager, PackedOffloadManager, StaticDeviceStore, make_store
-from opensora.inference.region_graphs import RegionGraphs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the stores only benchmarks use: benchmarks/
+
+from benchmarks.offload_stores import NaiveOffload, OffloadManager, SplitStore  # noqa: E402
+from opensora.inference.cache import jano  # noqa: E402
+from opensora.inference.cache.jano import ACTIVE, FULL, MEDIUM, REFRESH, JanoCache, JanoConfig  # noqa: E402
+from opensora.inference.cache.region_graphs import RegionGraphs  # noqa: E402
+from opensora.inference.cache.stores import DeviceStore, PackedOffloadManager, StaticDeviceStore, make_store  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 MANAGERS = (OffloadManager, PackedOffloadManager)
@@ -110,7 +113,7 @@ def quality_methods(num_steps: int) -> dict:
 
 
 def build_sampler(cfg, ckpt):
-    from opensora.inference.pipeline import VideoSampler, resolve_device, resolve_sampling_dtype, role_model_config
+    from opensora.inference.sampler import VideoSampler, resolve_device, resolve_sampling_dtype, role_model_config
     from opensora.registry import MODELS, build_module
 
     if ckpt is not None:
@@ -745,7 +748,7 @@ def offload_variants(device) -> dict:
     replaced; ``offload_v1`` that manager as first measured (no slot reuse, every medium entry stored)."""
     variants = {
         "device": (lambda: make_store("device", device), False),
-        "naive": (lambda: make_store("naive", device), False),
+        "naive": (lambda: NaiveOffload(device), False),
     }
     if CUDA:
         variants.update(
@@ -753,8 +756,13 @@ def offload_variants(device) -> dict:
                 "offload": (lambda: make_store("offload", device), False),
                 "offload_packed_32MiBx4": (lambda: PackedOffloadManager(device, 32 * 2**20, 4), False),
                 "offload_packed_128MiBx2": (lambda: PackedOffloadManager(device, 128 * 2**20, 2), False),
-                "offload_static": (lambda: make_store("offload_static", device), False),
-                "offload_slots": (lambda: make_store("offload_slots", device), False),
+                "offload_static": (
+                    lambda: SplitStore(
+                        DeviceStore(), make_store("offload", device), lambda key: not key.startswith("s_")
+                    ),
+                    False,
+                ),
+                "offload_slots": (lambda: OffloadManager(device), False),
                 "offload_v1": (lambda: OffloadManager(device, reuse_slots=False), True),
                 # --jano-graphs: the stores at fixed addresses that RegionGraphs replays against
                 "device_graphs": (lambda: make_store("device", device, graphs=True), False),

@@ -159,8 +159,8 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
     """Stream the student at the training length (accuracy, speed) and at the long length (windows, flicker)."""
     from opensora.config import load_config
     from opensora.eval.moving_shapes_windows import chunk_edge_flicker, score_windows
-    from opensora.inference.pipeline import VideoSampler
-    from opensora.inference.streaming import StreamingGenerator
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import StreamingGenerator
 
     cfg = load_config(str(stage_config(args, name)))
     sampler = VideoSampler.from_config(cfg, ckpt, role="student", device=args.device, progress=False)
@@ -231,7 +231,7 @@ def evaluate(args, checkpoints: dict) -> dict:
     from opensora.config import load_config
     from opensora.datasets.moving_shapes import all_captions
     from opensora.eval.moving_shapes_windows import score_windows
-    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.sampler import VideoSampler
 
     prompts = all_captions()[: args.num_prompts]
     seeds = [args.seed + i for i in range(len(prompts))]

@@ -24,7 +24,7 @@ import torch
 from benchmarks.common import held_caption_setup
 from opensora.config import load_config
 from opensora.eval.moving_shapes import score_rows
-from opensora.inference.pipeline import VideoSampler
+from opensora.inference.sampler import VideoSampler
 
 
 def sync():

@@ -1,4 +1,4 @@
-"""Two-GPU pipeline overlap (opensora/inference/pipeline_parallel.py) vs one GPU, at the 1B MMDiT shape.
+"""Two-GPU pipeline overlap (opensora/inference/pipeline_parallel/schedule.py) vs one GPU, at the 1B MMDiT shape.
 
 Streaming: a causal 1B MMDiT (8 double + 16 single blocks, 1536 wide, random weights) generates ``--chunks`` chunks
 of ``--chunk-frames`` latent frames at 256px (32x32x16 latents, 256 tokens per frame) with ``--text-len`` text
@@ -54,31 +54,24 @@ import torch.nn as nn  # noqa: E402
 
 from opensora.diffusion.guidance import text_cfg  # noqa: E402
 from opensora.diffusion.sampling import euler_step, timesteps_for_sampling  # noqa: E402
-from opensora.inference.chunk_graphs import ChunkGraphs  # noqa: E402
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402
-from opensora.inference.pipeline_cli import auto_split  # noqa: E402
-from opensora.inference.pipeline_parallel import (  # noqa: E402
-    OVERLAP_MODES,
-    Lanes,
-    Plan,
-    calibrated_split,
-    choose_split,
-    measured_task_ms,
-    run_plan,
-)
-from opensora.inference.pipeline_stages import (  # noqa: E402
+from opensora.inference.pipeline_parallel.cli import auto_split  # noqa: E402
+from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan  # noqa: E402
+from opensora.inference.pipeline_parallel.schedule import OVERLAP_MODES, Plan  # noqa: E402
+from opensora.inference.pipeline_parallel.split import calibrated_split, choose_split, measured_task_ms  # noqa: E402
+from opensora.inference.pipeline_parallel.stage_times import measure_stage_times, typical_past_frames  # noqa: E402
+from opensora.inference.pipeline_parallel.stages import (  # noqa: E402
     BidirectionalStages,
-    CausalStreamingStages,
-    measure_stage_times,
     place_model,
     sample_microbatched,
     seeded_latent_noise,
-    stream_reference,
-    typical_past_frames,
 )
-from opensora.inference.streaming import ChunkDecoder, StreamingGenerator  # noqa: E402
+from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages  # noqa: E402
+from opensora.inference.streaming.chunk_graphs import ChunkGraphs  # noqa: E402
+from opensora.inference.streaming.generator import ChunkDecoder, StreamingGenerator  # noqa: E402
 from opensora.models.mmdit.configs import mmdit_config  # noqa: E402
 from opensora.models.mmdit.model import MMDiT  # noqa: E402
+from tests.streaming_reference import stream_reference  # noqa: E402
 
 STEP_LISTS = {1: [1.0], 4: [1.0, 0.75, 0.5, 0.25]}
 ONE_GPU = ("1gpu-eager", "1gpu-graphs")
@@ -365,7 +358,7 @@ def main(argv=None):
         for p, sd in zip(prompts, seeds):
             text, null = bench.encode_text(p)
             groups.append(dict(seeds=sd, branches=[text, null] if guided else [text]))
-        kw = dict(refill=refill, rule="renoise", guidance_scale=conf["guidance"], cfg_rows=rows_cfg)
+        kw = dict(refill=refill, rollout="renoise", guidance_scale=conf["guidance"], cfg_rows=rows_cfg)
         video_frames = n_groups * batch * lat_frames
         # the generator can run only the refill rows in their rows-CFG layout; the others use the plain loop
         exact_generator = refill and (rows_cfg or not guided)

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from opensora.config import load_config  # noqa: E402
-from opensora.inference.pipeline import VideoSampler, role_model_config, seeded_noise  # noqa: E402
+from opensora.inference.sampler import VideoSampler, role_model_config, seeded_noise  # noqa: E402
 from opensora.parallel.process_group import init_process_group_from_env  # noqa: E402
 from opensora.parallel.sampling_exchange import EXCHANGES  # noqa: E402
 from opensora.parallel.sequence_parallel import build_sequence_groups  # noqa: E402

@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from benchmarks.common import count_host_syncs  # noqa: E402
 from opensora.config import load_config  # noqa: E402
-from opensora.inference import pipeline  # noqa: E402
+from opensora.inference import sampler as pipeline  # noqa: E402
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402
-from opensora.inference.pipeline import VideoSampler, resolve_device, role_model_config  # noqa: E402
-from opensora.inference.streaming import ChunkDecoder, GraphedDecode, StreamingGenerator  # noqa: E402
+from opensora.inference.sampler import VideoSampler, resolve_device, role_model_config  # noqa: E402
+from opensora.inference.streaming.generator import ChunkDecoder, GraphedDecode, StreamingGenerator  # noqa: E402
 from opensora.models.mmdit.flops import mmdit_chunk_flops, mmdit_forward_flops  # noqa: E402
 from opensora.models.vae.exact_chunk_decode import exact_chunk_decode  # noqa: E402
 from opensora.registry import MODELS, build_module  # noqa: E402

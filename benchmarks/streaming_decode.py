@@ -26,7 +26,7 @@ import torch
 
 from opensora.datasets.moving_shapes import render_from_attributes  # noqa: E402
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402
-from opensora.inference.streaming import ChunkDecoder, GraphedDecode  # noqa: E402
+from opensora.inference.streaming.generator import ChunkDecoder, GraphedDecode  # noqa: E402
 from opensora.models.vae import HunyuanVideoVAE  # noqa: E402
 from opensora.models.vae.exact_chunk_decode import ExactChunkDecode  # noqa: E402
 from opensora.models.vae.streaming_decode import StreamingDecoder, whole_clip_stats  # noqa: E402

@@ -127,8 +127,8 @@ def test_student_exports_alone_and_samples_causally(run, tmp_path):
     from opensora.config import load_config
     from opensora.convert.export import export_weights
     from opensora.convert.weights import load_role_weights
-    from opensora.inference.pipeline import VideoSampler
-    from opensora.inference.streaming import StreamingGenerator
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import StreamingGenerator
 
     _, tmp, config = run
     ckpt = tmp / "full/checkpoints/step-0000006"

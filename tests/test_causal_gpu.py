@@ -112,8 +112,8 @@ def test_per_chunk_timesteps_match_streaming_in_bf16():
 
 
 def test_streaming_sampler_memory_is_flat_at_4x_length():
-    from opensora.inference.pipeline import VideoSampler
-    from opensora.inference.streaming import StreamingGenerator
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import StreamingGenerator
     from opensora.registry import MODELS, build_module
 
     model = make_model("auto", torch.bfloat16)

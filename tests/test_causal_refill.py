@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_streaming import PROMPTS, EagerReplayGraphs, tiny_sampler, unpadded
 
-from opensora.inference.streaming import StreamingGenerator
+from opensora.inference.streaming.generator import StreamingGenerator
 from opensora.models.mmdit.attention import RowGroups, attention
 from opensora.models.mmdit.causal_refill import refill_and_step, split_keys
 

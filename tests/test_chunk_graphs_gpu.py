@@ -1,4 +1,4 @@
-"""CUDA graphs of streamed chunk passes (opensora/inference/chunk_graphs.py) on a GPU in bf16, and the text cache there.
+"""CUDA graphs of streamed chunk passes (opensora/inference/streaming/chunk_graphs.py) on a GPU in bf16, and the text cache there.
 
 Graph replay runs the same body as the eager pass; the kernels chosen inside a capture may differ (cuBLAS picks per
 stream/workspace), so graphed and eager streaming are compared to bf16 tolerance: per chunk pass, the velocity
@@ -62,7 +62,7 @@ def close(a, b, rel=0.02):
 
 @torch.no_grad()
 def test_graphed_streaming_matches_eager_in_bf16():
-    from opensora.inference.chunk_graphs import ChunkGraphs
+    from opensora.inference.streaming.chunk_graphs import ChunkGraphs
 
     model = make_model()
     eager = run(model, model.forward_chunk, None)

@@ -191,7 +191,7 @@ def test_student_exports_alone_and_samples_with_its_step_list(distill_runs, tmp_
     from opensora.config import load_config
     from opensora.convert.export import export_weights
     from opensora.convert.weights import load_role_weights
-    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.sampler import VideoSampler
 
     ckpt = distill_runs / "full/checkpoints/step-0000006"
     exported = tmp_path / "student.safetensors"

@@ -87,7 +87,7 @@ def test_sampling_from_a_checkpoint_loads_no_training_stack(outputs, tmp_path):
         "false",
     )
     assert (tmp_path / "samples" / "samples.csv").is_file()
-    assert "opensora.inference.pipeline" in modules and "opensora.models.mmdit.model" in modules
+    assert "opensora.inference.sampler" in modules and "opensora.models.mmdit.model" in modules
     assert_not_loaded(modules, TRAINING_STACK + ("opensora.methods",))
 
 

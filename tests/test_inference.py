@@ -18,8 +18,8 @@ from opensora.datasets.transforms import resize_center_crop
 from opensora.datasets.video_io import read_video, write_video
 from opensora.inference import cli
 from opensora.inference.io import to_uint8_frames
-from opensora.inference.pipeline import VideoSampler, role_model_config, seeded_noise, video_size_for
 from opensora.inference.prompts import read_prompt_file, resolve_prompts, sample_stem, slugify
+from opensora.inference.sampler import VideoSampler, role_model_config, seeded_noise, video_size_for
 from opensora.registry import MODELS, build_module
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,23 +3,21 @@
 import pytest
 import torch
 
-from opensora.inference.jano import (
+from benchmarks.offload_stores import NaiveOffload, OffloadManager
+from opensora.inference.cache.jano import FullCompute, JanoCache, StepCache, region_forward_flops
+from opensora.inference.cache.plan import (
     ACTIVE,
     FULL,
     MEDIUM,
     REFRESH,
-    FullCompute,
-    JanoCache,
     JanoConfig,
-    RegionForward,
     RegionPlan,
-    StepCache,
     region_classes,
-    region_forward_flops,
     step_levels,
 )
-from opensora.inference.offload import DeviceStore, NaiveOffload, OffloadManager, PackedOffloadManager
-from opensora.inference.pipeline import PreparedCondition, VideoSampler
+from opensora.inference.cache.region_forward import RegionForward
+from opensora.inference.cache.stores import DeviceStore, PackedOffloadManager
+from opensora.inference.sampler import PreparedCondition, VideoSampler
 from opensora.models.mmdit import MMDiT, mmdit_config, mmdit_forward_flops
 
 TEXT_DIM, POOLED_DIM = 24, 16
@@ -421,7 +419,7 @@ def test_counted_flops_are_the_flops_the_region_forward_spends(level):
 
 
 def test_medium_entries_that_no_level_one_step_reads_are_not_stored(monkeypatch):
-    from opensora.inference import jano
+    from opensora.inference.cache import jano
 
     levels = [3, 1, 2, 1, 2, 3, 2, 2, 1, 0]
     assert [jano.medium_read_later(lambda j: levels[j], i, len(levels)) for i in (2, 4, 6, 7)] == [

@@ -147,8 +147,8 @@ def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_genera
     clip, exit at the last step) equals the streaming sampler's latents with the same window and sink frames."""
     from test_methods_framework import tiny_batch
 
-    from opensora.inference.pipeline import VideoSampler
-    from opensora.inference.streaming import StreamingGenerator
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import StreamingGenerator
 
     steps = [1.0, 0.6, 0.3]
     method, roles, _ = make_long_rollout(num_frames_per_chunk=2, rollout="euler", kv_window_frames=4, kv_sink_frames=2)

@@ -225,7 +225,7 @@ def _convert(*argv):
 def test_merged_export_samples_like_the_unmerged_lora_network(one_rank, setup, tmp_path, capsys):
     from opensora.config import load_config
     from opensora.convert.weights import load_role_weights
-    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.sampler import VideoSampler
     from opensora.lora import add_lora, load_adapter_state_dict
 
     ckpt = one_rank / "full" / "checkpoints" / "step-0000004"

@@ -367,3 +367,12 @@ def test_model_backends_match_math_on_gpu(backend):
         for label, got, ref in zip(("out", "grad"), results[backend], results["math"]):
             err = (got - ref).abs().max().item() / ref.abs().max().item()
             assert err < 3e-2, f"{backend} mask={mask_padding} {label}: relative error {err:.3g}"
+
+
+def test_an_arch_record_with_the_retired_fused_kernels_switch_still_builds_the_model():
+    """Checkpoints written while MMDiT took ``fused_kernels`` record it in arch.json; it is dropped on read."""
+    from opensora.convert.arch import arch_from_json, arch_to_json
+
+    model = build_module(mmdit_config("tiny"), MODELS)
+    record = arch_to_json(dict(model.arch, fused_kernels=False))
+    assert MMDiT(**arch_from_json(record, "arch.json")).arch == model.arch

@@ -7,7 +7,14 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from opensora.inference.offload import DeviceStore, NaiveOffload, OffloadManager, PackedOffloadManager, SplitStore
+from benchmarks.offload_stores import NaiveOffload, OffloadManager, SplitStore
+from opensora.inference.cache.stores import (
+    CacheStore,
+    DeviceStore,
+    PackedOffloadManager,
+    StagedStore,
+    StaticDeviceStore,
+)
 
 
 class FakeStream:
@@ -154,6 +161,21 @@ def test_full_ring_of_unreleased_entries_is_a_clear_error():
     om.fetch("a")
     with pytest.raises(RuntimeError, match="no free staging slot"):
         om.fetch("b")
+
+
+def test_every_store_declares_what_it_is_instead_of_being_probed():
+    """Region graphs and the Jano cache read a store's declared capabilities (``capturable``, ``staged``,
+    ``wants_hints``, ``layout``) and, for a staged store, its streams and slots: every store, the product's and the
+    benchmarks', answers the whole protocol, and exactly the offload managers are staged."""
+    packed = PackedOffloadManager(backend=FakeBackend())
+    stores = [DeviceStore(), StaticDeviceStore("cpu"), packed, NaiveOffload("cpu"), manager()[0]]
+    stores.append(SplitStore(DeviceStore(), manager()[0], resident=lambda key: True))
+    assert all(isinstance(store, CacheStore) for store in stores)
+    assert [store.staged for store in stores] == [False, False, True, False, True, False]
+    assert [isinstance(store, StagedStore) for store in stores] == [False, False, True, False, True, False]
+    assert [store.capturable for store in stores] == [False, True, False, False, False, False]
+    packed.reserve("a", (2, 3), torch.float32)
+    assert packed.chunk_of(["a"]) == {"a": 0} and manager()[0].chunk_of(["a"]) is None
 
 
 def test_stores_agree():
@@ -464,7 +486,7 @@ def test_packed_block_allocated_once_across_trajectories():
 def test_packed_matches_the_device_store_inside_the_jano_sampler():
     from test_jano import denoise, inputs, sampler_for, tiny_model
 
-    from opensora.inference.jano import JanoCache, JanoConfig
+    from opensora.inference.cache.jano import JanoCache, JanoConfig
 
     model, batch = tiny_model(), inputs()
     config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)
@@ -570,7 +592,7 @@ class SimBackend(FakeBackend):
 def test_managers_match_the_device_store_with_side_streams_that_run_late(kind, seed):
     from test_jano import denoise, inputs, sampler_for, tiny_model
 
-    from opensora.inference.jano import JanoCache, JanoConfig
+    from opensora.inference.cache.jano import JanoCache, JanoConfig
 
     model, batch = tiny_model(), inputs()
     config = JanoConfig(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)

@@ -8,7 +8,7 @@ import torch
 from test_streaming import PROMPTS, random_causal_checkpoint, tiny_sampler
 
 from opensora.inference.pass_graphs import PassGraphs
-from opensora.inference.pipeline import VideoSampler
+from opensora.inference.sampler import VideoSampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 

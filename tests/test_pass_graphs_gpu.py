@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_causal_gpu import ARCH  # a small MMDiT (bidirectional here: no causal chunks)
 
-from opensora.inference.pipeline import VideoSampler
+from opensora.inference.sampler import VideoSampler
 from opensora.models.mmdit import MMDiT
 from opensora.registry import MODELS, build_module
 

@@ -1,4 +1,4 @@
-"""Two-stage pipeline overlap (opensora/inference/pipeline_parallel.py): the schedule's dependencies and KV write
+"""Two-stage pipeline overlap (opensora/inference/pipeline_parallel/schedule.py): the schedule's dependencies and KV write
 order (pure), and bit-identical outputs against the single-device samplers with both stages on the CPU."""
 
 import contextlib
@@ -8,23 +8,20 @@ import numpy as np
 import pytest
 import torch
 
-from opensora.inference.pipeline import VideoSampler
-from opensora.inference.pipeline_parallel import (
+from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan, summarize_timeline
+from opensora.inference.pipeline_parallel.schedule import (
     OVERLAP_MODES,
-    Lanes,
     Plan,
     Task,
     build_graph,
     check_order,
-    choose_split,
     natural_order,
-    parse_split,
-    run_plan,
     schedule,
     simulate,
-    summarize_timeline,
 )
-from opensora.inference.pipeline_stages import BidirectionalStages, place_model, sample_microbatched
+from opensora.inference.pipeline_parallel.split import choose_split, parse_split
+from opensora.inference.pipeline_parallel.stages import BidirectionalStages, place_model, sample_microbatched
+from opensora.inference.sampler import VideoSampler
 from opensora.models.mmdit.configs import mmdit_config
 from opensora.registry import MODELS, build_module
 
@@ -40,7 +37,7 @@ PLANS = [
 def test_every_schedule_is_a_valid_issue_order_with_window_major_kv_writes(plan, mode):
     from collections import Counter
 
-    from opensora.inference.pipeline_parallel import tasks_per_kind
+    from opensora.inference.pipeline_parallel.split import tasks_per_kind
 
     sim = schedule(plan, mode)  # check_order inside: deps first, KV writes chunk by chunk per (stage, group, branch)
     assert len(sim.order) == len(build_graph(plan, mode))
@@ -65,7 +62,7 @@ def test_aggressive_issues_basic_stage_order_with_each_prep_hoisted(plan, prefet
     """``aggressive`` = ``basic``'s issue order of every non-prep task, each chunk's prep moved to the earliest point
     its dependencies allow (after chunk c-prefetch's first stage0), preps kept in basic's sequence (the prep stream
     runs them in issue order); so its timeline is never longer than basic's, for any costs."""
-    from opensora.inference.pipeline_parallel import in_order_timeline
+    from opensora.inference.pipeline_parallel.schedule import in_order_timeline
 
     for costs in COST_SETS:
         basic, aggressive = schedule(plan, "basic", costs, prefetch), schedule(plan, "aggressive", costs, prefetch)
@@ -95,7 +92,7 @@ def _timeline_with_prep_waits_on_gpu1(plan, order, mode, costs):
     """``in_order_timeline`` for the executor before 2026-11-23c: the prep ran on GPU0's compute stream and pulled
     the chunk's RoPE tables onto GPU1 there, so GPU1's stream waited for the prep (everything GPU0 was given before
     it, then the prep) before any GPU1 task issued after it could start."""
-    from opensora.inference.pipeline_parallel import DEFAULT_COSTS
+    from opensora.inference.pipeline_parallel.schedule import DEFAULT_COSTS
 
     costs = {**DEFAULT_COSTS, **costs}
     deps = build_graph(plan, mode)
@@ -198,7 +195,12 @@ def test_calibrated_block_times_move_the_split_to_what_the_passes_measured():
     """The 2026-11-23b H200 run: per-block graphed probes 0.43 ms (double) / 0.33 ms (single), whole passes at
     split 10 measured 3.72 ms (stage0) / 4.07 ms (stage1) in the profiled ``off`` run. Calibrated, the stage sums
     at split 10 equal the passes, and ``auto`` moves one single block to GPU0 (simulated ~3% faster)."""
-    from opensora.inference.pipeline_parallel import calibrate_block_ms, measured_task_ms, stage_costs, tasks_per_kind
+    from opensora.inference.pipeline_parallel.split import (
+        calibrate_block_ms,
+        measured_task_ms,
+        stage_costs,
+        tasks_per_kind,
+    )
 
     probe = [0.43] * 8 + [0.33] * 16
     plan = Plan(num_groups=2, num_chunks=6, num_steps=4, refill=True)
@@ -228,7 +230,7 @@ def test_calibrated_split_moves_the_split_to_what_whole_passes_measured():
     (6 / 6 ms) and the probe picks 5. The whole passes there took 6 ms (stage0) and 9 ms (stage1): the single
     blocks cost s = 9 / 6 = 1.5 ms, the double ones d = (6 - 2 s) / 4 = 0.75 ms. Then split 6 balances the stages
     (4 d + 3 s = 7.5 = 5 s) and is chosen: one block moves to GPU0."""
-    from opensora.inference.pipeline_parallel import calibrated_split
+    from opensora.inference.pipeline_parallel.split import calibrated_split
 
     plan = Plan(num_groups=2, num_chunks=4, num_steps=1)
     probe = dict(embed_ms=0.0, block_ms=[1.0] * 12, final_ms=0.0, decode_ms=0.0)
@@ -256,10 +258,10 @@ def test_calibrated_split_moves_the_split_to_what_whole_passes_measured():
 def test_stage_passes_are_timed_after_the_cached_frames():
     """``measure_stage_passes`` (the CLI's ``--pp-split auto``): the stages' own passes at a split over two CPU
     lanes, after caches filled with ``past_frames``; the model is left as it was placed."""
-    from opensora.inference import pipeline_stages as ps
+    from opensora.inference.pipeline_parallel import stage_times as ps
 
     model = tiny_model(causal_chunk_frames=2)
-    ps.place_model(model, 1, ["cpu", "cpu"])
+    place_model(model, 1, ["cpu", "cpu"])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     group = dict(seeds=[7], branches=[text_inputs(1, 5, 0, masked=True), text_inputs(1, 5, 1, masked=False)])
     for past, cfg_rows in ((4, True), (0, False)):
@@ -274,7 +276,7 @@ def test_stage_passes_are_timed_after_the_cached_frames():
             repeats=3,
             cfg_rows=cfg_rows,
             guidance_scale=3.0,
-            context_t=0.1,
+            context_time=0.1,
             cuda_graphs=True,  # CPU: eager passes
         )
         assert passes["split"] == 1 and passes["cached_frames"] == passes["past_frames"] == past
@@ -295,7 +297,7 @@ def test_summarize_timeline_busy_fraction():
 
 
 def test_typical_past_frames_is_the_mean_cached_window_in_whole_chunks():
-    from opensora.inference.pipeline_stages import typical_past_frames
+    from opensora.inference.pipeline_parallel.stage_times import typical_past_frames
 
     assert typical_past_frames(18, 3) == 6  # chunks see 0, 3, ..., 15 frames: mean 7.5 -> 2 chunks
     assert typical_past_frames(18, 3, window_frames=6) == 6  # 0, 3, 6, 6, 6, 6: mean 4.5 -> 2 chunks (round half even)
@@ -306,7 +308,7 @@ def test_typical_past_frames_is_the_mean_cached_window_in_whole_chunks():
 def test_stage_times_after_cached_frames_attend_to_them():
     """``past_frames``: the probe chunk runs after a cache of that many frames (its keys/values in every block's
     attention, its mask one column per cached token), so a split can be chosen for the steady state."""
-    from opensora.inference import pipeline_stages as ps
+    from opensora.inference.pipeline_parallel import stage_times as ps
 
     model = streaming_sampler().model
     chunk = model.causal_chunk_frames
@@ -327,7 +329,7 @@ def test_graphed_stage_times_time_each_unit_on_its_own_eager_input(monkeypatch):
     """``measure_stage_times(cuda_graphs=True)`` captures the embedding, every block and the final layer on its own
     input (``_graph_replay_ms``, swapped here for an eager run): the chained block inputs give the eager pass's
     output; on a CPU, ``cuda_graphs=True`` falls back to the eager times."""
-    from opensora.inference import pipeline_stages as ps
+    from opensora.inference.pipeline_parallel import stage_times as ps
 
     model = streaming_sampler().model
     x = torch.randn(1, model.in_channels, model.causal_chunk_frames, 8, 8)
@@ -349,8 +351,9 @@ def test_graphed_stage_times_time_each_unit_on_its_own_eager_input(monkeypatch):
         x_, t, emb, pooled, mask_in = ps._stage_inputs(model, x, text)
         img, txt, vec, grid = model.embed(x_, t, emb, pooled)
         mask, hooks = ps._probe_mask_hooks(model, mask_in, txt.shape[1], img.shape[1], x.device)
-        state = ps.run_blocks(model, dict(img=img, txt=txt), 0, n, vec, model.rope(grid, txt.shape[1], "cpu"), mask)
-        assert torch.equal(outputs[-1], ps.finish(model, state, vec, grid))
+        rope = model.rope(grid, txt.shape[1], "cpu")
+        state = model.run_block_range(dict(img=img, txt=txt), 0, n, vec, rope, mask)
+        assert torch.equal(outputs[-1], ps.final_velocity(model, state, vec, grid))
 
 
 # ---- bit-identical on two CPU "devices" --------------------------------------------------------------------------
@@ -418,7 +421,7 @@ def generator_reference(sampler, case, num_frames, size, graphs=None):
     """The one-device ``StreamingGenerator`` run of ``case`` per prompt group, and the pipeline's inputs for it:
     (generator, chunks per group, groups, latent size). ``graphs``: a class whose ``make(model)`` gives the
     generator's ``cuda_graphs`` runner."""
-    from opensora.inference.streaming import StreamingGenerator
+    from opensora.inference.streaming.generator import StreamingGenerator
 
     prompt_groups, steps, guidance, rollout, window, context_time = case
     gen = StreamingGenerator(
@@ -443,8 +446,8 @@ def generator_reference(sampler, case, num_frames, size, graphs=None):
 
 def generator_stages(sampler, case, gen, groups, latent_size, split, lanes, **kw):
     """``CausalStreamingStages`` with ``case``'s generator options, decoding with the sampler's autoencoder."""
-    from opensora.inference.pipeline_stages import CausalStreamingStages
-    from opensora.inference.streaming import ChunkDecoder
+    from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages
+    from opensora.inference.streaming.generator import ChunkDecoder
 
     _, _, guidance, rollout, window, context_time = case
     return CausalStreamingStages(
@@ -454,9 +457,9 @@ def generator_stages(sampler, case, gen, groups, latent_size, split, lanes, **kw
         groups,
         latent_size,
         gen.schedule(latent_size[1:]),
-        rule=rollout,
+        rollout=rollout,
         guidance_scale=guidance,
-        context_t=context_time,
+        context_time=context_time,
         window_frames=window,
         make_decoder=lambda: ChunkDecoder(sampler.decode, sampler.vae),
         **kw,
@@ -563,7 +566,9 @@ def test_streaming_pipeline_variants_match_the_single_device_loop(refill, cfg_ro
     """No refill (the last denoising step writes the cache) and CFG passes as separate micro-batches: variants the
     streaming generator does not have, checked against ``stream_reference`` (same code path as the generator's
     math, which the test above pins)."""
-    from opensora.inference.pipeline_stages import CausalStreamingStages, stream_reference
+    from streaming_reference import stream_reference
+
+    from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages
 
     model = tiny_model(causal_chunk_frames=2)
     groups = [
@@ -625,7 +630,9 @@ def test_a_prep_queues_nothing_on_gpu1_and_runs_on_the_prep_stream(mode, monkeyp
     chunk's GPU1 work. Now: every prep runs on lane 0's prep stream and neither pulls to lane 1 nor uploads for
     it; lane 1 pulls the RoPE tables in its first stage1 of each chunk start and uploads each step's re-noise draw
     in its update; lane 0's first stage0 of a chunk waits for the prep's event. Outputs unchanged."""
-    from opensora.inference import pipeline_stages as ps
+    from streaming_reference import stream_reference
+
+    from opensora.inference.pipeline_parallel import streaming_stages as ps
 
     lanes = RecordingLanes(["cpu", "cpu"])
     uploads = []
@@ -640,8 +647,8 @@ def test_a_prep_queues_nothing_on_gpu1_and_runs_on_the_prep_stream(mode, monkeyp
     groups = [dict(seeds=[7 + g], branches=[text_inputs(1, 5, g, masked=True)]) for g in range(2)]
     latent_size, times = (12, 6, 8, 8), [1.0, 0.6, 0.3, 0.0]
     decode = lambda: lambda x: (x * 10).round().to(torch.int16)  # noqa: E731
-    kw = dict(refill=True, rule="renoise", context_t=0.1, make_decoder=decode)
-    refs = [ps.stream_reference(model, g, latent_size, times, **kw) for g in groups]
+    kw = dict(refill=True, rollout="renoise", context_time=0.1, make_decoder=decode)
+    refs = [stream_reference(model, g, latent_size, times, **kw) for g in groups]
     place_model(model, 2, ["cpu", "cpu"])
     monkeypatch.setattr(ps, "to_device_async", upload)
     stages = ps.CausalStreamingStages(model, lanes, 2, groups, latent_size, times, **kw)
@@ -652,7 +659,7 @@ def test_a_prep_queues_nothing_on_gpu1_and_runs_on_the_prep_stream(mode, monkeyp
     preps = [entry for entry in lanes.log if entry[0] == "prep"]
     assert not [e for e in preps if e[1] in ("pull", "wait") and e[2] == 1]  # nothing for lane 1's stream to wait on
     assert [e for e in lanes.log if e[0] == "stage1" and e[1] == "pull"]  # RoPE tables pulled by stage1
-    # uploads: per prep the initial latent and the context noise (context_t > 0); per update its re-noise draw
+    # uploads: per prep the initial latent and the context noise (context_time > 0); per update its re-noise draw
     n_chunks = stages.plan.num_groups * stages.plan.num_chunks
     assert uploads.count("prep") == 2 * n_chunks and uploads.count("update") == 2 * n_chunks  # times 0.6, 0.3
     assert preps and all(on_prep for _, _, _, on_prep in preps)  # the prep's work ran on the prep stream
@@ -664,7 +671,7 @@ def test_a_prep_queues_nothing_on_gpu1_and_runs_on_the_prep_stream(mode, monkeyp
 def test_to_host_outputs_share_pinned_slabs(monkeypatch):
     """``Lanes.to_host``'s pinned outputs are aligned views of a few slabs (one page-locked allocation per 16 MiB,
     not one per chunk output), of any dtype, each its own memory."""
-    import opensora.inference.pipeline_parallel as pp
+    import opensora.inference.pipeline_parallel.runtime as pp
 
     allocations, real_empty = [], torch.empty
 

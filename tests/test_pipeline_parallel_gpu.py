@@ -8,19 +8,16 @@ import copy
 
 import pytest
 import torch
+from streaming_reference import stream_reference
 
-from opensora.inference.chunk_graphs import ChunkGraphs
-from opensora.inference.pipeline import VideoSampler
-from opensora.inference.pipeline_cli import device_decoder
-from opensora.inference.pipeline_parallel import OVERLAP_MODES, Lanes, run_plan
-from opensora.inference.pipeline_stages import (
-    BidirectionalStages,
-    CausalStreamingStages,
-    place_model,
-    sample_microbatched,
-    stream_reference,
-)
-from opensora.inference.streaming import ChunkDecoder
+from opensora.inference.pipeline_parallel.cli import device_decoder
+from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan
+from opensora.inference.pipeline_parallel.schedule import OVERLAP_MODES
+from opensora.inference.pipeline_parallel.stages import BidirectionalStages, place_model, sample_microbatched
+from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages
+from opensora.inference.sampler import VideoSampler
+from opensora.inference.streaming.chunk_graphs import ChunkGraphs
+from opensora.inference.streaming.generator import ChunkDecoder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,9 +67,9 @@ def assert_every_mode_matches(sampler, case, gen, refs, groups, latent_size, gra
         2,
         lane1_decoder(sampler),
         graphs=graphs,
-        rule=rollout,
+        rollout=rollout,
         guidance_scale=guidance,
-        context_t=context_time,
+        context_time=context_time,
         window_frames=window,
     ):
         for g, chunks in enumerate(refs):
@@ -211,7 +208,7 @@ def test_cli_two_gpu_streaming_writes_the_one_gpu_streaming_videos(tmp_path):
         )
         assert torch.equal(torch.as_tensor(read_video(two[0])), torch.as_tensor(reference)), mode
         # --pp-split auto: whole stage passes timed as the run replays them (graphed) at the probe split, then the
-        # split chosen again on the calibrated times (pipeline_cli.auto_split)
+        # split chosen again on the calibrated times (pipeline_parallel.cli.auto_split)
         report = json.loads(two[0].with_suffix(".json").read_text())["pp_split"]
         passes = report["calibration"]["measured"]
         assert passes["graphed"] and passes["split"] == report["probe_split"], passes

@@ -7,19 +7,11 @@ import torch
 from test_jano import denoise, inputs, random_plan, sampler_for, tiny_model
 from test_offload import FakeBackend, SimBackend
 
-from opensora.inference.jano import (
-    ACTIVE,
-    FULL,
-    MEDIUM,
-    REFRESH,
-    JanoCache,
-    JanoConfig,
-    RegionForward,
-    RegionPlan,
-    entry_shapes,
-)
-from opensora.inference.offload import DeviceStore, PackedOffloadManager, StaticDeviceStore, make_store
-from opensora.inference.region_graphs import RegionGraphs
+from opensora.inference.cache.jano import JanoCache
+from opensora.inference.cache.plan import ACTIVE, FULL, MEDIUM, REFRESH, JanoConfig, RegionPlan, entry_shapes
+from opensora.inference.cache.region_forward import RegionForward
+from opensora.inference.cache.region_graphs import RegionGraphs
+from opensora.inference.cache.stores import DeviceStore, PackedOffloadManager, StaticDeviceStore, make_store
 
 SCHEDULE = [REFRESH, ACTIVE, MEDIUM, ACTIVE, MEDIUM, REFRESH, ACTIVE, FULL]
 CONFIG = dict(warmup_steps=3, cooldown_steps=1, refresh_interval=4, dilation=0)

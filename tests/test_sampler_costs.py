@@ -3,7 +3,7 @@ model passes never inspect the text mask (no GPU->host sync per pass)."""
 
 import torch
 
-from opensora.inference.pipeline import VideoSampler, seeded_noise
+from opensora.inference.sampler import VideoSampler, seeded_noise
 from opensora.models.mmdit import MMDiT
 from opensora.registry import MODELS, build_module
 

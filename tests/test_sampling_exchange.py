@@ -73,7 +73,7 @@ def test_sampling_exchange_attention_is_bitwise_the_old_one(world_size, dtype, c
 
 def _sampling_body(rank, world_size, weights_file, cuda=False):
     """The whole sampler: one process, the old exchange, each new mode; final latents."""
-    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.sampler import VideoSampler
     from opensora.parallel import sampling_exchange as exchange_module
     from opensora.parallel.process_group import init_process_group_from_env
     from opensora.parallel.sequence_parallel import build_sequence_groups

@@ -267,11 +267,11 @@ def test_rollout_context_is_the_cache_of_earlier_clean_chunks():
 
 def test_rollout_exiting_at_the_last_step_is_what_the_streaming_sampler_generates():
     """Train/test consistency: with the last exit step, the training rollout (through the adapter) and the
-    streaming sampler (opensora.inference.streaming) produce the same latents from the same noise."""
+    streaming sampler (opensora.inference.streaming.generator) produce the same latents from the same noise."""
     from test_methods_framework import tiny_batch
 
-    from opensora.inference.pipeline import VideoSampler
-    from opensora.inference.streaming import StreamingGenerator
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import StreamingGenerator
 
     method, roles, _ = make_self_forcing(fake=False, rollout="euler", num_frames_per_chunk=2)
     batch = tiny_batch(2)

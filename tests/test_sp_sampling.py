@@ -17,7 +17,7 @@ from opensora.cli_errors import UserInputError
 from opensora.config import load_config
 from opensora.datasets.video_io import read_video
 from opensora.inference import cli
-from opensora.inference.pipeline import VideoSampler
+from opensora.inference.sampler import VideoSampler
 from opensora.registry import MODELS, build_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def weights(tmp_path_factory):
 
 
 def _sampler_body(rank, world_size, weights, cond_type, cuda=False):
-    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.sampler import VideoSampler
     from opensora.parallel.process_group import init_process_group_from_env
     from opensora.parallel.sequence_parallel import build_sequence_groups
 

@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from opensora.inference.pipeline import VideoSampler
-from opensora.inference.streaming import ChunkDecoder, StreamingGenerator
+from opensora.inference.sampler import VideoSampler
+from opensora.inference.streaming.generator import ChunkDecoder, StreamingGenerator
 from opensora.registry import MODELS, build_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -153,7 +153,7 @@ def random_causal_checkpoint(tmp_path, depth: int = 1):
     from safetensors.torch import save_file
 
     from opensora.config import load_config
-    from opensora.inference.pipeline import role_model_config
+    from opensora.inference.sampler import role_model_config
 
     root = Path(__file__).resolve().parents[1]
     config = tmp_path / "causal_demo.py"
@@ -171,7 +171,7 @@ def random_causal_checkpoint(tmp_path, depth: int = 1):
 
 def test_cli_streaming_appends_each_chunk_to_the_mp4_before_the_next_is_made(tmp_path):
     """A 4x-long video (64 frames, the demo trains on 16) from a random causal checkpoint: after every chunk, the
-    mp4 already decodes what was generated so far but the newest frame (see stream_writer.py)."""
+    mp4 already decodes what was generated so far but the newest frame (see streaming/writer.py)."""
     from opensora.datasets.video_io import read_video
     from opensora.inference import cli
 
@@ -229,7 +229,7 @@ def test_streaming_benchmark_runs_its_three_modes_at_smoke_size(tmp_path):
     from safetensors.torch import save_file
 
     from opensora.config import load_config
-    from opensora.inference.pipeline import role_model_config
+    from opensora.inference.sampler import role_model_config
 
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "benchmarks"))
@@ -352,7 +352,7 @@ class EagerReplayGraphs:
 
     @staticmethod
     def make(model):
-        from opensora.inference.chunk_graphs import ChunkGraphs
+        from opensora.inference.streaming.chunk_graphs import ChunkGraphs
 
         class Graphs(ChunkGraphs):
             @staticmethod

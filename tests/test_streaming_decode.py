@@ -135,7 +135,7 @@ def test_streaming_sampler_decodes_each_latent_frame_once_by_default():
     from test_streaming import tiny_sampler
 
     from opensora.inference.io import uint8_frames_on_device
-    from opensora.inference.streaming import StreamingGenerator
+    from opensora.inference.streaming.generator import StreamingGenerator
 
     sampler = tiny_sampler()
     sampler.vae = HunyuanVideoVAE(config=dict(TINY, latent_channels=48), seed=0).eval()

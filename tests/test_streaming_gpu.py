@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_streaming import PROMPTS, tiny_sampler, unpadded
 
-from opensora.inference.streaming import StreamingGenerator
+from opensora.inference.streaming.generator import StreamingGenerator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -234,3 +234,18 @@ def test_a_prompt_file_replaces_the_prompt_list(tmp_path):
     s = validation_settings(cfg)
     assert s["prompts"] == ["a red circle moving left", "a blue square moving up"] and s["seeds"] == [0, 1]
     assert s["num_steps"] == 10 and s["score"] == "moving_shapes"
+
+
+def test_a_config_of_several_networks_names_the_role_it_samples():
+    """The trainer side knows no role names: a config with several networks (and no top-level role) must say which one
+    validation samples; with ``validation.role`` it samples that one."""
+    from opensora.config import ConfigValueError, load_config
+    from opensora.training.validation import validation_settings
+
+    distill = load_config(ROOT / "configs" / "distill" / "dmd2_demo.py")
+    distill.role = None
+    distill.validation = dict(every=5, prompts=["a red circle moving left"])
+    with pytest.raises(ConfigValueError, match=r"validation needs the role to sample: this config trains \['critic'"):
+        validation_settings(distill)
+    distill.validation = dict(every=5, prompts=["a red circle moving left"], role="critic")
+    assert validation_settings(distill)["role"] == "critic"

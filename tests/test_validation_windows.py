@@ -68,7 +68,7 @@ def _validator(cfg, outputs):
 @pytest.mark.parametrize("causal", [True, False], ids=["streamed", "whole_clip"])
 def test_long_clips_are_sampled_scored_per_window_and_logged(causal, tmp_path):
     from opensora.eval.moving_shapes_windows import score_windows
-    from opensora.inference.pipeline import VideoSampler
+    from opensora.inference.sampler import VideoSampler
 
     cfg = _config(causal)
     validator, metrics, network, components = _validator(cfg, tmp_path)
@@ -85,7 +85,7 @@ def test_long_clips_are_sampled_scored_per_window_and_logged(causal, tmp_path):
     sampler = VideoSampler(network.eval(), components.vae, components.text_encoder, progress=False)
     with torch.no_grad():
         if causal:
-            from opensora.inference.streaming import StreamingGenerator
+            from opensora.inference.streaming.generator import StreamingGenerator
 
             stream = StreamingGenerator(sampler, step_list=[1.0, 0.5], rollout="euler", window_frames=3, sink_frames=1)
             videos = stream.generate(PROMPTS, [0, 1], 8, 16, 16)

@@ -13,6 +13,7 @@ from opensora.cli_errors import UserInputError
 ARCH_FILE = "arch.json"
 ARCH_KEY = "arch"  # safetensors metadata key
 _PLAIN = (str, int, float, bool, type(None))
+RETIRED = ("fused_kernels",)  # execution switches older records carry; the model no longer takes them
 
 
 def _plain(value):
@@ -40,6 +41,8 @@ def arch_from_json(text: str, where: str) -> dict:
         raise UserInputError(f"{where}: the architecture record must be a JSON object of keyword arguments")
     arch = {k: tuple(v) if isinstance(v, list) else v for k, v in arch.items()}  # JSON lists were tuples
     model_type = arch.pop("type", "MMDiT")
+    for key in RETIRED:
+        arch.pop(key, None)
     if model_type != "MMDiT":
         raise UserInputError(f"{where}: the architecture is a {model_type!r}, not an MMDiT")
     return arch

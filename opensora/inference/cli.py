@@ -3,86 +3,69 @@
     python scripts/diffusion/inference.py configs/diffusion/inference/demo.py --ckpt outputs/demo/train \
         --prompt-file outputs/demo/data/meta.csv --save-dir outputs/demo/samples --num-steps 30 --seed 0
 
-Every flag is a config key (``--num-steps`` sets ``num_steps``); any other ``--dotted.key`` overrides the config.
-Outputs: ``{save_dir}/{index:04d}_{slug}.mp4`` (``.png`` for one frame) with a ``.json`` sidecar each,
-``{save_dir}/samples.csv`` (``path,text``: the input of ``tools/eval_moving_shapes.py``) and the resolved
-``{save_dir}/config.py``.
+Every flag is a config key (``--num-steps`` sets ``num_steps``); any other ``--dotted.key`` overrides the config. The
+flags, their defaults and checks are ``options.py``'s, one dataclass per feature. ``main`` dispatches to one of three
+ways of sampling (the bidirectional sampler, optionally region-cached or sequence parallel; streaming on one GPU;
+streaming on two), and all three write through one ``SampleWriter``: ``{save_dir}/{index:04d}_{slug}.mp4`` (``.png``
+for one frame) with a ``.json`` sidecar each, ``{save_dir}/samples.csv`` (``path,text``: the input of
+``tools/eval_moving_shapes.py``) and the resolved ``{save_dir}/config.py``.
 """
 
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from opensora.checkpoint_layout import newest_checkpoint_of
 from opensora.checkpoint_manifest import verify_checkpoint
-from opensora.cli_errors import UserInputError, check_range, run_cli
+from opensora.cli_errors import UserInputError, run_cli
 from opensora.config import load_config_from_cli, save_config
 from opensora.inference.cli_help import INFERENCE_HELP, training_clip_defaults
-from opensora.inference.pipeline_cli import PIPELINE_FLAGS, parse_stream_graphs, streaming_options
+from opensora.inference.options import InferenceOptions
 from opensora.inference.reference_check import check_reference
-from opensora.inference.save_dir import plan_save_dir
+from opensora.inference.save_dir import SaveDirPlan, plan_save_dir
 from opensora.quiet_logs import quiet_third_party
 from opensora.shape_rules import check_sampling_shape
 from opensora.writable import check_writable_dir
 
 logger = logging.getLogger(__name__)
 
-INFERENCE_FLAGS = {
-    "ckpt": None,  # checkpoint directory (step-XXXXXXX), a training outputs dir (newest checkpoint) or a .safetensors
-    "role": "model",  # which network of the checkpoint ("student" for a distilled one)
-    "ema": True,  # --no-ema: the raw (non-EMA) weights
-    "prompt": None,  # one prompt; repeat --prompt for several (a single one is split at '|', as it always was)
-    "prompt_file": None,  # .txt (one per line) or .csv with a 'text' column
-    "save_dir": "samples",
-    "overwrite": False,  # start --save-dir over instead of adding after its earlier samples (save_dir.py)
-    "num_steps": 30,
-    "step_list": None,  # explicit t values (e.g. "1.0,0.75,0.5,0.25"); replaces num_steps
-    "seed": 0,  # sample i uses seed + i (a config's own seed key wins: --help CONFIG shows it)
-    "num_frames": 16,
-    "resolution": "256px",  # bucket-style name: "256px", "720p" or an exact "HxW"
-    "aspect_ratio": "1:1",  # height:width, for area resolutions
-    "fps": 8,
-    "batch_size": 1,
-    "guidance_scale": 7.5,  # text CFG scale w_txt
-    "image_guidance_scale": 3.0,  # image CFG scale w_img (reference conditions only; 1 = 2 passes)
-    "cond_type": "t2v",  # t2v | i2v_head | i2v_tail | i2v_loop | v2v_head | v2v_tail
-    "ref": None,  # reference image (i2v_*) or video (v2v_*)
-    "verify_checkpoint": False,  # check every file's checksum against the checkpoint's manifest (sizes: always)
-    "dtype": "auto",  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
-    "device": "auto",
-    "offload": False,  # keep text encoder and autoencoder on the CPU except while they run
-    "progress": True,
-    # the bidirectional sampler: replay each step's model pass as a CUDA graph (pass_graphs.py); auto = on a GPU
-    # (1B, 256px, 30 steps x CFG on an H100: 0.95 s graphed vs 1.11-1.46 s eager; equal at 480p, where it is GPU-bound)
-    "cuda_graphs": "auto",  # auto | on | off
-    "jano": False,  # Jano region-aware caching (opensora/inference/jano.py); settings under jano_settings
-    "jano_offload": False,  # with --jano: keep its caches in pinned CPU memory, prefetched on a side stream
-    "jano_graphs": False,  # with --jano: replay each step level as CUDA graphs (GPU only; region_graphs.py)
-    # JanoConfig's fields; override one with e.g. --jano-settings.warmup_steps 4
-    "jano_settings": dict(
-        warmup_steps=6,
-        cooldown_steps=2,
-        refresh_interval=5,
-        medium_interval=2,
-        static_threshold=0.2,
-        medium_threshold=0.6,
-        analysis_steps=3,
-        dilation=1,
-        batch_quantile=1.0,
-        share_branches=True,
-    ),
-    # streaming (causal models): chunk by chunk with a KV cache, each chunk appended to the mp4 as it finishes
-    "streaming": False,
-    "window_frames": None,  # latent frames the KV cache keeps (sinks included); None: all (memory grows)
-    "sink_frames": 0,  # first latent frames kept for good when the window rolls
-    "rollout": "renoise",  # renoise (x0 + fresh noise at the next time, Self-Forcing) | euler
-    "context_time": 0.0,  # time at which a finished chunk re-runs to fill the cache
-    # under torchrun: split each video's tokens over groups of this many ranks (must divide the world size); the
-    # groups share the prompts (data parallel), each group's rank 0 writes
-    "sequence_parallel_size": 1,
-}
-INFERENCE_FLAGS.update(PIPELINE_FLAGS)  # --streaming --pp-devices ... (two-GPU pipeline overlap, pipeline_cli.py)
+INFERENCE_FLAGS = InferenceOptions.flags()
+
+
+@dataclass
+class SampleRun:
+    """One sampling run as ``main`` resolved it, what every way of sampling takes."""
+
+    cfg: object  # the loaded config (mmengine Config)
+    options: InferenceOptions
+    prompts: List[str]
+    seeds: List[int]
+    ckpt: Path
+    size: Tuple[int, int, int]  # (num_frames, height, width) in pixels
+    on_chunk: Optional[Callable] = None  # streaming: called with (chunk, paths) after each chunk is in the files
+    sp: object = None  # this rank's SequenceGroup under --sequence-parallel-size > 1
+    device: object = None  # the device the sequence-parallel start chose (None: the --device flag)
+    save_plan: Optional[SaveDirPlan] = None  # file numbering after the save-dir's earlier samples (save_dir.py)
+
+    def record(self, **fields) -> dict:
+        """What every sample's sidecar records of the run, then ``fields``."""
+        sampling = self.options.sampling
+        num_frames, height, width = self.size
+        return dict(
+            config=self.options.config,
+            checkpoint=str(self.ckpt),
+            role=self.options.run.role,
+            **sampling.steps_record(),
+            guidance_scale=sampling.guidance_scale,
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            fps=sampling.fps,
+            **fields,
+        )
 
 
 def resolve_checkpoint(path) -> Path:
@@ -93,67 +76,6 @@ def resolve_checkpoint(path) -> Path:
     if not path.exists():
         raise SystemExit(f"checkpoint {path} does not exist")
     return path
-
-
-def parse_step_list(value):
-    """``--step-list`` as floats: a list/tuple (``1.0,0.5`` parses to one), a single number, or None."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return [float(value)]
-    if isinstance(value, str):
-        value = value.replace(",", " ").split()
-    return [float(t) for t in value]
-
-
-def _steps_record(args) -> dict:
-    if args.step_list is not None:
-        return dict(
-            num_steps=len(args.step_list) - 1 if float(args.step_list[-1]) == 0.0 else len(args.step_list),
-            step_list=[float(t) for t in args.step_list],
-        )
-    return dict(num_steps=int(args.num_steps), step_list=None)
-
-
-def check_inference_flags(args) -> None:
-    """Range and choice checks of the flags, before any model is built."""
-    from opensora.diffusion.conditions import CONDITION_TYPES
-
-    check_range("num_steps", args.num_steps, 1, integer=True)
-    check_range("seed", args.seed, 0, 2**32 - 1, integer=True)
-    check_range("batch_size", args.batch_size, 1, integer=True)
-    check_range("num_frames", args.num_frames, 1, integer=True)
-    check_range("fps", args.fps, 0.001)
-    check_range("guidance_scale", args.guidance_scale, 0)
-    check_range("image_guidance_scale", args.image_guidance_scale, 0)
-    if args.cond_type not in CONDITION_TYPES:
-        raise UserInputError(f"--cond-type {args.cond_type!r} is not one of {', '.join(CONDITION_TYPES)}")
-    if args.ref is not None and not Path(str(args.ref)).is_file():
-        raise UserInputError(f"--ref {args.ref}: no such file")
-    check_reference(args.cond_type, args.ref)
-    save_dir = Path(str(args.save_dir))
-    if save_dir.exists() and not save_dir.is_dir():
-        raise UserInputError(f"--save-dir {save_dir} is a file; give a directory (it is created if missing)")
-    check_writable_dir(save_dir, "--save-dir")
-    check_range("sequence_parallel_size", args.sequence_parallel_size, 1, integer=True)
-    if int(args.sequence_parallel_size) > 1:
-        others = [
-            flag
-            for flag, on in (
-                ("--jano", args.jano or args.jano_offload or args.jano_graphs),
-                ("--streaming", args.streaming),
-                ("--pp-devices", args.pp_devices),
-            )
-            if on
-        ]
-        if others:
-            raise UserInputError(f"--sequence-parallel-size > 1 does not combine with {' / '.join(others)}: pick one")
-    parse_stream_graphs(args.stream_graphs)
-    parse_stream_graphs(args.cuda_graphs, "--cuda-graphs")
-    if args.streaming and args.jano:
-        raise UserInputError(
-            "--jano caches a bidirectional sampler's steps; --streaming has its own KV cache: pick one"
-        )
 
 
 def main(argv=None, on_chunk=None) -> list:
@@ -169,54 +91,48 @@ def main(argv=None, on_chunk=None) -> list:
         config_defaults=training_clip_defaults,
         repeatable=("prompt",),
     )
-    check_inference_flags(args)
+    options = InferenceOptions.from_args(args)  # the namespace goes no further
+    check_reference(options.sampling.cond_type, options.sampling.ref)
+    check_writable_dir(Path(str(options.run.save_dir)), "--save-dir")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from opensora.inference.pipeline import video_size_for
-    from opensora.inference.prompts import resolve_prompts
+    from opensora.inference.prompts import per_sample_seeds, resolve_prompts
+    from opensora.inference.sampler import video_size_for
 
+    run, sampling = options.run, options.sampling
     try:
-        prompts = resolve_prompts(args.prompt, args.prompt_file)
+        prompts = resolve_prompts(run.prompt, run.prompt_file)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(str(error)) from None
-    if isinstance(args.prompt, str) and "|" in args.prompt:
+    if isinstance(run.prompt, str) and "|" in run.prompt:
         logger.info("--prompt split at '|' into %d prompts (repeat --prompt to keep a '|' in one)", len(prompts))
-    ckpt = resolve_checkpoint(args.ckpt)
+    ckpt = resolve_checkpoint(run.ckpt)
     try:
-        step_list = parse_step_list(args.step_list)
-        height, width = video_size_for(str(args.resolution), args.aspect_ratio)
+        height, width = video_size_for(str(sampling.resolution), sampling.aspect_ratio)
     except ValueError as error:
-        raise UserInputError(f"--step-list / --resolution / --aspect-ratio: {error}") from None
-    check_sampling_shape(cfg, args.role, int(args.num_frames), height, width, str(args.resolution))
+        raise UserInputError(f"--resolution / --aspect-ratio: {error}") from None
+    check_sampling_shape(cfg, run.role, sampling.num_frames, height, width, str(sampling.resolution))
     if ckpt.is_dir():  # sizes always (a stat per file), checksums with --verify-checkpoint
-        verify_checkpoint(ckpt, checksums=bool(args.verify_checkpoint), only=args.role)
-    args.step_list = step_list
-    num_frames = int(args.num_frames)
-    batch_size = max(1, int(args.batch_size))
-    save_dir = Path(args.save_dir)
-    sp, device = start_sequence_parallel(int(args.sequence_parallel_size), args.device)
-    args.save_plan = plan_save_dir(save_dir, bool(args.overwrite))
-    if sp is not None:
-        try:
-            return _sample(
-                cfg,
-                args,
-                prompts,
-                ckpt,
-                step_list,
-                num_frames,
-                height,
-                width,
-                batch_size,
-                save_dir,
-                on_chunk,
-                sp,
-                device,
-            )
-        finally:
+        verify_checkpoint(ckpt, checksums=bool(run.verify_checkpoint), only=run.role)
+    sp, device = start_sequence_parallel(run.sequence_parallel_size, run.device)
+    job = SampleRun(
+        cfg,
+        options,
+        prompts,
+        per_sample_seeds(sampling.seed, len(prompts)),
+        ckpt,
+        (sampling.num_frames, height, width),
+        on_chunk,
+        sp,
+        device,
+        plan_save_dir(run.save_dir, bool(run.overwrite)),
+    )
+    try:
+        return sample(job)
+    finally:
+        if sp is not None:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-    return _sample(cfg, args, prompts, ckpt, step_list, num_frames, height, width, batch_size, save_dir, on_chunk)
 
 
 def start_sequence_parallel(size: int, device):
@@ -224,7 +140,7 @@ def start_sequence_parallel(size: int, device):
     ``(None, device)``. Starts torch.distributed itself (no ColossalAI, no training stack)."""
     if size == 1:
         return None, device
-    from opensora.inference.pipeline import resolve_device
+    from opensora.inference.sampler import resolve_device
     from opensora.parallel.process_group import init_process_group_from_env
     from opensora.parallel.sequence_parallel import build_sequence_groups
 
@@ -242,214 +158,170 @@ def start_sequence_parallel(size: int, device):
     return build_sequence_groups(size), device
 
 
-def _sample(
-    cfg, args, prompts, ckpt, step_list, num_frames, height, width, batch_size, save_dir, on_chunk, sp=None, device=None
-):
+def sample(job: SampleRun) -> list:
+    """Write ``job``'s samples the way its options ask; returns the written sample paths."""
+    if job.options.pipeline.enabled:
+        from opensora.inference.pipeline_parallel.cli import run_pipelined
+
+        start_save_dir(job)
+        return run_pipelined(job)
+    sampler = build_sampler(job)
+    start_save_dir(job)  # once the weights have loaded: a refused start leaves no half-made save-dir
+    if job.options.streaming.streaming:
+        return stream_samples(job, sampler)
+    return sample_videos(job, sampler)
+
+
+def start_save_dir(job: SampleRun) -> None:
+    """The save-dir and the run's resolved config (under the name the save-dir plan gives it)."""
     import torch.distributed as dist
 
-    from opensora.inference.io import save_sample, write_samples_csv, write_sidecar
-    from opensora.inference.pipeline import VideoSampler
-    from opensora.inference.prompts import per_sample_seeds, sample_stem
+    save_dir = Path(job.options.run.save_dir)
+    if job.sp is None or job.sp.rank == 0:  # a sequence-parallel group's rank 0 writes its samples
+        save_dir.mkdir(parents=True, exist_ok=True)
+    if job.sp is None or dist.get_rank() == 0:
+        save_config(job.cfg, save_dir, job.save_plan.config_name)
 
-    writes = sp is None or sp.rank == 0  # this group's rank 0 writes its samples
 
-    def start_save_dir():  # once the weights have loaded: a refused start leaves no half-made save-dir
-        if writes:
-            save_dir.mkdir(parents=True, exist_ok=True)
-        if sp is None or dist.get_rank() == 0:
-            save_config(cfg, save_dir, args.save_plan.config_name)
+def build_sampler(job: SampleRun):
+    """The ``VideoSampler`` of ``job`` (its graphs and region cache set up as the options ask)."""
+    from opensora.inference.sampler import VideoSampler
 
-    if args.pp_devices:
-        start_save_dir()
-        from opensora.inference.pipeline_cli import run_pipelined
-
-        common = dict(
-            config=str(args.config),
-            checkpoint=str(ckpt),
-            role=args.role,
-            **_steps_record(args),
-            guidance_scale=float(args.guidance_scale),
-            num_frames=num_frames,
-            height=height,
-            width=width,
-            fps=float(args.fps),
-        )
-        return run_pipelined(
-            cfg,
-            args,
-            prompts,
-            per_sample_seeds(args.seed, len(prompts)),
-            ckpt,
-            num_frames,
-            height,
-            width,
-            save_dir,
-            common,
-        )
-
+    run, options = job.options.run, job.options
     sampler = VideoSampler.from_config(
-        cfg,
-        ckpt,
-        role=args.role,
-        ema=bool(args.ema),
-        device=args.device if device is None else device,
-        dtype=args.dtype,
-        offload=bool(args.offload),
-        progress=bool(args.progress) and writes,
+        job.cfg,
+        job.ckpt,
+        role=run.role,
+        ema=bool(run.ema),
+        device=run.device if job.device is None else job.device,
+        dtype=run.dtype,
+        offload=bool(run.offload),
+        progress=bool(run.progress) and (job.sp is None or job.sp.rank == 0),
     )
-    start_save_dir()
-    sampler.set_sequence_parallel(sp)
-    sampler.set_cuda_graphs(parse_stream_graphs(args.cuda_graphs, "--cuda-graphs") != "off")
-    if args.jano or args.jano_offload or args.jano_graphs:
-        from opensora.inference.jano import JanoCache, JanoConfig
+    sampler.set_sequence_parallel(job.sp)
+    sampler.set_cuda_graphs(options.sampling.cuda_graphs != "off")
+    if options.cache.enabled:
+        from opensora.inference.cache.jano import JanoCache
 
-        store = "offload" if args.jano_offload else "device"
-        settings = dict(args.jano_settings or {}, store=store, graphs=bool(args.jano_graphs))
-        sampler.accelerator = JanoCache(JanoConfig(**settings))
-    weights = sampler.weights
-    latent_size = sampler.latent_size(num_frames, height, width)
-    logger.info(
-        "sampling %d prompt(s) at %dx%dx%d (latent %s) from %s [%s] on %s/%s",
-        len(prompts),
-        num_frames,
-        height,
-        width,
-        latent_size,
-        weights.path,
-        weights.source,
-        sampler.device,
-        sampler.dtype,
-    )
-    seeds = per_sample_seeds(args.seed, len(prompts))
-    common = dict(
-        config=str(args.config),
-        checkpoint=str(ckpt),
+        sampler.accelerator = JanoCache(options.cache.jano_config())
+    return sampler
+
+
+def sampler_record(job: SampleRun, sampler) -> dict:
+    """The sidecar record of a run sampled by ``sampler``."""
+    sampling, weights = job.options.sampling, sampler.weights
+    latent_size = sampler.latent_size(*job.size)
+    return job.record(
         weights=str(weights.path),
         weights_source=weights.source,
         checkpoint_step=weights.step,
-        role=args.role,
-        **_steps_record(args),
-        shift_alpha=None if step_list is not None else sampler.shift_alpha(latent_size),  # a step_list is unshifted
-        guidance_scale=float(args.guidance_scale),
-        image_guidance_scale=float(args.image_guidance_scale),
-        cond_type=args.cond_type,
-        ref=None if args.ref is None else str(args.ref),
-        num_frames=num_frames,
-        height=height,
-        width=width,
-        fps=float(args.fps),
-        **({} if sp is None else dict(sequence_parallel_size=sp.size)),
+        shift_alpha=None if sampling.step_list is not None else sampler.shift_alpha(latent_size),  # unshifted list
+        image_guidance_scale=sampling.image_guidance_scale,
+        cond_type=sampling.cond_type,
+        ref=None if sampling.ref is None else str(sampling.ref),
+        **({} if job.sp is None else dict(sequence_parallel_size=job.sp.size)),
         dtype=str(sampler.dtype).replace("torch.", ""),
         device=str(sampler.device),
         **({} if sampler.accelerator is None else dict(jano=dict(vars(sampler.accelerator.config)))),
     )
-    if args.streaming:
-        return stream_samples(sampler, args, prompts, seeds, (num_frames, height, width), common, save_dir, on_chunk)
+
+
+def sample_videos(job: SampleRun, sampler) -> list:
+    """The bidirectional sampler, a batch of prompts at a time (data parallel over sequence-parallel groups)."""
+    import torch.distributed as dist
+
+    from opensora.inference.sample_writer import SampleWriter
+
+    sampling, sp = job.options.sampling, job.sp
+    num_frames, height, width = job.size
+    logger.info(
+        "sampling %d prompt(s) at %dx%dx%d (latent %s) from %s [%s] on %s/%s",
+        len(job.prompts),
+        num_frames,
+        height,
+        width,
+        sampler.latent_size(*job.size),
+        sampler.weights.path,
+        sampler.weights.source,
+        sampler.device,
+        sampler.dtype,
+    )
+    writer = SampleWriter(
+        job.options.run.save_dir, job.prompts, job.seeds, sampling.fps, sampler_record(job, sampler), job.save_plan
+    )
+    writes = sp is None or sp.rank == 0
     # data parallelism over prompts: with G = world / S groups, group g samples prompts g, g + G, g + 2G, ...
     groups, group = (1, 0) if sp is None else (dist.get_world_size() // sp.size, dist.get_rank() // sp.size)
-    mine = list(range(group, len(prompts), groups))
-    written, rows = [], []
-    for start in range(0, len(mine), batch_size):
-        indices = mine[start : start + batch_size]
-        chunk = [prompts[i] for i in indices]
+    mine = list(range(group, len(job.prompts), groups))
+    for start in range(0, len(mine), sampling.batch_size):
+        indices = mine[start : start + sampling.batch_size]
         videos = sampler.generate(
-            chunk,
-            [seeds[i] for i in indices],
+            [job.prompts[i] for i in indices],
+            [job.seeds[i] for i in indices],
             num_frames,
             height,
             width,
-            num_steps=int(args.num_steps),
-            step_list=step_list,
-            guidance_scale=float(args.guidance_scale),
-            image_guidance_scale=float(args.image_guidance_scale),
-            cond_type=args.cond_type,
-            ref=args.ref,
+            num_steps=sampling.num_steps,
+            step_list=sampling.step_list,
+            guidance_scale=sampling.guidance_scale,
+            image_guidance_scale=sampling.image_guidance_scale,
+            cond_type=sampling.cond_type,
+            ref=sampling.ref,
         )
         if not writes:  # a sequence-parallel rank > 0: it took part in the denoising, its group's rank 0 writes
             continue
-        for i, prompt, frames in zip(indices, chunk, videos.numpy()):
-            index = args.save_plan.index(i)
-            stem = save_dir / sample_stem(index, prompt)
-            path = save_sample(stem, frames, fps=float(args.fps))
-            write_sidecar(
-                stem.with_suffix(".json"), dict(index=index, prompt=prompt, seed=seeds[i], path=path.name, **common)
-            )
-            written.append(path)
-            rows.append(dict(index=index, path=path.name, text=prompt))
-        if groups == 1:  # rewritten after each batch: usable even if the run stops early
-            write_samples_csv(save_dir, args.save_plan.rows(rows))
+        for index, frames in zip(indices, videos.numpy()):
+            writer.video(index, frames)
+        if groups == 1:
+            writer.write_csv()  # rewritten after each batch: usable even if the run stops early
     if groups > 1:  # one samples.csv in prompt order, written by rank 0 from every group's rows
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(rows, everyone, dst=0)
+        dist.gather_object(writer.rows, everyone, dst=0)
         if dist.get_rank() == 0:
-            rows = sorted((row for part in everyone for row in part), key=lambda row: row["index"])
-    if (groups == 1 and writes) or (groups > 1 and dist.get_rank() == 0):
-        write_samples_csv(save_dir, args.save_plan.rows(rows))
+            writer.write_csv([row for part in everyone for row in part])
     if writes:
-        logger.info("wrote %d sample(s) to %s", len(written), save_dir)
-    return written
+        logger.info("wrote %d sample(s) to %s", len(writer.written), writer.save_dir)
+    return writer.written
 
 
-def stream_samples(sampler, args, prompts, seeds, size, common, save_dir, on_chunk=None) -> list:
+def stream_samples(job: SampleRun, sampler) -> list:
     """``--streaming``: each batch of prompts is generated chunk by chunk (``StreamingGenerator``) and every chunk is
     appended to the samples' mp4 files as soon as it is decoded."""
-    from opensora.inference.io import write_samples_csv, write_sidecar
-    from opensora.inference.prompts import sample_stem
+    from opensora.inference.sample_writer import SampleWriter
     from opensora.inference.stream_progress import stream_progress_bar
-    from opensora.inference.stream_writer import BatchVideoWriters
-    from opensora.inference.streaming import StreamingGenerator
+    from opensora.inference.streaming.generator import StreamingGenerator
 
-    num_frames, height, width = size
-    if args.cond_type != "t2v" or args.ref is not None:
-        raise UserInputError("--streaming generates text-to-video only (no --cond-type / --ref)")
-    if sampler.accelerator is not None:
-        raise UserInputError(
-            "--streaming and --jano do not combine (the KV cache and the region cache share the attention seam)"
-        )
-    generator = StreamingGenerator(sampler, **streaming_options(args, sampler.device))
+    sampling, streaming = job.options.sampling, job.options.streaming
+    generator = StreamingGenerator(sampler, **streaming.generator_kwargs(sampling, sampler.device))
     record = dict(
-        common,
-        streaming=True,
-        window_frames=args.window_frames,
-        sink_frames=int(args.sink_frames),
-        rollout=str(args.rollout),
-        chunk_frames=generator.chunk_frames,
+        sampler_record(job, sampler), streaming=True, **streaming.record(), chunk_frames=generator.chunk_frames
     )
-    batch_size = max(1, int(args.batch_size))
-    latent_frames = sampler.latent_size(num_frames, height, width)[0]
-    bar = stream_progress_bar(latent_frames, generator.chunk_frames, len(prompts), batch_size, bool(args.progress))
-    written, rows = [], []
-    for start in range(0, len(prompts), batch_size):
-        batch = list(range(start, min(start + batch_size, len(prompts))))
-        stems = [save_dir / sample_stem(args.save_plan.index(i), prompts[i]) for i in batch]
+    writer = SampleWriter(job.options.run.save_dir, job.prompts, job.seeds, sampling.fps, record, job.save_plan)
+    latent_frames = sampler.latent_size(*job.size)[0]
+    bar = stream_progress_bar(
+        latent_frames, generator.chunk_frames, len(job.prompts), sampling.batch_size, bool(job.options.run.progress)
+    )
+    for batch in batches(len(job.prompts), sampling.batch_size):
         seconds = []
-        with BatchVideoWriters(stems, height, width, float(args.fps)) as writers:
-            for chunk in generator.stream(
-                [prompts[i] for i in batch], [seeds[i] for i in batch], num_frames, height, width
-            ):
-                writers.write(chunk.frames.numpy())
+        with writer.streams(batch, *job.size[1:]) as files:
+            chunks = generator.stream([job.prompts[i] for i in batch], [job.seeds[i] for i in batch], *job.size)
+            for chunk in chunks:
+                files.write(chunk.frames.numpy())
                 seconds.append(round(chunk.seconds, 4))
                 bar.update(1)
-                if on_chunk is not None:
-                    on_chunk(chunk, writers.paths)
-        for i, stem in zip(batch, stems):
-            write_sidecar(
-                stem.with_suffix(".json"),
-                dict(
-                    index=args.save_plan.index(i),
-                    prompt=prompts[i],
-                    seed=seeds[i],
-                    path=stem.with_suffix(".mp4").name,
-                    chunk_seconds=seconds,
-                    **record,
-                ),
-            )
-            written.append(stem.with_suffix(".mp4"))
-            rows.append(dict(path=stem.with_suffix(".mp4").name, text=prompts[i]))
-        write_samples_csv(save_dir, args.save_plan.rows(rows))
+                if job.on_chunk is not None:
+                    job.on_chunk(chunk, files.paths)
+        for index, path in zip(batch, files.paths):
+            writer.finished(index, path, chunk_seconds=seconds)
+        writer.write_csv()
     bar.close()
-    logger.info("streamed %d sample(s) and samples.csv to %s", len(written), save_dir)
-    return written
+    logger.info("streamed %d sample(s) and samples.csv to %s", len(writer.written), writer.save_dir)
+    return writer.written
+
+
+def batches(count: int, size: int) -> List[Sequence[int]]:
+    """Sample indices ``0..count-1`` in batches of ``size`` (the last may be smaller)."""
+    return [range(start, min(start + size, count)) for start in range(0, count, size)]
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 
 from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 
-from .chunk_graphs import PassGraphFamily, StaticInputs, describe_inputs
+from .graphs import PassGraphFamily, StaticInputs, describe_inputs
 
 _FRESH = ("x", "timestep")  # what changes at every step of a video
 

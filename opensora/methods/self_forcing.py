@@ -11,7 +11,7 @@ For one iteration, on the latent noise ``[B, C, T, H, W]`` split into chunks of 
 2. A fresh KV cache (``adapter.new_kv_cache``; its lifetime is this one rollout). For each chunk ``c``:
    steps ``0 .. j-1`` denoise it under ``no_grad`` with the cache as context (``predict_x0_streaming`` with
    ``store_kv=False``), moving from ``t_i`` to ``t_{i+1}`` with the rule ``rollout`` -- the same two rules as the
-   streaming sampler (``opensora.inference.streaming``): ``"renoise"`` (default, as Self-Forcing and CausVid
+   streaming sampler (``opensora.inference.streaming.generator``): ``"renoise"`` (default, as Self-Forcing and CausVid
    sample) re-noises the predicted x0 with fresh noise, ``"euler"`` takes the Euler step; train with the rule
    you will sample with. Step ``j`` predicts the chunk's ``x0`` -- the only forward that keeps a graph,
    and only on student iterations and when the chunk lies inside the last ``grad_frames`` latent frames

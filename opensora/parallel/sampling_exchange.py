@@ -60,12 +60,11 @@ class _PointToPoint:
                 work.wait()
 
 
-def _rope_into(parts: Sequence[torch.Tensor], rotation: torch.Tensor, send: torch.Tensor) -> None:
-    """``apply_rope`` (rope.py) of the token-concatenation of ``parts`` (each [B, H, n_i, D], any strides), written
-    into ``send`` [S, B, H/S, N/S, D]. The same fp32 expression as rope.py on a tensor of the same shape, so the
-    same bits; only where the inputs come from and the output goes differ."""
-    from opensora.models.mmdit.rope import rotate_pairs  # here: the mmdit package imports this module
-
+def _rope_into(parts: Sequence[torch.Tensor], rotate_pairs, rotation: torch.Tensor, send: torch.Tensor) -> None:
+    """The model's RoPE (``rotate_pairs(x, rotation)`` on contiguous fp32 ``x``) of the token-concatenation of
+    ``parts`` (each [B, H, n_i, D], any strides), written into ``send`` [S, B, H/S, N/S, D]. The model's own fp32
+    expression on a tensor of the same shape, so the same bits; only where the inputs come from and the output go
+    differ."""
     upcast = torch.empty(send.transpose(0, 1).shape, dtype=torch.float32, device=send.device)  # = [B, H, N/S, D]
     _write_tokens(parts, upcast)
     send.transpose(0, 1).copy_(rotate_pairs(upcast.flatten(1, 2), rotation).view(upcast.shape))
@@ -133,11 +132,12 @@ def _tokens_back(out: torch.Tensor, sp) -> torch.Tensor:
     return result.flatten(2)
 
 
-def exchanged_attention(streams: Sequence[Tuple], rope, attend, sp, mode: str, issue: str = "tensor"):
+def exchanged_attention(streams: Sequence[Tuple], rope, rotate_pairs, attend, sp, mode: str, issue: str = "tensor"):
     """Joint attention of the streams' tokens (text first) for sampling under sequence parallelism.
 
     ``streams``: one (q, k, v) per stream, each [B, H, n_stream/S, D] after QK-norm, any strides; ``rope``: this
-    rank's (cos, sin) rows; ``attend(q, k, v)`` on [B, H/S, N, D] -> [B, N, (H/S)*D]. Returns [B, N/S, H*D], the
+    rank's (cos, sin) rows; ``rotate_pairs(x, rotation)``: the model's eager RoPE of a contiguous fp32 ``x`` by the
+    complex ``rotation`` (passed in: this package sits below the model's); ``attend(q, k, v)`` on [B, H/S, N, D] -> [B, N, (H/S)*D]. Returns [B, N/S, H*D], the
     same bits as ``heads_to_tokens(attend(*tokens_to_heads(*rope(cat(streams)))))``. ``issue``: when each exchange
     starts: ``"late"`` all after the last RoPE, ``"tensor"`` each of v, q, k as soon as it is ready, ``"row"`` each
     batch row of each (RoPE is elementwise, so row by row it gives the same bits)."""
@@ -162,7 +162,7 @@ def exchanged_attention(streams: Sequence[Tuple], rope, attend, sp, mode: str, i
             row_send = send[:, row]
             row_parts = [part[row] for part in parts]
             if rotate:
-                _rope_into(row_parts, rotation, row_send)
+                _rope_into(row_parts, rotate_pairs, rotation, row_send)
             else:
                 _write_tokens(row_parts, row_send.transpose(0, 1))
             pending.append((row_send, out[row]))

@@ -9,7 +9,7 @@ Every ``every`` optimizer steps rank 0
 * refreshes a private copy of the role's network (built once from the role's config -- a deep copy when the trained
   network was wrapped after building, e.g. LoRA -- on the training device, in the training dtype, eval mode, no
   grad) with the live weights and then the role's EMA weights (the live weights
-  when the role keeps no EMA), and samples the prompts through ``VideoSampler`` (the inference pipeline, same
+  when the role keeps no EMA), and samples the prompts through ``VideoSampler`` (the sampler, same
   timestep shift as the training method) with per-sample seeds;
 * writes ``{outputs}/samples/step-XXXXXXX/NNNN_slug.mp4``, ``samples.csv`` (``path,text``, as the inference CLI
   writes it: ``tools/eval_moving_shapes.py`` reads it) and ``validation.json`` (settings, time, scores);
@@ -104,7 +104,14 @@ def validation_settings(cfg: Mapping) -> Optional[Dict[str, Any]]:
     from opensora.role_config import role_configs
 
     roles = role_configs(cfg)
-    role = s["role"] or cfg.get("role") or next((r for r in ("model", "student") if r in roles), None)
+    # which network the config samples: validation.role, else the config's own sampling role (distillation configs set
+    # ``role`` for the inference script too); a config with one network samples that one
+    role = s["role"] or cfg.get("role") or (next(iter(roles)) if len(roles) == 1 else None)
+    if role is None:
+        raise ConfigValueError(
+            f"validation needs the role to sample: this config trains {sorted(roles)}; set validation.role "
+            "(or the config's top-level role)"
+        )
     if role not in roles:
         raise ConfigValueError(f"validation.role {role!r} is not a role of this config; roles: {sorted(roles)}")
     s["role"] = role
@@ -205,7 +212,7 @@ class Validator:
         """The private copy with the role's current EMA weights (its live weights when it keeps no EMA)."""
         live = self.role.unwrap()
         if self._network is None:
-            from opensora.inference.pipeline import role_model_config
+            from opensora.inference.sampler import role_model_config
             from opensora.registry import MODELS, build_module
 
             first = next(live.parameters())
@@ -223,7 +230,7 @@ class Validator:
         return self._network
 
     def _sample(self, started: float):
-        from opensora.inference.pipeline import VideoSampler, video_size_for
+        from opensora.inference.sampler import VideoSampler, video_size_for
 
         s = self.settings
         sampler = VideoSampler(

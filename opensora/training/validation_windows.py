@@ -51,7 +51,7 @@ def sample_long_clips(sampler, s: Mapping, cfg: Mapping, prompts, seeds, height:
     network = sampler.model
     batch = int(s["batch_size"])
     if getattr(network, "causal_chunk_frames", 0):
-        from opensora.inference.streaming import StreamingGenerator
+        from opensora.inference.streaming.generator import StreamingGenerator
 
         generator = StreamingGenerator(
             sampler,

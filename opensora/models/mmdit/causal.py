@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .patches import unpatchify
+
 
 def joint_attention_mask(text_mask: Optional[torch.Tensor], num_text: int, video_allowed: torch.Tensor) -> torch.Tensor:
     """Boolean mask [B or 1, 1, L + Nq, L + Nk] for the joint sequence (text first, then video).
@@ -389,6 +391,4 @@ def per_chunk_timestep_forward(model, x, timestep, text_emb, text_mask, pooled, 
         mask = mask & torch.cat((valid, valid.new_ones(b * n, n * chunk_tokens)), dim=1)[:, None, None, :]
     hooks = [sibling_kv_hook(n, num_text, mask)] * (len(model.double_blocks) + len(model.single_blocks))
     out = model.run_blocks(img, txt, vec, rope, mask, hooks)
-    from .model import unpatchify
-
     return unfold_chunks(unpatchify(out, grid, model.patch_size), n)

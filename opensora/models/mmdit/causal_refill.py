@@ -1,6 +1,6 @@
 """One pass that refills the KV cache with a finished chunk and takes the first denoising step of the next chunk.
 
-Streaming (opensora/inference/streaming.py) re-runs every finished chunk once at the context time to store its
+Streaming (opensora/inference/streaming/generator.py) re-runs every finished chunk once at the context time to store its
 keys/values, then starts the next chunk with a pass at the first step time. Both passes attend to the same cache,
 and the second depends on the first only through the finished chunk's keys/values, which the first computes. So
 they can be one forward of twice the rows:
@@ -33,7 +33,7 @@ With a ``TextKVCache`` holding both times (every chunk after the second) the tex
 its own time's cached text keys/values. Otherwise the text rows run and the missing entries are recorded.
 
 ``MergedGraphs`` replays the merged pass as a CUDA graph per shape (inputs copied into static buffers,
-outputs cloned out), like ``opensora.inference.chunk_graphs`` does for the single-chunk passes.
+outputs cloned out), like ``opensora.inference.streaming.chunk_graphs`` does for the single-chunk passes.
 """
 
 import warnings
@@ -44,6 +44,7 @@ import torch
 from .attention import RowGroups
 from .causal import KVCache, TextKVCache, joint_attention_mask, text_keys_all_valid
 from .graph_memory import GraphMemory, StaticPast, on_capture_device
+from .patches import unpatchify
 
 
 def _rows(a: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -242,8 +243,6 @@ def merged_body(model, inputs: Dict[str, Optional[torch.Tensor]], num_text: int,
 
     hooks = [make(i) for i in range(past.num_blocks)]
     out = model.run_blocks(img, txt, vec, (inputs["cos"], inputs["sin"]), mask, hooks)
-    from .model import unpatchify
-
     entries = None if text_kv is not None else (entry_prev, entry_next)
     return unpatchify(out[rows:], grid, model.patch_size), pending, entries
 

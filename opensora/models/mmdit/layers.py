@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from opensora.parallel.sampling_exchange import exchanged_attention
 from opensora.parallel.sequence_parallel import attention_row_by_row, heads_to_tokens, tokens_to_heads
 
-from . import fused as fused_ops
 from .attention import RowGroups, attention
-from .rope import apply_rope_qk
+from .rope import apply_rope_qk, rotate_pairs
 
 LN_EPS = 1e-6
 
@@ -77,17 +76,9 @@ class Modulation(nn.Module):
         return self.lin(F.silu(vec))[:, None, :].chunk(3 * self.count, dim=-1)
 
 
-def modulate(x, shift, scale, fused: bool = False):
-    """``(1 + scale) * layer_norm(x) + shift``; ``fused`` uses the Triton kernel (fused.py) where it can run."""
-    if fused:
-        return fused_ops.modulate(x, shift, scale, LN_EPS)
+def modulate(x, shift, scale):
+    """``(1 + scale) * layer_norm(x) + shift``."""
     return torch.addcmul(shift, F.layer_norm(x, x.shape[-1:], eps=LN_EPS), 1 + scale)
-
-
-def fused_path(block, kv_hook) -> bool:
-    """Whether ``block`` may run its fused QK-norm + RoPE path: the flag is on and no sequence parallelism or
-    kv_hook reshapes the joint sequence (those keep the eager order: norm per stream, RoPE after the hook)."""
-    return block.fused and block.sp is None and kv_hook is None
 
 
 def gated_residual(x, gate, update):
@@ -117,18 +108,6 @@ class StreamAttention(nn.Module):
             q, k = self.norm(q, k)
         return q, k, v
 
-    def qkv_heads_rope(self, x, cos, sin):
-        """q, k with QK-norm and RoPE already applied (fused kernel where it can run), and v."""
-        q, k, v = split_heads(self.qkv(x), self.num_heads)
-        return (*qk_norm_rope(self.norm, q, k, cos, sin), v)
-
-
-def qk_norm_rope(norm: Optional[QKNorm], q, k, cos, sin):
-    """QK-norm (when ``norm`` is set) then RoPE, through the fused kernel where it can run."""
-    if norm is None:
-        return apply_rope_qk(q, k, cos, sin)
-    return fused_ops.qk_norm_rope(q, k, norm.query_scale, norm.key_scale, cos, sin, LN_EPS)
-
 
 def mlp(hidden_size: int, mlp_ratio: float) -> nn.Sequential:
     mlp_hidden = int(hidden_size * mlp_ratio)
@@ -156,6 +135,7 @@ def joint_attention_of_streams(streams, rope, mask, backend, sp=None, kv_hook=No
         return exchanged_attention(
             streams,
             rope,
+            rotate_pairs,
             lambda q, k, v: attention(q, k, v, mask=mask, backend=backend),
             sp,
             sp.sampling_exchange,
@@ -199,7 +179,6 @@ class DoubleStreamBlock(nn.Module):
         super().__init__()
         self.attn_backend = attn_backend
         self.sp = None  # a SequenceGroup when sequence parallel (MMDiT.set_sequence_parallel)
-        self.fused = False  # Triton kernels for modulation and QK-norm + RoPE (MMDiT.set_fused_kernels)
         self.img_mod = Modulation(hidden_size, 2)
         self.img_attn = StreamAttention(hidden_size, num_heads, qkv_bias, qk_norm)
         self.img_mlp = mlp(hidden_size, mlp_ratio)
@@ -213,8 +192,6 @@ class DoubleStreamBlock(nn.Module):
         """``txt=None``: the text rows are not run (a causal model's text cache, causal.py ``TextKVCache``): the
         ``kv_hook`` supplies the text keys/values, ``rope`` and ``mask`` cover the video queries only, and the
         returned text is None."""
-        if txt is not None and fused_path(self, kv_hook):
-            return self.forward_fused(img, txt, vec, rope, mask)
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(vec)
         img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(img, i_shift1, i_scale1))
         if txt is None:
@@ -236,28 +213,6 @@ class DoubleStreamBlock(nn.Module):
         txt = gated_residual(txt, t_gate2, self.txt_mlp(modulate(txt, t_shift2, t_scale2)))
         return img, txt
 
-    def forward_fused(self, img, txt, vec, rope, mask):
-        """The same math as ``forward`` through the Triton kernels: QK-norm and RoPE run per stream (text rows
-        of ``rope`` first, then video) and write contiguous heads, so the joint q/k need no further copy."""
-        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(vec)
-        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
-        txt_len = txt.shape[1]
-        cos, sin = rope
-        img_q, img_k, img_v = self.img_attn.qkv_heads_rope(
-            modulate(img, i_shift1, i_scale1, fused=True), cos[txt_len:], sin[txt_len:]
-        )
-        txt_q, txt_k, txt_v = self.txt_attn.qkv_heads_rope(
-            modulate(txt, t_shift1, t_scale1, fused=True), cos[:txt_len], sin[:txt_len]
-        )
-        q, k, v = (torch.cat(pair, dim=2) for pair in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
-        out = attention(q, k, v, mask=mask, backend=self.attn_backend)
-        txt_out, img_out = out[:, :txt_len], out[:, txt_len:]
-        img = gated_residual(img, i_gate1, self.img_attn.proj(img_out))
-        img = gated_residual(img, i_gate2, self.img_mlp(modulate(img, i_shift2, i_scale2, fused=True)))
-        txt = gated_residual(txt, t_gate1, self.txt_attn.proj(txt_out))
-        txt = gated_residual(txt, t_gate2, self.txt_mlp(modulate(txt, t_shift2, t_scale2, fused=True)))
-        return img, txt
-
 
 class SingleStreamBlock(nn.Module):
     """One set of weights for all tokens; QKV and the MLP input share one linear, attention+MLP out another."""
@@ -266,7 +221,6 @@ class SingleStreamBlock(nn.Module):
         super().__init__()
         self.attn_backend = attn_backend
         self.sp = None  # a SequenceGroup when sequence parallel (MMDiT.set_sequence_parallel)
-        self.fused = False  # Triton kernels for modulation and QK-norm + RoPE (MMDiT.set_fused_kernels)
         self.num_heads = num_heads
         self.hidden_size = hidden_size
         self.mlp_hidden = int(hidden_size * mlp_ratio)
@@ -279,21 +233,14 @@ class SingleStreamBlock(nn.Module):
 
     def forward(self, x, vec, rope, mask: Optional[torch.Tensor], kv_hook=None) -> torch.Tensor:
         shift, scale, gate = self.modulation(vec)
-        fused = fused_path(self, kv_hook)
-        qkv, mlp_in = self.linear1(modulate(x, shift, scale, fused)).split([3 * self.hidden_size, self.mlp_hidden], -1)
+        qkv, mlp_in = self.linear1(modulate(x, shift, scale)).split([3 * self.hidden_size, self.mlp_hidden], -1)
         q, k, v = split_heads(qkv, self.num_heads)
-        if fused:  # QK-norm + RoPE in one kernel that also writes contiguous q/k
-            q, k = qk_norm_rope(self.norm, q, k, *rope)
-            out = attention(q, k, v.contiguous(), mask=mask, backend=self.attn_backend)
+        if self.norm is not None:
+            q, k = self.norm(q, k)
+        if uses_sampling_exchange(self.sp, kv_hook):  # reads q/k/v in place, no contiguous copies
+            out = joint_attention_of_streams(((q, k, v),), rope, mask, self.attn_backend, self.sp, kv_hook)
         else:
-            if self.norm is not None:
-                q, k = self.norm(q, k)
-            if uses_sampling_exchange(self.sp, kv_hook):  # reads q/k/v in place, no contiguous copies
-                out = joint_attention_of_streams(((q, k, v),), rope, mask, self.attn_backend, self.sp, kv_hook)
-            else:
-                out = joint_attention(
-                    q.contiguous(), k.contiguous(), v, rope, mask, self.attn_backend, self.sp, kv_hook
-                )
+            out = joint_attention(q.contiguous(), k.contiguous(), v, rope, mask, self.attn_backend, self.sp, kv_hook)
         return gated_residual(x, gate, self.linear2(torch.cat((out, self.mlp_act(mlp_in)), dim=-1)))
 
 

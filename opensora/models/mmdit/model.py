@@ -17,42 +17,15 @@ from opensora.registry import MODELS
 
 from ..arch import records_arch
 from .attention import COMPILED_ATTENTION, COMPILED_ATTENTION_MODES, check_backend, device_major
-from .causal import (
-    KVCache,
-    TextKVCache,
-    block_causal_video_mask,
-    cached_text_kv_hooks,
-    joint_attention_mask,
-    per_chunk_timestep_forward,
-    streaming_kv_hooks,
-    text_filling_hooks,
-    text_keys_all_valid,
-)
+from .causal import KVCache, TextKVCache, block_causal_video_mask, joint_attention_mask, per_chunk_timestep_forward
+from .causal_stream import CausalStreaming
 from .fp8 import check_recipe, convert_block_linears
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
+from .patches import patchify, unpatchify
 from .rope import rope_cos_sin, video_position_ids
 from .text_padding import padded_text_keys, trim_text
 
 TIMESTEP_FEATURES = 256
-
-
-def patchify(x: torch.Tensor, patch_size: Sequence[int]) -> torch.Tensor:
-    """[B, C, T, H, W] -> [B, (T/pt)(H/ph)(W/pw), C*pt*ph*pw]; features ordered (c, pt, ph, pw)."""
-    b, c, t, h, w = x.shape
-    pt, ph, pw = patch_size
-    if t % pt or h % ph or w % pw:
-        raise ValueError(f"latent size (T,H,W)=({t},{h},{w}) is not divisible by patch_size {tuple(patch_size)}")
-    x = x.reshape(b, c, t // pt, pt, h // ph, ph, w // pw, pw)
-    return x.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, (t // pt) * (h // ph) * (w // pw), c * pt * ph * pw)
-
-
-def unpatchify(tokens: torch.Tensor, grid: Sequence[int], patch_size: Sequence[int]) -> torch.Tensor:
-    """Inverse of ``patchify``: [B, t*h*w, C*pt*ph*pw] with grid (t, h, w) -> [B, C, t*pt, h*ph, w*pw]."""
-    b = tokens.shape[0]
-    gt, gh, gw = grid
-    pt, ph, pw = patch_size
-    x = tokens.reshape(b, gt, gh, gw, -1, pt, ph, pw)
-    return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, -1, gt * pt, gh * ph, gw * pw)
 
 
 def compile_block_options(overrides: Optional[dict] = None) -> dict:
@@ -76,7 +49,7 @@ def compile_block_options(overrides: Optional[dict] = None) -> dict:
 
 
 @MODELS.register_module()
-class MMDiT(nn.Module, SequenceParallelModel):
+class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
     @records_arch  # self.arch: every argument below, to rebuild the model or count its FLOPs (flops.py)
     def __init__(
         self,
@@ -101,14 +74,12 @@ class MMDiT(nn.Module, SequenceParallelModel):
         grad_ckpt_single: int = 0,
         compile_blocks: bool = False,
         causal_chunk_frames: int = 0,
-        fused_kernels: bool = False,
         fp8_linears: Optional[str] = None,
     ):
         """``causal_chunk_frames``: 0 = bidirectional attention; K > 0 = block-causal over chunks of K latent frames
-        (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``). ``fused_kernels``: run
-        the blocks' modulation and QK-norm + RoPE through the Triton kernels of fused.py where they can run
-        (CUDA with Triton installed; elsewhere the same eager code as off). ``fp8_linears`` ("tensorwise" /
-        "rowwise"): train the block linears in FP8 through torchao (fp8.py); a training option, left out of ``arch``."""
+        (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``, causal_stream.py).
+        ``fp8_linears`` ("tensorwise" / "rowwise"): train the block linears in FP8 through torchao (fp8.py); a
+        training option, left out of ``arch``."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -168,7 +139,6 @@ class MMDiT(nn.Module, SequenceParallelModel):
         self.final_layer = FinalLayer(hidden_size, out_channels * patch_volume)
         self.compile_blocks = False
         self.set_compile_blocks(compile_blocks)
-        self.set_fused_kernels(fused_kernels)
         self.sp = None
         self.arch.pop("fp8_linears")  # not architecture: a rebuild from ``arch`` (sampling, export) needs no torchao
         if check_recipe(fp8_linears) is not None:
@@ -204,14 +174,6 @@ class MMDiT(nn.Module, SequenceParallelModel):
             raise ValueError(f"grad ckpt counts ({double}, {single}) exceed the block counts")
         self.grad_ckpt_double, self.grad_ckpt_single = double, single
         self.arch.update(grad_ckpt_double=double, grad_ckpt_single=single)
-
-    def set_fused_kernels(self, enabled: bool) -> None:
-        """Route every block's modulation and QK-norm + RoPE through the Triton kernels (fused.py), or back to eager.
-        Blocks under sequence parallelism or with a kv_hook keep the eager order either way."""
-        for block in [*self.double_blocks, *self.single_blocks]:
-            block.fused = bool(enabled)
-        self.fused_kernels = bool(enabled)
-        self.arch["fused_kernels"] = self.fused_kernels
 
     def set_compile_blocks(
         self, enabled: bool, inductor_options: Optional[dict] = None, attention: Optional[str] = None
@@ -268,6 +230,25 @@ class MMDiT(nn.Module, SequenceParallelModel):
             return None
         video = text_mask.new_ones(text_mask.shape[0], num_video_tokens)
         return torch.cat((text_mask, video), dim=1)[:, None, None, :]
+
+    def prepare_text(self, text_emb, text_mask, text_mask_has_padding: Optional[bool] = None):
+        """The text a bidirectional pass attends to: ``(text_emb, text_mask, lengths)``. In training, cut after the
+        batch's longest valid prompt (``text_padding.trim_text``: exact; ``lengths`` None when nothing was read);
+        an eval pass (sampling, frozen teachers, CUDA-graph captures) keeps the padded text and its dense mask, which
+        needs no host read. ``forward`` and every caller that runs the blocks itself (pipeline stages, the region
+        cache) start from it, so they all take the same path."""
+        if not self.training:
+            return text_emb, text_mask, None
+        return trim_text(text_emb, text_mask, text_mask_has_padding)
+
+    def padding_mask(self, text_mask, lengths, num_text: int, num_video: int, has_padding=None, own_keys=True):
+        """How a bidirectional pass hides padded text keys (after ``prepare_text``): ``KeyRanges`` for rows with
+        padding left (no sequence parallelism: one mask-free SDPA call per row, text_padding.py), else the dense
+        ``key_mask`` or None. ``own_keys=False`` for a pass whose queries are not its keys (a cache adds the keys of
+        tokens it did not recompute): every query of a row then attends over that row's ranges."""
+        if lengths is not None and self.sp is None:
+            return padded_text_keys(lengths, num_text, num_video, queries_at_keys=own_keys)
+        return self.key_mask(text_mask, num_video, has_padding if lengths is None else min(lengths) < num_text)
 
     def rope(self, grid, num_text_tokens: int, device, time_offset: int = 0):
         """RoPE tables of [text, video]; ``time_offset`` (in time patches) shifts the video's time ids."""
@@ -335,11 +316,7 @@ class MMDiT(nn.Module, SequenceParallelModel):
                 text_key=text_key,
                 text_mask_has_padding=text_mask_has_padding,
             )
-        # padded prompts in training: cut the text after the longest valid prompt, attend per row (text_padding.py);
-        # eval passes keep the dense mask that the sampler's stages, caches and graphs reproduce bit for bit
-        text_lengths = None
-        if self.training:
-            text_emb, text_mask, text_lengths = trim_text(text_emb, text_mask, text_mask_has_padding)
+        text_emb, text_mask, text_lengths = self.prepare_text(text_emb, text_mask, text_mask_has_padding)
         if self.causal_chunk_frames and timestep.dim() == 2:
             return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
@@ -351,11 +328,8 @@ class MMDiT(nn.Module, SequenceParallelModel):
                 grid[0], grid[1] * grid[2], self.causal_chunk_frames // self.patch_size[0], x.device
             )
             mask = joint_attention_mask(text_mask, txt.shape[1], video)
-        elif text_lengths is not None and self.sp is None:  # rows with padding left: KeyRanges, not a dense mask
-            mask = padded_text_keys(text_lengths, txt.shape[1], img.shape[1])
         else:
-            has_padding = text_mask_has_padding if text_lengths is None else min(text_lengths) < txt.shape[1]
-            mask = self.key_mask(text_mask, img.shape[1], has_padding)
+            mask = self.padding_mask(text_mask, text_lengths, txt.shape[1], img.shape[1], text_mask_has_padding)
 
         if self.sp is not None:
             img, txt, rope, mask = self.shard_sequence(img, txt, rope, mask)
@@ -367,15 +341,25 @@ class MMDiT(nn.Module, SequenceParallelModel):
     def embed(self, x, timestep, text_emb, pooled, cond=None, guidance=None, with_text: bool = True):
         """Inputs -> (video tokens, text tokens, conditioning vector, patch grid (t, h, w)), with the input checks.
         ``with_text=False`` skips the text projection (text tokens None: a pass whose text comes from a cache)."""
-        if x.dim() != 5 or x.shape[1] != self.in_channels:
-            raise ValueError(f"x must be [B, {self.in_channels}, T, H, W], got {tuple(x.shape)}")
         if pooled is None:
             raise ValueError("pooled text vector [B, pooled_dim] is required")
-        b, _, t, h, w = x.shape
-        pt, ph, pw = self.patch_size
-        grid = (t // pt, h // ph, w // pw)
+        img, txt, grid = self.embed_tokens(x, text_emb, cond, with_text)
+        return img, txt, self.conditioning_vector(timestep, pooled, guidance), grid
 
-        img = self.img_in(patchify(x, self.patch_size))
+    def embed_tokens(self, x, text_emb, cond=None, with_text: bool = True):
+        """``embed`` without the conditioning vector: (video tokens, text tokens or None, patch grid)."""
+        patches, cond_patches, grid = self.patch_inputs(x, cond)
+        img = self.embed_patches(patches, cond_patches)
+        return img, self.txt_in(text_emb) if with_text else None, grid
+
+    def patch_inputs(self, x, cond=None):
+        """Checked ``x`` [B, C, T, H, W] and ``cond`` -> (patch tokens of x, of cond or None, patch grid (t, h, w)).
+        ``embed_patches`` of any subset of their rows (the same rows of both) embeds those video tokens only."""
+        if x.dim() != 5 or x.shape[1] != self.in_channels:
+            raise ValueError(f"x must be [B, {self.in_channels}, T, H, W], got {tuple(x.shape)}")
+        _, _, t, h, w = x.shape
+        pt, ph, pw = self.patch_size
+        cond_patches = None
         if cond is not None:
             if self.cond_in is None:
                 raise ValueError("cond was given but this MMDiT was built with cond_channels=None")
@@ -384,12 +368,17 @@ class MMDiT(nn.Module, SequenceParallelModel):
                     f"cond must be [B, {self.cond_channels}, {t}, {h}, {w}] (mask channel + masked latents), "
                     f"got {tuple(cond.shape)}"
                 )
-            img = img + self.cond_in(patchify(cond, self.patch_size))
-        txt = self.txt_in(text_emb) if with_text else None
-        vec = self.conditioning_vector(timestep, pooled, guidance)
-        if x.is_cuda:
-            device_major(x.device)  # fill the capability cache eagerly, outside the compiled blocks
-        return img, txt, vec, grid
+            cond_patches = patchify(cond, self.patch_size)
+        return patchify(x, self.patch_size), cond_patches, (t // pt, h // ph, w // pw)
+
+    def embed_patches(self, patches, cond_patches=None) -> torch.Tensor:
+        """Video tokens of patch tokens (+ the zero-initialised projection of the condition's)."""
+        img = self.img_in(patches)
+        if cond_patches is not None:
+            img = img + self.cond_in(cond_patches)
+        if img.is_cuda:
+            device_major(img.device)  # fill the capability cache eagerly, outside the compiled blocks
+        return img
 
     def run_blocks(self, img, txt, vec, rope, mask, kv_hooks=None):
         """Double then single blocks and the final layer -> output video tokens. ``kv_hooks``: one per block
@@ -403,7 +392,7 @@ class MMDiT(nn.Module, SequenceParallelModel):
         """Blocks ``lo..hi-1`` of ``[*double_blocks, *single_blocks]`` on ``state``: ``dict(img, txt)`` before and
         inside the double blocks (``txt`` None in a video-only pass), ``dict(tokens, num_text)`` once the single
         blocks began (text rows first). ``kv_hooks[i - lo]`` is block i's kv_hook. ``run_blocks`` is the whole range,
-        and a pipeline stage (``pipeline_stages``) a part of it: the same operations in the same order."""
+        and a two-GPU pipeline stage (``inference.pipeline_parallel``) a part of it: the same operations in the same order."""
         depth = len(self.double_blocks)
         for i in range(lo, hi):
             hook = None if kv_hooks is None else kv_hooks[i - lo]
@@ -434,160 +423,6 @@ class MMDiT(nn.Module, SequenceParallelModel):
         """The final layer on the video tokens of a state after the last block."""
         state = self._as_tokens(state)
         return self.final_layer(state["tokens"][:, state["num_text"] :], vec)
-
-    # ---- streaming (causal models) --------------------------------------------------------------------------
-    def new_text_cache(self) -> TextKVCache:
-        """An empty ``TextKVCache`` (causal.py) for ``forward_chunk(text_cache=...)``."""
-        return TextKVCache(len(self.double_blocks) + len(self.single_blocks))
-
-    def new_kv_cache(self, window_frames: Optional[int] = None, sink_frames: int = 0) -> KVCache:
-        """An empty ``KVCache`` for this model's blocks (see causal.py for the window and sink frames)."""
-        return KVCache(len(self.double_blocks) + len(self.single_blocks), window_frames, sink_frames)
-
-    def forward_chunk(
-        self,
-        x: torch.Tensor,
-        *,
-        timestep: torch.Tensor,
-        text_emb: torch.Tensor,
-        text_mask: Optional[torch.Tensor] = None,
-        pooled: Optional[torch.Tensor] = None,
-        cond: Optional[torch.Tensor] = None,
-        guidance: Optional[torch.Tensor] = None,
-        cache: KVCache,
-        start_frame: int,
-        store_kv: bool,
-        text_cache: Optional[TextKVCache] = None,
-        text_key=None,
-        text_mask_has_padding: Optional[bool] = None,
-    ) -> torch.Tensor:
-        """Velocity for one chunk ``x`` [B, C, Tc, H, W] at absolute latent frame ``start_frame``, attending to the
-        frames held by ``cache`` and to itself; the other inputs as for ``forward`` (all by keyword). ``store_kv=True`` appends the chunk's keys/values to the cache (and
-        rolls its window) after the forward; ``False`` leaves the cache as it was. Gradients flow through the
-        chunk's own tokens (the cache is detached).
-
-        ``text_cache`` (a ``TextKVCache``) with ``text_key`` (a host value standing for this pass's timestep, e.g. the
-        step time as a float): the first pass with a key runs as usual and records every block's text keys/values;
-        later passes with that key (and the same text tensors, dtype, device and weights: ``TextKVCache.validate``)
-        run the video tokens only against the recorded text keys/values. Same result, fewer tokens per pass; no
-        gradient reaches the text stream through a cached pass (the text rows are not run). Such a pass attends
-        without a mask when no text token is padding (no ``text_mask``, or ``text_mask_has_padding=False``): every
-        key is then visible to every query, and SDPA may take the flash / cuDNN kernels."""
-        self.check_chunk(cache, start_frame, text_cache, text_key)
-        text_kv = None
-        if text_cache is not None:
-            text_cache.validate(self, (text_emb, text_mask, pooled, guidance), self.img_in.weight.dtype, x.device)
-            text_kv = text_cache.get(text_key)
-        past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
-        with_mask = text_kv is None or not text_keys_all_valid(text_mask, text_mask_has_padding)
-        rope, mask = self.chunk_rope_mask(x, text_mask, text_emb.shape[1], past, start_frame, with_mask)
-        pending = {} if store_kv else None
-        entry = {} if text_cache is not None and text_kv is None else None
-        out = self.chunk_body(x, timestep, text_emb, pooled, cond, guidance, rope, mask, cache, text_kv, pending, entry)
-        if entry is not None:
-            text_cache.entries[text_key] = [entry[i] for i in range(text_cache.num_blocks)]
-        if store_kv:
-            cache.append(pending, start_frame, x.shape[2], frames_per_group=self.patch_size[0])
-        return out
-
-    def check_chunk(self, cache: KVCache, start_frame: int, text_cache=None, text_key=None) -> None:
-        """``forward_chunk``'s argument checks."""
-        if not self.causal_chunk_frames:
-            raise ValueError("forward_chunk needs a causal MMDiT (causal_chunk_frames > 0)")
-        if self.sp is not None:
-            raise ValueError("forward_chunk does not support sequence parallelism")
-        pt = self.patch_size[0]
-        if start_frame < 0 or start_frame % pt:
-            raise ValueError(f"start_frame={start_frame} must be a non-negative multiple of the temporal patch {pt}")
-        if cache.num_frames and start_frame < cache.end_frame:
-            raise ValueError(f"chunk at frame {start_frame} overlaps the cache (frames up to {cache.end_frame - 1})")
-        if text_cache is not None and text_key is None:
-            raise ValueError("forward_chunk(text_cache=...) needs text_key, a host value identifying the timestep")
-
-    def chunk_rope_mask(self, x, text_mask, num_text: int, past_tokens: int, start_frame: int, with_mask=True):
-        """RoPE tables of [text, chunk video] (video time ids from ``start_frame``) and the joint mask
-        [B or 1, 1, L + N, L + past + N] of a streamed chunk: video queries see the valid text, the cached video
-        and the chunk; text queries see the text only. ``with_mask=False``: no mask (None), for a text-cached pass
-        whose text keys are all valid."""
-        pt, ph, pw = self.patch_size
-        grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
-        rope = self.rope(grid, num_text, x.device, time_offset=start_frame // pt)
-        if not with_mask:
-            return rope, None
-        return rope, self.chunk_mask(text_mask, num_text, grid[0] * grid[1] * grid[2], past_tokens, x.device)
-
-    @staticmethod
-    def chunk_mask(text_mask, num_text: int, tokens: int, past_tokens: int, device) -> torch.Tensor:
-        """The joint mask of ``chunk_rope_mask`` for a chunk of ``tokens`` video tokens after ``past_tokens``."""
-        video = torch.ones(tokens, past_tokens + tokens, dtype=torch.bool, device=device)
-        return joint_attention_mask(text_mask, num_text, video)
-
-    def chunk_body(self, x, timestep, text_emb, pooled, cond, guidance, rope, mask, past, text_kv, pending, entry):
-        """The model part of ``forward_chunk`` (no host reads, fixed shapes for fixed inputs: what a CUDA graph can
-        capture). ``past``: anything with ``num_blocks`` and ``block(i) -> (keys, values)`` of the cached video
-        (a ``KVCache``); ``text_kv``: the text keys/values per block of a text-cache hit (None: run the text rows);
-        ``pending`` / ``entry`` (dicts or None) receive each block's chunk video / text keys/values.
-
-        It is ``chunk_stage`` over every block: the two-GPU pipeline (``pipeline_stages``) runs ``chunk_stage`` on
-        the two halves of the blocks, so it cannot compute anything else."""
-        inputs = dict(x=x, timestep=timestep, text_emb=text_emb, pooled=pooled, cond=cond, guidance=guidance, mask=mask)
-        inputs.update(cos=rope[0], sin=rope[1])
-        num_blocks = len(self.double_blocks) + len(self.single_blocks)
-        return self.chunk_stage(inputs, 0, num_blocks, text_emb.shape[1], past, text_kv, pending, entry)
-
-    def chunk_stage(self, inputs: dict, lo: int, hi: int, num_text: int, past, text_kv, pending, entry, grid=None):
-        """Blocks ``lo..hi-1`` of a streamed pass (``chunk_body``'s other arguments; ``past``, ``text_kv``,
-        ``pending`` and ``entry`` indexed from ``lo``). ``inputs`` (tensors only, what a CUDA graph keeps static):
-        ``cos``, ``sin`` (RoPE tables of [text, video]), ``mask`` (``chunk_rope_mask``'s) and either the pass's
-        inputs ``x``, ``timestep``, ``text_emb``, ``pooled``, ``cond``, ``guidance`` (``lo == 0``: ``chunk_start``
-        first) or an earlier stage's output (``img`` + ``txt``, or ``tokens``, and ``vec``). Returns the velocity
-        when the range ends with the last block (``grid``: the chunk's patch grid, found from ``x`` when it is an
-        input), else that output: ``img`` / ``txt`` or ``tokens`` (text rows first, none in a text-cache hit) and
-        ``vec``."""
-        if "x" in inputs:
-            state, vec, grid = self.chunk_start(
-                inputs["x"],
-                inputs["timestep"],
-                inputs["text_emb"],
-                inputs["pooled"],
-                inputs.get("cond"),
-                inputs.get("guidance"),
-                text_kv is not None,
-            )
-        elif "tokens" in inputs:
-            state, vec = dict(tokens=inputs["tokens"], num_text=0 if text_kv is not None else num_text), inputs["vec"]
-        else:
-            state, vec = dict(img=inputs["img"], txt=inputs.get("txt")), inputs["vec"]
-        rope = (inputs["cos"], inputs["sin"])
-        state = self.chunk_blocks(state, vec, rope, inputs["mask"], num_text, lo, hi, past, text_kv, pending, entry)
-        if hi == len(self.double_blocks) + len(self.single_blocks):
-            return self.chunk_finish(state, vec, grid)
-        state.pop("num_text", None)
-        return dict(state, vec=vec)
-
-    def chunk_start(self, x, timestep, text_emb, pooled, cond, guidance, cached_text: bool):
-        """A streamed pass's embeddings -> (state for ``chunk_blocks``, conditioning vector, patch grid); a pass
-        whose text keys/values come from the text cache (``cached_text``) skips the text embedding."""
-        img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance, with_text=not cached_text)
-        return dict(img=img, txt=txt), vec, grid
-
-    def chunk_blocks(self, state, vec, rope, mask, num_text: int, lo: int, hi: int, past, text_kv, pending, entry):
-        """Blocks ``lo..hi-1`` of a streamed pass (``chunk_body``'s arguments; ``past``, ``text_kv``, ``pending``
-        and ``entry`` are indexed from ``lo``: block ``lo`` is their entry 0). ``rope`` / ``mask``: the full
-        [text, video] tables and mask of ``chunk_rope_mask``; a text-cache hit (``text_kv``) runs the video rows."""
-        if text_kv is not None:  # video rows only: [L:] of the RoPE tables and of the mask's query rows
-            rope = tuple(table[num_text:] for table in rope)
-            mask = None if mask is None else mask[:, :, num_text:]
-            hooks = cached_text_kv_hooks(past, text_kv, mask, pending)
-        else:
-            hooks = streaming_kv_hooks(past, num_text, mask, pending)
-            if entry is not None:
-                hooks = text_filling_hooks(hooks, entry, num_text)
-        return self.run_block_range(state, lo, hi, vec, rope, mask, hooks)
-
-    def chunk_finish(self, state, vec, grid) -> torch.Tensor:
-        """Final layer + unpatchify after the last block of a streamed pass."""
-        return unpatchify(self.final_tokens(state, vec), grid, self.patch_size)
 
     def shard_sequence(self, img, txt, rope, mask):
         """This rank's slices of the text and video tokens, their RoPE angles, and the key mask in the rank-major

@@ -71,13 +71,17 @@ def trim_text(
     return text_emb[:, :keep], text_mask[:, :keep], lengths
 
 
-def padded_text_keys(lengths: Sequence[int], num_text: int, num_video: int) -> Optional[KeyRanges]:
+def padded_text_keys(
+    lengths: Sequence[int], num_text: int, num_video: int, queries_at_keys: bool = True
+) -> Optional[KeyRanges]:
     """The key mask of a joint [text, video] sequence whose row ``b`` has ``lengths[b]`` valid text tokens first,
-    as ``KeyRanges``; ``None`` when no row has padding (then SDPA runs without a mask)."""
+    as ``KeyRanges``; ``None`` when no row has padding (then SDPA runs without a mask). ``queries_at_keys=False``
+    for a pass whose queries are not its keys (a region cache adds the keys of tokens it did not recompute)."""
     if all(length >= num_text for length in lengths):
         return None
     total = num_text + num_video
-    return KeyRanges([((0, min(length, num_text)), (num_text, total)) for length in lengths], queries_at_keys=True)
+    ranges = [((0, min(length, num_text)), (num_text, total)) for length in lengths]
+    return KeyRanges(ranges, queries_at_keys=queries_at_keys)
 
 
 def warm_attention_lengths(num_heads: int, head_dim: int, num_video: int, lengths, device, dtype) -> None:

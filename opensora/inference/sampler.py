@@ -1,4 +1,4 @@
-"""Sampling pipeline: text (+ reference image/video) -> latent noise -> Euler flow sampler with CFG -> decoded video.
+"""The sampler: text (+ reference image/video) -> latent noise -> Euler flow sampler with CFG -> decoded video.
 
 ``VideoSampler.from_config(cfg, ckpt)`` builds the network of one role from the config, loads its weights
 (EMA by default) and the frozen autoencoder and text conditioner; ``generate(prompts, seeds, ...)`` returns
@@ -205,7 +205,7 @@ class VideoSampler:
         self.weights = weights  # where the network's weights came from (for sidecars)
         self.patch_size = tuple(getattr(model, "patch_size", (1, 1, 1)))
         self.uses_condition = getattr(model, "cond_channels", None) is not None
-        # Optional inference cache (opensora.inference.jano: JanoCache, StepCache, FullCompute); None = plain model.
+        # Optional inference cache (opensora.inference.cache.jano: JanoCache, StepCache, FullCompute); None = plain model.
         self.accelerator = None
         # Whole passes replayed as CUDA graphs (pass_graphs.PassGraphs; set_cuda_graphs); None = eager passes.
         self.pass_graphs = None

@@ -1,7 +1,7 @@
 """CUDA graphs of the Jano region forward's step levels (``--jano-graphs``), GPU only, off by default.
 
 Why: at the 1B shape a level-1 step computes 460 of 2304 tokens, and the host needs as long to queue its few thousand
-kernels as the GPU needs to run them (benchmarks/README.md, issue 15): the step is launch-bound, so any host work of
+kernels as the GPU needs to run them (benchmarks/jano.py measures it): the step is launch-bound, so any host work of
 a cache store shows 1:1 in the step time. Replayed as graphs, a step is a handful of launches, and the store's host
 work hides behind the GPU.
 
@@ -47,12 +47,18 @@ import torch
 
 from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 
-from .chunk_graphs import StaticInputs, describe_inputs
-from .jano import ACTIVE, FULL, MEDIUM, REFRESH, RegionForward, RegionPlan, entry_shapes
+from ..graphs import StaticInputs, describe_inputs
+from .plan import ACTIVE, FULL, MEDIUM, REFRESH, RegionPlan, entry_shapes
+from .region_forward import RegionForward
+from .stores import CacheStore
 
 _ALIGN = 256
 _STATE = ("img", "txt", "tokens")  # what changes from layer to layer
 _CONSTANTS = ("vec", "mask")  # made before the first layer, read by all
+
+
+def _host_only(value) -> bool:
+    return value is not None and not isinstance(value, torch.Tensor)
 
 
 class _SegmentStore:
@@ -138,12 +144,12 @@ class RegionGraphs:
         guidance=None,
         text_mask_has_padding=None,
         plan: Optional[RegionPlan] = None,
-        store=None,
+        store: Optional[CacheStore] = None,
         store_medium: bool = True,
     ) -> torch.Tensor:
         args = (level, x, timestep, text_emb, text_mask, pooled, cond, guidance, text_mask_has_padding)
-        capturable = level == FULL or bool(getattr(store, "capturable", False))
-        segmentable = hasattr(store, "store_stream") and hasattr(store, "backend")  # a dual-stream offload manager
+        capturable = level == FULL or (store is not None and store.capturable)
+        segmentable = store is not None and store.staged  # host work between layers: cut at its slots
         if not self.usable(x) or torch.is_grad_enabled() or not (capturable or segmentable):
             self.eager += 1
             return self.forward(*args, plan=plan, store=store, store_medium=store_medium)
@@ -161,7 +167,7 @@ class RegionGraphs:
         )
         described = describe_inputs(inputs)
         counts = None if plan is None else (plan.k_active, plan.k_medium, plan.num_tokens)
-        layout = getattr(store, "layout", None)
+        layout = None if store is None else store.layout
         key = (level, bool(store_medium), text_mask_has_padding, described, counts, id(store), id(layout))
         if key in self.failed:
             self.eager += 1
@@ -185,14 +191,12 @@ class RegionGraphs:
             segments = [_Segment(0, self.num_layers, (), ())]
         else:
             chunk_of = None
-            if level in (ACTIVE, MEDIUM) and hasattr(store, "chunk_of"):
+            if level in (ACTIVE, MEDIUM):
                 try:
                     chunk_of = store.chunk_of(static_plan.entry_keys(self.num_layers, level))
                 except KeyError:  # entries not reserved yet: cut by bytes alone (the address check still holds)
                     chunk_of = None
-            budget = getattr(store, "slot_bytes", 64 * 2**20)
-            slots = getattr(store, "slots", 3)
-            segments = self.segments(level, static_plan, rows, budget, store_medium, chunk_of, slots)
+            segments = self.segments(level, static_plan, rows, store.slot_bytes, store_medium, chunk_of, store.slots)
         entry = self.levels[key] = _Level(key, statics, static_plan, segments, holds)
         if not capturable:
             self._place_stores(entry, rows, inputs["x"].device)
@@ -296,7 +300,10 @@ class RegionGraphs:
                 )
                 entry.meta = dict(n_txt=state["n_txt"], grid=state["grid"])
                 if not last:  # later segments read the constants from shared buffers
-                    entry.constants = {name: memory.output(f"jano.{name}", state[name]) for name in _CONSTANTS}
+                    entry.constants = {  # a KeyRanges mask holds host ints only: nothing to keep in a buffer
+                        name: state[name] if _host_only(state[name]) else memory.output(f"jano.{name}", state[name])
+                        for name in _CONSTANTS
+                    }
                     entry.constants["rope"] = tuple(
                         memory.output(f"jano.rope{i}", table) for i, table in enumerate(state["rope"])
                     )

@@ -39,42 +39,7 @@ import torch
 from opensora.models.mmdit.causal import text_keys_all_valid
 from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 
-
-def _clone(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.detach().clone()
-
-
-def _clone_tree(out):
-    """A graph output (a tensor, or a stage's dict of tensors / None) cloned out of the graph's buffers."""
-    if isinstance(out, dict):
-        return {name: _clone(t) for name, t in out.items()}
-    return _clone(out)
-
-
-def describe_inputs(inputs) -> tuple:
-    """(name, (shape, dtype, device) or None) of every input: the part of a graph's key its static buffers depend on."""
-    return tuple((name, None if t is None else (tuple(t.shape), t.dtype, t.device)) for name, t in inputs.items())
-
-
-class StaticInputs:
-    """The static input buffers of one pass shape, and which source tensors they last received (held weakly: a
-    shape's buffers must not keep the last chunk's mask or RoPE tables alive until that shape runs again)."""
-
-    def __init__(self, inputs: Dict[str, Optional[torch.Tensor]]):
-        self.inputs = {name: _clone(t) for name, t in inputs.items()}
-        self.sources: Dict[str, tuple] = {}  # name -> (weak reference to the source, its version at the copy)
-
-    def load(self, name: str, source: Optional[torch.Tensor], always: bool = False) -> None:
-        dst = self.inputs[name]
-        if dst is None or (not always and self.holds(name, source)):
-            return
-        dst.copy_(source)
-        self.sources[name] = (weakref.ref(source), source._version)
-
-    def holds(self, name: str, source: torch.Tensor) -> bool:
-        """Whether the buffer of ``name`` already holds ``source`` (the very tensor last copied, unmodified since)."""
-        last = self.sources.get(name)
-        return last is not None and last[0]() is source and source._version == last[1]
+from ..graphs import PassGraphFamily, StaticInputs, clone, clone_tree, describe_inputs
 
 
 class _Graph:
@@ -84,34 +49,6 @@ class _Graph:
         self.out = None  # the outputs below live in the shared buffers of ``GraphMemory``
         self.pending: Optional[Dict[int, tuple]] = None  # the chunk's video keys/values (a storing pass only)
         self.entry: Optional[Dict[int, tuple]] = None  # the text keys/values (a text-cache miss only)
-
-
-class PassGraphFamily:
-    """What every family of whole-pass graphs keeps (``ChunkGraphs``, ``pass_graphs.PassGraphs``): one memory, static
-    inputs and a graph per key, the keys whose capture failed, and the counters ``summary`` reports."""
-
-    def __init__(self, memory: Optional[GraphMemory] = None):
-        self.memory = memory if memory is not None else GraphMemory()  # pool, output and cached-video buffers
-        self.statics: Dict[tuple, StaticInputs] = {}
-        self.graphs: Dict[tuple, object] = {}
-        self.failed: set = set()
-        self.failures: List[str] = []
-        self.captures = self.replays = self.eager = 0
-
-    @staticmethod
-    def usable(x: torch.Tensor) -> bool:
-        """Whether passes on ``x``'s device can be graphed (CUDA only)."""
-        return x.is_cuda and torch.cuda.is_available()
-
-    @property
-    def summary(self) -> dict:
-        return dict(
-            graphs=len(self.graphs),
-            captures=self.captures,
-            replays=self.replays,
-            eager=self.eager,
-            failures=list(self.failures),
-        )
 
 
 class ChunkGraphs(PassGraphFamily):
@@ -132,7 +69,7 @@ class ChunkGraphs(PassGraphFamily):
         key = (text_key, tuple(k0.shape), k0.dtype, k0.device)
         holder = self.text_statics.get(key)
         if holder is None:  # the source is held weakly: the last video's text cache is not kept alive
-            holder = self.text_statics[key] = [[(_clone(k), _clone(v)) for k, v in text_kv], weakref.ref(k0)]
+            holder = self.text_statics[key] = [[(clone(k), clone(v)) for k, v in text_kv], weakref.ref(k0)]
         elif holder[1]() is not k0:  # entries are made once per key and video: block 0's keys stand for them all
             for (dk, dv), (sk, sv) in zip(holder[0], text_kv):
                 dk.copy_(sk)
@@ -243,10 +180,10 @@ class ChunkGraphs(PassGraphFamily):
         slot=None,
     ):
         """``MMDiT.chunk_stage(inputs, lo, hi, ...)`` replayed as a CUDA graph: the whole pass (``__call__``) or one
-        pipeline stage's block range (``pipeline_stages``), with ``cache`` / ``text_cache`` over blocks lo..hi-1.
+        pipeline stage's block range (``pipeline_parallel.stages``), with ``cache`` / ``text_cache`` over blocks lo..hi-1.
         ``inputs`` as ``chunk_stage`` takes them; ``fresh``: the inputs copied on every call (the others only when
         they are other tensors than at the last copy); ``slot``: keeps separate static buffers per work item (e.g.
-        per prompt group of a pipeline) so items taking turns do not recopy each other's caches; ``eager``: the
+        per prompt group of the two-GPU pipeline) so items taking turns do not recopy each other's caches; ``eager``: the
         same pass run eagerly (a shape whose capture failed). Appends to the caches as ``forward_chunk`` does and
         returns ``chunk_stage``'s result (cloned out of the graph's memory)."""
         model = self.model
@@ -287,11 +224,11 @@ class ChunkGraphs(PassGraphFamily):
             self.captures += 1
         graph.replay()
         self.replays += 1
-        out = _clone_tree(graph.out)
+        out = clone_tree(graph.out)
         if graph.entry is not None:
-            text_cache.entries[text_key] = [tuple(_clone(t) for t in graph.entry[i]) for i in range(cache.num_blocks)]
+            text_cache.entries[text_key] = [tuple(clone(t) for t in graph.entry[i]) for i in range(cache.num_blocks)]
         if store_kv:
-            new = {i: tuple(_clone(t) for t in graph.pending[i]) for i in range(cache.num_blocks)}
+            new = {i: tuple(clone(t) for t in graph.pending[i]) for i in range(cache.num_blocks)}
             if frames is None:
                 frames = grid[0] * model.patch_size[0]
             cache.append(new, start_frame, frames, frames_per_group=model.patch_size[0])

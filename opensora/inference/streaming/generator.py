@@ -42,13 +42,14 @@ from opensora.diffusion import flow_matching as fm
 from opensora.diffusion.guidance import text_cfg
 from opensora.diffusion.sampling import timesteps_for_sampling, timesteps_from_list
 from opensora.inference.io import uint8_frames_on_device
-from opensora.inference.pipeline import _module_dtype, noise_from_generators
+from opensora.inference.sampler import _module_dtype
 from opensora.models.mmdit.causal_refill import MergedGraphs, refill_and_step
 from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 from opensora.models.vae.base import video_num_frames
 from opensora.models.vae.exact_chunk_decode import exact_chunk_decode
 
-ROLLOUTS = ("renoise", "euler")
+from .chunk_graphs import ChunkGraphs
+from .rules import StreamNoise, check_rollout, rollout_step, text_has_padding
 
 
 @dataclass
@@ -261,8 +262,7 @@ class StreamingGenerator:
         model = sampler.model
         if not getattr(model, "causal_chunk_frames", 0):
             raise ValueError("streaming needs a causal model (MMDiT with causal_chunk_frames > 0)")
-        if rollout not in ROLLOUTS:
-            raise ValueError(f"rollout must be one of {ROLLOUTS}, got {rollout!r}")
+        check_rollout(rollout)
         if not 0.0 <= context_time < 1.0:
             raise ValueError(f"context_time must lie in [0, 1), got {context_time}")
         self.sampler, self.model = sampler, model
@@ -293,8 +293,6 @@ class StreamingGenerator:
         self.passes = 0  # model passes run (a merged pass counts once), over every ``stream`` call
         self.cuda_graphs = self.merged_graphs = None
         if cuda_graphs:
-            from opensora.inference.chunk_graphs import ChunkGraphs
-
             self.cuda_graphs = ChunkGraphs(model, GraphMemory())
             self.merged_graphs = MergedGraphs(model, self.cuda_graphs.memory) if merge_refill else None
 
@@ -331,7 +329,7 @@ class StreamingGenerator:
             mask, emb = text_args["text_mask"], text_args["text_emb"]
             text_args = dict(text_args, text_emb=emb[:, :length], text_mask=mask[:, :length])
             valid = valid[:, :length]
-        return text_args, not bool(valid.all())
+        return text_args, text_has_padding(valid)
 
     def schedule(self, latent_size: Sequence[int]) -> List[float]:
         """Times of one chunk, the final 0 included (host floats: the loop never reads a device value)."""
@@ -377,13 +375,11 @@ class StreamingGenerator:
             )
         cache = model.new_kv_cache(self.window_frames, self.sink_frames)
         text_cache = model.new_text_cache() if self.text_cache else None
-        generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+        noise = StreamNoise(
+            seeds, sampler.vae.latent_channels, latent_size[1:], times, self.rollout, self.context_time, device
+        )
         decode_fn = self.decode_graphs or sampler.decode
         decoder = ChunkDecoder(decode_fn, sampler.vae, self.decode_overlap, self.exact_decode) if decode else None
-        channels = sampler.vae.latent_channels
-
-        def noise(frames):
-            return noise_from_generators(generators, (channels, frames, *latent_size[1:]), device)
 
         def guided_rows(x):
             return torch.cat([x] * len(branches)) if guided else x
@@ -455,7 +451,7 @@ class StreamingGenerator:
         with torch.no_grad():
             for index, start in enumerate(starts):
                 frames = min(self.chunk_frames, total - start)
-                x = noise(frames)
+                x = noise.initial(frames)
                 if waiting is not None and (not self.merge_refill or waiting.shape != x.shape):
                     # the previous chunk's refill as a pass of its own
                     velocity(waiting, self.context_time, True, start - waiting.shape[2])
@@ -465,13 +461,10 @@ class StreamingGenerator:
                         v, waiting = refill_then_velocity(waiting, x, t), None
                     else:
                         v = velocity(x, t, False, start)
-                    if self.rollout == "euler":
-                        x = x + (t_next - t) * v
-                    else:
-                        x0 = x - t * v
-                        x = x0 if t_next == 0 else fm.add_noise(x0, noise(frames), t_next)
+                    x = rollout_step(x, v, t, t_next, self.rollout, noise.for_step(step, frames))
                 if index + 1 < len(starts):  # refilled after this chunk is handed out (no chunk reads the last)
-                    waiting = x if self.context_time == 0 else fm.add_noise(x, noise(frames), self.context_time)
+                    context = noise.for_context(frames)
+                    waiting = x if context is None else fm.add_noise(x, context, self.context_time)
                 stats = (cache.num_frames, cache.nbytes, text_cache.nbytes if text_cache is not None else 0)
                 if ahead is None:
                     yield hand_out(index, start, x, decoder(x) if decoder is not None else None, stats)

@@ -1,9 +1,9 @@
-"""``inference.py --streaming --pp-devices cuda:0,cuda:1``: streaming generation on two GPUs (pipeline_parallel.py).
+"""``inference.py --streaming --pp-devices cuda:0,cuda:1``: streaming generation on two GPUs (pipeline_parallel/).
 
     python scripts/diffusion/inference.py CONFIG --ckpt CKPT --prompt "..." --streaming --step-list 1.0,0.75,0.5,0.25 \
         --pp-devices cuda:0,cuda:1 --pp-overlap aggressive --pp-split auto [--profile]
 
-Same sampler as ``--streaming`` on one GPU (``streaming.StreamingGenerator``: its schedule, rollout, CFG layout,
+Same sampler as ``--streaming`` on one GPU (``StreamingGenerator``: its schedule, rollout, CFG layout,
 noise order, cache refill at ``--context-time``, rolling window, chunk decoder), so the videos are bit-identical
 to it; each prompt group (``--batch-size`` prompts) is one item in flight (several groups overlap fully). GPU0:
 text features, noise, embedders and blocks[0..split]; GPU1: the other blocks, the final layer, the sampler update
@@ -19,63 +19,22 @@ dir and logs the per-stage summary. ``--pp-split auto`` (``auto_split``) chooses
 
 from __future__ import annotations
 
+import json
 import logging
-from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-PIPELINE_FLAGS = {  # the streaming flags themselves (--streaming, --window-frames, --rollout, ...) are cli.py's
-    "pp_devices": None,  # "cuda:0,cuda:1": two-GPU pipeline overlap of --streaming
-    "pp_overlap": "aggressive",  # off | basic | aggressive
-    "pp_split": "auto",  # auto | N: index of the last block on the first GPU
-    "pp_cfg_rows": True,  # CFG passes as rows of one batch (bit-identical to one GPU's streaming); False: micro-batches
-    "stream_refill": True,  # refill the cache at --context-time (the streaming sampler); False: the last step stores
-    "profile": False,
-    # --streaming on one GPU or two: replay each chunk pass (each pipeline stage) as a CUDA graph; auto = on a GPU
-    "stream_graphs": "auto",  # auto | on | off
-}
-STREAM_GRAPHS_CHOICES = ("auto", "on", "off")
 
-
-def parse_stream_graphs(value, flag: str = "--stream-graphs") -> str:
-    """``flag`` (``--stream-graphs``, ``--cuda-graphs``) as one of ``STREAM_GRAPHS_CHOICES``, or a one-line error
-    naming the choices."""
-    from opensora.cli_errors import UserInputError
-
-    choice = str(value).lower()
-    if choice not in STREAM_GRAPHS_CHOICES:
-        raise UserInputError(f"{flag} must be one of {', '.join(STREAM_GRAPHS_CHOICES)}, got {value!r}")
-    return choice
-
-
-def stream_graphs_on(value, device) -> bool:
-    """``--stream-graphs`` for a sampler on ``device``: auto = on a CUDA device (a chunk's passes at ~1k tokens are
-    launch-bound eager; graphed they ran 2.2x faster at the 1B shape), never off a GPU."""
-    import torch
-
-    return parse_stream_graphs(value) != "off" and torch.device(device).type == "cuda"
-
-
-def streaming_options(args, device) -> dict:
-    """``StreamingGenerator`` keyword arguments from the CLI's streaming flags, for a sampler on ``device``."""
-    window = args.window_frames
-    return dict(
-        cuda_graphs=stream_graphs_on(args.stream_graphs, device),
-        step_list=args.step_list,
-        num_steps=int(args.num_steps),
-        rollout=str(args.rollout),
-        guidance_scale=float(args.guidance_scale),
-        window_frames=None if window is None else int(window),
-        sink_frames=int(args.sink_frames),
-        context_time=float(args.context_time),
-    )
+def dump_json(path, payload) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
 
 
 def device_decoder(vae, sampler_dtype):
     """``VideoSampler.decode`` on ``vae``'s device without the host copy: latents cast as it casts them (to the
     autoencoder's dtype; the sampler's for a parameter-free one) -> uint8 frames on the device."""
     from opensora.inference.io import uint8_frames_on_device
-    from opensora.inference.pipeline import _module_dtype
+    from opensora.inference.sampler import _module_dtype
 
     dtype = _module_dtype(vae, sampler_dtype)
     return lambda latents: uint8_frames_on_device(vae.decode(latents.to(dtype)))
@@ -90,15 +49,11 @@ def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, gener
     measured passes and the calibrated choice). The split moves work between the GPUs, never changes a value."""
     import torch
 
-    from opensora.inference.pipeline_parallel import Lanes, calibrated_split, choose_split
-    from opensora.inference.pipeline_stages import (
-        CausalStreamingStages,
-        measure_stage_passes,
-        measure_stage_times,
-        place_model,
-        seeded_latent_noise,
-        typical_past_frames,
-    )
+    from .runtime import Lanes
+    from .split import calibrated_split, choose_split
+    from .stage_times import measure_stage_passes, measure_stage_times, typical_past_frames
+    from .stages import place_model, seeded_latent_noise
+    from .streaming_stages import CausalStreamingStages
 
     graphed = bool(stage_kw.get("cuda_graphs"))
     probe = CausalStreamingStages(model, Lanes([devices[0], devices[0]]), 0, groups, latent_size, times, **stage_kw)
@@ -156,48 +111,39 @@ def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, gener
     return split, report
 
 
-def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, save_dir: Path, common: dict) -> list:
-    """Generate ``prompts`` with the two-GPU streaming pipeline; returns the written sample paths."""
+def run_pipelined(job) -> list:
+    """Generate ``job``'s prompts (a ``cli.SampleRun``) with the two-GPU streaming pipeline; returns the written
+    sample paths."""
+    from opensora.inference.sample_writer import SampleWriter
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import ChunkDecoder, StreamingGenerator
 
-    from opensora.inference.io import write_samples_csv, write_sidecar
-    from opensora.inference.pipeline import VideoSampler
-    from opensora.inference.pipeline_parallel import (
-        OVERLAP_MODES,
-        Lanes,
-        dump_json,
-        parse_devices,
-        parse_split,
-        run_plan,
-    )
-    from opensora.inference.pipeline_stages import (
-        CausalStreamingStages,
-        all_blocks,
-        place_model,
-    )
-    from opensora.inference.prompts import sample_stem
-    from opensora.inference.stream_writer import BatchVideoWriters
-    from opensora.inference.streaming import ChunkDecoder, StreamingGenerator
+    from .runtime import Lanes, run_plan
+    from .split import parse_split
+    from .stages import all_blocks, place_model
+    from .streaming_stages import CausalStreamingStages
 
-    if not args.streaming:
-        raise SystemExit("--pp-devices drives the streaming sampler: add --streaming")
-    devices = parse_devices(args.pp_devices)
-    mode = str(args.pp_overlap)
-    if mode not in OVERLAP_MODES:
-        raise SystemExit(f"--pp-overlap must be one of {OVERLAP_MODES}, got {mode!r}")
+    run, sampling, streaming, pipeline = (
+        job.options.run,
+        job.options.sampling,
+        job.options.streaming,
+        job.options.pipeline,
+    )
+    devices, mode = pipeline.devices(), pipeline.pp_overlap
     sampler = VideoSampler.from_config(
-        cfg, ckpt, role=args.role, ema=bool(args.ema), device=devices[0], dtype=args.dtype, progress=False
+        job.cfg, job.ckpt, role=run.role, ema=bool(run.ema), device=devices[0], dtype=run.dtype, progress=False
     )
     model = sampler.model
-    generator = StreamingGenerator(sampler, **streaming_options(args, devices[0]))
+    generator = StreamingGenerator(sampler, **streaming.generator_kwargs(sampling, devices[0]))
     graphed = generator.cuda_graphs is not None
-    latent = sampler.latent_size(num_frames, height, width)
+    latent = sampler.latent_size(*job.size)
     times = generator.schedule(latent)
-    guidance = float(args.guidance_scale)
-    batch = max(1, int(args.batch_size))
+    guidance, batch = sampling.guidance_scale, sampling.batch_size
     groups = []
-    for start in range(0, len(prompts), batch):
-        text, null = sampler.encode_text(prompts[start : start + batch])
-        groups.append(dict(seeds=seeds[start : start + batch], branches=[text] + ([null] if guidance != 1.0 else [])))
+    for start in range(0, len(job.prompts), batch):
+        text, null = sampler.encode_text(job.prompts[start : start + batch])
+        seeds = job.seeds[start : start + batch]
+        groups.append(dict(seeds=seeds, branches=[text] + ([null] if guidance != 1.0 else [])))
     vae = sampler.vae.to(devices[0])
     decode_fn = device_decoder(vae, sampler.dtype)
 
@@ -206,18 +152,18 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
 
     latent_size = (sampler.vae.latent_channels, *latent)
     kw = dict(
-        refill=bool(args.stream_refill),
-        rule=str(args.rollout),
+        refill=bool(pipeline.stream_refill),
+        rollout=streaming.rollout,
         guidance_scale=guidance,
-        context_t=float(args.context_time),
+        context_time=streaming.context_time,
         window_frames=generator.window_frames,
         sink_frames=generator.sink_frames,
-        cfg_rows=bool(args.pp_cfg_rows),
+        cfg_rows=bool(pipeline.pp_cfg_rows),
         make_decoder=make_decoder,
         cuda_graphs=graphed,  # every stage's pass a CUDA graph, all issued from one host thread
     )
-    split = parse_split(args.pp_split, len(all_blocks(model)))
-    split_report = dict(requested=str(args.pp_split))
+    split = parse_split(pipeline.pp_split, len(all_blocks(model)))
+    split_report = dict(requested=str(pipeline.pp_split))
     costs = None  # the schedule's default per-kind costs, unless auto measured them
     if split is None:
         split, report = auto_split(model, devices, mode, groups, latent_size, times, kw, generator, decode_fn)
@@ -226,7 +172,7 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
     split_report["split"] = split
     place_model(model, split, devices)  # auto: already there
     vae.to(devices[1])
-    lanes = Lanes(devices, profile=bool(args.profile))
+    lanes = Lanes(devices, profile=bool(pipeline.profile))
     stages = CausalStreamingStages(model, lanes, split, groups, latent_size, times, **kw)
     result, sim = run_plan(stages, mode, lanes, costs=costs)  # auto: the calibrated costs (issue order only)
     num_chunks = stages.plan.num_chunks
@@ -235,10 +181,10 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         "simulated busy GPU0/GPU1 %.2f/%.2f)",
         mode,
         split,
-        len(prompts),
+        len(job.prompts),
         num_chunks,
         result.seconds,
-        len(prompts) * latent[0] / result.seconds,
+        len(job.prompts) * latent[0] / result.seconds,
         *sim.busy_fraction,
     )
     pp_record = dict(
@@ -246,17 +192,16 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
         pp_overlap=mode,
         pp_split=split_report,
         stream_times=times,
-        stream_refill=bool(args.stream_refill),
-        rollout=str(args.rollout),
+        stream_refill=bool(pipeline.stream_refill),
         seconds=result.seconds,
         streaming=True,
-        window_frames=args.window_frames,
-        sink_frames=int(args.sink_frames),
-        context_time=float(args.context_time),
+        **streaming.record(),
+        context_time=streaming.context_time,
         chunk_frames=generator.chunk_frames,
     )
-    if args.profile:
-        dump_json(save_dir / "pp_profile.json", dict(summary=result.summary, timeline=result.timeline, **pp_record))
+    save_dir = job.options.run.save_dir
+    if pipeline.profile:
+        dump_json(f"{save_dir}/pp_profile.json", dict(summary=result.summary, timeline=result.timeline, **pp_record))
         for lane, s in result.summary.get("lanes", {}).items():
             logger.info(
                 "profile %s: busy %.1f ms, idle %.1f ms, busy fraction %.2f",
@@ -266,26 +211,13 @@ def run_pipelined(cfg, args, prompts, seeds, ckpt, num_frames, height, width, sa
                 s["busy_fraction"],
             )
         logger.info("profile ms per stage: %s", {k: round(v, 2) for k, v in result.summary["ms_per_kind"].items()})
-    written, rows = [], []
+    writer = SampleWriter(save_dir, job.prompts, job.seeds, sampling.fps, job.record(**pp_record), job.save_plan)
     for g, group in enumerate(groups):
         indices = [g * batch + i for i in range(len(group["seeds"]))]
-        stems = [save_dir / sample_stem(args.save_plan.index(index), prompts[index]) for index in indices]
-        with BatchVideoWriters(stems, height, width, float(args.fps)) as writers:  # as --streaming writes them
+        with writer.streams(indices, *job.size[1:]) as files:  # as --streaming writes them
             for c in range(num_chunks):
-                writers.write(result.frames[(g, c)].numpy())
-        for index, stem, path in zip(indices, stems, writers.paths):
-            write_sidecar(
-                stem.with_suffix(".json"),
-                dict(
-                    index=args.save_plan.index(index),
-                    prompt=prompts[index],
-                    seed=seeds[index],
-                    path=path.name,
-                    **common,
-                    **pp_record,
-                ),
-            )
-            written.append(path)
-            rows.append(dict(path=path.name, text=prompts[index]))
-    write_samples_csv(save_dir, args.save_plan.rows(rows))
-    return written
+                files.write(result.frames[(g, c)].numpy())
+        for index, path in zip(indices, files.paths):
+            writer.finished(index, path)
+    writer.write_csv()
+    return writer.written
