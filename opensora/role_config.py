@@ -19,7 +19,7 @@ import copy
 import difflib
 from typing import Any, Dict, Mapping
 
-from opensora.config import ConfigKeyError, ConfigValueError
+from opensora.config_values import ConfigKeyError, ConfigValueError
 from opensora.lr_schedule import lr_decay_settings
 
 ROLE_DEFAULTS = dict(
