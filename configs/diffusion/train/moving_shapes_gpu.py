@@ -20,7 +20,7 @@ model = dict(
     depth_double=4,
     depth_single=8,
     axes_dims=(16, 24, 24),
-    compile_blocks=True,  # one graph per block kind, compiled in the first steps (the log says how long)
+    compile_blocks=False,  # True: one graph per block kind (faster; see mmdit_1b_256px.py for why it is off)
 )
 lr = 5e-4
 warmup_steps = 200
