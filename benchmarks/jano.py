@@ -40,13 +40,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the stores only benchmarks use: benchmarks/
-
-from benchmarks.offload_stores import NaiveOffload, OffloadManager, SplitStore  # noqa: E402
-from opensora.inference.cache import jano  # noqa: E402
-from opensora.inference.cache.jano import ACTIVE, FULL, MEDIUM, REFRESH, JanoCache, JanoConfig  # noqa: E402
-from opensora.inference.cache.region_graphs import RegionGraphs  # noqa: E402
-from opensora.inference.cache.stores import DeviceStore, PackedOffloadManager, StaticDeviceStore, make_store  # noqa: E402
+from benchmarks.offload_stores import NaiveOffload, OffloadManager, SplitStore
+from opensora.inference.cache import jano
+from opensora.inference.cache.jano import ACTIVE, FULL, MEDIUM, REFRESH, JanoCache, JanoConfig
+from opensora.inference.cache.region_graphs import RegionGraphs
+from opensora.inference.cache.stores import DeviceStore, PackedOffloadManager, StaticDeviceStore, make_store
 
 CUDA = torch.cuda.is_available()
 MANAGERS = (OffloadManager, PackedOffloadManager)

@@ -274,7 +274,9 @@ def test_max_tokens_smoke_on_cpu(tmp_path):
     assert [(r["grad_ckpt_double"], r["grad_ckpt_single"]) for r in rows] == [(0, 0), (0, 1), (1, 2)]
 
 
-BENCHMARK_MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "common"))
+BENCHMARK_MODULES = sorted(
+    p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "common", "offload_stores")
+)  # helper modules: no CLI
 
 
 @pytest.mark.parametrize("name", BENCHMARK_MODULES)

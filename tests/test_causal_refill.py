@@ -157,13 +157,14 @@ def test_mask_free_merged_pass_gives_the_separate_passes_values(window, sinks, r
     """Text without padding, text cache hit: the merged pass attends without a mask, the refill rows over exactly the
     separate refill pass's keys and the step rows over the next pass's keys after the append (survivors of the rolling
     window gathered by slices: window (1, 0) keeps only the finished chunk's last frame). Both halves equal the
-    separate passes to 1e-6 on CPU fp32; padded text takes the masked fallback (no grouped call)."""
+    separate passes to 1e-5 on CPU fp32 (as the masked case above: the grouped and separate attention calls sum in
+    different orders, ~1e-6 apart on this CPU); padded text takes the masked fallback (no grouped call)."""
     sampler = tiny_sampler()
     text = {k: v[:rows] for k, v in _inputs(sampler, 2).items()}
     if not padded:
         text["text_mask"] = torch.ones_like(text["text_mask"])
     flags = dict(text_mask_has_padding=padded)
-    compare_with_separate_passes(sampler.model, text, window, sinks, text_cache=True, tol=1e-6, seed=1, **flags)
+    compare_with_separate_passes(sampler.model, text, window, sinks, text_cache=True, tol=1e-5, seed=1, **flags)
     # the first merged pass runs the text rows (the context time is not cached yet): masked; the 3 others grouped
     assert grouped_calls == ([] if padded else [2] * 3 * 2)  # 2 blocks
 

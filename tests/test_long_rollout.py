@@ -171,9 +171,9 @@ def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_genera
 
 
 def test_demo_config_trains_a_few_steps_at_the_demo_clip_shape():
-    """configs/distill/long_rollout_demo.py's method on the demo's 32x32x16 clips (16 latent frames, chunks of 2, a
-    rollout of up to 4x the clip through a 14-frame cache with a 2-frame sink) with the tiny networks: finite losses,
-    the student moves on its iterations only, the critic every iteration."""
+    """configs/distill/long_rollout_demo.py's method (its chunk size, cache window and sink) on 32x32x16 clips with
+    the tests' tiny networks (16 latent frames; a rollout of up to 4x the clip): finite losses, the student moves on
+    its iterations only, the critic every iteration."""
     from test_methods_framework import make_components, make_dmd2_roles, trainer_like_step
 
     from opensora.config import load_config
@@ -193,5 +193,8 @@ def test_demo_config_trains_a_few_steps_at_the_demo_clip_shape():
         moved = any(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
         assert moved == (iteration == 0) and ("student" in grad_norms) == (iteration == 0)
         start, end = outputs["window_start_frame"], outputs["rollout_frames"]
-        assert end - start == 16 and 16 <= end <= 64 and end % 2 == 0
-    assert method.cache_window(method.adapter.prepare_batch(batch)) == 14 and method.kv_sink_frames == 2
+        chunk = cfg.method.num_frames_per_chunk
+        assert end - start == 16 and 16 <= end <= 64 and end % chunk == 0
+    # the config's cache: a window of the demo clip's latent frames minus one chunk, one chunk of sink frames
+    assert method.cache_window(method.adapter.prepare_batch(batch)) == cfg.window_frames == 4 - chunk
+    assert method.kv_sink_frames == cfg.sink_frames == chunk

@@ -12,7 +12,7 @@ outputs = "outputs/demo/long_rollout"
 # the rolling KV cache in latent frames; the streaming sampler reads the same two keys, so it keeps the cache the
 # student trained with (the method alone would default to the clip's latent frames minus one chunk; the sampler's
 # None keeps every frame, so set it)
-window_frames = 14  # 16 latent frames per clip minus one chunk
+window_frames = 3  # the demo's 4 latent frames per clip minus one chunk (chunks of 1 latent frame)
 sink_frames = {{_base_.num_frames_per_chunk}}  # the first chunk stays in view (frame sink)
 
 method = dict(
