@@ -70,8 +70,9 @@ def model_config(shape, **extra):
     )
 
 
-def cuda_time_ms(fn, warmup, iters):
-    """Median milliseconds of ``fn`` on the current CUDA device: CUDA events around each call after ``warmup`` calls."""
+def cuda_times_ms(fn, warmup, iters) -> list:
+    """Milliseconds of each of ``iters`` calls of ``fn`` on the current CUDA device (CUDA events around each call),
+    after ``warmup`` untimed calls."""
     import torch
 
     for _ in range(warmup):
@@ -85,7 +86,12 @@ def cuda_time_ms(fn, warmup, iters):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
+
+
+def cuda_time_ms(fn, warmup, iters):
+    """Median milliseconds of ``fn`` on the current CUDA device (``cuda_times_ms``)."""
+    return statistics.median(cuda_times_ms(fn, warmup, iters))
 
 
 def count_host_syncs(step):

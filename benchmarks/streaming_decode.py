@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.common import cuda_times_ms
 from opensora.datasets.moving_shapes import render_from_attributes  # noqa: E402
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402
 from opensora.inference.streaming.generator import ChunkDecoder, GraphedDecode  # noqa: E402
@@ -162,20 +163,6 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def cuda_ms(fn, repeats: int) -> list:
-    """Per-call GPU milliseconds (CUDA events around each call, one warm-up call first)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def spread(times: list) -> dict:
     return dict(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times), repeats=len(times))
 
@@ -226,7 +213,7 @@ def run_speed(args) -> dict:
     times = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
-            times[name] += cuda_ms(fn, args.repeats)
+            times[name] += cuda_times_ms(fn, 1, args.repeats)
             if name == "exact-graphed-first-chunk":  # back to a clip in progress for the later-chunk rows
                 for i in range(1, args.chunks):
                     graphed(stream[:, :, i * args.chunk : (i + 1) * args.chunk], first=False)
@@ -244,8 +231,8 @@ def run_speed(args) -> dict:
         for i in range(args.chunks):
             part = stream[:, :, i * args.chunk : (i + 1) * args.chunk]
             diffs.append(int((graphed(part, first=i == 0).int() - other(part, first=i == 0).int()).abs().max().item()))
-        pair = {"default": cuda_ms(lambda: graphed(later, first=False), args.repeats * 2)}
-        pair[name] = cuda_ms(lambda: other(later, first=False), args.repeats * 2)
+        pair = {"default": cuda_times_ms(lambda: graphed(later, first=False), 1, args.repeats * 2)}
+        pair[name] = cuda_times_ms(lambda: other(later, first=False), 1, args.repeats * 2)
         result["options"][name] = dict(
             {k: spread(v) for k, v in pair.items()}, max_abs_diff_vs_default_per_chunk=diffs, failures=other.failures
         )
