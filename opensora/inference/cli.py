@@ -24,7 +24,6 @@ from opensora.cli_errors import UserInputError, run_cli
 from opensora.config import load_config_from_cli, save_config
 from opensora.inference.cli_help import INFERENCE_HELP, training_clip_defaults
 from opensora.inference.options import InferenceOptions
-from opensora.inference.reference_check import check_reference
 from opensora.inference.save_dir import SaveDirPlan, plan_save_dir
 from opensora.quiet_logs import quiet_third_party
 from opensora.shape_rules import check_sampling_shape
@@ -92,7 +91,6 @@ def main(argv=None, on_chunk=None) -> list:
         repeatable=("prompt",),
     )
     options = InferenceOptions.from_args(args)  # the namespace goes no further
-    check_reference(options.sampling.cond_type, options.sampling.ref)
     check_writable_dir(Path(str(options.run.save_dir)), "--save-dir")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from opensora.inference.prompts import per_sample_seeds, resolve_prompts

@@ -22,6 +22,7 @@ from opensora.cli_errors import UserInputError, check_range
 
 from .cache.config import STORE_KINDS, JanoConfig, tunable_defaults
 from .pipeline_parallel.schedule import OVERLAP_MODES
+from .reference_check import check_reference
 from .streaming import ROLLOUTS
 
 GRAPH_CHOICES = ("auto", "on", "off")  # --cuda-graphs / --stream-graphs: auto = on a CUDA device
@@ -303,3 +304,4 @@ class InferenceOptions:
             raise UserInputError("--streaming generates text-to-video only (no --cond-type / --ref)")
         if self.pipeline.enabled and not self.streaming.streaming:
             raise UserInputError("--pp-devices drives the streaming sampler: add --streaming")
+        check_reference(self.sampling.cond_type, self.sampling.ref)  # the reference decodes and is used
