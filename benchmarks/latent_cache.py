@@ -276,6 +276,9 @@ def storage_table(measured: dict, tiny: bool) -> dict:
 # ---------------------------------------------------------------------------------------------------- driver
 
 
+EXIT_GRACE_S = 40
+
+
 def run_mode(mode: str, args, work: Path, csv: Path, cache: Path) -> dict:
     started = time.perf_counter()
     if args.tiny:  # CPU: no device memory to keep apart, so no subprocess start-up to pay
@@ -308,7 +311,17 @@ def run_mode(mode: str, args, work: Path, csv: Path, cache: Path) -> dict:
         str(args.samples_per_shard),
     ]
     command += ["--result", str(out)]
-    subprocess.run(command, check=True, env=env, cwd=ROOT)
+    child = subprocess.Popen(command, env=env, cwd=ROOT)
+    while child.poll() is None and not out.exists():
+        time.sleep(1)
+    try:  # the result is written: the child only has to exit (a run once hung there for minutes)
+        child.wait(timeout=EXIT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        print(f"{mode}: the child wrote its result but did not exit in {EXIT_GRACE_S} s: killed", flush=True)
+        child.kill()
+        child.wait()
+    if not out.exists():
+        raise SystemExit(f"{mode}: the child exited with code {child.returncode} and no result")
     result = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - started
     print(f"{mode}: {json.dumps(result)}", flush=True)
@@ -329,8 +342,11 @@ def main(argv=None) -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mode:  # a child: one mode, one JSON
+        import faulthandler
+
         run = run_precompute if args.mode == "precompute" else run_trainer
         Path(args.result).write_text(json.dumps(run(args), default=float))
+        faulthandler.dump_traceback_later(EXIT_GRACE_S / 2, exit=False)  # says where an exit that hangs is stuck
         return
 
     import importlib.util
@@ -346,8 +362,8 @@ def main(argv=None) -> None:
     cache = work / "cache"
     results = dict(device=device, date=time.strftime("%Y-%m-%d"), tiny=args.tiny, warmup=args.warmup, iters=args.iters)
     results["precompute"] = run_mode("precompute", args, work, csv, cache)
-    results["on_the_fly"] = run_mode("on_the_fly", args, work, csv, cache)
     results["from_cache"] = run_mode("from_cache", args, work, csv, cache)
+    results["on_the_fly"] = run_mode("on_the_fly", args, work, csv, cache)
     results["speedup_from_cache"] = results["from_cache"]["samples_per_s"] / results["on_the_fly"]["samples_per_s"]
     results["storage"] = storage_table(results["precompute"], args.tiny)
     tag = "cpu" if device == "cpu" else device.split()[-1].lower().replace("-", "")

@@ -169,7 +169,7 @@ def spread(times: list) -> dict:
 
 @torch.no_grad()
 def run_speed(args) -> dict:
-    from streaming import top_kernels  # benchmarks/streaming.py
+    from benchmarks.streaming import top_kernels
 
     device = torch.device("cuda")
     height, width = args.size

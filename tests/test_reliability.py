@@ -392,6 +392,31 @@ def test_a_second_signal_during_a_save_removes_the_partial_checkpoint(tmp_path):
     assert not (checkpoints / ".tmp-step-0000004").exists() and (checkpoints / "step-0000002" / "COMPLETE").is_file()
 
 
+def test_a_process_whose_loader_workers_ignore_sigterm_still_exits(tmp_path):
+    """Loader workers ignore stop signals (graceful preemption); at interpreter exit multiprocessing terminates its
+    daemonic children with SIGTERM and then joins them without a timeout, so an open loader once hung every GPU
+    training run after its last step. The loader shuts its workers down itself at exit."""
+    script = (
+        "from opensora.datasets.dataloader import build_dataloader\n"
+        "from opensora.datasets.moving_shapes_dataset import MovingShapesDataset\n"
+        "dataset = MovingShapesDataset(num=16, seed=0, height=32, width=32, num_frames=8)\n"
+        "loader, _ = build_dataloader(dataset, {'32x32': {8: (1.0, 2)}}, num_workers=2, persistent_workers=True,\n"
+        "                             multiprocessing_context='fork', world_size=1, rank=0)\n"
+        "batches = loader.batches_forever()\n"
+        "next(batches)\n"
+        "print('ok', flush=True)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
 # ---- a full disk, however the serializer says it ---------------------------------------------------------------------
 FULL_DISK_ERRORS = {
     "torch zip writer": lambda: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2688 vs 2574"),

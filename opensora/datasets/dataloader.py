@@ -7,9 +7,11 @@ a training step resumes at exactly the next batch, however far the workers had p
 (``loader.num_skipped``, ``loader.bad_paths``) and logged once each, here in the main process.
 """
 
+import atexit
 import logging
 import random
 import signal
+import weakref
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -46,9 +48,25 @@ def seed_worker(worker_id: int) -> None:
     np.random.seed(seed)
     random.seed(seed)
     # stop signals are the main process's (graceful preemption: finish the step, save): a worker that Ctrl-C or
-    # Slurm's SIGTERM killed would fail the very step being finished. Workers still exit with their parent.
+    # Slurm's SIGTERM killed would fail the very step being finished. Workers still exit with their parent, and the
+    # main process shuts them down at exit (``_shut_down_workers_at_exit``): terminate() cannot.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+
+
+# Worker iterators still open. At interpreter exit torch leaves their workers to multiprocessing, which sends them
+# SIGTERM (ignored above) and then joins them without a timeout: a run that ended with its loader open hung there
+# for good (seen on GPU runs with persistent workers). This atexit hook runs before both (atexit is last-in,
+# first-out) and shuts the workers down the normal way: their index queues get the end marker and they return.
+_OPEN_ITERATORS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_workers_at_exit() -> None:
+    for iterator in list(_OPEN_ITERATORS):
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
 
 class ResumableDataLoader:
@@ -85,7 +103,9 @@ class ResumableDataLoader:
     def __iter__(self) -> Iterator[dict]:
         """The rest of the current epoch (all of it unless resumed mid-epoch). Call ``set_epoch(epoch + 1)``
         before iterating again for the next epoch, as with torch's DistributedSampler."""
-        for batch in self.dataloader:
+        batches = iter(self.dataloader)
+        _OPEN_ITERATORS.add(batches)
+        for batch in batches:
             self.sampler.advance(1)
             self._record_skips(batch.pop("skipped"))
             if batch["num_samples"] == 0:

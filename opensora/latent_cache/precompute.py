@@ -274,7 +274,9 @@ class _Encoder:
         video = torch.stack([loaded["video"] for _, loaded in self.pending]).to(self.device, self.dtype)
         variants = [(False, video)] + ([(True, video.flip(-1))] if self.flip else [])
         for flipped, pixels in variants:
-            latents = self.vae.encode(pixels).cpu()
+            # Kept on the device until the chunk ends: a host copy here would wait for this batch's encode and
+            # leave the GPU idle while the next batch is launched (one wait per chunk instead of one per batch).
+            latents = self.vae.encode(pixels)
             for (clip, loaded), latent in zip(self.pending, latents):
                 key = f"s{clip.sample}.e{clip.slots[0]}{'.flip' if flipped else ''}.latents"
                 self.tensors[key] = latent.clone()
@@ -298,6 +300,7 @@ class _Encoder:
                     raise ValueError("the text conditioner pads on the left: trimmed features would lose tokens")
                 self.tensors[f"s{index}.text_emb"] = text["text_emb"][position, :valid].cpu().clone()
                 self.tensors[f"s{index}.pooled"] = text["pooled"][position].cpu().clone()
+        self.tensors = {key: value.cpu() for key, value in self.tensors.items()}
         for row in self.rows:
             if row["status"] == "ok":
                 row.update(text_key=f"s{row['sample']}.text_emb", pooled_key=f"s{row['sample']}.pooled")
