@@ -6,6 +6,7 @@ modulation chunk crossed the break and its compiled backward returned a gradient
 """
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -137,6 +138,84 @@ def test_opaque_attention_op_blocks_match_eager_at_batch_1(restore_compiled_atte
 @pytest.mark.parametrize("batch,ckpt", [(1, 1), (2, 0), (2, 1)])
 def test_compiled_blocks_match_eager(batch, ckpt):
     check_compiled_matches_eager(batch, ckpt)
+
+
+def checkpointed_steps_with_a_pinning_thread(model, steps):
+    """Training steps as a GPU trainer runs them, on CPU: a DataLoader's pin-memory thread sets the process-wide
+    thread count to 1 (``torch.utils.data._utils.pin_memory``), the forward runs on this thread, and the backward,
+    with the checkpointed blocks' recompute, on a thread started after that (on a GPU: the autograd engine's device
+    thread, which takes its count from the process-wide value when it starts). The distinct graphs after each step."""
+    from torch._dynamo.utils import counters
+
+    graphs, errors, start = [], [], counters["stats"]["unique_graphs"]
+
+    def backward(loss):
+        try:
+            loss.backward()
+        except Exception as error:  # noqa: BLE001 - re-raised on the test's thread below
+            errors.append(error)
+
+    for step in range(steps):
+        pin = threading.Thread(target=torch.set_num_threads, args=(1,))
+        pin.start()
+        pin.join()
+        loss = model(**batch_inputs(1)).square().mean()
+        autograd_thread = threading.Thread(target=backward, args=(loss,))
+        autograd_thread.start()
+        autograd_thread.join()
+        if errors:
+            raise errors[0]
+        graphs.append(counters["stats"]["unique_graphs"] - start)
+    return graphs
+
+
+@pytest.mark.slow
+def test_batch_1_prompts_of_fresh_lengths_compile_few_graphs_and_match_eager():
+    """A batch of one is cut to exactly its valid text (text_padding.trimmed_length): the first length compiles
+    statically, the second once with the length symbolic, a one-token prompt once more in the double block (its text
+    stream has size 1, which Dynamo always specialises); every later length reuses the symbolic graphs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    eager = small_model(grad_ckpt_double=1, grad_ckpt_single=1)
+    compiled = copy.deepcopy(eager)
+    compiled.set_compile_blocks(True)
+    start, graphs = counters["stats"]["unique_graphs"], []
+    for length in (4, 9, 1, 13, 6):
+        inputs = batch_inputs(1, text_len=16, pad_from=length)
+        ref_loss, ref_grads = loss_and_grads(eager, inputs)
+        loss, grads = loss_and_grads(compiled, inputs)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for name, ref in ref_grads.items():
+            assert ((grads[name] - ref).norm() / ref.norm().clamp_min(1e-12)).item() < 1e-5, (length, name)
+        graphs.append(counters["stats"]["unique_graphs"] - start)
+    assert graphs == [2, 4, 5, 5, 5], graphs  # double + single static, double + single symbolic, double at 1
+
+
+@pytest.mark.slow
+def test_a_thread_count_changed_by_another_thread_does_not_recompile_checkpointed_blocks(monkeypatch):
+    """Dynamo guards a graph on the calling thread's thread count ("GLOBAL_STATE changed: num_threads"); the
+    recompute of a checkpointed compiled block runs under the forward's count, so a trainer compiles each block kind
+    once, however the threads around it set their counts."""
+    import opensora.models.mmdit.model as model_module
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.get_num_threads()  # this thread's count is fixed now (its first read takes the process-wide value)
+    try:
+        torch._dynamo.reset()
+        model = small_model(grad_ckpt_double=1, grad_ckpt_single=1)
+        model.set_compile_blocks(True)
+        assert checkpointed_steps_with_a_pinning_thread(model, 2) == [2, 2]  # one double and one single block graph
+        assert torch.get_num_threads() == 2
+
+        # the failure it prevents: blocks called without restoring the count recompile in the backward
+        torch._dynamo.reset()
+        monkeypatch.setattr(model_module, "call_with_thread_count", lambda threads, block, *args: block(*args))
+        assert checkpointed_steps_with_a_pinning_thread(model, 1) == [4]
+    finally:
+        torch._dynamo.reset()
+        torch.set_num_threads(before)
 
 
 def test_compile_block_options_turn_mix_order_reductions_off_and_keep_overrides():

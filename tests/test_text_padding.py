@@ -50,7 +50,9 @@ def test_key_ranges_equal_sdpa_with_their_boolean_mask():
 
 def test_trimmed_lengths_and_masks_that_are_not_prefixes():
     assert trimmed_length([20, 120, 64], 512) == 128
-    assert trimmed_length([0, 0], 512) == 32 and trimmed_length([5], 6) == 6
+    assert trimmed_length([0, 0], 512) == 32 and trimmed_length([5, 9], 6) == 6
+    # rows that agree (every batch of one) keep exactly their valid tokens: nothing left to mask
+    assert trimmed_length([7], 512) == 7 and trimmed_length([40, 40], 512) == 40 and trimmed_length([5], 3) == 3
     mask = torch.zeros(2, 40, dtype=torch.bool)
     mask[0, :7], mask[1, :33] = True, True
     assert valid_prefix_lengths(mask) == [7, 33]
@@ -97,16 +99,18 @@ def loss_and_grads(model, out, target, text_emb):
 
 
 @pytest.mark.parametrize("grad_ckpt", [0, 1])
-def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_ckpt):
-    """Lengths 5, 37 and 1 of 80: trimmed to 64 (the multiple of 32 above 37), rows 0 and 2 attend via KeyRanges."""
-    lengths = [5, 37, 1]
+@pytest.mark.parametrize("lengths, kept", [([5, 37, 1], 64), ([9], 9), ([6, 6], 6)])
+def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_ckpt, lengths, kept):
+    """Lengths 5, 37 and 1 of 80: trimmed to 64 (the multiple of 32 above 37), rows 0 and 2 attend via KeyRanges.
+    A batch of one, or rows of one length: trimmed to exactly that length, attention without any mask."""
     model = MMDiT(**tiny_kwargs(grad_ckpt_double=grad_ckpt, grad_ckpt_single=grad_ckpt)).train()
     perturb(model)
     data = padded_batch(lengths)
     target = torch.randn(len(lengths), 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))
 
     trimmed, _, seen = trim_text(data["text_emb"], data["text_mask"])
-    assert trimmed.shape[1] == 64 and seen == lengths
+    assert trimmed.shape[1] == kept and seen == lengths
+    assert (padded_text_keys(seen, kept, 128) is None) == (min(lengths) == kept)
 
     out = model(**data)
     loss, grads = loss_and_grads(model, out, target, data["text_emb"])
@@ -119,7 +123,8 @@ def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_
             assert grads[name] is None, name
             continue
         assert_close_at_scale(grads[name], grad, what=name)
-    assert grads["text_emb"][0, 5:].abs().max() == 0 and grads["text_emb"][0, :5].abs().max() > 0
+    first = lengths[0]
+    assert grads["text_emb"][0, first:].abs().max() == 0 and grads["text_emb"][0, :first].abs().max() > 0
 
     for row, length in enumerate(lengths):  # each prompt alone, without padding and without a mask
         alone = {k: v[row : row + 1] for k, v in data.items() if k != "text_mask"}

@@ -1,7 +1,7 @@
 """Padded prompts on the GPU in bf16 (cuDNN attention, head size 128): the trimmed text with ``KeyRanges`` is as close
 to the fp32 masked reference as the old bf16 dense-mask path, on the output and every gradient, eager and with
 compiled blocks (no, full and selective checkpointing), for a LoRA network and for the causal student; and a stream of
-batches with fresh prompt lengths settles on a few compiled graphs."""
+batches with fresh prompt lengths settles on a few compiled graphs, at batch 4 and at batch 1 (exact trim)."""
 
 import copy
 
@@ -128,6 +128,35 @@ def test_a_stream_of_fresh_prompt_lengths_settles_on_a_few_graphs_and_matches_ea
     print("unique graphs after each step:", graphs)
     assert graphs[-1] == graphs[-3], graphs  # the last batches compiled nothing new
     assert graphs[-1] <= 10, graphs
+
+
+def test_batch_1_prompts_from_a_pinning_loader_compile_few_graphs_and_match_eager():
+    """Batch 1 (the case whose compiled backward once failed in Inductor) is cut to exactly its valid text, so it runs
+    without a mask or per-row calls: fresh lengths cost one symbolic recompile (plus one graph for the one-token null
+    prompt), not one graph per length. The lengths come through a DataLoader with ``pin_memory``, whose pin thread
+    sets the process-wide thread count to 1; with checkpointing the blocks' recompute runs on the autograd device
+    thread, so without ``model.call_with_thread_count`` the blocks recompile there ("GLOBAL_STATE changed:
+    num_threads"). Run alone (a fresh process) to see that case: the autograd thread starts after the loader."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    eager = gpu_model(grad_ckpt_double=2, grad_ckpt_single=2)
+    compiled = copy.deepcopy(eager)
+    compiled.set_compile_blocks(True)
+    lengths = [7, 20, 1, 77, 120, 33, 64, 5]
+    loader = torch.utils.data.DataLoader(lengths, batch_size=None, num_workers=1, pin_memory=True)
+    start, graphs = counters["stats"]["unique_graphs"], []
+    for step, length in enumerate(loader):
+        data = cast(padded_batch([int(length)], seed=step), torch.bfloat16)
+        got = loss_and_grads(compiled, compiled(**data))
+        want = loss_and_grads(eager, eager(**data))
+        assert abs(got[0].item() - want[0].item()) <= 1e-2 * abs(want[0].item()), step
+        for name, ref in want[1].items():
+            assert torch.isfinite(got[1][name]).all() and rel(got[1][name], ref) < 5e-2, (step, name)
+        graphs.append(counters["stats"]["unique_graphs"] - start)
+    print("unique graphs after each step:", graphs)
+    assert graphs[-1] == graphs[2], graphs  # after 7, 20 and 1 nothing new: 77 ... 5 reuse the symbolic graphs
+    assert graphs[-1] <= 5, graphs  # both kinds at the first length and symbolic, the double block at length 1
 
 
 def test_compiled_lora_network_with_padded_text_matches_eager():

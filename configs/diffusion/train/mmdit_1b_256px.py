@@ -53,9 +53,10 @@ model = mmdit_config(
     grad_ckpt_double=8,  # recompute every block in backward: 65/129-frame buckets need it at these batch sizes
     grad_ckpt_single=16,
     # torch.compile per block (one graph per block kind; the log says how long the first steps compile): 1.2-1.6x the
-    # eager step, but off by default until its GPU failures are fixed: Inductor fails to compile the backward of a
-    # batch-1 padded-text step (tests/test_mmdit_gpu.py), and in the trainer dynamo hits its recompile limit
-    # ("GLOBAL_STATE changed: num_threads"). Padded prompts cost their valid tokens only (text_padding.py).
+    # eager step, but off until the GPU tests pass with the fixes for its two GPU failures (Inductor failed on the
+    # backward of a batch-1 padded-text step, now cut to its exact length with no per-row attention; in the trainer
+    # the checkpointed blocks' recompute ran under the pin-memory thread's count and recompiled, "GLOBAL_STATE
+    # changed: num_threads", now restored per block). Padded prompts cost their valid tokens only (text_padding.py).
     compile_blocks=False,
 )
 

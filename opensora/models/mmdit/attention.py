@@ -176,15 +176,13 @@ class KeyRanges:
                 outputs.append(attention(q[row : row + 1], keys, values, None, backend))
                 continue
             out = attention(gather(q), keys, values, None, backend)
-            pieces, done, at = [], 0, 0  # scatter back: zeros in the gaps between the ranges
+            # Scatter back into zeros, one slice write per range: no zero-filled pieces of odd sizes to concatenate
+            # (the backward is the matching slices of the gradient).
+            full, done = out.new_zeros(1, q.shape[2], out.shape[2]), 0
             for start, stop in ranges:
-                if start > at:
-                    pieces.append(out.new_zeros(1, start - at, out.shape[2]))
-                pieces.append(out[:, done : done + stop - start])
-                done, at = done + stop - start, stop
-            if at < q.shape[2]:
-                pieces.append(out.new_zeros(1, q.shape[2] - at, out.shape[2]))
-            outputs.append(torch.cat(pieces, 1))
+                full = full.slice_scatter(out[:, done : done + stop - start], dim=1, start=start, end=stop)
+                done += stop - start
+            outputs.append(full)
         return torch.cat(outputs)
 
 

@@ -5,6 +5,7 @@ Data path: x [B,C,T,H,W] -> patchify -> img tokens (+ zero-initialised projectio
 (one stream) -> final adaLN layer on video tokens -> unpatchify -> [B,C_out,T,H,W].
 """
 
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
@@ -26,6 +27,19 @@ from .rope import rope_cos_sin, video_position_ids
 from .text_padding import padded_text_keys, trim_text
 
 TIMESTEP_FEATURES = 256
+
+
+def call_with_thread_count(threads: int, block, *args):
+    """``block(*args)`` with the calling thread's intra-op thread count set to ``threads`` first, if it differs.
+
+    Dynamo guards each compiled graph on the thread count of the thread that calls it, and a checkpointed block's
+    recompute runs on the autograd engine's device thread, whose count is fixed when that thread starts from the
+    process-wide value the last ``torch.set_num_threads`` left: 1 once a DataLoader's pin-memory thread has started
+    (``torch.utils.data._utils.pin_memory``). Without this every compiled block recompiles in the backward and a
+    run soon hits Dynamo's recompile limit."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return block(*args)
 
 
 def compile_block_options(overrides: Optional[dict] = None) -> dict:
@@ -259,6 +273,8 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         return rope_cos_sin(ids, self.axes_dims, self.theta)
 
     def run_block(self, block, checkpointed: bool, *args):
+        if self.compile_blocks:  # a recompute in the backward runs under the forward's thread count
+            block = partial(call_with_thread_count, torch.get_num_threads(), block)
         if checkpointed and self.training and torch.is_grad_enabled():
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)

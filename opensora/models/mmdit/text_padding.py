@@ -5,7 +5,8 @@ matter as attention keys, where the key mask hides them; as queries they compute
 output never depends on them: text RoPE ids are all zero, every other op is per token). So two exact savings:
 
 * ``trim_text``: cut the text columns after the longest valid prompt of the batch, rounded up to
-  ``TEXT_LENGTH_MULTIPLE`` so a training run sees few text lengths (few compiled graphs);
+  ``TEXT_LENGTH_MULTIPLE`` so a training run sees few text lengths (few compiled graphs); a batch whose rows all
+  have the same valid length (every batch of one) is cut to exactly that length, so no padding is left at all;
 * ``padded_text_keys``: the rows that still hold padding attend through ``attention.KeyRanges`` (one mask-free
   SDPA call per row over its valid text and video tokens, padded queries output zeros) instead of a dense boolean
   mask, which would leave the flash / cuDNN kernels (measured: +42% on a 1B training step). cuDNN builds an
@@ -41,7 +42,16 @@ def valid_prefix_lengths(text_mask: torch.Tensor) -> Optional[List[int]]:
 
 def trimmed_length(lengths: Sequence[int], max_length: int, multiple: int = TEXT_LENGTH_MULTIPLE) -> int:
     """The text length a batch keeps: its longest valid prompt rounded up to ``multiple``, at most ``max_length``
-    and at least 1 (a batch of empty prompts keeps one, masked, column)."""
+    and at least 1 (a batch of empty prompts keeps one, masked, column); exactly the valid length when every row
+    has the same one (then no row has padding left and attention runs without a mask or per-row calls).
+
+    The exact cut costs no more compiled graphs than rounding: Dynamo compiles the first text length statically
+    and, at the second, recompiles once with the length symbolic (automatic dynamic shapes), which then serves
+    every length >= 2; only a one-token text (a null prompt) costs one more double-block graph, as a size-1
+    dimension is always specialised (tests/test_mmdit_compile.py). Each exact length is one attention shape, as each
+    row's call of the per-row path was."""
+    if lengths and min(lengths) == max(lengths) > 0:
+        return min(lengths[0], max_length)
     longest = max(max(lengths, default=0), 1)
     return min(max_length, -(-longest // multiple) * multiple)
 
