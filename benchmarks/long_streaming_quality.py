@@ -11,6 +11,9 @@ teacher.
   python -m benchmarks.long_streaming_quality --out DIR                    # students + scoring
   # CPU smoke test of the whole chain with tiny networks and clips (tests/test_long_streaming_quality.py)
   python -m benchmarks.long_streaming_quality --tiny --out outputs/long_streaming_tiny
+  # streaming options on the trained students: the long run again with the KV re-cache at every window shift, and
+  # a prompt switch mid-stream (with and without the re-cache under the new prompt)
+  python -m benchmarks.long_streaming_quality --out DIR --kv-recache both --prompt-switch
 
 The teacher learns clips of the ``--motion`` rule (default ``wrap``: the shape crosses an edge and re-enters at the
 opposite one, so every window of a long clip has the caption's direction; ``bounce`` reverses at the walls), so the
@@ -21,6 +24,11 @@ criteria below as pass/fail) and the stage run directories (checkpoints, metrics
 Criteria (each student): every window keeps >= 95% of the first window's colour, shape and direction accuracy;
 every window's share of clips with frame statistics in range >= 95% of the teacher's share at the training length;
 chunk-edge flicker <= 1.1x the in-chunk frame change; at the training length >= 98% of the teacher's accuracy.
+With ``--kv-recache shift|both`` the long run is (also) streamed with ``kv_recache="shift"`` and scored the same way
+(``long_kv_recache``). With ``--prompt-switch`` every prompt switches at the first chunk start at or after the clip
+length to a caption that differs in colour, shape and direction, and the window right after the switch is scored
+against the new caption: its colour, shape and direction accuracy >= 90% (``switch``; LongLive's re-cache under the
+new prompt, and for comparison the same switch keeping the old prompt's keys/values).
 """
 
 import argparse
@@ -203,11 +211,79 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
             flicker=chunk_edge_flicker(long, chunk_pixels, first_pixels),
         ),
     )
+    if args.kv_recache in ("shift", "both"):
+        generator.kv_recache = "shift"
+        recache_seconds, recached = timed(lambda: stream(long_frames))
+        generator.kv_recache = "off"
+        recache = dict(
+            frames=long_frames,
+            seconds=recache_seconds,
+            frames_per_s=len(prompts) * long_frames / recache_seconds,
+            **score_windows(list(recached), prompts, frames, motion=args.motion),
+            flicker=chunk_edge_flicker(recached, chunk_pixels, first_pixels),
+        )
+        if args.kv_recache == "shift":
+            result["long"] = recache  # the long criteria judge the re-cached run
+        result["long_kv_recache"] = recache
+    if args.prompt_switch:
+        result["switch"] = evaluate_switch(args, generator, prompts, seeds, clip)
     result["over_teacher"] = {
         k: (result[k] / teacher[k] if teacher[k] else None) for k in ("color_acc", "shape_acc", "direction_acc")
     }
     result["criteria"] = criteria(result, teacher)
     return result
+
+
+def switched_caption(caption: str, captions, index: int) -> str:
+    """A caption that differs from ``caption`` in colour, shape and direction (a different one per ``index``)."""
+    from opensora.datasets.moving_shapes import parse_caption
+
+    old = parse_caption(caption)
+    for k in range(len(captions)):
+        other = captions[(index * 7 + len(captions) // 2 + k) % len(captions)]
+        if all(a != b for a, b in zip(parse_caption(other), old)):
+            return other
+    raise ValueError(f"no caption differs from {caption!r} in every attribute")
+
+
+def evaluate_switch(args, generator, prompts, seeds, clip) -> dict:
+    """Every prompt switches to ``switched_caption`` at the first chunk start at or after the clip length; the video
+    runs two clip lengths past the switch. Scored: the window before the switch against the old captions, the first
+    and the second window after it against the new ones (the first is the criterion: >= 90% in colour, shape and
+    direction), with the re-cache under the new prompt (LongLive) and without it (the old prompt's keys/values kept)."""
+    from opensora.datasets.moving_shapes import all_captions
+    from opensora.eval.moving_shapes_windows import score_windows
+
+    frames, height, width = clip
+    captions = all_captions()
+    new = [switched_caption(p, captions, i) for i, p in enumerate(prompts)]
+    starts = generator.chunk_pixel_starts(frames * args.long_multiple, height, width)
+    at = min(f for f in starts if f >= frames)
+    total = at + 2 * frames
+    switches = [(starts[at], new)]
+    out = dict(switch_frame=at, frames=total, window=frames, examples=[[prompts[0], new[0]]])
+
+    def window(videos, start, captions_):
+        scores = score_windows(list(videos[:, start : start + frames]), captions_, frames, motion=args.motion)
+        w = scores["windows"][0]
+        return {k: w[k] for k in ("color_acc", "shape_acc", "direction_acc", "stats_in_range")}
+
+    for name, recache in (("recache", True), ("keep_old_kv", False)):
+        generator.switch_recache = recache
+        seconds, videos = timed(
+            lambda: generator.generate(prompts, seeds, total, height, width, switches=switches).numpy()
+        )
+        generator.switch_recache = True
+        after = window(videos, at, new)
+        accuracies = [after[k] for k in ("color_acc", "shape_acc", "direction_acc")]
+        out[name] = dict(
+            seconds=seconds,
+            before=window(videos, at - frames, prompts) if at >= frames else None,
+            after=after,
+            after_second=window(videos, at + frames, new),
+            new_prompt_ge_90pct=None if None in accuracies else min(accuracies) >= 0.9,
+        )
+    return out
 
 
 def criteria(student: dict, teacher: dict) -> dict:
@@ -224,6 +300,8 @@ def criteria(student: dict, teacher: dict) -> dict:
     out["flicker_le_1.1"] = None if flicker is None else flicker <= 1.1
     for key, ratio in student["over_teacher"].items():
         out[f"{key}_ge_98pct_of_teacher"] = None if ratio is None else ratio >= 0.98
+    if "switch" in student:
+        out["switch_new_prompt_ge_90pct_within_one_window"] = student["switch"]["recache"]["new_prompt_ge_90pct"]
     return out
 
 
@@ -287,6 +365,23 @@ def print_report(report: dict) -> None:
                 f"direction {direction} stats {w['stats_in_range']:.3f} background {w['background']:.1f}"
             )
         print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
+        if "long_kv_recache" in s:
+            r = s["long_kv_recache"]
+            print(
+                f"  --kv-recache shift: worst window colour {r['color_window_min']:.3f} shape {r['shape_window_min']:.3f}"
+                f" direction {r['direction_window_min']} stats {r['stats_window_min']:.3f};"
+                f" flicker {r['flicker']['edge_over_inside']}; {r['frames_per_s']:.1f} frames/s"
+                f" (plain {s['long_frames_per_s']:.1f})"
+            )
+        if "switch" in s:
+            w = s["switch"]
+            for name in ("recache", "keep_old_kv"):
+                after = w[name]["after"]
+                print(
+                    f"  switch at frame {w['switch_frame']} ({name}): next window colour {after['color_acc']:.3f} "
+                    f"shape {after['shape_acc']:.3f} direction {after['direction_acc']}; >= 90%: "
+                    f"{w[name]['new_prompt_ge_90pct']}"
+                )
 
 
 def parse_args(argv=None):
@@ -308,6 +403,16 @@ def parse_args(argv=None):
     parser.add_argument("--long-multiple", type=int, default=8)
     parser.add_argument("--window-frames", type=int, default=None, help="cache window (latent frames); clip - chunk")
     parser.add_argument("--sink-frames", type=int, default=2)
+    parser.add_argument(
+        "--kv-recache",
+        choices=("off", "shift", "both"),
+        default="off",
+        help="stream the long run with the KV re-cache at every window shift: shift (instead of the plain run) or "
+        "both (the plain run and a re-cached one, report key long_kv_recache)",
+    )
+    parser.add_argument(
+        "--prompt-switch", action="store_true", help="score a prompt switch mid-stream (report key switch)"
+    )
     parser.add_argument("--num-prompts", type=int, default=72)
     parser.add_argument("--seed", type=int, default=424242, help="first sampling seed (prompt i uses seed + i)")
     parser.add_argument("--train-seed", type=int, default=0)

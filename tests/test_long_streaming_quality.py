@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from opensora.datasets.moving_shapes import parse_caption
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -26,7 +28,8 @@ def _benchmark():
 def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_path, capsys):
     bench = _benchmark()
     out = tmp_path / "run"
-    report = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--launcher", "in-process"])
+    flags = ["--kv-recache", "both", "--prompt-switch"]  # the streaming options' variants, scored the same way
+    report = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--launcher", "in-process", *flags])
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
     assert report["motion"] == "wrap" and report["clip"] == [8, 16, 16] and report["prompts"] == 4
     stages = {name: bench.last_checkpoint(out / name) for name in bench.STAGES}
@@ -39,6 +42,15 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
         assert long["frames"] == 24 and [w["start_frame"] for w in long["windows"]] == [0, 8, 16]
         assert long["window"] == 8 and student["window_frames"] == 6 and student["sink_frames"] == 2
         assert set(student["criteria"]) >= {"flicker_le_1.1", "stats_every_window_ge_95pct_of_teacher"}
+        recache = student["long_kv_recache"]
+        assert recache["frames"] == 24 and [w["start_frame"] for w in recache["windows"]] == [0, 8, 16]
+        switch = student["switch"]
+        assert switch["switch_frame"] == 8 and switch["frames"] == 24
+        old, new = switch["examples"][0]
+        assert all(a != b for a, b in zip(parse_caption(old), parse_caption(new)))
+        for variant in ("recache", "keep_old_kv"):
+            assert set(switch[variant]["after"]) == {"color_acc", "shape_acc", "direction_acc", "stats_in_range"}
+        assert "switch_new_prompt_ge_90pct_within_one_window" in student["criteria"]
     # the long-rollout student trained with the rolling cache and sinks of its config
     config = (out / "configs/long_rollout.py").read_text()
     assert "LongRollout" not in config and "long_rollout_gpu.py" in config and "motion='wrap'" in config

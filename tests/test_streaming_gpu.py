@@ -154,3 +154,24 @@ def test_graphed_streaming_peak_memory_is_bounded_in_the_length(merge_refill):
     assert not gen.cuda_graphs.failures and gen.cuda_graphs.eager == 0
     assert peaks[48] <= 1.02 * peaks[24], peaks
     assert max(peaks.values()) <= 1.10 * peaks[6], peaks
+
+
+@pytest.mark.parametrize("merge_refill", [False, True])
+def test_graphed_recache_and_prompt_switch_match_the_eager_passes(merge_refill):
+    """``kv_recache="shift"`` and a prompt switch with the chunk graphs (merged refills where no re-cache runs, decode
+    ahead on a side stream): the eager generator's latents within the graphs' tolerance, the same re-caches reported
+    with their time from CUDA events."""
+    sampler = gpu_sampler()
+    kwargs = dict(step_list=[1.0, 0.5], guidance_scale=3.0, window_frames=6, sink_frames=2, kv_recache="shift")
+    switches = [(8, ["a green triangle moving right", "a yellow circle moving down"])]
+    reference = StreamingGenerator(sampler, **kwargs)
+    graphed = StreamingGenerator(sampler, cuda_graphs=True, merge_refill=merge_refill, **kwargs)
+    for _ in range(2):  # the second video replays the graphs the first captured
+        a = list(reference.stream(PROMPTS, [0, 1], 16, 16, 16, switches=switches))
+        b = list(graphed.stream(PROMPTS, [0, 1], 16, 16, 16, switches=switches))
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y.latents, x.latents, rtol=1e-3, atol=1e-3)
+            assert (x.recache is None) == (y.recache is None) and x.prompts == y.prompts
+            assert y.recache is None or y.recache["seconds"] > 0
+    assert [c.recache["reason"] for c in b if c.recache] == ["switch", "shift", "shift", "shift"]
+    assert graphed.cuda_graphs.summary["replays"] > 0 and not graphed.cuda_graphs.failures

@@ -7,7 +7,9 @@
 
 The csv needs columns ``path`` and ``text``; a relative path is taken relative to the csv's directory.
 Videos that cannot be decoded are reported and counted as wrong (the window mode refuses them instead: its windows
-need every clip).
+need every clip). In the window mode a text that is a prompt schedule (``0:A;64:B``, what ``inference.py
+--prompt-schedule`` lists) scores each window against the caption in force over it (a window with a switch inside is
+not scored).
 """
 
 import argparse
@@ -21,6 +23,7 @@ from opensora.eval.moving_shapes import evaluate_csv, load_rows
 def evaluate_windows(args) -> dict:
     from opensora.cli_errors import UserInputError
     from opensora.eval.moving_shapes_windows import score_windows
+    from opensora.inference.streaming.prompt_schedule import looks_like_schedule, parse_prompt_schedule
 
     rows = list(load_rows(args.csv, progress=not args.no_progress))
     broken = [path for path, _, _, error in rows if error is not None]
@@ -31,7 +34,9 @@ def evaluate_windows(args) -> dict:
         raise UserInputError(
             f"window scoring needs clips of one length >= --window {args.window}; got lengths {sorted(lengths)}"
         )
-    videos, prompts = [frames for _, _, frames, _ in rows], [text for _, text, _, _ in rows]
+    # a streamed prompt schedule ("0:A;64:B", --prompt-schedule) is scored window by window against its captions
+    prompts = [parse_prompt_schedule(text) if looks_like_schedule(text) else text for _, text, _, _ in rows]
+    videos = [frames for _, _, frames, _ in rows]
     return score_windows(videos, prompts, args.window, args.stride, args.motion, stats_margin=args.stats_margin)
 
 

@@ -97,8 +97,9 @@ def main(argv=None, on_chunk=None) -> list:
     from opensora.inference.sampler import video_size_for
 
     run, sampling = options.run, options.sampling
-    try:
-        prompts = resolve_prompts(run.prompt, run.prompt_file)
+    schedule = options.streaming.schedule()
+    try:  # a prompt schedule makes one video: its first prompt starts it
+        prompts = [schedule[0][1]] if schedule else resolve_prompts(run.prompt, run.prompt_file)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(str(error)) from None
     if isinstance(run.prompt, str) and "|" in run.prompt:
@@ -164,9 +165,11 @@ def sample(job: SampleRun) -> list:
         start_save_dir(job)
         return run_pipelined(job)
     sampler = build_sampler(job)
-    start_save_dir(job)  # once the weights have loaded: a refused start leaves no half-made save-dir
     if job.options.streaming.streaming:
-        return stream_samples(job, sampler)
+        generator, switches = streaming_generator(job, sampler)  # a bad schedule is refused before the save-dir
+        start_save_dir(job)
+        return stream_samples(job, sampler, generator, switches)
+    start_save_dir(job)  # once the weights have loaded: a refused start leaves no half-made save-dir
     return sample_videos(job, sampler)
 
 
@@ -282,36 +285,50 @@ def sample_videos(job: SampleRun, sampler) -> list:
     return writer.written
 
 
-def stream_samples(job: SampleRun, sampler) -> list:
-    """``--streaming``: each batch of prompts is generated chunk by chunk (``StreamingGenerator``) and every chunk is
-    appended to the samples' mp4 files as soon as it is decoded."""
-    from opensora.inference.sample_writer import SampleWriter
-    from opensora.inference.stream_progress import stream_progress_bar
+def streaming_generator(job: SampleRun, sampler):
+    """The ``StreamingGenerator`` of ``job`` and the prompt switches of its ``--prompt-schedule`` (checked against
+    the chunks of this video: a one-line error naming the frames a prompt can switch at)."""
     from opensora.inference.streaming.generator import StreamingGenerator
 
     sampling, streaming = job.options.sampling, job.options.streaming
     generator = StreamingGenerator(sampler, **streaming.generator_kwargs(sampling, sampler.device))
+    schedule = streaming.schedule()
+    switches = generator.schedule_switches(schedule, *job.size) if schedule else []
+    return generator, switches
+
+
+def stream_samples(job: SampleRun, sampler, generator, switches=()) -> list:
+    """``--streaming``: each batch of prompts is generated chunk by chunk (``StreamingGenerator``) and every chunk is
+    appended to the samples' mp4 files as soon as it is decoded; ``switches``: the prompt schedule's (one video)."""
+    from opensora.inference.sample_writer import SampleWriter
+    from opensora.inference.stream_progress import StreamReport, stream_progress_bar
+    from opensora.inference.streaming.prompt_schedule import format_schedule
+
+    sampling, streaming = job.options.sampling, job.options.streaming
     record = dict(
         sampler_record(job, sampler), streaming=True, **streaming.record(), chunk_frames=generator.chunk_frames
     )
-    writer = SampleWriter(job.options.run.save_dir, job.prompts, job.seeds, sampling.fps, record, job.save_plan)
+    # a schedule's video is named and listed (samples.csv) by its whole schedule, which the window scoring reads
+    names = [format_schedule(streaming.schedule())] if streaming.prompt_schedule is not None else job.prompts
+    writer = SampleWriter(job.options.run.save_dir, names, job.seeds, sampling.fps, record, job.save_plan)
     latent_frames = sampler.latent_size(*job.size)[0]
     bar = stream_progress_bar(
         latent_frames, generator.chunk_frames, len(job.prompts), sampling.batch_size, bool(job.options.run.progress)
     )
     for batch in batches(len(job.prompts), sampling.batch_size):
-        seconds = []
+        report = StreamReport(bar)
         with writer.streams(batch, *job.size[1:]) as files:
-            chunks = generator.stream([job.prompts[i] for i in batch], [job.seeds[i] for i in batch], *job.size)
-            for chunk in chunks:
+            prompts, seeds = [job.prompts[i] for i in batch], [job.seeds[i] for i in batch]
+            for chunk in generator.stream(prompts, seeds, *job.size, switches=switches):
                 files.write(chunk.frames.numpy())
-                seconds.append(round(chunk.seconds, 4))
-                bar.update(1)
+                report.chunk(chunk)
                 if job.on_chunk is not None:
                     job.on_chunk(chunk, files.paths)
         for index, path in zip(batch, files.paths):
-            writer.finished(index, path, chunk_seconds=seconds)
+            writer.finished(index, path, **report.record())
         writer.write_csv()
+        if report.recaches:
+            logger.info("%s", report.summary())
     bar.close()
     logger.info("streamed %d sample(s) and samples.csv to %s", len(writer.written), writer.save_dir)
     return writer.written

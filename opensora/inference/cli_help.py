@@ -19,6 +19,13 @@ INFERENCE_HELP = {
     "resolution": "'256px', '720p' or exact 'HxW'; a training config's default: its first bucket",
     "step_list": "explicit t values, e.g. 1.0,0.75,0.5,0.25 (replaces --num-steps)",
     "streaming": "causal models: chunk by chunk with a KV cache, each chunk appended to the mp4 as it is done",
+    "window_frames": "--streaming: latent frames the KV cache keeps (sink frames included); default: every frame",
+    "sink_frames": "--streaming: the first latent frames, kept in the cache for good when the window rolls (attention "
+    "sinks); multiples of the temporal patch, <= --window-frames",
+    "kv_recache": "--streaming: off | shift: when the window rolls, re-run the kept frames' keys/values against the "
+    "context they have now (one pass per recomputed chunk, in place of that refill)",
+    "prompt_schedule": "--streaming: one video whose prompt changes, e.g. '0:A;64:B' (pixel frames, each a chunk start;"
+    " ';' separates entries); at each switch the window's keys/values are recomputed under the new prompt",
 }
 
 

@@ -23,7 +23,8 @@ from opensora.cli_errors import UserInputError, check_range
 from .cache.config import STORE_KINDS, JanoConfig, tunable_defaults
 from .pipeline_parallel.schedule import OVERLAP_MODES
 from .reference_check import check_reference
-from .streaming import ROLLOUTS
+from .streaming import KV_RECACHE, ROLLOUTS
+from .streaming.prompt_schedule import parse_prompt_schedule
 
 GRAPH_CHOICES = ("auto", "on", "off")  # --cuda-graphs / --stream-graphs: auto = on a CUDA device
 
@@ -124,6 +125,13 @@ class StreamingOptions(_Options):
     context_time: float = 0.0  # time at which a finished chunk re-runs to fill the cache
     # replay each chunk pass (each pipeline stage) as a CUDA graph; auto = on a GPU
     stream_graphs: str = "auto"  # auto | on | off
+    # off | shift: when the window rolls, re-run the kept frames against their current context (streaming/recache.py)
+    kv_recache: str = "off"
+    prompt_schedule: Optional[str] = None  # "0:A;64:B": one video whose prompt changes at those pixel frames
+
+    def schedule(self) -> Optional[list]:
+        """``--prompt-schedule`` parsed: ``[(0, A), (64, B), ...]`` (pixel frames), or None."""
+        return None if self.prompt_schedule is None else parse_prompt_schedule(self.prompt_schedule)
 
     def check(self) -> None:
         check_range("window_frames", self.window_frames, 1, integer=True, allow_none=True)
@@ -134,6 +142,9 @@ class StreamingOptions(_Options):
         if self.rollout not in ROLLOUTS:
             raise UserInputError(f"--rollout {self.rollout!r} is not one of {', '.join(ROLLOUTS)}")
         self.stream_graphs = parse_graphs(self.stream_graphs, "--stream-graphs")
+        if self.kv_recache not in KV_RECACHE:
+            raise UserInputError(f"--kv-recache {self.kv_recache!r} is not one of {', '.join(KV_RECACHE)}")
+        self.schedule()  # a one-line error for a malformed schedule, before anything loads
         self.window_frames = None if self.window_frames is None else int(self.window_frames)
         self.sink_frames, self.context_time = int(self.sink_frames), float(self.context_time)
 
@@ -153,10 +164,16 @@ class StreamingOptions(_Options):
             window_frames=self.window_frames,
             sink_frames=self.sink_frames,
             context_time=self.context_time,
+            kv_recache=self.kv_recache,
         )
 
     def record(self) -> dict:
-        return dict(window_frames=self.window_frames, sink_frames=self.sink_frames, rollout=self.rollout)
+        record = dict(window_frames=self.window_frames, sink_frames=self.sink_frames, rollout=self.rollout)
+        if self.kv_recache != "off":
+            record["kv_recache"] = self.kv_recache
+        if self.prompt_schedule is not None:
+            record["prompt_schedule"] = [list(entry) for entry in self.schedule()]
+        return record
 
 
 @dataclass
@@ -304,4 +321,14 @@ class InferenceOptions:
             raise UserInputError("--streaming generates text-to-video only (no --cond-type / --ref)")
         if self.pipeline.enabled and not self.streaming.streaming:
             raise UserInputError("--pp-devices drives the streaming sampler: add --streaming")
+        stream = self.streaming
+        if stream.prompt_schedule is not None:
+            if not stream.streaming:
+                raise UserInputError("--prompt-schedule changes the prompt of a streamed video: add --streaming")
+            if self.run.prompt is not None or self.run.prompt_file is not None:
+                raise UserInputError("--prompt-schedule gives the prompts itself: drop --prompt / --prompt-file")
+        if self.pipeline.enabled and (stream.kv_recache != "off" or stream.prompt_schedule is not None):
+            raise UserInputError(
+                "--kv-recache / --prompt-schedule run on one GPU; the --pp-devices pipeline has neither"
+            )
         check_reference(self.sampling.cond_type, self.sampling.ref)  # the reference decodes and is used

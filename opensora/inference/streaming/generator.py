@@ -25,6 +25,10 @@ Per chunk of ``K`` latent frames (``MMDiT.causal_chunk_frames``) at absolute lat
    With ``overlap_decode`` (default with CUDA graphs) chunk ``k`` is decoded on a side stream while the next chunk's
    passes run, and handed out one chunk later (``DecodeAhead``); the frames are the same.
 
+Re-cache (``recache.py``): with ``kv_recache="shift"`` a refill that rolls the window re-runs the kept frames against
+the context they have now; at a prompt switch (``stream(switches=...)``) the text changes (a fresh text cache) and
+every kept frame re-runs under the new prompt. Both replace that refill; without either, nothing changes.
+
 Noise: sample ``i`` draws every chunk's noise (and re-noising) from its own CPU generator seeded with
 ``seeds[i]``, in order, so a sample's video does not depend on the batch it runs in.
 """
@@ -34,7 +38,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,7 +52,10 @@ from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 from opensora.models.vae.base import video_num_frames
 from opensora.models.vae.exact_chunk_decode import exact_chunk_decode
 
+from . import KV_RECACHE
 from .chunk_graphs import ChunkGraphs
+from .prompt_schedule import switch_chunks
+from .recache import Stopwatch, WindowLatents, plan_recache, run_recache
 from .rules import StreamNoise, check_rollout, rollout_step, text_has_padding
 
 
@@ -64,6 +71,9 @@ class StreamChunk:
     cached_frames: int  # latent frames in the KV cache when this chunk is handed out (its own refill runs later)
     cache_bytes: int
     text_cache_bytes: int = 0  # text keys/values held by the text cache (every block, every distinct step time)
+    prompts: Optional[List[str]] = None  # the prompts this chunk was generated under (one per sample)
+    # the re-cache run before this chunk's passes, if any: reason ("shift" | "switch"), frames, passes, seconds
+    recache: Optional[dict] = None
 
 
 class ChunkDecoder:
@@ -232,12 +242,17 @@ class StreamingGenerator:
             and step time, captured on first use and kept across videos). GPU only and with ``text_cache``; off the
             GPU it is the eager path. Off by default: equal to eager within bf16 tolerance, not bitwise. The chunk
             graphs and the merged ones share one ``GraphMemory`` (pool, outputs, cached video), so the memory they
-            hold does not grow with the number of graphs a long video adds.
+            hold does not grow with the number of graphs a long video adds. Re-cache passes are storing passes like
+            the refills and replay graphs too (a piece size or cached-frame count not seen before captures one).
         overlap_decode: decode chunk ``k`` on a high-priority side stream (``DecodeAhead``) while the main stream
             runs chunk ``k``'s refill and chunk ``k + 1``'s passes; chunk ``k`` is handed out once its frames are on
             the host, after chunk ``k + 1``'s work was enqueued (one chunk of look-ahead). Frames and latents are
             bit-identical to the serial order. ``None``: on with ``cuda_graphs`` on a GPU (eager passes are
             host-bound: enqueueing a chunk ahead would delay the first chunk by its launch time).
+        kv_recache: ``"off"`` (default) or ``"shift"``: a refill that rolls the window re-runs the kept frames
+            against their current context instead (``recache.py``); ``"off"`` runs exactly the passes it ran before.
+        switch_recache: at a prompt switch, re-run every kept frame under the new prompt (default; LongLive).
+            False keeps the old prompt's keys/values (the chunk before the switch is refilled under the old prompt).
     """
 
     def __init__(
@@ -258,11 +273,15 @@ class StreamingGenerator:
         overlap_decode: Optional[bool] = None,
         trim_text: bool = False,
         decode_rule: str = "running",
+        kv_recache: str = "off",
+        switch_recache: bool = True,
     ):
         model = sampler.model
         if not getattr(model, "causal_chunk_frames", 0):
             raise ValueError("streaming needs a causal model (MMDiT with causal_chunk_frames > 0)")
         check_rollout(rollout)
+        if kv_recache not in KV_RECACHE:
+            raise ValueError(f"unknown kv_recache {kv_recache!r}; choose one of {KV_RECACHE}")
         if not 0.0 <= context_time < 1.0:
             raise ValueError(f"context_time must lie in [0, 1), got {context_time}")
         self.sampler, self.model = sampler, model
@@ -278,6 +297,7 @@ class StreamingGenerator:
         self.merge_refill = bool(merge_refill)
         self.overlap_decode = overlap_decode
         self.trim_text = bool(trim_text)
+        self.kv_recache, self.switch_recache = kv_recache, bool(switch_recache)
         decode_graphs = cuda_graphs if decode_graphs is None else decode_graphs
         self.decode_graphs = None
         offloaded = getattr(sampler, "offload", False)  # an offloaded autoencoder moves: overlap rule, no graphs
@@ -331,6 +351,33 @@ class StreamingGenerator:
             valid = valid[:, :length]
         return text_args, text_has_padding(valid)
 
+    def chunk_pixel_starts(self, num_frames: int, height: int, width: int) -> Dict[int, int]:
+        """{first pixel frame of a chunk: its first latent frame} for a video of this size (where a prompt may
+        switch)."""
+        sampler = self.sampler
+        total = sampler.latent_size(num_frames, height, width)[0]
+        compression = int(getattr(sampler.vae, "temporal_compression", 1))
+        causal = bool(getattr(sampler.vae, "causal_temporal", False))
+        return {(video_num_frames(s, compression, causal) if s else 0): s for s in range(0, total, self.chunk_frames)}
+
+    def schedule_switches(self, schedule, num_frames: int, height: int, width: int) -> List[Tuple[int, List[str]]]:
+        """A pixel-frame prompt schedule ``[(0, A), (64, B), ...]`` of one video as ``stream``'s ``switches``
+        (a one-line ``UserInputError`` naming the valid frames when a switch is not at a chunk start)."""
+        starts = self.chunk_pixel_starts(num_frames, height, width)
+        return [(at, [prompt]) for at, prompt in switch_chunks(schedule, starts, num_frames)]
+
+    def check_switches(self, switches, total: int, batch: int) -> Dict[int, List[str]]:
+        """``stream``'s ``switches`` as {latent frame: prompts}, checked."""
+        switch_at = {}
+        for at, batch_prompts in switches:
+            batch_prompts = [batch_prompts] if isinstance(batch_prompts, str) else list(batch_prompts)
+            if not 0 < int(at) < total or at % self.chunk_frames or int(at) in switch_at:
+                raise ValueError(f"a prompt switch must be at a chunk's first latent frame after 0, got {at}")
+            if len(batch_prompts) != batch:
+                raise ValueError(f"a prompt switch needs one prompt per sample ({batch}), got {len(batch_prompts)}")
+            switch_at[int(at)] = batch_prompts
+        return switch_at
+
     def schedule(self, latent_size: Sequence[int]) -> List[float]:
         """Times of one chunk, the final 0 included (host floats: the loop never reads a device value)."""
         if self.step_list is not None:
@@ -348,9 +395,12 @@ class StreamingGenerator:
         height: int,
         width: int,
         decode: bool = True,
+        switches: Sequence[Tuple[int, Sequence[str]]] = (),
     ) -> Iterator[StreamChunk]:
         """Yield the video's chunks in order as they finish (``num_frames`` pixel frames, any length the
-        autoencoder accepts; the last chunk may be shorter)."""
+        autoencoder accepts; the last chunk may be shorter). ``switches``: ``(latent frame, prompts)`` pairs, each
+        a chunk's first latent frame after 0 and one prompt per sample: from that chunk on the video follows those
+        prompts (``schedule_switches`` makes them from pixel frames)."""
         prompts, seeds = list(prompts), [int(s) for s in seeds]
         if len(prompts) != len(seeds) or not prompts:
             raise ValueError(f"need one seed per prompt (and at least one prompt); got {len(prompts)} and {len(seeds)}")
@@ -361,13 +411,19 @@ class StreamingGenerator:
         if total % pt:
             raise ValueError(f"{total} latent frames are not a multiple of the temporal patch size {pt}")
         times = self.schedule(latent_size)
-        text, null = sampler.encode_text(prompts)
+        switch_at = self.check_switches(switches, total, len(prompts))
         guided = self.guidance_scale != 1.0
-        branches = [text, null] if guided else [text]
-        text_args = {key: torch.cat([b[key] for b in branches]) for key in ("text_emb", "text_mask", "pooled")}
-        text_args.update(text_emb=text_args["text_emb"].to(dtype), pooled=text_args["pooled"].to(dtype))
-        text_args, text_padded = self.prepare_text(text_args)
-        rows = len(prompts) * len(branches)
+        rows = len(prompts) * (2 if guided else 1)
+
+        def encode(batch_prompts):
+            """The text inputs of every pass (CFG rows: the prompts, then the null text) and the padding decision."""
+            text, null = sampler.encode_text(batch_prompts)
+            branches = [text, null] if guided else [text]
+            args = {key: torch.cat([b[key] for b in branches]) for key in ("text_emb", "text_mask", "pooled")}
+            args.update(text_emb=args["text_emb"].to(dtype), pooled=args["pooled"].to(dtype))
+            return self.prepare_text(args)
+
+        text_args, text_padded = encode(prompts)
         cond = None
         if getattr(model, "cond_channels", None):  # text-to-video: the all-zero condition
             cond = torch.zeros(
@@ -382,7 +438,7 @@ class StreamingGenerator:
         decoder = ChunkDecoder(decode_fn, sampler.vae, self.decode_overlap, self.exact_decode) if decode else None
 
         def guided_rows(x):
-            return torch.cat([x] * len(branches)) if guided else x
+            return torch.cat([x, x]) if guided else x
 
         def combine(out):
             out = out.float()
@@ -438,13 +494,58 @@ class StreamingGenerator:
                 decoder.decode_fn, decoder.device_output = self.device_decode, True
             ahead = DecodeAhead(decoder, device)
         held = None  # look-ahead: the chunk being decoded while the next one's passes are enqueued
+        # the refill inputs of the cached frames, kept only when a re-cache may run
+        window = WindowLatents() if self.kv_recache != "off" or (switch_at and self.switch_recache) else None
+        active = list(prompts)
+
+        def switch_text(batch_prompts):
+            """From now on the passes follow ``batch_prompts``: their text, and a fresh text cache for it."""
+            nonlocal text_args, text_padded, text_cache, active
+            text_args, text_padded = encode(batch_prompts)
+            text_cache = model.new_text_cache() if self.text_cache else None
+            active = list(batch_prompts)
+
+        def before_steps(start, shape) -> Optional[dict]:
+            """The previous chunk's refill (left ``waiting`` when it merges into this chunk's first step), or the
+            re-cache that replaces it, and the prompt switch at ``start``. Returns the re-cache's record, if one ran."""
+            nonlocal waiting
+            switch = switch_at.get(start)
+            everything = switch is not None and self.switch_recache
+            plan = None
+            if window is not None and waiting is not None:
+                at = start - waiting.shape[2]
+                window.keep(cache.frame_ids)
+                window.add(at, waiting)
+                if everything or self.kv_recache == "shift":
+                    after = cache.frame_ids_after_append(at, waiting.shape[2])
+                    plan = plan_recache(cache.frame_ids, after, self.chunk_frames, everything)
+            record = None
+            if plan is not None:
+                if everything:
+                    switch_text(switch)
+                watch = Stopwatch(device)
+                recomputed = run_recache(
+                    cache, window, plan, lambda latents, at: velocity(latents, self.context_time, True, at)
+                )
+                record = dict(reason="switch" if everything else "shift", frames=recomputed, passes=len(plan.pieces))
+                record["watch"], waiting = watch.stop(), None
+            elif waiting is not None and (switch is not None or not self.merge_refill or waiting.shape != shape):
+                # the previous chunk's refill as a pass of its own (under the prompt it was made with)
+                velocity(waiting, self.context_time, True, start - waiting.shape[2])
+                waiting = None
+            if switch is not None and not everything:
+                switch_text(switch)
+            return record
 
         def hand_out(index, start, x, pixels, stats):
             nonlocal clock
             if ahead is not None:
                 pixels = ahead.result(pixels)
+            *stats, record = stats
+            if record is not None:
+                record = dict(record, seconds=record.pop("watch").seconds())
             now = time.perf_counter()
-            chunk = StreamChunk(index, start, x, pixels, now - clock, *stats)
+            chunk = StreamChunk(index, start, x, pixels, now - clock, *stats, record)
             clock = now
             return chunk
 
@@ -452,10 +553,7 @@ class StreamingGenerator:
             for index, start in enumerate(starts):
                 frames = min(self.chunk_frames, total - start)
                 x = noise.initial(frames)
-                if waiting is not None and (not self.merge_refill or waiting.shape != x.shape):
-                    # the previous chunk's refill as a pass of its own
-                    velocity(waiting, self.context_time, True, start - waiting.shape[2])
-                    waiting = None
+                recache = before_steps(start, x.shape)
                 for step, (t, t_next) in enumerate(zip(times[:-1], times[1:])):
                     if step == 0 and waiting is not None:
                         v, waiting = refill_then_velocity(waiting, x, t), None
@@ -465,7 +563,8 @@ class StreamingGenerator:
                 if index + 1 < len(starts):  # refilled after this chunk is handed out (no chunk reads the last)
                     context = noise.for_context(frames)
                     waiting = x if context is None else fm.add_noise(x, context, self.context_time)
-                stats = (cache.num_frames, cache.nbytes, text_cache.nbytes if text_cache is not None else 0)
+                text_bytes = text_cache.nbytes if text_cache is not None else 0
+                stats = (cache.num_frames, cache.nbytes, text_bytes, active, recache)
                 if ahead is None:
                     yield hand_out(index, start, x, decoder(x) if decoder is not None else None, stats)
                     continue
@@ -476,6 +575,7 @@ class StreamingGenerator:
             if held is not None:
                 yield hand_out(*held)
 
-    def generate(self, prompts, seeds, num_frames, height, width) -> torch.Tensor:
+    def generate(self, prompts, seeds, num_frames, height, width, switches=()) -> torch.Tensor:
         """The whole video, uint8 [B, T, H, W, 3] (the chunks of ``stream`` concatenated)."""
-        return torch.cat([chunk.frames for chunk in self.stream(prompts, seeds, num_frames, height, width)], dim=1)
+        chunks = self.stream(prompts, seeds, num_frames, height, width, switches=switches)
+        return torch.cat([chunk.frames for chunk in chunks], dim=1)

@@ -193,6 +193,22 @@ class KVCache:
                 store[i] = torch.cat((t[:, :, :sink_tokens], t[:, :, sink_tokens + drop_tokens :]), dim=2)
         self.frame_ids = self._kept_ids(self.frame_ids, keep_frames)
 
+    def truncate(self, num_frames: int) -> None:
+        """Keep the oldest ``num_frames`` held frames and forget the rest (a re-cache recomputes the frames after
+        them: ``inference.streaming.recache``)."""
+        if not 0 <= num_frames <= self.num_frames or num_frames % self.frames_per_group:
+            raise ValueError(f"cannot truncate {self.num_frames} frames to {num_frames}")
+        if num_frames == self.num_frames:
+            return
+        if num_frames == 0:
+            self.clear()
+            return
+        tokens = num_frames // self.frames_per_group * self.tokens_per_frame_group
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                store[i] = t[:, :, :tokens].clone()  # a copy: a view would keep the dropped frames' memory alive
+        self.frame_ids = self.frame_ids[:num_frames]
+
 
 def streaming_kv_hooks(cache: KVCache, num_text: int, mask: torch.Tensor, pending: Optional[Dict[int, tuple]]):
     """One ``kv_hook`` per block for a streamed chunk: [text, cached video, chunk video] keys/values and ``mask``.
