@@ -1,6 +1,12 @@
 """Two-GPU pipeline overlap (opensora/inference/pipeline_parallel/schedule.py) vs one GPU, at the 1B MMDiT shape.
 
-Streaming: a causal 1B MMDiT (8 double + 16 single blocks, 1536 wide, random weights) generates ``--chunks`` chunks
+Default (``--decoder real``): the real-size HunyuanVideo VAE with the exact-once chunk decode, one-GPU vs two-GPU
+end to end at 480x832 and 256x256 x 33 frames (``benchmarks/pipeline_real_vae.py``; ``--quick``: 256x256 only).
+
+  python -m benchmarks.pipeline_parallel --out DIR                  # 2 GPUs, real VAE, ~3-4 min
+  python -m benchmarks.pipeline_parallel --decoder stand-in --out DIR
+
+``--decoder stand-in`` (every row named "(stand-in decoder)"), streaming: a causal 1B MMDiT (8 double + 16 single blocks, 1536 wide, random weights) generates ``--chunks`` chunks
 of ``--chunk-frames`` latent frames at 256px (32x32x16 latents, 256 tokens per frame) with ``--text-len`` text
 tokens, each chunk decoded by a stand-in decoder (3D convs, 8x up in space, one frame per latent frame; the GPU
 image has no diffusers VAE) on the last GPU. For every (steps per chunk 1 | 4) x (refill on | off) x (1 | 2 items
@@ -26,8 +32,8 @@ so graphed vs eager is reported, not required). Then the bidirectional multi-ste
 weights without the causal mask, ``--bi-frames`` latent frames) with the same block split and the CFG branches x
 prompt groups as the items in flight, bit-identical to one GPU running the same micro-batches.
 
-  python -m benchmarks.pipeline_parallel --out DIR          # 2 GPUs, <= ~7 min; DIR/pipeline_parallel.{json,txt}
-  python -m benchmarks.pipeline_parallel --tiny --out DIR   # CPU smoke test
+  python -m benchmarks.pipeline_parallel --decoder stand-in --out DIR   # 2 GPUs, <= ~7 min
+  python -m benchmarks.pipeline_parallel --tiny --out DIR               # CPU smoke test (stand-in decoder)
 
 Timing: ``--repeats`` timed runs after one warm-up run per configuration (graph captures happen there), the
 median reported; frames/s counts decoded frames of all items (the stand-in decoder makes one frame per latent
@@ -282,7 +288,22 @@ def main(argv=None):
         "--host-profile", action="store_true", help="one more run per 2-GPU mode under cProfile (top functions)"
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, both stages on the CPU")
+    parser.add_argument(
+        "--decoder",
+        choices=("real", "stand-in"),
+        default="real",
+        help="real (default): the real-size HunyuanVideo VAE with the exact-once decode, one-GPU vs two-GPU end to "
+        "end per --sizes (benchmarks/pipeline_real_vae.py); stand-in: the sweep of this module's docstring with the "
+        "3D-conv stand-in decoder (rows named '(stand-in decoder)')",
+    )
+    parser.add_argument("--sizes", default="480x832,256x256", help="real decoder: HxW per row")
+    parser.add_argument("--frames", type=int, default=33, help="real decoder: pixel frames per video")
+    parser.add_argument("--videos", type=int, default=2, help="real decoder: videos in flight")
+    parser.add_argument("--config", default=None, help="real decoder: the student's config (1B synthetic)")
+    parser.add_argument("--quick", action="store_true", help="real decoder: 256x256 only, 1 repeat")
     args = parser.parse_args(argv)
+    if args.decoder == "real" and not args.tiny:
+        return real_decoder_main(args)
     started = time.time()
     devices = args.devices.split(",")
     if args.tiny:
@@ -345,7 +366,7 @@ def main(argv=None):
         guided, rows_cfg = conf["guidance"] != 1.0, conf["cfg_rows"]
         label = (
             f"{steps} step{'s' if steps > 1 else ''}{' + refill' if refill else ''}, {n_groups} item(s) x batch "
-            f"{batch}" + (", CFG as 2 micro-batches" if guided and not rows_cfg else "")
+            f"{batch}" + (", CFG as 2 micro-batches" if guided and not rows_cfg else "") + " (stand-in decoder)"
         )
         if time.time() - started > args.budget_s:
             skipped.append(label)
@@ -387,7 +408,7 @@ def main(argv=None):
                     latent_size,
                     times_list,
                     device=dev0,
-                    make_decoder=lambda: ChunkDecoder(decoder, decoder),
+                    make_decoder=lambda *_: ChunkDecoder(decoder, decoder),
                     **kw,
                 )
                 for g in groups
@@ -403,7 +424,7 @@ def main(argv=None):
                 groups,
                 latent_size,
                 times_list,
-                make_decoder=lambda: ChunkDecoder(dec, dec),
+                make_decoder=lambda *_: ChunkDecoder(dec, dec),
                 cuda_graphs=graphs,
                 **kw,
             )
@@ -528,9 +549,9 @@ def main(argv=None):
         # what the CLI's --pp-split auto picks for this plan: the same code (pipeline_cli.auto_split: probe, a few
         # timed graphed passes at the probe split, calibrated_split) instead of a profiled `off` run
         place_model(pp_model, n_blocks - 2, [devices[0]] * 2)  # the CLI probes with the whole model on GPU0
-        stage_kw = dict(kw, cuda_graphs=True, make_decoder=lambda: ChunkDecoder(decoder, decoder))
+        stage_kw = dict(kw, cuda_graphs=True, make_decoder=lambda *_: ChunkDecoder(decoder, decoder))
         cli_split, cli = auto_split(
-            pp_model, devices, "aggressive", groups, latent_size, times_list, stage_kw, gen, decoder
+            pp_model, devices, "aggressive", groups, latent_size, times_list, stage_kw, gen, stage_kw["make_decoder"]
         )
         passes = cli["calibration"]["measured"]
         row["cli_auto"] = dict(split=cli_split, probe_split=cli["probe_split"], passes=passes)
@@ -570,6 +591,29 @@ def main(argv=None):
     if skipped:
         say(f"skipped (over --budget-s): {skipped}")
     say(f"\nall outputs bit-identical to their one-GPU references: {ok}   (wall {report['wall_s']:.0f} s)")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "pipeline_parallel.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "pipeline_parallel.txt").write_text("\n".join(LOG) + "\n")
+        print(f"wrote {out / 'pipeline_parallel.json'} and {out / 'pipeline_parallel.txt'}")
+    return 0 if ok else 1
+
+
+def real_decoder_main(args) -> int:
+    """``--decoder real``: benchmarks/pipeline_real_vae.py's rows, written as pipeline_parallel.{json,txt}."""
+    from benchmarks.pipeline_real_vae import run_real_vae
+
+    args.sizes = [tuple(int(v) for v in s.split("x")) for s in ("256x256" if args.quick else args.sizes).split(",")]
+    args.groups = args.videos
+    if args.quick:
+        args.repeats = 1
+    report = run_real_vae(args, say)
+    report.update(date=datetime.date.today().isoformat(), torch=torch.__version__, args=vars(args))
+    ok = bool(report["rows"]) and all(r["bit_identical"] for r in report["rows"])
+    say(f"\nall outputs bit-identical to the one-GPU run: {ok}   (wall {report['wall_s']:.0f} s)")
+    if report["skipped"]:
+        say(f"skipped (over --budget-s): {report['skipped']}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

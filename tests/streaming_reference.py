@@ -53,7 +53,7 @@ def stream_reference(
     caches = [model.new_kv_cache(window_frames, sink_frames) for _ in texts]
     text_caches = [model.new_text_cache() if text_cache else None for _ in texts]
     noise = StreamNoise(group["seeds"], channels, hw, times, rollout, context_time)
-    decoder = make_decoder() if make_decoder is not None else None
+    decoder = make_decoder(torch.device(device), 0) if make_decoder is not None else None  # (device, group)
     rows = len(group["seeds"]) * (2 if rows_mode else 1)
     latents, frames_out = [], []
     for start in range(0, total, chunk_frames):

@@ -461,7 +461,7 @@ def generator_stages(sampler, case, gen, groups, latent_size, split, lanes, **kw
         guidance_scale=guidance,
         context_time=context_time,
         window_frames=window,
-        make_decoder=lambda: ChunkDecoder(sampler.decode, sampler.vae),
+        make_decoder=lambda device, group: ChunkDecoder(sampler.decode, sampler.vae),
         **kw,
     )
 
@@ -575,7 +575,7 @@ def test_streaming_pipeline_variants_match_the_single_device_loop(refill, cfg_ro
         dict(seeds=[7 + g], branches=[text_inputs(1, 5, 3 * g + b, masked=b == 0) for b in range(2)]) for g in range(2)
     ]
     latent_size, times = (12, 6, 8, 8), [1.0, 0.6, 0.3, 0.0]
-    decode = lambda: lambda x: (x * 10).round().to(torch.int16)  # noqa: E731
+    decode = lambda device, group: lambda x: (x * 10).round().to(torch.int16)  # noqa: E731
     kw = dict(refill=refill, guidance_scale=3.0, make_decoder=decode, cfg_rows=cfg_rows)
     refs = [stream_reference(model, g, latent_size, times, **kw) for g in groups]
     place_model(model, 2, ["cpu", "cpu"])
@@ -646,7 +646,7 @@ def test_a_prep_queues_nothing_on_gpu1_and_runs_on_the_prep_stream(mode, monkeyp
     model = tiny_model(causal_chunk_frames=2)
     groups = [dict(seeds=[7 + g], branches=[text_inputs(1, 5, g, masked=True)]) for g in range(2)]
     latent_size, times = (12, 6, 8, 8), [1.0, 0.6, 0.3, 0.0]
-    decode = lambda: lambda x: (x * 10).round().to(torch.int16)  # noqa: E731
+    decode = lambda device, group: lambda x: (x * 10).round().to(torch.int16)  # noqa: E731
     kw = dict(refill=True, rollout="renoise", context_time=0.1, make_decoder=decode)
     refs = [stream_reference(model, g, latent_size, times, **kw) for g in groups]
     place_model(model, 2, ["cpu", "cpu"])

@@ -37,7 +37,7 @@ def gpu_sampler(**overrides):
 
 def lane1_decoder(sampler):
     vae1 = copy.deepcopy(sampler.vae).to(DEVICES[1])
-    return lambda: ChunkDecoder(device_decoder(vae1, sampler.dtype), vae1)  # sampler.decode's casts, on lane 1
+    return lambda *_: ChunkDecoder(device_decoder(vae1, sampler.dtype), vae1)  # sampler.decode's casts, on lane 1
 
 
 def pipelined(sampler, groups, latent_size, times, split, make_decoder, graphs=False, **kw):
@@ -129,7 +129,7 @@ def test_two_gpu_streaming_variants_match_the_one_gpu_loop(refill, cfg_rows):
         text, null = sampler.encode_text(p)
         groups.append(dict(seeds=[i], branches=[text, null]))
     latent_size, times = (sampler.vae.latent_channels, 6, 8, 8), [1.0, 0.5, 0.0]
-    make_ref_decoder = lambda: ChunkDecoder(device_decoder(sampler.vae, sampler.dtype), sampler.vae)  # noqa
+    make_ref_decoder = lambda *_: ChunkDecoder(device_decoder(sampler.vae, sampler.dtype), sampler.vae)  # noqa
     kw = dict(refill=refill, guidance_scale=3.0, cfg_rows=cfg_rows)
     refs = [
         stream_reference(sampler.model, g, latent_size, times, make_decoder=make_ref_decoder, device="cuda:0", **kw)
@@ -214,3 +214,58 @@ def test_cli_two_gpu_streaming_writes_the_one_gpu_streaming_videos(tmp_path):
         assert passes["graphed"] and passes["split"] == report["probe_split"], passes
         assert passes["cached_frames"] == report["past_frames"] and passes["stage0"] > 0 and passes["stage1"] > 0
         assert report["split"] in [row["split"] for row in report["candidates"]]
+
+
+# a small VAE of the real architecture (diffusers AutoencoderKLHunyuanVideo: causal 3D convs, 32-group norms, mid
+# attention; 4x time, 8x space) whose latent channels the tiny causal MMDiT takes
+SMALL_HUNYUAN_VAE = dict(
+    block_out_channels=(32, 64, 64, 64), layers_per_block=1, norm_num_groups=32, latent_channels=48
+)
+
+
+@pytest.mark.parametrize("decode_lanes", [None, (0, 1)], ids=["last-gpu", "one-per-gpu"])
+def test_two_gpu_streaming_with_the_exact_chunk_decode_is_bit_identical_to_one_gpu(decode_lanes):
+    """The exact-once decode (running statistics, conv caches, the fused group norm, graphed decodes) of a
+    HunyuanVideo-architecture VAE in bf16: each video's decoder on the GPU the plan gives it, every chunk's frames
+    equal to ``StreamingGenerator(cuda_graphs=True)``'s (graphed passes, graphed decode on a side stream)."""
+    from opensora.inference.pipeline_parallel.decoders import ChunkDecoders
+    from opensora.inference.streaming.generator import StreamingGenerator
+    from opensora.models.vae.hunyuan_vae import HunyuanVideoVAE
+
+    sampler = gpu_sampler()
+    sampler.vae = HunyuanVideoVAE(config=SMALL_HUNYUAN_VAE, seed=0, dtype="bf16").to("cuda:0").eval()
+    gen = StreamingGenerator(sampler, step_list=[1.0, 0.5], cuda_graphs=True)
+    num_frames, size = 17, 64  # 5 latent frames: chunks of 2, 2, 1
+    refs, groups = [], []
+    for g, prompt in enumerate(["a red circle moving left", "a blue square moving up"]):
+        refs.append(list(gen.stream([prompt], [g], num_frames, size, size)))
+        text, _ = sampler.encode_text([prompt])
+        groups.append(dict(seeds=[g], branches=[text]))
+    assert gen.exact_decode is not None and gen.exact_decode.failures == []
+    latent_size = (sampler.vae.latent_channels, *sampler.latent_size(num_frames, size, size))
+    pp = copy.deepcopy(sampler.model)
+    place_model(pp, 2, DEVICES)
+    runners = (ChunkGraphs(pp), ChunkGraphs(pp))
+    decoders = ChunkDecoders.like(gen)
+    for mode in OVERLAP_MODES:
+        for run in range(2):
+            lanes = Lanes(DEVICES)
+            stages = CausalStreamingStages(
+                pp,
+                lanes,
+                2,
+                groups,
+                latent_size,
+                gen.schedule(latent_size[1:]),
+                make_decoder=decoders,
+                cuda_graphs=runners,
+                decode_lanes=decode_lanes,
+            )
+            result = run_plan(stages, mode, lanes)[0]
+            for g, chunks in enumerate(refs):
+                for chunk in chunks:
+                    assert torch.equal(result.latents[(g, chunk.index)], chunk.latents.cpu()), (mode, run, g)
+                    frames = result.frames[(g, chunk.index)]
+                    diff = (frames.int() - chunk.frames.int()).abs().max().item()
+                    assert diff == 0, (mode, run, g, chunk.index, diff)
+    assert decoders.summary()["graph_failures"] == []

@@ -6,8 +6,9 @@
 Same sampler as ``--streaming`` on one GPU (``StreamingGenerator``: its schedule, rollout, CFG layout,
 noise order, cache refill at ``--context-time``, rolling window, chunk decoder), so the videos are bit-identical
 to it; each prompt group (``--batch-size`` prompts) is one item in flight (several groups overlap fully). GPU0:
-text features, noise, embedders and blocks[0..split]; GPU1: the other blocks, the final layer, the sampler update
-and the chunk decoder. ``--pp-cfg-rows false`` runs the CFG passes as separate micro-batches (two items in flight
+text features, noise, embedders and blocks[0..split]; GPU1: the other blocks, the final layer and the sampler
+update; each video's chunk decoder (``--streaming``'s decode rule, exact-once by default) on the GPU ``--pp-split
+auto`` places it (GPU1 unless the measured plan says otherwise; GPU1 with an explicit split). ``--pp-cfg-rows false`` runs the CFG passes as separate micro-batches (two items in flight
 per prompt group; same math, other GEMM shapes, so equal to one GPU running those micro-batches, not to
 ``--streaming``); ``--stream-refill false`` lets the last denoising step write the cache (another sampler).
 Unlike ``--streaming``, the mp4s are written once all chunks are done (by the same writer, so equal frames give
@@ -40,15 +41,19 @@ def device_decoder(vae, sampler_dtype):
     return lambda latents: uint8_frames_on_device(vae.decode(latents.to(dtype)))
 
 
-def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, generator, decode_fn):
+def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, generator, decoders=None):
     """``--pp-split auto``, as ``benchmarks/pipeline_parallel.py`` chooses it: the per-block probe
-    (``measure_stage_times`` on devices[0] at ``typical_past_frames`` cached frames) -> a probe split; the model
-    placed there and a few whole stage0 / stage1 passes timed (``measure_stage_passes``, graphed when the run will
-    be) -> the probe times calibrated to those passes and the split chosen again (``calibrated_split``). Leaves
-    ``model`` placed at the returned split. Returns (split, the split report: probe times, candidates, the
-    measured passes and the calibrated choice). The split moves work between the GPUs, never changes a value."""
+    (``measure_stage_times`` on devices[0] at ``typical_past_frames`` cached frames) and the run's own chunk decode
+    (``measure_chunk_decode``: ``decoders``, a ``ChunkDecoders``, over one video's chunks) -> a probe split; the
+    model placed there and a few whole stage0 / stage1 passes timed (``measure_stage_passes``, graphed when the run
+    will be) -> the probe times calibrated to those passes and the split and the decode placement chosen on them
+    (``calibrated_split(place_decode=True)``: the decode counts on the GPU that runs it). Leaves ``model`` placed at
+    the returned split. Returns (split, the split report: probe times, decode times, candidates, the measured
+    passes, the calibrated choice and ``decode_lanes``). Neither choice changes a value: each video is decoded in
+    order by one decoder of the one-GPU rule, wherever it lives."""
     import torch
 
+    from .decoders import measure_chunk_decode
     from .runtime import Lanes
     from .split import calibrated_split, choose_split
     from .stage_times import measure_stage_passes, measure_stage_times, typical_past_frames
@@ -63,7 +68,13 @@ def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, gener
     x = torch.cat([x] * (rows["text_emb"].shape[0] // x.shape[0])).to(devices[0])
     # a graphed stage costs its kernels, an eager one its launches: the split follows what will run
     past = typical_past_frames(latent_size[1], generator.chunk_frames, generator.window_frames)
-    probe_ms = measure_stage_times(model, x, rows, decode=decode_fn, cuda_graphs=graphed, past_frames=past)
+    probe_ms = measure_stage_times(model, x, rows, cuda_graphs=graphed, past_frames=past)
+    decode_report = None
+    if decoders is not None:  # the run's decoder over a video's chunks (a causal decoder's chunks differ in cost)
+        video = seeded_latent_noise(groups[0]["seeds"], latent_size)
+        chunks = list(video.split(generator.chunk_frames, dim=2))
+        decode_report = measure_chunk_decode(decoders, devices[0], chunks)
+        probe_ms["decode_ms"] = decode_report["mean_ms"]
     embed, final = probe_ms["embed_ms"], probe_ms["final_ms"]
     probe_split, _ = choose_split(plan, mode, probe_ms["block_ms"], embed, final, decode_ms=probe_ms["decode_ms"])
     logger.info(
@@ -81,24 +92,31 @@ def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, gener
     passes = measure_stage_passes(
         model, devices, probe_split, groups[0], latent_size, times, past, cuda_graphs=graphed, **sampler_kw
     )
-    split, table, details = calibrated_split(plan, mode, probe_ms, len(model.double_blocks), passes)
+    split, table, details = calibrated_split(
+        plan, mode, probe_ms, len(model.double_blocks), passes, place_decode=decoders is not None
+    )
     if split != probe_split:
         place_model(model, split, devices)
+    best = next(r for r in table if r["split"] == split and tuple(r["decode_lanes"]) == details["decode_lanes"])
     logger.info(
-        "pp-split auto: GPU0 = embed + blocks[0..%d], GPU1 = blocks[%d..] + final + decode (whole passes at split "
+        "pp-split auto: GPU0 = embed + blocks[0..%d], GPU1 = blocks[%d..] + final; decode of each video on GPU %s "
+        "(%.1f ms per chunk; simulated busy GPU0/GPU1 %.2f/%.2f) (whole passes at split "
         "%d%s: stage0 %.2f ms, stage1 %.2f ms, where the probe summed %.2f / %.2f ms; calibrated: stage0 %.2f ms, "
         "stage1 %.2f ms, simulated plan time %.1f ms, the shortest of %d splits)",
         split,
         split + 1,
+        list(details["decode_lanes"]) or [1] * len(groups),
+        probe_ms["decode_ms"],
+        *best["simulated_busy"],
         probe_split,
         ", graphed" if passes["graphed"] else "",
         passes["stage0"],
         passes["stage1"],
         embed + sum(probe_ms["block_ms"][: probe_split + 1]),
         sum(probe_ms["block_ms"][probe_split + 1 :]) + final,
-        table[split]["stage0_ms"],
-        table[split]["stage1_ms"],
-        table[split]["simulated_ms"],
+        best["stage0_ms"],
+        best["stage1_ms"],
+        best["simulated_ms"],
         len(table),
     )
     report = dict(
@@ -107,6 +125,9 @@ def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, gener
         candidates=table,
         probe_split=probe_split,
         calibration=details,  # its ``measured``: the timed passes
+        decode=decode_report,
+        decode_lanes=list(details["decode_lanes"]),
+        simulated_busy=best["simulated_busy"],
     )
     return split, report
 
@@ -116,8 +137,9 @@ def run_pipelined(job) -> list:
     sample paths."""
     from opensora.inference.sample_writer import SampleWriter
     from opensora.inference.sampler import VideoSampler
-    from opensora.inference.streaming.generator import ChunkDecoder, StreamingGenerator
+    from opensora.inference.streaming.generator import StreamingGenerator
 
+    from .decoders import ChunkDecoders
     from .runtime import Lanes, run_plan
     from .split import parse_split
     from .stages import all_blocks, place_model
@@ -144,11 +166,9 @@ def run_pipelined(job) -> list:
         text, null = sampler.encode_text(job.prompts[start : start + batch])
         seeds = job.seeds[start : start + batch]
         groups.append(dict(seeds=seeds, branches=[text] + ([null] if guidance != 1.0 else [])))
-    vae = sampler.vae.to(devices[0])
-    decode_fn = device_decoder(vae, sampler.dtype)
-
-    def make_decoder():
-        return ChunkDecoder(decode_fn, vae)
+    sampler.vae.to(devices[0])
+    # one decoder per video with --streaming's decode rule (exact-once by default), on the GPU the plan gives it
+    make_decoder = ChunkDecoders.like(generator)
 
     latent_size = (sampler.vae.latent_channels, *latent)
     kw = dict(
@@ -164,23 +184,24 @@ def run_pipelined(job) -> list:
     )
     split = parse_split(pipeline.pp_split, len(all_blocks(model)))
     split_report = dict(requested=str(pipeline.pp_split))
-    costs = None  # the schedule's default per-kind costs, unless auto measured them
+    costs, decode_lanes = None, None  # the schedule's default costs and decode on GPU1, unless auto measured them
     if split is None:
-        split, report = auto_split(model, devices, mode, groups, latent_size, times, kw, generator, decode_fn)
+        split, report = auto_split(model, devices, mode, groups, latent_size, times, kw, generator, make_decoder)
         split_report.update(report)
-        costs = report["calibration"]["costs"]
+        costs, decode_lanes = report["calibration"]["costs"], report["decode_lanes"]
     split_report["split"] = split
     place_model(model, split, devices)  # auto: already there
-    vae.to(devices[1])
     lanes = Lanes(devices, profile=bool(pipeline.profile))
-    stages = CausalStreamingStages(model, lanes, split, groups, latent_size, times, **kw)
+    stages = CausalStreamingStages(model, lanes, split, groups, latent_size, times, decode_lanes=decode_lanes, **kw)
     result, sim = run_plan(stages, mode, lanes, costs=costs)  # auto: the calibrated costs (issue order only)
     num_chunks = stages.plan.num_chunks
+    placed = [stages.plan.decode_lane(g) for g in range(len(groups))]
     logger.info(
-        "two-GPU streaming (%s, split %d): %d prompt(s) x %d chunks in %.2f s (%.1f latent frames/s; "
-        "simulated busy GPU0/GPU1 %.2f/%.2f)",
+        "two-GPU streaming (%s, split %d, decode of each video on GPU %s): %d prompt(s) x %d chunks in %.2f s "
+        "(%.1f latent frames/s; simulated busy GPU0/GPU1 %.2f/%.2f)",
         mode,
         split,
+        placed,
         len(job.prompts),
         num_chunks,
         result.seconds,
@@ -191,6 +212,9 @@ def run_pipelined(job) -> list:
         pp_devices=devices,
         pp_overlap=mode,
         pp_split=split_report,
+        decode_lanes=placed,
+        decode=make_decoder.summary(),
+        simulated_busy=list(sim.busy_fraction),
         stream_times=times,
         stream_refill=bool(pipeline.stream_refill),
         seconds=result.seconds,
@@ -199,6 +223,9 @@ def run_pipelined(job) -> list:
         context_time=streaming.context_time,
         chunk_frames=generator.chunk_frames,
     )
+    lane_summary = result.summary.get("lanes", {})
+    if lane_summary:  # measured (--profile): the busy fraction per GPU
+        pp_record["busy"] = {lane: round(v["busy_fraction"], 4) for lane, v in lane_summary.items()}
     save_dir = job.options.run.save_dir
     if pipeline.profile:
         dump_json(f"{save_dir}/pp_profile.json", dict(summary=result.summary, timeline=result.timeline, **pp_record))

@@ -269,7 +269,7 @@ class Stages:
     that reads it, see the module docstring); ``stage0(ctx, branch, step,
     x, store_kv) -> activations`` (lane 0); ``stage1(ctx, branch, step, activations, store_kv) -> model output``
     (lane 1); ``update(ctx, step, outputs, x) -> next x`` (lane 1; at the last step the chunk's x0);
-    ``decode(ctx, x0) -> frames`` (lane 1).
+    ``decode(ctx, x0) -> frames`` (on ``plan.decode_lane(group)``).
     """
 
     plan: Plan
@@ -368,7 +368,7 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
                 latents[(g, c)] = lanes.to_host(x_next, values[("x", g, c, k + 1)].ready, 1)
         elif task.kind == "decode":
             video = stages.decode(ctxs[(g, c)], inputs)
-            frames[(g, c)] = lanes.to_host(video, lanes.event(1), 1)
+            frames[(g, c)] = lanes.to_host(video, lanes.event(task.device), task.device)
         else:  # pragma: no cover
             raise ValueError(task.kind)
 
@@ -391,7 +391,7 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
                 elif task.kind == "update":
                     inputs = values[("x", g, c, k)].on(lanes, 1)
                 elif task.kind == "decode":
-                    inputs = values[("x", g, c, plan.num_steps)].on(lanes, 1)
+                    inputs = values[("x", g, c, plan.num_steps)].on(lanes, lane)
                 with lanes.task(task):
                     compute(task, inputs)
                 del inputs

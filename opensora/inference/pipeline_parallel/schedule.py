@@ -14,7 +14,8 @@ The work of a run is a graph of tasks over (group, branch, chunk, step):
 * ``stage0`` (GPU0)  patchify + embed + blocks[:split] of one branch at one step (its caches for those blocks);
 * ``stage1`` (GPU1)  blocks[split:] + final layer of the same forward;
 * ``update`` (GPU1)  CFG combine of the group's branches + sampler step (or the chunk's x0 at its last step);
-* ``decode`` (GPU1)  VAE decode of the chunk's x0 (+ copy to pinned host memory).
+* ``decode`` (GPU1, or GPU0 for the groups ``Plan.decode_lanes`` puts there)  VAE decode of the chunk's x0 (+ copy
+  to pinned host memory); one decoder per group, fed its chunks in order (a causal decoder carries state).
 
 A *group* is one independent work unit (a prompt / micro-batch of prompts, with its own caches); its *branches*
 are the CFG passes (cond, uncond) when they run as separate micro-batches, each with its own caches (the streaming
@@ -79,7 +80,10 @@ class Plan:
         refill: re-run each chunk's final x0 at context noise 0 to write the caches (one extra forward per chunk;
             not for the last chunk, whose cache no chunk reads: ``StreamingGenerator`` skips it too).
         cached: the model keeps KV caches across chunks (streaming); False for bidirectional sampling.
-        decode: decode every chunk on GPU1.
+        decode: decode every chunk.
+        decode_lanes: the GPU that decodes each group's chunks (one entry per group; empty: all on GPU1). A causal
+            decoder is stateful (conv caches, running norm statistics), so one video's chunks are decoded in order
+            by one decoder on one GPU; different videos may decode on different GPUs.
     """
 
     num_groups: int = 1
@@ -89,6 +93,7 @@ class Plan:
     refill: bool = False
     cached: bool = True
     decode: bool = True
+    decode_lanes: Tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("num_groups", "num_branches", "num_chunks", "num_steps"):
@@ -96,6 +101,17 @@ class Plan:
                 raise ValueError(f"Plan.{name} must be >= 1, got {getattr(self, name)}")
         if self.refill and not self.cached:
             raise ValueError("refill writes the KV cache: it needs cached=True")
+        lanes = tuple(int(lane) for lane in self.decode_lanes)
+        if lanes and (len(lanes) != self.num_groups or any(lane not in (0, 1) for lane in lanes)):
+            raise ValueError(f"decode_lanes needs one lane (0 or 1) per group, got {self.decode_lanes}")
+        object.__setattr__(self, "decode_lanes", lanes)
+
+    def decode_lane(self, group: int) -> int:
+        """The GPU that decodes ``group``'s chunks."""
+        return self.decode_lanes[group] if self.decode_lanes else DEVICE_OF_KIND["decode"]
+
+    def decode_task(self, group: int, chunk: int) -> "Task":
+        return Task("decode", group, chunk, lane=self.decode_lane(group))
 
     @property
     def forwards_per_chunk(self) -> int:
@@ -133,10 +149,11 @@ class Task:
     chunk: int
     step: int = -1  # -1: prep and decode
     branch: int = -1  # -1: prep, update and decode
+    lane: int = -1  # a decode's GPU (``Plan.decode_lane``); -1: the kind's own (``DEVICE_OF_KIND``)
 
     @property
     def device(self) -> int:
-        return DEVICE_OF_KIND[self.kind]
+        return DEVICE_OF_KIND[self.kind] if self.lane < 0 else self.lane
 
     @property
     def stream(self) -> int:
@@ -149,6 +166,8 @@ class Task:
             parts.append(f"s{self.step}")
         if self.branch >= 0:
             parts.append(f"b{self.branch}")
+        if self.lane >= 0:
+            parts.append(f"gpu{self.lane}")
         return ".".join(parts)
 
 
@@ -164,7 +183,7 @@ def natural_order(plan: Plan) -> List[Task]:
                 if k < plan.num_steps:
                     order.append(Task("update", g, c, k))
             if plan.decode:
-                order.append(Task("decode", g, c))
+                order.append(plan.decode_task(g, c))
     return order
 
 
@@ -200,10 +219,10 @@ def build_graph(plan: Plan, mode: str = "basic", prefetch: int = 1) -> Dict[Task
                 if k < plan.num_steps:
                     deps[Task("update", g, c, k)] = [Task("stage1", g, c, k, b) for b in range(plan.num_branches)]
             if plan.decode:
-                dec = Task("decode", g, c)
+                dec = plan.decode_task(g, c)
                 deps[dec] = [Task("update", g, c, plan.num_steps - 1)]
                 if c > 0:
-                    deps[dec].append(Task("decode", g, c - 1))  # a streaming decoder consumes chunks in order
+                    deps[dec].append(plan.decode_task(g, c - 1))  # a streaming decoder consumes chunks in order
     return deps
 
 

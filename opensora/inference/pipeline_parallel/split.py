@@ -1,9 +1,11 @@
-"""Where to cut the MMDiT between the two GPUs: per-kind task costs from per-block times (``stage_costs``), the split
-the simulator finds fastest (``choose_split``), and the same calibrated against timed whole stage passes
-(``calibrated_split``); the times come from stage_times.py."""
+"""Where to cut the MMDiT between the two GPUs and which GPU decodes each video: per-kind task costs from per-block
+times (``stage_costs``), the split (and decode placement, ``choose_split_and_decode``) the simulator finds fastest,
+and the same calibrated against timed whole stage passes (``calibrated_split``); the times come from stage_times.py
+and, for the decode, decoders.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .schedule import Plan, schedule
@@ -28,6 +30,17 @@ def stage_costs(
     )
 
 
+def decode_placements(num_groups: int) -> List[Tuple[int, ...]]:
+    """Where the groups' decoders may live (``Plan.decode_lanes``), the default first: every group on the last GPU,
+    every group on GPU0, and with several groups alternating (each GPU decodes every other video). One video's
+    chunks never move between GPUs: its decoder carries state from chunk to chunk."""
+    g = int(num_groups)
+    out = [(1,) * g, (0,) * g]
+    if g > 1:
+        out += [tuple(i % 2 for i in range(g)), tuple(1 - i % 2 for i in range(g))]
+    return out
+
+
 def choose_split(
     plan: Plan,
     mode: str,
@@ -38,30 +51,71 @@ def choose_split(
     decode_ms: float = 0.0,
     prep_ms: float = 0.0,
 ) -> Tuple[int, List[dict]]:
-    """The split (index of GPU0's last block) with the smallest simulated time for ``plan`` under ``mode``, from
-    measured per-block times; ties go to the most balanced split. Returns (split, one row per candidate)."""
+    """The split (index of GPU0's last block) with the smallest simulated time for ``plan`` (its decode placement
+    as it is) under ``mode``, from measured per-block times; ties go to the most balanced split. Returns (split, one
+    row per candidate)."""
+    split, _, rows = choose_split_and_decode(
+        plan, mode, block_ms, embed_ms, final_ms, update_ms, decode_ms, prep_ms, [plan.decode_lanes]
+    )
+    return split, rows
+
+
+def choose_split_and_decode(
+    plan: Plan,
+    mode: str,
+    block_ms: Sequence[float],
+    embed_ms: float,
+    final_ms: float,
+    update_ms: float = 0.0,
+    decode_ms: float = 0.0,
+    prep_ms: float = 0.0,
+    placements: Optional[Sequence[Sequence[int]]] = None,
+) -> Tuple[int, Tuple[int, ...], List[dict]]:
+    """The split and the decode placement (``Plan.decode_lanes``, from ``placements``; None: every one of
+    ``decode_placements``) with the smallest simulated time. The decode is a task of the GPU that runs it, so a
+    dear decode (the real VAE: ~220 ms a chunk at 480x832, about a chunk's DiT passes) moves blocks to the other
+    GPU. Ties go to the earlier placement (the default first), then the most balanced split. Returns (split,
+    decode_lanes, one row per (placement, split) candidate)."""
     n = len(block_ms)
     if n < 2:
         raise ValueError("pipeline parallelism needs at least 2 blocks")
+    if placements is None:
+        placements = decode_placements(plan.num_groups) if plan.decode else [()]
     rows = []
-    for split in range(n - 1):
-        costs = stage_costs(block_ms, split, embed_ms, final_ms, update_ms, decode_ms, prep_ms)
-        sim = schedule(plan, mode if mode != "off" else "basic", costs)
-        forwards = plan.total_forwards / plan.num_chunks  # per chunk, on average (the last one has no refill)
-        gpu0 = forwards * costs["stage0"] + costs["prep"]
-        gpu1 = forwards * costs["stage1"] + plan.num_steps * costs["update"] + costs["decode"]
-        rows.append(
-            dict(
-                split=split,
-                stage0_ms=costs["stage0"],
-                stage1_ms=costs["stage1"],
-                gpu0_ms_per_chunk=gpu0,
-                gpu1_ms_per_chunk=gpu1,
-                simulated_ms=sim.makespan,
+    for rank, lanes in enumerate(placements):
+        candidate = replace(plan, decode_lanes=tuple(lanes))
+        on0 = sum(1 for g in range(plan.num_groups) if candidate.decode_lane(g) == 0) / plan.num_groups
+        decode = decode_ms if plan.decode else 0.0
+        for split in range(n - 1):
+            costs = stage_costs(block_ms, split, embed_ms, final_ms, update_ms, decode_ms, prep_ms)
+            sim = schedule(candidate, mode if mode != "off" else "basic", costs)
+            forwards = plan.total_forwards / plan.num_chunks  # per chunk, on average (the last one has no refill)
+            gpu0 = forwards * costs["stage0"] + costs["prep"] + on0 * decode
+            gpu1 = forwards * costs["stage1"] + plan.num_steps * costs["update"] + (1 - on0) * decode
+            rows.append(
+                dict(
+                    split=split,
+                    decode_lanes=list(candidate.decode_lanes),
+                    stage0_ms=costs["stage0"],
+                    stage1_ms=costs["stage1"],
+                    gpu0_ms_per_chunk=gpu0,
+                    gpu1_ms_per_chunk=gpu1,
+                    simulated_ms=sim.makespan,
+                    simulated_busy=list(sim.busy_fraction),
+                    _rank=rank,
+                )
             )
-        )
-    best = min(rows, key=lambda r: (round(r["simulated_ms"], 6), abs(r["gpu0_ms_per_chunk"] - r["gpu1_ms_per_chunk"])))
-    return best["split"], rows
+    best = min(
+        rows,
+        key=lambda r: (
+            round(r["simulated_ms"], 6),
+            r["_rank"],
+            abs(r["gpu0_ms_per_chunk"] - r["gpu1_ms_per_chunk"]),
+        ),
+    )
+    for r in rows:
+        r.pop("_rank")
+    return best["split"], tuple(best["decode_lanes"]), rows
 
 
 def tasks_per_kind(plan: Plan) -> Dict[str, int]:
@@ -122,6 +176,7 @@ def calibrated_split(
     stage_times: Mapping,
     num_double: int,
     measured: Mapping[str, float],
+    place_decode: bool = False,
 ) -> Tuple[int, List[dict], dict]:
     """``--pp-split auto`` from whole-pass measurements: the per-block probe times ``stage_times``
     (``measure_stage_times``: ``embed_ms``, ``block_ms``, ``final_ms``, ``decode_ms``) rescaled with
@@ -132,7 +187,8 @@ def calibrated_split(
     and update 0, as ``choose_split`` has them by default). ``num_double``: the model's double blocks (the first
     ones). Returns (split, ``choose_split``'s candidates on the calibrated times, details: ``probe_split`` (the
     choice from the uncalibrated probe), ``block_ms`` (calibrated), ``costs`` (per-kind costs at the chosen split,
-    the run's issue order), ``measured``)."""
+    the run's issue order), ``measured``, ``decode_lanes``). ``place_decode``: choose the decode placement too
+    (``choose_split_and_decode``; ``details["decode_lanes"]``), else keep ``plan``'s."""
     embed_ms, final_ms = float(stage_times["embed_ms"]), float(stage_times["final_ms"])
     probe = [float(b) for b in stage_times["block_ms"]]
     blocks = calibrate_block_ms(
@@ -143,12 +199,17 @@ def calibrated_split(
         decode_ms=float(measured.get("decode", stage_times.get("decode_ms", 0.0))),
         prep_ms=float(measured.get("prep", 0.0)),
     )
-    split, rows = choose_split(plan, mode, blocks, embed_ms, final_ms, **extra)
+    placements = None if place_decode else [plan.decode_lanes]
+    split, decode_lanes, rows = choose_split_and_decode(
+        plan, mode, blocks, embed_ms, final_ms, **extra, placements=placements
+    )
     probe_split, _ = choose_split(
         plan, mode, probe, embed_ms, final_ms, decode_ms=float(stage_times.get("decode_ms", 0.0))
     )
     costs = stage_costs(blocks, split, embed_ms, final_ms, extra["update_ms"], extra["decode_ms"], extra["prep_ms"])
-    details = dict(probe_split=probe_split, block_ms=blocks, costs=costs, measured=dict(measured))
+    details = dict(
+        probe_split=probe_split, block_ms=blocks, costs=costs, measured=dict(measured), decode_lanes=decode_lanes
+    )
     return split, rows, details
 
 

@@ -44,8 +44,11 @@ class CausalStreamingStages:
             does); False stores the keys/values of the last denoising step instead (the cache is written by the
             denoising pass, as FlashVSR's one-step model does: a different sampler, with no 1-GPU twin in the streaming generator).
         rollout: ``renoise`` or ``euler``. guidance_scale: CFG ``u + w (c - u)`` with two branches.
-        make_decoder: called once per group: a callable decoding that group's chunks in order (lane 1), e.g. a
-            ``streaming.generator.ChunkDecoder``; None: no decode.
+        make_decoder: called once per group with the device that decodes it: a callable decoding that group's
+            chunks in order on that device, e.g. ``streaming.generator.chunk_decoder`` (the one-GPU streaming
+            sampler's decode rule, so the frames equal its frames); None: no decode.
+        decode_lanes: the lane that decodes each group (``Plan.decode_lanes``: one per group; None: all on lane 1).
+            A causal decoder carries state from chunk to chunk, so a group's chunks stay on one lane.
         window_frames / sink_frames: the caches' rolling window (see ``KVCache``).
         text_cache: keep every block's text keys/values per pass time after the first chunk (``StreamingGenerator``'s
             ``text_cache``, on by default there and here). It changes which rows a pass runs, hence the GEMM shapes and
@@ -74,6 +77,7 @@ class CausalStreamingStages:
         cfg_rows: bool = True,
         text_cache: bool = True,
         cuda_graphs=False,
+        decode_lanes: Optional[Sequence[int]] = None,
     ):
         if not getattr(model, "causal_chunk_frames", 0):
             raise ValueError("streaming stages need a causal MMDiT (causal_chunk_frames > 0)")
@@ -102,6 +106,7 @@ class CausalStreamingStages:
             self.times,
             refill,
             make_decoder is not None,
+            decode_lanes,
         )
         dev0 = lanes.devices[0]
         self.text = []  # per group, per branch: text tensors on lane 0 (rows mode: one branch of all passes)
@@ -148,7 +153,9 @@ class CausalStreamingStages:
         self.noise = [
             StreamNoise(g["seeds"], self.channels, self.hw, self.times, rollout, self.context_time) for g in self.groups
         ]
-        self.decoders = [make_decoder() for _ in self.groups] if make_decoder is not None else None
+        self.decoders = None
+        if make_decoder is not None:
+            self.decoders = [make_decoder(lanes.devices[self.plan.decode_lane(g)], g) for g in range(len(self.groups))]
         self.rows = [len(g["seeds"]) * (2 if self.cfg_rows else 1) for g in self.groups]
         self._reused_tensors: Dict[tuple, Any] = {}
         self._reused_lock = threading.Lock()  # lane 0 (prep, stage0) and lane 1 (stage1) may run on two threads
@@ -167,6 +174,7 @@ class CausalStreamingStages:
         times: Sequence[float],
         refill: bool = True,
         decode: bool = True,
+        decode_lanes: Optional[Sequence[int]] = None,
     ) -> Plan:
         """The ``Plan`` such stages run (for ``choose_split`` before building them)."""
         num_chunks = -(-int(latent_size[1]) // chunk_frames)
@@ -178,6 +186,7 @@ class CausalStreamingStages:
             refill=refill,
             cached=True,
             decode=decode,
+            decode_lanes=tuple(decode_lanes or ()) if decode else (),
         )
 
     def prepare(self, group: int, chunk: int) -> dict:

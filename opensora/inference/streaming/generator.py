@@ -302,6 +302,7 @@ class StreamingGenerator:
         self.decode_graphs = None
         offloaded = getattr(sampler, "offload", False)  # an offloaded autoencoder moves: overlap rule, no graphs
         self.exact_decode = None
+        self.decode_rule, self.exact_graphs = decode_rule, bool(decode_graphs)  # what a pipeline's decoders copy
         if not offloaded:
             graphs = bool(decode_graphs)
             self.exact_decode = exact_chunk_decode(

@@ -1,0 +1,205 @@
+"""Two-GPU streaming with the real-size HunyuanVideo VAE (``python -m benchmarks.pipeline_parallel``, its default).
+
+The 1B causal student of ``benchmarks/streaming.py`` (``mmdit_1b_synthetic.py``: random weights, chunks of 3 latent
+frames, 4 steps + refill, text cache, CUDA graphs; T5 / CLIP at their real widths) with diffusers'
+``AutoencoderKLHunyuanVideo()`` at its default config (246M parameters, random weights, bf16), exact-once chunk
+decode (``decode_rule="running"``), ``--groups`` videos in flight, per ``--sizes`` entry:
+
+* ``1gpu``: ``StreamingGenerator(cuda_graphs=True)`` (graphed passes, graphed decode overlapped on a side stream),
+  the videos one after another: the one-GPU ``--streaming`` run;
+* ``2gpu-aggressive``: ``CausalStreamingStages`` with graphed stages, the CLI's ``--pp-split auto``
+  (``pipeline_parallel.cli.auto_split``: probe, timed passes, the run's own chunk decode timed, then the split and
+  each video's decode GPU chosen on the simulated plan), one decoder per video (``ChunkDecoders``).
+
+Reported per size: frames/s end to end (median of ``--repeats`` after a warm-up run), the speed-up, bit-identity
+(max |diff| of every chunk's latents and uint8 frames against the one-GPU run), the busy fraction per GPU (CUDA events
+per task, one profiled run), the decode placement and the plan's simulated busy fractions, and the chunk latency
+(time between consecutive chunks handed out: first, median and worst of the later ones; the pipeline's from the
+profiled run's decode ends). Frames count the pixel frames of all videos.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+from benchmarks.streaming import REAL_VAE, random_sampler
+from opensora.config import load_config
+from opensora.inference.pipeline_parallel.cli import auto_split
+from opensora.inference.pipeline_parallel.decoders import ChunkDecoders
+from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan
+from opensora.inference.pipeline_parallel.stages import all_blocks, place_model
+from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages
+from opensora.inference.streaming.chunk_graphs import ChunkGraphs
+from opensora.inference.streaming.generator import StreamingGenerator
+
+CONFIG = "configs/diffusion/train/mmdit_1b_synthetic.py"
+STEP_LIST = [1.0, 0.75, 0.5, 0.25]
+
+
+def _sync(devices):
+    for d in devices:
+        if torch.device(d).type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def _latency(seconds) -> dict:
+    later = seconds[1:] or seconds
+    return dict(first_s=seconds[0], median_s=statistics.median(later), worst_s=max(later), per_chunk_s=seconds)
+
+
+def _max_diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def one_size(sampler, pp_model, devices, size, frames, n_groups, repeats, say) -> dict:
+    height, width = size
+    gen = StreamingGenerator(sampler, step_list=STEP_LIST, cuda_graphs=True)
+    prompts = [[f"a red circle moving left, video {g}"] for g in range(n_groups)]
+    seeds = [[100 + g] for g in range(n_groups)]
+
+    def one_gpu():
+        outs = []
+        for p, s in zip(prompts, seeds):
+            outs.append(list(gen.stream(p, s, frames, height, width)))
+        return outs
+
+    times_1, refs = [], None
+    for i in range(repeats + 1):
+        _sync(devices)
+        t0 = time.perf_counter()
+        outs = one_gpu()
+        _sync(devices)
+        if i:
+            times_1.append(time.perf_counter() - t0)
+        refs = refs or outs
+    pixel_frames = sum(c.frames.shape[1] for chunks in refs for c in chunks)
+    one = dict(
+        seconds=statistics.median(times_1),
+        runs_s=times_1,
+        latency=_latency([c.seconds for c in outs[0]]),
+        decode_graph_failures=list(gen.exact_decode.failures) if gen.exact_decode is not None else [],
+    )
+    one["frames_per_s"] = pixel_frames / one["seconds"]
+    say(f"  1gpu: {one['frames_per_s']:.1f} frames/s ({one['seconds']:.3f} s), chunk latency {one['latency']}")
+
+    latent = sampler.latent_size(frames, height, width)
+    latent_size = (sampler.vae.latent_channels, *latent)
+    times = gen.schedule(latent)
+    groups = []
+    for p, s in zip(prompts, seeds):
+        text, _ = sampler.encode_text(p)
+        groups.append(dict(seeds=s, branches=[text]))
+    decoders = ChunkDecoders.like(gen)
+    kw = dict(refill=True, rollout=gen.rollout, context_time=gen.context_time, make_decoder=decoders)
+    place_model(pp_model, len(all_blocks(pp_model)) - 2, [devices[0]] * 2)  # the CLI probes on GPU0
+    t_plan = time.perf_counter()
+    split, report = auto_split(
+        pp_model, devices, "aggressive", groups, latent_size, times, dict(kw, cuda_graphs=True), gen, decoders
+    )
+    plan_s = time.perf_counter() - t_plan
+    decode_lanes, costs = tuple(report["decode_lanes"]), report["calibration"]["costs"]
+    runners = (ChunkGraphs(pp_model), ChunkGraphs(pp_model))
+
+    def two_gpu(profile=False):
+        lanes = Lanes(devices, profile=profile)
+        stages = CausalStreamingStages(
+            pp_model, lanes, split, groups, latent_size, times, cuda_graphs=runners, decode_lanes=decode_lanes, **kw
+        )
+        return run_plan(stages, "aggressive", lanes, costs=costs)[0], stages.plan.num_chunks
+
+    times_2, results = [], []
+    for i in range(repeats + 1):
+        _sync(devices)
+        t0 = time.perf_counter()
+        result, num_chunks = two_gpu()
+        _sync(devices)
+        if i:
+            times_2.append(time.perf_counter() - t0)
+        results.append(result)
+    profiled, _ = two_gpu(profile=True)
+    results.append(profiled)
+    diff = 0.0
+    for result in results:
+        for g, chunks in enumerate(refs):
+            for c in chunks:
+                diff = max(
+                    diff,
+                    _max_diff(result.latents[(g, c.index)], c.latents.cpu()),
+                    _max_diff(result.frames[(g, c.index)], c.frames),
+                )
+    ends = sorted(r["end_ms"] for r in profiled.timeline if r["kind"] == "decode" and r["group"] == 0)
+    start = min(r["start_ms"] for r in profiled.timeline)
+    seconds = [(b - a) / 1e3 for a, b in zip([start, *ends[:-1]], ends)]
+    lanes_summary = profiled.summary.get("lanes", {})
+    two = dict(
+        seconds=statistics.median(times_2),
+        runs_s=times_2,
+        split=split,
+        probe_split=report["probe_split"],
+        decode_lanes=list(decode_lanes),
+        decode_ms_per_chunk=report["decode"]["mean_ms"] if report["decode"] else None,
+        decode_ms_per_chunk_list=report["decode"]["per_chunk_ms"] if report["decode"] else None,
+        simulated_busy=report["simulated_busy"],
+        busy=[lanes_summary.get(f"gpu{i}", {}).get("busy_fraction") for i in (0, 1)],
+        ms_per_kind=profiled.summary.get("ms_per_kind"),
+        latency_video0=_latency(seconds),
+        stage_graphs=[r.summary for r in runners],
+        decoders=decoders.summary(),
+        plan_s=plan_s,
+        passes=report["calibration"]["measured"],
+    )
+    two["frames_per_s"] = pixel_frames / two["seconds"]
+    row = dict(
+        size=f"{height}x{width}",
+        frames=frames,
+        videos=n_groups,
+        latent=list(latent_size),
+        num_chunks=num_chunks,
+        pixel_frames=pixel_frames,
+        vae="HunyuanVideo VAE, diffusers default config (random weights, bf16), exact-once running decode",
+        one_gpu=one,
+        two_gpu=two,
+        speedup=one["seconds"] / two["seconds"],
+        max_diff=diff,
+        bit_identical=diff == 0.0,
+        runs_checked=len(results),
+    )
+    say(
+        f"  2gpu-aggressive: {two['frames_per_s']:.1f} frames/s ({two['seconds']:.3f} s) = {row['speedup']:.2f}x, "
+        f"split {split} (probe {two['probe_split']}), decode of video g on GPU {list(decode_lanes)} "
+        f"({two['decode_ms_per_chunk']:.1f} ms per chunk), busy GPU0/GPU1 {two['busy']} (simulated "
+        f"{[round(b, 2) for b in two['simulated_busy']]}), max |diff| {diff:g}, chunk latency {two['latency_video0']}"
+    )
+    return row  # the graphs and decoders of this size go with the frame
+
+
+def run_real_vae(args, say) -> dict:
+    """The rows of the module docstring; ``args``: devices, sizes, frames, groups, repeats, budget_s, config."""
+    started = time.time()
+    devices = [torch.device(d) for d in args.devices.split(",")]
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("needs 2 CUDA devices")
+    cfg = load_config(args.config or CONFIG)
+    sampler = random_sampler(cfg, 3, devices[0], torch.bfloat16, vae_cfg=REAL_VAE)
+    pp_model = copy.deepcopy(sampler.model)
+    say(f"real-size HunyuanVideo VAE, 1B causal student, {args.groups} video(s) in flight, devices {devices}")
+    rows, skipped = [], []
+    for size in args.sizes:
+        if time.time() - started > args.budget_s:
+            skipped.append(f"{size[0]}x{size[1]}")
+            continue
+        say(f"{size[0]}x{size[1]} x {args.frames} frames:")
+        rows.append(one_size(sampler, pp_model, devices, size, args.frames, args.groups, args.repeats, say))
+        torch.cuda.empty_cache()
+    return dict(
+        rows=rows,
+        skipped=skipped,
+        config=args.config or CONFIG,
+        step_list=STEP_LIST,
+        wall_s=time.time() - started,
+        device=torch.cuda.get_device_name(devices[0]),
+    )
