@@ -9,6 +9,7 @@ from test_mmdit import inputs, perturb, tiny_kwargs
 from opensora.models.mmdit import MMDiT
 from opensora.models.mmdit.attention import KeyRanges, attention
 from opensora.models.mmdit.model import unpatchify
+from opensora.models.mmdit.packed_attention import PackedRows, segment_attention
 from opensora.models.mmdit.text_padding import padded_text_keys, trim_text, trimmed_length, valid_prefix_lengths
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -46,6 +47,34 @@ def test_key_ranges_equal_sdpa_with_their_boolean_mask():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="sorted, non-overlapping"):
         KeyRanges([((5, 11), (0, 2))], queries_at_keys=True)
+
+
+def test_packed_rows_equal_sdpa_with_their_boolean_mask():
+    """Rows of 2, 0 and 5 (all: an empty padding run) valid text tokens of 5, then 6 video tokens: the packed
+    sequences give the masked SDPA output at every valid query, and the same gradients; padded queries attend among
+    themselves (outputs nobody reads) and pass no gradient to the valid tokens."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 11, 8, generator=gen, requires_grad=True) for _ in range(3))
+    packed = PackedRows([2, 0, 5], num_text=5, num_video=6, device="cpu")
+    assert packed.offsets == [0, 8, 11, 17, 22, 33, 33]  # [video + valid text, padded text] per row of 11
+    assert packed.cu_seqlens.tolist() == packed.offsets and packed.cu_seqlens.dtype == torch.int32
+    mask = packed.dense(11)
+    assert torch.equal(mask, KeyRanges([((0, 2), (5, 11)), ((0, 0), (5, 11)), ((0, 5), (5, 11))]).dense(11))
+    out = attention(q, k, v, packed, backend="math")
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(3, 11, 16)
+    valid = mask[:, 0, 0, :, None]  # [B, N, 1]: the rows' valid tokens, as queries
+    torch.testing.assert_close(torch.where(valid, out, 0.0), torch.where(valid, reference, 0.0), rtol=1e-6, atol=1e-6)
+    grad = torch.randn(out.shape, generator=gen) * valid
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    reference_grads = torch.autograd.grad(reference, (q, k, v), grad)
+    for got, want in zip(grads, reference_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="3 rows x 5\\+6 tokens"):
+        attention(q[:2], k[:2], v[:2], packed)
+    # the reference kernel: each sequence alone, empty ones skipped
+    flat = [t.detach().transpose(1, 2).reshape(33, 2, 8) for t in (q, k, v)]
+    alone = F.scaled_dot_product_attention(*(t[11:17].transpose(0, 1)[None] for t in flat))[0].transpose(0, 1)
+    torch.testing.assert_close(segment_attention(*flat, [0, 11, 11, 17, 33])[11:17], alone)
 
 
 def test_trimmed_lengths_and_masks_that_are_not_prefixes():
@@ -100,10 +129,12 @@ def loss_and_grads(model, out, target, text_emb):
 
 @pytest.mark.parametrize("grad_ckpt", [0, 1])
 @pytest.mark.parametrize("lengths, kept", [([5, 37, 1], 64), ([9], 9), ([6, 6], 6)])
-def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_ckpt, lengths, kept):
-    """Lengths 5, 37 and 1 of 80: trimmed to 64 (the multiple of 32 above 37), rows 0 and 2 attend via KeyRanges.
-    A batch of one, or rows of one length: trimmed to exactly that length, attention without any mask."""
-    model = MMDiT(**tiny_kwargs(grad_ckpt_double=grad_ckpt, grad_ckpt_single=grad_ckpt)).train()
+@pytest.mark.parametrize("how", ["packed", "rows"])
+def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_ckpt, lengths, kept, how):
+    """Lengths 5, 37 and 1 of 80: trimmed to 64 (the multiple of 32 above 37), rows 0 and 2 attend via PackedRows
+    or KeyRanges. A batch of one, or rows of one length: trimmed to exactly that length, attention without a mask."""
+    kwargs = tiny_kwargs(grad_ckpt_double=grad_ckpt, grad_ckpt_single=grad_ckpt, padded_text_attention=how)
+    model = MMDiT(**kwargs).train()
     perturb(model)
     data = padded_batch(lengths)
     target = torch.randn(len(lengths), 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))
@@ -132,10 +163,11 @@ def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_
         assert_close_at_scale(model(**alone), out[row : row + 1], what=f"row {row} alone")
 
 
-def test_key_ranges_reach_every_block_and_no_dense_mask_is_built(monkeypatch):
-    """A training-mode batch with rows of different lengths attends through KeyRanges in all blocks; an eval-mode
-    pass (sampling, frozen teachers) keeps the dense mask."""
-    model = MMDiT(**tiny_kwargs()).train()
+@pytest.mark.parametrize("how, kind", [("packed", "PackedRows"), ("rows", "KeyRanges")])
+def test_padded_rows_reach_every_block_and_no_dense_mask_is_built(monkeypatch, how, kind):
+    """A training-mode batch with rows of different lengths attends through PackedRows (default) or KeyRanges in all
+    blocks; an eval-mode pass (sampling, frozen teachers) keeps the dense mask."""
+    model = MMDiT(**tiny_kwargs(padded_text_attention=how)).train()
     perturb(model)
     seen = []
     import opensora.models.mmdit.layers as layers
@@ -149,7 +181,7 @@ def test_key_ranges_reach_every_block_and_no_dense_mask_is_built(monkeypatch):
     monkeypatch.setattr(layers, "attention", spy)
     with torch.no_grad():
         model(**padded_batch([3, 9], text_len=50))
-    assert seen == ["KeyRanges"] * (len(model.double_blocks) + len(model.single_blocks))
+    assert seen == [kind] * (len(model.double_blocks) + len(model.single_blocks))
     seen.clear()
     with torch.no_grad():
         model(**padded_batch([32, 32], text_len=50))  # equal rows trimmed to their length: no mask at all

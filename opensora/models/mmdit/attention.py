@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .packed_attention import PackedRows
+
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -99,7 +101,7 @@ def attention(
     """
     if q.dim() != 4:
         raise ValueError(f"attention expects q/k/v as [B, heads, N, head_dim], got q of shape {tuple(q.shape)}")
-    if isinstance(mask, KeyRanges):
+    if isinstance(mask, (KeyRanges, PackedRows)):
         return mask.attend(q, k, v, backend)
     if torch.compiler.is_compiling() and COMPILED_ATTENTION["mode"] == "op":
         q, k, v = _same_dtype(q, k, v)

@@ -22,11 +22,13 @@ from .causal import KVCache, TextKVCache, block_causal_video_mask, joint_attenti
 from .causal_stream import CausalStreaming
 from .fp8 import check_recipe, convert_block_linears
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
+from .packed_attention import PackedRows
 from .patches import patchify, unpatchify
 from .rope import rope_cos_sin, video_position_ids
 from .text_padding import padded_text_keys, trim_text
 
 TIMESTEP_FEATURES = 256
+PADDED_TEXT_ATTENTION = ("packed", "rows")
 
 
 def call_with_thread_count(threads: int, block, *args):
@@ -89,11 +91,14 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         compile_blocks: bool = False,
         causal_chunk_frames: int = 0,
         fp8_linears: Optional[str] = None,
+        padded_text_attention: str = "packed",
     ):
         """``causal_chunk_frames``: 0 = bidirectional attention; K > 0 = block-causal over chunks of K latent frames
         (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``, causal_stream.py).
         ``fp8_linears`` ("tensorwise" / "rowwise"): train the block linears in FP8 through torchao (fp8.py); a
-        training option, left out of ``arch``."""
+        training option, left out of ``arch``. ``padded_text_attention``: how a training batch's rows with padded
+        text attend: "packed" (one variable-length flash call for the batch, packed_attention.py) or "rows" (one SDPA
+        call per row, ``attention.KeyRanges``); the same result, not architecture (left out of ``arch``)."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -154,6 +159,11 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         self.compile_blocks = False
         self.set_compile_blocks(compile_blocks)
         self.sp = None
+        if padded_text_attention not in PADDED_TEXT_ATTENTION:
+            raise ValueError(
+                f"padded_text_attention={padded_text_attention!r}: choose one of {', '.join(PADDED_TEXT_ATTENTION)}"
+            )
+        self.padded_text_attention = self.arch.pop("padded_text_attention")
         self.arch.pop("fp8_linears")  # not architecture: a rebuild from ``arch`` (sampling, export) needs no torchao
         if check_recipe(fp8_linears) is not None:
             convert_block_linears(self, fp8_linears)
@@ -256,11 +266,14 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         return trim_text(text_emb, text_mask, text_mask_has_padding)
 
     def padding_mask(self, text_mask, lengths, num_text: int, num_video: int, has_padding=None, own_keys=True):
-        """How a bidirectional pass hides padded text keys (after ``prepare_text``): ``KeyRanges`` for rows with
-        padding left (no sequence parallelism: one mask-free SDPA call per row, text_padding.py), else the dense
+        """How a bidirectional pass hides padded text keys (after ``prepare_text``): for rows with padding left (no
+        sequence parallelism) ``PackedRows`` (one variable-length call) or ``KeyRanges`` (one mask-free SDPA call per
+        row), as ``padded_text_attention`` says, else the dense
         ``key_mask`` or None. ``own_keys=False`` for a pass whose queries are not its keys (a cache adds the keys of
         tokens it did not recompute): every query of a row then attends over that row's ranges."""
         if lengths is not None and self.sp is None:
+            if own_keys and self.padded_text_attention == "packed" and min(lengths) < num_text:
+                return PackedRows(lengths, num_text, num_video, text_mask.device)
             return padded_text_keys(lengths, num_text, num_video, queries_at_keys=own_keys)
         return self.key_mask(text_mask, num_video, has_padding if lengths is None else min(lengths) < num_text)
 
