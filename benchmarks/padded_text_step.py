@@ -48,7 +48,7 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-rows", "ours-unpadded-128", "ours-unpadded-70", "ours-masked",
+VARIANTS = ("ours-padded", "ours-padded-rows", "ours-padded-dense", "ours-padded-static", "ours-unpadded-128", "ours-unpadded-70", "ours-masked",
             "ours-eager-padded", "diffusers-512", "diffusers-128")  # fmt: skip
 
 
@@ -100,16 +100,18 @@ class Variant:
         return loss, lengths
 
 
-def per_row(model):
-    """The padded rows through one SDPA call each (``KeyRanges``) instead of the packed default."""
+def padded_path(model, how="packed", multiple=32):
+    """The padded rows through ``how`` (model.padded_text_attention) with text trimmed to multiples of ``multiple``
+    (128: one trimmed length for 20-120-token prompts, so the compiled blocks see one shape)."""
 
     @contextlib.contextmanager
     def context():
-        model.padded_text_attention = "rows"
+        before = model.padded_text_attention, model.text_length_multiple
+        model.padded_text_attention, model.text_length_multiple = how, multiple
         try:
             yield
         finally:
-            model.padded_text_attention = "packed"
+            model.padded_text_attention, model.text_length_multiple = before
 
     return context
 
@@ -183,7 +185,21 @@ def build(shape, device, dtype, args):
     processed = lambda cols: mmdit_flops_at(shape, cols)  # noqa: E731
     variants = [
         Variant("ours-padded", ours, ours_opt, ours_inputs(n_txt, True), run_ours, None),
-        Variant("ours-padded-rows", ours, ours_opt, ours_inputs(n_txt, True), run_ours, None, per_row(ours)),
+        Variant(
+            "ours-padded-rows", ours, ours_opt, ours_inputs(n_txt, True), run_ours, None, padded_path(ours, "rows")
+        ),
+        Variant(
+            "ours-padded-dense", ours, ours_opt, ours_inputs(n_txt, True), run_ours, None, padded_path(ours, "dense")
+        ),
+        Variant(
+            "ours-padded-static",
+            ours,
+            ours_opt,
+            ours_inputs(n_txt, True),
+            run_ours,
+            None,
+            padded_path(ours, "packed", 128),
+        ),  # fmt: skip
         Variant(
             "ours-unpadded-128",
             ours,
@@ -307,7 +323,9 @@ def run(args):
     by = {r["variant"]: r for r in rows}
     ratios = {}
     for a, b in (("diffusers-512", "ours-padded"), ("diffusers-128", "ours-padded"), ("ours-padded", "ours-unpadded-128"),
-                 ("ours-padded-rows", "ours-padded"),
+                 ("ours-padded-rows", "ours-padded"), ("ours-padded-dense", "ours-padded"),
+                 ("ours-padded-static", "ours-padded"), ("ours-padded-static", "ours-unpadded-128"),
+                 ("ours-padded-dense", "ours-unpadded-128"),
                  ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip
         if a in by and b in by:
             ratios[f"{a} / {b}"] = by[a]["step_ms"] / by[b]["step_ms"]

@@ -129,7 +129,7 @@ def loss_and_grads(model, out, target, text_emb):
 
 @pytest.mark.parametrize("grad_ckpt", [0, 1])
 @pytest.mark.parametrize("lengths, kept", [([5, 37, 1], 64), ([9], 9), ([6, 6], 6)])
-@pytest.mark.parametrize("how", ["packed", "rows"])
+@pytest.mark.parametrize("how", ["packed", "rows", "dense"])
 def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_ckpt, lengths, kept, how):
     """Lengths 5, 37 and 1 of 80: trimmed to 64 (the multiple of 32 above 37), rows 0 and 2 attend via PackedRows
     or KeyRanges. A batch of one, or rows of one length: trimmed to exactly that length, attention without a mask."""
@@ -142,6 +142,8 @@ def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_
     trimmed, _, seen = trim_text(data["text_emb"], data["text_mask"])
     assert trimmed.shape[1] == kept and seen == lengths
     assert (padded_text_keys(seen, kept, 128) is None) == (min(lengths) == kept)
+    coarse = kept if len(set(lengths)) == 1 else 80  # multiples of 128, at most the 80 columns there are
+    assert trim_text(data["text_emb"], data["text_mask"], multiple=128)[0].shape[1] == coarse
 
     out = model(**data)
     loss, grads = loss_and_grads(model, out, target, data["text_emb"])
@@ -163,7 +165,7 @@ def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_
         assert_close_at_scale(model(**alone), out[row : row + 1], what=f"row {row} alone")
 
 
-@pytest.mark.parametrize("how, kind", [("packed", "PackedRows"), ("rows", "KeyRanges")])
+@pytest.mark.parametrize("how, kind", [("packed", "PackedRows"), ("rows", "KeyRanges"), ("dense", "Tensor")])
 def test_padded_rows_reach_every_block_and_no_dense_mask_is_built(monkeypatch, how, kind):
     """A training-mode batch with rows of different lengths attends through PackedRows (default) or KeyRanges in all
     blocks; an eval-mode pass (sampling, frozen teachers) keeps the dense mask."""

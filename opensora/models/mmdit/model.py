@@ -25,10 +25,10 @@ from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBloc
 from .packed_attention import PackedRows
 from .patches import patchify, unpatchify
 from .rope import rope_cos_sin, video_position_ids
-from .text_padding import padded_text_keys, trim_text
+from .text_padding import TEXT_LENGTH_MULTIPLE, padded_text_keys, trim_text
 
 TIMESTEP_FEATURES = 256
-PADDED_TEXT_ATTENTION = ("packed", "rows")
+PADDED_TEXT_ATTENTION = ("packed", "rows", "dense")
 
 
 def call_with_thread_count(threads: int, block, *args):
@@ -92,13 +92,16 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         causal_chunk_frames: int = 0,
         fp8_linears: Optional[str] = None,
         padded_text_attention: str = "packed",
+        text_length_multiple: int = TEXT_LENGTH_MULTIPLE,
     ):
         """``causal_chunk_frames``: 0 = bidirectional attention; K > 0 = block-causal over chunks of K latent frames
         (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``, causal_stream.py).
         ``fp8_linears`` ("tensorwise" / "rowwise"): train the block linears in FP8 through torchao (fp8.py); a
         training option, left out of ``arch``. ``padded_text_attention``: how a training batch's rows with padded
         text attend: "packed" (one variable-length flash call for the batch, packed_attention.py) or "rows" (one SDPA
-        call per row, ``attention.KeyRanges``); the same result, not architecture (left out of ``arch``)."""
+        call per row, ``attention.KeyRanges``) or "dense" (a boolean key mask); the same result, not architecture (left
+        out of ``arch``), as ``text_length_multiple`` (trimmed text lengths are multiples of it: a larger one gives
+        fewer shapes to compile, a smaller one fewer padded tokens)."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -164,6 +167,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
                 f"padded_text_attention={padded_text_attention!r}: choose one of {', '.join(PADDED_TEXT_ATTENTION)}"
             )
         self.padded_text_attention = self.arch.pop("padded_text_attention")
+        self.text_length_multiple = int(self.arch.pop("text_length_multiple"))
         self.arch.pop("fp8_linears")  # not architecture: a rebuild from ``arch`` (sampling, export) needs no torchao
         if check_recipe(fp8_linears) is not None:
             convert_block_linears(self, fp8_linears)
@@ -263,7 +267,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         cache) start from it, so they all take the same path."""
         if not self.training:
             return text_emb, text_mask, None
-        return trim_text(text_emb, text_mask, text_mask_has_padding)
+        return trim_text(text_emb, text_mask, text_mask_has_padding, self.text_length_multiple)
 
     def padding_mask(self, text_mask, lengths, num_text: int, num_video: int, has_padding=None, own_keys=True):
         """How a bidirectional pass hides padded text keys (after ``prepare_text``): for rows with padding left (no
@@ -271,7 +275,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         row), as ``padded_text_attention`` says, else the dense
         ``key_mask`` or None. ``own_keys=False`` for a pass whose queries are not its keys (a cache adds the keys of
         tokens it did not recompute): every query of a row then attends over that row's ranges."""
-        if lengths is not None and self.sp is None:
+        if lengths is not None and self.sp is None and self.padded_text_attention != "dense":
             if own_keys and self.padded_text_attention == "packed" and min(lengths) < num_text:
                 return PackedRows(lengths, num_text, num_video, text_mask.device)
             return padded_text_keys(lengths, num_text, num_video, queries_at_keys=own_keys)
