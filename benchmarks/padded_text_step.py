@@ -48,8 +48,9 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-rows", "ours-padded-dense", "ours-padded-static", "ours-unpadded-128", "ours-unpadded-70", "ours-masked",
-            "ours-eager-padded", "diffusers-512", "diffusers-128")  # fmt: skip
+VARIANTS = ("ours-padded", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
+            "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
+            "diffusers-128")  # fmt: skip
 
 
 def our_config(shape):
@@ -72,7 +73,7 @@ def dense_text_mask():
     import opensora.models.mmdit.model as model_module
 
     trim = model_module.trim_text
-    model_module.trim_text = lambda emb, mask, has_padding=None: (emb, mask, None)
+    model_module.trim_text = lambda emb, mask, has_padding=None, multiple=None: (emb, mask, None)
     try:
         yield
     finally:
@@ -100,9 +101,9 @@ class Variant:
         return loss, lengths
 
 
-def padded_path(model, how="packed", multiple=32):
+def padded_path(model, how, multiple):
     """The padded rows through ``how`` (model.padded_text_attention) with text trimmed to multiples of ``multiple``
-    (128: one trimmed length for 20-120-token prompts, so the compiled blocks see one shape)."""
+    (the default 128: one trimmed length for 20-120-token prompts, so the compiled blocks see one shape)."""
 
     @contextlib.contextmanager
     def context():
@@ -183,23 +184,13 @@ def build(shape, device, dtype, args):
     run_flux = lambda model, inputs: model(**inputs)[0]  # noqa: E731
 
     processed = lambda cols: mmdit_flops_at(shape, cols)  # noqa: E731
+    padded = ours_inputs(n_txt, True)
     variants = [
-        Variant("ours-padded", ours, ours_opt, ours_inputs(n_txt, True), run_ours, None),
-        Variant(
-            "ours-padded-rows", ours, ours_opt, ours_inputs(n_txt, True), run_ours, None, padded_path(ours, "rows")
-        ),
-        Variant(
-            "ours-padded-dense", ours, ours_opt, ours_inputs(n_txt, True), run_ours, None, padded_path(ours, "dense")
-        ),
-        Variant(
-            "ours-padded-static",
-            ours,
-            ours_opt,
-            ours_inputs(n_txt, True),
-            run_ours,
-            None,
-            padded_path(ours, "packed", 128),
-        ),  # fmt: skip
+        Variant("ours-padded", ours, ours_opt, padded, run_ours, None),  # the model's defaults
+        Variant("ours-padded-packed", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 32)),
+        Variant("ours-padded-packed-128", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 128)),
+        Variant("ours-padded-rows", ours, ours_opt, padded, run_ours, None, padded_path(ours, "rows", 32)),
+        Variant("ours-padded-dense-32", ours, ours_opt, padded, run_ours, None, padded_path(ours, "dense", 32)),
         Variant(
             "ours-unpadded-128",
             ours,
@@ -323,10 +314,9 @@ def run(args):
     by = {r["variant"]: r for r in rows}
     ratios = {}
     for a, b in (("diffusers-512", "ours-padded"), ("diffusers-128", "ours-padded"), ("ours-padded", "ours-unpadded-128"),
-                 ("ours-padded-rows", "ours-padded"), ("ours-padded-dense", "ours-padded"),
-                 ("ours-padded-static", "ours-padded"), ("ours-padded-static", "ours-unpadded-128"),
-                 ("ours-padded-dense", "ours-unpadded-128"),
-                 ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip
+                 ("ours-padded-rows", "ours-padded"), ("ours-padded-packed", "ours-padded"),
+                 ("ours-padded-packed-128", "ours-padded"), ("ours-padded-dense-32", "ours-padded"),
+                 ("ours-padded", "ours-masked"), ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip
         if a in by and b in by:
             ratios[f"{a} / {b}"] = by[a]["step_ms"] / by[b]["step_ms"]
     return dict(rows=rows, ratios=ratios, graphs=counters["stats"]["unique_graphs"], warm_lengths_s=warm_s)

@@ -220,7 +220,7 @@ def run_speed(args) -> dict:
     result["decode_ms"] = {name: spread(t) for name, t in times.items()}
     # options of the graphed exact decode, one at a time (each holds its own graph pool), each next to the default
     options = {
-        "channels-last-layout": dict(channels_last=True),
+        "contiguous-layout": dict(channels_last=False),  # the default on the GPU is channels-last
         "fp32-scores-attention": dict(attention_kernel="fp32-scores"),
         "attention-window-2": dict(attention_window=2),
     }

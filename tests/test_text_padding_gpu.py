@@ -100,8 +100,8 @@ def references():
 
 @pytest.mark.parametrize(
     "compiled, ckpt, how",
-    [(False, 0, "packed"), (True, 0, "packed"), (True, 2, "packed"), (True, 1, "packed"), (False, 0, "rows"),
-     (True, 2, "rows")],
+    [(False, 0, "dense"), (True, 0, "dense"), (True, 2, "dense"), (True, 1, "dense"), (False, 0, "packed"),
+     (True, 2, "packed"), (True, 1, "packed"), (False, 0, "rows"), (True, 2, "rows")],
 )  # fmt: skip
 def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_masked_path(
     references, compiled, ckpt, how
@@ -113,7 +113,7 @@ def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_mas
 
 
 def test_packed_flash_attention_with_a_row_that_fills_the_trimmed_text():
-    """Lengths 64, 10, 64: trimmed to 64, so rows 0 and 2 have an empty padding run (a zero-length sequence for the
+    """Lengths 64, 10, 64: trimmed to 64 (multiples of 32), so rows 0 and 2 have an empty padding run (a zero-length sequence for the
     variable-length flash kernel)."""
     data = padded_batch([64, 10, 64])
     fp32 = gpu_model(torch.float32)
@@ -121,7 +121,8 @@ def test_packed_flash_attention_with_a_row_that_fills_the_trimmed_text():
     reference = (out.detach(), *loss_and_grads(fp32, out))
     bf16 = gpu_model()
     base = dense_masked_forward(bf16, cast(data, torch.bfloat16))
-    compare_to_fp32_masked(gpu_model(), data, reference, (base.detach(), loss_and_grads(bf16, base)[1]))
+    packed = gpu_model(padded_text_attention="packed", text_length_multiple=32)
+    compare_to_fp32_masked(packed, data, reference, (base.detach(), loss_and_grads(bf16, base)[1]))
 
 
 def test_a_stream_of_fresh_prompt_lengths_settles_on_a_few_graphs_and_matches_eager():

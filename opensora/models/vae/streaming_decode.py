@@ -175,8 +175,9 @@ class StreamingDecoder:
         attention_kernel: ``"sdpa"`` (PyTorch's fused attention) or ``"fp32-scores"`` (``fp32_score_attention``).
         channels_last: activations in ``torch.channels_last_3d``: cuDNN runs these convs NDHWC, so a contiguous
             layout pays a conversion on each side of every conv (31 ms of a 221 ms chunk at 480x832 on an H200); the
-            fused kernels read and write channels contiguously in that layout. Off by default: it is timed end to
-            end at 256px only (``benchmarks/streaming_decode.py speed`` compares both).
+            fused kernels read and write channels contiguously in that layout. ``None`` (default): on for a VAE on
+            the GPU (one 480x832 chunk of 3 latent frames, H200, interleaved: 182 ms vs 222 ms contiguous), off on
+            the CPU (the layout the exact-cache CPU tests pin).
 
     ``decode(z, first)``: z are raw latents [B, C, t, h, w] (after the latent normalisation is undone); returns the
     chunk's pixel frames [B, 3, F, H, W] in z's dtype (F = 1 + 4 (t - 1) for the first chunk, 4 t after).
@@ -189,7 +190,7 @@ class StreamingDecoder:
         attention_window: int = DEFAULT_ATTENTION_WINDOW,
         fixed_stats: Optional[List[tuple]] = None,
         attention_kernel: str = "sdpa",
-        channels_last: bool = False,
+        channels_last: Optional[bool] = None,
     ):
         from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoCausalConv3d
 
@@ -216,6 +217,8 @@ class StreamingDecoder:
         ]
         self.frames_seen = 0  # latent frames decoded in this clip (host state: which graph a chunk replays)
         self.record = False
+        if channels_last is None:
+            channels_last = next(vae.parameters()).device.type == "cuda"
         self.channels_last = bool(channels_last)
         self.fmt = torch.channels_last_3d if self.channels_last else torch.contiguous_format
 
