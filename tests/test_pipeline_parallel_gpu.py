@@ -10,7 +10,7 @@ import pytest
 import torch
 from streaming_reference import stream_reference
 
-from opensora.inference.pipeline_parallel.cli import device_decoder
+from opensora.inference.pipeline_parallel.decoders import device_decoder
 from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan
 from opensora.inference.pipeline_parallel.schedule import OVERLAP_MODES
 from opensora.inference.pipeline_parallel.stages import BidirectionalStages, place_model, sample_microbatched

@@ -131,8 +131,9 @@ def loss_and_grads(model, out, target, text_emb):
 @pytest.mark.parametrize("lengths, kept", [([5, 37, 1], 64), ([9], 9), ([6, 6], 6)])
 @pytest.mark.parametrize("how", ["packed", "rows", "dense"])
 def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_ckpt, lengths, kept, how):
-    """Lengths 5, 37 and 1 of 80: trimmed to 64 (the multiple of 32 above 37), rows 0 and 2 attend via PackedRows
-    or KeyRanges. A batch of one, or rows of one length: trimmed to exactly that length, attention without a mask."""
+    """Lengths 5, 37 and 1 of 80: ``trim_text`` keeps 64 (the multiple of 32 above 37; the model, at multiples of
+    128, keeps all 80), rows 0 and 2 attend via PackedRows, KeyRanges or the dense mask. A batch of one, or rows of
+    one length: trimmed to exactly that length, attention without a mask."""
     kwargs = tiny_kwargs(grad_ckpt_double=grad_ckpt, grad_ckpt_single=grad_ckpt, padded_text_attention=how)
     model = MMDiT(**kwargs).train()
     perturb(model)
@@ -167,8 +168,9 @@ def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_
 
 @pytest.mark.parametrize("how, kind", [("packed", "PackedRows"), ("rows", "KeyRanges"), ("dense", "Tensor")])
 def test_padded_rows_reach_every_block_and_no_dense_mask_is_built(monkeypatch, how, kind):
-    """A training-mode batch with rows of different lengths attends through PackedRows (default) or KeyRanges in all
-    blocks; an eval-mode pass (sampling, frozen teachers) keeps the dense mask."""
+    """A training-mode batch with rows of different lengths attends through PackedRows, KeyRanges or the dense mask
+    (the default) in all blocks, as padded_text_attention says; an eval-mode pass (sampling, frozen teachers) keeps
+    the dense mask."""
     model = MMDiT(**tiny_kwargs(padded_text_attention=how)).train()
     perturb(model)
     seen = []

@@ -3,19 +3,20 @@
     python scripts/diffusion/inference.py CONFIG --ckpt CKPT --prompt "..." --streaming --step-list 1.0,0.75,0.5,0.25 \
         --pp-devices cuda:0,cuda:1 --pp-overlap aggressive --pp-split auto [--profile]
 
-Same sampler as ``--streaming`` on one GPU (``StreamingGenerator``: its schedule, rollout, CFG layout,
-noise order, cache refill at ``--context-time``, rolling window, chunk decoder), so the videos are bit-identical
-to it; each prompt group (``--batch-size`` prompts) is one item in flight (several groups overlap fully). GPU0:
-text features, noise, embedders and blocks[0..split]; GPU1: the other blocks, the final layer and the sampler
-update; each video's chunk decoder (``--streaming``'s decode rule, exact-once by default) on the GPU ``--pp-split
-auto`` places it (GPU1 unless the measured plan says otherwise; GPU1 with an explicit split). ``--pp-cfg-rows false`` runs the CFG passes as separate micro-batches (two items in flight
-per prompt group; same math, other GEMM shapes, so equal to one GPU running those micro-batches, not to
-``--streaming``); ``--stream-refill false`` lets the last denoising step write the cache (another sampler).
-Unlike ``--streaming``, the mp4s are written once all chunks are done (by the same writer, so equal frames give
-equal files). ``--profile`` writes ``pp_profile.json`` (per task: GPU, start/end ms; per GPU: busy/idle) to the save
-dir and logs the per-stage summary. ``--pp-split auto`` (``auto_split``) chooses the split as
-``benchmarks/pipeline_parallel.py`` does: per-block probe times calibrated to a few timed whole stage passes
-(``pipeline_parallel.calibrated_split``); the JSON's ``pp_split`` records both; an explicit ``--pp-split N`` skips it.
+Same sampler as ``--streaming`` on one GPU (``StreamingGenerator``: its schedule, rollout, CFG layout, noise order,
+cache refill at ``--context-time``, rolling window, chunk decoder), so the videos are bit-identical to it; each
+prompt group (``--batch-size`` prompts) is one item in flight (several groups overlap fully). GPU0: text features,
+noise, embedders and blocks[0..split]; GPU1: the other blocks, the final layer and the sampler update; each video's
+chunk decoder (``--streaming``'s decode rule, exact-once by default) on the GPU ``--pp-split auto`` places it (GPU1
+unless the measured plan says otherwise; GPU1 with an explicit split). ``--pp-cfg-rows false`` runs the CFG passes
+as separate micro-batches (two items in flight per prompt group; same math, other GEMM shapes, so equal to one GPU
+running those micro-batches, not to ``--streaming``); ``--stream-refill false`` lets the last denoising step write
+the cache (another sampler). Unlike ``--streaming``, the mp4s are written once all chunks are done (by the same
+writer, so equal frames give equal files). ``--profile`` writes ``pp_profile.json`` (per task: GPU, start/end ms;
+per GPU: busy/idle) to the save dir and logs the per-stage summary. ``--pp-split auto`` (``auto_split``) chooses the
+split as ``benchmarks/pipeline_parallel.py`` does: per-block probe times calibrated to a few timed whole stage
+passes (``pipeline_parallel.calibrated_split``); the JSON's ``pp_split`` records both; an explicit ``--pp-split N``
+skips it.
 """
 
 from __future__ import annotations
@@ -29,16 +30,6 @@ logger = logging.getLogger(__name__)
 def dump_json(path, payload) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)
-
-
-def device_decoder(vae, sampler_dtype):
-    """``VideoSampler.decode`` on ``vae``'s device without the host copy: latents cast as it casts them (to the
-    autoencoder's dtype; the sampler's for a parameter-free one) -> uint8 frames on the device."""
-    from opensora.inference.io import uint8_frames_on_device
-    from opensora.inference.sampler import _module_dtype
-
-    dtype = _module_dtype(vae, sampler_dtype)
-    return lambda latents: uint8_frames_on_device(vae.decode(latents.to(dtype)))
 
 
 def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, generator, decoders=None):

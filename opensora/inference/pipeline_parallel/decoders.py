@@ -16,6 +16,13 @@ from opensora.inference.streaming.generator import ChunkDecoder
 from opensora.models.vae.exact_chunk_decode import exact_chunk_decode
 
 
+def device_decoder(vae, sampler_dtype):
+    """``VideoSampler.decode`` on ``vae``'s device without the host copy: latents cast as it casts them (to the
+    autoencoder's dtype; the sampler's for a parameter-free one) -> uint8 frames on the device."""
+    dtype = _module_dtype(vae, sampler_dtype)
+    return lambda latents: uint8_frames_on_device(vae.decode(latents.to(dtype)))
+
+
 class ChunkDecoders:
     """``make_decoder`` of ``CausalStreamingStages``: ``decoders(device, group)`` -> a fresh ``ChunkDecoder`` that
     decodes one video's chunks in order on ``device`` under ``rule`` (``StreamingGenerator``'s ``decode_rule``:
@@ -31,7 +38,7 @@ class ChunkDecoders:
 
     def __init__(self, vae, rule: str = "running", graphs: bool = False, dtype=None, overlap: Optional[int] = None):
         self.vae, self.rule, self.graphs, self.overlap = vae, rule, bool(graphs), overlap
-        self.dtype = _module_dtype(vae, dtype if dtype is not None else torch.float32)
+        self.dtype = dtype if dtype is not None else torch.float32  # the sampler's (device_decoder's rule)
         self.vaes: Dict[torch.device, object] = {}
         self.exact: Dict[Tuple[torch.device, int], object] = {}
 
@@ -54,12 +61,9 @@ class ChunkDecoders:
         key = (device, int(group))
         if key not in self.exact:
             self.exact[key] = exact_chunk_decode(vae, self.rule, graphs=self.graphs, postprocess=uint8_frames_on_device)
-        dtype = self.dtype
+        on_device = device_decoder(vae, self.dtype)  # the overlap rule's decode
 
-        def decode(latents):  # the overlap rule's decode: VideoSampler.decode without the host copy
-            return uint8_frames_on_device(vae.decode(latents.to(device, dtype)))
-
-        decoder = ChunkDecoder(decode, vae, self.overlap, self.exact[key])
+        decoder = ChunkDecoder(lambda latents: on_device(latents.to(device)), vae, self.overlap, self.exact[key])
         decoder.device_output = True
         return decoder
 

@@ -45,7 +45,7 @@ class CausalStreamingStages:
             denoising pass, as FlashVSR's one-step model does: a different sampler, with no 1-GPU twin in the streaming generator).
         rollout: ``renoise`` or ``euler``. guidance_scale: CFG ``u + w (c - u)`` with two branches.
         make_decoder: called once per group with the device that decodes it: a callable decoding that group's
-            chunks in order on that device, e.g. ``streaming.generator.chunk_decoder`` (the one-GPU streaming
+            chunks in order on that device, e.g. ``decoders.ChunkDecoders`` (the one-GPU streaming
             sampler's decode rule, so the frames equal its frames); None: no decode.
         decode_lanes: the lane that decodes each group (``Plan.decode_lanes``: one per group; None: all on lane 1).
             A causal decoder carries state from chunk to chunk, so a group's chunks stay on one lane.

@@ -102,10 +102,11 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``, causal_stream.py).
         ``fp8_linears`` ("tensorwise" / "rowwise"): train the block linears in FP8 through torchao (fp8.py); a
         training option, left out of ``arch``. ``padded_text_attention``: how a training batch's rows with padded
-        text attend after the trim: "dense" (a boolean key mask over the trimmed text), "packed" (one variable-length flash call for the batch, packed_attention.py) or "rows" (one SDPA call
-        per row, ``attention.KeyRanges``). All give the same result; measured on an H200 (1B, batch 4 at 256px,
-        full checkpointing, compiled, prompts of 20-120 tokens trimmed to multiples of 32): rows 494 ms, packed 286
-        ms, the dense mask over all 512 columns 271 ms, unpadded 128 columns 203 ms. Not architecture (left out of
+        text attend after the trim: "dense" (a boolean key mask over the trimmed text), "packed" (one
+        variable-length flash call for the batch, packed_attention.py) or "rows" (one SDPA call per row,
+        ``attention.KeyRanges``). All give the same result; measured on an H200 (1B, batch 4 at 256px, full
+        checkpointing, compiled, prompts of 20-120 tokens trimmed to multiples of 32): rows 494 ms, packed 286 ms,
+        the dense mask over all 512 columns 271 ms, unpadded 128 columns 203 ms. Not architecture (left out of
         ``arch``), nor is ``text_length_multiple`` (trimmed lengths are its multiples: a larger one gives fewer
         shapes to compile, a smaller one fewer padded tokens)."""
         super().__init__()
@@ -276,10 +277,11 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         return trim_text(text_emb, text_mask, text_mask_has_padding, self.text_length_multiple)
 
     def padding_mask(self, text_mask, lengths, num_text: int, num_video: int, has_padding=None, own_keys=True):
-        """How a bidirectional pass hides padded text keys (after ``prepare_text``): for rows with padding left (no
-        sequence parallelism) ``PackedRows`` (one variable-length call) or ``KeyRanges`` (one mask-free SDPA call per
-        row), as ``padded_text_attention`` says, else the dense
-        ``key_mask`` or None. ``own_keys=False`` for a pass whose queries are not its keys (a cache adds the keys of
+        """How a bidirectional pass hides padded text keys (after ``prepare_text``): rows with padding left (training
+        without sequence parallelism) attend as ``padded_text_attention`` says: the dense ``key_mask``,
+        ``PackedRows`` (one variable-length call) or ``KeyRanges`` (one mask-free SDPA call per row; also what
+        "packed" falls back to for ``own_keys=False``); otherwise the dense ``key_mask`` or None.
+        ``own_keys=False`` for a pass whose queries are not its keys (a cache adds the keys of
         tokens it did not recompute): every query of a row then attends over that row's ranges."""
         if lengths is not None and self.sp is None and self.padded_text_attention != "dense":
             if own_keys and self.padded_text_attention == "packed" and min(lengths) < num_text:

@@ -7,13 +7,14 @@ output never depends on them: text RoPE ids are all zero, every other op is per 
 * ``trim_text``: cut the text columns after the longest valid prompt of the batch, rounded up to
   ``TEXT_LENGTH_MULTIPLE`` so a training run sees few text lengths (few compiled graphs); a batch whose rows all
   have the same valid length (every batch of one) is cut to exactly that length, so no padding is left at all;
-* ``padded_text_keys``: the rows that still hold padding attend through ``attention.KeyRanges`` (one mask-free
-  SDPA call per row over its valid text and video tokens, padded queries output zeros) instead of a dense boolean
-  mask, which would leave the flash / cuDNN kernels (measured: +42% on a 1B training step). cuDNN builds an
-  execution plan per new row length (~0.1 s, once per prompt length per run; ``warm_attention_lengths`` pays it
-  up front).
+* the rows that still hold padding attend as ``MMDiT(padded_text_attention=...)`` says: a dense key mask over the
+  trimmed text (the default), ``packed_attention.PackedRows`` (one variable-length flash call), or
+  ``padded_text_keys`` -> ``attention.KeyRanges`` (one mask-free SDPA call per row over its valid text and video
+  tokens, padded queries output zeros; cuDNN builds an execution plan per new row length, ~0.1 s once per prompt
+  length per run, which ``warm_attention_lengths`` pays up front). The two mask-free paths were measured slower
+  than the dense mask (MMDiT's docstring has the numbers).
 
-Both equal the masked computation on the video output and every gradient (tests/test_text_padding.py). ``MMDiT``
+All equal the masked computation on the video output and every gradient (tests/test_text_padding.py). ``MMDiT``
 applies them in training mode (``model.train()``: the trained networks); eval-mode passes (sampling, frozen teachers)
 keep the dense mask, which the sampler's pipeline stages, region caches and CUDA graphs reproduce bit for bit.
 Reading the valid lengths is one small host read per forward when the mask lives on the GPU; inside a CUDA graph
