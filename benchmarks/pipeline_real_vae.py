@@ -89,10 +89,11 @@ def one_size(sampler, pp_model, devices, size, frames, n_groups, repeats, say) -
     latent = sampler.latent_size(frames, height, width)
     latent_size = (sampler.vae.latent_channels, *latent)
     times = gen.schedule(latent)
-    groups = []
-    for p, s in zip(prompts, seeds):
-        text, _ = sampler.encode_text(p)
-        groups.append(dict(seeds=s, branches=[text]))
+
+    def encode_groups():  # the prompts' text features, as --pp-devices encodes them (a stream encodes its own)
+        return [dict(seeds=s, branches=[sampler.encode_text(p)[0]]) for p, s in zip(prompts, seeds)]
+
+    groups = encode_groups()
     decoders = ChunkDecoders.like(gen)
     kw = dict(refill=True, rollout=gen.rollout, context_time=gen.context_time, make_decoder=decoders)
     place_model(pp_model, len(all_blocks(pp_model)) - 2, [devices[0]] * 2)  # the CLI probes on GPU0
@@ -106,8 +107,16 @@ def one_size(sampler, pp_model, devices, size, frames, n_groups, repeats, say) -
 
     def two_gpu(profile=False):
         lanes = Lanes(devices, profile=profile)
-        stages = CausalStreamingStages(
-            pp_model, lanes, split, groups, latent_size, times, cuda_graphs=runners, decode_lanes=decode_lanes, **kw
+        stages = CausalStreamingStages(  # text encoded inside the timed run, as the one-GPU stream encodes it
+            pp_model,
+            lanes,
+            split,
+            encode_groups(),
+            latent_size,
+            times,
+            cuda_graphs=runners,
+            decode_lanes=decode_lanes,
+            **kw,
         )
         return run_plan(stages, "aggressive", lanes, costs=costs)[0], stages.plan.num_chunks
 
