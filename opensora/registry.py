@@ -8,8 +8,11 @@ sampling never imports the training methods (or ColossalAI behind them).
 """
 
 import copy
+import os
 from typing import Any, Mapping
 
+import torch
+from mmengine.logging import MMLogger
 from mmengine.registry import Registry
 
 MODELS = Registry("model", scope="opensora", locations=["opensora.models"])
@@ -33,8 +36,28 @@ def build_module(cfg: Any, registry: Registry, **overrides) -> Any:
     kwargs = copy.deepcopy(dict(cfg))
     kwargs.update(overrides)
     type_name = kwargs.pop("type")
+    _make_mmengine_logger_on_any_rank()
     cls = registry.get(type_name)
     if cls is None:
         known = sorted(registry.module_dict)
         raise KeyError(f"'{type_name}' is not registered in '{registry.name}'; registered: {known}")
     return cls(**kwargs)
+
+
+def _make_mmengine_logger_on_any_rank() -> None:
+    """mmengine's registry logs through a global logger that, when first made, looks up its rank's GPU by
+    ``LOCAL_RANK``; a CPU run with more ranks than the machine has GPUs (``torchrun ... --device cpu`` on a GPU
+    machine) has none there and failed with an IndexError. Make that logger first, under a local rank that has a
+    GPU (it only labels log lines)."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None or MMLogger.check_instance_created("mmengine") or not torch.cuda.is_available():
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    num_gpus = len(visible.split(",")) if visible else torch.cuda.device_count()
+    if int(local_rank) < num_gpus:
+        return
+    os.environ["LOCAL_RANK"] = str(int(local_rank) % num_gpus)
+    try:
+        MMLogger.get_instance("mmengine")
+    finally:
+        os.environ["LOCAL_RANK"] = local_rank

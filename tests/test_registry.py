@@ -1,6 +1,10 @@
 """opensora.registry.build_module: config dict -> object through an mmengine Registry."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from mmengine.registry import Registry
@@ -70,3 +74,27 @@ def test_config_is_not_mutated(local_registry):
 def test_registries_are_distinct():
     assert len({id(MODELS), id(DATASETS), id(METHODS)}) == 3
     assert {MODELS.name, DATASETS.name, METHODS.name} == {"model", "dataset", "method"}
+
+
+def test_a_cpu_rank_beyond_the_gpus_of_its_machine_can_build_models():
+    """``torchrun --nproc_per_node 4 ... --device cpu`` on a machine with fewer GPUs than ranks: mmengine's logger,
+    made on the registry's first lookup, used to index the GPU list with LOCAL_RANK and fail (seen on a 1-GPU and a
+    2-GPU machine). Run in a fresh interpreter (the logger is made once per process) that reports 1 GPU."""
+    script = (
+        "import os, torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "torch.cuda.device_count = lambda: 1\n"
+        "os.environ.pop('CUDA_VISIBLE_DEVICES', None)\n"
+        "os.environ['LOCAL_RANK'] = '3'\n"
+        "from mmengine.logging import print_log\n"
+        "from opensora.registry import MODELS, build_module\n"
+        "model = build_module(dict(type='MMDiT', in_channels=4, hidden_size=32, num_heads=2, depth_double=1,"
+        " depth_single=1, text_dim=8, pooled_dim=8, axes_dims=(4, 6, 6)), MODELS)\n"
+        "print_log('built')\n"
+        "assert os.environ['LOCAL_RANK'] == '3'\n"
+        "print(type(model).__name__)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("MMDiT")

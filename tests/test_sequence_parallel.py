@@ -172,3 +172,41 @@ def test_row_by_row_sampling_exchange_equals_the_batched_one(cuda):
     for r in run_distributed(_row_by_row_body, world_size=2, kwargs=dict(cuda=cuda)):
         assert r["shape"] == [3, 6, 32] and r["scale"] > 0.1, r
         assert r["diff"] == 0, r  # each row's attention is the batched path's row: bit-identical
+
+
+def _without_all_to_all_body(rank, world_size):
+    """The exchanges with gloo's all-to-all, then with a backend that has none (torch before 2.12 on the CPU):
+    point-to-point sends must give the same tensors, in both directions, for every group."""
+    import opensora.parallel.sequence_parallel as sequence_parallel
+    from opensora.parallel.process_group import init_process_group_from_env
+
+    init_process_group_from_env("cpu")
+    sp = build_sequence_groups(2)  # groups of 2 in a world of 4: peers are not the global ranks 0 and 1
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(3, 4, 6, 8, generator=gen, requires_grad=True) for _ in range(3))
+
+    def exchange():
+        heads = sequence_parallel.tokens_to_heads(q, k, v, sp=sp)
+        out = sequence_parallel.heads_to_tokens(heads[0].transpose(1, 2).flatten(2), sp)
+        grads = torch.autograd.grad(sum((h * (i + 1)).sum() for i, h in enumerate(heads)), (q, k, v))
+        pending = sequence_parallel._Exchange((q.detach(), v.detach()), sp, 1, 2, async_op=True).finish()
+        return [t.detach().clone() for t in (*heads, out, *grads, *pending)]
+
+    reference = exchange()
+    real = dist.all_to_all
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("Backend gloo does not support alltoall")
+
+    dist.all_to_all = unsupported
+    try:
+        fallback = exchange()
+    finally:
+        dist.all_to_all = real
+        sequence_parallel._BACKENDS_WITHOUT_ALL_TO_ALL.clear()
+    return [torch.equal(a, b) for a, b in zip(reference, fallback)]
+
+
+def test_sequence_parallel_exchanges_work_where_the_backend_has_no_all_to_all():
+    for equal in run_distributed(_without_all_to_all_body, world_size=4):
+        assert equal and all(equal), equal

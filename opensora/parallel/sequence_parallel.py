@@ -89,7 +89,7 @@ class _Exchange:
         for t in tensors:
             send = [chunk.contiguous() for chunk in t.chunk(sp.size, dim=scatter_dim)]
             recv = [torch.empty_like(send[0]) for _ in range(sp.size)]
-            self.works.append(dist.all_to_all(recv, send, group=sp.group, async_op=async_op))
+            self.works.extend(_all_to_all_list(recv, send, sp, async_op))
             self.received.append(recv)
 
     def finish(self):
@@ -97,6 +97,39 @@ class _Exchange:
             if work is not None:
                 work.wait()
         return tuple(torch.cat(recv, dim=self.gather_dim) for recv in self.received)
+
+
+_BACKENDS_WITHOUT_ALL_TO_ALL = set()  # gloo before torch 2.12 raises "Backend gloo does not support alltoall"
+
+
+def _all_to_all_list(recv, send, sp: SequenceGroup, async_op: bool) -> list:
+    """``dist.all_to_all``, or the same exchange as point-to-point sends where the backend has no all-to-all
+    (CPU runs on older torch). Returns the works to wait for (``[None]`` when synchronous)."""
+    backend = dist.get_backend(sp.group)
+    if backend not in _BACKENDS_WITHOUT_ALL_TO_ALL:
+        try:
+            return [dist.all_to_all(recv, send, group=sp.group, async_op=async_op)]
+        except RuntimeError as error:  # raised on every rank alike, before anything is sent
+            if "does not support alltoall" not in str(error):
+                raise
+            _BACKENDS_WITHOUT_ALL_TO_ALL.add(backend)
+    ranks = dist.get_process_group_ranks(sp.group)
+    recv[sp.rank].copy_(send[sp.rank])
+    ops = [
+        op
+        for peer in range(sp.size)
+        if peer != sp.rank
+        for op in (
+            dist.P2POp(dist.isend, send[peer], ranks[peer], group=sp.group),
+            dist.P2POp(dist.irecv, recv[peer], ranks[peer], group=sp.group),
+        )
+    ]
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if not async_op:
+        for work in works:
+            work.wait()
+        return [None]
+    return works
 
 
 def _all_to_all(tensors, sp: SequenceGroup, scatter_dim: int, gather_dim: int):
