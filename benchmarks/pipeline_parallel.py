@@ -3,7 +3,8 @@
 Default (``--decoder real``): the real-size HunyuanVideo VAE with the exact-once chunk decode, one-GPU vs two-GPU
 end to end at 480x832 and 256x256 x 33 frames (``benchmarks/pipeline_real_vae.py``; ``--quick``: 256x256 only).
 
-  python -m benchmarks.pipeline_parallel --out DIR                  # 2 GPUs, real VAE, ~3-4 min
+  python -m benchmarks.pipeline_parallel --out DIR                  # 2 GPUs, real VAE, ~3-4 min per decode stream
+  python -m benchmarks.pipeline_parallel --sizes 480x832 --decode-streams side,compute --out DIR   # decode A/B
   python -m benchmarks.pipeline_parallel --decoder stand-in --out DIR
 
 ``--decoder stand-in`` (every row named "(stand-in decoder)"), streaming: a causal 1B MMDiT (8 double + 16 single blocks, 1536 wide, random weights) generates ``--chunks`` chunks
@@ -63,7 +64,12 @@ from opensora.diffusion.sampling import euler_step, timesteps_for_sampling  # no
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402
 from opensora.inference.pipeline_parallel.cli import auto_split  # noqa: E402
 from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan  # noqa: E402
-from opensora.inference.pipeline_parallel.schedule import OVERLAP_MODES, Plan  # noqa: E402
+from opensora.inference.pipeline_parallel.schedule import (  # noqa: E402
+    DECODE_STREAM_MODES,
+    DEFAULT_CONTENTION,
+    OVERLAP_MODES,
+    Plan,
+)
 from opensora.inference.pipeline_parallel.split import calibrated_split, choose_split, measured_task_ms  # noqa: E402
 from opensora.inference.pipeline_parallel.stage_times import measure_stage_times, typical_past_frames  # noqa: E402
 from opensora.inference.pipeline_parallel.stages import (  # noqa: E402
@@ -301,9 +307,27 @@ def main(argv=None):
     parser.add_argument("--videos", type=int, default=2, help="real decoder: videos in flight")
     parser.add_argument("--config", default=None, help="real decoder: the student's config (1B synthetic)")
     parser.add_argument("--quick", action="store_true", help="real decoder: 256x256 only, 1 repeat")
+    parser.add_argument(
+        "--decode-streams",
+        default=",".join(DECODE_STREAM_MODES),
+        help="where each GPU decodes (Plan.decode_stream): real decoder: one 2-GPU variant per entry, each with its "
+        "own --pp-split auto plan, timed and compared (A/B); stand-in: the first entry for every 2-GPU run",
+    )
+    parser.add_argument(
+        "--contention",
+        type=float,
+        default=DEFAULT_CONTENTION,
+        help="real decoder: the simulator's slow-down of two overlapping streams of one GPU (schedule.simulate) for "
+        "the plans (the stand-in sweep keeps the default)",
+    )
     args = parser.parse_args(argv)
+    args.decode_streams = [d.strip() for d in args.decode_streams.split(",") if d.strip()]
+    bad = [d for d in args.decode_streams if d not in DECODE_STREAM_MODES]
+    if bad or not args.decode_streams:
+        parser.error(f"--decode-streams takes entries of {DECODE_STREAM_MODES}, got {bad or 'none'}")
     if args.decoder == "real" and not args.tiny:
         return real_decoder_main(args)
+    stand_in_stream = args.decode_streams[0]
     started = time.time()
     devices = args.devices.split(",")
     if args.tiny:
@@ -384,7 +408,13 @@ def main(argv=None):
         # the generator can run only the refill rows in their rows-CFG layout; the others use the plain loop
         exact_generator = refill and (rows_cfg or not guided)
         plan = CausalStreamingStages.plan_for(
-            n_groups, 1 if rows_cfg or not guided else 2, latent_size, args.chunk_frames, times_list, refill
+            n_groups,
+            1 if rows_cfg or not guided else 2,
+            latent_size,
+            args.chunk_frames,
+            times_list,
+            refill,
+            decode_stream=stand_in_stream,
         )
         row = dict(
             config=label,
@@ -426,6 +456,7 @@ def main(argv=None):
                 times_list,
                 make_decoder=lambda *_: ChunkDecoder(dec, dec),
                 cuda_graphs=graphs,
+                decode_stream=stand_in_stream,
                 **kw,
             )
             result = run_plan(stages, sched_mode, lanes, costs=costs, threads=threads)[0]
@@ -549,7 +580,9 @@ def main(argv=None):
         # what the CLI's --pp-split auto picks for this plan: the same code (pipeline_cli.auto_split: probe, a few
         # timed graphed passes at the probe split, calibrated_split) instead of a profiled `off` run
         place_model(pp_model, n_blocks - 2, [devices[0]] * 2)  # the CLI probes with the whole model on GPU0
-        stage_kw = dict(kw, cuda_graphs=True, make_decoder=lambda *_: ChunkDecoder(decoder, decoder))
+        stage_kw = dict(
+            kw, cuda_graphs=True, make_decoder=lambda *_: ChunkDecoder(decoder, decoder), decode_stream=stand_in_stream
+        )
         cli_split, cli = auto_split(
             pp_model, devices, "aggressive", groups, latent_size, times_list, stage_kw, gen, stage_kw["make_decoder"]
         )

@@ -9,13 +9,18 @@ decode (``decode_rule="running"``), ``--groups`` videos in flight, per ``--sizes
   the videos one after another: the one-GPU ``--streaming`` run;
 * ``2gpu-aggressive``: ``CausalStreamingStages`` with graphed stages, the CLI's ``--pp-split auto``
   (``pipeline_parallel.cli.auto_split``: probe, timed passes, the run's own chunk decode timed, then the split and
-  each video's decode GPU chosen on the simulated plan), one decoder per video (``ChunkDecoders``).
+  each video's decode GPU chosen on the simulated plan), one decoder per video (``ChunkDecoders``); one variant
+  per ``--decode-streams`` entry (``side``: each GPU decodes on its decode stream, ``compute``: on its compute
+  stream), each planned for itself and timed one after the other, each a ``two_gpu`` entry of the row.
 
 Reported per size: frames/s end to end (median of ``--repeats`` after a warm-up run), the speed-up, bit-identity
 (max |diff| of every chunk's latents and uint8 frames against the one-GPU run), the busy fraction per GPU (CUDA events
 per task, one profiled run), the decode placement and the plan's simulated busy fractions, and the chunk latency
 (time between consecutive chunks handed out: first, median and worst of the later ones; the pipeline's from the
-profiled run's decode ends). Frames count the pixel frames of all videos.
+profiled run's decode ends). Frames count the pixel frames of all videos. Per variant also the plan's time and busy
+fractions as simulated (``--contention``) vs measured (the profiled run's span and busy fractions), and the
+contention that makes the simulated time the measured span (``fitted_contention``, on a grid of 0.05; None for the
+compute-stream decode, which the factor does not touch).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from opensora.config import load_config
 from opensora.inference.pipeline_parallel.cli import auto_split
 from opensora.inference.pipeline_parallel.decoders import ChunkDecoders
 from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan
+from opensora.inference.pipeline_parallel.schedule import DEFAULT_CONTENTION, schedule
 from opensora.inference.pipeline_parallel.stages import all_blocks, place_model
 from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages
 from opensora.inference.streaming.chunk_graphs import ChunkGraphs
@@ -55,7 +61,18 @@ def _max_diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def one_size(sampler, pp_model, devices, size, frames, n_groups, repeats, say) -> dict:
+def fitted_contention(plan, costs, span_ms: float):
+    """The contention (0 to 1.5, steps of 0.05) whose simulated ``aggressive`` time of ``plan`` is nearest
+    ``span_ms``; None where the decode shares no GPU stream pair (``compute``)."""
+    if plan.decode_stream != "side" or not span_ms:
+        return None
+    grid = [round(0.05 * i, 2) for i in range(31)]
+    return min(grid, key=lambda c: abs(schedule(plan, "aggressive", costs, contention=c).makespan - span_ms))
+
+
+def one_size(
+    sampler, pp_model, devices, size, frames, n_groups, repeats, say, decode_streams=("side",), contention=None
+) -> dict:
     height, width = size
     gen = StreamingGenerator(sampler, step_list=STEP_LIST, cuda_graphs=True)
     prompts = [[f"a red circle moving left, video {g}"] for g in range(n_groups)]
@@ -93,13 +110,69 @@ def one_size(sampler, pp_model, devices, size, frames, n_groups, repeats, say) -
     def encode_groups():  # the prompts' text features, as --pp-devices encodes them (a stream encodes its own)
         return [dict(seeds=s, branches=[sampler.encode_text(p)[0]]) for p, s in zip(prompts, seeds)]
 
-    groups = encode_groups()
     decoders = ChunkDecoders.like(gen)
-    kw = dict(refill=True, rollout=gen.rollout, context_time=gen.context_time, make_decoder=decoders)
+    contention = DEFAULT_CONTENTION if contention is None else contention
+    variants = [
+        two_gpu_variant(
+            pp_model, devices, gen, decoders, encode_groups, latent_size, times, refs, repeats, ds, contention
+        )
+        for ds in decode_streams
+    ]
+    for v in variants:
+        v["frames_per_s"] = pixel_frames / v["seconds"]
+        v["speedup"] = one["seconds"] / v["seconds"]
+    row = dict(
+        size=f"{height}x{width}",
+        frames=frames,
+        videos=n_groups,
+        latent=list(latent_size),
+        num_chunks=variants[0]["num_chunks"],
+        pixel_frames=pixel_frames,
+        vae="HunyuanVideo VAE, diffusers default config (random weights, bf16), exact-once running decode",
+        one_gpu=one,
+        two_gpu=variants,
+        speedup={v["decode_stream"]: v["speedup"] for v in variants},
+        max_diff=max(v["max_diff"] for v in variants),
+        bit_identical=all(v["max_diff"] == 0.0 for v in variants),
+        runs_checked=sum(v["runs_checked"] for v in variants),
+    )
+    for v in variants:
+        say(
+            f"  2gpu-aggressive, decode on the {v['decode_stream']} stream: {v['frames_per_s']:.1f} frames/s "
+            f"({v['seconds']:.3f} s) = {v['speedup']:.2f}x, split {v['split']} (probe {v['probe_split']}), decode of "
+            f"video g on GPU {v['decode_lanes']} ({v['decode_ms_per_chunk']:.1f} ms per chunk), busy GPU0/GPU1 "
+            f"{v['busy']} (simulated {[round(b, 2) for b in v['simulated_busy']]}), span {v['measured_span_ms']:.0f} ms "
+            f"(simulated {v['simulated_ms']:.0f} ms at contention {contention}, fitted {v['fitted_contention']}), "
+            f"max |diff| {v['max_diff']:g}, chunk latency {v['latency_video0']}"
+        )
+    return row  # the graphs and decoders of this size go with the frame
+
+
+def two_gpu_variant(
+    pp_model, devices, gen, decoders, encode_groups, latent_size, times, refs, repeats, decode_stream, contention
+) -> dict:
+    """``2gpu-aggressive`` with each GPU's decode on ``decode_stream``: planned (``auto_split``), ``repeats`` timed
+    runs after a warm-up, one profiled run, every run's chunks compared with the one-GPU ``refs``."""
+    kw = dict(
+        refill=True,
+        rollout=gen.rollout,
+        context_time=gen.context_time,
+        make_decoder=decoders,
+        decode_stream=decode_stream,
+    )
     place_model(pp_model, len(all_blocks(pp_model)) - 2, [devices[0]] * 2)  # the CLI probes on GPU0
     t_plan = time.perf_counter()
     split, report = auto_split(
-        pp_model, devices, "aggressive", groups, latent_size, times, dict(kw, cuda_graphs=True), gen, decoders
+        pp_model,
+        devices,
+        "aggressive",
+        encode_groups(),
+        latent_size,
+        times,
+        dict(kw, cuda_graphs=True),
+        gen,
+        decoders,
+        contention=contention,
     )
     plan_s = time.perf_counter() - t_plan
     decode_lanes, costs = tuple(report["decode_lanes"]), report["calibration"]["costs"]
@@ -118,18 +191,19 @@ def one_size(sampler, pp_model, devices, size, frames, n_groups, repeats, say) -
             decode_lanes=decode_lanes,
             **kw,
         )
-        return run_plan(stages, "aggressive", lanes, costs=costs)[0], stages.plan.num_chunks
+        result, sim = run_plan(stages, "aggressive", lanes, costs=costs, contention=contention)
+        return result, sim, stages.plan
 
     times_2, results = [], []
     for i in range(repeats + 1):
         _sync(devices)
         t0 = time.perf_counter()
-        result, num_chunks = two_gpu()
+        result, _, _ = two_gpu()
         _sync(devices)
         if i:
             times_2.append(time.perf_counter() - t0)
         results.append(result)
-    profiled, _ = two_gpu(profile=True)
+    profiled, sim, plan = two_gpu(profile=True)
     results.append(profiled)
     diff = 0.0
     for result in results:
@@ -144,46 +218,33 @@ def one_size(sampler, pp_model, devices, size, frames, n_groups, repeats, say) -
     start = min(r["start_ms"] for r in profiled.timeline)
     seconds = [(b - a) / 1e3 for a, b in zip([start, *ends[:-1]], ends)]
     lanes_summary = profiled.summary.get("lanes", {})
-    two = dict(
+    span = profiled.summary.get("span_ms")
+    return dict(
+        decode_stream=decode_stream,
         seconds=statistics.median(times_2),
         runs_s=times_2,
+        num_chunks=plan.num_chunks,
         split=split,
         probe_split=report["probe_split"],
         decode_lanes=list(decode_lanes),
         decode_ms_per_chunk=report["decode"]["mean_ms"] if report["decode"] else None,
         decode_ms_per_chunk_list=report["decode"]["per_chunk_ms"] if report["decode"] else None,
-        simulated_busy=report["simulated_busy"],
+        contention=contention,
+        simulated_busy=list(sim.busy_fraction),
+        simulated_ms=sim.makespan,
         busy=[lanes_summary.get(f"gpu{i}", {}).get("busy_fraction") for i in (0, 1)],
+        measured_span_ms=span,
+        fitted_contention=fitted_contention(plan, costs, span),
+        costs=costs,
         ms_per_kind=profiled.summary.get("ms_per_kind"),
         latency_video0=_latency(seconds),
         stage_graphs=[r.summary for r in runners],
         decoders=decoders.summary(),
         plan_s=plan_s,
         passes=report["calibration"]["measured"],
-    )
-    two["frames_per_s"] = pixel_frames / two["seconds"]
-    row = dict(
-        size=f"{height}x{width}",
-        frames=frames,
-        videos=n_groups,
-        latent=list(latent_size),
-        num_chunks=num_chunks,
-        pixel_frames=pixel_frames,
-        vae="HunyuanVideo VAE, diffusers default config (random weights, bf16), exact-once running decode",
-        one_gpu=one,
-        two_gpu=two,
-        speedup=one["seconds"] / two["seconds"],
         max_diff=diff,
-        bit_identical=diff == 0.0,
         runs_checked=len(results),
     )
-    say(
-        f"  2gpu-aggressive: {two['frames_per_s']:.1f} frames/s ({two['seconds']:.3f} s) = {row['speedup']:.2f}x, "
-        f"split {split} (probe {two['probe_split']}), decode of video g on GPU {list(decode_lanes)} "
-        f"({two['decode_ms_per_chunk']:.1f} ms per chunk), busy GPU0/GPU1 {two['busy']} (simulated "
-        f"{[round(b, 2) for b in two['simulated_busy']]}), max |diff| {diff:g}, chunk latency {two['latency_video0']}"
-    )
-    return row  # the graphs and decoders of this size go with the frame
 
 
 def run_real_vae(args, say) -> dict:
@@ -202,7 +263,20 @@ def run_real_vae(args, say) -> dict:
             skipped.append(f"{size[0]}x{size[1]}")
             continue
         say(f"{size[0]}x{size[1]} x {args.frames} frames:")
-        rows.append(one_size(sampler, pp_model, devices, size, args.frames, args.groups, args.repeats, say))
+        rows.append(
+            one_size(
+                sampler,
+                pp_model,
+                devices,
+                size,
+                args.frames,
+                args.groups,
+                args.repeats,
+                say,
+                getattr(args, "decode_streams", ("side",)),
+                getattr(args, "contention", None),
+            )
+        )
         torch.cuda.empty_cache()
     return dict(
         rows=rows,

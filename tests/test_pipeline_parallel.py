@@ -116,7 +116,8 @@ def test_a_prep_that_makes_gpu1_wait_is_what_cost_aggressive_its_speed(refill):
     other item's update) until GPU0 has finished that stage0. Without the wait (the prep now runs on GPU0's prep
     stream and touches nothing of GPU1) the two modes' timelines are equal."""
     costs = COST_SETS[1]
-    plan = Plan(num_groups=2, num_chunks=6, num_steps=4, refill=refill)
+    # that run decoded on GPU1's compute stream (as the helper times every task on its GPU's one stream)
+    plan = Plan(num_groups=2, num_chunks=6, num_steps=4, refill=refill, decode_stream="compute")
     basic, aggressive = schedule(plan, "basic", costs), schedule(plan, "aggressive", costs)
     old_basic, busy1_basic = _timeline_with_prep_waits_on_gpu1(plan, basic.order, "basic", costs)
     old_aggressive, busy1_aggressive = _timeline_with_prep_waits_on_gpu1(plan, aggressive.order, "aggressive", costs)

@@ -12,7 +12,7 @@ from streaming_reference import stream_reference
 
 from opensora.inference.pipeline_parallel.decoders import device_decoder
 from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan
-from opensora.inference.pipeline_parallel.schedule import OVERLAP_MODES
+from opensora.inference.pipeline_parallel.schedule import DECODE_STREAM_MODES, OVERLAP_MODES
 from opensora.inference.pipeline_parallel.stages import BidirectionalStages, place_model, sample_microbatched
 from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages
 from opensora.inference.sampler import VideoSampler
@@ -223,12 +223,16 @@ SMALL_HUNYUAN_VAE = dict(
 )
 
 
+@pytest.mark.parametrize("decode_stream", DECODE_STREAM_MODES)
 @pytest.mark.parametrize("decode_lanes", [None, (0, 1)], ids=["last-gpu", "one-per-gpu"])
-def test_two_gpu_streaming_with_the_exact_chunk_decode_is_bit_identical_to_one_gpu(decode_lanes):
+def test_two_gpu_streaming_with_the_exact_chunk_decode_is_bit_identical_to_one_gpu(decode_lanes, decode_stream):
     """The exact-once decode (running statistics, conv caches, the fused group norm, graphed decodes) of a
-    HunyuanVideo-architecture VAE in bf16: each video's decoder on the GPU the plan gives it, every chunk's frames
-    equal to ``StreamingGenerator(cuda_graphs=True)``'s (graphed passes, graphed decode on a side stream)."""
+    HunyuanVideo-architecture VAE in bf16: each video's decoder on the GPU the plan gives it, on that GPU's decode
+    stream (``side``: it waits for the chunk's x0 by event, a copy of its own from the other GPU) or its compute
+    stream, every chunk's frames equal to ``StreamingGenerator(cuda_graphs=True)``'s (graphed passes, graphed
+    decode on a side stream)."""
     from opensora.inference.pipeline_parallel.decoders import ChunkDecoders
+    from opensora.inference.pipeline_parallel.schedule import DECODE_STREAMS
     from opensora.inference.streaming.generator import StreamingGenerator
     from opensora.models.vae.hunyuan_vae import HunyuanVideoVAE
 
@@ -249,7 +253,7 @@ def test_two_gpu_streaming_with_the_exact_chunk_decode_is_bit_identical_to_one_g
     decoders = ChunkDecoders.like(gen)
     for mode in OVERLAP_MODES:
         for run in range(2):
-            lanes = Lanes(DEVICES)
+            lanes = Lanes(DEVICES, profile=run == 0)
             stages = CausalStreamingStages(
                 pp,
                 lanes,
@@ -260,8 +264,12 @@ def test_two_gpu_streaming_with_the_exact_chunk_decode_is_bit_identical_to_one_g
                 make_decoder=decoders,
                 cuda_graphs=runners,
                 decode_lanes=decode_lanes,
+                decode_stream=decode_stream,
             )
             result = run_plan(stages, mode, lanes)[0]
+            for row in result.timeline:  # timed on the stream each ran on
+                if row["kind"] == "decode":
+                    assert row["stream"] == (DECODE_STREAMS[row["lane"]] if decode_stream == "side" else row["lane"])
             for g, chunks in enumerate(refs):
                 for chunk in chunks:
                     assert torch.equal(result.latents[(g, chunk.index)], chunk.latents.cpu()), (mode, run, g)

@@ -21,7 +21,7 @@ from typing import List, Optional
 from opensora.cli_errors import UserInputError, check_range
 
 from .cache.config import STORE_KINDS, JanoConfig, tunable_defaults
-from .pipeline_parallel.schedule import OVERLAP_MODES
+from .pipeline_parallel.schedule import DECODE_STREAM_MODES, OVERLAP_MODES
 from .reference_check import check_reference
 from .streaming import KV_RECACHE, ROLLOUTS
 from .streaming.prompt_schedule import parse_prompt_schedule
@@ -183,6 +183,7 @@ class PipelineOptions(_Options):
     pp_devices: Optional[str] = None  # "cuda:0,cuda:1": two-GPU pipeline overlap of --streaming
     pp_overlap: str = "aggressive"  # off | basic | aggressive
     pp_split: str = "auto"  # auto | N: index of the last block on the first GPU
+    pp_decode_stream: str = "side"  # side: each GPU decodes on a stream beside its passes | compute: in front of them
     pp_cfg_rows: bool = (
         True  # CFG passes as rows of one batch (bit-identical to one GPU's streaming); False: micro-batches
     )
@@ -206,6 +207,10 @@ class PipelineOptions(_Options):
     def check(self) -> None:
         if self.pp_overlap not in OVERLAP_MODES:
             raise UserInputError(f"--pp-overlap must be one of {OVERLAP_MODES}, got {self.pp_overlap!r}")
+        if self.pp_decode_stream not in DECODE_STREAM_MODES:
+            raise UserInputError(
+                f"--pp-decode-stream must be one of {DECODE_STREAM_MODES}, got {self.pp_decode_stream!r}"
+            )
         if self.enabled:
             self.devices()
 

@@ -16,7 +16,8 @@ writer, so equal frames give equal files). ``--profile`` writes ``pp_profile.jso
 per GPU: busy/idle) to the save dir and logs the per-stage summary. ``--pp-split auto`` (``auto_split``) chooses the
 split as ``benchmarks/pipeline_parallel.py`` does: per-block probe times calibrated to a few timed whole stage
 passes (``pipeline_parallel.calibrated_split``); the JSON's ``pp_split`` records both; an explicit ``--pp-split N``
-skips it.
+skips it. ``--pp-decode-stream side`` (the default) decodes on a stream of its own per GPU, beside the passes;
+``compute`` decodes on the GPU's compute stream, in front of the passes issued after it (same frames either way).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def dump_json(path, payload) -> None:
         json.dump(payload, f, indent=1, default=str)
 
 
-def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, generator, decoders=None):
+def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, generator, decoders=None, contention=None):
     """``--pp-split auto``, as ``benchmarks/pipeline_parallel.py`` chooses it: the per-block probe
     (``measure_stage_times`` on devices[0] at ``typical_past_frames`` cached frames) and the run's own chunk decode
     (``measure_chunk_decode``: ``decoders``, a ``ChunkDecoders``, over one video's chunks) -> a probe split; the
@@ -41,7 +42,8 @@ def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, gener
     (``calibrated_split(place_decode=True)``: the decode counts on the GPU that runs it). Leaves ``model`` placed at
     the returned split. Returns (split, the split report: probe times, decode times, candidates, the measured
     passes, the calibrated choice and ``decode_lanes``). Neither choice changes a value: each video is decoded in
-    order by one decoder of the one-GPU rule, wherever it lives."""
+    order by one decoder of the one-GPU rule, wherever it lives. ``contention``: the simulator's (None: its
+    default; see ``schedule.simulate``)."""
     import torch
 
     from .decoders import measure_chunk_decode
@@ -67,7 +69,10 @@ def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, gener
         decode_report = measure_chunk_decode(decoders, devices[0], chunks)
         probe_ms["decode_ms"] = decode_report["mean_ms"]
     embed, final = probe_ms["embed_ms"], probe_ms["final_ms"]
-    probe_split, _ = choose_split(plan, mode, probe_ms["block_ms"], embed, final, decode_ms=probe_ms["decode_ms"])
+    shared = {} if contention is None else dict(contention=contention)
+    probe_split, _ = choose_split(
+        plan, mode, probe_ms["block_ms"], embed, final, decode_ms=probe_ms["decode_ms"], **shared
+    )
     logger.info(
         "pp-split auto, probe: split %d (per unit, a chunk after %d cached frames: embed %.2f ms, blocks %s ms, "
         "final %.2f ms, decode %.2f ms)",
@@ -84,7 +89,7 @@ def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, gener
         model, devices, probe_split, groups[0], latent_size, times, past, cuda_graphs=graphed, **sampler_kw
     )
     split, table, details = calibrated_split(
-        plan, mode, probe_ms, len(model.double_blocks), passes, place_decode=decoders is not None
+        plan, mode, probe_ms, len(model.double_blocks), passes, place_decode=decoders is not None, **shared
     )
     if split != probe_split:
         place_model(model, split, devices)
@@ -118,7 +123,9 @@ def auto_split(model, devices, mode, groups, latent_size, times, stage_kw, gener
         calibration=details,  # its ``measured``: the timed passes
         decode=decode_report,
         decode_lanes=list(details["decode_lanes"]),
+        decode_stream=plan.decode_stream,
         simulated_busy=best["simulated_busy"],
+        simulated_ms=best["simulated_ms"],
     )
     return split, report
 
@@ -171,6 +178,7 @@ def run_pipelined(job) -> list:
         sink_frames=generator.sink_frames,
         cfg_rows=bool(pipeline.pp_cfg_rows),
         make_decoder=make_decoder,
+        decode_stream=pipeline.pp_decode_stream,
         cuda_graphs=graphed,  # every stage's pass a CUDA graph, all issued from one host thread
     )
     split = parse_split(pipeline.pp_split, len(all_blocks(model)))
@@ -202,6 +210,7 @@ def run_pipelined(job) -> list:
     pp_record = dict(
         pp_devices=devices,
         pp_overlap=mode,
+        pp_decode_stream=pipeline.pp_decode_stream,
         pp_split=split_report,
         decode_lanes=placed,
         decode=make_decoder.summary(),
@@ -215,8 +224,11 @@ def run_pipelined(job) -> list:
         chunk_frames=generator.chunk_frames,
     )
     lane_summary = result.summary.get("lanes", {})
+    if costs is not None:  # the calibrated plan's time, to set beside a profile's span
+        pp_record["simulated_ms"] = sim.makespan
     if lane_summary:  # measured (--profile): the busy fraction per GPU
         pp_record["busy"] = {lane: round(v["busy_fraction"], 4) for lane, v in lane_summary.items()}
+        pp_record["measured_span_ms"] = result.summary["span_ms"]
     save_dir = job.options.run.save_dir
     if pipeline.profile:
         dump_json(f"{save_dir}/pp_profile.json", dict(summary=result.summary, timeline=result.timeline, **pp_record))

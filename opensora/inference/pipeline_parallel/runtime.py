@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .schedule import Plan, Simulation, Task, build_graph, schedule
+from ..streaming.generator import decode_stream
+from .schedule import DEFAULT_CONTENTION, Plan, Simulation, Task, build_graph, schedule
 
 HOST_SLAB_BYTES = 16 << 20  # pinned host memory per allocation of ``Lanes.to_host``
 
@@ -37,7 +38,8 @@ class Lanes:
     on later work of the producer's GPU), with the consumer's compute stream waiting on the copy. The destination
     tensor is ``record_stream``-ed onto the consumer stream, the source onto the side stream that reads it, so
     neither's memory is reused while the copy may still touch it. ``to_host`` copies into pinned memory on a
-    side stream and keeps the source alive until the copy's event completes.
+    side stream and keeps the source alive until the copy's event completes. Side streams of a device: its prep
+    stream (``prep_stream``) and its decode stream (``decode_stream``, one per device for the process).
     """
 
     def __init__(self, devices: Sequence[Any], profile: bool = False):
@@ -83,15 +85,34 @@ class Lanes:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.prep_streams[self.devices[lane]])
 
+    def decode_stream(self, lane: int):
+        """Context making ``lane``'s decode stream current: a chunk decode (~10x a chunk's passes with the real VAE)
+        queued there overlaps the compute stream instead of holding back every pass issued after it. It is the
+        process's decode stream of the device (``streaming.generator.decode_stream``, the one-GPU sampler's): a
+        decoder kept across runs keeps its state tensors on one stream, and its high priority keeps it out of the
+        normal-priority pool that every ``Lanes`` draws its copy and prep streams from (a pool stream handed out
+        again as a copy stream would queue activation copies behind a decode)."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(decode_stream(self.devices[lane]))
+
+    def side_stream(self, task: Task):
+        """The stream context ``task`` runs in: its lane's prep or decode stream (``Task.stream``), else none."""
+        if task.kind == "prep":
+            return self.prep_stream(task.device)
+        if task.side:
+            return self.decode_stream(task.device)
+        return contextlib.nullcontext()
+
     def wait(self, lane: int, ready) -> None:
         """``lane``'s current stream waits for ``ready`` (an event; None: nothing to wait for, as on the CPU)."""
         if self.cuda and ready is not None:
             self.stream(lane).wait_event(ready)
 
     def hand_over(self, tree, lane: int) -> None:
-        """The CUDA tensors of ``tree`` on ``lane``'s device, made on another stream of it (the prep stream), will be
-        read by the lane's compute stream: ``record_stream`` them, so the allocator does not hand their memory to
-        the prep stream again while the compute stream may still read it."""
+        """The CUDA tensors of ``tree`` on ``lane``'s device, made on another stream of it, will be read by the lane's
+        current stream (the compute stream reading a prep's, a decode stream reading an x0): ``record_stream`` them,
+        so the allocator does not hand their memory to the maker's stream again while the reader may still read it."""
         if not self.cuda:
             return
         stream, device = self.stream(lane), self.devices[lane]
@@ -219,6 +240,7 @@ class Lanes:
                     step=task.step,
                     branch=task.branch,
                     lane=lane,
+                    stream=task.stream,
                     start_ms=s,
                     end_ms=e,
                     host_ms=host * 1e3,
@@ -269,7 +291,8 @@ class Stages:
     that reads it, see the module docstring); ``stage0(ctx, branch, step,
     x, store_kv) -> activations`` (lane 0); ``stage1(ctx, branch, step, activations, store_kv) -> model output``
     (lane 1); ``update(ctx, step, outputs, x) -> next x`` (lane 1; at the last step the chunk's x0);
-    ``decode(ctx, x0) -> frames`` (on ``plan.decode_lane(group)``).
+    ``decode(ctx, x0) -> frames`` (on ``plan.decode_lane(group)``; with that lane's decode stream current when
+    ``plan.decode_stream == "side"``).
     """
 
     plan: Plan
@@ -290,6 +313,16 @@ class _Value:
 
     def __init__(self, value, lane, ready, side: bool = False):
         self.copies, self.lane, self.ready, self.side = {lane: value}, lane, ready, side
+
+    def on_side_stream(self, lanes: Lanes, lane: int):
+        """The value for a consumer on a side stream of ``lane`` (a decode on its decode stream), made on a compute
+        stream: the copies kept for the compute streams are ready only there (the copy of x0 that a refill's stage0
+        pulled), so it waits for ``ready`` itself and pulls a copy of its own from another device."""
+        if lanes.devices[lane] != lanes.devices[self.lane]:
+            return lanes.pull(self.copies[self.lane], self.ready, lane)
+        lanes.wait(lane, self.ready)
+        lanes.hand_over(self.copies[self.lane], lane)
+        return self.copies[self.lane]
 
     def on(self, lanes: Lanes, lane: int):
         if self.side and lanes.devices[lane] == lanes.devices[self.lane]:
@@ -377,9 +410,10 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
         before = order[position[task] - 1] if serial and position[task] > 0 else None
         if before is not None:
             issued[before].wait()
-        # a prep runs on its lane's prep stream (see the module docstring), everything else on the compute stream
+        # a prep runs on its lane's prep stream, a side-stream decode on its decode stream (see the module docstring),
+        # everything else on the compute stream
         with lanes.device_context(lane), torch.no_grad():
-            with lanes.prep_stream(lane) if task.kind == "prep" else contextlib.nullcontext():
+            with lanes.side_stream(task):
                 if before is not None and (before.device != lane or before.stream != task.stream):
                     lanes.wait(lane, end_events[before])  # serial: after the task issued before it, on any stream
                 # inputs from the other GPU first: the stream waits for them before the task's timing starts
@@ -391,7 +425,8 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
                 elif task.kind == "update":
                     inputs = values[("x", g, c, k)].on(lanes, 1)
                 elif task.kind == "decode":
-                    inputs = values[("x", g, c, plan.num_steps)].on(lanes, lane)
+                    x0 = values[("x", g, c, plan.num_steps)]
+                    inputs = x0.on_side_stream(lanes, lane) if task.side else x0.on(lanes, lane)
                 with lanes.task(task):
                     compute(task, inputs)
                 del inputs
@@ -465,7 +500,8 @@ def run_plan(
     costs: Optional[Mapping[str, float]] = None,
     prefetch: int = 1,
     threads: Optional[bool] = None,
+    contention: float = DEFAULT_CONTENTION,
 ) -> Tuple[RunResult, Simulation]:
-    """Schedule ``stages.plan`` for ``mode`` and run it."""
-    sim = schedule(stages.plan, mode, costs, prefetch)
+    """Schedule ``stages.plan`` for ``mode`` (``contention``: see ``schedule.simulate``) and run it."""
+    sim = schedule(stages.plan, mode, costs, prefetch, contention)
     return run(stages, sim.order, lanes, serial=(mode == "off"), threads=threads), sim

@@ -15,7 +15,8 @@ The work of a run is a graph of tasks over (group, branch, chunk, step):
 * ``stage1`` (GPU1)  blocks[split:] + final layer of the same forward;
 * ``update`` (GPU1)  CFG combine of the group's branches + sampler step (or the chunk's x0 at its last step);
 * ``decode`` (GPU1, or GPU0 for the groups ``Plan.decode_lanes`` puts there)  VAE decode of the chunk's x0 (+ copy
-  to pinned host memory); one decoder per group, fed its chunks in order (a causal decoder carries state).
+  to pinned host memory); one decoder per group, fed its chunks in order (a causal decoder carries state); on its
+  GPU's *decode stream* by default (``Plan.decode_stream``, see below).
 
 A *group* is one independent work unit (a prompt / micro-batch of prompts, with its own caches); its *branches*
 are the CFG passes (cond, uncond) when they run as separate micro-batches, each with its own caches (the streaming
@@ -52,12 +53,21 @@ for): hoisted to just after chunk t's first stage0, that made GPU1's tasks issue
 the other group's update) wait until GPU0 had finished that stage0. Now the prep runs on its own stream of GPU0 and
 GPU1's streams see exactly ``basic``'s operations in ``basic``'s order in both modes; ``in_order_timeline`` and
 ``simulate`` time preps on that side stream.
+
+The decode, for the same reason (measured on 2 H200s with the real-size VAE at 480x832: a ~180 ms chunk decode,
+~10x a chunk's passes, on GPU1's compute stream held back every stage1 / update issued after it, GPUs busy
+0.67 / 0.65 where the simulator, which let them pass, said 0.98): with ``Plan.decode_stream = "side"`` each GPU
+decodes on a decode stream of its own, which waits for the chunk's x0 (an event) and keeps a video's chunks in
+order (one stream per GPU, a video's decoder on one GPU); nothing but the next decode and the host copy depends
+on a decode, so no compute stream ever waits for one. Kernels of two streams share one GPU, though: ``simulate``
+and ``in_order_timeline`` run the decode on a lane of its own per GPU and slow both tasks down while they overlap
+(``contention``, see ``simulate``). ``"compute"`` keeps the decode on the compute stream (for A/B timing).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -65,6 +75,12 @@ OVERLAP_MODES = ("off", "basic", "aggressive")
 KINDS = ("prep", "stage0", "stage1", "update", "decode")
 DEVICE_OF_KIND = {"prep": 0, "stage0": 0, "stage1": 1, "update": 1, "decode": 1}
 PREP_STREAM = 2  # timing lane of ``prep``: GPU0's prep stream, beside its compute stream (lane 0)
+DECODE_STREAMS = (3, 4)  # timing lanes of a side-stream ``decode``: GPU0's and GPU1's decode streams
+LANES = (0, 1, PREP_STREAM, *DECODE_STREAMS)
+DECODE_STREAM_MODES = ("side", "compute")
+# While a compute-stream task and a decode-stream task overlap on one GPU, each runs at 1 / (1 + contention) of its
+# speed alone. 0.5: a guess between independent lanes (0) and no gain from overlap (1), until a run fits it.
+DEFAULT_CONTENTION = 0.5
 DEFAULT_COSTS = {"prep": 0.05, "stage0": 1.0, "stage1": 1.0, "update": 0.02, "decode": 0.5}
 
 
@@ -84,6 +100,8 @@ class Plan:
         decode_lanes: the GPU that decodes each group's chunks (one entry per group; empty: all on GPU1). A causal
             decoder is stateful (conv caches, running norm statistics), so one video's chunks are decoded in order
             by one decoder on one GPU; different videos may decode on different GPUs.
+        decode_stream: ``side`` (each GPU decodes on a decode stream of its own, overlapping its compute stream) or
+            ``compute`` (on the compute stream, in front of the tasks issued after it).
     """
 
     num_groups: int = 1
@@ -94,8 +112,11 @@ class Plan:
     cached: bool = True
     decode: bool = True
     decode_lanes: Tuple[int, ...] = ()
+    decode_stream: str = "side"
 
     def __post_init__(self):
+        if self.decode_stream not in DECODE_STREAM_MODES:
+            raise ValueError(f"decode_stream must be one of {DECODE_STREAM_MODES}, got {self.decode_stream!r}")
         for name in ("num_groups", "num_branches", "num_chunks", "num_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Plan.{name} must be >= 1, got {getattr(self, name)}")
@@ -111,7 +132,7 @@ class Plan:
         return self.decode_lanes[group] if self.decode_lanes else DEVICE_OF_KIND["decode"]
 
     def decode_task(self, group: int, chunk: int) -> "Task":
-        return Task("decode", group, chunk, lane=self.decode_lane(group))
+        return Task("decode", group, chunk, lane=self.decode_lane(group), side=self.decode_stream == "side")
 
     @property
     def forwards_per_chunk(self) -> int:
@@ -150,6 +171,7 @@ class Task:
     step: int = -1  # -1: prep and decode
     branch: int = -1  # -1: prep, update and decode
     lane: int = -1  # a decode's GPU (``Plan.decode_lane``); -1: the kind's own (``DEVICE_OF_KIND``)
+    side: bool = False  # a decode on its GPU's decode stream (``Plan.decode_stream == "side"``)
 
     @property
     def device(self) -> int:
@@ -157,8 +179,11 @@ class Task:
 
     @property
     def stream(self) -> int:
-        """The timing lane: the device's compute stream, or ``PREP_STREAM`` for a prep."""
-        return PREP_STREAM if self.kind == "prep" else self.device
+        """The timing lane: the device's compute stream, ``PREP_STREAM`` for a prep, the device's
+        ``DECODE_STREAMS`` entry for a side-stream decode."""
+        if self.kind == "prep":
+            return PREP_STREAM
+        return DECODE_STREAMS[self.device] if self.side else self.device
 
     def __str__(self) -> str:
         parts = [self.kind, f"g{self.group}", f"c{self.chunk}"]
@@ -168,6 +193,8 @@ class Task:
             parts.append(f"b{self.branch}")
         if self.lane >= 0:
             parts.append(f"gpu{self.lane}")
+        if self.side:
+            parts.append("side")
         return ".".join(parts)
 
 
@@ -261,11 +288,86 @@ class Simulation:
     start: Dict[Task, float]
     finish: Dict[Task, float]
     makespan: float
-    busy: Tuple[float, float]  # busy time per device
+    busy: Tuple[float, float]  # per device: time its compute or decode stream has work (preps not counted)
 
     @property
     def busy_fraction(self) -> Tuple[float, float]:
         return tuple(b / self.makespan if self.makespan else 0.0 for b in self.busy)
+
+
+def _busy(start: Mapping[Task, float], finish: Mapping[Task, float]) -> Tuple[float, float]:
+    """Per device, the length of the union of its compute and decode tasks' intervals (as ``summarize_timeline``
+    merges the measured ones)."""
+    busy = [0.0, 0.0]
+    for device in (0, 1):
+        spans = sorted((start[t], finish[t]) for t in start if t.kind != "prep" and t.device == device)
+        end = None
+        for s, e in spans:
+            if end is None or s > end:
+                busy[device] += e - s
+                end = e
+            elif e > end:
+                busy[device] += e - end
+                end = e
+    return tuple(busy)
+
+
+def _play(deps, costs, contention: float, pick, on_ready) -> Tuple[Dict[Task, float], Dict[Task, float], List[Task]]:
+    """The event loop of ``simulate`` and ``in_order_timeline``. Whenever one of ``LANES`` is free it starts the task
+    ``pick(lane)`` gives (None: it stays idle); a task whose dependencies have all finished goes to ``on_ready``.
+    While a GPU's compute lane and its decode lane both run a task, each progresses at 1 / (1 + ``contention``) of
+    its speed (preps share nothing). Returns start and finish times and the tasks in the order they started."""
+    users = defaultdict(list)
+    waiting = {t: len(d) for t, d in deps.items()}
+    for t, d in deps.items():
+        for p in d:
+            users[p].append(t)
+    for t, n in waiting.items():
+        if n == 0:
+            on_ready(t)
+    start, finish, started = {}, {}, []
+    free_at = {lane: 0.0 for lane in LANES}
+    running: Dict[Task, List[float]] = {}  # task -> [end at the current rates, rate]
+    now = 0.0
+
+    def retime() -> None:  # the rates of the tasks still running, and their ends at those rates
+        active = [t for t, (end, _) in running.items() if end > now and t.kind != "prep"]
+        per_gpu = defaultdict(int)
+        for t in active:
+            per_gpu[t.device] += 1
+        for t in active:
+            end, rate = running[t]
+            new = 1.0 / (1.0 + contention * (per_gpu[t.device] - 1))
+            if new != rate:
+                running[t] = [now + (end - now) * rate / new, new]
+                free_at[t.stream] = running[t][0]
+
+    while len(finish) < len(deps):
+        began = False
+        for lane in LANES:
+            t = pick(lane) if free_at[lane] <= now else None
+            if t is not None:
+                start[t] = now
+                started.append(t)
+                free_at[lane] = now + costs[t.kind]
+                running[t] = [free_at[lane], 1.0]
+                began = True
+        if began:
+            retime()
+            continue
+        if not running:
+            raise ValueError("no stream can go on: a task waits for one issued after it on its stream")
+        end = max(now, min(e for e, _ in running.values()))
+        now = end
+        for t in [t for t, (e, _) in running.items() if e <= end]:  # all that end now, before choosing the next
+            del running[t]
+            finish[t] = end
+            for u in users[t]:
+                waiting[u] -= 1
+                if waiting[u] == 0:
+                    on_ready(u)
+        retime()
+    return start, finish, started
 
 
 def simulate(
@@ -274,67 +376,43 @@ def simulate(
     costs: Optional[Mapping[str, float]] = None,
     prefetch: int = 1,
     serial: Optional[bool] = None,
+    contention: float = DEFAULT_CONTENTION,
 ) -> Simulation:
-    """List-schedule the task graph on two devices with per-kind ``costs`` (a device never idles while one of its
-    tasks is ready; ties go to the oldest work; preps run on GPU0's prep stream, beside its compute stream).
-    ``serial`` (default: ``mode == "off"``) runs the natural order one task at a time instead. Returns the issue
-    order and the predicted timeline (``busy``: the two compute streams)."""
+    """List-schedule the task graph on two devices with per-kind ``costs`` (a stream never idles while one of its
+    tasks is ready; ties go to the oldest work; preps run on GPU0's prep stream, beside its compute stream, and
+    side-stream decodes on their GPU's decode stream). ``serial`` (default: ``mode == "off"``) runs the natural
+    order one task at a time instead. Returns the issue order and the predicted timeline.
+
+    ``contention`` models two streams sharing one GPU: while a compute-stream task and a decode-stream task overlap
+    on a GPU, both progress at 1 / (1 + contention) of their speed alone; 0 makes the lanes independent, 1 gives
+    overlap no gain (the pair takes as long as one after the other). Two tasks of costs a <= d started together
+    thus end at a (1 + c) and d + c a: the overlapped part of the shorter one costs c times itself extra."""
+    if contention < 0:
+        raise ValueError(f"contention must be >= 0, got {contention}")
     costs = {**DEFAULT_COSTS, **(costs or {})}
     deps = build_graph(plan, mode, prefetch)
     natural = natural_order(plan)
     topo = _topological_index(deps, natural)
     serial = (mode == "off") if serial is None else serial
     start, finish = {}, {}
-    busy = [0.0, 0.0]
     if serial:
-        now = 0.0
+        now, busy = 0.0, [0.0, 0.0]
         for t in natural:
             start[t], now = now, now + costs[t.kind]
             finish[t] = now
-            if t.stream != PREP_STREAM:
+            if t.kind != "prep":
                 busy[t.device] += costs[t.kind]
         return Simulation(list(natural), start, finish, now, tuple(busy))
-    users = defaultdict(list)
-    waiting = {t: len(d) for t, d in deps.items()}
-    for t, d in deps.items():
-        for p in d:
-            users[p].append(t)
-    ready_at: Dict[Task, float] = {t: 0.0 for t, n in waiting.items() if n == 0}
-    lanes = (0, 1, PREP_STREAM)
-    free_at = [0.0] * len(lanes)
-    running: List[Tuple[float, int, Task]] = []  # (finish, topo, task)
-    started_as: Dict[Task, int] = {}  # the sequence tasks started in (zero-cost tasks share a start time)
-    pending = {lane: [] for lane in lanes}  # ready tasks per stream: (priority, topo, task)
-    for t in ready_at:
+    pending = {lane: [] for lane in LANES}  # ready tasks per stream: (priority, topo, task)
+
+    def pick(lane):
+        return heapq.heappop(pending[lane])[2] if pending[lane] else None
+
+    def on_ready(t):
         heapq.heappush(pending[t.stream], (_priority(t), topo[t], t))
-    now = 0.0
-    while len(finish) < len(deps):
-        started = False
-        for lane in lanes:
-            if free_at[lane] <= now and pending[lane]:
-                _, _, t = heapq.heappop(pending[lane])
-                s = max(now, ready_at[t])
-                start[t] = s
-                started_as[t] = len(started_as)
-                free_at[lane] = s + costs[t.kind]
-                if lane != PREP_STREAM:
-                    busy[lane] += costs[t.kind]
-                heapq.heappush(running, (free_at[lane], topo[t], t))
-                started = True
-        if started:
-            continue
-        end = running[0][0]
-        now = max(now, end)
-        while running and running[0][0] <= end:  # every task that ends now, before choosing the next ones
-            _, _, t = heapq.heappop(running)
-            finish[t] = end
-            for u in users[t]:
-                waiting[u] -= 1
-                if waiting[u] == 0:
-                    ready_at[u] = end
-                    heapq.heappush(pending[u.stream], (_priority(u), topo[u], u))
-    order = sorted(deps, key=lambda t: (start[t], started_as[t]))
-    return Simulation(order, start, finish, max(finish.values()), tuple(busy))
+
+    start, finish, order = _play(deps, costs, contention, pick, on_ready)
+    return Simulation(order, start, finish, max(finish.values()), _busy(start, finish))
 
 
 def check_order(plan: Plan, order: Sequence[Task], mode: str = "basic", prefetch: int = 1) -> None:
@@ -358,16 +436,22 @@ def check_order(plan: Plan, order: Sequence[Task], mode: str = "basic", prefetch
             raise AssertionError(f"KV writes of {key} are not window-major: {chunks}")
 
 
-def schedule(plan: Plan, mode: str, costs: Optional[Mapping[str, float]] = None, prefetch: int = 1) -> Simulation:
+def schedule(
+    plan: Plan,
+    mode: str,
+    costs: Optional[Mapping[str, float]] = None,
+    prefetch: int = 1,
+    contention: float = DEFAULT_CONTENTION,
+) -> Simulation:
     """The issue order a run uses, with its predicted timeline. ``aggressive`` issues the stage tasks exactly as
     ``basic`` does and only hoists each chunk's ``prep`` to its earliest allowed point (``hoist_preps``): its own
     list schedule reordered the groups' stage tasks around the earlier preps, and on 2 H200s that order ran slower
     than ``basic``'s in most rows (1.26x vs 1.66x, 1.66x vs 1.98x of one GPU)."""
     if mode == "aggressive":
-        order = hoist_preps(plan, simulate(plan, "basic", costs, prefetch).order, prefetch)
-        sim = in_order_timeline(plan, order, mode, costs, prefetch)
+        order = hoist_preps(plan, simulate(plan, "basic", costs, prefetch, contention=contention).order, prefetch)
+        sim = in_order_timeline(plan, order, mode, costs, prefetch, contention)
     else:
-        sim = simulate(plan, mode, costs, prefetch)
+        sim = simulate(plan, mode, costs, prefetch, contention=contention)
     check_order(plan, sim.order, mode, prefetch)
     return sim
 
@@ -380,8 +464,9 @@ def hoist_preps(plan: Plan, order: Sequence[Task], prefetch: int = 1) -> List[Ta
     So every stream (both compute streams, and the prep stream, whose preps keep ``order``'s sequence) runs the
     same tasks in the same sequence as with ``order``, and each prep waits for tasks that finish no later than
     those it waits for in ``basic`` (stage0 of chunk c - prefetch at step 0 runs before stage0 of c - 1 at its
-    last step on GPU0): by induction over the issue order, no task starts later than in ``basic``
-    (``in_order_timeline``; tests/test_pipeline_parallel.py checks it over plans and costs)."""
+    last step on GPU0): by induction over the issue order, with independent streams (``contention=0``) no task
+    starts later than in ``basic`` (``in_order_timeline``; tests/test_pipeline_parallel.py checks it over plans and
+    costs). Where a GPU's decode stream slows its compute stream, an earlier start may meet a decode it missed."""
     deps = build_graph(plan, "aggressive", prefetch)
     out = [t for t in order if t.kind != "prep"]
     previous = None
@@ -393,19 +478,27 @@ def hoist_preps(plan: Plan, order: Sequence[Task], prefetch: int = 1) -> List[Ta
 
 
 def in_order_timeline(
-    plan: Plan, order: Sequence[Task], mode: str, costs: Optional[Mapping[str, float]] = None, prefetch: int = 1
+    plan: Plan,
+    order: Sequence[Task],
+    mode: str,
+    costs: Optional[Mapping[str, float]] = None,
+    prefetch: int = 1,
+    contention: float = DEFAULT_CONTENTION,
 ) -> Simulation:
-    """The timeline of ``order`` issued as the executor issues it: each stream (the two compute streams and GPU0's
-    prep stream) runs its tasks in issue order, a task starting once its stream is free and its dependencies have
-    finished. Nothing else couples the streams: a prep issues no work and no wait on GPU1 (see the module
-    docstring), so hoisting preps (``aggressive``) leaves both compute streams' sequences as they were and can only
-    make a stage0 start earlier."""
+    """The timeline of ``order`` issued as the executor issues it: each stream (the two compute streams, GPU0's prep
+    stream, the decode streams) runs its tasks in issue order, a task starting once its stream is free and its
+    dependencies have finished; a GPU's compute and decode streams share it as ``simulate``'s ``contention`` says.
+    Nothing else couples the streams: a prep issues no work and no wait on GPU1 (see the module docstring), so
+    hoisting preps (``aggressive``) leaves both compute streams' sequences as they were and, with independent lanes
+    (``contention=0``), can only make a stage0 start earlier."""
     costs = {**DEFAULT_COSTS, **(costs or {})}
     deps = build_graph(plan, mode, prefetch)
-    start, finish, free_at, busy = {}, {}, [0.0, 0.0, 0.0], [0.0, 0.0]
-    for t in order:
-        start[t] = max([free_at[t.stream]] + [finish[d] for d in deps[t]])
-        finish[t] = free_at[t.stream] = start[t] + costs[t.kind]
-        if t.stream != PREP_STREAM:
-            busy[t.stream] += costs[t.kind]
-    return Simulation(list(order), start, finish, max(finish.values()), tuple(busy))
+    queues = {lane: deque(t for t in order if t.stream == lane) for lane in LANES}
+    ready = set()
+
+    def pick(lane):
+        queue = queues[lane]
+        return queue.popleft() if queue and queue[0] in ready else None
+
+    start, finish, _ = _play(deps, costs, contention, pick, ready.add)
+    return Simulation(list(order), start, finish, max(finish.values()), _busy(start, finish))

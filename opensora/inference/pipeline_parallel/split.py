@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .schedule import Plan, schedule
+from .schedule import DEFAULT_CONTENTION, Plan, schedule
 
 
 def stage_costs(
@@ -50,12 +50,13 @@ def choose_split(
     update_ms: float = 0.0,
     decode_ms: float = 0.0,
     prep_ms: float = 0.0,
+    contention: float = DEFAULT_CONTENTION,
 ) -> Tuple[int, List[dict]]:
     """The split (index of GPU0's last block) with the smallest simulated time for ``plan`` (its decode placement
     as it is) under ``mode``, from measured per-block times; ties go to the most balanced split. Returns (split, one
     row per candidate)."""
     split, _, rows = choose_split_and_decode(
-        plan, mode, block_ms, embed_ms, final_ms, update_ms, decode_ms, prep_ms, [plan.decode_lanes]
+        plan, mode, block_ms, embed_ms, final_ms, update_ms, decode_ms, prep_ms, [plan.decode_lanes], contention
     )
     return split, rows
 
@@ -70,12 +71,14 @@ def choose_split_and_decode(
     decode_ms: float = 0.0,
     prep_ms: float = 0.0,
     placements: Optional[Sequence[Sequence[int]]] = None,
+    contention: float = DEFAULT_CONTENTION,
 ) -> Tuple[int, Tuple[int, ...], List[dict]]:
     """The split and the decode placement (``Plan.decode_lanes``, from ``placements``; None: every one of
     ``decode_placements``) with the smallest simulated time. The decode is a task of the GPU that runs it, so a
     dear decode (the real VAE: ~220 ms a chunk at 480x832, about a chunk's DiT passes) moves blocks to the other
-    GPU. Ties go to the earlier placement (the default first), then the most balanced split. Returns (split,
-    decode_lanes, one row per (placement, split) candidate)."""
+    GPU; on a decode stream (``plan.decode_stream == "side"``) it slows that GPU's passes by ``contention`` while
+    they overlap (``schedule.simulate``). Ties go to the earlier placement (the default first), then the most
+    balanced split. Returns (split, decode_lanes, one row per (placement, split) candidate)."""
     n = len(block_ms)
     if n < 2:
         raise ValueError("pipeline parallelism needs at least 2 blocks")
@@ -88,7 +91,7 @@ def choose_split_and_decode(
         decode = decode_ms if plan.decode else 0.0
         for split in range(n - 1):
             costs = stage_costs(block_ms, split, embed_ms, final_ms, update_ms, decode_ms, prep_ms)
-            sim = schedule(candidate, mode if mode != "off" else "basic", costs)
+            sim = schedule(candidate, mode if mode != "off" else "basic", costs, contention=contention)
             forwards = plan.total_forwards / plan.num_chunks  # per chunk, on average (the last one has no refill)
             gpu0 = forwards * costs["stage0"] + costs["prep"] + on0 * decode
             gpu1 = forwards * costs["stage1"] + plan.num_steps * costs["update"] + (1 - on0) * decode
@@ -102,6 +105,7 @@ def choose_split_and_decode(
                     gpu1_ms_per_chunk=gpu1,
                     simulated_ms=sim.makespan,
                     simulated_busy=list(sim.busy_fraction),
+                    contention=contention,
                     _rank=rank,
                 )
             )
@@ -177,6 +181,7 @@ def calibrated_split(
     num_double: int,
     measured: Mapping[str, float],
     place_decode: bool = False,
+    contention: float = DEFAULT_CONTENTION,
 ) -> Tuple[int, List[dict], dict]:
     """``--pp-split auto`` from whole-pass measurements: the per-block probe times ``stage_times``
     (``measure_stage_times``: ``embed_ms``, ``block_ms``, ``final_ms``, ``decode_ms``) rescaled with
@@ -188,7 +193,8 @@ def calibrated_split(
     ones). Returns (split, ``choose_split``'s candidates on the calibrated times, details: ``probe_split`` (the
     choice from the uncalibrated probe), ``block_ms`` (calibrated), ``costs`` (per-kind costs at the chosen split,
     the run's issue order), ``measured``, ``decode_lanes``). ``place_decode``: choose the decode placement too
-    (``choose_split_and_decode``; ``details["decode_lanes"]``), else keep ``plan``'s."""
+    (``choose_split_and_decode``; ``details["decode_lanes"]``), else keep ``plan``'s. ``contention``: see
+    ``schedule.simulate``."""
     embed_ms, final_ms = float(stage_times["embed_ms"]), float(stage_times["final_ms"])
     probe = [float(b) for b in stage_times["block_ms"]]
     blocks = calibrate_block_ms(
@@ -201,14 +207,18 @@ def calibrated_split(
     )
     placements = None if place_decode else [plan.decode_lanes]
     split, decode_lanes, rows = choose_split_and_decode(
-        plan, mode, blocks, embed_ms, final_ms, **extra, placements=placements
+        plan, mode, blocks, embed_ms, final_ms, **extra, placements=placements, contention=contention
     )
-    probe_split, _ = choose_split(
-        plan, mode, probe, embed_ms, final_ms, decode_ms=float(stage_times.get("decode_ms", 0.0))
-    )
+    probe_decode = float(stage_times.get("decode_ms", 0.0))
+    probe_split, _ = choose_split(plan, mode, probe, embed_ms, final_ms, decode_ms=probe_decode, contention=contention)
     costs = stage_costs(blocks, split, embed_ms, final_ms, extra["update_ms"], extra["decode_ms"], extra["prep_ms"])
     details = dict(
-        probe_split=probe_split, block_ms=blocks, costs=costs, measured=dict(measured), decode_lanes=decode_lanes
+        probe_split=probe_split,
+        block_ms=blocks,
+        costs=costs,
+        measured=dict(measured),
+        decode_lanes=decode_lanes,
+        contention=contention,
     )
     return split, rows, details
 

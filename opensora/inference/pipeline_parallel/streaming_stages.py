@@ -49,6 +49,8 @@ class CausalStreamingStages:
             sampler's decode rule, so the frames equal its frames); None: no decode.
         decode_lanes: the lane that decodes each group (``Plan.decode_lanes``: one per group; None: all on lane 1).
             A causal decoder carries state from chunk to chunk, so a group's chunks stay on one lane.
+        decode_stream: ``side`` (each lane decodes on a decode stream beside its compute stream) or ``compute``
+            (``Plan.decode_stream``; the frames are the same).
         window_frames / sink_frames: the caches' rolling window (see ``KVCache``).
         text_cache: keep every block's text keys/values per pass time after the first chunk (``StreamingGenerator``'s
             ``text_cache``, on by default there and here). It changes which rows a pass runs, hence the GEMM shapes and
@@ -78,6 +80,7 @@ class CausalStreamingStages:
         text_cache: bool = True,
         cuda_graphs=False,
         decode_lanes: Optional[Sequence[int]] = None,
+        decode_stream: str = "side",
     ):
         if not getattr(model, "causal_chunk_frames", 0):
             raise ValueError("streaming stages need a causal MMDiT (causal_chunk_frames > 0)")
@@ -107,6 +110,7 @@ class CausalStreamingStages:
             refill,
             make_decoder is not None,
             decode_lanes,
+            decode_stream,
         )
         dev0 = lanes.devices[0]
         self.text = []  # per group, per branch: text tensors on lane 0 (rows mode: one branch of all passes)
@@ -175,6 +179,7 @@ class CausalStreamingStages:
         refill: bool = True,
         decode: bool = True,
         decode_lanes: Optional[Sequence[int]] = None,
+        decode_stream: str = "side",
     ) -> Plan:
         """The ``Plan`` such stages run (for ``choose_split`` before building them)."""
         num_chunks = -(-int(latent_size[1]) // chunk_frames)
@@ -187,6 +192,7 @@ class CausalStreamingStages:
             cached=True,
             decode=decode,
             decode_lanes=tuple(decode_lanes or ()) if decode else (),
+            decode_stream=decode_stream,
         )
 
     def prepare(self, group: int, chunk: int) -> dict:
