@@ -211,3 +211,53 @@ def test_eval_tool_scores_windows_of_a_written_long_dataset(tmp_path):
     assert report["color_window_min"] == report["direction_window_min"] == report["stats_window_min"] == 1.0
     bad = subprocess.run(env_cmd[:-1] + ["999", "--no-progress"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "window" in bad.stderr
+
+
+# ---- the benchmark's own setting: 64x64, 16-frame windows of 128 frames, its prompts and seeds -----------------------
+BENCH_SIZE, BENCH_LONG = 64, 128
+BENCH_PROMPTS = ms.all_captions()[::9]  # 8 of benchmarks/long_streaming_quality.py's 72: every colour/shape/direction
+
+
+def bench_clips(motion, num_frames=BENCH_LONG, seed=424242):
+    return [
+        ms.render_from_attributes(
+            *ms.parse_caption(p), BENCH_SIZE, BENCH_SIZE, num_frames, seed + i, motion=motion, reference_frames=FRAMES
+        )
+        for i, p in enumerate(BENCH_PROMPTS)
+    ]
+
+
+def through_model_range(video):
+    """The trip a generated video takes: the dataset's [-1, 1] scaling, bf16, then the sampler's uint8 conversion."""
+    import torch
+
+    from opensora.inference.io import to_uint8_frames
+
+    x = (torch.from_numpy(video).float().permute(3, 0, 1, 2)[None] / 127.5 - 1.0).to(torch.bfloat16)
+    return to_uint8_frames(x)[0].numpy()
+
+
+@pytest.mark.parametrize("motion", ["bounce", "wrap"])
+def test_ground_truth_at_the_benchmark_size_scores_one_in_every_window_and_corruptions_score_low(motion):
+    """What the long-streaming benchmark scores, done to the generator's own clips: every window of 128 frames reads
+    right (shapes crossing an edge or bouncing off a wall included), and the model's value range and uint8 round trip
+    leave the clips unchanged; a wrong colour, a frozen clip and a darkening background (24 -> 10, as in long rollouts) do not."""
+    videos = bench_clips(motion)
+    for video in videos:  # the round trip is exact: generated videos are scored on the generator's own scale
+        np.testing.assert_array_equal(through_model_range(video), video)
+    for w in score_windows(videos, BENCH_PROMPTS, FRAMES, motion=motion)["windows"]:
+        for key in ("color_acc", "shape_acc", "direction_acc", "stats_in_range"):
+            assert w[key] >= 0.95, (key, w)
+        assert w["direction_n"] >= len(BENCH_PROMPTS) // 2
+    short = [v[: 2 * FRAMES] for v in videos]
+    recoloured = score_windows([v[..., [1, 2, 0]] for v in short], BENCH_PROMPTS, FRAMES, motion=motion)
+    assert recoloured["color_window_min"] == 0.0
+    frozen = score_windows([np.repeat(v[:1], 2 * FRAMES, 0) for v in short], BENCH_PROMPTS, FRAMES, motion=motion)
+    assert max(w["direction_acc"] or 0.0 for w in frozen["windows"]) <= 0.25
+    drift = np.linspace(0, -14, BENCH_LONG)[:, None, None, None]
+    darkening = [np.clip(v + drift, 0, 255).astype(np.uint8) for v in videos]
+    windows = score_windows(darkening, BENCH_PROMPTS, FRAMES, motion=motion)["windows"]
+    assert windows[0]["stats_in_range"] == 1.0 and max(w["stats_in_range"] for w in windows[2:]) == 0.0
+    if motion == "wrap":  # played backwards: the opposite direction in every window
+        backwards = score_windows([v[::-1] for v in short], BENCH_PROMPTS, FRAMES, motion=motion)
+        assert backwards["direction_window_min"] == 0.0 and backwards["color_window_min"] == 1.0

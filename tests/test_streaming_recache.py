@@ -176,8 +176,9 @@ def test_prompt_switch_keeps_the_frames_before_it_and_takes_the_new_prompts_text
         if chunk.index < 4:
             assert torch.equal(chunk.latents, single[chunk.index].latents)
             assert torch.equal(chunk.frames, single[chunk.index].frames) and chunk.prompts == PROMPTS
-        else:
+        else:  # the new text reaches the passes: each sample's chunks from the switch on differ from a single-prompt run
             assert chunk.prompts == SWITCHED
+            assert not any(torch.allclose(a, b) for a, b in zip(chunk.latents, single[chunk.index].latents))
         if chunk.index == 4:
             assert chunk.recache["reason"] == "switch" and chunk.recache["frames"] == 6
             cache = made["kv"][-1]
@@ -207,6 +208,9 @@ def test_switch_without_recache_keeps_the_old_prompts_cache():
     recached = list(StreamingGenerator(sampler, **kwargs).stream(PROMPTS, [0, 1], 12, 16, 16, switches=[(8, SWITCHED)]))
     assert torch.equal(chunks[3].latents, recached[3].latents)
     assert not torch.equal(chunks[4].latents, recached[4].latents)
+    single = list(StreamingGenerator(sampler, **kwargs).stream(PROMPTS, [0, 1], 12, 16, 16))
+    for c in (chunks, recached):  # the switch takes effect with the old keys/values kept too
+        assert not any(torch.allclose(x, y) for a, b in zip(c[4:], single[4:]) for x, y in zip(a.latents, b.latents))
 
 
 # ---- the schedule's text form and its checks ---------------------------------------------------------------------------
