@@ -8,10 +8,11 @@ block's joint attention
   generated alone (with the cache holding the earlier chunks) sees exactly the text keys/values the full
   forward computes.
 
-RoPE time ids are absolute latent-frame indices (``start_frame`` of a streamed chunk onward). RoPE makes the
-attention score depend on the distance between query and key frames only, so a rolling window that keeps the
-distances inside the training length stays in distribution whatever the absolute index; sink frames (kept
-forever) are the exception: their distance to the newest chunk grows with the video.
+RoPE time ids are absolute latent-frame indices (``start_frame`` of a streamed chunk onward). RoPE makes a video
+query's score with a video key depend on their frame distance only, but text tokens sit at RoPE id (0, 0, 0): to
+a video query the text keys are an anchor at frame 0, so its text scores depend on its absolute frame index and
+leave the training range once a stream passes the training length, whatever the window keeps. Sink frames (kept
+forever) are the other such distance (tests/test_rope_positions.py pins both).
 
 Streaming (``MMDiT.forward_chunk``) runs one chunk with a ``kv_hook`` per block (layers.py) that prepends the
 cached keys/values (after RoPE) of the earlier chunks' video tokens and, with ``store_kv=True``, hands the
