@@ -5,6 +5,7 @@ end to end at 480x832 and 256x256 x 33 frames (``benchmarks/pipeline_real_vae.py
 
   python -m benchmarks.pipeline_parallel --out DIR                  # 2 GPUs, real VAE, ~3-4 min per decode stream
   python -m benchmarks.pipeline_parallel --sizes 480x832 --decode-streams side,compute --out DIR   # decode A/B
+  python -m benchmarks.pipeline_parallel --sizes 480x832 --decode-streams side --host-copies shared,own --out DIR
   python -m benchmarks.pipeline_parallel --decoder stand-in --out DIR
 
 ``--decoder stand-in`` (every row named "(stand-in decoder)"), streaming: a causal 1B MMDiT (8 double + 16 single blocks, 1536 wide, random weights) generates ``--chunks`` chunks
@@ -63,7 +64,7 @@ from opensora.diffusion.guidance import text_cfg  # noqa: E402
 from opensora.diffusion.sampling import euler_step, timesteps_for_sampling  # noqa: E402
 from opensora.inference.io import uint8_frames_on_device  # noqa: E402
 from opensora.inference.pipeline_parallel.cli import auto_split  # noqa: E402
-from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan  # noqa: E402
+from opensora.inference.pipeline_parallel.runtime import HOST_COPY_MODES, Lanes, run_plan  # noqa: E402
 from opensora.inference.pipeline_parallel.schedule import (  # noqa: E402
     DECODE_STREAM_MODES,
     DEFAULT_CONTENTION,
@@ -320,14 +321,23 @@ def main(argv=None):
         help="real decoder: the simulator's slow-down of two overlapping streams of one GPU (schedule.simulate) for "
         "the plans (the stand-in sweep keeps the default)",
     )
+    parser.add_argument(
+        "--host-copies",
+        default="shared",
+        help="the stream each GPU copies the chunks' frames and latents to the host on (Lanes' host_copies): shared "
+        "(its peer-copy stream) or own; real decoder: one 2-GPU variant per entry and --decode-streams entry; "
+        "stand-in: the first entry for every 2-GPU run",
+    )
     args = parser.parse_args(argv)
-    args.decode_streams = [d.strip() for d in args.decode_streams.split(",") if d.strip()]
-    bad = [d for d in args.decode_streams if d not in DECODE_STREAM_MODES]
-    if bad or not args.decode_streams:
-        parser.error(f"--decode-streams takes entries of {DECODE_STREAM_MODES}, got {bad or 'none'}")
+    for name, modes in (("decode_streams", DECODE_STREAM_MODES), ("host_copies", HOST_COPY_MODES)):
+        entries = [d.strip() for d in getattr(args, name).split(",") if d.strip()]
+        bad = [d for d in entries if d not in modes]
+        if bad or not entries:
+            parser.error(f"--{name.replace('_', '-')} takes entries of {modes}, got {bad or 'none'}")
+        setattr(args, name, entries)
     if args.decoder == "real" and not args.tiny:
         return real_decoder_main(args)
-    stand_in_stream = args.decode_streams[0]
+    stand_in_stream, stand_in_host_copies = args.decode_streams[0], args.host_copies[0]
     started = time.time()
     devices = args.devices.split(",")
     if args.tiny:
@@ -446,7 +456,7 @@ def main(argv=None):
 
         def pipeline_run(lane_devs, split, sched_mode, graphs, threads, profile=False, net=None, costs=None):
             dec = decoder if lane_devs[1] == devices[0] else pp_decoder
-            lanes = Lanes(lane_devs, profile=profile)
+            lanes = Lanes(lane_devs, profile=profile, host_copies=stand_in_host_copies)
             stages = CausalStreamingStages(
                 pp_model if net is None else net,
                 lanes,
@@ -727,7 +737,7 @@ def bidirectional(args, cfg, model, pp_model, decoder, pp_decoder, devices, dtyp
             place_model(bi_pp, split, devices)
 
             def pipelined(profile=False):
-                lanes = Lanes(devices, profile=profile)
+                lanes = Lanes(devices, profile=profile, host_copies=args.host_copies[0])
                 stages = BidirectionalStages(bi_pp, lanes, split, groups, shape, sched, scale, decode=pp_decoder)
                 return run_plan(stages, mode, lanes)[0]
 

@@ -11,7 +11,9 @@ decode (``decode_rule="running"``), ``--groups`` videos in flight, per ``--sizes
   (``pipeline_parallel.cli.auto_split``: probe, timed passes, the run's own chunk decode timed, then the split and
   each video's decode GPU chosen on the simulated plan), one decoder per video (``ChunkDecoders``); one variant
   per ``--decode-streams`` entry (``side``: each GPU decodes on its decode stream, ``compute``: on its compute
-  stream), each planned for itself and timed one after the other, each a ``two_gpu`` entry of the row.
+  stream), each planned for itself and timed one after the other, each a ``two_gpu`` entry of the row; and per
+  ``--host-copies`` entry (``Lanes(host_copies=...)``: ``shared``, the chunks' copies to the host on the peer-copy
+  streams, or ``own``, on a stream of their own per GPU), a variant of each of those.
 
 Reported per size: frames/s end to end (median of ``--repeats`` after a warm-up run), the speed-up, bit-identity
 (max |diff| of every chunk's latents and uint8 frames against the one-GPU run), the busy fraction per GPU (CUDA events
@@ -71,7 +73,17 @@ def fitted_contention(plan, costs, span_ms: float):
 
 
 def one_size(
-    sampler, pp_model, devices, size, frames, n_groups, repeats, say, decode_streams=("side",), contention=None
+    sampler,
+    pp_model,
+    devices,
+    size,
+    frames,
+    n_groups,
+    repeats,
+    say,
+    decode_streams=("side",),
+    contention=None,
+    host_copies=("shared",),
 ) -> dict:
     height, width = size
     gen = StreamingGenerator(sampler, step_list=STEP_LIST, cuda_graphs=True)
@@ -114,9 +126,10 @@ def one_size(
     contention = DEFAULT_CONTENTION if contention is None else contention
     variants = [
         two_gpu_variant(
-            pp_model, devices, gen, decoders, encode_groups, latent_size, times, refs, repeats, ds, contention
+            pp_model, devices, gen, decoders, encode_groups, latent_size, times, refs, repeats, ds, contention, hc
         )
         for ds in decode_streams
+        for hc in host_copies
     ]
     for v in variants:
         v["frames_per_s"] = pixel_frames / v["seconds"]
@@ -131,14 +144,15 @@ def one_size(
         vae="HunyuanVideo VAE, diffusers default config (random weights, bf16), exact-once running decode",
         one_gpu=one,
         two_gpu=variants,
-        speedup={v["decode_stream"]: v["speedup"] for v in variants},
+        speedup={variant_name(v): v["speedup"] for v in variants},
         max_diff=max(v["max_diff"] for v in variants),
         bit_identical=all(v["max_diff"] == 0.0 for v in variants),
         runs_checked=sum(v["runs_checked"] for v in variants),
     )
     for v in variants:
         say(
-            f"  2gpu-aggressive, decode on the {v['decode_stream']} stream: {v['frames_per_s']:.1f} frames/s "
+            f"  2gpu-aggressive, decode on the {v['decode_stream']} stream, host copies {v['host_copies']}: "
+            f"{v['frames_per_s']:.1f} frames/s "
             f"({v['seconds']:.3f} s) = {v['speedup']:.2f}x, split {v['split']} (probe {v['probe_split']}), decode of "
             f"video g on GPU {v['decode_lanes']} ({v['decode_ms_per_chunk']:.1f} ms per chunk), busy GPU0/GPU1 "
             f"{v['busy']} (simulated {[round(b, 2) for b in v['simulated_busy']]}), span {v['measured_span_ms']:.0f} ms "
@@ -148,11 +162,28 @@ def one_size(
     return row  # the graphs and decoders of this size go with the frame
 
 
+def variant_name(v) -> str:
+    """A two-GPU variant's key in the row's ``speedup``: its decode stream (and ``/own`` for its own host copies)."""
+    return v["decode_stream"] + ("" if v["host_copies"] == "shared" else f"/{v['host_copies']}")
+
+
 def two_gpu_variant(
-    pp_model, devices, gen, decoders, encode_groups, latent_size, times, refs, repeats, decode_stream, contention
+    pp_model,
+    devices,
+    gen,
+    decoders,
+    encode_groups,
+    latent_size,
+    times,
+    refs,
+    repeats,
+    decode_stream,
+    contention,
+    host_copies="shared",
 ) -> dict:
-    """``2gpu-aggressive`` with each GPU's decode on ``decode_stream``: planned (``auto_split``), ``repeats`` timed
-    runs after a warm-up, one profiled run, every run's chunks compared with the one-GPU ``refs``."""
+    """``2gpu-aggressive`` with each GPU's decode on ``decode_stream`` and its copies to the host on ``host_copies``
+    (``Lanes``): planned (``auto_split``), ``repeats`` timed runs after a warm-up, one profiled run, every run's
+    chunks compared with the one-GPU ``refs``."""
     kw = dict(
         refill=True,
         rollout=gen.rollout,
@@ -179,7 +210,7 @@ def two_gpu_variant(
     runners = (ChunkGraphs(pp_model), ChunkGraphs(pp_model))
 
     def two_gpu(profile=False):
-        lanes = Lanes(devices, profile=profile)
+        lanes = Lanes(devices, profile=profile, host_copies=host_copies)
         stages = CausalStreamingStages(  # text encoded inside the timed run, as the one-GPU stream encodes it
             pp_model,
             lanes,
@@ -221,6 +252,7 @@ def two_gpu_variant(
     span = profiled.summary.get("span_ms")
     return dict(
         decode_stream=decode_stream,
+        host_copies=host_copies,
         seconds=statistics.median(times_2),
         runs_s=times_2,
         num_chunks=plan.num_chunks,
@@ -275,6 +307,7 @@ def run_real_vae(args, say) -> dict:
                 say,
                 getattr(args, "decode_streams", ("side",)),
                 getattr(args, "contention", None),
+                getattr(args, "host_copies", ("shared",)),
             )
         )
         torch.cuda.empty_cache()

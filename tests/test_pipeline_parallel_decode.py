@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opensora.inference.pipeline_parallel.decoders import ChunkDecoders, measure_chunk_decode
-from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan
+from opensora.inference.pipeline_parallel.runtime import HOST_COPY_MODES, Lanes, run_plan
 from opensora.inference.pipeline_parallel.schedule import (
     DECODE_STREAM_MODES,
     OVERLAP_MODES,
@@ -62,9 +62,9 @@ def test_pipeline_with_the_exact_chunk_decode_is_bit_identical_to_the_streaming_
     prompt_groups, decode_lanes, mode, decode_stream, one_thread
 ):
     """Exact-once decode (running statistics, conv caches): each video's decoder is fed its chunks in order on the
-    lane the plan gives it, on its decode stream or its compute stream, so the frames equal the one-device
-    generator's bit for bit (the overlap rule would differ from it); several videos in flight each keep their own
-    decoder state."""
+    lane the plan gives it, on its decode stream or its compute stream, with either host-copy stream (``Lanes``), so
+    the frames equal the one-device generator's bit for bit (the overlap rule would differ from it); several videos
+    in flight each keep their own decoder state."""
     sampler = causal_vae_sampler()
     num_frames, size = 17, 32  # 5 latent frames: chunks of 2, 2, 1 -> 5, 8, 4 pixel frames
     gen, refs, groups = one_device_streams(sampler, prompt_groups, [1.0, 0.5], num_frames, size)
@@ -73,9 +73,9 @@ def test_pipeline_with_the_exact_chunk_decode_is_bit_identical_to_the_streaming_
 
     latent_size = (sampler.vae.latent_channels, *sampler.latent_size(num_frames, size, size))
     place_model(sampler.model, 1, ["cpu", "cpu"])
-    lanes = Lanes(["cpu", "cpu"])
     decoders = ChunkDecoders.like(gen)
-    for _ in range(2):  # the decoders (and their state tensors) are reused by a second run
+    for host_copies in HOST_COPY_MODES:  # the decoders (and their state tensors) are reused by a second run
+        lanes = Lanes(["cpu", "cpu"], host_copies=host_copies)
         stages = CausalStreamingStages(
             sampler.model,
             lanes,

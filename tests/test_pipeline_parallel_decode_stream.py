@@ -181,13 +181,10 @@ class StreamLanes(RecordingLanes):
         super().hand_over(tree, lane)
 
 
-@pytest.mark.parametrize("mode", ["off", "basic", "aggressive"])
-def test_a_side_stream_decode_queues_everything_on_its_decode_stream(mode, one_thread):
-    """Each decode runs with its lane's decode stream current and queues its wait for x0 there (the compute
-    streams queue nothing for it); a compute-stream decode does not. Same frames either way."""
+def two_videos_of_three_chunks():
+    """A tiny causal MMDiT (split after block 2 on two CPU lanes), two videos of 3 chunks with a stand-in decode,
+    and their one-device chunks: (model, groups, latent_size, times, stage options, [(latents, frames)] per video)."""
     from streaming_reference import stream_reference
-
-    from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages
 
     model = tiny_model(causal_chunk_frames=2)
     groups = [dict(seeds=[3 + g], branches=[text_inputs(1, 5, g, masked=False)]) for g in range(2)]
@@ -196,6 +193,16 @@ def test_a_side_stream_decode_queues_everything_on_its_decode_stream(mode, one_t
     kw = dict(refill=True, rollout="renoise", make_decoder=decode)
     refs = [stream_reference(model, g, latent_size, times, **kw) for g in groups]
     place_model(model, 2, ["cpu", "cpu"])
+    return model, groups, latent_size, times, kw, refs
+
+
+@pytest.mark.parametrize("mode", ["off", "basic", "aggressive"])
+def test_a_side_stream_decode_queues_everything_on_its_decode_stream(mode, one_thread):
+    """Each decode runs with its lane's decode stream current and queues its wait for x0 there (the compute
+    streams queue nothing for it); a compute-stream decode does not. Same frames either way."""
+    from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages
+
+    model, groups, latent_size, times, kw, refs = two_videos_of_three_chunks()
     logs = {}
     for decode_stream in ("side", "compute"):
         lanes = StreamLanes(["cpu", "cpu"])

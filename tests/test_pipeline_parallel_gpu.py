@@ -11,7 +11,7 @@ import torch
 from streaming_reference import stream_reference
 
 from opensora.inference.pipeline_parallel.decoders import device_decoder
-from opensora.inference.pipeline_parallel.runtime import Lanes, run_plan
+from opensora.inference.pipeline_parallel.runtime import HOST_COPY_MODES, Lanes, run_plan
 from opensora.inference.pipeline_parallel.schedule import DECODE_STREAM_MODES, OVERLAP_MODES
 from opensora.inference.pipeline_parallel.stages import BidirectionalStages, place_model, sample_microbatched
 from opensora.inference.pipeline_parallel.streaming_stages import CausalStreamingStages
@@ -223,9 +223,18 @@ SMALL_HUNYUAN_VAE = dict(
 )
 
 
-@pytest.mark.parametrize("decode_stream", DECODE_STREAM_MODES)
-@pytest.mark.parametrize("decode_lanes", [None, (0, 1)], ids=["last-gpu", "one-per-gpu"])
-def test_two_gpu_streaming_with_the_exact_chunk_decode_is_bit_identical_to_one_gpu(decode_lanes, decode_stream):
+@pytest.mark.parametrize(
+    "decode_lanes,decode_stream,host_copies",
+    [
+        *[(lanes, stream, "shared") for lanes in (None, (0, 1)) for stream in DECODE_STREAM_MODES],
+        ((0, 1), "side", "own"),
+        ((0, 1), "compute", "own"),
+    ],
+    ids=lambda v: {None: "last-gpu", (0, 1): "one-per-gpu"}.get(v, v) if not isinstance(v, str) else v,
+)
+def test_two_gpu_streaming_with_the_exact_chunk_decode_is_bit_identical_to_one_gpu(
+    decode_lanes, decode_stream, host_copies
+):
     """The exact-once decode (running statistics, conv caches, the fused group norm, graphed decodes) of a
     HunyuanVideo-architecture VAE in bf16: each video's decoder on the GPU the plan gives it, on that GPU's decode
     stream (``side``: it waits for the chunk's x0 by event, a copy of its own from the other GPU) or its compute
@@ -253,7 +262,7 @@ def test_two_gpu_streaming_with_the_exact_chunk_decode_is_bit_identical_to_one_g
     decoders = ChunkDecoders.like(gen)
     for mode in OVERLAP_MODES:
         for run in range(2):
-            lanes = Lanes(DEVICES, profile=run == 0)
+            lanes = Lanes(DEVICES, profile=run == 0, host_copies=host_copies)
             stages = CausalStreamingStages(
                 pp,
                 lanes,
@@ -277,3 +286,28 @@ def test_two_gpu_streaming_with_the_exact_chunk_decode_is_bit_identical_to_one_g
                     diff = (frames.int() - chunk.frames.int()).abs().max().item()
                     assert diff == 0, (mode, run, g, chunk.index, diff)
     assert decoders.summary()["graph_failures"] == []
+
+
+@pytest.mark.parametrize("host_copies", HOST_COPY_MODES)
+def test_a_frames_copy_after_a_decode_holds_back_peer_copies_only_when_shared(host_copies):
+    """The 2-GPU runs with the real VAE idled ~30% (busy 0.70 / 0.67, simulated 0.97 / 0.98): ``to_host`` queued each
+    chunk's frames copy, waiting for its decode, on the copy stream that every peer copy of that GPU also uses, and
+    PyTorch makes a cross-device copy wait for the destination's copy stream too, so each activation hand-off issued
+    after a decode waited for it, in both directions. A long kernel on GPU0's decode stream stands in for the decode:
+    with ``own`` host-copy streams both peer copies land while it still runs, with ``shared`` only after it."""
+    lanes = Lanes(DEVICES, host_copies=host_copies)
+    a, b = torch.randn(4096, device=DEVICES[0]), torch.randn(4096, device=DEVICES[1])
+    frames = torch.zeros(1 << 20, dtype=torch.uint8, device=DEVICES[0])
+    lanes.synchronize()
+    with lanes.device_context(0), lanes.decode_stream(0):
+        torch.cuda._sleep(int(1e9))  # ~0.5 s at ~2 GHz
+        frames.add_(1)
+        decoded = lanes.event(0)
+    host, copied = lanes.to_host(frames, decoded, 0)
+    to1, to0 = lanes.pull(a, None, 1), lanes.pull(b, None, 0)  # GPU0 -> GPU1 and GPU1 -> GPU0
+    landed = [lanes.event(1), lanes.event(0)]  # the compute streams wait for the copies
+    for event in landed:
+        event.synchronize()
+    assert decoded.query() is (host_copies == "shared")
+    copied.synchronize()
+    assert bool((host == 1).all()) and torch.equal(to1.cpu(), a.cpu()) and torch.equal(to0.cpu(), b.cpu())

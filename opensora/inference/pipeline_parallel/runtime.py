@@ -18,6 +18,9 @@ from ..streaming.generator import decode_stream
 from .schedule import DEFAULT_CONTENTION, Plan, Simulation, Task, build_graph, schedule
 
 HOST_SLAB_BYTES = 16 << 20  # pinned host memory per allocation of ``Lanes.to_host``
+# Where ``Lanes.to_host`` queues its copies: "shared" (the device's peer-copy stream) or "own" (a stream of its own
+# per device; see ``Lanes``).
+HOST_COPY_MODES = ("shared", "own")
 
 
 def _tree_map(fn, tree):
@@ -40,9 +43,15 @@ class Lanes:
     neither's memory is reused while the copy may still touch it. ``to_host`` copies into pinned memory on a
     side stream and keeps the source alive until the copy's event completes. Side streams of a device: its prep
     stream (``prep_stream``) and its decode stream (``decode_stream``, one per device for the process).
+
+    ``host_copies``: the stream ``to_host`` copies on. ``"shared"``: the device's copy stream, which every ``pull``
+    from or to the device also uses. That stream then waits for the event of the value copied out (a chunk's frames:
+    the end of its decode), and a peer copy waits for everything queued on the source's and the destination's
+    copy streams (PyTorch's cross-device barrier), so every activation hand-off issued after a decode waits until
+    the decode is done, on both GPUs. ``"own"``: a host-copy stream per device that no pull touches.
     """
 
-    def __init__(self, devices: Sequence[Any], profile: bool = False):
+    def __init__(self, devices: Sequence[Any], profile: bool = False, host_copies: str = "shared"):
         if len(devices) != 2:
             raise ValueError(f"a two-stage pipeline needs 2 devices, got {list(devices)}")
         self.devices = tuple(torch.device(d) for d in devices)
@@ -56,6 +65,12 @@ class Lanes:
             raise ValueError(f"mixing CPU and CUDA pipeline devices is not supported: {self.devices}")
         self.copy_streams = {d: torch.cuda.Stream(d) for d in set(self.devices)} if self.cuda else {}
         self.prep_streams = {d: torch.cuda.Stream(d) for d in set(self.devices)} if self.cuda else {}
+        if host_copies not in HOST_COPY_MODES:
+            raise ValueError(f"host_copies must be one of {HOST_COPY_MODES}, got {host_copies!r}")
+        self.host_copies = host_copies
+        self.host_streams = self.copy_streams
+        if self.cuda and host_copies == "own":
+            self.host_streams = {d: torch.cuda.Stream(d) for d in set(self.devices)}
         self.keepalive: deque = deque()
         self.profile = profile
         self.records: List[Tuple[Task, int, Any, Any, float]] = []  # (task, lane, start, end, host_issue_s)
@@ -155,7 +170,7 @@ class Lanes:
         """Non-blocking copy into pinned host memory; returns (host tensor, event); read it after the event."""
         if not self.cuda:
             return x.to("cpu"), None
-        copy_stream = self.copy_streams[self.devices[lane]]
+        copy_stream = self.host_streams[self.devices[lane]]
         if ready is not None:
             copy_stream.wait_event(ready)
         out = self._pinned(x.shape, x.dtype)
@@ -379,6 +394,7 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
     position = {t: i for i, t in enumerate(order)}
     end_events: Dict[Task, Any] = {}
     failure: List[BaseException] = []
+    frames_copied: Dict[int, Any] = {}  # lane -> event after its last decode's copy to the host (host_copies="own")
 
     def compute(task: Task, inputs) -> None:
         g, c, k, b = task.group, task.chunk, task.step, task.branch
@@ -402,6 +418,8 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
         elif task.kind == "decode":
             video = stages.decode(ctxs[(g, c)], inputs)
             frames[(g, c)] = lanes.to_host(video, lanes.event(task.device), task.device)
+            if lanes.host_copies == "own":
+                frames_copied[task.device] = frames[(g, c)][1]
         else:  # pragma: no cover
             raise ValueError(task.kind)
 
@@ -427,6 +445,10 @@ def run(stages, order: Sequence[Task], lanes: Lanes, serial: bool = False, threa
                 elif task.kind == "decode":
                     x0 = values[("x", g, c, plan.num_steps)]
                     inputs = x0.on_side_stream(lanes, lane) if task.side else x0.on(lanes, lane)
+                    # a decode graph replays into a static output buffer: not before the host copy of the previous
+                    # one read it (on the shared copy stream the pulls it waits for already queue behind that copy)
+                    if frames_copied.get(lane) is not None:
+                        lanes.wait(lane, frames_copied[lane])
                 with lanes.task(task):
                     compute(task, inputs)
                 del inputs
