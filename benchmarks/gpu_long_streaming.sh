@@ -9,7 +9,8 @@
 #                                                        --kv-recache shift, and a prompt switch after the clip length
 #                                                        (new caption's accuracy in the next window); OUT/report_options.*
 # The device machine lacks colossalai / mmengine / diffusers: carry .whl (../shared/tools/device_wheels.sh train) and
-# start the call with the pip line that script prints. EXTRA: more flags for the benchmark (e.g. --seed 777).
+# start the call with the pip line that script prints. EXTRA: more flags for the benchmark (e.g. --seed 777;
+# EXTRA="--rope-anchor both" with eval adds the long run with the text and sinks anchored at the window's start).
 set -euo pipefail
 out=${1:?usage: gpu_long_streaming.sh OUT prep|students|eval|options}
 part=${2:?usage: gpu_long_streaming.sh OUT prep|students|eval|options}

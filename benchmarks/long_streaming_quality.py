@@ -14,6 +14,8 @@ teacher.
   # streaming options on the trained students: the long run again with the KV re-cache at every window shift, and
   # a prompt switch mid-stream (with and without the re-cache under the new prompt)
   python -m benchmarks.long_streaming_quality --out DIR --kv-recache both --prompt-switch
+  # the long run with absolute RoPE positions and with the text + sinks anchored at the window's start, same seeds
+  python -m benchmarks.long_streaming_quality --out DIR --rope-anchor both
 
 The teacher learns clips of the ``--motion`` rule (default ``wrap``: the shape crosses an edge and re-enters at the
 opposite one, so every window of a long clip has the caption's direction; ``bounce`` reverses at the walls), so the
@@ -29,6 +31,9 @@ With ``--kv-recache shift|both`` the long run is (also) streamed with ``kv_recac
 length to a caption that differs in colour, shape and direction, and the window right after the switch is scored
 against the new caption: its colour, shape and direction accuracy >= 90% (``switch``; LongLive's re-cache under the
 new prompt, and for comparison the same switch keeping the old prompt's keys/values).
+With ``--rope-anchor window|both`` the long run is (also) streamed with ``rope_anchor="window"`` (the text and the
+sink frames at the window's start in RoPE time, ``KVCache``) on the same seeds and scored the same way
+(``long_rope_window``); the training-length run never rolls the window, so it is the same either way.
 """
 
 import argparse
@@ -223,17 +228,29 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
             flicker=chunk_edge_flicker(long, chunk_pixels, first_pixels),
         ),
     )
-    if args.kv_recache in ("shift", "both"):
-        generator.kv_recache = "shift"
-        recache_seconds, recached = timed(lambda: stream(long_frames))
-        generator.kv_recache = "off"
-        recache = dict(
+
+    def variant(name: str, value: str, plain: str) -> dict:
+        """The long run again (same seeds) with the generator's ``name`` set to ``value``, scored the same way."""
+        setattr(generator, name, value)
+        variant_seconds, videos = timed(lambda: stream(long_frames))
+        setattr(generator, name, plain)
+        return dict(
             frames=long_frames,
-            seconds=recache_seconds,
-            frames_per_s=len(prompts) * long_frames / recache_seconds,
-            **score_windows(list(recached), prompts, frames, motion=args.motion),
-            flicker=chunk_edge_flicker(recached, chunk_pixels, first_pixels),
+            seconds=variant_seconds,
+            frames_per_s=len(prompts) * long_frames / variant_seconds,
+            **score_windows(list(videos), prompts, frames, motion=args.motion),
+            flicker=chunk_edge_flicker(videos, chunk_pixels, first_pixels),
+            # how far the variant moved the plain run's pixels (0: it changed nothing on these seeds)
+            mean_abs_diff_vs_long=float(abs(videos.astype("float32") - long.astype("float32")).mean()),
         )
+
+    if args.rope_anchor in ("window", "both"):
+        anchored = variant("rope_anchor", "window", "absolute")
+        if args.rope_anchor == "window":
+            result["long"] = anchored  # the long criteria judge the anchored run
+        result["long_rope_window"] = anchored
+    if args.kv_recache in ("shift", "both"):
+        recache = variant("kv_recache", "shift", "off")
         if args.kv_recache == "shift":
             result["long"] = recache  # the long criteria judge the re-cached run
         result["long_kv_recache"] = recache
@@ -367,6 +384,15 @@ def evaluate(args, checkpoints: dict) -> dict:
     return report
 
 
+def print_windows(windows) -> None:
+    for w in windows:
+        direction = "  -  " if w["direction_acc"] is None else f"{w['direction_acc']:.3f}"
+        print(
+            f"    from {w['start_frame']:>4}: colour {w['color_acc']:.3f} shape {w['shape_acc']:.3f} "
+            f"direction {direction} stats {w['stats_in_range']:.3f} background {w['background']:.1f}"
+        )
+
+
 def print_report(report: dict) -> None:
     print(
         f"\nMovingShapes ({report['motion']}) on {report['device']}: {report['prompts']} prompts, clip {report['clip']}"
@@ -383,12 +409,7 @@ def print_report(report: dict) -> None:
             f"  {s['frames_per_s']:.1f} frames/s; trained {s['training']['steps']} steps"
         )
         print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}:")
-        for w in s["long"]["windows"]:
-            direction = "  -  " if w["direction_acc"] is None else f"{w['direction_acc']:.3f}"
-            print(
-                f"    from {w['start_frame']:>4}: colour {w['color_acc']:.3f} shape {w['shape_acc']:.3f} "
-                f"direction {direction} stats {w['stats_in_range']:.3f} background {w['background']:.1f}"
-            )
+        print_windows(s["long"]["windows"])
         print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
         if "long_kv_recache" in s:
             r = s["long_kv_recache"]
@@ -397,6 +418,16 @@ def print_report(report: dict) -> None:
                 f" direction {r['direction_window_min']} stats {r['stats_window_min']:.3f};"
                 f" flicker {r['flicker']['edge_over_inside']}; {r['frames_per_s']:.1f} frames/s"
                 f" (plain {s['long_frames_per_s']:.1f})"
+            )
+        if "long_rope_window" in s:
+            r = s["long_rope_window"]
+            print("  --rope-anchor window, same seeds, windows:")
+            print_windows(r["windows"])
+            print(
+                f"  --rope-anchor window: worst window colour {r['color_window_min']:.3f} shape "
+                f"{r['shape_window_min']:.3f} direction {r['direction_window_min']} stats {r['stats_window_min']:.3f};"
+                f" flicker {r['flicker']['edge_over_inside']}; {r['frames_per_s']:.1f} frames/s"
+                f" (absolute {s['long_frames_per_s']:.1f})"
             )
         if "switch" in s:
             w = s["switch"]
@@ -438,6 +469,13 @@ def parse_args(argv=None):
         "both (the plain run and a re-cached one, report key long_kv_recache)",
     )
     parser.add_argument(
+        "--rope-anchor",
+        choices=("absolute", "window", "both"),
+        default="absolute",
+        help="stream the long run with the text and sink frames at the window's start in RoPE time: window (instead "
+        "of the absolute run) or both (the absolute run and an anchored one on the same seeds, key long_rope_window)",
+    )
+    parser.add_argument(
         "--prompt-switch", action="store_true", help="score a prompt switch mid-stream (report key switch)"
     )
     parser.add_argument("--num-prompts", type=int, default=72)
@@ -455,6 +493,8 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny networks and clips, a few steps")
     parser.add_argument("--tiny-steps", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.rope_anchor == "window" and args.kv_recache != "off":
+        parser.error("--rope-anchor window does not combine with --kv-recache (use --rope-anchor both)")
     if args.tiny:
         args.num_prompts, args.teacher_steps, args.long_multiple = (
             min(args.num_prompts, 4),

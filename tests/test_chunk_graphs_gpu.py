@@ -26,7 +26,7 @@ def make_model(seed=0):
     return model.cuda().to(torch.bfloat16).eval()
 
 
-def run(model, forward, text_cache, chunks=5, window=6, seed=0):
+def run(model, forward, text_cache, chunks=5, window=6, seed=0, sinks=0, rope_anchor="absolute"):
     """Every pass's velocity over ``chunks`` chunks x (2 steps + the refill), batch 2 with padded text."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     mask = torch.ones(2, 20, dtype=torch.bool, device="cuda")
@@ -36,7 +36,7 @@ def run(model, forward, text_cache, chunks=5, window=6, seed=0):
         text_mask=mask,
         pooled=torch.randn(2, 64, generator=gen, device="cuda").to(torch.bfloat16),
     )
-    cache, outs = model.new_kv_cache(window_frames=window), []
+    cache, outs = model.new_kv_cache(window, sinks, rope_anchor), []
     for c in range(chunks):
         x = torch.randn(2, 12, CHUNK, 16, 16, generator=gen, device="cuda").to(torch.bfloat16)
         for i, t in enumerate((1.0, 0.5, 0.0)):
@@ -75,3 +75,23 @@ def test_graphed_streaming_matches_eager_in_bf16():
     assert close(cached, eager) and close(graphed, eager) and close(again, graphed, rel=1e-6)
     # text-filling (steps, and the storing refill) + 3 times x (3, 6 cached frames)
     assert graphs.captures == len(graphs.graphs) == 2 + 3 * 2
+
+
+@torch.no_grad()
+def test_graphed_streaming_with_the_window_anchor_matches_eager_in_bf16():
+    """``rope_anchor="window"``: the text's time id comes in through the RoPE tables and the re-rotated sinks / text
+    keys through the static buffers, so the anchor moving every chunk needs no capture of its own."""
+    from opensora.inference.streaming.chunk_graphs import ChunkGraphs
+
+    model = make_model()
+    kw = dict(chunks=7, sinks=CHUNK)
+    absolute = run(model, model.forward_chunk, None, **kw)
+    eager = run(model, model.forward_chunk, None, rope_anchor="window", **kw)
+    cached = run(model, model.forward_chunk, model.new_text_cache(), rope_anchor="window", **kw)
+    graphs = ChunkGraphs(model)
+    graphed = run(model, graphs, model.new_text_cache(), rope_anchor="window", **kw)
+    assert graphs.summary["failures"] == [] and graphs.summary["eager"] == 0
+    assert close(cached, eager) and close(graphed, eager)
+    assert graphs.captures == len(graphs.graphs) == 2 + 3 * 2  # as many as absolute positions capture
+    rolled = 3 * 3  # the chunks at frames 0, 3, 6 see anchor 0; from frame 9 on the anchor moves
+    assert close(eager[:rolled], absolute[:rolled], rel=1e-6) and not close(eager[rolled:], absolute[rolled:], 1e-3)

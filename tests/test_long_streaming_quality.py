@@ -28,7 +28,8 @@ def _benchmark():
 def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_path, capsys):
     bench = _benchmark()
     out = tmp_path / "run"
-    flags = ["--kv-recache", "both", "--prompt-switch"]  # the streaming options' variants, scored the same way
+    # the streaming options' variants, scored the same way
+    flags = ["--kv-recache", "both", "--prompt-switch", "--rope-anchor", "both"]
     report = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--launcher", "in-process", *flags])
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
     assert report["motion"] == "wrap" and report["clip"] == [8, 16, 16] and report["prompts"] == 4
@@ -42,6 +43,9 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
         assert long["frames"] == 24 and [w["start_frame"] for w in long["windows"]] == [0, 8, 16]
         assert long["window"] == 8 and student["window_frames"] == 6 and student["sink_frames"] == 2
         assert set(student["criteria"]) >= {"flicker_le_1.1", "stats_every_window_ge_95pct_of_teacher"}
+        anchored = student["long_rope_window"]  # the same seeds with the text and sinks at the window's start
+        assert anchored["frames"] == 24 and [w["start_frame"] for w in anchored["windows"]] == [0, 8, 16]
+        assert anchored["windows"][0] == long["windows"][0]  # the first window streams before the cache rolls
         recache = student["long_kv_recache"]
         assert recache["frames"] == 24 and [w["start_frame"] for w in recache["windows"]] == [0, 8, 16]
         switch = student["switch"]

@@ -23,7 +23,7 @@ from opensora.cli_errors import UserInputError, check_range
 from .cache.config import STORE_KINDS, JanoConfig, tunable_defaults
 from .pipeline_parallel.schedule import DECODE_STREAM_MODES, OVERLAP_MODES
 from .reference_check import check_reference
-from .streaming import KV_RECACHE, ROLLOUTS
+from .streaming import KV_RECACHE, ROLLOUTS, ROPE_ANCHORS
 from .streaming.prompt_schedule import parse_prompt_schedule
 
 GRAPH_CHOICES = ("auto", "on", "off")  # --cuda-graphs / --stream-graphs: auto = on a CUDA device
@@ -127,6 +127,8 @@ class StreamingOptions(_Options):
     stream_graphs: str = "auto"  # auto | on | off
     # off | shift: when the window rolls, re-run the kept frames against their current context (streaming/recache.py)
     kv_recache: str = "off"
+    # absolute | window: once the window rolls, the text and sink frames sit at its start in RoPE time (KVCache)
+    rope_anchor: str = "absolute"
     prompt_schedule: Optional[str] = None  # "0:A;64:B": one video whose prompt changes at those pixel frames
 
     def schedule(self) -> Optional[list]:
@@ -144,6 +146,10 @@ class StreamingOptions(_Options):
         self.stream_graphs = parse_graphs(self.stream_graphs, "--stream-graphs")
         if self.kv_recache not in KV_RECACHE:
             raise UserInputError(f"--kv-recache {self.kv_recache!r} is not one of {', '.join(KV_RECACHE)}")
+        if self.rope_anchor not in ROPE_ANCHORS:
+            raise UserInputError(f"--rope-anchor {self.rope_anchor!r} is not one of {', '.join(ROPE_ANCHORS)}")
+        if self.rope_anchor != "absolute" and (self.kv_recache != "off" or self.prompt_schedule is not None):
+            raise UserInputError("--rope-anchor window does not combine with --kv-recache / --prompt-schedule yet")
         self.schedule()  # a one-line error for a malformed schedule, before anything loads
         self.window_frames = None if self.window_frames is None else int(self.window_frames)
         self.sink_frames, self.context_time = int(self.sink_frames), float(self.context_time)
@@ -165,12 +171,15 @@ class StreamingOptions(_Options):
             sink_frames=self.sink_frames,
             context_time=self.context_time,
             kv_recache=self.kv_recache,
+            rope_anchor=self.rope_anchor,
         )
 
     def record(self) -> dict:
         record = dict(window_frames=self.window_frames, sink_frames=self.sink_frames, rollout=self.rollout)
         if self.kv_recache != "off":
             record["kv_recache"] = self.kv_recache
+        if self.rope_anchor != "absolute":
+            record["rope_anchor"] = self.rope_anchor
         if self.prompt_schedule is not None:
             record["prompt_schedule"] = [list(entry) for entry in self.schedule()]
         return record
@@ -332,6 +341,8 @@ class InferenceOptions:
                 raise UserInputError("--prompt-schedule changes the prompt of a streamed video: add --streaming")
             if self.run.prompt is not None or self.run.prompt_file is not None:
                 raise UserInputError("--prompt-schedule gives the prompts itself: drop --prompt / --prompt-file")
+        if self.pipeline.enabled and stream.rope_anchor != "absolute":
+            raise UserInputError("--rope-anchor window runs on one GPU; the --pp-devices pipeline keeps absolute")
         if self.pipeline.enabled and (stream.kv_recache != "off" or stream.prompt_schedule is not None):
             raise UserInputError(
                 "--kv-recache / --prompt-schedule run on one GPU; the --pp-devices pipeline has neither"

@@ -8,3 +8,4 @@ KV_RECACHE = (
     "off",
     "shift",
 )  # --kv-recache: when the window rolls, recompute the kept frames' keys/values (recache.py)
+ROPE_ANCHORS = ("absolute", "window")  # --rope-anchor: where the text and sink frames sit in RoPE time (KVCache)

@@ -77,7 +77,9 @@ class ChunkGraphs(PassGraphFamily):
             holder[1] = weakref.ref(k0)
         return holder[0]
 
-    def _rope_mask(self, x, text_mask, num_text: int, past: int, start_frame: int, with_mask: bool = True):
+    def _rope_mask(
+        self, x, text_mask, num_text: int, past: int, start_frame: int, with_mask: bool = True, text_time: int = 0
+    ):
         """``chunk_rope_mask``, kept for the passes of one chunk (same start frame, cached frames and text mask: its
         steps, then its refill): the same tensor objects then need no copy into the static buffers either. Only the
         last chunk's are kept: every chunk has a start frame of its own, so a cache of several entries would hold
@@ -91,10 +93,11 @@ class ChunkGraphs(PassGraphFamily):
             id(text_mask),
             None if text_mask is None else text_mask._version,
             with_mask,
+            text_time,
         )
         if self._prelude is None or self._prelude[0] != key or self._prelude[1] is not text_mask:
             self._prelude = None  # the previous chunk's tables go before this chunk's are made
-            tables = self.model.chunk_rope_mask(x, text_mask, num_text, past, start_frame, with_mask)
+            tables = self.model.chunk_rope_mask(x, text_mask, num_text, past, start_frame, with_mask, text_time)
             self._prelude = (key, text_mask, *tables)
         return self._prelude[2], self._prelude[3]
 
@@ -136,7 +139,8 @@ class ChunkGraphs(PassGraphFamily):
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
         # a text-cached pass with every text key valid attends without a mask (forward_chunk)
         with_mask = text_key not in text_cache.entries or not text_keys_all_valid(text_mask, text_mask_has_padding)
-        rope, mask = self._rope_mask(x, text_mask, text_emb.shape[1], past, start_frame, with_mask)
+        # the text's time id enters through the RoPE tables, an input: a moved anchor needs no new graph
+        rope, mask = self._rope_mask(x, text_mask, text_emb.shape[1], past, start_frame, with_mask, cache.text_time)
         inputs = dict(
             x=x,
             timestep=timestep,
@@ -197,7 +201,7 @@ class ChunkGraphs(PassGraphFamily):
         if shape in self.failed:
             self.eager += 1
             return eager()
-        text_kv = text_cache.get(text_key)
+        text_kv = text_cache.get(text_key, cache.text_time)  # re-rotated copies are new tensors: copied in once
         statics = self.statics.get(shape)
         if statics is None:
             statics = self.statics[shape] = StaticInputs(inputs)
@@ -226,7 +230,8 @@ class ChunkGraphs(PassGraphFamily):
         self.replays += 1
         out = clone_tree(graph.out)
         if graph.entry is not None:
-            text_cache.entries[text_key] = [tuple(clone(t) for t in graph.entry[i]) for i in range(cache.num_blocks)]
+            entry = [tuple(clone(t) for t in graph.entry[i]) for i in range(cache.num_blocks)]
+            text_cache.put(text_key, entry, cache.text_time)
         if store_kv:
             new = {i: tuple(clone(t) for t in graph.pending[i]) for i in range(cache.num_blocks)}
             if frames is None:

@@ -52,7 +52,7 @@ from opensora.models.mmdit.graph_memory import GraphMemory, on_capture_device
 from opensora.models.vae.base import video_num_frames
 from opensora.models.vae.exact_chunk_decode import exact_chunk_decode
 
-from . import KV_RECACHE
+from . import KV_RECACHE, ROPE_ANCHORS
 from .chunk_graphs import ChunkGraphs
 from .prompt_schedule import switch_chunks
 from .recache import Stopwatch, WindowLatents, plan_recache, run_recache
@@ -253,6 +253,10 @@ class StreamingGenerator:
             against their current context instead (``recache.py``); ``"off"`` runs exactly the passes it ran before.
         switch_recache: at a prompt switch, re-run every kept frame under the new prompt (default; LongLive).
             False keeps the old prompt's keys/values (the chunk before the switch is refilled under the old prompt).
+        rope_anchor: ``"absolute"`` (default) or ``"window"``: once the window rolls, the text and the sink frames
+            sit at the window's start in RoPE time, so no query-key distance leaves the range of a video starting
+            there (``KVCache``). Not combined with ``merge_refill`` or any re-cache (their passes assume absolute
+            positions).
     """
 
     def __init__(
@@ -275,6 +279,7 @@ class StreamingGenerator:
         decode_rule: str = "running",
         kv_recache: str = "off",
         switch_recache: bool = True,
+        rope_anchor: str = "absolute",
     ):
         model = sampler.model
         if not getattr(model, "causal_chunk_frames", 0):
@@ -282,6 +287,10 @@ class StreamingGenerator:
         check_rollout(rollout)
         if kv_recache not in KV_RECACHE:
             raise ValueError(f"unknown kv_recache {kv_recache!r}; choose one of {KV_RECACHE}")
+        if rope_anchor not in ROPE_ANCHORS:
+            raise ValueError(f"unknown rope_anchor {rope_anchor!r}; choose one of {ROPE_ANCHORS}")
+        if rope_anchor == "window" and (merge_refill or kv_recache != "off"):
+            raise ValueError("rope_anchor='window' does not support merge_refill or kv_recache='shift' yet")
         if not 0.0 <= context_time < 1.0:
             raise ValueError(f"context_time must lie in [0, 1), got {context_time}")
         self.sampler, self.model = sampler, model
@@ -298,6 +307,7 @@ class StreamingGenerator:
         self.overlap_decode = overlap_decode
         self.trim_text = bool(trim_text)
         self.kv_recache, self.switch_recache = kv_recache, bool(switch_recache)
+        self.rope_anchor = rope_anchor
         decode_graphs = cuda_graphs if decode_graphs is None else decode_graphs
         self.decode_graphs = None
         offloaded = getattr(sampler, "offload", False)  # an offloaded autoencoder moves: overlap rule, no graphs
@@ -413,6 +423,8 @@ class StreamingGenerator:
             raise ValueError(f"{total} latent frames are not a multiple of the temporal patch size {pt}")
         times = self.schedule(latent_size)
         switch_at = self.check_switches(switches, total, len(prompts))
+        if switch_at and self.switch_recache and self.rope_anchor != "absolute":
+            raise ValueError("rope_anchor='window' does not support the re-cache at a prompt switch yet")
         guided = self.guidance_scale != 1.0
         rows = len(prompts) * (2 if guided else 1)
 
@@ -430,7 +442,7 @@ class StreamingGenerator:
             cond = torch.zeros(
                 rows, model.cond_channels, self.chunk_frames, *latent_size[1:], device=device, dtype=dtype
             )
-        cache = model.new_kv_cache(self.window_frames, self.sink_frames)
+        cache = model.new_kv_cache(self.window_frames, self.sink_frames, self.rope_anchor)
         text_cache = model.new_text_cache() if self.text_cache else None
         noise = StreamNoise(
             seeds, sampler.vae.latent_channels, latent_size[1:], times, self.rollout, self.context_time, device

@@ -12,7 +12,8 @@ RoPE time ids are absolute latent-frame indices (``start_frame`` of a streamed c
 query's score with a video key depend on their frame distance only, but text tokens sit at RoPE id (0, 0, 0): to
 a video query the text keys are an anchor at frame 0, so its text scores depend on its absolute frame index and
 leave the training range once a stream passes the training length, whatever the window keeps. Sink frames (kept
-forever) are the other such distance (tests/test_rope_positions.py pins both).
+forever) are the other such distance (tests/test_rope_positions.py pins both). ``KVCache(rope_anchor="window")``
+moves both to the window's start once it rolls (tests/test_rope_anchor.py).
 
 Streaming (``MMDiT.forward_chunk``) runs one chunk with a ``kv_hook`` per block (layers.py) that prepends the
 cached keys/values (after RoPE) of the earlier chunks' video tokens and, with ``store_kv=True``, hands the
@@ -25,6 +26,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .patches import unpatchify
+from .rope import shift_time
+
+ROPE_ANCHORS = ("absolute", "window")  # KVCache(rope_anchor=...): where the text and the sink frames sit in time
 
 
 def joint_attention_mask(text_mask: Optional[torch.Tensor], num_text: int, video_allowed: torch.Tensor) -> torch.Tensor:
@@ -76,11 +80,26 @@ class KVCache:
         sink_frames: the first frames ever stored, kept for good when the window rolls (attention sinks,
             LongLive); they count towards ``window_frames``.
 
+        rope_anchor: ``"absolute"`` (default): every frame keeps its absolute time id and the text sits at 0, so once
+            the window rolls a query sees the text and the sinks at distances training never had. ``"window"``: the
+            text and the sinks sit at the window's start (``anchor``: the oldest kept non-sink frame minus the sink
+            frames), so every query-key time distance stays that of a video starting at the anchor. The sink keys
+            are re-rotated from their stored originals (no drift) whenever the anchor moves; ``rope_axes`` /
+            ``rope_theta`` (the model's RoPE) are then needed.
+
     Frames are counted in latent frames; with a temporal patch size ``pt > 1`` they come and go in groups of
     ``pt`` (``window_frames`` and ``sink_frames`` must then be multiples of ``pt``).
     """
 
-    def __init__(self, num_blocks: int, window_frames: Optional[int] = None, sink_frames: int = 0):
+    def __init__(
+        self,
+        num_blocks: int,
+        window_frames: Optional[int] = None,
+        sink_frames: int = 0,
+        rope_anchor: str = "absolute",
+        rope_axes: Optional[Tuple[int, ...]] = None,
+        rope_theta: Optional[float] = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if sink_frames < 0 or (window_frames is not None and window_frames < max(sink_frames, 1)):
@@ -88,9 +107,12 @@ class KVCache:
                 f"need 0 <= sink_frames <= window_frames and window_frames >= 1, "
                 f"got window_frames={window_frames}, sink_frames={sink_frames}"
             )
+        if rope_anchor not in ROPE_ANCHORS or (rope_anchor == "window" and (rope_axes is None or rope_theta is None)):
+            raise ValueError(f"rope_anchor must be one of {ROPE_ANCHORS} (window needs rope_axes and rope_theta)")
         self.num_blocks = int(num_blocks)
         self.window_frames = None if window_frames is None else int(window_frames)
         self.sink_frames = int(sink_frames)
+        self.rope_anchor, self.rope_axes, self.rope_theta = rope_anchor, rope_axes, rope_theta
         self.clear()
 
     # ---- state ----------------------------------------------------------------------------------------------
@@ -101,6 +123,8 @@ class KVCache:
         self.frame_ids: List[int] = []  # absolute latent-frame index of every held frame, in cache order
         self.tokens_per_frame_group: Optional[int] = None
         self.frames_per_group = 1
+        self.sink_keys: Optional[List[torch.Tensor]] = None  # sink keys as stored (anchor 0), once the window rolled
+        self.placed_anchor = 0  # the anchor the held sink keys are rotated to
 
     @property
     def num_frames(self) -> int:
@@ -111,6 +135,48 @@ class KVCache:
     def end_frame(self) -> int:
         """Absolute index of the frame after the newest held one (0 when empty): where the next chunk starts."""
         return self.frame_ids[-1] + 1 if self.frame_ids else 0
+
+    @property
+    def anchor(self) -> int:
+        """Latent frame where the text and the sink frames sit for the next chunk: 0 under ``"absolute"``; under
+        ``"window"`` the oldest kept non-sink frame minus the sink frames (0 until the window first rolls)."""
+        sinks = min(self.sink_frames, self.num_frames)
+        if self.rope_anchor != "window" or self.num_frames <= sinks:
+            return 0
+        return max(self.frame_ids[sinks] - self.sink_frames, 0)
+
+    @property
+    def text_time(self) -> int:
+        """The text's RoPE time id (in time patches) for the next chunk."""
+        return self.anchor // self.frames_per_group
+
+    @property
+    def positions(self) -> List[int]:
+        """The time (latent frame) at which each held frame's keys sit, in cache order: ``frame_ids`` with the sink
+        frames moved to the anchor."""
+        sinks = min(self.sink_frames, self.num_frames)
+        return [self.anchor + i for i in range(sinks)] + self.frame_ids[sinks:]
+
+    def place_sinks(self) -> None:
+        """Rotate the held sink keys to the current anchor, from their originals (outside any graph: a graph reads
+        the cache through copies made when the cache's tensors change)."""
+        anchor = self.anchor
+        if anchor == self.placed_anchor:
+            return
+        self.placed_anchor = anchor
+        tokens = min(self.sink_frames, self.num_frames) // self.frames_per_group * (self.tokens_per_frame_group or 0)
+        if not tokens:
+            return
+        if self.sink_keys is None:  # the window's first roll: the sinks are still where they were made, at 0
+            self.sink_keys = [k[:, :, :tokens].clone() for k in self.keys]
+        for i, original in enumerate(self.sink_keys):
+            # in place: the anchor moves only when trim / truncate just made these tensors, nothing else holds them
+            self.keys[i][:, :, :tokens] = shift_time(original, anchor // self.frames_per_group, *self.rope)
+
+    @property
+    def rope(self) -> tuple:
+        """(axes, theta) of the model's RoPE (``rope_anchor="window"``)."""
+        return self.rope_axes, self.rope_theta
 
     @property
     def nbytes(self) -> int:
@@ -154,6 +220,7 @@ class KVCache:
         self.frame_ids.extend(range(start_frame, start_frame + num_frames))
         if self.window_frames is not None:
             self.trim(self.window_frames)
+        self.place_sinks()
 
     def frame_ids_after_append(self, start_frame: int, num_frames: int) -> List[int]:
         """The frame ids ``append(..., start_frame, num_frames)`` would leave in the cache (no tensor is touched):
@@ -209,6 +276,7 @@ class KVCache:
             for i, t in enumerate(store):
                 store[i] = t[:, :, :tokens].clone()  # a copy: a view would keep the dropped frames' memory alive
         self.frame_ids = self.frame_ids[:num_frames]
+        self.place_sinks()
 
 
 def streaming_kv_hooks(cache: KVCache, num_text: int, mask: torch.Tensor, pending: Optional[Dict[int, tuple]]):
@@ -257,9 +325,13 @@ class TextKVCache:
     parameter *object* swapped into the model (``load_state_dict(assign=True)``) is not seen: ``clear()`` then.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, rope: Optional[tuple] = None):
         self.num_blocks = int(num_blocks)
         self.entries: Dict[object, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        # text time id an entry's keys were rotated at (absent: 0), and the last re-rotated copy per key
+        self.text_times: Dict[object, int] = {}
+        self._moved: Dict[object, tuple] = {}
+        self.rope = rope  # (axes, theta) of the model's RoPE: moves entries to another text time id
         self._inputs: Tuple = ()
         self._signature: Tuple = ()
         self._model, self._params = None, []
@@ -267,6 +339,8 @@ class TextKVCache:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.text_times.clear()
+        self._moved.clear()
         self._inputs, self._signature = (), ()
 
     @property
@@ -284,16 +358,33 @@ class TextKVCache:
         weights = tuple(p._version for p in self._params)  # in-place updates (optimiser steps, loads) bump these
         signature = (versions, weights, dtype, str(device), torch.is_autocast_enabled(device.type))
         if not same_inputs or signature != self._signature:
-            self.entries.clear()
+            self.clear()
             self._inputs, self._signature = tuple(text_inputs), signature
 
-    def get(self, key) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    def get(self, key, text_time: int = 0) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+        """The entry of ``key`` with its keys at RoPE time id ``text_time`` (re-rotated from the stored keys when
+        they were made at another one; the copy is kept until the time changes, so a graph copies it once)."""
         entry = self.entries.get(key)
         if entry is None:
             self.misses += 1
-        else:
-            self.hits += 1
-        return entry
+            return None
+        self.hits += 1
+        delta = text_time - self.text_times.get(key, 0)
+        if not delta:
+            return entry
+        moved = self._moved.get(key)
+        if moved is None or moved[0] != text_time or moved[1] is not entry:
+            if self.rope is None:
+                raise ValueError("moving cached text keys to another time id needs the model's RoPE (rope=...)")
+            shifted = [(shift_time(k, delta, *self.rope), v) for k, v in entry]
+            moved = self._moved[key] = (text_time, entry, shifted)
+        return moved[2]
+
+    def put(self, key, entry: List[Tuple[torch.Tensor, torch.Tensor]], text_time: int = 0) -> None:
+        """Store ``key``'s per-block text keys/values, made at RoPE time id ``text_time``."""
+        self.entries[key] = entry
+        self.text_times[key] = text_time
+        self._moved.pop(key, None)
 
 
 def text_filling_hooks(hooks: List, text_cache_entry: Dict[int, tuple], num_text: int) -> List:

@@ -31,11 +31,14 @@ class CausalStreaming:
 
     def new_text_cache(self) -> TextKVCache:
         """An empty ``TextKVCache`` (causal.py) for ``forward_chunk(text_cache=...)``."""
-        return TextKVCache(len(self.double_blocks) + len(self.single_blocks))
+        return TextKVCache(len(self.double_blocks) + len(self.single_blocks), (tuple(self.axes_dims), self.theta))
 
-    def new_kv_cache(self, window_frames: Optional[int] = None, sink_frames: int = 0) -> KVCache:
-        """An empty ``KVCache`` for this model's blocks (see causal.py for the window and sink frames)."""
-        return KVCache(len(self.double_blocks) + len(self.single_blocks), window_frames, sink_frames)
+    def new_kv_cache(
+        self, window_frames: Optional[int] = None, sink_frames: int = 0, rope_anchor: str = "absolute"
+    ) -> KVCache:
+        """An empty ``KVCache`` for this model's blocks (see causal.py for the window, sink frames and anchor)."""
+        blocks = len(self.double_blocks) + len(self.single_blocks)
+        return KVCache(blocks, window_frames, sink_frames, rope_anchor, tuple(self.axes_dims), self.theta)
 
     def forward_chunk(
         self,
@@ -70,15 +73,17 @@ class CausalStreaming:
         text_kv = None
         if text_cache is not None:
             text_cache.validate(self, (text_emb, text_mask, pooled, guidance), self.img_in.weight.dtype, x.device)
-            text_kv = text_cache.get(text_key)
+            text_kv = text_cache.get(text_key, cache.text_time)
         past = cache.keys[0].shape[2] if cache.keys[0] is not None else 0
         with_mask = text_kv is None or not text_keys_all_valid(text_mask, text_mask_has_padding)
-        rope, mask = self.chunk_rope_mask(x, text_mask, text_emb.shape[1], past, start_frame, with_mask)
+        rope, mask = self.chunk_rope_mask(
+            x, text_mask, text_emb.shape[1], past, start_frame, with_mask, text_time=cache.text_time
+        )
         pending = {} if store_kv else None
         entry = {} if text_cache is not None and text_kv is None else None
         out = self.chunk_body(x, timestep, text_emb, pooled, cond, guidance, rope, mask, cache, text_kv, pending, entry)
         if entry is not None:
-            text_cache.entries[text_key] = [entry[i] for i in range(text_cache.num_blocks)]
+            text_cache.put(text_key, [entry[i] for i in range(text_cache.num_blocks)], cache.text_time)
         if store_kv:
             cache.append(pending, start_frame, x.shape[2], frames_per_group=self.patch_size[0])
         return out
@@ -97,14 +102,17 @@ class CausalStreaming:
         if text_cache is not None and text_key is None:
             raise ValueError("forward_chunk(text_cache=...) needs text_key, a host value identifying the timestep")
 
-    def chunk_rope_mask(self, x, text_mask, num_text: int, past_tokens: int, start_frame: int, with_mask=True):
-        """RoPE tables of [text, chunk video] (video time ids from ``start_frame``) and the joint mask
+    def chunk_rope_mask(
+        self, x, text_mask, num_text: int, past_tokens: int, start_frame: int, with_mask=True, text_time: int = 0
+    ):
+        """RoPE tables of [text, chunk video] (video time ids from ``start_frame``, text at ``text_time``: the
+        cache's ``text_time``) and the joint mask
         [B or 1, 1, L + N, L + past + N] of a streamed chunk: video queries see the valid text, the cached video
         and the chunk; text queries see the text only. ``with_mask=False``: no mask (None), for a text-cached pass
         whose text keys are all valid."""
         pt, ph, pw = self.patch_size
         grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
-        rope = self.rope(grid, num_text, x.device, time_offset=start_frame // pt)
+        rope = self.rope(grid, num_text, x.device, time_offset=start_frame // pt, text_time=text_time)
         if not with_mask:
             return rope, None
         return rope, self.chunk_mask(text_mask, num_text, grid[0] * grid[1] * grid[2], past_tokens, x.device)

@@ -289,12 +289,16 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
             return padded_text_keys(lengths, num_text, num_video, queries_at_keys=own_keys)
         return self.key_mask(text_mask, num_video, has_padding if lengths is None else min(lengths) < num_text)
 
-    def rope(self, grid, num_text_tokens: int, device, time_offset: int = 0):
-        """RoPE tables of [text, video]; ``time_offset`` (in time patches) shifts the video's time ids."""
+    def rope(self, grid, num_text_tokens: int, device, time_offset: int = 0, text_time: int = 0):
+        """RoPE tables of [text, video]; ``time_offset`` (in time patches) shifts the video's time ids, ``text_time``
+        is the text's time id (0; a rolled window with ``rope_anchor="window"`` moves it to the window's start)."""
         video_ids = video_position_ids(*grid, device=device)
         if time_offset:
             video_ids[:, 0] += time_offset
-        ids = torch.cat((video_ids.new_zeros(num_text_tokens, 3), video_ids))
+        text_ids = video_ids.new_zeros(num_text_tokens, 3)
+        if text_time:
+            text_ids[:, 0] = text_time
+        ids = torch.cat((text_ids, video_ids))
         return rope_cos_sin(ids, self.axes_dims, self.theta)
 
     def run_block(self, block, checkpointed: bool, *args):

@@ -54,6 +54,13 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     return tuple(rotate_pairs(x.float().contiguous(), rotation).to(x.dtype) for x in (q, k))
 
 
+def shift_time(x: torch.Tensor, delta: int, axes_dims: Sequence[int], theta: float) -> torch.Tensor:
+    """Keys ``x`` [..., N, D] already rotated at time ids ``p`` -> rotated at ``p + delta`` (rotations compose: the
+    table of id (delta, 0, 0), whose h/w parts are the identity); fp32 math, x's dtype out."""
+    ids = torch.tensor([[delta] + [0] * (len(axes_dims) - 1)], device=x.device)
+    return apply_rope(x, *rope_cos_sin(ids, axes_dims, theta))
+
+
 def rotate_pairs(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """The eager rotation: contiguous fp32 ``x`` [..., N, D] times the complex ``rotation`` [N, D/2] pair by pair ->
     a new fp32 [..., N, D]. Sequence-parallel sampling (opensora/parallel/sampling_exchange.py) calls it too, on the
