@@ -21,9 +21,9 @@ run=(python -m benchmarks.long_streaming_quality --out "$out" ${EXTRA:-})
 case "$part" in
 prep) "${run[@]}" --stop-after ode 2>&1 | grep -v -i warn | tail -n 20 ;;
 students) "${run[@]}" --stop-after long_rollout 2>&1 | grep -v -i warn | tail -n 20 ;;
-eval) "${run[@]}" 2>&1 | grep -v -i warn | tail -n 60 | tee "$out/report.txt" ;;
+eval) "${run[@]}" 2>&1 | grep -v -i warn | tail -n 120 | tee "$out/report.txt" ;;
 options)
-  "${run[@]}" --kv-recache both --prompt-switch 2>&1 | grep -v -i warn | tail -n 80 | tee "$out/report_options.txt"
+  "${run[@]}" --kv-recache both --prompt-switch 2>&1 | grep -v -i warn | tail -n 120 | tee "$out/report_options.txt"
   cp "$out/report.json" "$out/report_options.json" ;;
 *) echo "unknown part $part (prep|students|eval|options)" >&2; exit 2 ;;
 esac
