@@ -57,6 +57,7 @@ def test_defaults_pass_their_checks_and_the_namespace_is_read_once():
         (dict(stream_graphs="maybe"), "--stream-graphs must be one of auto, on, off"),
         (dict(pp_overlap="max"), "--pp-overlap must be one of"),
         (dict(pp_decode_stream="gpu"), "--pp-decode-stream must be one of"),
+        (dict(pp_host_copies="mine"), "--pp-host-copies must be one of"),
         (dict(pp_devices="cuda:0", streaming=True), "--pp-devices needs exactly two devices"),
         (dict(pp_devices="cuda:0,cuda:1"), "--pp-devices drives the streaming sampler: add --streaming"),
         (dict(pp_devices=(0, 1)), "--pp-devices drives the streaming sampler"),  # "--pp-devices 0,1" parses to ints

@@ -20,6 +20,9 @@ INFERENCE_HELP = {
     "step_list": "explicit t values, e.g. 1.0,0.75,0.5,0.25 (replaces --num-steps)",
     "streaming": "causal models: chunk by chunk with a KV cache, each chunk appended to the mp4 as it is done",
     "window_frames": "--streaming: latent frames the KV cache keeps (sink frames included); default: every frame",
+    "pp_decode_stream": "--pp-devices: side (each GPU decodes on a stream beside its passes) or compute (in front of them)",
+    "pp_host_copies": "--pp-devices: shared (chunks go to the host on the GPU-to-GPU copy streams) or own (a stream "
+    "of their own per GPU, so no hand-off waits for a decode; untimed on GPUs)",
     "sink_frames": "--streaming: the first latent frames, kept in the cache for good when the window rolls (attention "
     "sinks); multiples of the temporal patch, <= --window-frames",
     "kv_recache": "--streaming: off | shift: when the window rolls, re-run the kept frames' keys/values against the "

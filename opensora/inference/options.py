@@ -21,7 +21,7 @@ from typing import List, Optional
 from opensora.cli_errors import UserInputError, check_range
 
 from .cache.config import STORE_KINDS, JanoConfig, tunable_defaults
-from .pipeline_parallel.schedule import DECODE_STREAM_MODES, OVERLAP_MODES
+from .pipeline_parallel.schedule import DECODE_STREAM_MODES, HOST_COPY_MODES, OVERLAP_MODES
 from .reference_check import check_reference
 from .streaming import KV_RECACHE, ROLLOUTS, ROPE_ANCHORS
 from .streaming.prompt_schedule import parse_prompt_schedule
@@ -193,6 +193,9 @@ class PipelineOptions(_Options):
     pp_overlap: str = "aggressive"  # off | basic | aggressive
     pp_split: str = "auto"  # auto | N: index of the last block on the first GPU
     pp_decode_stream: str = "side"  # side: each GPU decodes on a stream beside its passes | compute: in front of them
+    # shared: the chunks' copies to the host queue on the copy streams the GPU-to-GPU hand-offs use (each hand-off
+    # then waits for the last decode) | own: a stream of their own per GPU (untimed on GPUs, so not the default)
+    pp_host_copies: str = "shared"
     pp_cfg_rows: bool = (
         True  # CFG passes as rows of one batch (bit-identical to one GPU's streaming); False: micro-batches
     )
@@ -220,6 +223,8 @@ class PipelineOptions(_Options):
             raise UserInputError(
                 f"--pp-decode-stream must be one of {DECODE_STREAM_MODES}, got {self.pp_decode_stream!r}"
             )
+        if self.pp_host_copies not in HOST_COPY_MODES:
+            raise UserInputError(f"--pp-host-copies must be one of {HOST_COPY_MODES}, got {self.pp_host_copies!r}")
         if self.enabled:
             self.devices()
 

@@ -190,7 +190,7 @@ def run_pipelined(job) -> list:
         costs, decode_lanes = report["calibration"]["costs"], report["decode_lanes"]
     split_report["split"] = split
     place_model(model, split, devices)  # auto: already there
-    lanes = Lanes(devices, profile=bool(pipeline.profile))
+    lanes = Lanes(devices, profile=bool(pipeline.profile), host_copies=pipeline.pp_host_copies)
     stages = CausalStreamingStages(model, lanes, split, groups, latent_size, times, decode_lanes=decode_lanes, **kw)
     result, sim = run_plan(stages, mode, lanes, costs=costs)  # auto: the calibrated costs (issue order only)
     num_chunks = stages.plan.num_chunks
@@ -211,6 +211,7 @@ def run_pipelined(job) -> list:
         pp_devices=devices,
         pp_overlap=mode,
         pp_decode_stream=pipeline.pp_decode_stream,
+        pp_host_copies=pipeline.pp_host_copies,
         pp_split=split_report,
         decode_lanes=placed,
         decode=make_decoder.summary(),

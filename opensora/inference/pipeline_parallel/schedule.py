@@ -78,6 +78,7 @@ PREP_STREAM = 2  # timing lane of ``prep``: GPU0's prep stream, beside its compu
 DECODE_STREAMS = (3, 4)  # timing lanes of a side-stream ``decode``: GPU0's and GPU1's decode streams
 LANES = (0, 1, PREP_STREAM, *DECODE_STREAMS)
 DECODE_STREAM_MODES = ("side", "compute")
+HOST_COPY_MODES = ("shared", "own")  # Lanes(host_copies=...): which stream copies chunks to the host
 # While a compute-stream task and a decode-stream task overlap on one GPU, each runs at 1 / (1 + contention) of its
 # speed alone. 0.5: a guess between independent lanes (0) and no gain from overlap (1), until a run fits it.
 DEFAULT_CONTENTION = 0.5
