@@ -49,10 +49,11 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
+VARIANTS = ("ours-padded", "ours-padded-flex", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
             "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
             "diffusers-128")  # fmt: skip
 PER_ROW_VARIANTS = ("ours-padded-rows",)  # one SDPA call per row: a cuDNN plan per prompt length
+CUDA_ONLY_VARIANTS = ("ours-padded-flex",)  # torch has no flex_attention backward on CPU: --tiny leaves it out
 
 
 def our_config(shape):
@@ -189,6 +190,7 @@ def build(shape, device, dtype, args):
     padded = ours_inputs(n_txt, True)
     variants = [
         Variant("ours-padded", ours, ours_opt, padded, run_ours, None),  # the model's defaults
+        Variant("ours-padded-flex", ours, ours_opt, padded, run_ours, None, padded_path(ours, "flex", 128)),
         Variant("ours-padded-packed", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 32)),
         Variant("ours-padded-packed-128", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 128)),
         Variant("ours-padded-rows", ours, ours_opt, padded, run_ours, None, padded_path(ours, "rows", 32)),
@@ -228,6 +230,8 @@ def build(shape, device, dtype, args):
             ),  # fmt: skip
         ]
     wanted = args.variants.split(",") if args.variants else VARIANTS
+    if torch.device(device).type != "cuda":
+        wanted = [name for name in wanted if name not in CUDA_ONLY_VARIANTS]
     return [v for v in variants if v.name in wanted]
 
 
@@ -317,7 +321,8 @@ def run(args):
     by = {r["variant"]: r for r in rows}
     ratios = {}
     for a, b in (("diffusers-512", "ours-padded"), ("diffusers-128", "ours-padded"), ("ours-padded", "ours-unpadded-128"),
-                 ("ours-padded-rows", "ours-padded"), ("ours-padded-packed", "ours-padded"),
+                 ("ours-padded-rows", "ours-padded"), ("ours-padded-flex", "ours-padded"), ("ours-padded-flex", "ours-unpadded-128"),
+                 ("ours-padded-packed", "ours-padded"),
                  ("ours-padded-packed-128", "ours-padded"), ("ours-padded-dense-32", "ours-padded"),
                  ("ours-padded", "ours-masked"), ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip
         if a in by and b in by:

@@ -101,7 +101,8 @@ def references():
 @pytest.mark.parametrize(
     "compiled, ckpt, how",
     [(False, 0, "dense"), (True, 0, "dense"), (True, 2, "dense"), (True, 1, "dense"), (False, 0, "packed"),
-     (True, 2, "packed"), (True, 1, "packed"), (False, 0, "rows"), (True, 2, "rows")],
+     (True, 2, "packed"), (True, 1, "packed"), (False, 0, "rows"), (True, 2, "rows"), (False, 0, "flex"),
+     (True, 0, "flex"), (True, 2, "flex"), (True, 1, "flex")],
 )  # fmt: skip
 def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_masked_path(
     references, compiled, ckpt, how
@@ -112,16 +113,17 @@ def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_mas
     compare_to_fp32_masked(model, data, reference, baseline)
 
 
-def test_packed_flash_attention_with_a_row_that_fills_the_trimmed_text():
+@pytest.mark.parametrize("how", ["packed", "flex"])
+def test_packed_flash_and_flex_attention_with_a_row_that_fills_the_trimmed_text(how):
     """Lengths 64, 10, 64: trimmed to 64 (multiples of 32), so rows 0 and 2 have an empty padding run (a zero-length sequence for the
-    variable-length flash kernel)."""
+    variable-length flash kernel; no padded key block for flex)."""
     data = padded_batch([64, 10, 64])
     fp32 = gpu_model(torch.float32)
     out = dense_masked_forward(fp32, data)
     reference = (out.detach(), *loss_and_grads(fp32, out))
     bf16 = gpu_model()
     base = dense_masked_forward(bf16, cast(data, torch.bfloat16))
-    packed = gpu_model(padded_text_attention="packed", text_length_multiple=32)
+    packed = gpu_model(padded_text_attention=how, text_length_multiple=32)
     compare_to_fp32_masked(packed, data, reference, (base.detach(), loss_and_grads(bf16, base)[1]))
 
 

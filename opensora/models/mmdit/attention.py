@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .flex_attention import FlexRows
 from .packed_attention import PackedRows
 
 BACKENDS = {
@@ -101,7 +102,7 @@ def attention(
     """
     if q.dim() != 4:
         raise ValueError(f"attention expects q/k/v as [B, heads, N, head_dim], got q of shape {tuple(q.shape)}")
-    if isinstance(mask, (KeyRanges, PackedRows)):
+    if isinstance(mask, (KeyRanges, PackedRows, FlexRows)):
         return mask.attend(q, k, v, backend)
     if torch.compiler.is_compiling() and COMPILED_ATTENTION["mode"] == "op":
         q, k, v = _same_dtype(q, k, v)

@@ -20,6 +20,7 @@ from ..arch import records_arch
 from .attention import COMPILED_ATTENTION, COMPILED_ATTENTION_MODES, check_backend, device_major
 from .causal import KVCache, TextKVCache, block_causal_video_mask, joint_attention_mask, per_chunk_timestep_forward
 from .causal_stream import CausalStreaming
+from .flex_attention import FlexRows
 from .fp8 import check_recipe, convert_block_linears
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .packed_attention import PackedRows
@@ -28,7 +29,8 @@ from .rope import rope_cos_sin, video_position_ids
 from .text_padding import padded_text_keys, trim_text
 
 TIMESTEP_FEATURES = 256
-PADDED_TEXT_ATTENTION = ("dense", "packed", "rows")
+PADDED_TEXT_ATTENTION = ("dense", "packed", "rows", "flex")
+ROW_MASKS = {"packed": PackedRows, "flex": FlexRows}  # one object for the batch; own keys only
 # Training text is trimmed to multiples of this: one compiled shape for prompts up to 128 T5 tokens (20-120 are
 # typical), at most 4 up to 512. Measured on an H200 (1B, batch 4, full checkpointing, compiled): a trimmed length
 # that changed every step (multiples of 32) made the blocks' shapes symbolic and the padded step 1.41x the unpadded.
@@ -103,11 +105,12 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         ``fp8_linears`` ("tensorwise" / "rowwise"): train the block linears in FP8 through torchao (fp8.py); a
         training option, left out of ``arch``. ``padded_text_attention``: how a training batch's rows with padded
         text attend after the trim: "dense" (a boolean key mask over the trimmed text), "packed" (one
-        variable-length flash call for the batch, packed_attention.py) or "rows" (one SDPA call per row,
-        ``attention.KeyRanges``). All give the same result; measured on an H200 (1B, batch 4 at 256px, full
-        checkpointing, compiled, prompts of 20-120 tokens trimmed to multiples of 32): rows 494 ms, packed 286 ms,
-        the dense mask over all 512 columns 271 ms, unpadded 128 columns 203 ms. Not architecture (left out of
-        ``arch``), nor is ``text_length_multiple`` (trimmed lengths are its multiples: a larger one gives fewer
+        variable-length flash call for the batch, packed_attention.py), "rows" (one SDPA call per row,
+        ``attention.KeyRanges``) or "flex" (FlexAttention with a per-batch block mask, flex_attention.py; fast only
+        compiled; not yet timed; causal models and sequence parallelism keep the dense mask). All give the same
+        result; measured on an H200 (1B, batch 4 at 256px, full checkpointing, compiled, prompts of 20-120 tokens
+        trimmed to multiples of 32): rows 494 ms, packed 286 ms, the dense mask over all 512 columns 271 ms,
+        unpadded 128 columns 203 ms. Not architecture (left out of ``arch``), nor is ``text_length_multiple`` (trimmed lengths are its multiples: a larger one gives fewer
         shapes to compile, a smaller one fewer padded tokens)."""
         super().__init__()
         if hidden_size % num_heads:
@@ -279,14 +282,17 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
     def padding_mask(self, text_mask, lengths, num_text: int, num_video: int, has_padding=None, own_keys=True):
         """How a bidirectional pass hides padded text keys (after ``prepare_text``): rows with padding left (training
         without sequence parallelism) attend as ``padded_text_attention`` says: the dense ``key_mask``,
-        ``PackedRows`` (one variable-length call) or ``KeyRanges`` (one mask-free SDPA call per row; also what
-        "packed" falls back to for ``own_keys=False``); otherwise the dense ``key_mask`` or None.
+        ``PackedRows`` (one variable-length call), ``FlexRows`` (a FlexAttention block mask) or ``KeyRanges`` (one
+        mask-free SDPA call per row; also what "packed" falls back to for ``own_keys=False``, where "flex" keeps the
+        dense mask); otherwise the dense ``key_mask`` or None.
         ``own_keys=False`` for a pass whose queries are not its keys (a cache adds the keys of
         tokens it did not recompute): every query of a row then attends over that row's ranges."""
-        if lengths is not None and self.sp is None and self.padded_text_attention != "dense":
-            if own_keys and self.padded_text_attention == "packed" and min(lengths) < num_text:
-                return PackedRows(lengths, num_text, num_video, text_mask.device)
-            return padded_text_keys(lengths, num_text, num_video, queries_at_keys=own_keys)
+        how = self.padded_text_attention
+        if lengths is not None and self.sp is None and how != "dense":
+            if own_keys and how in ROW_MASKS and min(lengths) < num_text:
+                return ROW_MASKS[how](lengths, num_text, num_video, text_mask.device)
+            if how != "flex":  # flex's other cases: the dense key mask below
+                return padded_text_keys(lengths, num_text, num_video, queries_at_keys=own_keys)
         return self.key_mask(text_mask, num_video, has_padding if lengths is None else min(lengths) < num_text)
 
     def rope(self, grid, num_text_tokens: int, device, time_offset: int = 0, text_time: int = 0):

@@ -8,7 +8,8 @@ output never depends on them: text RoPE ids are all zero, every other op is per 
   ``TEXT_LENGTH_MULTIPLE`` so a training run sees few text lengths (few compiled graphs); a batch whose rows all
   have the same valid length (every batch of one) is cut to exactly that length, so no padding is left at all;
 * the rows that still hold padding attend as ``MMDiT(padded_text_attention=...)`` says: a dense key mask over the
-  trimmed text (the default), ``packed_attention.PackedRows`` (one variable-length flash call), or
+  trimmed text (the default), ``packed_attention.PackedRows`` (one variable-length flash call),
+  ``flex_attention.FlexRows`` (FlexAttention skipping the padded key blocks), or
   ``padded_text_keys`` -> ``attention.KeyRanges`` (one mask-free SDPA call per row over its valid text and video
   tokens, padded queries output zeros; cuDNN builds an execution plan per new row length, ~0.1 s once per prompt
   length per run, which ``warm_attention_lengths`` pays up front). The two mask-free paths were measured slower
