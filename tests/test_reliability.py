@@ -607,3 +607,28 @@ def test_the_lock_itself_two_claims_stale_records_and_a_half_written_one(tmp_pat
     os.utime(lock, (time.time() - 3600, time.time() - 3600))
     RunLock(outputs).acquire().release()
     assert outputs.is_dir() and not lock.exists()
+
+
+def test_a_rank_that_reads_the_lock_while_its_rank_0_writes_it_is_not_refused(tmp_path, monkeypatch):
+    """Rank 0 creates the lock file, then writes its record: a rank of the same launch that reads it in between
+    found it empty and refused its own run (a 2-rank CI run). The check waits for the record; an empty lock that
+    stays empty (a writer that just died) is still refused while fresh."""
+    import threading
+
+    from opensora.training.run_lock import LOCK_FILE, RunLockedError, _job, check_not_in_use
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "41234")
+    outputs = tmp_path / "run"
+    outputs.mkdir()
+    lock = outputs / LOCK_FILE
+    lock.write_text("")
+    record = dict(host="this-launch", pid=1, started=time.time(), job=_job())
+    writer = threading.Timer(0.3, lambda: lock.write_text(json.dumps(record) + "\n"))
+    writer.start()
+    check_not_in_use(outputs)  # the record arrives within the grace time and names this launch
+    writer.join()
+
+    lock.write_text("")
+    with pytest.raises(RunLockedError, match="is in use by another run"):
+        check_not_in_use(outputs)

@@ -28,6 +28,7 @@ from opensora.cli_errors import UserInputError
 LOCK_FILE = ".run.lock"
 HEARTBEAT_S = 60.0
 STALE_AFTER_S = 600.0
+WRITE_GRACE_S = 2.0  # how long a reader waits for a just-created lock to get its record
 
 
 class RunLockedError(UserInputError):
@@ -91,6 +92,12 @@ def check_not_in_use(outputs: str | os.PathLike, overwrite: bool = False) -> Non
     the lock itself later, ``claim_outputs``; a lock of this very launch, taken by a faster rank 0, is no refusal)."""
     lock = Path(outputs) / LOCK_FILE
     record = _read(lock)
+    # an empty lock is being written right now, often by this launch's own rank 0 (it creates the file, then writes
+    # the record): read it again once written, instead of refusing our own run (seen on a 2-rank CI run)
+    deadline = time.time() + WRITE_GRACE_S
+    while record == {} and time.time() < deadline:
+        time.sleep(0.02)
+        record = _read(lock)
     if record is not None and record.get("job") != _job() and _holder_alive(record, lock):
         raise RunLockedError(("--overwrite refused: " if overwrite else "") + _in_use(Path(outputs), lock, record))
 
