@@ -18,8 +18,6 @@ from ..streaming.generator import decode_stream
 from .schedule import DEFAULT_CONTENTION, HOST_COPY_MODES, Plan, Simulation, Task, build_graph, schedule
 
 HOST_SLAB_BYTES = 16 << 20  # pinned host memory per allocation of ``Lanes.to_host``
-# Where ``Lanes.to_host`` queues its copies: "shared" (the device's peer-copy stream) or "own" (a stream of its own
-# per device; see ``Lanes``).
 
 
 def _tree_map(fn, tree):

@@ -62,6 +62,9 @@ order (one stream per GPU, a video's decoder on one GPU); nothing but the next d
 on a decode, so no compute stream ever waits for one. Kernels of two streams share one GPU, though: ``simulate``
 and ``in_order_timeline`` run the decode on a lane of its own per GPU and slow both tasks down while they overlap
 (``contention``, see ``simulate``). ``"compute"`` keeps the decode on the compute stream (for A/B timing).
+Measured the same way on 2026-11-27: side 1.34x one GPU, compute 1.28x, both still ~0.70 busy. Most of the wait
+was elsewhere: the chunks' copies to the host shared the copy streams with the GPU-to-GPU hand-offs
+(``Lanes(host_copies=...)``, runtime.py), which this simulator does not model.
 """
 
 from __future__ import annotations

@@ -108,10 +108,11 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         variable-length flash call for the batch, packed_attention.py), "rows" (one SDPA call per row,
         ``attention.KeyRanges``) or "flex" (FlexAttention with a per-batch block mask, flex_attention.py; fast only
         compiled; not yet timed; causal models and sequence parallelism keep the dense mask). All give the same
-        result; measured on an H200 (1B, batch 4 at 256px, full checkpointing, compiled, prompts of 20-120 tokens
-        trimmed to multiples of 32): rows 494 ms, packed 286 ms, the dense mask over all 512 columns 271 ms,
-        unpadded 128 columns 203 ms. Not architecture (left out of ``arch``), nor is ``text_length_multiple`` (trimmed lengths are its multiples: a larger one gives fewer
-        shapes to compile, a smaller one fewer padded tokens)."""
+        result; measured on an H200 (1B, batch 4 at 256px, full checkpointing, compiled, prompts of 20-120 tokens):
+        the dense default 285-288 ms, packed 326-338 ms (same calls), rows 494 ms, the unpadded step 192-234 ms
+        (benchmarks/reports/padded_text_h200_2026-11.md). Not architecture (left out of ``arch``), nor is
+        ``text_length_multiple`` (trimmed lengths are its multiples: a larger one gives fewer shapes to compile, a
+        smaller one fewer padded tokens)."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
