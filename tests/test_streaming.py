@@ -382,6 +382,16 @@ class EagerReplayGraphs:
         return Merged(model, memory)
 
 
+def assert_streams_bitwise_equal(reference, other, num_frames: int) -> None:
+    """Two videos of ``num_frames`` (the second with the prompts reversed: new text keys/values) stream from both
+    generators with bit-identical latents and frames."""
+    for prompts in (PROMPTS, PROMPTS[::-1]):
+        a = list(reference.stream(prompts, [0, 1], num_frames, 16, 16))
+        b = list(other.stream(prompts, [0, 1], num_frames, 16, 16))
+        for x, y in zip(a, b):
+            assert torch.equal(x.latents, y.latents) and torch.equal(x.frames, y.frames)
+
+
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("guidance,window", [(1.0, 4), (3.0, 2)])
 def test_chunk_graph_plumbing_replays_the_eager_passes_bitwise_on_a_cpu(guidance, window, padded):
@@ -393,11 +403,7 @@ def test_chunk_graph_plumbing_replays_the_eager_passes_bitwise_on_a_cpu(guidance
     graphed = StreamingGenerator(sampler, **kwargs)
     graphed.cuda_graphs = EagerReplayGraphs.make(sampler.model)
     plain = StreamingGenerator(sampler, text_cache=False, **kwargs)
-    for prompts in (PROMPTS, PROMPTS[::-1]):
-        a = list(plain.stream(prompts, [0, 1], 10, 16, 16))
-        b = list(graphed.stream(prompts, [0, 1], 10, 16, 16))
-        for x, y in zip(a, b):
-            assert torch.equal(x.latents, y.latents) and torch.equal(x.frames, y.frames)
+    assert_streams_bitwise_equal(plain, graphed, 10)
     graphs = graphed.cuda_graphs.summary
     # 5 chunks x 3 passes per video, less the last chunk's refill (no chunk reads it). Graphs: the first chunk (no
     # cached frames) fills the text cache, one graph for its 2 steps and one for its refill (storing passes have
