@@ -306,6 +306,12 @@ def main(argv=None):
     parser.add_argument("--sizes", default="480x832,256x256", help="real decoder: HxW per row")
     parser.add_argument("--frames", type=int, default=33, help="real decoder: pixel frames per video")
     parser.add_argument("--videos", type=int, default=2, help="real decoder: videos in flight")
+    parser.add_argument(
+        "--window-frames",
+        default="train",
+        help="real decoder: the KV cache's rolling window in latent frames: train (default: the training clip's "
+        "latent frames minus a chunk, as benchmarks/streaming.py), none (keep every frame) or a number",
+    )
     parser.add_argument("--config", default=None, help="real decoder: the student's config (1B synthetic)")
     parser.add_argument("--quick", action="store_true", help="real decoder: 256x256 only, 1 repeat")
     parser.add_argument(
@@ -323,7 +329,7 @@ def main(argv=None):
     )
     parser.add_argument(
         "--host-copies",
-        default="shared",
+        default="own",
         help="the stream each GPU copies the chunks' frames and latents to the host on (Lanes' host_copies): shared "
         "(its peer-copy stream) or own; real decoder: one 2-GPU variant per entry and --decode-streams entry; "
         "stand-in: the first entry for every 2-GPU run",

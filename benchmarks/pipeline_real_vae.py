@@ -3,7 +3,8 @@
 The 1B causal student of ``benchmarks/streaming.py`` (``mmdit_1b_synthetic.py``: random weights, chunks of 3 latent
 frames, 4 steps + refill, text cache, CUDA graphs; T5 / CLIP at their real widths) with diffusers'
 ``AutoencoderKLHunyuanVideo()`` at its default config (246M parameters, random weights, bf16), exact-once chunk
-decode (``decode_rule="running"``), ``--groups`` videos in flight, per ``--sizes`` entry:
+decode (``decode_rule="running"``), the KV cache's rolling window of ``--window-frames`` latent frames (default: the
+training clip's minus a chunk, as ``benchmarks/streaming.py``), ``--groups`` videos in flight, per ``--sizes`` entry:
 
 * ``1gpu``: ``StreamingGenerator(cuda_graphs=True)`` (graphed passes, graphed decode overlapped on a side stream),
   the videos one after another: the one-GPU ``--streaming`` run;
@@ -15,7 +16,7 @@ decode (``decode_rule="running"``), ``--groups`` videos in flight, per ``--sizes
   ``--host-copies`` entry (``Lanes(host_copies=...)``: ``shared``, the chunks' copies to the host on the peer-copy
   streams, or ``own``, on a stream of their own per GPU), a variant of each of those.
 
-Reported per size: frames/s end to end (median of ``--repeats`` after a warm-up run), the speed-up, bit-identity
+Reported per size: peak GPU memory per device, frames/s end to end (median of ``--repeats`` after a warm-up run), the speed-up, bit-identity
 (max |diff| of every chunk's latents and uint8 frames against the one-GPU run), the busy fraction per GPU (CUDA events
 per task, one profiled run), the decode placement and the plan's simulated busy fractions, and the chunk latency
 (time between consecutive chunks handed out: first, median and worst of the later ones; the pipeline's from the
@@ -33,7 +34,7 @@ import time
 
 import torch
 
-from benchmarks.streaming import REAL_VAE, random_sampler
+from benchmarks.streaming import REAL_VAE, random_sampler, training_clip
 from opensora.config import load_config
 from opensora.inference.pipeline_parallel.cli import auto_split
 from opensora.inference.pipeline_parallel.decoders import ChunkDecoders
@@ -83,10 +84,11 @@ def one_size(
     say,
     decode_streams=("side",),
     contention=None,
-    host_copies=("shared",),
+    host_copies=("own",),
+    window_frames=None,
 ) -> dict:
     height, width = size
-    gen = StreamingGenerator(sampler, step_list=STEP_LIST, cuda_graphs=True)
+    gen = StreamingGenerator(sampler, step_list=STEP_LIST, cuda_graphs=True, window_frames=window_frames)
     prompts = [[f"a red circle moving left, video {g}"] for g in range(n_groups)]
     seeds = [[100 + g] for g in range(n_groups)]
 
@@ -97,6 +99,8 @@ def one_size(
         return outs
 
     times_1, refs = [], None
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
     for i in range(repeats + 1):
         _sync(devices)
         t0 = time.perf_counter()
@@ -111,9 +115,13 @@ def one_size(
         runs_s=times_1,
         latency=_latency([c.seconds for c in outs[0]]),
         decode_graph_failures=list(gen.exact_decode.failures) if gen.exact_decode is not None else [],
+        peak_gib=torch.cuda.max_memory_allocated(devices[0]) / 2**30,
     )
     one["frames_per_s"] = pixel_frames / one["seconds"]
-    say(f"  1gpu: {one['frames_per_s']:.1f} frames/s ({one['seconds']:.3f} s), chunk latency {one['latency']}")
+    say(
+        f"  1gpu: {one['frames_per_s']:.1f} frames/s ({one['seconds']:.3f} s), peak {one['peak_gib']:.2f} GiB, "
+        f"chunk latency {one['latency']}"
+    )
 
     latent = sampler.latent_size(frames, height, width)
     latent_size = (sampler.vae.latent_channels, *latent)
@@ -137,6 +145,7 @@ def one_size(
     row = dict(
         size=f"{height}x{width}",
         frames=frames,
+        window_frames=gen.window_frames,
         videos=n_groups,
         latent=list(latent_size),
         num_chunks=variants[0]["num_chunks"],
@@ -157,7 +166,8 @@ def one_size(
             f"video g on GPU {v['decode_lanes']} ({v['decode_ms_per_chunk']:.1f} ms per chunk), busy GPU0/GPU1 "
             f"{v['busy']} (simulated {[round(b, 2) for b in v['simulated_busy']]}), span {v['measured_span_ms']:.0f} ms "
             f"(simulated {v['simulated_ms']:.0f} ms at contention {contention}, fitted {v['fitted_contention']}), "
-            f"max |diff| {v['max_diff']:g}, chunk latency {v['latency_video0']}"
+            f"max |diff| {v['max_diff']:g}, peak GiB {[round(p, 2) for p in v['peak_gib']]}, "
+            f"chunk latency {v['latency_video0']}"
         )
     return row  # the graphs and decoders of this size go with the frame
 
@@ -188,6 +198,8 @@ def two_gpu_variant(
         refill=True,
         rollout=gen.rollout,
         context_time=gen.context_time,
+        window_frames=gen.window_frames,
+        sink_frames=gen.sink_frames,
         make_decoder=decoders,
         decode_stream=decode_stream,
     )
@@ -226,6 +238,8 @@ def two_gpu_variant(
         return result, sim, stages.plan
 
     times_2, results = [], []
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
     for i in range(repeats + 1):
         _sync(devices)
         t0 = time.perf_counter()
@@ -234,6 +248,7 @@ def two_gpu_variant(
         if i:
             times_2.append(time.perf_counter() - t0)
         results.append(result)
+    peak_gib = [torch.cuda.max_memory_allocated(d) / 2**30 for d in devices]
     profiled, sim, plan = two_gpu(profile=True)
     results.append(profiled)
     diff = 0.0
@@ -276,7 +291,21 @@ def two_gpu_variant(
         passes=report["calibration"]["measured"],
         max_diff=diff,
         runs_checked=len(results),
+        peak_gib=peak_gib,
     )
+
+
+def rolling_window(args, cfg, sampler):
+    """The KV cache's rolling window in latent frames: ``--window-frames`` ("train": the training clip's latent
+    frames minus a chunk, as ``benchmarks/streaming.py``; "none": every frame kept, so memory and each chunk's
+    attention grow with the video)."""
+    value = str(getattr(args, "window_frames", "train"))
+    if value == "none":
+        return None
+    if value == "train":
+        frames, height, width = training_clip(cfg)
+        return sampler.latent_size(frames, height, width)[0] - sampler.model.causal_chunk_frames
+    return int(value)
 
 
 def run_real_vae(args, say) -> dict:
@@ -307,7 +336,8 @@ def run_real_vae(args, say) -> dict:
                 say,
                 getattr(args, "decode_streams", ("side",)),
                 getattr(args, "contention", None),
-                getattr(args, "host_copies", ("shared",)),
+                getattr(args, "host_copies", ("own",)),
+                rolling_window(args, cfg, sampler),
             )
         )
         torch.cuda.empty_cache()

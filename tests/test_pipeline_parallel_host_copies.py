@@ -1,6 +1,6 @@
-"""``Lanes(host_copies=...)``: where the chunks' copies to the host are queued. ``shared`` (the default) puts them on
+"""``Lanes(host_copies=...)``: where the chunks' copies to the host are queued. ``shared`` puts them on
 the peer-copy streams, where a frames copy waits for its decode and every later activation hand-off waits behind
-it; ``own`` gives them a stream of their own per GPU. Here on the CPU (streams are no-ops): the option's checks, the
+it; ``own`` (the default) gives them a stream of their own per GPU. Here on the CPU (streams are no-ops): the option's checks, the
 order the runtime queues a decode's wait for the previous frames copy in (the exact-once decode's bit-identity with
 either: ``tests/test_pipeline_parallel_decode.py``), and the benchmark's variants. The GPU side of the mechanism is
 ``tests/test_pipeline_parallel_gpu.py::test_a_frames_copy_after_a_decode_holds_back_peer_copies_only_when_shared``."""
@@ -16,10 +16,10 @@ from test_pipeline_parallel_decode_stream import two_videos_of_three_chunks
 from opensora.inference.pipeline_parallel.runtime import HOST_COPY_MODES, Lanes, run_plan
 
 
-def test_the_host_copies_option_is_checked_and_defaults_to_the_shared_copy_streams():
+def test_the_host_copies_option_is_checked_and_defaults_to_a_stream_of_its_own():
     assert HOST_COPY_MODES == ("shared", "own")
-    assert Lanes(["cpu", "cpu"]).host_copies == "shared"
-    assert Lanes(["cpu", "cpu"], host_copies="own").host_copies == "own"
+    assert Lanes(["cpu", "cpu"]).host_copies == "own"
+    assert Lanes(["cpu", "cpu"], host_copies="shared").host_copies == "shared"
     with pytest.raises(ValueError, match="host_copies"):
         Lanes(["cpu", "cpu"], host_copies="side")
 

@@ -22,7 +22,7 @@ INFERENCE_HELP = {
     "window_frames": "--streaming: latent frames the KV cache keeps (sink frames included); default: every frame",
     "pp_decode_stream": "--pp-devices: side (each GPU decodes on a stream beside its passes) or compute (in front of them)",
     "pp_host_copies": "--pp-devices: shared (chunks go to the host on the GPU-to-GPU copy streams) or own (a stream "
-    "of their own per GPU, so no hand-off waits for a decode; untimed on GPUs)",
+    "of their own per GPU, so no hand-off waits for a decode; the default)",
     "sink_frames": "--streaming: the first latent frames, kept in the cache for good when the window rolls (attention "
     "sinks); multiples of the temporal patch, <= --window-frames",
     "kv_recache": "--streaming: off | shift: when the window rolls, re-run the kept frames' keys/values against the "
