@@ -10,7 +10,9 @@
 #                                                        (new caption's accuracy in the next window); OUT/report_options.*
 # The device machine lacks colossalai / mmengine / diffusers: carry .whl (../shared/tools/device_wheels.sh train) and
 # start the call with the pip line that script prints. EXTRA: more flags for the benchmark (e.g. --seed 777;
-# EXTRA="--rope-anchor both" with eval adds the long run with the text and sinks anchored at the window's start).
+# EXTRA="--rope-anchor both" with eval adds the long run with the text and sinks anchored at the window's start;
+# EXTRA="--long-init self_forcing" trains the long-rollout student from the Self-Forcing one plus the control
+# self_forcing_more, Self-Forcing trained on for as long; "--sink-frames-variant 0" adds the long run without sinks).
 set -euo pipefail
 out=${1:?usage: gpu_long_streaming.sh OUT prep|students|eval|options}
 part=${2:?usage: gpu_long_streaming.sh OUT prep|students|eval|options}

@@ -16,6 +16,9 @@ teacher.
   python -m benchmarks.long_streaming_quality --out DIR --kv-recache both --prompt-switch
   # the long run with absolute RoPE positions and with the text + sinks anchored at the window's start, same seeds
   python -m benchmarks.long_streaming_quality --out DIR --rope-anchor both
+  # long tuning after Self-Forcing (Self-Forcing++'s order) against Self-Forcing trained on for as long (the
+  # control, self_forcing_more), and the long run again without sink frames
+  python -m benchmarks.long_streaming_quality --out DIR --long-init self_forcing --sink-frames-variant 0
 
 The teacher learns clips of the ``--motion`` rule (default ``wrap``: the shape crosses an edge and re-enters at the
 opposite one, so every window of a long clip has the caption's direction; ``bounce`` reverses at the walls), so the
@@ -34,6 +37,10 @@ new prompt, and for comparison the same switch keeping the old prompt's keys/val
 With ``--rope-anchor window|both`` the long run is (also) streamed with ``rope_anchor="window"`` (the text and the
 sink frames at the window's start in RoPE time, ``KVCache``) on the same seeds and scored the same way
 (``long_rope_window``); the training-length run never rolls the window, so it is the same either way.
+``--sink-frames-variant N`` streams the long run again with N sink frames (``long_sinks``). Every long run also
+reports ``background_by_frame`` (the mean background level of each frame), which shows where a drift starts.
+With ``--long-init self_forcing`` the long-rollout student starts from the Self-Forcing student, and a control
+(``self_forcing_more``) trains Self-Forcing on from the same student for the same minutes.
 """
 
 import argparse
@@ -49,11 +56,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 STAGES = ("teacher", "ode", "self_forcing", "long_rollout")
+# with --long-init self_forcing, the control: Self-Forcing trained on from its own student for the long-rollout
+# student's minutes (a fresh critic from the teacher, as the long-rollout run gets), so the gain of the method is
+# measured against as much more Self-Forcing, not against less training
+CONTROL = "self_forcing_more"
 CONFIGS = dict(
     teacher="configs/diffusion/train/moving_shapes_gpu.py",
     ode="configs/distill/causal_ode_gpu.py",
     self_forcing="configs/distill/self_forcing_gpu.py",
     long_rollout="configs/distill/long_rollout_gpu.py",
+    self_forcing_more="configs/distill/self_forcing_gpu.py",
 )
 # --tiny: every stage on CPU in seconds (16x16 clips of 8 frames, a 2-block MMDiT, a few steps)
 TINY_MODEL = "dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6))"
@@ -183,7 +195,7 @@ def accuracy(videos, prompts, motion) -> dict:
 def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
     """Stream the student at the training length (accuracy, speed) and at the long length (windows, flicker)."""
     from opensora.config import load_config
-    from opensora.eval.moving_shapes_windows import chunk_edge_flicker, score_windows
+    from opensora.eval.moving_shapes_windows import background_by_frame, chunk_edge_flicker, score_windows
     from opensora.inference.sampler import VideoSampler
     from opensora.inference.streaming.generator import StreamingGenerator
 
@@ -226,10 +238,11 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
             frames=long_frames,
             **score_windows(list(long), prompts, frames, motion=args.motion),
             flicker=chunk_edge_flicker(long, chunk_pixels, first_pixels),
+            background_by_frame=background_by_frame(long),
         ),
     )
 
-    def variant(name: str, value: str, plain: str) -> dict:
+    def variant(name: str, value, plain) -> dict:
         """The long run again (same seeds) with the generator's ``name`` set to ``value``, scored the same way."""
         setattr(generator, name, value)
         variant_seconds, videos = timed(lambda: stream(long_frames))
@@ -240,6 +253,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
             frames_per_s=len(prompts) * long_frames / variant_seconds,
             **score_windows(list(videos), prompts, frames, motion=args.motion),
             flicker=chunk_edge_flicker(videos, chunk_pixels, first_pixels),
+            background_by_frame=background_by_frame(videos),
             # how far the variant moved the plain run's pixels (0: it changed nothing on these seeds)
             mean_abs_diff_vs_long=float(abs(videos.astype("float32") - long.astype("float32")).mean()),
         )
@@ -249,6 +263,10 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         if args.rope_anchor == "window":
             result["long"] = anchored  # the long criteria judge the anchored run
         result["long_rope_window"] = anchored
+    if args.sink_frames_variant is not None:  # the sinks' share in what the long run does, same seeds
+        result["long_sinks"] = dict(
+            sink_frames=args.sink_frames_variant, **variant("sink_frames", args.sink_frames_variant, args.sink_frames)
+        )
     if args.kv_recache in ("shift", "both"):
         recache = variant("kv_recache", "shift", "off")
         if args.kv_recache == "shift":
@@ -379,9 +397,14 @@ def evaluate(args, checkpoints: dict) -> dict:
         long_init=args.long_init,
         teacher=teacher_scores,
     )
-    for name in ("self_forcing", "long_rollout"):
+    for name in student_names(checkpoints):
         report[name] = evaluate_student(args, name, checkpoints[name], prompts, seeds, clip, teacher_scores)
     return report
+
+
+def student_names(checkpoints_or_report) -> list:
+    """The streamed students present: Self-Forcing, long-rollout and (with --long-init self_forcing) the control."""
+    return [n for n in ("self_forcing", "long_rollout", CONTROL) if n in checkpoints_or_report]
 
 
 def print_windows(windows) -> None:
@@ -393,6 +416,12 @@ def print_windows(windows) -> None:
         )
 
 
+def print_background(levels, clip_frames: int) -> None:
+    """The background level per frame over the first two clip lengths (where the window first rolls)."""
+    shown = " ".join(f"{v:.1f}" for v in levels[: 2 * clip_frames])
+    print(f"    background by frame, 0-{min(len(levels), 2 * clip_frames) - 1}: {shown}")
+
+
 def print_report(report: dict) -> None:
     print(
         f"\nMovingShapes ({report['motion']}) on {report['device']}: {report['prompts']} prompts, clip {report['clip']}"
@@ -402,7 +431,7 @@ def print_report(report: dict) -> None:
         f"teacher          colour {t['color_acc']:.3f} shape {t['shape_acc']:.3f} direction {t['direction_acc']:.3f}"
         f" stats in range {t['stats_in_range']:.3f}"
     )
-    for name in ("self_forcing", "long_rollout"):
+    for name in student_names(report):
         s = report[name]
         print(
             f"{name:<16} colour {s['color_acc']:.3f} shape {s['shape_acc']:.3f} direction {s['direction_acc']:.3f}"
@@ -410,7 +439,13 @@ def print_report(report: dict) -> None:
         )
         print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}:")
         print_windows(s["long"]["windows"])
+        print_background(s["long"]["background_by_frame"], report["clip"][0])
         print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
+        if "long_sinks" in s:
+            r = s["long_sinks"]
+            print(f"  --sink-frames {r['sink_frames']}, same seeds, windows:")
+            print_windows(r["windows"])
+            print_background(r["background_by_frame"], report["clip"][0])
         if "long_kv_recache" in s:
             r = s["long_kv_recache"]
             print(
@@ -423,6 +458,7 @@ def print_report(report: dict) -> None:
             r = s["long_rope_window"]
             print("  --rope-anchor window, same seeds, windows:")
             print_windows(r["windows"])
+            print_background(r["background_by_frame"], report["clip"][0])
             print(
                 f"  --rope-anchor window: worst window colour {r['color_window_min']:.3f} shape "
                 f"{r['shape_window_min']:.3f} direction {r['direction_window_min']} stats {r['stats_window_min']:.3f};"
@@ -455,12 +491,20 @@ def parse_args(argv=None):
         choices=("ode", "self_forcing"),
         default="ode",
         help="the long-rollout student starts from the causal init (as Self-Forcing) or from the Self-Forcing student "
-        "(long tuning after it, Self-Forcing++'s order; compare then with Self-Forcing trained for the sum)",
+        "(long tuning after it, Self-Forcing++'s order), which also trains and scores the control self_forcing_more: "
+        "Self-Forcing trained on from its student for as long",
     )
     parser.add_argument("--stop-after", choices=STAGES, default=None, help="end after this stage (calls under 10 min)")
     parser.add_argument("--long-multiple", type=int, default=8)
     parser.add_argument("--window-frames", type=int, default=None, help="cache window (latent frames); clip - chunk")
     parser.add_argument("--sink-frames", type=int, default=2)
+    parser.add_argument(
+        "--sink-frames-variant",
+        type=int,
+        default=None,
+        help="stream the long run again with this many sink frames (e.g. 0), same seeds, scored the same way "
+        "(report key long_sinks)",
+    )
     parser.add_argument(
         "--kv-recache",
         choices=("off", "shift", "both"),
@@ -521,6 +565,9 @@ def main(argv=None) -> dict:
         start = checkpoints["self_forcing"] if name == "long_rollout" and args.long_init == "self_forcing" else None
         inits = dict(student=start or checkpoints["ode"], teacher=teacher, critic=teacher)
         checkpoints[name] = train(args, name, args.student_minutes, inits)
+        if name == "long_rollout" and args.long_init == "self_forcing":
+            more = dict(student=checkpoints["self_forcing"], teacher=teacher, critic=teacher)
+            checkpoints[CONTROL] = train(args, CONTROL, args.student_minutes, more)
         if args.stop_after == name:
             return {}
     report = evaluate(args, checkpoints)

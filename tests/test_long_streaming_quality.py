@@ -29,7 +29,7 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
     bench = _benchmark()
     out = tmp_path / "run"
     # the streaming options' variants, scored the same way
-    flags = ["--kv-recache", "both", "--prompt-switch", "--rope-anchor", "both"]
+    flags = ["--kv-recache", "both", "--prompt-switch", "--rope-anchor", "both", "--sink-frames-variant", "0"]
     report = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--launcher", "in-process", *flags])
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
     assert report["motion"] == "wrap" and report["clip"] == [8, 16, 16] and report["prompts"] == 4
@@ -46,6 +46,10 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
         anchored = student["long_rope_window"]  # the same seeds with the text and sinks at the window's start
         assert anchored["frames"] == 24 and [w["start_frame"] for w in anchored["windows"]] == [0, 8, 16]
         assert anchored["windows"][0] == long["windows"][0]  # the first window streams before the cache rolls
+        assert len(long["background_by_frame"]) == 24 and len(anchored["background_by_frame"]) == 24
+        sinkless = student["long_sinks"]  # the same seeds without sink frames
+        assert sinkless["sink_frames"] == 0 and [w["start_frame"] for w in sinkless["windows"]] == [0, 8, 16]
+        assert sinkless["windows"][0] == long["windows"][0]  # sinks only matter once the window rolls
         recache = student["long_kv_recache"]
         assert recache["frames"] == 24 and [w["start_frame"] for w in recache["windows"]] == [0, 8, 16]
         switch = student["switch"]
@@ -65,6 +69,28 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
     printed = capsys.readouterr().out
     assert all(f"== {name}: reusing" in printed for name in bench.STAGES)
     assert all(bench.last_checkpoint(out / name) == path for name, path in stages.items())
+
+
+def test_long_tuning_after_self_forcing_is_compared_with_as_much_more_self_forcing(tmp_path, capsys):
+    """--long-init self_forcing: the long-rollout student and the control (Self-Forcing trained on from its own
+    student, for the same budget) both start from the Self-Forcing checkpoint, and all three students are scored."""
+    bench = _benchmark()
+    out = tmp_path / "run"
+    report = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--launcher", "in-process", "--long-init",
+                         "self_forcing"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert report["long_init"] == "self_forcing"
+    assert bench.student_names(report) == ["self_forcing", "long_rollout", bench.CONTROL]
+    start = str(bench.last_checkpoint(out / "self_forcing"))
+    for name in ("long_rollout", bench.CONTROL):
+        assert report[name]["ckpt"] == str(bench.last_checkpoint(out / name))
+        assert report[name]["training"]["steps"] == 2 and report[name]["long"]["frames"] == 24
+        init = (out / "configs" / f"{name}.py").read_text()
+        assert ("LongRollout" not in init) and (
+            "long_rollout_gpu.py" if name == "long_rollout" else "self_forcing_gpu.py"
+        ) in init
+        command = next(line for line in printed.splitlines() if line.startswith(f"== {name}: "))
+        assert f"--models.student.init_from.path {start} " in command
 
 
 @pytest.mark.parametrize("motion", ["bounce", "wrap"])

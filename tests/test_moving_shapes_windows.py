@@ -11,6 +11,7 @@ import pytest
 
 from opensora.datasets import moving_shapes as ms
 from opensora.eval.moving_shapes_windows import (
+    background_by_frame,
     bounce_step_directions,
     score_windows,
     stats_in_range,
@@ -155,6 +156,17 @@ def test_frame_statistics_catch_a_darkening_background_and_a_changed_shape_for_e
     linear = [ms.render_video(replace(m, dx=m.dx * scale, dy=m.dy * scale), SIZE, SIZE, 4 * FRAMES) for m in motions]
     out = score_windows(linear, prompts, WINDOW, motion="linear")
     assert out["windows"][0]["stats_in_range"] == 1.0 and out["windows"][-1]["stats_in_range"] < 0.5
+
+
+def test_background_by_frame_is_the_rendered_level_and_shows_where_a_darkening_starts():
+    """Ground truth sits at the generator's background in every frame; darkening every clip by 10 grey levels from
+    frame 20 on moves exactly frames 20 and later, by 10."""
+    _, videos, _ = long_clips("bounce")
+    levels = background_by_frame(videos)
+    assert len(levels) == LONG and levels == [float(ms.BACKGROUND[0])] * LONG
+    darker = [np.concatenate([v[:20], (v[20:].astype(int) - 10).clip(0, 255).astype(np.uint8)]) for v in videos]
+    shifted = background_by_frame(darker)
+    assert shifted[:20] == levels[:20] and shifted[20:] == [float(ms.BACKGROUND[0]) - 10] * (LONG - 20)
 
 
 def test_a_prompt_switch_is_scored_against_the_caption_in_force():

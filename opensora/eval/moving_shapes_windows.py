@@ -264,6 +264,13 @@ def summarise_windows(windows: Sequence[dict]) -> dict:
     return out
 
 
+def background_by_frame(videos: Sequence[np.ndarray]) -> List[float]:
+    """Per frame, the mean over the videos (uint8 [T, H, W, 3], equal lengths) of the background level (median grey
+    level, as ``frame_stats``): where along a long stream the background moves, e.g. at the cache window's first roll."""
+    grey = np.stack([np.asarray(v, dtype=np.float32).mean(axis=-1) for v in videos])  # [N, T, H, W]
+    return [float(level) for level in np.median(grey.reshape(*grey.shape[:2], -1), axis=-1).mean(axis=0)]
+
+
 # ---- flicker at chunk edges ----------------------------------------------------------------------------------------
 def chunk_edge_flicker(videos: np.ndarray, chunk_pixel_frames: int, first_chunk_pixel_frames: int) -> dict:
     """Mean |frame[f+1] - frame[f]| across chunk edges vs inside chunks of streamed uint8 videos [B, T, H, W, 3]:
@@ -282,6 +289,7 @@ def chunk_edge_flicker(videos: np.ndarray, chunk_pixel_frames: int, first_chunk_
 
 
 __all__ = [
+    "background_by_frame",
     "chunk_edge_flicker",
     "frame_stats",
     "stats_range",
