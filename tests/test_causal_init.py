@@ -146,3 +146,54 @@ def test_independent_chunk_times_take_each_chunk_from_its_own_trajectory_state()
         make_ode_init(num_frames_per_chunk=2)  # a bidirectional student
     loss_map, _, grad_norms = trainer_like_step(method, roles, tiny_batch(2), 0)
     assert torch.isfinite(loss_map["total_loss"]) and grad_norms["student"] > 0
+
+
+@pytest.mark.parametrize("target", ["x0", "velocity"])
+def test_clean_context_prefixes_hold_the_teacher_sample_at_t0_and_leave_the_loss(target):
+    """``clean_context_prob=1``: every sample's first c chunks (1 <= c < num_chunks) are the teacher's final sample
+    at t = 0, as the streaming cache holds them; the loss is the mean squared error over the other chunks' frames
+    only, computed here by hand from the student's own velocity."""
+    from test_methods_framework import tiny_batch
+
+    method, roles = make_ode_init(causal_chunk_frames=1, num_frames_per_chunk=1, clean_context_prob=1.0, target=target)
+    torch.manual_seed(5)  # the train step below prepares the batch and draws the pairs in this order
+    x_t, t, final, used, index = method.ode_pairs(method.adapter.prepare_batch(tiny_batch(2)))
+    chunks = index.shape[1]
+    assert chunks == 4
+    for b in range(2):
+        clean = int((index[b] == len(STEPS)).sum())
+        assert 1 <= clean < chunks and bool((index[b, :clean] == len(STEPS)).all())  # a prefix, never all
+        assert bool((t[b, :clean] == 0).all()) and bool((t[b, clean:] > 0).all())
+        torch.testing.assert_close(x_t[b, :, :clean], final[b, :, :clean], rtol=0, atol=0)
+    torch.manual_seed(5)
+    loss_map, _ = method.single_train_step(tiny_batch(2), 0)
+    velocity = method.adapter.predict_velocity(roles["student"], x_t.float(), t, used)
+    t_frames = method.frame_times(t.float(), x_t)
+    scored = (t_frames > 0).expand_as(x_t)
+    if target == "x0":
+        error = x_t - t_frames * velocity - final
+    else:
+        error = velocity - (x_t - final) / torch.where(t_frames > 0, t_frames, torch.ones_like(t_frames))
+    expected = error[scored].square().mean()
+    torch.testing.assert_close(loss_map["total_loss"], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_clean_context_off_keeps_every_chunk_noisy_and_bad_values_are_refused():
+    """The default (0) leaves the pairs as before (no chunk at t = 0, the plain mean squared error); a probability
+    outside [0, 1] or a student without chunks is refused."""
+    import torch.nn.functional as F
+    from test_methods_framework import tiny_batch
+
+    plain, roles = make_ode_init(causal_chunk_frames=1, num_frames_per_chunk=1)
+    torch.manual_seed(8)
+    x_t, t, final, used, index = plain.ode_pairs(plain.adapter.prepare_batch(tiny_batch(2)))
+    assert bool((index < len(STEPS)).all()) and bool((t > 0).all())
+    torch.manual_seed(8)
+    loss_map, _ = plain.single_train_step(tiny_batch(2), 0)
+    velocity = plain.adapter.predict_velocity(roles["student"], x_t.float(), t, used)
+    expected = F.mse_loss(x_t - plain.frame_times(t.float(), x_t) * velocity, final)
+    torch.testing.assert_close(loss_map["total_loss"], expected, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="clean_context_prob"):
+        make_ode_init(causal_chunk_frames=1, num_frames_per_chunk=1, clean_context_prob=1.5)
+    with pytest.raises(ValueError, match="clean_context_prob"):
+        make_ode_init(clean_context_prob=0.5)  # a bidirectional student has no chunks

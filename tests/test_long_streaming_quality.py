@@ -91,6 +91,19 @@ def test_long_tuning_after_self_forcing_is_compared_with_as_much_more_self_forci
         ) in init
         command = next(line for line in printed.splitlines() if line.startswith(f"== {name}: "))
         assert f"--models.student.init_from.path {start} " in command
+    # benchmarks.streaming_drift on these runs: per-frame background over 2x the clip, accuracy over the first clip
+    from benchmarks.streaming_drift import main as drift
+
+    runs = [str(out / "ode"), str(out / "self_forcing")]
+    config = str(out / "configs" / "self_forcing.py")
+    result = drift(
+        ["--config", config, "--runs", *runs, "--prompts", "3", "--frames", "16", "--out", str(tmp_path / "d.json")]
+    )
+    assert json.loads((tmp_path / "d.json").read_text()) == json.loads(json.dumps(result))
+    for run in runs:
+        row = result["runs"][run]
+        assert len(row["background_by_frame"]) == 16 and row["window_frames"] == report["self_forcing"]["window_frames"]
+        assert set(row["clip_scores"]) == {"color_acc", "shape_acc", "direction_acc", "stats_in_range"}
 
 
 @pytest.mark.parametrize("motion", ["bounce", "wrap"])

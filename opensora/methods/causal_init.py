@@ -23,7 +23,11 @@ One iteration:
    (``target="velocity"``). Both have the same minimiser; the x0 loss weights all steps equally in x0 space.
    Independent chunk times teach the student to denoise a chunk whatever the noise level of its context
    (CausVid's recipe); the clean (t = 0) context that streaming inference puts in the KV cache never appears
-   here -- that train/test gap is what Self-Forcing closes.
+   here -- that train/test gap is what Self-Forcing closes. ``clean_context_prob`` narrows it already here: with
+   that probability a sample's first ``c`` chunks (``c`` uniform in 1 .. num_chunks - 1) are the teacher's final
+   sample at t = 0, as the streaming cache holds them, and only the later chunks count in the loss. Without it
+   a streamed ODE-init student drifts chunk by chunk (on the CPU demo its background darkens by ~8 grey levels a
+   frame), because every context it streams with is clean.
 
 Pairs: ``pairs="regenerate"`` (default) integrates a fresh trajectory per micro-step from the global torch RNG
 (seeded per data-parallel rank by the trainer and restored on resume, so resuming is exact). ``pairs="cache"``
@@ -79,6 +83,7 @@ class CausalODEInit(TrainingMethod):
         num_cached_pairs: int = 64,
         pair_seed: int = 1234,
         chunk_timesteps: str = "independent",
+        clean_context_prob: float = 0.0,
         adapter: Optional[Mapping] = None,
     ):
         super().__init__(roles, components)
@@ -107,6 +112,11 @@ class CausalODEInit(TrainingMethod):
             )
         # a bidirectional student (no num_frames_per_chunk) has no chunks: one time per sample
         self.chunk_timesteps = "shared" if self.num_frames_per_chunk is None else chunk_timesteps
+        if not 0.0 <= float(clean_context_prob) <= 1.0:
+            raise ValueError(f"CausalODEInit: clean_context_prob must be in [0, 1], got {clean_context_prob}")
+        if clean_context_prob and self.chunk_timesteps != "independent":
+            raise ValueError("CausalODEInit: clean_context_prob needs a causal student with independent chunk times")
+        self.clean_context_prob = float(clean_context_prob)
         self.step_times = timesteps_from_list(step_list)  # with the final 0
         self.num_student_steps = len(self.step_times) - 1
         self.teacher_num_steps = int(teacher_num_steps)
@@ -218,8 +228,24 @@ class CausalODEInit(TrainingMethod):
             rows = torch.arange(b, device=device)[:, None]
             frames = torch.arange(num_frames, device=device)[None, :]
             x_t = per_frame[rows, frames, frame_index].permute(0, 2, 1, 3, 4)  # [B, C, T, H, W]
+        if self.clean_context_prob:
+            index = self.clean_prefixes(index)
+            clean = self.frame_times(index == self.num_student_steps, x_t).to(device)  # [B, 1, T, 1, 1]
+            x_t = torch.where(clean, final.to(x_t.dtype), x_t)
         t = self.step_times[index].to(device)
         return x_t, t, final, batch, index
+
+    def clean_prefixes(self, index: torch.Tensor) -> torch.Tensor:
+        """``index`` [B, num_chunks] with, for a ``clean_context_prob`` share of the samples, the first ``c``
+        chunks (``c`` uniform in 1 .. num_chunks - 1) set to the final step (t = 0: the clean sample, as the
+        streaming cache holds the chunks before the one being denoised); global torch RNG."""
+        b, chunks = index.shape
+        if chunks < 2:
+            return index
+        chosen = torch.rand(b) < self.clean_context_prob
+        lengths = torch.randint(1, chunks, (b,)) * chosen  # 0: no clean prefix
+        prefix = torch.arange(chunks)[None, :] < lengths[:, None]
+        return torch.where(prefix, torch.full_like(index, self.num_student_steps), index)
 
     def frame_times(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``t`` [B] or [B, num_chunks] as a tensor broadcasting over ``like`` [B, C, T, H, W] frame by frame."""
@@ -235,10 +261,18 @@ class CausalODEInit(TrainingMethod):
         # its own time). The flow-matching relations, frame by frame: x0 = x_t - t v, v = (x_t - x0) / t
         velocity = self.adapter.predict_velocity(self.student, x_t, t, batch_used)
         t_frames = self.frame_times(t.float(), x_t)
-        if self.target == "x0":
-            loss = F.mse_loss(x_t - t_frames * velocity, x0_teacher)
-        else:
-            loss = F.mse_loss(velocity, (x_t - x0_teacher) / t_frames)
+        if not self.clean_context_prob:
+            if self.target == "x0":
+                loss = F.mse_loss(x_t - t_frames * velocity, x0_teacher)
+            else:
+                loss = F.mse_loss(velocity, (x_t - x0_teacher) / t_frames)
+        else:  # the clean prefix chunks are context only: no loss (nothing to denoise, and t = 0 in the target)
+            scored = (t_frames > 0).expand_as(x_t)
+            if self.target == "x0":
+                error = x_t - t_frames * velocity - x0_teacher
+            else:
+                error = velocity - (x_t - x0_teacher) / t_frames.clamp_min(1e-12)
+            loss = error.square().masked_select(scored).mean()
 
         teacher_passes = self.last_teacher_passes if self.pairs == "regenerate" else 0
         pass_flops = self.adapter.forward_flops(self.student, prepared)
