@@ -93,7 +93,7 @@ def stage_config(args, stage: str) -> Path:
             tiny_roles = ", ".join(f"{r}=dict(model={TINY_MODEL}, precision='fp32')" for r in roles)
             lines.append(f"models = dict({tiny_roles})")
             if stage == "ode":
-                lines.append("method = dict(teacher_num_steps=4)")
+                lines.append("method = dict(teacher_num_steps=4, num_cached_pairs=8)")
             if stage == "long_rollout":
                 lines.append("window_frames = 6\nmethod = dict(kv_window_frames=6, rollout_multiple=3)")
     path = Path(args.out) / "configs" / f"{stage}.py"
