@@ -194,7 +194,7 @@ class PipelineOptions(_Options):
     pp_split: str = "auto"  # auto | N: index of the last block on the first GPU
     pp_decode_stream: str = "side"  # side: each GPU decodes on a stream beside its passes | compute: in front of them
     # own: the chunks' copies to the host on a stream of their own per GPU | shared: on the copy streams the
-    # GPU-to-GPU hand-offs use, where each hand-off then waits for the last decode (1.80x vs own's 1.85x, 2x H200)
+    # GPU-to-GPU hand-offs use, where each hand-off then waits for the last decode (1.38-1.80x vs 1.85x, 2x H200)
     pp_host_copies: str = "own"
     pp_cfg_rows: bool = (
         True  # CFG passes as rows of one batch (bit-identical to one GPU's streaming); False: micro-batches

@@ -46,8 +46,8 @@ class Lanes:
     the end of its decode), and a peer copy waits for everything queued on the source's and the destination's
     copy streams (PyTorch's cross-device barrier), so every activation hand-off issued after a decode waits until
     the decode is done, on both GPUs. ``"own"`` (the default): a host-copy stream per device that no pull touches;
-    measured on 2x H200 (480x832, real VAE) at 1.85x one GPU against 1.80x shared (decode on the side stream)
-    and 1.72x against 1.40x (decode on the compute stream).
+    measured on 2x H200 (480x832, real VAE) at 1.85x one GPU in two calls against 1.38-1.80x shared (decode on
+    the side stream), and 1.72x against 1.40x (decode on the compute stream).
     """
 
     def __init__(self, devices: Sequence[Any], profile: bool = False, host_copies: str = "own"):
