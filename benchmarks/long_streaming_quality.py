@@ -194,6 +194,7 @@ def accuracy(videos, prompts, motion) -> dict:
 
 def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
     """Stream the student at the training length (accuracy, speed) and at the long length (windows, flicker)."""
+    from benchmarks.streaming import clip_window
     from opensora.config import load_config
     from opensora.eval.moving_shapes_windows import background_by_frame, chunk_edge_flicker, score_windows
     from opensora.inference.sampler import VideoSampler
@@ -203,8 +204,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
     sampler = VideoSampler.from_config(cfg, ckpt, role="student", device=args.device, progress=False)
     frames, height, width = clip
     chunk = sampler.model.causal_chunk_frames
-    latent_frames = sampler.latent_size(frames, height, width)[0]
-    window = args.window_frames if args.window_frames is not None else latent_frames - chunk
+    window = args.window_frames if args.window_frames is not None else clip_window(sampler, frames, height, width)
     generator = StreamingGenerator(
         sampler,
         step_list=list(cfg.step_list),

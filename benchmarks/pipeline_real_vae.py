@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from benchmarks.streaming import REAL_VAE, random_sampler, training_clip
+from benchmarks.streaming import REAL_VAE, clip_window, random_sampler, training_clip
 from opensora.config import load_config
 from opensora.inference.pipeline_parallel.cli import auto_split
 from opensora.inference.pipeline_parallel.decoders import ChunkDecoders
@@ -303,8 +303,7 @@ def rolling_window(args, cfg, sampler):
     if value == "none":
         return None
     if value == "train":
-        frames, height, width = training_clip(cfg)
-        return sampler.latent_size(frames, height, width)[0] - sampler.model.causal_chunk_frames
+        return clip_window(sampler, *training_clip(cfg))
     return int(value)
 
 

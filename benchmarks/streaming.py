@@ -81,6 +81,12 @@ def training_clip(cfg):
     return int(next(iter(cfg.bucket_config[size]))), height, width
 
 
+def clip_window(sampler, frames: int, height: int, width: int) -> int:
+    """The rolling KV window streaming benchmarks use by default: the training clip's latent frames minus one chunk,
+    so the chunk being made attends to as many frames as the last chunk of a training clip."""
+    return sampler.latent_size(frames, height, width)[0] - sampler.model.causal_chunk_frames
+
+
 def stream_once(generator, prompts, seeds, size):
     """One streamed generation: (uint8 video [B, T, H, W, 3], chunk records)."""
     frames, chunks = [], []
@@ -273,7 +279,7 @@ def run_speed(args) -> dict:
         every_text_token_valid(sampler)
     model = sampler.model
     train_latent = sampler.latent_size(frames, height, width)[0]
-    window = args.window_frames if args.window_frames is not None else train_latent - args.chunk_frames
+    window = args.window_frames if args.window_frames is not None else clip_window(sampler, frames, height, width)
     prompts = ["a red circle moving left"] * args.batch
     seeds = list(range(args.batch))
     vae = sampler.vae
@@ -592,9 +598,10 @@ def run_quality(args) -> dict:
     # the student config's sampling keys (those of scripts/diffusion/inference.py), unless given here
     step_list = args.step_list or student_cfg.get("step_list")
     chunk = student.model.causal_chunk_frames
-    train_latent = student.latent_size(frames, height, width)[0]
     window = next(
-        w for w in (args.window_frames, student_cfg.get("window_frames"), train_latent - chunk) if w is not None
+        w
+        for w in (args.window_frames, student_cfg.get("window_frames"), clip_window(student, frames, height, width))
+        if w is not None
     )
     sinks = args.sink_frames if args.sink_frames is not None else int(student_cfg.get("sink_frames") or 0)
     rollout = args.rollout or student_cfg.get("rollout", "renoise")

@@ -25,6 +25,7 @@ def stream_run(run_dir, cfg, prompts, seeds, frames, size, window, sinks, device
     ``window``: latent frames, None (every frame) or "clip" (the clip's latent frames minus one chunk)."""
     import torch
 
+    from benchmarks.streaming import clip_window
     from opensora.checkpoint_layout import find_latest_checkpoint
     from opensora.eval.moving_shapes_windows import background_by_frame, score_windows
     from opensora.inference.sampler import VideoSampler
@@ -36,7 +37,7 @@ def stream_run(run_dir, cfg, prompts, seeds, frames, size, window, sinks, device
     sampler = VideoSampler.from_config(cfg, ckpt, role="student", device=device, progress=False)
     clip, height, width = size
     if window == "clip":
-        window = sampler.latent_size(clip, height, width)[0] - sampler.model.causal_chunk_frames
+        window = clip_window(sampler, clip, height, width)
     generator = StreamingGenerator(
         sampler,
         step_list=list(cfg.step_list),

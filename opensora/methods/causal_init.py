@@ -261,18 +261,14 @@ class CausalODEInit(TrainingMethod):
         # its own time). The flow-matching relations, frame by frame: x0 = x_t - t v, v = (x_t - x0) / t
         velocity = self.adapter.predict_velocity(self.student, x_t, t, batch_used)
         t_frames = self.frame_times(t.float(), x_t)
-        if not self.clean_context_prob:
-            if self.target == "x0":
-                loss = F.mse_loss(x_t - t_frames * velocity, x0_teacher)
-            else:
-                loss = F.mse_loss(velocity, (x_t - x0_teacher) / t_frames)
-        else:  # the clean prefix chunks are context only: no loss (nothing to denoise, and t = 0 in the target)
+        if self.target == "x0":
+            prediction, target = x_t - t_frames * velocity, x0_teacher
+        else:  # t > 0 wherever the loss looks (the clamp only keeps the masked clean chunks finite)
+            prediction, target = velocity, (x_t - x0_teacher) / t_frames.clamp_min(1e-12)
+        if self.clean_context_prob:  # the clean prefix chunks are context only: nothing to denoise, no loss
             scored = (t_frames > 0).expand_as(x_t)
-            if self.target == "x0":
-                error = x_t - t_frames * velocity - x0_teacher
-            else:
-                error = velocity - (x_t - x0_teacher) / t_frames.clamp_min(1e-12)
-            loss = error.square().masked_select(scored).mean()
+            prediction, target = prediction.masked_select(scored), target.masked_select(scored)
+        loss = F.mse_loss(prediction, target)
 
         teacher_passes = self.last_teacher_passes if self.pairs == "regenerate" else 0
         pass_flops = self.adapter.forward_flops(self.student, prepared)
