@@ -220,12 +220,16 @@ def run_speed(args) -> dict:
     result["decode_ms"] = {name: spread(t) for name, t in times.items()}
     # options of the graphed exact decode, one at a time (each holds its own graph pool), each next to the default
     options = {
+        "direct-upsample": dict(upsample="direct"),  # the default runs the upsamplers' convs by phase
+        "sdpa-attention": dict(attention_kernel="sdpa"),  # the default on the GPU is fp32-scores
+        "cudnn-benchmark": dict(cudnn_benchmark=True),
         "contiguous-layout": dict(channels_last=False),  # the default on the GPU is channels-last
-        "fp32-scores-attention": dict(attention_kernel="fp32-scores"),
         "attention-window-2": dict(attention_window=2),
     }
     result["options"] = {}
     for name, option in options.items():
+        option = dict(option)
+        torch.backends.cudnn.benchmark = option.pop("cudnn_benchmark", False)  # set while capturing: algorithms fixed
         other = ExactChunkDecode(vae, graphs=True, postprocess=uint8_frames_on_device, **option)
         diffs = []
         for i in range(args.chunks):
@@ -237,6 +241,7 @@ def run_speed(args) -> dict:
             {k: spread(v) for k, v in pair.items()}, max_abs_diff_vs_default_per_chunk=diffs, failures=other.failures
         )
         other = None  # frees its graph pool before the next option
+        torch.backends.cudnn.benchmark = False
         torch.cuda.empty_cache()
     for name, s in result["decode_ms"].items():
         print(f"{name:<40} median {s['median_ms']:8.2f} ms  (min {s['min_ms']:.2f}, max {s['max_ms']:.2f})")
@@ -250,11 +255,47 @@ def run_speed(args) -> dict:
     eager(later, first=False)
     result["exact_eager_chunk_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     result["graph_pool_reserved_mib"] = torch.cuda.memory_reserved() / 2**20
-    result["exact_eager_top_kernels"] = top_kernels(lambda: eager(later, first=False), count=12)
+    result["exact_eager_top_kernels"] = top_kernels(lambda: eager(later, first=False), count=40)
+    result["exact_eager_kernel_categories_ms"] = kernel_categories(result["exact_eager_top_kernels"])
     result["diffusers_eager_top_kernels"] = top_kernels(lambda: plain.decode(chunk), count=8)
-    for row in result["exact_eager_top_kernels"]:
+    for row in result["exact_eager_top_kernels"][:16]:
         print(f"  {row['ms']:8.2f} ms  x{row['calls']:<4} {row['kernel']}")
+    print("kernel categories (ms):", result["exact_eager_kernel_categories_ms"])
+    for name, options in (("phase", {}), ("direct", dict(upsample="direct"))):
+        flops = conv_flops(ExactChunkDecode(vae, graphs=False, **options), stream, args.chunk)
+        result[f"conv_tflop_later_chunk_{name}_upsample"] = flops / 1e12
+        print(f"conv TFLOP of a later chunk, {name} upsampling: {flops / 1e12:.1f}")
     return result
+
+
+def kernel_categories(rows: list) -> dict:
+    """GPU ms of a profile's kernels by kind (convolutions, attention, norms, copies, other)."""
+    kinds = {
+        "conv": ("xmma_fprop", "implicit_gemm", "conv", "cudnn"),
+        "attention": ("fmha", "attention", "softmax", "nvjet", "gemm", "cutlass"),
+        "norm": ("_normalize", "_block_moments", "group_norm"),
+        "copy": ("copy", "elementwise", "_upsample", "cat"),
+    }
+    totals = dict.fromkeys([*kinds, "other"], 0.0)
+    for row in rows:
+        name = row["kernel"].lower()
+        kind = next((k for k, words in kinds.items() if any(w in name for w in words)), "other")
+        totals[kind] += row["ms"]
+    return {k: round(v, 2) for k, v in totals.items()}
+
+
+def conv_flops(decoder: ExactChunkDecode, stream: torch.Tensor, chunk: int) -> float:
+    """FLOPs of the convolutions in one later-chunk decode (torch's FLOP counter: 2 x MACs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for i in range(2):  # a clip in progress: the second chunk is a later chunk
+        part = stream[:, :, i * chunk : (i + 1) * chunk]
+        if i == 0:
+            decoder(part, first=True)
+            continue
+        with FlopCounterMode(display=False) as counter:
+            decoder(part, first=False)
+    return float(sum(v for op, v in counter.get_flop_counts()["Global"].items() if "conv" in str(op)))
 
 
 def main(argv=None):

@@ -13,6 +13,7 @@ from opensora.models.vae import HunyuanVideoVAE
 from opensora.models.vae.conv_cache import CausalConvCache
 from opensora.models.vae.exact_chunk_decode import ExactChunkDecode, exact_chunk_decode
 from opensora.models.vae.fused_group_norm import fused_group_norm
+from opensora.models.vae.phase_upsample import PhaseUpsampleConv, axis_phases
 from opensora.models.vae.streaming_decode import NormStatistics, StreamingDecoder, whole_clip_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -41,12 +42,18 @@ def latents(frames, seed=0):
     return torch.randn(1, 4, frames, 4, 6, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("chunk, channels_last", [(1, False), (2, False), (3, False), (2, True)])
-def test_chunked_causal_convs_equal_the_whole_clip_with_its_statistics(vae, chunk, channels_last):
+@pytest.mark.parametrize(
+    "chunk, channels_last, upsample",
+    [(1, False, "phase"), (2, False, "phase"), (3, False, "phase"), (2, True, "phase"), (1, False, "direct"),
+     (2, True, "direct"), (3, False, "direct")],
+)  # fmt: skip
+def test_chunked_causal_convs_equal_the_whole_clip_with_its_statistics(vae, chunk, channels_last, upsample):
     z = latents(7)
     ref = whole_clip(vae, z)
     stats = whole_clip_stats(vae, z)
-    decoder = StreamingDecoder(vae, "fixed", attention_window=7, fixed_stats=stats, channels_last=channels_last)
+    decoder = StreamingDecoder(
+        vae, "fixed", attention_window=7, fixed_stats=stats, channels_last=channels_last, upsample=upsample
+    )
     with torch.no_grad():
         out = decoder.decode_clip(z, chunk)
     assert out.shape == ref.shape == (1, 3, 25, 32, 48)
@@ -101,12 +108,57 @@ def test_attention_window_bounds_the_cache_and_is_exact_within_it(vae):
 
 def test_conv_cache_replaces_replication_with_real_frames():
     conv_module = AutoencoderKLHunyuanVideo(**TINY).decoder.conv_in
-    cache = CausalConvCache(conv_module)
+    cache = CausalConvCache.of(conv_module)
     x = torch.randn(1, 4, 5, 4, 6)
     padded = F.pad(x, conv_module.time_causal_padding, mode="replicate")
     ref = F.conv3d(padded, conv_module.conv.weight, conv_module.conv.bias)
     parts = [cache(x[:, :, :2], first=True), cache(x[:, :, 2:3], first=False), cache(x[:, :, 3:], first=False)]
     torch.testing.assert_close(torch.cat(parts, dim=2), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("factors", [(2, 2, 2), (1, 2, 2)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_phase_upsampler_equals_the_diffusers_upsampler(factors, channels_last):
+    """By phase at the low resolution == nearest upsampling + the causal 3x3x3 conv of diffusers, for a whole clip
+    and for the same clip in chunks of 2, 1 and 2 frames (the later chunks' fronts from the cache)."""
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoUpsampleCausal3D
+
+    torch.manual_seed(0)
+    up = HunyuanVideoUpsampleCausal3D(6, 5, upsample_factor=factors)
+    x = torch.randn(1, 6, 5, 4, 7) * 2 + 0.5
+    fmt = torch.channels_last_3d if channels_last else None
+    with torch.no_grad():
+        ref = up(x)
+        phase = PhaseUpsampleConv(up)
+        whole = phase(x, first=True, fmt=fmt)
+        parts = [phase(x[:, :, :2], True, fmt), phase(x[:, :, 2:3], False, fmt), phase(x[:, :, 3:], False, fmt)]
+    assert whole.shape == ref.shape == (1, 5, 1 + factors[0] * 4, 8, 14)
+    torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(parts, dim=2), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_phase_taps_cover_each_original_tap_once():
+    """Every original tap lands in exactly one merged tap of every phase; the (2x) phases read two low-res voxels."""
+    for factor, causal in [(2, True), (2, False), (1, True)]:
+        merge, front, starts = axis_phases(factor, causal)
+        assert merge.sum(dim=1).eq(1).all() and merge.shape[0] == factor
+        assert merge.shape[1] == (2 if factor == 2 else 3)
+    assert axis_phases(2, causal=True)[1:] == (1, [0, 0])  # time: one cached low-res frame in front
+    assert axis_phases(2, causal=False)[1:] == (1, [0, 1])  # space: phase 1 one voxel later
+    with pytest.raises(ValueError, match="factors 1 and 2"):
+        axis_phases(3, causal=False)
+
+
+def test_phase_taps_follow_the_weights_when_they_change():
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoUpsampleCausal3D
+
+    torch.manual_seed(1)
+    up = HunyuanVideoUpsampleCausal3D(4, 4, upsample_factor=(2, 2, 2))
+    phase = PhaseUpsampleConv(up)
+    with torch.no_grad():
+        up.load_state_dict({k: torch.randn_like(v) for k, v in up.state_dict().items()})
+        x = torch.randn(1, 4, 3, 3, 5)
+        torch.testing.assert_close(phase(x, first=True), up(x), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_group_norm_cpu_path_matches_group_norm():
@@ -127,6 +179,8 @@ def test_bad_uses_are_refused(vae):
         StreamingDecoder(vae).decode(latents(2), first=False)
     with pytest.raises(ValueError, match="decode rule"):
         exact_chunk_decode(None, "median")
+    with pytest.raises(ValueError, match="upsample"):
+        StreamingDecoder(vae, upsample="bilinear")
 
 
 def test_streaming_sampler_decodes_each_latent_frame_once_by_default():

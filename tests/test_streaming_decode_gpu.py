@@ -67,13 +67,16 @@ def latents(frames, seed):
 
 @pytest.mark.parametrize("channels_last", [True, False])
 @pytest.mark.parametrize("attention_kernel", ["sdpa", "fp32-scores"])
-def test_one_chunk_equals_the_diffusers_decoder(vae, decoder32, channels_last, attention_kernel):
+@pytest.mark.parametrize("upsample", ["phase", "direct"])
+def test_one_chunk_equals_the_diffusers_decoder(vae, decoder32, channels_last, attention_kernel, upsample):
     z = latents(3, 1)
     with torch.no_grad():
         reference = decoder32.decoder(decoder32.post_quant_conv(z))
         zb = z.bfloat16()
         plain = vae.vae.decoder(vae.vae.post_quant_conv(zb))
-        decoder = StreamingDecoder(vae.vae, attention_kernel=attention_kernel, channels_last=channels_last)
+        decoder = StreamingDecoder(
+            vae.vae, attention_kernel=attention_kernel, channels_last=channels_last, upsample=upsample
+        )
         ours = decoder.decode(zb, first=True)
     assert ours.is_contiguous(memory_format=torch.channels_last_3d) == channels_last
     assert_bf16_close(ours, plain, reference)
@@ -119,3 +122,22 @@ def test_graph_replays_equal_eager_chunk_decodes(vae, rule, channels_last):
             a, b = eager(part, first=start == 0), graphed(part, first=start == 0)
             assert torch.equal(a, b), (clip, start, (a.float() - b.float()).abs().max())
     assert not graphed.failures and len(graphed.graphs) == 3  # first chunk; later with 3, 4 (full) cached frames
+
+
+def test_fp32_score_attention_is_as_close_to_fp32_as_sdpa():
+    """The decoder's attention shape (one 512-wide head, a latent frame of 60x104 queries over 2 frames of keys) in
+    bf16: the two-GEMM fp32-score path is no further from the fp32 attention than PyTorch's SDPA."""
+    from opensora.models.vae.score_attention import fp32_output_gemm, fp32_score_attention, scaled_softmax
+
+    gen = torch.Generator("cuda").manual_seed(5)
+    q, k, v = (torch.randn(1, 1, n, 512, device="cuda", generator=gen) for n in (6240, 12480, 12480))
+    reference = F.scaled_dot_product_attention(q, k, v)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    ours = (fp32_score_attention(qb, kb, vb).float() - reference).abs()
+    sdpa = (F.scaled_dot_product_attention(qb, kb, vb).float() - reference).abs()
+    assert ours.mean() <= 1.1 * sdpa.mean() and ours.max() <= 1.5 * sdpa.max(), (ours.max(), sdpa.max())
+    scores = torch.randn(7, 5000, device="cuda", generator=gen) * 20
+    torch.testing.assert_close(
+        scaled_softmax(scores, 0.3, torch.bfloat16).float(), torch.softmax(scores * 0.3, -1), rtol=2**-7, atol=1e-6
+    )
+    print("bf16 x bf16 -> fp32 GEMM:", fp32_output_gemm(q.device))

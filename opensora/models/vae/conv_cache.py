@@ -47,21 +47,28 @@ class PaddedInput:
 
 
 class CausalConvCache:
-    """One ``HunyuanVideoCausalConv3d`` (its own ``nn.Conv3d`` weights) run over consecutive chunks of a clip.
+    """A causal conv (``weight`` [Cout, Cin, kt, kh, kw], ``bias``; stride 1, no inner padding) run over consecutive
+    chunks of a clip, its input padded by ``front`` frames in time (replicated on the first chunk, cached after) and
+    ``pad_h`` / ``pad_w`` replicated voxels in space. ``of(module)`` builds one from a diffusers
+    ``HunyuanVideoCausalConv3d``.
 
-    ``cache`` holds the last ``k - 1`` padded input frames [B, C, k - 1, H + 2ph, W + 2pw], updated in place (a
+    ``cache`` holds the last ``front`` padded input frames [B, C, front, H + 2ph, W + 2pw], updated in place (a
     static tensor a CUDA graph can read and write); ``first=True`` starts a new clip (the cache is not read).
     """
 
-    def __init__(self, module):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], front: int, pad_h: int, pad_w: int):
+        self.weight, self.bias = weight, bias
+        self.front, self.pad_h, self.pad_w = front, pad_h, pad_w
+        self.cache: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, module) -> "CausalConvCache":
         pad_w0, pad_w1, pad_h0, pad_h1, front, back = module.time_causal_padding
         if module.pad_mode != "replicate" or back != 0 or pad_w0 != pad_w1 or pad_h0 != pad_h1:
             raise ValueError(f"unsupported causal conv padding {module.time_causal_padding} ({module.pad_mode})")
         if tuple(module.conv.stride) != (1, 1, 1) or tuple(module.conv.padding) != (0, 0, 0):
             raise ValueError("chunked causal convs support stride 1 and no inner padding (the decoder's convs)")
-        self.conv: torch.nn.Conv3d = module.conv
-        self.front, self.pad_h, self.pad_w = front, pad_h0, pad_w0
-        self.cache: Optional[torch.Tensor] = None
+        return cls(module.conv.weight, module.conv.bias, front, pad_h0, pad_w0)
 
     @property
     def pads(self) -> bool:
@@ -90,7 +97,7 @@ class CausalConvCache:
                 buf[:, :, :front].copy_(self.cache)
             if self.cache is None or self.cache.shape != buf[:, :, -front:].shape:
                 self.cache = torch.empty_like(buf[:, :, -front:])
-        out = F.conv3d(buf, self.conv.weight, self.conv.bias)
+        out = F.conv3d(buf, self.weight, self.bias)
         if front:
             self.cache.copy_(buf[:, :, -front:])
         return out
@@ -98,7 +105,7 @@ class CausalConvCache:
     def __call__(self, x: torch.Tensor, first: bool, fmt=None) -> torch.Tensor:
         """The conv of a chunk ``x`` whose padding is not folded into a producer (a copy into the buffer)."""
         if not self.pads:
-            return self.conv(x)
+            return F.conv3d(x, self.weight, self.bias)
         padded = self.new_input(x, fmt=fmt)
         padded.interior.copy_(x)
         return self.run(padded, first)

@@ -37,9 +37,12 @@ from torch import nn
 
 from .conv_cache import CausalConvCache
 from .fused_group_norm import group_moments, norm_affine, normalize_into, upsample_into
+from .phase_upsample import PhaseUpsampleConv
+from .score_attention import fp32_output_gemm, fp32_score_attention
 
 STATS_RULES = ("running", "chunk", "fixed")
 ATTENTION_KERNELS = ("sdpa", "fp32-scores")
+UPSAMPLE_RULES = ("phase", "direct")
 DEFAULT_ATTENTION_WINDOW = 8  # latent frames of earlier chunks the mid-block attention sees (a 33-frame clip: exact)
 
 
@@ -86,21 +89,6 @@ class NormStatistics:
         return self.mean.float(), (self.m2 / self.count).float()
 
 
-def fp32_score_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(d)) v`` as two GEMMs with fp32 scores, for head widths the fused SDPA kernels handle
-    slowly (this decoder's single 512-wide head). bf16 values are exact in TF32, so the TF32 product of their fp32
-    copies is the fp32-accumulated score; the probabilities are rounded to v's dtype for the second GEMM (as the
-    fused kernels do)."""
-    allowed = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = q.dtype in (torch.bfloat16, torch.float16)
-    try:
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allowed
-    probs = torch.softmax(scores.mul_(q.shape[-1] ** -0.5), dim=-1)
-    return torch.matmul(probs.to(v.dtype), v)
-
-
 class FrameCausalAttentionCache:
     """The mid block's frame-causal attention (diffusers ``Attention`` with its group norm, residual and output
     projection) over a chunk, with the keys/values of the last ``window`` earlier latent frames kept in a static
@@ -118,6 +106,8 @@ class FrameCausalAttentionCache:
         ):
             raise ValueError("unsupported attention layout for the chunked decoder")
         self.attn, self.window, self.stats, self.kernel = attn, int(window), norm_stats, kernel
+        if kernel == "fp32-scores":
+            fp32_output_gemm(attn.to_q.weight.device)  # probed here, never inside a graph capture
         self.keys = self.values = None
 
     def __call__(self, x: torch.Tensor, first: bool, cached: int, record: bool, normalize) -> torch.Tensor:
@@ -172,12 +162,17 @@ class StreamingDecoder:
         stats: GroupNorm statistics rule, ``"running"`` / ``"chunk"`` / ``"fixed"`` (module docstring).
         attention_window: latent frames of earlier chunks kept for the mid block's attention.
         fixed_stats: for ``stats="fixed"``: one (mean [N, G], var [N, G]) per GroupNorm in ``norm_order``.
-        attention_kernel: ``"sdpa"`` (PyTorch's fused attention) or ``"fp32-scores"`` (``fp32_score_attention``).
+        attention_kernel: ``"sdpa"`` (PyTorch's fused attention) or ``"fp32-scores"`` (``score_attention``: two
+            GEMMs, for the 512-wide head the flash / cuDNN kernels do not take). ``None`` (default): fp32-scores for
+            a VAE on the GPU, sdpa elsewhere.
         channels_last: activations in ``torch.channels_last_3d``: cuDNN runs these convs NDHWC, so a contiguous
             layout pays a conversion on each side of every conv (31 ms of a 221 ms chunk at 480x832 on an H200); the
             fused kernels read and write channels contiguously in that layout. ``None`` (default): on for a VAE on
             the GPU (one 480x832 chunk of 3 latent frames, H200, interleaved: 182 ms vs 222 ms contiguous), off on
             the CPU (the layout the exact-cache CPU tests pin).
+        upsample: ``"phase"`` (default): each upsampler's conv at the low resolution, one sub-pixel phase at a time
+            (``phase_upsample``: 3.4x fewer FLOPs for the (2, 2, 2) upsamplers, a third of the decoder's conv FLOPs at
+            480x832); ``"direct"``: nearest upsampling into the conv's padded input, then the 3x3x3 conv.
 
     ``decode(z, first)``: z are raw latents [B, C, t, h, w] (after the latent normalisation is undone); returns the
     chunk's pixel frames [B, 3, F, H, W] in z's dtype (F = 1 + 4 (t - 1) for the first chunk, 4 t after).
@@ -189,13 +184,16 @@ class StreamingDecoder:
         stats: str = "running",
         attention_window: int = DEFAULT_ATTENTION_WINDOW,
         fixed_stats: Optional[List[tuple]] = None,
-        attention_kernel: str = "sdpa",
+        attention_kernel: Optional[str] = None,
         channels_last: Optional[bool] = None,
+        upsample: str = "phase",
     ):
         from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoCausalConv3d
 
         if attention_window < 0:
             raise ValueError(f"attention_window must be >= 0, got {attention_window}")
+        if upsample not in UPSAMPLE_RULES:
+            raise ValueError(f"upsample must be one of {UPSAMPLE_RULES}, got {upsample!r}")
         self.vae, self.decoder = vae, vae.decoder
         self.stats_rule, self.attention_window = stats, int(attention_window)
         self.norm_order = [m for m in self.decoder.modules() if isinstance(m, nn.GroupNorm)]
@@ -206,8 +204,17 @@ class StreamingDecoder:
             for i, norm in enumerate(self.norm_order)
         }
         self.convs: Dict[int, CausalConvCache] = {
-            id(m): CausalConvCache(m) for m in self.decoder.modules() if isinstance(m, HunyuanVideoCausalConv3d)
+            id(m): CausalConvCache.of(m) for m in self.decoder.modules() if isinstance(m, HunyuanVideoCausalConv3d)
         }
+        self.upsample = upsample
+        self.upsamplers: Dict[int, PhaseUpsampleConv] = {}
+        if upsample == "phase":
+            self.upsamplers = {
+                id(up): PhaseUpsampleConv(up) for b in self.decoder.up_blocks for up in b.upsamplers or ()
+            }
+        on_gpu = next(vae.parameters()).device.type == "cuda"
+        if attention_kernel is None:
+            attention_kernel = "fp32-scores" if on_gpu else "sdpa"
         mid = self.decoder.mid_block
         self.attentions = [
             None
@@ -218,14 +225,14 @@ class StreamingDecoder:
         self.frames_seen = 0  # latent frames decoded in this clip (host state: which graph a chunk replays)
         self.record = False
         if channels_last is None:
-            channels_last = next(vae.parameters()).device.type == "cuda"
+            channels_last = on_gpu
         self.channels_last = bool(channels_last)
         self.fmt = torch.channels_last_3d if self.channels_last else torch.contiguous_format
 
     # --- state -----------------------------------------------------------------------------------------------
     def state_tensors(self) -> List[torch.Tensor]:
         """Every tensor the next chunk reads (conv caches, running statistics, attention keys/values)."""
-        tensors = [c.cache for c in self.convs.values()]
+        tensors = [c.cache for c in self.convs.values()] + [u.cache for u in self.upsamplers.values()]
         tensors += [t for s in self.stats.values() for t in (s.count, s.mean, s.m2)]
         tensors += [t for a in self.attentions if a is not None for t in (a.keys, a.values)]
         return [t for t in tensors if t is not None]
@@ -257,7 +264,10 @@ class StreamingDecoder:
         return h.add_(residual)
 
     def _upsample(self, up, x: torch.Tensor, first: bool) -> torch.Tensor:
-        """Nearest upsampling written into the conv's padded input: the first frame of a clip in space only."""
+        """Nearest upsampling written into the conv's padded input: the first frame of a clip in space only (or the
+        same at the low resolution, ``phase_upsample``)."""
+        if id(up) in self.upsamplers:
+            return self.upsamplers[id(up)](x, first, self.fmt)
         ft, fh, fw = (int(f) for f in up.upsample_factor)
         conv = self.convs[id(up.conv)]
         b, c, t, h, w = x.shape

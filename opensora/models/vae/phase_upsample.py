@@ -1,0 +1,128 @@
+"""A causal upsampler of HunyuanVideo's decoder (nearest upsampling, then a 3x3x3 causal conv with replicated borders)
+computed at the low resolution, one sub-pixel phase at a time.
+
+Along an axis upsampled 2x, the three taps of an output voxel at phase ``p`` (its position inside the 2-block) read
+upsampled positions ``2i + p + o`` (offsets ``o``: -1, 0, 1 in space; -2, -1, 0 causally in time), which are only two
+distinct low-resolution positions ``i + floor((p + o) / 2)``. So each phase is a 2-tap conv of the low-resolution
+input whose taps are sums of the original taps (summed in fp32, rounded once to the weights' dtype). Per output voxel:
+2x2x2 = 8 taps instead of 27 for a (2, 2, 2) upsampler (3.4x fewer FLOPs), 3x2x2 = 12 for (1, 2, 2) (2.25x). All
+phases run as one conv whose output channels are (phase, channel), and one strided copy interleaves them into the
+upsampled layout.
+
+The borders stay exact: the replicated border of the upsampled input is the upsampling of the low-resolution input's
+replicated border. In time, the last two upsampled frames of a chunk are one low-resolution frame repeated, so the
+causal front of a later chunk is the previous chunk's last low-resolution frame (``CausalConvCache`` keeps it), and a
+clip's first frame (upsampled in space only) is the phase-1 output of frame 0 with its front replicated, i.e. the
+interleaved output without its first frame. Equal to the direct upsample + conv in exact arithmetic; in floating point
+up to the order of the sums and the one rounding of the merged taps (fp32: ~1e-6; the GPU test bounds bf16 by the
+eager diffusers decoder's own error).
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from .conv_cache import CausalConvCache
+
+KERNEL = 3
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def axis_phases(factor: int, causal: bool) -> Tuple[torch.Tensor, int, List[int]]:
+    """For one axis of a size-3 kernel after nearest upsampling by ``factor`` (1 or 2): the tap merge matrices
+    [phases, new taps, 3], the low-resolution front padding and each phase's start in the conv output."""
+    if factor not in (1, 2):
+        raise ValueError(f"phase upsampling supports factors 1 and 2, got {factor}")
+    offsets = [k - (KERNEL - 1) for k in range(KERNEL)] if causal else [k - KERNEL // 2 for k in range(KERNEL)]
+    if factor == 1:
+        return torch.eye(KERNEL).unsqueeze(0), -offsets[0], [0]
+    reads = [[(p + o) // 2 for o in offsets] for p in range(2)]  # low-res position (relative to i) of each tap
+    taps = 2
+    front = -min(min(r) for r in reads)
+    merge = torch.zeros(2, taps, KERNEL)
+    for p, rel in enumerate(reads):
+        for k, r in enumerate(rel):
+            merge[p, r - min(rel), k] = 1.0
+    if any(max(r) - min(r) + 1 != taps for r in reads):
+        raise ValueError("phases of unequal width")  # never for kernel 3, factor 2
+    return merge, front, [min(r) + front for r in reads]
+
+
+class PhaseUpsampleConv:
+    """``conv(nearest_upsample(x))`` of a diffusers ``HunyuanVideoUpsampleCausal3D`` chunk by chunk (module
+    docstring), with the causal front of later chunks taken from the previous chunk (``cache``)."""
+
+    def __init__(self, upsampler):
+        module = upsampler.conv
+        factors = tuple(int(f) for f in upsampler.upsample_factor)
+        if module.pad_mode != "replicate" or tuple(module.conv.kernel_size) != (KERNEL,) * 3:
+            raise ValueError(f"phase upsampling needs a replicated 3x3x3 causal conv, got {module}")
+        CausalConvCache.of(module)  # the same padding checks as the direct path
+        self.factors = factors
+        axes = [axis_phases(factors[0], causal=True)] + [axis_phases(f, causal=False) for f in factors[1:]]
+        self.phases = tuple(merge.shape[0] for merge, _, _ in axes)
+        self.starts = [starts for _, _, starts in axes]
+        self.module, self.merges = module, [merge for merge, _, _ in axes]
+        self.out_channels = module.conv.weight.shape[0]
+        self.conv = CausalConvCache(None, None, axes[0][1], axes[1][1], axes[2][1])
+        self.merged_version = None
+        self.merge_weights()
+
+    def merge_weights(self) -> None:
+        """The phases' taps from the conv's current weights (again whenever those change in place, e.g. a
+        ``load_state_dict`` after this was built: checked on every eager call)."""
+        weight, bias = self.module.conv.weight, self.module.conv.bias
+        mt, mh, mw = (m.to(weight.device) for m in self.merges)
+        merged = torch.einsum("ajt,bkh,clw,oithw->abcoijkl", mt, mh, mw, weight.detach().float())
+        self.conv.weight = merged.reshape(-1, *merged.shape[4:]).to(weight.dtype)
+        count = self.phases[0] * self.phases[1] * self.phases[2]
+        self.conv.bias = None if bias is None else bias.detach().repeat(count)
+        self.merged_version = self.weights_version()
+
+    def weights_version(self) -> tuple:
+        conv = self.module.conv
+        return (conv.weight._version, conv.weight.data_ptr(), None if conv.bias is None else conv.bias._version)
+
+    @property
+    def cache(self):
+        return self.conv.cache
+
+    def __call__(self, x: torch.Tensor, first: bool, fmt=None) -> torch.Tensor:
+        """The upsampled, convolved chunk [B, Cout, frames, H fh, W fw] (frames = 1 + ft (t - 1) for a clip's first
+        chunk, ft t after), in ``fmt`` (default contiguous)."""
+        fmt = fmt or torch.contiguous_format
+        if self.weights_version() != self.merged_version and not capturing():
+            self.merge_weights()
+        y = self.conv(x.contiguous(memory_format=fmt), first, fmt)  # [B, phases x Cout, t, h + 1, w + 1]
+        b, _, t, h, w = x.shape
+        ft, fh, fw = self.factors
+        out = torch.empty((b, self.out_channels, t * ft, h * fh, w * fw), dtype=y.dtype, device=y.device)
+        out = out.contiguous(memory_format=fmt)
+        self._interleave(y, out, (t, h, w))
+        return out[:, :, 1:] if first and ft > 1 else out
+
+    def _interleave(self, y: torch.Tensor, out: torch.Tensor, size: Tuple[int, int, int]) -> None:
+        """``out[b, c, i ft + p, ...] = y[b, (phase index) Cout + c, i + start(p), ...]`` over all three axes, as one
+        strided copy (two phases per axis: a phase index's start is affine in it)."""
+        cout = self.out_channels
+        sb, sc, *spatial = y.stride()
+        phase_block = [self.phases[1] * self.phases[2] * cout, self.phases[2] * cout, cout]
+        sizes, strides, offset = [out.shape[0], cout], [sb, sc], y.storage_offset()
+        for axis in range(3):
+            starts, stride = self.starts[axis], spatial[axis]
+            sizes += [size[axis], len(starts)]
+            step = (starts[1] - starts[0]) if len(starts) > 1 else 0
+            strides += [stride, phase_block[axis] * sc + step * stride]
+            offset += starts[0] * stride
+        source = y.as_strided(sizes, strides, offset)
+        ob, oc, ot, oh, ow = out.stride()
+        ft, fh, fw = self.factors
+        target = out.as_strided(
+            sizes, [ob, oc, ot * ft, ot, oh * fh, oh, ow * fw, ow], out.storage_offset()
+        )  # [B, C, t, ft, h, fh, w, fw]
+        target.copy_(source)
