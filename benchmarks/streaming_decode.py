@@ -261,11 +261,32 @@ def run_speed(args) -> dict:
     for row in result["exact_eager_top_kernels"][:16]:
         print(f"  {row['ms']:8.2f} ms  x{row['calls']:<4} {row['kernel']}")
     print("kernel categories (ms):", result["exact_eager_kernel_categories_ms"])
+    result["exact_eager_top_ops"] = top_ops(lambda: eager(later, first=False), count=25)
+    for row in result["exact_eager_top_ops"]:
+        print(f"  {row['ms']:8.2f} ms  x{row['calls']:<4} {row['op']} {row['shapes']}")
     for name, options in (("phase", {}), ("direct", dict(upsample="direct"))):
-        flops = conv_flops(ExactChunkDecode(vae, graphs=False, **options), stream, args.chunk)
+        # sdpa: the FLOP counter does not take bmm's out_dtype; only the convolutions are counted
+        decoder = ExactChunkDecode(vae, graphs=False, attention_kernel="sdpa", **options)
+        flops = conv_flops(decoder, stream, args.chunk)
         result[f"conv_tflop_later_chunk_{name}_upsample"] = flops / 1e12
         print(f"conv TFLOP of a later chunk, {name} upsampling: {flops / 1e12:.1f}")
     return result
+
+
+def top_ops(fn, count: int) -> list:
+    """The ``count`` PyTorch ops (by input shapes) with the most GPU time in one call of ``fn``: which copy or
+    conv a kernel total comes from."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        device_us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+        if device_us and event.key.startswith("aten::"):
+            rows.append(dict(op=event.key, shapes=str(event.input_shapes)[:120], ms=device_us / 1e3, calls=event.count))
+    return sorted(rows, key=lambda r: -r["ms"])[:count]
 
 
 def kernel_categories(rows: list) -> dict:

@@ -61,6 +61,24 @@ def test_fused_group_norm_matches_torch_in_bf16(shape, groups, silu):
     assert padded[:, :, :2].abs().max() == 0 and padded[..., 0].abs().max() == 0  # nothing written outside
 
 
+def test_normalize_writes_the_replicated_border_in_channels_last():
+    from opensora.models.vae.fused_group_norm import normalize_into
+
+    gen = torch.Generator("cuda").manual_seed(6)
+    x = torch.randn(1, 256, 3, 9, 14, device="cuda", generator=gen).bfloat16()
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+    scale = torch.rand(1, 256, device="cuda", generator=gen) + 0.5
+    shift = torch.randn(1, 256, device="cuda", generator=gen)
+    buffer = torch.zeros(1, 256, 5, 11, 16, device="cuda", dtype=torch.bfloat16)
+    buffer = buffer.contiguous(memory_format=torch.channels_last_3d)
+    assert normalize_into(x, scale, shift, buffer[:, :, 2:, 1:-1, 1:-1], True, border=1)
+    ref = F.silu(x.float() * scale[:, :, None, None, None] + shift[:, :, None, None, None])
+    inner = buffer[:, :, 2:, 1:-1, 1:-1]
+    torch.testing.assert_close(inner.float(), ref, rtol=2**-7, atol=1e-2)
+    assert torch.equal(buffer[:, :, 2:], F.pad(inner, (1, 1, 1, 1, 0, 0), mode="replicate"))
+    assert buffer[:, :, :2].abs().max() == 0  # the causal front is not the kernel's to write
+
+
 def latents(frames, seed):
     return torch.randn(1, 16, frames, 8, 12, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
 

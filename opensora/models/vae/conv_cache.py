@@ -23,6 +23,12 @@ class PaddedInput:
 
     def __init__(self, buffer: torch.Tensor, front: int, pad_h: int, pad_w: int):
         self.buffer, self.front, self.pad_h, self.pad_w = buffer, front, pad_h, pad_w
+        self.border_filled = False  # set by a producer that wrote the spatial border with the interior
+
+    @property
+    def border(self) -> int:
+        """The one spatial border width a producer can write along with the interior (0: none or unequal)."""
+        return self.pad_h if self.pad_h == self.pad_w else 0
 
     @property
     def interior(self) -> torch.Tensor:
@@ -86,7 +92,8 @@ class CausalConvCache:
 
     def run(self, padded: PaddedInput, first: bool) -> torch.Tensor:
         """Complete the padding of ``padded`` (border, cached or replicated front frames), convolve, keep the cache."""
-        padded.fill_border()
+        if not padded.border_filled:
+            padded.fill_border()
         buf, front = padded.buffer, self.front
         if front:
             if first:

@@ -109,9 +109,11 @@ if triton is not None:
     def _normalize_cl_kernel(
         x_ptr, out_ptr, scale_ptr, shift_ptr, voxels, channels, height, width,
         out_sb, out_st, out_sh, out_sw,
-        SILU: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+        SILU: tl.constexpr, BORDER: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
-        """Channels-last x [N, voxels, C] -> ``out`` (any view whose channel stride is 1)."""
+        """Channels-last x [N, voxels, C] -> ``out`` (any view whose channel stride is 1); with ``BORDER`` the
+        edge voxels are also written one step outside ``out`` in height and width (corners included): the
+        replicated border of a padded conv input, without a pass of its own."""
         n = tl.program_id(1).to(tl.int64)
         v = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
@@ -126,7 +128,24 @@ if triton is not None:
         h = (v // width) % height
         t = v // (width * height)
         base = n * out_sb + t * out_st + h * out_sh + w * out_sw
-        tl.store(out_ptr + base[:, None] + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        y = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + base[:, None] + c[None, :], y, mask=mask)
+        if BORDER:
+            top, bottom, left, right = h == 0, h == height - 1, w == 0, w == width - 1
+            for dh in tl.static_range(3):
+                for dw in tl.static_range(3):
+                    if dh * 3 + dw != 4:  # every neighbour but the voxel itself
+                        edge = v < voxels
+                        if dh == 0:
+                            edge = edge & top
+                        if dh == 2:
+                            edge = edge & bottom
+                        if dw == 0:
+                            edge = edge & left
+                        if dw == 2:
+                            edge = edge & right
+                        shifted = base + (dh - 1) * out_sh + (dw - 1) * out_sw
+                        tl.store(out_ptr + shifted[:, None] + c[None, :], y, mask=mask & edge[:, None])
 
     @triton.jit
     def _upsample_cl_kernel(
@@ -248,10 +267,16 @@ def norm_affine(mean, var, num_channels: int, weight, bias, eps: float) -> Tuple
     return scale.reshape(n, num_channels).contiguous(), shift.reshape(n, num_channels).contiguous()
 
 
-def normalize_into(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, out: torch.Tensor, silu: bool) -> None:
+def normalize_into(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, out: torch.Tensor, silu: bool, border: int = 0
+) -> bool:
     """``out[...] = act(x * scale + shift)`` for x [N, C, T, H, W] and ``out`` of x's shape (any view, e.g. the
     interior of a padded buffer: unit last stride for a contiguous x, unit channel stride for a channels-last x);
-    scale/shift [N, C] fp32. One rounding to ``out``'s dtype."""
+    scale/shift [N, C] fp32. One rounding to ``out``'s dtype.
+
+    ``border=1`` asks for the replicated one-voxel border around ``out`` in height and width too (``out`` must be
+    the interior of a buffer with that room); returns whether it was written (the channels-last Triton path does;
+    elsewhere the caller fills it)."""
     if x.dim() != 5 or out.shape != x.shape:
         raise ValueError(f"normalize_into expects x [N, C, T, H, W] and out of its shape, got {x.shape}, {out.shape}")
     if triton_ready(x) and channels_last(x) and out.stride(1) == 1:
@@ -262,13 +287,13 @@ def normalize_into(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, ou
         sb, _, st, sh, sw = out.stride()
         _normalize_cl_kernel[grid](
             x, out, scale, shift, t * h * w, c, h, w, sb, st, sh, sw,
-            SILU=silu, BLOCK_V=block_v, BLOCK_C=block_c,
+            SILU=silu, BORDER=border == 1, BLOCK_V=block_v, BLOCK_C=block_c,
         )  # fmt: skip
-        return
+        return border == 1
     if not triton_ready(x) or out.stride(-1) != 1 or x.shape[-1] > MAX_WIDTH:
         y = torch.addcmul(shift[:, :, None, None, None], x.float(), scale[:, :, None, None, None])
         out.copy_(F.silu(y) if silu else y)
-        return
+        return False
     n, c, t, h, w = x.shape
     x = x.contiguous()  # NCTHW rows for the kernel below
     block_w = triton.next_power_of_2(w)
@@ -279,6 +304,7 @@ def normalize_into(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, ou
         x, out, scale, shift, num_rows, c, t, h, w, *out.stride()[:4],
         SILU=silu, ROWS=rows_per_program, BLOCK_W=block_w, num_warps=4,
     )  # fmt: skip
+    return False
 
 
 def fused_group_norm(

@@ -25,6 +25,39 @@ from typing import List, Tuple
 import torch
 
 from .conv_cache import CausalConvCache
+from .fused_group_norm import NORM_TILE, channels_last, triton, triton_ready
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _interleave_cl_kernel(
+        y_ptr, out_ptr, out_voxels, channels, out_h, out_w, skip,
+        y_sb, y_st, y_sh, y_sw, out_sb, out_st, out_sh, out_sw,
+        FT: tl.constexpr, FH: tl.constexpr, FW: tl.constexpr,
+        STEP_T: tl.constexpr, STEP_H: tl.constexpr, STEP_W: tl.constexpr,
+        BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        """out[n, c, to, ho, wo] = y[n, phase(to + skip, ho, wo) Cout + c, i_t + p_t STEP_T, i_h + p_h STEP_H,
+        i_w + p_w STEP_W] (i = index // factor, p = index % factor), channel stride 1 on both sides."""
+        n = tl.program_id(1).to(tl.int64)
+        v = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+        c = tl.arange(0, BLOCK_C)
+        mask = (v < out_voxels)[:, None] & (c < channels)[None, :]
+        wo = v % out_w
+        ho = (v // out_w) % out_h
+        to = v // (out_w * out_h)
+        tf = to + skip
+        pt, ph, pw = tf % FT, ho % FH, wo % FW
+        phase = (pt * FH + ph) * FW + pw
+        src = (
+            n * y_sb + (tf // FT + pt * STEP_T) * y_st + (ho // FH + ph * STEP_H) * y_sh
+            + (wo // FW + pw * STEP_W) * y_sw + phase * channels
+        )  # fmt: skip
+        x = tl.load(y_ptr + src[:, None] + c[None, :], mask=mask, other=0.0)
+        dst = n * out_sb + to * out_st + ho * out_sh + wo * out_sw
+        tl.store(out_ptr + dst[:, None] + c[None, :], x, mask=mask)
+
 
 KERNEL = 3
 
@@ -101,10 +134,31 @@ class PhaseUpsampleConv:
         y = self.conv(x.contiguous(memory_format=fmt), first, fmt)  # [B, phases x Cout, t, h + 1, w + 1]
         b, _, t, h, w = x.shape
         ft, fh, fw = self.factors
+        skip = 1 if first and ft > 1 else 0  # a clip's first frame: the interleaved output without its first frame
+        if triton_ready(y) and channels_last(y) and fmt == torch.channels_last_3d:
+            out = torch.empty((b, self.out_channels, t * ft - skip, h * fh, w * fw), dtype=y.dtype, device=y.device)
+            out = out.contiguous(memory_format=fmt)
+            self._interleave_triton(y, out, skip)
+            return out
         out = torch.empty((b, self.out_channels, t * ft, h * fh, w * fw), dtype=y.dtype, device=y.device)
         out = out.contiguous(memory_format=fmt)
         self._interleave(y, out, (t, h, w))
-        return out[:, :, 1:] if first and ft > 1 else out
+        return out[:, :, skip:]
+
+    def _interleave_triton(self, y: torch.Tensor, out: torch.Tensor, skip: int) -> None:
+        n, c, t, h, w = out.shape
+        block_c = triton.next_power_of_2(c)
+        block_v = max(1, NORM_TILE // block_c)
+        steps = [(s[1] - s[0]) if len(s) > 1 else 0 for s in self.starts]
+        base = [s[0] for s in self.starts]
+        y_view = y[:, :, base[0] :, base[1] :, base[2] :]  # each axis' phase 0 start
+        grid = (triton.cdiv(t * h * w, block_v), n)
+        ft, fh, fw = self.factors
+        _interleave_cl_kernel[grid](
+            y_view, out, t * h * w, c, h, w, skip, y.stride(0), *y.stride()[2:],
+            out.stride(0), *out.stride()[2:], FT=ft, FH=fh, FW=fw, STEP_T=steps[0], STEP_H=steps[1],
+            STEP_W=steps[2], BLOCK_V=block_v, BLOCK_C=block_c,
+        )  # fmt: skip
 
     def _interleave(self, y: torch.Tensor, out: torch.Tensor, size: Tuple[int, int, int]) -> None:
         """``out[b, c, i ft + p, ...] = y[b, (phase index) Cout + c, i + start(p), ...]`` over all three axes, as one

@@ -242,17 +242,21 @@ class StreamingDecoder:
         return [self.stats[id(n)].recorded for n in self.norm_order]
 
     # --- the network ------------------------------------------------------------------------------------------
-    def _normalize(self, stats: NormStatistics, x, out, silu: bool, first: bool, record: bool) -> None:
+    def _normalize(self, stats: NormStatistics, x, out, silu: bool, first: bool, record: bool, border: int = 0):
+        """Normalise x into ``out``; True if its replicated ``border`` was written too (``normalize_into``)."""
         norm = stats.norm
         mean, var = stats(x, first, record)
         scale, shift = norm_affine(mean, var, x.shape[1], norm.weight, norm.bias, norm.eps)
-        normalize_into(x.contiguous(memory_format=self.fmt), scale, shift, out, silu)
+        return normalize_into(x.contiguous(memory_format=self.fmt), scale, shift, out, silu, border)
 
     def _norm_act_conv(self, norm, conv_module, x, first: bool) -> torch.Tensor:
-        """conv(SiLU(norm(x))) with the normalised activations written into the conv's padded input."""
+        """conv(SiLU(norm(x))) with the normalised activations (and, where the kernel can, the replicated border)
+        written into the conv's padded input."""
         conv = self.convs[id(conv_module)]
         padded = conv.new_input(x, fmt=self.fmt)
-        self._normalize(self.stats[id(norm)], x, padded.interior, True, first, self.record)
+        padded.border_filled = self._normalize(
+            self.stats[id(norm)], x, padded.interior, True, first, self.record, padded.border
+        )
         return conv.run(padded, first)
 
     def _resnet(self, block, x: torch.Tensor, first: bool) -> torch.Tensor:
