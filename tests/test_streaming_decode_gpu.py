@@ -79,6 +79,18 @@ def test_normalize_writes_the_replicated_border_in_channels_last():
     assert buffer[:, :, :2].abs().max() == 0  # the causal front is not the kernel's to write
 
 
+def test_channel_bias_add_equals_torch_bitwise():
+    from opensora.models.vae.fused_group_norm import add_channel_bias_
+
+    gen = torch.Generator("cuda").manual_seed(7)
+    for channels in (3, 128, 2048):
+        x = torch.randn(1, channels, 3, 10, 14, device="cuda", generator=gen).bfloat16()
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+        bias = torch.randn(channels, device="cuda", generator=gen).bfloat16()
+        ref = x + bias.view(1, -1, 1, 1, 1)
+        assert torch.equal(add_channel_bias_(x, bias), ref)
+
+
 def latents(frames, seed):
     return torch.randn(1, 16, frames, 8, 12, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
 

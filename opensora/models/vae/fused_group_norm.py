@@ -173,6 +173,34 @@ if triton is not None:
         tl.store(out_ptr + base[:, None] + c[None, :], x, mask=mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _add_bias_cl_kernel(x_ptr, bias_ptr, rows, channels, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """In place: channels-last x [rows, C] += bias[C] (fp32 sum, one rounding, as PyTorch's add)."""
+        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        c = tl.arange(0, BLOCK_C)
+        mask = (r < rows)[:, None] & (c < channels)[None, :]
+        offsets = r[:, None] * channels + c[None, :]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(bias_ptr + c, mask=c < channels, other=0.0).to(tl.float32)
+        tl.store(x_ptr + offsets, (x + b[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def add_channel_bias_(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``x += bias`` per channel of x [N, C, ...], in place. PyTorch's broadcast add over a channels-last conv output
+    runs a generic strided kernel at about half the memory bandwidth (1.7 ms per 128-channel 12-frame 480x832
+    output on an H200); a channels-last tile kernel streams it."""
+    if not (triton_ready(x) and x.dim() == 5 and channels_last(x)):
+        return x.add_(bias.view(1, -1, *([1] * (x.dim() - 2))))
+    c = x.shape[1]
+    block_c = triton.next_power_of_2(c)
+    block_r = max(1, NORM_TILE // block_c)
+    rows = x.numel() // c
+    _add_bias_cl_kernel[(triton.cdiv(rows, block_r),)](x, bias, rows, c, BLOCK_R=block_r, BLOCK_C=block_c)
+    return x
+
+
 def channels_last(x: torch.Tensor) -> bool:
     """Whether x [N, C, T, H, W] is laid out channels-last (``torch.channels_last_3d``) and dense."""
     return x.dim() == 5 and x.stride(1) == 1 and x.is_contiguous(memory_format=torch.channels_last_3d)

@@ -25,21 +25,21 @@ from typing import List, Tuple
 import torch
 
 from .conv_cache import CausalConvCache
-from .fused_group_norm import NORM_TILE, channels_last, triton, triton_ready
+from .fused_group_norm import NORM_TILE, add_channel_bias_, channels_last, triton, triton_ready
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
     def _interleave_cl_kernel(
-        y_ptr, out_ptr, out_voxels, channels, out_h, out_w, skip,
+        y_ptr, out_ptr, bias_ptr, out_voxels, channels, out_h, out_w, skip,
         y_sb, y_st, y_sh, y_sw, out_sb, out_st, out_sh, out_sw,
         FT: tl.constexpr, FH: tl.constexpr, FW: tl.constexpr,
-        STEP_T: tl.constexpr, STEP_H: tl.constexpr, STEP_W: tl.constexpr,
+        STEP_T: tl.constexpr, STEP_H: tl.constexpr, STEP_W: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         """out[n, c, to, ho, wo] = y[n, phase(to + skip, ho, wo) Cout + c, i_t + p_t STEP_T, i_h + p_h STEP_H,
-        i_w + p_w STEP_W] (i = index // factor, p = index % factor), channel stride 1 on both sides."""
+        i_w + p_w STEP_W] (+ bias[c]) (i = index // factor, p = index % factor), channel stride 1 on both sides."""
         n = tl.program_id(1).to(tl.int64)
         v = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
@@ -55,6 +55,9 @@ if triton is not None:
             + (wo // FW + pw * STEP_W) * y_sw + phase * channels
         )  # fmt: skip
         x = tl.load(y_ptr + src[:, None] + c[None, :], mask=mask, other=0.0)
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + c, mask=c < channels, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) + b[None, :]).to(out_ptr.dtype.element_ty)
         dst = n * out_sb + to * out_st + ho * out_sh + wo * out_sw
         tl.store(out_ptr + dst[:, None] + c[None, :], x, mask=mask)
 
@@ -113,8 +116,7 @@ class PhaseUpsampleConv:
         mt, mh, mw = (m.to(weight.device) for m in self.merges)
         merged = torch.einsum("ajt,bkh,clw,oithw->abcoijkl", mt, mh, mw, weight.detach().float())
         self.conv.weight = merged.reshape(-1, *merged.shape[4:]).to(weight.dtype)
-        count = self.phases[0] * self.phases[1] * self.phases[2]
-        self.conv.bias = None if bias is None else bias.detach().repeat(count)
+        self.bias = None if bias is None else bias.detach()  # added while interleaving (one pass fewer)
         self.merged_version = self.weights_version()
 
     def weights_version(self) -> tuple:
@@ -136,14 +138,15 @@ class PhaseUpsampleConv:
         ft, fh, fw = self.factors
         skip = 1 if first and ft > 1 else 0  # a clip's first frame: the interleaved output without its first frame
         if triton_ready(y) and channels_last(y) and fmt == torch.channels_last_3d:
-            out = torch.empty((b, self.out_channels, t * ft - skip, h * fh, w * fw), dtype=y.dtype, device=y.device)
-            out = out.contiguous(memory_format=fmt)
+            shape = (b, self.out_channels, t * ft - skip, h * fh, w * fw)
+            out = torch.empty(shape, dtype=y.dtype, device=y.device, memory_format=fmt)
             self._interleave_triton(y, out, skip)
             return out
-        out = torch.empty((b, self.out_channels, t * ft, h * fh, w * fw), dtype=y.dtype, device=y.device)
-        out = out.contiguous(memory_format=fmt)
+        shape = (b, self.out_channels, t * ft, h * fh, w * fw)
+        out = torch.empty(shape, dtype=y.dtype, device=y.device, memory_format=fmt)
         self._interleave(y, out, (t, h, w))
-        return out[:, :, skip:]
+        out = out[:, :, skip:]
+        return out if self.bias is None else add_channel_bias_(out, self.bias)
 
     def _interleave_triton(self, y: torch.Tensor, out: torch.Tensor, skip: int) -> None:
         n, c, t, h, w = out.shape
@@ -154,10 +157,11 @@ class PhaseUpsampleConv:
         y_view = y[:, :, base[0] :, base[1] :, base[2] :]  # each axis' phase 0 start
         grid = (triton.cdiv(t * h * w, block_v), n)
         ft, fh, fw = self.factors
+        bias = self.bias if self.bias is not None else out  # any pointer when there is no bias
         _interleave_cl_kernel[grid](
-            y_view, out, t * h * w, c, h, w, skip, y.stride(0), *y.stride()[2:],
+            y_view, out, bias, t * h * w, c, h, w, skip, y.stride(0), *y.stride()[2:],
             out.stride(0), *out.stride()[2:], FT=ft, FH=fh, FW=fw, STEP_T=steps[0], STEP_H=steps[1],
-            STEP_W=steps[2], BLOCK_V=block_v, BLOCK_C=block_c,
+            STEP_W=steps[2], HAS_BIAS=self.bias is not None, BLOCK_V=block_v, BLOCK_C=block_c,
         )  # fmt: skip
 
     def _interleave(self, y: torch.Tensor, out: torch.Tensor, size: Tuple[int, int, int]) -> None:
