@@ -218,6 +218,10 @@ def run_speed(args) -> dict:
                 for i in range(1, args.chunks):
                     graphed(stream[:, :, i * args.chunk : (i + 1) * args.chunk], first=False)
     result["decode_ms"] = {name: spread(t) for name, t in times.items()}
+    for name, s in result["decode_ms"].items():
+        print(f"{name:<40} median {s['median_ms']:8.2f} ms  (min {s['min_ms']:.2f}, max {s['max_ms']:.2f})")
+    variants = plain_graph = None  # frees the overlap rule's graph pool: the options below fit an 80 GB card
+    torch.cuda.empty_cache()
     # options of the graphed exact decode, one at a time (each holds its own graph pool), each next to the default
     options = {
         "direct-upsample": dict(upsample="direct"),  # the default runs the upsamplers' convs by phase
@@ -243,8 +247,6 @@ def run_speed(args) -> dict:
         other = None  # frees its graph pool before the next option
         torch.backends.cudnn.benchmark = False
         torch.cuda.empty_cache()
-    for name, s in result["decode_ms"].items():
-        print(f"{name:<40} median {s['median_ms']:8.2f} ms  (min {s['min_ms']:.2f}, max {s['max_ms']:.2f})")
     for name, o in result["options"].items():
         print(
             f"option {name:<33} median {o[name]['median_ms']:8.2f} ms vs default {o['default']['median_ms']:8.2f} ms; "
