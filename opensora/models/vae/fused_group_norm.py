@@ -148,6 +148,16 @@ if triton is not None:
                         tl.store(out_ptr + shifted[:, None] + c[None, :], y, mask=mask & edge[:, None])
 
     @triton.jit
+    def output_tile(out_voxels, channels, out_h, out_w, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
+        """This program's tile of a channels-last output [N, T, H, W, C] (grid: voxel blocks, samples): the sample,
+        the channel range, the in-bounds mask and each voxel's (t, h, w)."""
+        n = tl.program_id(1).to(tl.int64)
+        v = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+        c = tl.arange(0, BLOCK_C)
+        mask = (v < out_voxels)[:, None] & (c < channels)[None, :]
+        return n, c, mask, v // (out_w * out_h), (v // out_w) % out_h, v % out_w
+
+    @triton.jit
     def _upsample_cl_kernel(
         x_ptr, out_ptr, out_voxels, channels, in_t, in_h, in_w, out_h, out_w,
         out_sb, out_st, out_sh, out_sw,
@@ -156,13 +166,7 @@ if triton is not None:
     ):  # fmt: skip
         """Nearest upsampling of channels-last x [N, T, H, W, C] into ``out`` (channel stride 1); ``FIRST``: output
         frame 0 comes from input frame 0 alone (the causal first-frame rule), later ones ``FT`` to an input frame."""
-        n = tl.program_id(1).to(tl.int64)
-        v = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
-        c = tl.arange(0, BLOCK_C)
-        mask = (v < out_voxels)[:, None] & (c < channels)[None, :]
-        wo = v % out_w
-        ho = (v // out_w) % out_h
-        to = v // (out_w * out_h)
+        n, c, mask, to, ho, wo = output_tile(out_voxels, channels, out_h, out_w, BLOCK_V, BLOCK_C)
         if FIRST:
             ti = tl.where(to == 0, 0, 1 + (to - 1) // FT)
         else:

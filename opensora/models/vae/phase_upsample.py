@@ -30,6 +30,8 @@ from .fused_group_norm import NORM_TILE, add_channel_bias_, channels_last, trito
 if triton is not None:
     import triton.language as tl
 
+    from .fused_group_norm import output_tile
+
     @triton.jit
     def _interleave_cl_kernel(
         y_ptr, out_ptr, bias_ptr, out_voxels, channels, out_h, out_w, skip,
@@ -40,13 +42,7 @@ if triton is not None:
     ):  # fmt: skip
         """out[n, c, to, ho, wo] = y[n, phase(to + skip, ho, wo) Cout + c, i_t + p_t STEP_T, i_h + p_h STEP_H,
         i_w + p_w STEP_W] (+ bias[c]) (i = index // factor, p = index % factor), channel stride 1 on both sides."""
-        n = tl.program_id(1).to(tl.int64)
-        v = (tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
-        c = tl.arange(0, BLOCK_C)
-        mask = (v < out_voxels)[:, None] & (c < channels)[None, :]
-        wo = v % out_w
-        ho = (v // out_w) % out_h
-        to = v // (out_w * out_h)
+        n, c, mask, to, ho, wo = output_tile(out_voxels, channels, out_h, out_w, BLOCK_V, BLOCK_C)
         tf = to + skip
         pt, ph, pw = tf % FT, ho % FH, wo % FW
         phase = (pt * FH + ph) * FW + pw
