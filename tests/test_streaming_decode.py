@@ -150,15 +150,19 @@ def test_phase_taps_cover_each_original_tap_once():
 
 
 def test_phase_taps_follow_the_weights_when_they_change():
+    """A ``load_state_dict`` after the decoder was built: the merged taps follow, in the same tensor (what a
+    captured graph reads)."""
     from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoUpsampleCausal3D
 
     torch.manual_seed(1)
     up = HunyuanVideoUpsampleCausal3D(4, 4, upsample_factor=(2, 2, 2))
     phase = PhaseUpsampleConv(up)
+    taps = phase.conv.weight
     with torch.no_grad():
         up.load_state_dict({k: torch.randn_like(v) for k, v in up.state_dict().items()})
         x = torch.randn(1, 4, 3, 3, 5)
         torch.testing.assert_close(phase(x, first=True), up(x), rtol=1e-5, atol=1e-5)
+    assert phase.conv.weight is taps
 
 
 def test_fused_group_norm_cpu_path_matches_group_norm():

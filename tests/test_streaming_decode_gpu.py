@@ -171,3 +171,23 @@ def test_fp32_score_attention_is_as_close_to_fp32_as_sdpa():
         scaled_softmax(scores, 0.3, torch.bfloat16).float(), torch.softmax(scores * 0.3, -1), rtol=2**-7, atol=1e-6
     )
     print("bf16 x bf16 -> fp32 GEMM:", fp32_output_gemm(q.device))
+
+
+def test_graph_replays_follow_a_weight_change(vae):
+    """Weights changed in place after the capture (a checkpoint loaded into the same VAE): the replays use them,
+    the phase upsamplers' merged taps included."""
+    gen = torch.Generator("cuda").manual_seed(8)
+    z = torch.randn(1, 16, 6, 8, 12, device="cuda", generator=gen)
+    eager = ExactChunkDecode(vae, graphs=False)
+    graphed = ExactChunkDecode(vae, graphs=True)
+    graphed(z[:, :, :3], first=True)  # captures the first-chunk graph
+    conv = vae.vae.decoder.up_blocks[1].upsamplers[0].conv.conv
+    saved = conv.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            conv.weight.mul_(1.5)
+        a, b = eager(z[:, :, :3], first=True), graphed(z[:, :, :3], first=True)
+        assert torch.equal(a, b) and not graphed.failures
+    finally:
+        with torch.no_grad():
+            conv.weight.copy_(saved)

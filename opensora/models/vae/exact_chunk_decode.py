@@ -83,6 +83,7 @@ class ExactChunkDecode:
             self.decoder.frames_seen = seen
             return self.eager(raw, first)
         static_in, graph, holder = entry
+        self.decoder.refresh()  # weights changed since the capture: the graph reads the refreshed tensors in place
         static_in.copy_(raw)
         graph.replay()
         self.decoder.frames_seen = seen + raw.shape[2]

@@ -106,14 +106,24 @@ class PhaseUpsampleConv:
         self.merge_weights()
 
     def merge_weights(self) -> None:
-        """The phases' taps from the conv's current weights (again whenever those change in place, e.g. a
-        ``load_state_dict`` after this was built: checked on every eager call)."""
+        """The phases' taps from the conv's current weights, written in place into the tensor a captured CUDA graph
+        reads (``refresh`` redoes it whenever the weights change, e.g. a ``load_state_dict`` after this was built)."""
         weight, bias = self.module.conv.weight, self.module.conv.bias
         mt, mh, mw = (m.to(weight.device) for m in self.merges)
         merged = torch.einsum("ajt,bkh,clw,oithw->abcoijkl", mt, mh, mw, weight.detach().float())
-        self.conv.weight = merged.reshape(-1, *merged.shape[4:]).to(weight.dtype)
+        merged = merged.reshape(-1, *merged.shape[4:]).to(weight.dtype)
+        current = self.conv.weight
+        if current is not None and current.shape == merged.shape and current.device == merged.device:
+            current.copy_(merged)
+        else:
+            self.conv.weight = merged
         self.bias = None if bias is None else bias.detach()  # added while interleaving (one pass fewer)
         self.merged_version = self.weights_version()
+
+    def refresh(self) -> None:
+        """Re-merge the taps if the conv's weights changed since (a host-side check; not during a graph capture)."""
+        if self.weights_version() != self.merged_version and not capturing():
+            self.merge_weights()
 
     def weights_version(self) -> tuple:
         conv = self.module.conv
@@ -127,8 +137,7 @@ class PhaseUpsampleConv:
         """The upsampled, convolved chunk [B, Cout, frames, H fh, W fw] (frames = 1 + ft (t - 1) for a clip's first
         chunk, ft t after), in ``fmt`` (default contiguous)."""
         fmt = fmt or torch.contiguous_format
-        if self.weights_version() != self.merged_version and not capturing():
-            self.merge_weights()
+        self.refresh()
         y = self.conv(x.contiguous(memory_format=fmt), first, fmt)  # [B, phases x Cout, t, h + 1, w + 1]
         b, _, t, h, w = x.shape
         ft, fh, fw = self.factors

@@ -237,6 +237,12 @@ class StreamingDecoder:
         tensors += [t for a in self.attentions if a is not None for t in (a.keys, a.values)]
         return [t for t in tensors if t is not None]
 
+    def refresh(self) -> None:
+        """Bring derived weights (the phase upsamplers' merged taps) up to the VAE's current weights; graph replays
+        do not run the Python that would (``ExactChunkDecode`` calls this before each replay)."""
+        for upsampler in self.upsamplers.values():
+            upsampler.refresh()
+
     def recorded_stats(self) -> List[tuple]:
         """(mean, var) of every norm from the last ``decode(..., record=True)`` (``fixed_stats`` input)."""
         return [self.stats[id(n)].recorded for n in self.norm_order]
