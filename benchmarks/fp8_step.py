@@ -141,6 +141,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import torch
 
+    # every variant's blocks compile their own graphs in this one process (3 recipes x 2 widths x 2 block kinds):
+    # under dynamo's default limit of 8 the later variants ran eager (2026-11-27, H100: the 11B-width rows)
+    for limit, value in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 1024)):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, value)
     env = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, device=torch.cuda.get_device_name())
     rows = []
     out = Path(args.out or OUT / f"fp8_step_{env['date']}.json")
