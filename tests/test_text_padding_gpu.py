@@ -102,7 +102,8 @@ def references():
     "compiled, ckpt, how",
     [(False, 0, "dense"), (True, 0, "dense"), (True, 2, "dense"), (True, 1, "dense"), (False, 0, "packed"),
      (True, 2, "packed"), (True, 1, "packed"), (False, 0, "rows"), (True, 2, "rows"), (False, 0, "flex"),
-     (True, 0, "flex"), (True, 2, "flex"), (True, 1, "flex")],
+     (True, 0, "flex"), (True, 2, "flex"), (True, 1, "flex"), (False, 0, "bias-channel"), (True, 2, "bias-channel"),
+     (True, 1, "bias-channel")],
 )  # fmt: skip
 def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_masked_path(
     references, compiled, ckpt, how
@@ -113,7 +114,7 @@ def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_mas
     compare_to_fp32_masked(model, data, reference, baseline)
 
 
-@pytest.mark.parametrize("how", ["packed", "flex"])
+@pytest.mark.parametrize("how", ["packed", "flex", "bias-channel"])
 def test_packed_flash_and_flex_attention_with_a_row_that_fills_the_trimmed_text(how):
     """Lengths 64, 10, 64: trimmed to 64 (multiples of 32), so rows 0 and 2 have an empty padding run (a zero-length sequence for the
     variable-length flash kernel; no padded key block for flex)."""

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .bias_channel_attention import BiasChannelRows
 from .flex_attention import FlexRows
 from .packed_attention import PackedRows
 
@@ -104,6 +105,13 @@ def attention(
         raise ValueError(f"attention expects q/k/v as [B, heads, N, head_dim], got q of shape {tuple(q.shape)}")
     if isinstance(mask, (KeyRanges, PackedRows, FlexRows)):
         return mask.attend(q, k, v, backend)
+    if isinstance(mask, BiasChannelRows):  # the key mask in extra channels: an unmasked SDPA call at head_dim's scale
+        head_dim = q.shape[-1]
+        q, k, v = mask.augment(q, k, v)
+        with backend_context(backend, q.device, False):
+            out = F.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5)
+        out = _merge_heads(out[..., :head_dim])
+        return _DenseGrad.apply(out) if out.requires_grad else out
     if torch.compiler.is_compiling() and COMPILED_ATTENTION["mode"] == "op":
         q, k, v = _same_dtype(q, k, v)
         return torch.ops.opensora.attention(q, k, v, mask, check_backend(backend))

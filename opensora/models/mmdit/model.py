@@ -18,6 +18,7 @@ from opensora.registry import MODELS
 
 from ..arch import records_arch
 from .attention import COMPILED_ATTENTION, COMPILED_ATTENTION_MODES, check_backend, device_major
+from .bias_channel_attention import BiasChannelRows
 from .causal import KVCache, TextKVCache, block_causal_video_mask, joint_attention_mask, per_chunk_timestep_forward
 from .causal_stream import CausalStreaming
 from .flex_attention import FlexRows
@@ -29,8 +30,9 @@ from .rope import rope_cos_sin, video_position_ids
 from .text_padding import padded_text_keys, trim_text
 
 TIMESTEP_FEATURES = 256
-PADDED_TEXT_ATTENTION = ("dense", "packed", "rows", "flex")
-ROW_MASKS = {"packed": PackedRows, "flex": FlexRows}  # one object for the batch; own keys only
+PADDED_TEXT_ATTENTION = ("dense", "packed", "rows", "flex", "bias-channel")
+# one object for the batch; own keys only
+ROW_MASKS = {"packed": PackedRows, "flex": FlexRows, "bias-channel": BiasChannelRows}
 # Training text is trimmed to multiples of this: one compiled shape for prompts up to 128 T5 tokens (20-120 are
 # typical), at most 4 up to 512. Measured on an H200 (1B, batch 4, full checkpointing, compiled): a trimmed length
 # that changed every step (multiples of 32) made the blocks' shapes symbolic and the padded step 1.41x the unpadded.
@@ -106,10 +108,12 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         training option, left out of ``arch``. ``padded_text_attention``: how a training batch's rows with padded
         text attend after the trim: "dense" (a boolean key mask over the trimmed text), "packed" (one
         variable-length flash call for the batch, packed_attention.py), "rows" (one SDPA call per row,
-        ``attention.KeyRanges``) or "flex" (FlexAttention with a per-batch block mask, flex_attention.py; fast only
-        compiled; not yet timed; causal models and sequence parallelism keep the dense mask). All give the same
-        result; measured on an H200 (1B, batch 4 at 256px, full checkpointing, compiled, prompts of 20-120 tokens):
-        the dense default 285-288 ms, packed 326-338 ms (same calls), rows 494 ms, the unpadded step 192-234 ms
+        ``attention.KeyRanges``), "flex" (FlexAttention with a per-batch block mask, flex_attention.py; fast only
+        compiled; causal models and sequence parallelism keep the dense mask) or "bias-channel" (the mask as an
+        extra q/k channel pair, so SDPA runs unmasked on flash / cuDNN, bias_channel_attention.py). All give the
+        same result; measured on an H200 (1B, batch 4 at 256px, full checkpointing, compiled, prompts of 20-120
+        tokens): the dense default 285-288 ms, packed 326-338 ms (same calls), rows 494 ms, the unpadded step
+        192-234 ms; in a later call dense 218.7, flex 221.6, unpadded 169.0 ms
         (benchmarks/reports/padded_text_h200_2026-11.md). Not architecture (left out of ``arch``), nor is
         ``text_length_multiple`` (trimmed lengths are its multiples: a larger one gives fewer shapes to compile, a
         smaller one fewer padded tokens)."""

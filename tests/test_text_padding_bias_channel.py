@@ -1,0 +1,89 @@
+"""``padded_text_attention="bias-channel"``: the key mask carried by one extra q/k channel pair (an unmasked SDPA
+call) equals the dense key mask on the output and every gradient, whatever the lengths (a row with no valid text, a
+row that fills the trimmed text), and keeps one compiled graph per block kind while the lengths change (CPU, fp32)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_mmdit import perturb, tiny_kwargs
+from test_text_padding import assert_close_at_scale, dense_masked_forward, loss_and_grads, padded_batch
+
+from opensora.models.mmdit import MMDiT
+from opensora.models.mmdit.attention import attention
+from opensora.models.mmdit.bias_channel_attention import EXTRA_CHANNELS, BiasChannelRows
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
+
+
+@pytest.mark.parametrize("lengths", [[2, 0, 5], [3]])
+def test_bias_channel_rows_equal_sdpa_with_their_boolean_mask(lengths):
+    """Rows of 2, 0 and 5 (all) valid text tokens of 5, then 6 video tokens: every query (padded text ones too) gets
+    the masked SDPA output and gradients; large values in the padded keys and values change nothing."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(len(lengths), 2, 11, 8, generator=gen) * 3 for _ in range(3))
+    for row, length in enumerate(lengths):  # garbage in the padded text keys / values
+        k[row, :, length:5] = 1e3
+        v[row, :, length:5] = -1e3
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    rows = BiasChannelRows(lengths, num_text=5, num_video=6, device="cpu")
+    mask = rows.dense(11)
+    keys = torch.arange(11)
+    assert torch.equal(mask[:, 0, 0], (keys[None] < torch.tensor(lengths)[:, None]) | (keys[None] >= 5))
+    out = attention(q, k, v, rows)
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(len(lengths), 11, 16)
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-5)
+    grad = torch.randn(out.shape, generator=gen)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(reference, (q, k, v), grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    augmented = rows.augment(q, k, v)
+    assert [t.shape[-1] for t in augmented] == [8 + EXTRA_CHANNELS] * 3
+    with pytest.raises(ValueError, match="got q"):
+        attention(q[:, :, :10], k[:, :, :10], v[:, :, :10], rows)
+
+
+@pytest.mark.parametrize("lengths", [[80, 5], [5, 37]])
+def test_padded_batch_through_the_model_equals_the_masked_computation(lengths):
+    model = MMDiT(**tiny_kwargs(padded_text_attention="bias-channel")).train()
+    perturb(model)
+    data = padded_batch(lengths)  # [80, 5]: row 0 fills all 80 columns, row 1 is padded
+    target = torch.randn(2, 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))
+    mask = data["text_mask"][:, :80]
+    assert isinstance(model.padding_mask(mask, lengths, 80, 16), BiasChannelRows)
+    out = model(**data)
+    _, grads = loss_and_grads(model, out, target, data["text_emb"])
+    masked = dense_masked_forward(model, data)
+    _, masked_grads = loss_and_grads(model, masked, target, data["text_emb"])
+    assert_close_at_scale(out, masked, what="output")
+    for name, grad in masked_grads.items():
+        assert (grad is None) == (grads[name] is None), name
+        if grad is not None:
+            assert_close_at_scale(grads[name], grad, what=name)
+
+
+def test_changing_prompt_lengths_reuse_one_compiled_graph_per_block_kind():
+    """The lengths reach the compiled blocks as a tensor (the key channel): batches of one trimmed length and new
+    prompt lengths compile one double and one single block graph, and each matches the dense mask."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model = MMDiT(**tiny_kwargs(padded_text_attention="bias-channel")).train()
+    perturb(model)
+    target = torch.randn(2, 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))
+    try:
+        for block in [*model.double_blocks, *model.single_blocks]:
+            block.compile(backend=counter)
+        for step, lengths in enumerate(([5, 37], [60, 2], [17, 79])):
+            data = padded_batch(lengths, seed=step)
+            out = model(**data)
+            _, grads = loss_and_grads(model, out, target, data["text_emb"])
+            masked = dense_masked_forward(model, data)
+            _, masked_grads = loss_and_grads(model, masked, target, data["text_emb"])
+            assert_close_at_scale(out, masked, what=f"output {lengths}")
+            for name in ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight", "text_emb"):
+                assert_close_at_scale(grads[name], masked_grads[name], what=f"{name} {lengths}")
+            if step == 0:
+                graphs = counter.frame_count
+        assert graphs == 4 and counter.frame_count == graphs  # per block kind: bias channel, and the reference's mask
+    finally:
+        torch._dynamo.reset()
