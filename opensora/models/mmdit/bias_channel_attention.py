@@ -16,7 +16,9 @@ without a mask, with the original head size's scale ``1 / sqrt(d)``:
 So the output and every gradient equal the masked computation's up to the kernels' rounding (the CPU tests check fp32
 against the dense mask; the GPU test bounds bf16 by the masked path's own error). Every query attends, padded text
 queries too, over the valid keys: the dense key mask's semantics. The cost: 8 more channels per head (128 -> 136,
-+6% attention FLOPs before the kernels' own tile rounding) and three concatenations per attention call.
++6% attention FLOPs before the kernels' own tile rounding) and three concatenations per attention call. Measured on
+an H200 (1B real configuration, compiled): 1.016x the dense mask's step, no gain; which SDPA kernel takes head 136
+there was not recorded (benchmarks/reports/padded_text_h200_2026-11.md).
 """
 
 from typing import Sequence

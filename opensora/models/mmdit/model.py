@@ -113,7 +113,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         extra q/k channel pair, so SDPA runs unmasked on flash / cuDNN, bias_channel_attention.py). All give the
         same result; measured on an H200 (1B, batch 4 at 256px, full checkpointing, compiled, prompts of 20-120
         tokens): the dense default 285-288 ms, packed 326-338 ms (same calls), rows 494 ms, the unpadded step
-        192-234 ms; in a later call dense 218.7, flex 221.6, unpadded 169.0 ms
+        192-234 ms; in later calls dense 218.7 / 243.5, flex 221.6, bias-channel 247.4, unpadded 169.0 / 173.0 ms
         (benchmarks/reports/padded_text_h200_2026-11.md). Not architecture (left out of ``arch``), nor is
         ``text_length_multiple`` (trimmed lengths are its multiples: a larger one gives fewer shapes to compile, a
         smaller one fewer padded tokens)."""
