@@ -309,6 +309,14 @@ def run(args):
                 index += 1
             if cuda:
                 v.peak = max(v.peak, torch.cuda.max_memory_allocated() / 2**30)
+    summaries = {}
+    if args.profile_steps and cuda:  # after the timed rounds, so the profiler's overhead is not timed
+        from benchmarks.train_step import profile_summary
+
+        for v in variants:  # GPU ms by kernel category and the top kernels: which attention kernel each path runs
+            first = index
+            summaries[v.name] = profile_summary(lambda: v.step(first), args.profile_steps)
+            index += 1
     rows = []
     for v in variants:
         median = statistics.median(v.times)
@@ -316,7 +324,7 @@ def run(args):
         processed = v.processed if v.processed is not None else useful
         row = dict(variant=v.name, **spread(v.times), step_ms=median * 1e3, times_ms=[round(t * 1e3, 2) for t in v.times],
                    warmup_s=warm[v.name], peak_mem_gib=v.peak if cuda else None, useful_tflop=useful / 1e12,
-                   processed_tflop=processed / 1e12)  # fmt: skip
+                   processed_tflop=processed / 1e12, profile_summary=summaries.get(v.name))  # fmt: skip
         for name, peak in (("ceiling", args.ceiling_tflops), ("vendor", args.vendor_tflops)):
             row[f"mfu_useful_vs_{name}"] = useful / median / 1e12 / peak
             row[f"mfu_processed_vs_{name}"] = processed / median / 1e12 / peak
@@ -340,6 +348,9 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=6, help="timed steps per variant per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--variants", default="", help=f"comma list (default all): {','.join(VARIANTS)}")
+    parser.add_argument(
+        "--profile-steps", type=int, default=0, help="GPU: profile N steps per variant after timing (kernel summary)"
+    )
     parser.add_argument("--no-diffusers", action="store_true")
     parser.add_argument(
         "--warm-lengths",
@@ -374,6 +385,11 @@ def main(argv=None):
         )
     for name, value in result["ratios"].items():
         print(f"{name}: {value:.3f}")
+    for r in result["rows"]:
+        if r["profile_summary"]:
+            from opensora.training.profiling import format_profile
+
+            print(f"{r['variant']} {format_profile(r['profile_summary'])}")
     print(f"compiled graphs: {result['graphs']}; wrote {out}")
     return 0
 
