@@ -128,6 +128,36 @@ def assert_close_at_scale(got, want, tol=1e-5, what=""):
     assert (got - want).abs().max() <= tol * scale, f"{what}: error {(got - want).abs().max():.3g}, scale {scale:.3g}"
 
 
+def assert_one_compiled_graph_per_block_kind(how):
+    """Batches of one trimmed length (80 columns) with new prompt lengths through ``padded_text_attention=how``
+    compile one double and one single block graph (forward and backward), and each matches the dense mask (run
+    through the same compiled blocks: one more graph per block kind)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model = MMDiT(**tiny_kwargs(padded_text_attention=how)).train()
+    perturb(model)
+    target = torch.randn(2, 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))
+    try:
+        for block in [*model.double_blocks, *model.single_blocks]:
+            block.compile(backend=counter)
+        for step, lengths in enumerate(([5, 37], [60, 2], [17, 79])):
+            data = padded_batch(lengths, seed=step)
+            out = model(**data)
+            _, grads = loss_and_grads(model, out, target, data["text_emb"])
+            masked = dense_masked_forward(model, data)
+            _, masked_grads = loss_and_grads(model, masked, target, data["text_emb"])
+            assert_close_at_scale(out, masked, what=f"output {lengths}")
+            for name in ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight", "text_emb"):
+                assert_close_at_scale(grads[name], masked_grads[name], what=f"{name} {lengths}")
+            if step == 0:
+                graphs = counter.frame_count
+        assert graphs == 4 and counter.frame_count == graphs  # per block kind: the path, and the reference's mask
+    finally:
+        torch._dynamo.reset()
+
+
 def loss_and_grads(model, out, target, text_emb):
     loss = (out - target).square().sum()
     names = [n for n, p in model.named_parameters()]

@@ -9,6 +9,7 @@ from test_mmdit import perturb, tiny_kwargs
 from test_text_padding import (
     allow_flex_backward_on_cpu,
     assert_close_at_scale,
+    assert_one_compiled_graph_per_block_kind,
     dense_masked_forward,
     loss_and_grads,
     padded_batch,
@@ -76,34 +77,9 @@ def test_a_row_that_fills_the_trimmed_text_equals_the_masked_computation(monkeyp
 
 
 def test_changing_prompt_lengths_reuse_one_compiled_graph_per_block_kind(monkeypatch):
-    """The lengths reach the compiled blocks as a tensor the mask_mod closes over: batches of one trimmed length
-    (80 columns) and new prompt lengths compile one double and one single block graph, forward and backward, and
-    each matches the dense mask (run through the same compiled blocks: one more graph per block kind)."""
+    """The lengths reach the compiled blocks as a tensor the mask_mod closes over: one graph per block kind."""
     allow_flex_backward_on_cpu(monkeypatch)
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    model = MMDiT(**tiny_kwargs(padded_text_attention="flex")).train()
-    perturb(model)
-    target = torch.randn(2, 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))
-    try:
-        for block in [*model.double_blocks, *model.single_blocks]:
-            block.compile(backend=counter)
-        for step, lengths in enumerate(([5, 37], [60, 2], [17, 79])):
-            data = padded_batch(lengths, seed=step)
-            out = model(**data)
-            _, grads = loss_and_grads(model, out, target, data["text_emb"])
-            masked = dense_masked_forward(model, data)
-            _, masked_grads = loss_and_grads(model, masked, target, data["text_emb"])
-            assert_close_at_scale(out, masked, what=f"output {lengths}")
-            for name in ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight", "text_emb"):
-                assert_close_at_scale(grads[name], masked_grads[name], what=f"{name} {lengths}")
-            if step == 0:
-                graphs = counter.frame_count
-        assert graphs == 4 and counter.frame_count == graphs  # per block kind: flex, and the reference's dense mask
-    finally:
-        torch._dynamo.reset()
+    assert_one_compiled_graph_per_block_kind("flex")
 
 
 def test_what_flex_does_not_cover_keeps_the_dense_mask_or_fails_in_one_line(monkeypatch):

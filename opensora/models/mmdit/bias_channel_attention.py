@@ -26,43 +26,28 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .row_lengths import DeviceRowLengths
+
 EXTRA_CHANNELS = 8
 MASK_VALUE = -32768.0  # exact in bf16 / fp16; times 1 / sqrt(head size) it still underflows exp in fp32
 
 
-class BiasChannelRows:
+class BiasChannelRows(DeviceRowLengths):
     """The key mask of a joint [text, video] batch whose row ``b`` has ``lengths[b]`` valid text tokens first, as
     the extra key channel above, built once per forward and shared by every block (``augment``)."""
 
     def __init__(self, lengths: Sequence[int], num_text: int, num_video: int, device):
-        self.num_text, self.num_video = int(num_text), int(num_video)
-        cpu = torch.tensor([int(length) for length in lengths], dtype=torch.int64)
-        if torch.device(device).type == "cuda":  # pinned + non_blocking: no wait for the queued work
-            cpu = cpu.pin_memory()
-        self.lengths = cpu.to(device, non_blocking=True)
+        super().__init__(lengths, num_text, num_video, device)
         keys = torch.arange(self.num_text + self.num_video, device=device)
         padded = (keys[None] >= self.lengths[:, None]) & (keys[None] < self.num_text)  # [B, N]
         self.key_channel = torch.where(padded, MASK_VALUE, 0.0)  # [B, N] fp32, cast to k's dtype per call
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def dense(self, num_keys: int, device=None) -> torch.Tensor:
-        """The equivalent boolean key mask [B, 1, 1, num_keys] (True = may attend) of the [text, video] order."""
-        keys = torch.arange(num_keys, device=device)
-        mask = (keys[None] < self.lengths.to(device)[:, None]) | (keys[None] >= self.num_text)
-        return mask[:, None, None, :]
 
     def augment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """[B, heads, T + N, head_dim] q/k/v -> the same with the extra channels (module docstring); the caller runs
         SDPA without a mask at scale ``head_dim ** -0.5`` and keeps the output's first ``head_dim`` channels
         (``attention.attention`` does)."""
+        self.check(q, k)
         batch, heads, tokens, _ = q.shape
-        if batch != len(self) or tokens != self.num_text + self.num_video or k.shape[2] != tokens:
-            raise ValueError(
-                f"BiasChannelRows of {len(self)} rows x {self.num_text}+{self.num_video} tokens got q "
-                f"{tuple(q.shape)}, k {tuple(k.shape)}"
-            )
         if torch.is_autocast_enabled(q.device.type):  # SDPA's autocast rule, applied before the concatenations
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

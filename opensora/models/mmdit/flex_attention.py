@@ -21,6 +21,8 @@ from typing import Sequence
 
 import torch
 
+from .row_lengths import DeviceRowLengths
+
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # torch < 2.5
@@ -46,7 +48,7 @@ def _flex(q, k, v, block_mask):
     return fn(q, k, v, block_mask=block_mask)
 
 
-class FlexRows:
+class FlexRows(DeviceRowLengths):
     """The key mask of a joint [text, video] batch whose row ``b`` has ``lengths[b]`` valid text tokens first, as a
     FlexAttention ``BlockMask`` built once per forward and shared by every block. ``attend`` takes and returns what
     ``attention.attention`` does (its ``backend`` is for SDPA and is ignored here)."""
@@ -54,34 +56,17 @@ class FlexRows:
     def __init__(self, lengths: Sequence[int], num_text: int, num_video: int, device, block_size: int = BLOCK_SIZE):
         if flex_attention is None:
             raise ValueError("padded_text_attention='flex' needs torch >= 2.5 (torch.nn.attention.flex_attention)")
-        self.num_text, self.num_video = int(num_text), int(num_video)
-        cpu = torch.tensor([int(length) for length in lengths], dtype=torch.int32)
-        if torch.device(device).type == "cuda":  # pinned + non_blocking: no wait for the queued work
-            cpu = cpu.pin_memory()
-        self.lengths = cpu.to(device, non_blocking=True)
+        super().__init__(lengths, num_text, num_video, device, dtype=torch.int32)
         tokens = self.num_text + self.num_video
         mask_mod = padded_text_mask_mod(self.lengths, self.num_text)
         self.block_mask = create_block_mask(
             mask_mod, len(self.lengths), None, tokens, tokens, device=device, BLOCK_SIZE=block_size
         )
 
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def dense(self, num_keys: int, device=None) -> torch.Tensor:
-        """The equivalent boolean key mask [B, 1, 1, num_keys] (True = may attend) of the [text, video] order."""
-        keys = torch.arange(num_keys, device=device)
-        mask = (keys[None] < self.lengths.to(device)[:, None]) | (keys[None] >= self.num_text)
-        return mask[:, None, None, :]
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         """[B, heads, T + N, head_dim] q/k/v -> [B, T + N, heads * head_dim]."""
+        self.check(q, k)
         batch, heads, tokens, head_dim = q.shape
-        if batch != len(self) or tokens != self.num_text + self.num_video or k.shape[2] != tokens:
-            raise ValueError(
-                f"FlexRows of {len(self)} rows x {self.num_text}+{self.num_video} tokens got q {tuple(q.shape)}, "
-                f"k {tuple(k.shape)}"
-            )
         if torch.is_autocast_enabled(q.device.type):  # what SDPA's autocast rule does; flex has none
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
