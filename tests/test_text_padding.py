@@ -128,6 +128,25 @@ def assert_close_at_scale(got, want, tol=1e-5, what=""):
     assert (got - want).abs().max() <= tol * scale, f"{what}: error {(got - want).abs().max():.3g}, scale {scale:.3g}"
 
 
+def assert_padded_batch_matches_the_masked_computation(how, lengths):
+    """A tiny perturbed MMDiT with ``padded_text_attention=how`` on a batch of ``lengths`` valid prompt tokens (80
+    columns): output and every gradient equal the dense masked computation's. Returns the model."""
+    model = MMDiT(**tiny_kwargs(padded_text_attention=how)).train()
+    perturb(model)
+    data = padded_batch(lengths)
+    target = torch.randn(len(lengths), 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))
+    out = model(**data)
+    _, grads = loss_and_grads(model, out, target, data["text_emb"])
+    masked = dense_masked_forward(model, data)
+    _, masked_grads = loss_and_grads(model, masked, target, data["text_emb"])
+    assert_close_at_scale(out, masked, what="output")
+    for name, grad in masked_grads.items():
+        assert (grad is None) == (grads[name] is None), name
+        if grad is not None:
+            assert_close_at_scale(grads[name], grad, what=name)
+    return model
+
+
 def assert_one_compiled_graph_per_block_kind(how):
     """Batches of one trimmed length (80 columns) with new prompt lengths through ``padded_text_attention=how``
     compile one double and one single block graph (forward and backward), and each matches the dense mask (run

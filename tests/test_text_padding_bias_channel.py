@@ -5,16 +5,11 @@ row that fills the trimmed text), and keeps one compiled graph per block kind wh
 import pytest
 import torch
 import torch.nn.functional as F
-from test_mmdit import perturb, tiny_kwargs
 from test_text_padding import (
-    assert_close_at_scale,
     assert_one_compiled_graph_per_block_kind,
-    dense_masked_forward,
-    loss_and_grads,
-    padded_batch,
+    assert_padded_batch_matches_the_masked_computation,
 )
 
-from opensora.models.mmdit import MMDiT
 from opensora.models.mmdit.attention import attention
 from opensora.models.mmdit.bias_channel_attention import EXTRA_CHANNELS, BiasChannelRows
 
@@ -49,21 +44,10 @@ def test_bias_channel_rows_equal_sdpa_with_their_boolean_mask(lengths):
 
 @pytest.mark.parametrize("lengths", [[80, 5], [5, 37]])
 def test_padded_batch_through_the_model_equals_the_masked_computation(lengths):
-    model = MMDiT(**tiny_kwargs(padded_text_attention="bias-channel")).train()
-    perturb(model)
-    data = padded_batch(lengths)  # [80, 5]: row 0 fills all 80 columns, row 1 is padded
-    target = torch.randn(2, 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))
-    mask = data["text_mask"][:, :80]
+    """[80, 5]: row 0 fills all 80 columns, row 1 is padded."""
+    model = assert_padded_batch_matches_the_masked_computation("bias-channel", lengths)
+    mask = torch.arange(80)[None] < torch.tensor(lengths)[:, None]
     assert isinstance(model.padding_mask(mask, lengths, 80, 16), BiasChannelRows)
-    out = model(**data)
-    _, grads = loss_and_grads(model, out, target, data["text_emb"])
-    masked = dense_masked_forward(model, data)
-    _, masked_grads = loss_and_grads(model, masked, target, data["text_emb"])
-    assert_close_at_scale(out, masked, what="output")
-    for name, grad in masked_grads.items():
-        assert (grad is None) == (grads[name] is None), name
-        if grad is not None:
-            assert_close_at_scale(grads[name], grad, what=name)
 
 
 def test_changing_prompt_lengths_reuse_one_compiled_graph_per_block_kind():

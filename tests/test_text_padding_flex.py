@@ -5,13 +5,11 @@ not cover to the dense mask (CPU, fp32: torch's unfused flex reference, see ``al
 import pytest
 import torch
 import torch.nn.functional as F
-from test_mmdit import perturb, tiny_kwargs
+from test_mmdit import tiny_kwargs
 from test_text_padding import (
     allow_flex_backward_on_cpu,
-    assert_close_at_scale,
     assert_one_compiled_graph_per_block_kind,
-    dense_masked_forward,
-    loss_and_grads,
+    assert_padded_batch_matches_the_masked_computation,
     padded_batch,
 )
 
@@ -61,19 +59,7 @@ def _block_mask_of(mask, tokens, block_size):
 
 def test_a_row_that_fills_the_trimmed_text_equals_the_masked_computation(monkeypatch):
     allow_flex_backward_on_cpu(monkeypatch)
-    model = MMDiT(**tiny_kwargs(padded_text_attention="flex")).train()
-    perturb(model)
-    data = padded_batch([80, 5])  # row 0 fills all 80 columns, row 1 is padded
-    target = torch.randn(2, 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))
-    out = model(**data)
-    loss, grads = loss_and_grads(model, out, target, data["text_emb"])
-    masked = dense_masked_forward(model, data)
-    _, masked_grads = loss_and_grads(model, masked, target, data["text_emb"])
-    assert_close_at_scale(out, masked, what="output")
-    for name, grad in masked_grads.items():
-        assert (grad is None) == (grads[name] is None), name
-        if grad is not None:
-            assert_close_at_scale(grads[name], grad, what=name)
+    assert_padded_batch_matches_the_masked_computation("flex", [80, 5])  # row 0 fills all 80 columns
 
 
 def test_changing_prompt_lengths_reuse_one_compiled_graph_per_block_kind(monkeypatch):
