@@ -33,7 +33,8 @@ class ExactChunkDecode:
         attention_window: latent frames of earlier chunks the mid-block attention sees.
         graphs: replay each chunk decode as a CUDA graph (GPU only; falls back to eager if a capture fails).
         postprocess: applied to the decoded frames [B, 3, F, H, W] inside the graph (identity when None).
-        decoder_options: further ``StreamingDecoder`` options (``attention_kernel``, ``channels_last``).
+        decoder_options: further ``StreamingDecoder`` options (``attention_kernel``, ``channels_last``,
+            ``upsample``).
     """
 
     def __init__(
