@@ -208,3 +208,12 @@ def test_streaming_sampler_decodes_each_latent_frame_once_by_default():
     assert overlap.exact_decode is None
     frames = [c.frames.shape[1] for c in overlap.stream(["a red circle moving left"], [0], 17, 32, 32)]
     assert frames == [5, 8, 4]
+
+
+def test_a_vae_built_under_inference_mode_decodes():
+    """Inference-mode weights keep no version counter: the phase upsamplers must not need one."""
+    with torch.inference_mode():
+        model = AutoencoderKLHunyuanVideo(**TINY).eval()
+        z = latents(3, seed=4)
+        out = StreamingDecoder(model).decode(z, first=True)  # the clip as one chunk: the diffusers decode
+        torch.testing.assert_close(out, whole_clip(model, z), rtol=1e-5, atol=1e-5)

@@ -61,6 +61,15 @@ if triton is not None:
 KERNEL = 3
 
 
+def version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter; -1 for an inference-mode tensor, which keeps none (a VAE built under
+    ``torch.inference_mode``: an in-place change of its weights is then not noticed)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -127,7 +136,7 @@ class PhaseUpsampleConv:
 
     def weights_version(self) -> tuple:
         conv = self.module.conv
-        return (conv.weight._version, conv.weight.data_ptr(), None if conv.bias is None else conv.bias._version)
+        return (version(conv.weight), conv.weight.data_ptr(), None if conv.bias is None else version(conv.bias))
 
     @property
     def cache(self):
