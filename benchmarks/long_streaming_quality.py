@@ -84,6 +84,9 @@ def stage_config(args, stage: str) -> Path:
         f"dataset = dict(motion={args.motion!r})",
         f"seed = {int(args.train_seed)}",
     ]
+    method = {}  # the stage's method overrides, one dict (a second assignment would replace the first)
+    if stage == "long_rollout" and args.switch_prob is not None:
+        method["switch_prob"] = float(args.switch_prob)
     if args.tiny:
         lines.append(TINY_DATA)
         if stage == "teacher":
@@ -93,9 +96,12 @@ def stage_config(args, stage: str) -> Path:
             tiny_roles = ", ".join(f"{r}=dict(model={TINY_MODEL}, precision='fp32')" for r in roles)
             lines.append(f"models = dict({tiny_roles})")
             if stage == "ode":
-                lines.append("method = dict(teacher_num_steps=4, num_cached_pairs=8)")
+                method.update(teacher_num_steps=4, num_cached_pairs=8)
             if stage == "long_rollout":
-                lines.append("window_frames = 6\nmethod = dict(kv_window_frames=6, rollout_multiple=3)")
+                lines.append("window_frames = 6")
+                method.update(kv_window_frames=6, rollout_multiple=3)
+    if method:
+        lines.append(f"method = dict({', '.join(f'{k}={v!r}' for k, v in method.items())})")
     path = Path(args.out) / "configs" / f"{stage}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -496,6 +502,9 @@ def parse_args(argv=None):
     )
     parser.add_argument("--stop-after", choices=STAGES, default=None, help="end after this stage (calls under 10 min)")
     parser.add_argument("--long-multiple", type=int, default=8)
+    parser.add_argument(
+        "--switch-prob", type=float, default=None, help="the long-rollout student's prompt-switch share (config: 0.25)"
+    )
     parser.add_argument("--window-frames", type=int, default=None, help="cache window (latent frames); clip - chunk")
     parser.add_argument("--sink-frames", type=int, default=2)
     parser.add_argument(

@@ -33,11 +33,11 @@ RUNS = {
         ("student", "teacher", "critic"),
         "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3])",
     ),
-    "long_rollout": (  # 3x the clip through a 3-frame rolling cache with a 1-frame sink
+    "long_rollout": (  # 3x the clip through a 3-frame rolling cache with a 1-frame sink; prompt switches
         "configs/distill/long_rollout_demo.py",
         ("student", "teacher", "critic"),
         "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3], rollout_multiple=3, kv_window_frames=3, "
-        "kv_sink_frames=1)",
+        "kv_sink_frames=1, switch_prob=0.5)",
     ),
 }
 

@@ -127,6 +127,7 @@ def test_trains_a_few_steps_with_finite_losses_on_the_two_time_scale_rule():
         (dict(rollout_multiple=0), "rollout_multiple"),
         (dict(window="middle"), "window"),
         (dict(kv_window_frames=2, kv_sink_frames=2), "kv_sink_frames"),
+        (dict(switch_prob=1.5), "switch_prob"),
     ],
 )
 def test_bad_settings_are_refused(bad, match):
@@ -142,9 +143,11 @@ def test_default_cache_window_needs_room_beside_the_sinks():
         method.generate(method.adapter.prepare_batch(tiny_batch(1)), with_grad=False)
 
 
-def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_generates():
+@pytest.mark.parametrize("switch_chunk", [None, 3])
+def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_generates(switch_chunk):
     """Train/test consistency past the clip length: the training rollout through the rolling cache with a sink (3x the
-    clip, exit at the last step) equals the streaming sampler's latents with the same window and sink frames."""
+    clip, exit at the last step) equals the streaming sampler's latents with the same window and sink frames; with a
+    prompt switch at chunk 3 (each sample takes the other's prompt) it equals the sampler's switch with the re-cache."""
     from test_methods_framework import tiny_batch
 
     from opensora.inference.sampler import VideoSampler
@@ -158,16 +161,28 @@ def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_genera
     sampler = VideoSampler(roles["student"].unwrap(), comp.vae, comp.text_encoder, progress=False)
     stream = StreamingGenerator(sampler, step_list=steps, rollout="euler", window_frames=4, sink_frames=2)
     seeds = [3, 4]
+    switches, switch = (), None
+    if switch_chunk is not None:
+        prompts = list(batch["text"])
+        switches = [(switch_chunk * 2, prompts[-1:] + prompts[:-1])]  # latent frame of chunk 3; sample i takes i - 1
+        switch = (switch_chunk, method.adapter.roll_prompts(prepared))
     with torch.no_grad():
-        chunks = list(stream.stream(batch["text"], seeds, num_frames=3 * CLIP, height=16, width=16, decode=False))
+        chunks = list(
+            stream.stream(batch["text"], seeds, num_frames=3 * CLIP, height=16, width=16, decode=False,
+                          switches=switches)
+        )  # fmt: skip
     streamed = torch.cat([chunk.latents for chunk in chunks], dim=2)
     assert max(chunk.cached_frames for chunk in chunks) == 4  # the cache rolled
     generators = [torch.Generator().manual_seed(s) for s in seeds]  # the sampler's noise: one draw per chunk
     noise = torch.cat(
         [torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators]) for _ in range(6)], dim=2
     )
-    rolled = method.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False)
+    rolled = method.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False, switch=switch)
     torch.testing.assert_close(rolled, streamed, rtol=1e-4, atol=1e-5)
+    if switch_chunk is not None:  # the switch changed what follows it, not what precedes it
+        plain = method.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False)
+        torch.testing.assert_close(rolled[:, :, : 2 * switch_chunk], plain[:, :, : 2 * switch_chunk])
+        assert (rolled[:, :, 2 * switch_chunk :] - plain[:, :, 2 * switch_chunk :]).abs().max() > 1e-3
 
 
 def test_demo_config_trains_a_few_steps_at_the_demo_clip_shape():
@@ -198,3 +213,28 @@ def test_demo_config_trains_a_few_steps_at_the_demo_clip_shape():
     # the config's cache: a window of the demo clip's latent frames minus one chunk, one chunk of sink frames
     assert method.cache_window(method.adapter.prepare_batch(batch)) == cfg.window_frames == 4 - chunk
     assert method.kv_sink_frames == cfg.sink_frames == chunk
+
+
+@pytest.mark.parametrize("batch_size, end, switched", [(2, 9, True), (2, 4, False), (1, 9, False)])
+def test_a_prompt_switch_is_judged_with_the_new_prompts(batch_size, end, switched):
+    """switch_prob=1: where the window starts after the first chunk and the batch has another prompt to switch to,
+    the window is made and judged (teacher, critic) with each sample's switched prompt; otherwise nothing switches."""
+    from test_methods_framework import tiny_batch
+
+    method, roles, _ = make_long_rollout(switch_prob=1.0)
+    fixed_draws(method, exit_index=1, end=end)
+    prepared = method.adapter.prepare_batch(tiny_batch(batch_size))
+    seen = []
+    real_and_fake = method.real_and_fake_x0
+    method.real_and_fake_x0 = lambda x0, batch: seen.append(batch) or real_and_fake(x0, batch)
+    critic_loss = method.critic_loss
+    method.critic_loss = lambda x0, batch: seen.append(batch) or critic_loss(x0, batch)
+    method.adapter.prepare_batch = lambda batch: prepared
+    loss_map, outputs = method.single_train_step(tiny_batch(batch_size), iteration=0)
+    assert outputs["prompt_switch"] == int(switched) and torch.isfinite(loss_map["total_loss"])
+    assert len(seen) == 2 and seen[0] is seen[1]  # teacher / critic scores and the critic's loss: one batch
+    judged = seen[0].text["text_emb"]
+    expected = prepared.text["text_emb"].roll(1, dims=0) if switched else prepared.text["text_emb"]
+    assert torch.equal(judged, expected)
+    if switched:
+        assert not torch.equal(judged, prepared.text["text_emb"])  # the two prompts differ

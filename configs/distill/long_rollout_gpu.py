@@ -24,5 +24,8 @@ method = dict(
     window="uniform",
     kv_window_frames=window_frames,
     kv_sink_frames=sink_frames,
+    # a quarter of the iterations switch every sample's prompt at the judged window's start (re-cache under the new
+    # text, DMD with the new prompt), so a prompt switch mid-stream is learned; not yet measured on a GPU
+    switch_prob=0.25,
     adapter={{_base_.method.adapter}},
 )

@@ -15,7 +15,7 @@ A causal MMDiT (``causal_chunk_frames > 0``) can also be queried chunk by chunk 
 (``new_kv_cache`` / ``predict_x0_streaming``; ``capabilities_for(handle)`` then lists ``"streaming"``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
@@ -88,6 +88,12 @@ class MMDiTAdapter:
         null_text = _broadcast_text({k: v.to(comp.device) for k, v in comp.null_text.items()}, batch_size)
         alpha = fm.shift_alpha_for(latent_thw, self.patch_size, **self.shift)
         return PreparedBatch(latent_shape=latent_shape, text=text, null_text=null_text, shift_alpha=alpha)
+
+    def roll_prompts(self, batch: PreparedBatch, shift: int = 1) -> PreparedBatch:
+        """``batch`` with each sample's prompt replaced by the prompt ``shift`` samples before it (sample ``i`` takes
+        sample ``i - shift``'s text): other prompts from the same data, e.g. for a prompt switch mid-rollout."""
+        text = {key: value.roll(shift, dims=0) for key, value in batch.text.items()}
+        return replace(batch, text=text)
 
     def noise(self, batch: PreparedBatch) -> torch.Tensor:
         return torch.randn(batch.latent_shape, device=self.components.device, dtype=torch.float32)

@@ -163,22 +163,28 @@ class DMD2(TrainingMethod):
         velocity = self.adapter.predict_velocity(self.critic, noisy, t, batch, conditional=True)
         return F.mse_loss(velocity, self.adapter.velocity_target(x0, noise))
 
+    def judged_batch(self, prepared):
+        """The batch whose prompts the teacher and the critic judge the generated ``x0`` with: the step's own (a
+        method whose rollout switches prompts returns the switched one)."""
+        return prepared
+
     # ---- one micro-step -------------------------------------------------------------------------------------
     def single_train_step(self, batch: Mapping, iteration: int):
         prepared = self.adapter.prepare_batch(batch)
         train_student = is_student_iteration(iteration, self.student_update_every)
         x0, step_index = self.generate(prepared, with_grad=train_student)
+        judged = self.judged_batch(prepared)
 
         loss_map = {}
         forward_passes = step_index + 1 + 1  # rollout + student step + critic step
         backward_passes = 1  # critic
         if train_student:
-            real, fake = self.real_and_fake_x0(x0, prepared)
+            real, fake = self.real_and_fake_x0(x0, judged)
             grad = dmd_gradient(x0, real, fake)
             loss_map["generator_loss"] = generator_loss(x0, grad)
             forward_passes += 3 if self.guidance_scale != 1.0 else 2
             backward_passes += 1
-        loss_map["critic_loss"] = self.critic_loss(x0, prepared)
+        loss_map["critic_loss"] = self.critic_loss(x0, judged)
         loss_map["total_loss"] = loss_map["critic_loss"] + loss_map.get("generator_loss", 0.0)
         loss_map = {k: v if k == "total_loss" else v.detach() for k, v in loss_map.items()}
 

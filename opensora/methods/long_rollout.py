@@ -20,6 +20,12 @@ For one iteration, with the clip of ``T`` latent frames (the batch's) in chunks 
    (fake score, trained with flow matching on the windows) at the clip length they know; the generator loss and
    the two-time-scale rule are DMD2's. The caption stays the clip's, which suits motion that keeps its direction
    (MovingShapes ``wrap``); with ``bounce`` the caption names the first direction only.
+4. Prompt switches (``switch_prob``, default 0; LongLive trains interactive prompts this way): with that
+   probability the prompts switch at the judged window's first chunk (each sample takes another sample's prompt,
+   ``adapter.roll_prompts``), the kept context is re-cached under the new text as the streaming sampler does on a
+   switch (``switch_recache``), and DMD judges the window with the new prompts. The student learns to follow a new
+   prompt from the chunk after the switch, where otherwise it copies its context (the old prompt's colour). Needs
+   a batch of 2 or more and a window that starts after the first chunk; drawn every iteration, used where it fits.
 
 Memory is bounded by the window: one student graph per graded chunk (as many as Self-Forcing at the clip length)
 plus a KV cache of at most ``kv_window_frames`` frames; the longer rollout costs time (no-grad passes), not memory.
@@ -37,6 +43,7 @@ from opensora.methods.self_forcing import SelfForcing
 from opensora.registry import METHODS
 
 WINDOWS = ("uniform", "last")
+SWITCH_DRAWS = 1 << 20  # resolution of the switch_prob draw
 
 
 @METHODS.register_module()
@@ -49,9 +56,14 @@ class LongRollout(SelfForcing):
         window: str = "uniform",
         kv_window_frames: Optional[int] = None,
         kv_sink_frames: Optional[int] = None,
+        switch_prob: float = 0.0,
         **self_forcing_kwargs,
     ):
         super().__init__(roles, components, **self_forcing_kwargs)
+        if not 0.0 <= float(switch_prob) <= 1.0:
+            raise ValueError(f"LongRollout: switch_prob must be in [0, 1], got {switch_prob}")
+        self.switch_prob = float(switch_prob)
+        self.switched = None  # the prompts the judged window was made with, after a prompt switch
         if int(rollout_multiple) != rollout_multiple or rollout_multiple < 1:
             raise ValueError(f"LongRollout: rollout_multiple must be a whole number >= 1, got {rollout_multiple}")
         if window not in WINDOWS:
@@ -100,11 +112,21 @@ class LongRollout(SelfForcing):
         graded = range(start, end)
         if self.grad_frames is not None:  # Self-Forcing's grad_frames, counted from the window's end
             graded = range(max(start, end - -(-self.grad_frames // chunk)), end)
-        x0 = self.rollout_chunks(noise, batch, exit_index, with_grad, graded=graded, keep_from=start)
+        self.switched, switch = None, None
+        if self.switch_prob > 0:  # drawn on every iteration (RNG alike on every rank), used where a switch fits
+            drawn = shared_randint(SWITCH_DRAWS, self.components.device) < self.switch_prob * SWITCH_DRAWS
+            if drawn and start >= 1 and batch.batch_size >= 2:
+                self.switched = self.adapter.roll_prompts(batch)
+                switch = (start, self.switched)
+        x0 = self.rollout_chunks(noise, batch, exit_index, with_grad, graded=graded, keep_from=start, switch=switch)
         self.last_window = (start * chunk, end * chunk)
         return x0, exit_index
+
+    def judged_batch(self, prepared):
+        return self.switched if self.switched is not None else prepared
 
     def single_train_step(self, batch, iteration: int):
         loss_map, outputs = super().single_train_step(batch, iteration)
         outputs["window_start_frame"], outputs["rollout_frames"] = self.last_window
+        outputs["prompt_switch"] = int(self.switched is not None)
         return loss_map, outputs

@@ -89,13 +89,23 @@ class SelfForcing(CausVid):
         with_grad: bool,
         graded: Optional[range] = None,
         keep_from: int = 0,
+        switch: Optional[Tuple[int, object]] = None,
     ) -> torch.Tensor:
         """The autoregressive rollout described in the module docstring; returns the video's x0 [B, C, T, H, W].
         With ``exit_index`` the last step it is exactly what the streaming sampler generates from ``noise``.
 
         ``noise`` may be longer than the batch's clip (a long rollout). ``graded``: the chunks whose exit step keeps
         a graph (default: those of ``grad_frames``); ``keep_from``: the first chunk returned (earlier chunks only
-        fill the cache, so their outputs are dropped as soon as they are stored)."""
+        fill the cache, so their outputs are dropped as soon as they are stored). ``switch``: ``(chunk, batch)``, a
+        prompt switch at that chunk (> 0): from it on the passes take ``batch``'s text, and the previous chunk's
+        refill becomes a re-cache of every kept frame under the new text (the streaming sampler's
+        ``switch_recache``, LongLive's re-cache on a prompt switch)."""
+        from opensora.inference.streaming.recache import WindowLatents, plan_recache, run_recache
+
+        switch_chunk, switch_batch = switch if switch is not None else (None, None)
+        if switch_chunk is not None and switch_chunk < 1:
+            raise ValueError(f"a prompt switch needs a chunk before it, got chunk {switch_chunk}")
+        window = WindowLatents() if switch is not None else None  # the refill inputs of the cached frames
         chunk = self.num_frames_per_chunk
         frames = noise.shape[2]
         count = num_chunks(frames, chunk)
@@ -125,7 +135,25 @@ class SelfForcing(CausVid):
                         context = x0.detach()
                         if self.context_noise > 0:
                             context = self.adapter.add_noise(context, torch.randn_like(context), t_context)
-                        self.adapter.predict_x0_streaming(self.student, context, t_context, batch, cache, start, True)
+                        if c + 1 != switch_chunk:
+                            self.adapter.predict_x0_streaming(
+                                self.student, context, t_context, batch, cache, start, True
+                            )
+                            if window is not None:
+                                window.add(start, context)
+                                window.keep(cache.frame_ids)
+                        else:  # the prompt switch: every kept frame, this chunk's included, again under the new text
+                            window.add(start, context)
+                            kept = cache.frame_ids_after_append(start, context.shape[2])
+                            plan = plan_recache(cache.frame_ids, kept, chunk, everything=True)
+                            batch = switch_batch
+
+                            def store(latents, at, batch=batch):
+                                self.adapter.predict_x0_streaming(
+                                    self.student, latents, t_context, batch, cache, at, True
+                                )
+
+                            run_recache(cache, window, plan, store)
         finally:
             cache.clear()
         # clip-equivalent student passes beyond DMD2's count (exit_index + 1 over one clip): the refills, and the
