@@ -154,6 +154,7 @@ class SelfForcing(CausVid):
                                 )
 
                             run_recache(cache, window, plan, store)
+                            window = None  # one switch per rollout: no re-cache after it needs the inputs
         finally:
             cache.clear()
         # clip-equivalent student passes beyond DMD2's count (exit_index + 1 over one clip): the refills, and the

@@ -107,11 +107,7 @@ def attention(
         return mask.attend(q, k, v, backend)
     if isinstance(mask, BiasChannelRows):  # the key mask in extra channels: an unmasked SDPA call at head_dim's scale
         head_dim = q.shape[-1]
-        q, k, v = mask.augment(q, k, v)
-        with backend_context(backend, q.device, False):
-            out = F.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5)
-        out = _merge_heads(out[..., :head_dim])
-        return _DenseGrad.apply(out) if out.requires_grad else out
+        return _dense_sdpa(*mask.augment(q, k, v), None, backend, scale=head_dim**-0.5, channels=head_dim)
     if torch.compiler.is_compiling() and COMPILED_ATTENTION["mode"] == "op":
         q, k, v = _same_dtype(q, k, v)
         return torch.ops.opensora.attention(q, k, v, mask, check_backend(backend))
@@ -208,11 +204,11 @@ def _same_dtype(q, k, v):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def _sdpa_heads_first(q, k, v, mask, backend):
+def _sdpa_heads_first(q, k, v, mask, backend, scale=None):
     """SDPA on dense copies of q, k, v under the chosen backend: [B, heads, N, head_dim]."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with backend_context(backend, q.device, mask is not None):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def _merge_heads(out):
@@ -220,9 +216,11 @@ def _merge_heads(out):
     return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
 
 
-def _dense_sdpa(q, k, v, mask, backend):
-    """Eager SDPA on dense [B, heads, N, head_dim] inputs with a dense grad_out (see ``_DenseGrad``)."""
-    out = _merge_heads(_sdpa_heads_first(q, k, v, mask, backend))
+def _dense_sdpa(q, k, v, mask, backend, scale=None, channels=None):
+    """Eager SDPA on dense [B, heads, N, head_dim] inputs with a dense grad_out (see ``_DenseGrad``); ``channels``
+    keeps the output's first channels of each head (``BiasChannelRows``' extra ones are dropped)."""
+    out = _sdpa_heads_first(q, k, v, mask, backend, scale)
+    out = _merge_heads(out if channels is None else out[..., :channels])
     return _DenseGrad.apply(out) if out.requires_grad else out
 
 

@@ -108,6 +108,8 @@ class PhaseUpsampleConv:
         axes = [axis_phases(factors[0], causal=True)] + [axis_phases(f, causal=False) for f in factors[1:]]
         self.phases = tuple(merge.shape[0] for merge, _, _ in axes)
         self.starts = [starts for _, _, starts in axes]
+        # each axis' phase-1 start minus its phase-0 start (two phases per axis: the start is affine in the phase)
+        self.steps = [(s[1] - s[0]) if len(s) > 1 else 0 for s in self.starts]
         self.module, self.merges = module, [merge for merge, _, _ in axes]
         self.out_channels = module.conv.weight.shape[0]
         self.conv = CausalConvCache(None, None, axes[0][1], axes[1][1], axes[2][1])
@@ -166,7 +168,7 @@ class PhaseUpsampleConv:
         n, c, t, h, w = out.shape
         block_c = triton.next_power_of_2(c)
         block_v = max(1, NORM_TILE // block_c)
-        steps = [(s[1] - s[0]) if len(s) > 1 else 0 for s in self.starts]
+        steps = self.steps
         base = [s[0] for s in self.starts]
         y_view = y[:, :, base[0] :, base[1] :, base[2] :]  # each axis' phase 0 start
         grid = (triton.cdiv(t * h * w, block_v), n)
@@ -188,8 +190,7 @@ class PhaseUpsampleConv:
         for axis in range(3):
             starts, stride = self.starts[axis], spatial[axis]
             sizes += [size[axis], len(starts)]
-            step = (starts[1] - starts[0]) if len(starts) > 1 else 0
-            strides += [stride, phase_block[axis] * sc + step * stride]
+            strides += [stride, phase_block[axis] * sc + self.steps[axis] * stride]
             offset += starts[0] * stride
         source = y.as_strided(sizes, strides, offset)
         ob, oc, ot, oh, ow = out.stride()

@@ -206,7 +206,6 @@ class StreamingDecoder:
         self.convs: Dict[int, CausalConvCache] = {
             id(m): CausalConvCache.of(m) for m in self.decoder.modules() if isinstance(m, HunyuanVideoCausalConv3d)
         }
-        self.upsample = upsample
         self.upsamplers: Dict[int, PhaseUpsampleConv] = {}
         if upsample == "phase":
             self.upsamplers = {
