@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .row_lengths import host_ints_to
+
 
 def _flash_varlen():
     try:
@@ -56,10 +58,7 @@ class PackedRows:
         for b, length in enumerate(self.lengths):
             offsets += [b * row + self.num_video + length, (b + 1) * row]
         self.offsets = offsets  # host copy (the reference path; the padding run of a full row is empty)
-        cpu = torch.tensor(offsets, dtype=torch.int32)
-        if torch.device(device).type == "cuda":  # pinned + non_blocking: no wait for the queued work
-            cpu = cpu.pin_memory()
-        self.cu_seqlens = cpu.to(device, non_blocking=True)
+        self.cu_seqlens = host_ints_to(offsets, torch.int32, device)
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -7,13 +7,19 @@ from typing import Sequence
 import torch
 
 
+def host_ints_to(values: Sequence[int], dtype, device) -> torch.Tensor:
+    """Host integers as a tensor on ``device``, copied from pinned memory without blocking (no wait for the queued
+    work)."""
+    cpu = torch.tensor([int(value) for value in values], dtype=dtype)
+    if torch.device(device).type == "cuda":
+        cpu = cpu.pin_memory()
+    return cpu.to(device, non_blocking=True)
+
+
 class DeviceRowLengths:
     def __init__(self, lengths: Sequence[int], num_text: int, num_video: int, device, dtype=torch.int64):
         self.num_text, self.num_video = int(num_text), int(num_video)
-        cpu = torch.tensor([int(length) for length in lengths], dtype=dtype)
-        if torch.device(device).type == "cuda":  # pinned + non_blocking: no wait for the queued work
-            cpu = cpu.pin_memory()
-        self.lengths = cpu.to(device, non_blocking=True)
+        self.lengths = host_ints_to(lengths, dtype, device)
 
     def __len__(self) -> int:
         return len(self.lengths)
