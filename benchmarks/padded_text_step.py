@@ -49,7 +49,7 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
+VARIANTS = ("ours-padded", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
             "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
             "diffusers-128")  # fmt: skip
 PER_ROW_VARIANTS = ("ours-padded-rows",)  # one SDPA call per row: a cuDNN plan per prompt length
@@ -194,6 +194,7 @@ def build(shape, device, dtype, args):
         Variant(
             "ours-padded-bias-channel", ours, ours_opt, padded, run_ours, None, padded_path(ours, "bias-channel", 128)
         ),
+        Variant("ours-padded-zero-keys", ours, ours_opt, padded, run_ours, None, padded_path(ours, "zero-keys", 128)),
         Variant("ours-padded-packed", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 32)),
         Variant("ours-padded-packed-128", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 128)),
         Variant("ours-padded-rows", ours, ours_opt, padded, run_ours, None, padded_path(ours, "rows", 32)),
@@ -334,6 +335,7 @@ def run(args):
     for a, b in (("diffusers-512", "ours-padded"), ("diffusers-128", "ours-padded"), ("ours-padded", "ours-unpadded-128"),
                  ("ours-padded-rows", "ours-padded"), ("ours-padded-flex", "ours-padded"), ("ours-padded-flex", "ours-unpadded-128"),
                  ("ours-padded-bias-channel", "ours-padded"), ("ours-padded-bias-channel", "ours-unpadded-128"),
+                 ("ours-padded-zero-keys", "ours-padded"), ("ours-padded-zero-keys", "ours-unpadded-128"),
                  ("ours-padded-packed", "ours-padded"),
                  ("ours-padded-packed-128", "ours-padded"), ("ours-padded-dense-32", "ours-padded"),
                  ("ours-padded", "ours-masked"), ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip

@@ -225,8 +225,10 @@ def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_
 
 
 @pytest.mark.parametrize(
-    "how, kind", [("packed", "PackedRows"), ("rows", "KeyRanges"), ("dense", "Tensor"), ("flex", "FlexRows")]
-)
+    "how, kind",
+    [("packed", "PackedRows"), ("rows", "KeyRanges"), ("dense", "Tensor"), ("flex", "FlexRows"),
+     ("zero-keys", "ZeroKeyRows")],
+)  # fmt: skip
 def test_padded_rows_reach_every_block_and_no_dense_mask_is_built(monkeypatch, how, kind):
     """A training-mode batch with rows of different lengths attends through PackedRows, KeyRanges or the dense mask
     (the default) in all blocks, as padded_text_attention says; an eval-mode pass (sampling, frozen teachers) keeps

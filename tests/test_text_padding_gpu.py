@@ -103,7 +103,8 @@ def references():
     [(False, 0, "dense"), (True, 0, "dense"), (True, 2, "dense"), (True, 1, "dense"), (False, 0, "packed"),
      (True, 2, "packed"), (True, 1, "packed"), (False, 0, "rows"), (True, 2, "rows"), (False, 0, "flex"),
      (True, 0, "flex"), (True, 2, "flex"), (True, 1, "flex"), (False, 0, "bias-channel"), (True, 2, "bias-channel"),
-     (True, 1, "bias-channel")],
+     (True, 1, "bias-channel"), (False, 0, "zero-keys"), (True, 0, "zero-keys"), (True, 2, "zero-keys"),
+     (True, 1, "zero-keys")],
 )  # fmt: skip
 def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_masked_path(
     references, compiled, ckpt, how
@@ -114,7 +115,7 @@ def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_mas
     compare_to_fp32_masked(model, data, reference, baseline)
 
 
-@pytest.mark.parametrize("how", ["packed", "flex", "bias-channel"])
+@pytest.mark.parametrize("how", ["packed", "flex", "bias-channel", "zero-keys"])
 def test_packed_flash_and_flex_attention_with_a_row_that_fills_the_trimmed_text(how):
     """Lengths 64, 10, 64: trimmed to 64 (multiples of 32), so rows 0 and 2 have an empty padding run (a zero-length sequence for the
     variable-length flash kernel; no padded key block for flex)."""
@@ -126,6 +127,38 @@ def test_packed_flash_and_flex_attention_with_a_row_that_fills_the_trimmed_text(
     base = dense_masked_forward(bf16, cast(data, torch.bfloat16))
     packed = gpu_model(padded_text_attention=how, text_length_multiple=32)
     compare_to_fp32_masked(packed, data, reference, (base.detach(), loss_and_grads(bf16, base)[1]))
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_zero_key_kernels_equal_the_fp32_masked_attention(backend):
+    """The zero-key path at the real configuration's attention shape (head 128, 2304 video + 128 text tokens, 20-120
+    valid) on each kernel: output and q/k/v gradients as close to the fp32 masked attention as bf16 masked SDPA is;
+    this also pins the kernels' log-sum-exp convention (natural log, over the scaled scores) that the correction
+    relies on."""
+    from opensora.models.mmdit.attention import attention
+    from opensora.models.mmdit.zero_key_attention import ZeroKeyRows, zero_key_kernel
+
+    if backend == "cudnn" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("cuDNN attention is the zero-key kernel on sm90+")
+    lengths, num_text, num_video = [20, 77, 120, 3], 128, 2304
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(4, 2, num_text + num_video, 128, generator=gen).cuda() for _ in range(3))
+    rows = ZeroKeyRows(lengths, num_text, num_video, "cuda")
+    leaves32 = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attention(*leaves32, rows.dense(num_text + num_video, "cuda"), "math")
+    grad = torch.randn(ref.shape, generator=gen).cuda()
+    ref_grads = torch.autograd.grad(ref, leaves32, grad)
+    results = {}
+    for how in (rows, rows.dense(num_text + num_video, "cuda")):
+        leaves = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, how, backend if how is rows else "auto")
+        results[how is rows] = (out, torch.autograd.grad(out, leaves, grad.to(torch.bfloat16)))
+    assert zero_key_kernel(q.to(torch.bfloat16), backend) == backend
+    (out, grads), (base_out, base_grads) = results[True], results[False]
+    assert rel(out, ref) <= 2 * rel(base_out, ref) + 1e-3, (rel(out, ref), rel(base_out, ref))
+    for name, got, base, want in zip("qkv", grads, base_grads, ref_grads):
+        assert torch.isfinite(got).all(), name
+        assert rel(got, want) <= 2 * rel(base, want) + 2e-3, (name, rel(got, want), rel(base, want))
 
 
 def test_a_stream_of_fresh_prompt_lengths_settles_on_a_few_graphs_and_matches_eager():

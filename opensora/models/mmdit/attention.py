@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .bias_channel_attention import BiasChannelRows
 from .flex_attention import FlexRows
 from .packed_attention import PackedRows
+from .zero_key_attention import ZeroKeyRows
 
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -108,6 +109,8 @@ def attention(
     if isinstance(mask, BiasChannelRows):  # the key mask in extra channels: an unmasked SDPA call at head_dim's scale
         head_dim = q.shape[-1]
         return _dense_sdpa(*mask.augment(q, k, v), None, backend, scale=head_dim**-0.5, channels=head_dim)
+    if isinstance(mask, ZeroKeyRows):  # padded keys zeroed, an unmasked kernel, its output corrected
+        return _dense_grad(_merge_heads(mask.attend_heads(*_same_dtype(q, k, v), backend)))
     if torch.compiler.is_compiling() and COMPILED_ATTENTION["mode"] == "op":
         q, k, v = _same_dtype(q, k, v)
         return torch.ops.opensora.attention(q, k, v, mask, check_backend(backend))
@@ -220,7 +223,10 @@ def _dense_sdpa(q, k, v, mask, backend, scale=None, channels=None):
     """Eager SDPA on dense [B, heads, N, head_dim] inputs with a dense grad_out (see ``_DenseGrad``); ``channels``
     keeps the output's first channels of each head (``BiasChannelRows``' extra ones are dropped)."""
     out = _sdpa_heads_first(q, k, v, mask, backend, scale)
-    out = _merge_heads(out if channels is None else out[..., :channels])
+    return _dense_grad(_merge_heads(out if channels is None else out[..., :channels]))
+
+
+def _dense_grad(out):
     return _DenseGrad.apply(out) if out.requires_grad else out
 
 

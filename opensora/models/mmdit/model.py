@@ -28,11 +28,12 @@ from .packed_attention import PackedRows
 from .patches import patchify, unpatchify
 from .rope import rope_cos_sin, video_position_ids
 from .text_padding import padded_text_keys, trim_text
+from .zero_key_attention import ZeroKeyRows
 
 TIMESTEP_FEATURES = 256
-PADDED_TEXT_ATTENTION = ("dense", "packed", "rows", "flex", "bias-channel")
+PADDED_TEXT_ATTENTION = ("dense", "packed", "rows", "flex", "bias-channel", "zero-keys")
 # one object for the batch; own keys only
-ROW_MASKS = {"packed": PackedRows, "flex": FlexRows, "bias-channel": BiasChannelRows}
+ROW_MASKS = {"packed": PackedRows, "flex": FlexRows, "bias-channel": BiasChannelRows, "zero-keys": ZeroKeyRows}
 # Training text is trimmed to multiples of this: one compiled shape for prompts up to 128 T5 tokens (20-120 are
 # typical), at most 4 up to 512. Measured on an H200 (1B, batch 4, full checkpointing, compiled): a trimmed length
 # that changed every step (multiples of 32) made the blocks' shapes symbolic and the padded step 1.41x the unpadded.
@@ -109,8 +110,10 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         text attend after the trim: "dense" (a boolean key mask over the trimmed text), "packed" (one
         variable-length flash call for the batch, packed_attention.py), "rows" (one SDPA call per row,
         ``attention.KeyRanges``), "flex" (FlexAttention with a per-batch block mask, flex_attention.py; fast only
-        compiled; causal models and sequence parallelism keep the dense mask) or "bias-channel" (the mask as an
-        extra q/k channel pair, so SDPA runs unmasked on flash / cuDNN, bias_channel_attention.py). All give the
+        compiled; causal models and sequence parallelism keep the dense mask), "bias-channel" (the mask as an
+        extra q/k channel pair, so SDPA runs unmasked on flash / cuDNN, bias_channel_attention.py) or "zero-keys"
+        (padded keys zeroed, the unmasked head-128 kernel, its output and log-sum-exp corrected for the zero keys,
+        zero_key_attention.py). All give the
         same result; measured on an H200 (1B, batch 4 at 256px, full checkpointing, compiled, prompts of 20-120
         tokens): the dense default 285-288 ms, packed 326-338 ms (same calls), rows 494 ms, the unpadded step
         192-234 ms; in later calls dense 218.7 / 243.5, flex 221.6, bias-channel 247.4, unpadded 169.0 / 173.0 ms

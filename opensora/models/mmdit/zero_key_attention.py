@@ -1,0 +1,142 @@
+"""Padded prompts on the unmasked head-128 kernel: padded keys set to zero, their share taken out of the softmax after.
+
+Why: the unpadded step runs cuDNN's attention at head size 128 without a mask. Every exact padded path measured so far
+left that kernel: a boolean mask (the dense default), FlexAttention's Triton kernel, packed varlen flash and the bias
+channel (head 136) all ran 1.29-1.41x the unpadded step on an H200.
+
+How: the padded text keys and values of each row are replaced by zeros, and the kernel runs without a mask. A zero
+key scores exactly 0 against every query, so each query's softmax sum holds its valid keys' sum ``Z`` plus
+``n_pad * exp(0)``, where ``n_pad`` is its row's padded key count; a zero value adds nothing to the output. The
+kernel returns ``lse = log(Z + n_pad)``. So, per query, with ``r = n_pad * exp(-lse)``:
+
+* output = kernel output / (1 - r), the masked output exactly;
+* ``lse_valid = lse + log1p(-r)``, the masked computation's log-sum-exp.
+
+The backward calls the kernel's own backward op with the corrected output and ``lse_valid``: it recomputes the
+probabilities as ``exp(score - lse_valid)``, which are the masked ones for valid keys. A zero key adds nothing to
+the query gradient. The padded keys' and values' gradients are wrong, but nothing reads them: the zeroing
+(``torch.where``) sends zeros back there. So the output and every gradient equal the masked computation's up to
+rounding. Every query attends over its row's valid keys, padded text queries too (the dense key mask's semantics).
+
+The one loss of precision: when a query's valid keys hold a tiny share of the sum next to the zero keys (``r`` near
+1), ``1 - r`` cancels. fp32 ``lse`` leaves about 7 - log10(1 / (1 - r)) digits, more than bf16's 3 while the
+valid keys hold more than 1e-4 of the sum. Every row keeps its video keys, so that would need a query whose scores
+over all of them average far below zero. ``r`` is capped below 1 so that case gives a large finite output, never
+inf or NaN.
+
+Kernels: cuDNN on sm90+ and flash elsewhere on CUDA (bf16 / fp16, head size <= 128 for cuDNN, <= 256 for flash),
+PyTorch's flash kernel for the CPU (what the CPU tests use). Other cases (fp32 on CUDA, the "efficient" / "math"
+backends) take the dense mask.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .row_lengths import DeviceRowLengths
+
+MAX_PADDED_SHARE = 1.0 - 2.0**-20  # the cap on r (module docstring): keeps 1 - r > 0 in fp32
+aten = torch.ops.aten
+
+
+def zero_key_kernel(q: torch.Tensor, backend: str) -> Optional[str]:
+    """The kernel the zero-key path runs for ``q`` [B, heads, N, head_dim] under ``backend``, or ``None`` (then the
+    dense mask): "cpu", "cudnn" or "flash"."""
+    head_dim = q.shape[-1]
+    if q.device.type == "cpu":
+        return "cpu" if backend in ("auto", "flash") else None
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or head_dim % 8:
+        return None
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    cudnn_ok = torch.cuda.get_device_capability(index)[0] >= 9 and head_dim <= 128
+    if backend in ("auto", "cudnn") and cudnn_ok:
+        return "cudnn"
+    if backend in ("auto", "flash") and head_dim <= 256:
+        return "flash"
+    return None
+
+
+def _kernel_forward(kernel: str, q, k, v):
+    """(output [B, heads, N, D], logsumexp, what the backward op needs besides them)."""
+    if kernel == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+        return out, lse, ()
+    if kernel == "cudnn":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True
+        )
+        return out, lse, (seed, offset, cum_q, cum_k, max_q, max_k)
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _kernel_backward(kernel: str, grad, q, k, v, out, lse, extra):
+    if kernel == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False)
+    if kernel == "cudnn":
+        seed, offset, cum_q, cum_k, max_q, max_k = extra
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False
+        )
+    cum_q, cum_k, max_q, max_k, seed, offset = extra
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, False, seed, offset
+    )
+
+
+def remove_zero_keys(out: torch.Tensor, lse: torch.Tensor, num_padded: torch.Tensor):
+    """The kernel's output [B, heads, N, D] and log-sum-exp (lse's shape, [B, heads, N] in its leading dims) over a
+    row's keys plus ``num_padded[b]`` zero keys (with zero values) -> the output and log-sum-exp over the row's keys
+    alone (module docstring). Pure; fp32 math, the output in ``out``'s dtype and layout."""
+    batch, heads, tokens = out.shape[:3]
+    lse32 = lse.float().reshape(batch, heads, tokens)
+    share = (num_padded.float()[:, None, None] * torch.exp(-lse32)).clamp(max=MAX_PADDED_SHARE)
+    corrected = torch.empty_like(out)
+    corrected.copy_(out.float() / (1.0 - share)[..., None])
+    lse_valid = (lse32 + torch.log1p(-share)).reshape(lse.shape).to(lse.dtype)
+    return corrected, lse_valid
+
+
+class _ZeroKeyAttention(torch.autograd.Function):
+    """Unmasked attention over keys/values whose padded rows are zero, corrected to the masked result; the backward
+    is the kernel's with the corrected output and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, num_padded, kernel):
+        out, lse, extra = _kernel_forward(kernel, q, k, v)
+        out, lse = remove_zero_keys(out, lse, num_padded)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.extra = kernel, extra
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        grad_out = torch.empty_like(out)  # the output's layout, which the kernels' backward expects of grad_out
+        grad_out.copy_(grad)
+        dq, dk, dv = _kernel_backward(ctx.kernel, grad_out, q, k, v, out, lse, ctx.extra)
+        return dq, dk, dv, None, None
+
+
+class ZeroKeyRows(DeviceRowLengths):
+    """The key mask of a joint [text, video] batch whose row ``b`` has ``lengths[b]`` valid text tokens first, as
+    the keep mask of the zeroing and each row's padded key count, built once per forward and shared by every block
+    (``attend_heads``)."""
+
+    def __init__(self, lengths: Sequence[int], num_text: int, num_video: int, device):
+        super().__init__(lengths, num_text, num_video, device)
+        self.keep = self.dense(self.num_text + self.num_video, device)[:, :, 0, :, None]  # [B, 1, T + N, 1]
+        self.num_padded = (self.num_text - self.lengths.clamp(max=self.num_text)).float()  # [B]
+
+    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        """[B, heads, T + N, head_dim] q/k/v (one dtype) -> [B, heads, T + N, head_dim], each query over its row's
+        valid keys; the dense mask where no zero-key kernel serves (``zero_key_kernel``)."""
+        self.check(q, k)
+        kernel = zero_key_kernel(q, backend)
+        if kernel is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.keep[:, :, None, :, 0])
+        zero = q.new_zeros(())
+        k, v = torch.where(self.keep, k, zero), torch.where(self.keep, v, zero)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return _ZeroKeyAttention.apply(q, k, v, self.num_padded, kernel)
