@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Device calls for padded prompts at unpadded speed, compiled blocks by default and FP8 (one GPU). Usage, from the
 # repository root on the GPU machine, with the wheels in .whl/ (diffusers, torchao, ...):
-#   bash benchmarks/gpu_padded_text.sh tests|step|fp8|trainer ...   (results under $OUT)
+#   bash benchmarks/gpu_padded_text.sh tests|zero-keys|lora|step|fp8|trainer ...   (results under $OUT)
 # Per-part limits (seconds, env TESTS_S STEP_S FP8_S TRAINER_S): tests 280 + step 270 fit one 580 s device call,
-# fp8 220 + trainer 330 another.
+# fp8 220 + trainer 330 another. STEP_ARGS / FP8_ARGS / TRAINER_ARGS add flags (e.g. STEP_ARGS="--variants ...
+# --profile-steps 2", FP8_ARGS="--widths 11b-width", TRAINER_ARGS="--profile-steps 2").
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -20,16 +21,24 @@ for part in "$@"; do
         timeout 70 python -m pytest -q -p no:cacheprovider tests/test_mmdit_gpu.py -k "compiled_blocks_match_eager_on_gpu and True-1-"
         timeout $(( ${TESTS_S:-280} - 190 )) python -m pytest -q -p no:cacheprovider -s tests/test_text_padding_gpu.py -k "$k"
       } > "$OUT/gpu_tests.txt" 2>&1; grep -E "passed|failed|error|graphs" "$OUT/gpu_tests.txt" | tail -8 ;;
+    zero-keys)  # the zero-key path's GPU tests: kernels vs fp32 masked attention, the model eager / compiled
+      timeout ${TESTS_S:-200} python -m pytest -q -p no:cacheprovider tests/test_text_padding_gpu.py -k zero \
+        > "$OUT/zero_keys_gpu_tests.txt" 2>&1; tail -4 "$OUT/zero_keys_gpu_tests.txt" ;;
+    lora)  # compiled LoRA with padded text; peft would import the wheel set's stub bitsandbytes, so hide it here
+      site=$PWD/.pysite; [ -d "$site/bitsandbytes" ] && mv "$site/bitsandbytes" "$site/.bitsandbytes_hidden"
+      timeout ${TESTS_S:-120} python -m pytest -q -p no:cacheprovider tests/test_text_padding_gpu.py -k lora \
+        > "$OUT/lora_gpu_test.txt" 2>&1; tail -4 "$OUT/lora_gpu_test.txt"
+      [ -d "$site/.bitsandbytes_hidden" ] && mv "$site/.bitsandbytes_hidden" "$site/bitsandbytes" ;;
     step)  # the real configuration next to diffusers' Flux, interleaved
       timeout ${STEP_S:-270} python -m benchmarks.padded_text_step --out "$OUT/padded_text_step.json" ${STEP_ARGS:-} \
         > "$OUT/padded_text_step.txt" 2>&1; tail -16 "$OUT/padded_text_step.txt" ;;
     fp8)
-      timeout ${FP8_S:-220} python -m benchmarks.fp8_step --out "$OUT/fp8_step.json" > "$OUT/fp8_step.txt" 2>&1
+      timeout ${FP8_S:-220} python -m benchmarks.fp8_step --out "$OUT/fp8_step.json" ${FP8_ARGS:-} > "$OUT/fp8_step.txt" 2>&1
       tail -9 "$OUT/fp8_step.txt" ;;
     trainer)  # the trainer with the GPU configs' defaults (compiled blocks) vs the bare compiled step
       # (recompiles logged: a GLOBAL_STATE num_threads reason would mean the thread-count fix does not hold)
       TORCH_LOGS=recompiles timeout ${TRAINER_S:-330} python -m benchmarks.train_step \
-        --runs "trainer-compile@full;ours-compile-traced@full" --out "$OUT/trainer_compile.json" \
+        --runs "trainer-compile@full;ours-compile-traced@full" --out "$OUT/trainer_compile.json" ${TRAINER_ARGS:-} \
         > "$OUT/trainer_compile.txt" 2>&1; tail -6 "$OUT/trainer_compile.txt"
       echo "recompiles: $(grep -c 'Recompiling function' "$OUT/trainer_compile.txt")," \
         "num_threads reasons: $(grep -c 'num_threads' "$OUT/trainer_compile.txt")" ;;

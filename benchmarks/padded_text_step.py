@@ -2,8 +2,11 @@
 
 Shape (the 1B preset, 8 double + 16 single blocks, 1536 wide, 12 heads x 128): batch 4 at 256px x 33 frames =
 9 x 16 x 16 = 2304 video tokens per sample; T5 text padded to 512 tokens of which 20-120 are valid (uniform, fresh
-every step, so the compiled model sees a stream of lengths as in training); full gradient checkpointing; bf16
-weights and activations, fused AdamW. Every variant lives in this one process and the variants run in interleaved
+a different draw every step, so the compiled model sees changing lengths as in training); full gradient
+checkpointing; bf16 weights and activations, fused AdamW. Each variant's inputs (``--input-pool`` draws, cycled) are
+made on the GPU before timing, as a data loader hands them over ready: drawing them on the host each step (what this
+benchmark did until 2026-11-27) made the step host-bound, the 512-column padded text 4x more so than the 128-column
+unpadded text, and inflated the padded / unpadded ratio (benchmarks/reports/padded_text_h200_2026-11.md). Every variant lives in this one process and the variants run in interleaved
 rounds (round r: each variant ``--iters`` steps), so slow drift of the card hits all of them alike.
 
 Variants (``ours-*`` share one model; ``diffusers-*`` is diffusers' FluxTransformer2DModel with flash SDPA, which
@@ -148,6 +151,11 @@ def build(shape, device, dtype, args):
         rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
         return gen, lengths, rnd
 
+    def pooled(make):
+        """``make``'s first ``--input-pool`` draws, made now on the device and cycled: no host work in the step."""
+        pool = [make(index) for index in range(max(1, args.input_pool))]
+        return lambda index: pool[index % len(pool)]
+
     def ours_inputs(text_cols, masked):
         def make(index):
             gen, lengths, rnd = draws(index, 1)
@@ -163,7 +171,7 @@ def build(shape, device, dtype, args):
                 lengths = [text_cols] * batch
             return inputs, rnd(*inputs["x"].shape), lengths
 
-        return make
+        return pooled(make)
 
     def flux_inputs(text_cols):
         from opensora.models.mmdit.rope import video_position_ids
@@ -181,7 +189,7 @@ def build(shape, device, dtype, args):
             )
             return inputs, rnd(*inputs["hidden_states"].shape), lengths  # FLOPs: the valid tokens, as for ours
 
-        return make
+        return pooled(make)
 
     run_ours = lambda model, inputs: model(**inputs)  # noqa: E731
     run_flux = lambda model, inputs: model(**inputs)[0]  # noqa: E731
@@ -347,6 +355,9 @@ def run(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--input-pool", type=int, default=4, help="input draws per variant, made on the device before timing and cycled"
+    )
     parser.add_argument("--iters", type=int, default=6, help="timed steps per variant per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--variants", default="", help=f"comma list (default all): {','.join(VARIANTS)}")

@@ -84,6 +84,8 @@ VARIANTS = {
     # copied back to bf16. trainer minus this = the trainer's own overhead; this minus ours-eager = the precision.
     "ours-eager-master": dict(model="ours", backend="auto", compile=False, master="foreach"),
     "ours-eager-master-fused": dict(model="ours", backend="auto", compile=False, master="fused"),
+    # the same with compiled blocks (traced SDPA): like for like with trainer-compile
+    "ours-compile-master-fused": dict(model="ours", backend="auto", compile=True, attention="traced", master="fused"),
 }
 DEFAULT_RUNS = [
     ("diffusers-flash", "none"),

@@ -29,7 +29,7 @@ PyTorch's flash kernel for the CPU (what the CPU tests use). Other cases (fp32 o
 backends) take the dense mask.
 """
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,65 +58,90 @@ def zero_key_kernel(q: torch.Tensor, backend: str) -> Optional[str]:
 
 
 def _kernel_forward(kernel: str, q, k, v):
-    """(output [B, heads, N, D], logsumexp, what the backward op needs besides them)."""
+    """(output [B, heads, N, D], logsumexp in the kernel's shape: [B, heads, N] or cuDNN's [B, heads, N, 1])."""
     if kernel == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
-        return out, lse, ()
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
     if kernel == "cudnn":
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True
-        )
-        return out, lse, (seed, offset, cum_q, cum_k, max_q, max_k)
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v)
-    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+        return aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
+    return aten._scaled_dot_product_flash_attention(q, k, v)[:2]
 
 
-def _kernel_backward(kernel: str, grad, q, k, v, out, lse, extra):
+def _kernel_backward(kernel: str, grad, q, k, v, out, lse):
+    """The kernel's backward from a [B, heads, N] log-sum-exp. No dropout, so the random-state arguments are unused;
+    they get zero scalars (some versions read their pointers anyway)."""
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False)
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)
+    tokens_q, tokens_k = q.shape[2], k.shape[2]
     if kernel == "cudnn":
-        seed, offset, cum_q, cum_k, max_q, max_k = extra
         return aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False
+            grad, q, k, v, out, lse.unsqueeze(-1), unused, unused, None, None, None, tokens_q, tokens_k, 0.0, False
         )
-    cum_q, cum_k, max_q, max_k, seed, offset = extra
     return aten._scaled_dot_product_flash_attention_backward(
-        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, False, seed, offset
+        grad, q, k, v, out, lse, None, None, tokens_q, tokens_k, 0.0, False, unused, unused
     )
 
 
 def remove_zero_keys(out: torch.Tensor, lse: torch.Tensor, num_padded: torch.Tensor):
     """The kernel's output [B, heads, N, D] and log-sum-exp (lse's shape, [B, heads, N] in its leading dims) over a
-    row's keys plus ``num_padded[b]`` zero keys (with zero values) -> the output and log-sum-exp over the row's keys
-    alone (module docstring). Pure; fp32 math, the output in ``out``'s dtype and layout."""
+    row's keys plus ``num_padded[b]`` zero keys (with zero values) -> the output (``out``'s dtype, contiguous) and the
+    log-sum-exp [B, heads, N] (fp32) over the row's keys alone (module docstring). Pure; fp32 math."""
     batch, heads, tokens = out.shape[:3]
-    lse32 = lse.float().reshape(batch, heads, tokens)
-    share = (num_padded.float()[:, None, None] * torch.exp(-lse32)).clamp(max=MAX_PADDED_SHARE)
-    corrected = torch.empty_like(out)
-    corrected.copy_(out.float() / (1.0 - share)[..., None])
-    lse_valid = (lse32 + torch.log1p(-share)).reshape(lse.shape).to(lse.dtype)
-    return corrected, lse_valid
+    lse = lse.float().reshape(batch, heads, tokens)
+    share = (num_padded.float()[:, None, None] * torch.exp(-lse)).clamp(max=MAX_PADDED_SHARE)
+    corrected = (out.float() / (1.0 - share)[..., None]).to(out.dtype).contiguous()
+    return corrected, (lse + torch.log1p(-share)).contiguous()
 
 
-class _ZeroKeyAttention(torch.autograd.Function):
-    """Unmasked attention over keys/values whose padded rows are zero, corrected to the masked result; the backward
-    is the kernel's with the corrected output and log-sum-exp."""
+# Forward and backward are custom ops: opaque to torch.compile, so inside compiled blocks the kernels get exactly the
+# layouts this code gives them (q, k, v, out and grad_out dense [B, heads, N, D]) and autograd sees one node, whose
+# backward is the kernel's backward with the corrected pair. (As an autograd.Function traced into compiled blocks, the
+# gradients came out wrong on an H200 and the cuDNN backward ran twice per call; eager was right.)
+@torch.library.custom_op("opensora::zero_key_attention", mutates_args=())
+def _zero_key_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_padded: torch.Tensor, kernel: str
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    return remove_zero_keys(*_kernel_forward(kernel, q, k, v), num_padded)
 
-    @staticmethod
-    def forward(ctx, q, k, v, num_padded, kernel):
-        out, lse, extra = _kernel_forward(kernel, q, k, v)
-        out, lse = remove_zero_keys(out, lse, num_padded)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.extra = kernel, extra
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        grad_out = torch.empty_like(out)  # the output's layout, which the kernels' backward expects of grad_out
-        grad_out.copy_(grad)
-        dq, dk, dv = _kernel_backward(ctx.kernel, grad_out, q, k, v, out, lse, ctx.extra)
-        return dq, dk, dv, None, None
+@_zero_key_attention_op.register_fake
+def _(q, k, v, num_padded, kernel):
+    batch, heads, tokens, _ = q.shape
+    return q.new_empty(batch, heads, tokens, v.shape[-1]), q.new_empty(batch, heads, tokens, dtype=torch.float32)
+
+
+@torch.library.custom_op("opensora::zero_key_attention_backward", mutates_args=())
+def _zero_key_attention_backward_op(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kernel: str,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = _kernel_backward(kernel, grad.contiguous(), q, k, v, out, lse)
+    return tuple(g.contiguous() for g in grads)
+
+
+@_zero_key_attention_backward_op.register_fake
+def _(grad, q, k, v, out, lse, kernel):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, _, kernel = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.kernel = kernel
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.opensora.zero_key_attention_backward(grad_out, q, k, v, out, lse, ctx.kernel)
+    return dq, dk, dv, None, None
+
+
+_zero_key_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class ZeroKeyRows(DeviceRowLengths):
@@ -139,4 +164,4 @@ class ZeroKeyRows(DeviceRowLengths):
         zero = q.new_zeros(())
         k, v = torch.where(self.keep, k, zero), torch.where(self.keep, v, zero)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        return _ZeroKeyAttention.apply(q, k, v, self.num_padded, kernel)
+        return torch.ops.opensora.zero_key_attention(q, k, v, self.num_padded, kernel)[0]
