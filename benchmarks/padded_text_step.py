@@ -12,7 +12,8 @@ rounds (round r: each variant ``--iters`` steps), so slow drift of the card hits
 Variants (``ours-*`` share one model; ``diffusers-*`` is diffusers' FluxTransformer2DModel with flash SDPA, which
 has no text mask: it attends to every padded token, as Flux training does):
   ours-padded          compiled blocks, 512 padded columns given: the model trims them and skips the rest of the
-                       padding per row (text_padding.py) -- what the training configs run
+                       padding per row (text_padding.py) -- what the training configs run (zero keys since
+                       2026-11-27; the dense key mask before, now ours-padded-dense)
   ours-unpadded-128    compiled, 128 text columns and no mask: the mask-free step at the trimmed shape
   ours-unpadded-70     compiled, 70 text columns and no mask: the mean valid length of the padded batches
   ours-masked          compiled, the 512 columns behind a dense boolean mask (what the model did before trimming)
@@ -52,7 +53,7 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
+VARIANTS = ("ours-padded", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
             "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
             "diffusers-128")  # fmt: skip
 PER_ROW_VARIANTS = ("ours-padded-rows",)  # one SDPA call per row: a cuDNN plan per prompt length
@@ -198,6 +199,7 @@ def build(shape, device, dtype, args):
     padded = ours_inputs(n_txt, True)
     variants = [
         Variant("ours-padded", ours, ours_opt, padded, run_ours, None),  # the model's defaults
+        Variant("ours-padded-dense", ours, ours_opt, padded, run_ours, None, padded_path(ours, "dense", 128)),
         Variant("ours-padded-flex", ours, ours_opt, padded, run_ours, None, padded_path(ours, "flex", 128)),
         Variant(
             "ours-padded-bias-channel", ours, ours_opt, padded, run_ours, None, padded_path(ours, "bias-channel", 128)
@@ -344,6 +346,7 @@ def run(args):
                  ("ours-padded-rows", "ours-padded"), ("ours-padded-flex", "ours-padded"), ("ours-padded-flex", "ours-unpadded-128"),
                  ("ours-padded-bias-channel", "ours-padded"), ("ours-padded-bias-channel", "ours-unpadded-128"),
                  ("ours-padded-zero-keys", "ours-padded"), ("ours-padded-zero-keys", "ours-unpadded-128"),
+                 ("ours-padded-dense", "ours-padded"), ("ours-padded-dense", "ours-unpadded-128"),
                  ("ours-padded-packed", "ours-padded"),
                  ("ours-padded-packed-128", "ours-padded"), ("ours-padded-dense-32", "ours-padded"),
                  ("ours-padded", "ours-masked"), ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip

@@ -230,8 +230,8 @@ def test_padded_prompts_equal_the_masked_computation_and_each_prompt_alone(grad_
      ("zero-keys", "ZeroKeyRows")],
 )  # fmt: skip
 def test_padded_rows_reach_every_block_and_no_dense_mask_is_built(monkeypatch, how, kind):
-    """A training-mode batch with rows of different lengths attends through PackedRows, KeyRanges or the dense mask
-    (the default) in all blocks, as padded_text_attention says; an eval-mode pass (sampling, frozen teachers) keeps
+    """A training-mode batch with rows of different lengths attends through PackedRows, KeyRanges, the dense mask,
+    FlexRows or ZeroKeyRows (the default) in all blocks, as padded_text_attention says; an eval-mode pass (sampling, frozen teachers) keeps
     the dense mask."""
     model = MMDiT(**tiny_kwargs(padded_text_attention=how)).train()
     perturb(model)

@@ -100,23 +100,23 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         compile_blocks: bool = False,
         causal_chunk_frames: int = 0,
         fp8_linears: Optional[str] = None,
-        padded_text_attention: str = "dense",
+        padded_text_attention: str = "zero-keys",
         text_length_multiple: int = TRAIN_TEXT_LENGTH_MULTIPLE,
     ):
         """``causal_chunk_frames``: 0 = bidirectional attention; K > 0 = block-causal over chunks of K latent frames
         (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``, causal_stream.py).
         ``fp8_linears`` ("tensorwise" / "rowwise"): train the block linears in FP8 through torchao (fp8.py); a
         training option, left out of ``arch``. ``padded_text_attention``: how a training batch's rows with padded
-        text attend after the trim: "dense" (a boolean key mask over the trimmed text), "packed" (one
-        variable-length flash call for the batch, packed_attention.py), "rows" (one SDPA call per row,
-        ``attention.KeyRanges``), "flex" (FlexAttention with a per-batch block mask, flex_attention.py; fast only
-        compiled; causal models and sequence parallelism keep the dense mask), "bias-channel" (the mask as an
-        extra q/k channel pair, so SDPA runs unmasked on flash / cuDNN, bias_channel_attention.py) or "zero-keys"
-        (padded keys zeroed, the unmasked head-128 kernel, its output and log-sum-exp corrected for the zero keys,
-        zero_key_attention.py). All give the
-        same result; measured on an H200 (1B, batch 4 at 256px, full checkpointing, compiled, prompts of 20-120
-        tokens): the dense default 285-288 ms, packed 326-338 ms (same calls), rows 494 ms, the unpadded step
-        192-234 ms; in later calls dense 218.7 / 243.5, flex 221.6, bias-channel 247.4, unpadded 169.0 / 173.0 ms
+        text attend after the trim: "zero-keys" (the default: padded keys zeroed, the unmasked head-128 kernel, its
+        output and log-sum-exp corrected for the zero keys, zero_key_attention.py), "dense" (a boolean key mask over
+        the trimmed text), "packed" (one variable-length flash call for the batch, packed_attention.py), "rows" (one
+        SDPA call per row, ``attention.KeyRanges``), "flex" (FlexAttention with a per-batch block mask,
+        flex_attention.py; fast only compiled) or "bias-channel" (the mask as an extra q/k channel pair,
+        bias_channel_attention.py). Causal models and sequence parallelism keep the dense mask. All give the same
+        result. Measured on an H200 (1B, batch 4 at 256px, full checkpointing, compiled, prompts of 20-120 tokens,
+        inputs ready on the GPU): zero-keys 172.1 ms (attention kernels 25.9 ms a step, as unpadded), dense 175.5
+        (attention 43.0), the unpadded step 163.2; earlier calls, with inputs drawn on the host: packed 1.14-1.18x,
+        rows 2.4x, flex 1.013x and bias-channel 1.016x the dense step
         (benchmarks/reports/padded_text_h200_2026-11.md). Not architecture (left out of ``arch``), nor is
         ``text_length_multiple`` (trimmed lengths are its multiples: a larger one gives fewer shapes to compile, a
         smaller one fewer padded tokens)."""

@@ -7,13 +7,13 @@ output never depends on them: text RoPE ids are all zero, every other op is per 
 * ``trim_text``: cut the text columns after the longest valid prompt of the batch, rounded up to
   ``TEXT_LENGTH_MULTIPLE`` so a training run sees few text lengths (few compiled graphs); a batch whose rows all
   have the same valid length (every batch of one) is cut to exactly that length, so no padding is left at all;
-* the rows that still hold padding attend as ``MMDiT(padded_text_attention=...)`` says: a dense key mask over the
-  trimmed text (the default), ``packed_attention.PackedRows`` (one variable-length flash call),
+* the rows that still hold padding attend as ``MMDiT(padded_text_attention=...)`` says:
+  ``zero_key_attention.ZeroKeyRows`` (the default: padded keys zeroed, the unmasked kernel, its output corrected),
+  a dense key mask over the trimmed text, ``packed_attention.PackedRows`` (one variable-length flash call),
   ``flex_attention.FlexRows`` (FlexAttention skipping the padded key blocks), or
   ``padded_text_keys`` -> ``attention.KeyRanges`` (one mask-free SDPA call per row over its valid text and video
   tokens, padded queries output zeros; cuDNN builds an execution plan per new row length, ~0.1 s once per prompt
-  length per run, which ``warm_attention_lengths`` pays up front). The two mask-free paths were measured slower
-  than the dense mask (MMDiT's docstring has the numbers).
+  length per run, which ``warm_attention_lengths`` pays up front). MMDiT's docstring has the measured step times.
 
 All equal the masked computation on the video output and every gradient (tests/test_text_padding.py). ``MMDiT``
 applies them in training mode (``model.train()``: the trained networks); eval-mode passes (sampling, frozen teachers)
