@@ -95,3 +95,15 @@ def test_padded_batch_through_the_model_equals_the_masked_computation(lengths):
 def test_changing_prompt_lengths_reuse_one_compiled_graph_per_block_kind():
     """The lengths reach the compiled blocks as tensors (keep mask, padded counts): one graph per block kind."""
     assert_one_compiled_graph_per_block_kind("zero-keys")
+
+
+def test_the_compiled_correction_equals_the_eager_one():
+    """What ``fused_remove_zero_keys`` runs on CUDA (``torch.compile`` of ``remove_zero_keys``) traces as one graph
+    (``fullgraph``) and, run through AOTAutograd on the CPU, gives the same output and log-sum-exp."""
+    gen = torch.Generator().manual_seed(3)
+    out = torch.randn(2, 3, 7, 8, generator=gen).to(torch.bfloat16)
+    lse = torch.randn(2, 3, 7, generator=gen) + 2
+    num_padded = torch.tensor([0.0, 5.0])
+    compiled = torch.compile(remove_zero_keys, dynamic=False, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(out, lse, num_padded), remove_zero_keys(out, lse, num_padded)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
