@@ -1,8 +1,8 @@
 """Padded prompts on the unmasked head-128 kernel: padded keys set to zero, their share taken out of the softmax after.
 
-Why: the unpadded step runs cuDNN's attention at head size 128 without a mask. Every exact padded path measured so far
-left that kernel: a boolean mask (the dense default), FlexAttention's Triton kernel, packed varlen flash and the bias
-channel (head 136) all ran 1.29-1.41x the unpadded step on an H200.
+Why: a boolean key mask keeps SDPA on cuDNN but slows its kernels: at the 1B real configuration on an H200 the
+padded step's attention took 43.0 ms a step against 27.7 ms unpadded; with zero keys it takes 25.9 ms
+(benchmarks/reports/padded_text_h200_2026-11.md).
 
 How: the padded text keys and values of each row are replaced by zeros, and the kernel runs without a mask. A zero
 key scores exactly 0 against every query, so each query's softmax sum holds its valid keys' sum ``Z`` plus
@@ -49,8 +49,9 @@ def zero_key_kernel(q: torch.Tensor, backend: str) -> Optional[str]:
         return "cpu" if backend in ("auto", "flash") else None
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or head_dim % 8:
         return None
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    cudnn_ok = torch.cuda.get_device_capability(index)[0] >= 9 and head_dim <= 128
+    from .attention import device_major  # cached capability (free inside compiled blocks); attention imports us
+
+    cudnn_ok = device_major(q.device) >= 9 and head_dim <= 128
     if backend in ("auto", "cudnn") and cudnn_ok:
         return "cudnn"
     if backend in ("auto", "flash") and head_dim <= 256:
