@@ -74,7 +74,7 @@ def test_what_flex_does_not_cover_keeps_the_dense_mask_or_fails_in_one_line(monk
     with pytest.raises(RuntimeError) as refused:  # torch has no flex backward on CPU
         model(**data)
     assert "FlexAttention does not support backward on CPU" in str(refused.value) and "\n" not in str(refused.value)
-    with pytest.raises(ValueError, match="choose one of dense, packed, rows, flex, bias-channel$"):
+    with pytest.raises(ValueError, match="choose one of dense, packed, rows, flex, bias-channel, zero-keys$"):
         MMDiT(**tiny_kwargs(padded_text_attention="flexx"))
     monkeypatch.setattr(flex_module, "flex_attention", None)
     with pytest.raises(ValueError, match=r"needs torch >= 2.5 \(torch.nn.attention.flex_attention\)$"):

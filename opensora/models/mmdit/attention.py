@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .bias_channel_attention import BiasChannelRows
+from .device_capability import device_major
 from .flex_attention import FlexRows
 from .packed_attention import PackedRows
 from .zero_key_attention import ZeroKeyRows
@@ -34,16 +35,6 @@ def check_backend(backend: str) -> str:
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend '{backend}'; choose one of {ATTENTION_BACKENDS}")
     return backend
-
-
-_CAPABILITY = {}  # device index -> compute capability major; a dict hit is free inside torch.compile regions
-
-
-def device_major(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
-    return _CAPABILITY[index]
 
 
 def auto_backends(device: torch.device, has_mask: bool) -> Optional[list]:

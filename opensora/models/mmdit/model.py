@@ -17,10 +17,11 @@ from opensora.parallel.sequence_parallel import SequenceGroup, SequenceParallelM
 from opensora.registry import MODELS
 
 from ..arch import records_arch
-from .attention import COMPILED_ATTENTION, COMPILED_ATTENTION_MODES, check_backend, device_major
+from .attention import COMPILED_ATTENTION, COMPILED_ATTENTION_MODES, check_backend
 from .bias_channel_attention import BiasChannelRows
 from .causal import KVCache, TextKVCache, block_causal_video_mask, joint_attention_mask, per_chunk_timestep_forward
 from .causal_stream import CausalStreaming
+from .device_capability import device_major
 from .flex_attention import FlexRows
 from .fp8 import check_recipe, convert_block_linears
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding

@@ -35,6 +35,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from .device_capability import device_major
 from .row_lengths import DeviceRowLengths
 
 MAX_PADDED_SHARE = 1.0 - 2.0**-20  # the cap on r (module docstring): keeps 1 - r > 0 in fp32
@@ -49,8 +50,6 @@ def zero_key_kernel(q: torch.Tensor, backend: str) -> Optional[str]:
         return "cpu" if backend in ("auto", "flash") else None
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or head_dim % 8:
         return None
-    from .attention import device_major  # cached capability (free inside compiled blocks); attention imports us
-
     cudnn_ok = device_major(q.device) >= 9 and head_dim <= 128
     if backend in ("auto", "cudnn") and cudnn_ok:
         return "cudnn"
