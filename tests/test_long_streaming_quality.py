@@ -125,3 +125,27 @@ def test_teacher_row_scores_ground_truth_clips_of_the_benchmark_as_one(motion):
 
         plain = score_rows([(str(i), p, v, None) for i, (p, v) in enumerate(zip(prompts, videos))])
         assert plain.direction_acc < 1.0
+
+
+def test_student_steps_give_long_rollout_and_the_control_equal_steps(tmp_path, monkeypatch):
+    """``--student-steps N``: LongRollout and the control train N steps each, their minutes only a cap; the other
+    stages keep their minutes (the trainer commands, recorded instead of run)."""
+    bench = _benchmark()
+    commands = {}
+
+    def record(command, **_):
+        stage = Path(command[command.index("--outputs") + 1]).name
+        commands[stage] = command
+        (tmp_path / stage / "checkpoints" / "step-0000001").mkdir(parents=True)
+
+    monkeypatch.setattr(bench.subprocess, "run", record)
+    monkeypatch.setattr(bench, "stage_config", lambda args, stage: tmp_path / f"{stage}.py")
+    flags = ["--out", str(tmp_path), "--long-init", "self_forcing", "--student-steps", "120", "--student-minutes", "8"]
+    assert bench.main([*flags, "--stop-after", "long_rollout"]) == {}
+
+    def budget(stage):
+        command = commands[stage]
+        return command[command.index("--max-steps") + 1], command[command.index("--max-minutes") + 1]
+
+    assert budget("long_rollout") == budget(bench.CONTROL) == ("120", "8.0")
+    assert budget("self_forcing") == ("1000000", "8.0") and budget("ode")[0] == "1000000"
