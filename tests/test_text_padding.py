@@ -122,15 +122,27 @@ def dense_masked_forward(model, data):
     return unpatchify(model.run_blocks(img, txt, vec, rope, mask), grid, model.patch_size)
 
 
+def qkv_with_garbage_in_padding(lengths, num_text=5, num_video=6, seed=0):
+    """q, k, v [B, 2 heads, num_text + num_video, 8] (requiring grad) whose padded text keys / values hold large
+    values (1e3 / -1e3) that a correct key mask must ignore; the generator, for more draws."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(len(lengths), 2, num_text + num_video, 8, generator=gen) * 3 for _ in range(3))
+    for row, length in enumerate(lengths):
+        k[row, :, length:num_text] = 1e3
+        v[row, :, length:num_text] = -1e3
+    return tuple(t.requires_grad_(True) for t in (q, k, v)), gen
+
+
 def assert_close_at_scale(got, want, tol=1e-5, what=""):
     """Max abs error within ``tol`` of the reference's largest magnitude (perturbed tiny models reach 1e4)."""
     scale = want.abs().max().clamp_min(1e-12)
     assert (got - want).abs().max() <= tol * scale, f"{what}: error {(got - want).abs().max():.3g}, scale {scale:.3g}"
 
 
-def assert_padded_batch_matches_the_masked_computation(how, lengths):
+def assert_padded_batch_matches_the_masked_computation(how, lengths, mask_type=None):
     """A tiny perturbed MMDiT with ``padded_text_attention=how`` on a batch of ``lengths`` valid prompt tokens (80
-    columns): output and every gradient equal the dense masked computation's. Returns the model."""
+    columns): output and every gradient equal the dense masked computation's, and (``mask_type``) the batch's key mask
+    is of that type. Returns the model."""
     model = MMDiT(**tiny_kwargs(padded_text_attention=how)).train()
     perturb(model)
     data = padded_batch(lengths)
@@ -144,6 +156,9 @@ def assert_padded_batch_matches_the_masked_computation(how, lengths):
         assert (grad is None) == (grads[name] is None), name
         if grad is not None:
             assert_close_at_scale(grads[name], grad, what=name)
+    if mask_type is not None:
+        mask = torch.arange(80)[None] < torch.tensor(lengths)[:, None]
+        assert isinstance(model.padding_mask(mask, lengths, 80, 16), mask_type)
     return model
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from test_text_padding import (
     assert_one_compiled_graph_per_block_kind,
     assert_padded_batch_matches_the_masked_computation,
+    qkv_with_garbage_in_padding,
 )
 
 from opensora.models.mmdit.attention import attention
@@ -20,12 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 def test_bias_channel_rows_equal_sdpa_with_their_boolean_mask(lengths):
     """Rows of 2, 0 and 5 (all) valid text tokens of 5, then 6 video tokens: every query (padded text ones too) gets
     the masked SDPA output and gradients; large values in the padded keys and values change nothing."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(len(lengths), 2, 11, 8, generator=gen) * 3 for _ in range(3))
-    for row, length in enumerate(lengths):  # garbage in the padded text keys / values
-        k[row, :, length:5] = 1e3
-        v[row, :, length:5] = -1e3
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    (q, k, v), gen = qkv_with_garbage_in_padding(lengths)
     rows = BiasChannelRows(lengths, num_text=5, num_video=6, device="cpu")
     mask = rows.dense(11)
     keys = torch.arange(11)
@@ -45,9 +41,7 @@ def test_bias_channel_rows_equal_sdpa_with_their_boolean_mask(lengths):
 @pytest.mark.parametrize("lengths", [[80, 5], [5, 37]])
 def test_padded_batch_through_the_model_equals_the_masked_computation(lengths):
     """[80, 5]: row 0 fills all 80 columns, row 1 is padded."""
-    model = assert_padded_batch_matches_the_masked_computation("bias-channel", lengths)
-    mask = torch.arange(80)[None] < torch.tensor(lengths)[:, None]
-    assert isinstance(model.padding_mask(mask, lengths, 80, 16), BiasChannelRows)
+    assert_padded_batch_matches_the_masked_computation("bias-channel", lengths, BiasChannelRows)
 
 
 def test_changing_prompt_lengths_reuse_one_compiled_graph_per_block_kind():

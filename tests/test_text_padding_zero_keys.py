@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from test_text_padding import (
     assert_one_compiled_graph_per_block_kind,
     assert_padded_batch_matches_the_masked_computation,
+    qkv_with_garbage_in_padding,
 )
 
 from opensora.models.mmdit.attention import attention
@@ -30,12 +31,7 @@ def test_zero_key_rows_equal_sdpa_with_their_boolean_mask(lengths):
     """Rows of 2, 0 and 5 (all) valid text tokens of 5, then 6 video tokens: every query (padded text ones too) gets
     the masked SDPA output and gradients; large values in the padded keys and values change nothing, and their
     gradients are zero."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(len(lengths), 2, 11, 8, generator=gen) * 3 for _ in range(3))
-    for row, length in enumerate(lengths):  # garbage in the padded text keys / values
-        k[row, :, length:5] = 1e3
-        v[row, :, length:5] = -1e3
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    (q, k, v), gen = qkv_with_garbage_in_padding(lengths)
     rows = ZeroKeyRows(lengths, num_text=5, num_video=6, device="cpu")
     assert zero_key_kernel(q, "auto") == "cpu" and zero_key_kernel(q, "math") is None
     mask = rows.dense(11)
@@ -87,9 +83,7 @@ def test_a_query_whose_valid_keys_hold_almost_nothing_stays_finite():
 @pytest.mark.parametrize("lengths", [[80, 5], [5, 37], [0, 12]])
 def test_padded_batch_through_the_model_equals_the_masked_computation(lengths):
     """[80, 5]: row 0 fills all 80 columns, row 1 is padded; [0, 12]: a row with no valid text at all."""
-    model = assert_padded_batch_matches_the_masked_computation("zero-keys", lengths)
-    mask = torch.arange(80)[None] < torch.tensor(lengths)[:, None]
-    assert isinstance(model.padding_mask(mask, lengths, 80, 16), ZeroKeyRows)
+    assert_padded_batch_matches_the_masked_computation("zero-keys", lengths, ZeroKeyRows)
 
 
 def test_changing_prompt_lengths_reuse_one_compiled_graph_per_block_kind():
