@@ -1,8 +1,8 @@
 """Padded prompts through FlexAttention: one fused kernel that skips the padded text keys block by block.
 
 Why: a boolean key mask slows SDPA's kernels (the dense path; zero_key_attention.py is the default). FlexAttention
-turns the mask into a block-sparse kernel instead: key blocks that are all padding are skipped, blocks that are all valid run
-without a mask, and only a block holding a prompt's end evaluates ``mask_mod``.
+turns the mask into a block-sparse kernel instead: key blocks that are all padding are skipped, blocks that are all
+valid run without a mask, and only a block holding a prompt's end evaluates ``mask_mod``.
 
 Key ``j`` of row ``b`` of a joint [text T, video N] sequence may be attended iff it is a video token (``j >= T``)
 or a valid text token (``j < lengths[b]``). Every query attends, so padded text queries attend over the valid keys
