@@ -28,7 +28,7 @@ from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBloc
 from .packed_attention import PackedRows
 from .patches import patchify, unpatchify
 from .rope import rope_cos_sin, video_position_ids
-from .text_padding import padded_text_keys, trim_text
+from .text_padding import padded_text_keys, trim_text, trim_text_to_bound
 from .zero_key_attention import ZeroKeyRows
 
 TIMESTEP_FEATURES = 256
@@ -278,25 +278,36 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         video = text_mask.new_ones(text_mask.shape[0], num_video_tokens)
         return torch.cat((text_mask, video), dim=1)[:, None, None, :]
 
-    def prepare_text(self, text_emb, text_mask, text_mask_has_padding: Optional[bool] = None):
+    def prepare_text(
+        self, text_emb, text_mask, text_mask_has_padding: Optional[bool] = None, text_length_bound: Optional[int] = None
+    ):
         """The text a bidirectional pass attends to: ``(text_emb, text_mask, lengths)``. In training, cut after the
-        batch's longest valid prompt (``text_padding.trim_text``: exact; ``lengths`` None when nothing was read);
+        batch's longest valid prompt (``text_padding.trim_text``: exact; ``lengths`` None when nothing was read), or
+        after ``text_length_bound`` (a host int >= every row's valid length: no host read, ``trim_text_to_bound``);
         an eval pass (sampling, frozen teachers, CUDA-graph captures) keeps the padded text and its dense mask, which
         needs no host read. ``forward`` and every caller that runs the blocks itself (pipeline stages, the region
         cache) start from it, so they all take the same path."""
         if not self.training:
             return text_emb, text_mask, None
+        if text_length_bound is not None and text_mask is not None and text_mask_has_padding is not False:
+            return (*trim_text_to_bound(text_emb, text_mask, text_length_bound, self.text_length_multiple), None)
         return trim_text(text_emb, text_mask, text_mask_has_padding, self.text_length_multiple)
 
-    def padding_mask(self, text_mask, lengths, num_text: int, num_video: int, has_padding=None, own_keys=True):
+    def padding_mask(
+        self, text_mask, lengths, num_text: int, num_video: int, has_padding=None, own_keys=True, rows_from_mask=False
+    ):
         """How a bidirectional pass hides padded text keys (after ``prepare_text``): rows with padding left (training
         without sequence parallelism) attend as ``padded_text_attention`` says: the dense ``key_mask``,
         ``PackedRows`` (one variable-length call), ``FlexRows`` (a FlexAttention block mask) or ``KeyRanges`` (one
         mask-free SDPA call per row; also what "packed" falls back to for ``own_keys=False``, where "flex" keeps the
         dense mask); otherwise the dense ``key_mask`` or None.
         ``own_keys=False`` for a pass whose queries are not its keys (a cache adds the keys of
-        tokens it did not recompute): every query of a row then attends over that row's ranges."""
+        tokens it did not recompute): every query of a row then attends over that row's ranges.
+        ``rows_from_mask``: the text was cut to a host-known bound (no lengths read): "zero-keys" builds its rows from
+        the device mask, the other paths take the dense key mask."""
         how = self.padded_text_attention
+        if rows_from_mask and how == "zero-keys" and own_keys and self.sp is None and text_mask is not None:
+            return ZeroKeyRows.from_mask(text_mask, num_video)
         if lengths is not None and self.sp is None and how != "dense":
             if own_keys and how in ROW_MASKS and min(lengths) < num_text:
                 return ROW_MASKS[how](lengths, num_text, num_video, text_mask.device)
@@ -334,6 +345,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         cond: Optional[torch.Tensor] = None,
         guidance: Optional[torch.Tensor] = None,
         text_mask_has_padding: Optional[bool] = None,
+        text_length_bound: Optional[int] = None,
         kv_cache: Optional[KVCache] = None,
         start_frame: int = 0,
         store_kv: bool = False,
@@ -353,6 +365,8 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
             guidance: distilled guidance scale ``[B]``, for a model built with ``guidance_embed``.
             text_mask_has_padding: lets a caller that knows whether ``text_mask`` has padded tokens skip
                 inspecting it (a GPU->host sync per step), see ``key_mask``.
+            text_length_bound: a host int >= every row's valid text length (e.g. from the loader's host mask): a
+                training pass cuts the text there instead of reading the lengths back from the device (``prepare_text``).
             kv_cache, start_frame, store_kv: a causal model (``causal_chunk_frames > 0``, causal.py) given a
                 ``kv_cache`` runs ``forward_chunk`` (through ``forward``, so a training wrapper's hooks run);
                 ``text_cache``/``text_key`` go with it (the causal text cache, see ``forward_chunk``).
@@ -376,7 +390,11 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
                 text_key=text_key,
                 text_mask_has_padding=text_mask_has_padding,
             )
-        text_emb, text_mask, text_lengths = self.prepare_text(text_emb, text_mask, text_mask_has_padding)
+        bounded = self.training and text_length_bound is not None and text_mask is not None
+        bounded = bounded and text_mask_has_padding is not False  # prepare_text's rule: cut to the bound
+        text_emb, text_mask, text_lengths = self.prepare_text(
+            text_emb, text_mask, text_mask_has_padding, text_length_bound
+        )
         if self.causal_chunk_frames and timestep.dim() == 2:
             return per_chunk_timestep_forward(self, x, timestep, text_emb, text_mask, pooled, cond, guidance)
         img, txt, vec, grid = self.embed(x, timestep, text_emb, pooled, cond, guidance)
@@ -389,7 +407,9 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
             )
             mask = joint_attention_mask(text_mask, txt.shape[1], video)
         else:
-            mask = self.padding_mask(text_mask, text_lengths, txt.shape[1], img.shape[1], text_mask_has_padding)
+            mask = self.padding_mask(
+                text_mask, text_lengths, txt.shape[1], img.shape[1], text_mask_has_padding, rows_from_mask=bounded
+            )
 
         if self.sp is not None:
             img, txt, rope, mask = self.shard_sequence(img, txt, rope, mask)

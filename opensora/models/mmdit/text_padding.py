@@ -83,6 +83,22 @@ def trim_text(
     return text_emb[:, :keep], text_mask[:, :keep], lengths
 
 
+def trim_text_to_bound(
+    text_emb: torch.Tensor, text_mask: torch.Tensor, bound: int, multiple: int = TEXT_LENGTH_MULTIPLE
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(text_emb, text_mask)`` cut to ``bound`` rounded up to ``multiple`` (at most their length), where ``bound`` is
+    a host int the caller knows to be at least every row's valid length (e.g. read from the loader's host mask):
+    nothing is read back from the device. The rows' padding is then handled from the device mask
+    (``ZeroKeyRows.from_mask`` or the dense key mask). A bound below a row's valid length would cut valid tokens, so
+    the cut columns are checked on the device without a host wait (``torch._assert_async``: a device-side error)."""
+    if bound < 0:
+        raise ValueError(f"text_length_bound must be >= 0, got {bound}")
+    keep = min(text_emb.shape[1], -(-max(int(bound), 1) // multiple) * multiple)
+    if keep < text_mask.shape[1]:
+        torch._assert_async(~text_mask[:, keep:].bool().any(), "text_length_bound is below a row's valid length")
+    return text_emb[:, :keep], text_mask[:, :keep]
+
+
 def padded_text_keys(
     lengths: Sequence[int], num_text: int, num_video: int, queries_at_keys: bool = True
 ) -> Optional[KeyRanges]:

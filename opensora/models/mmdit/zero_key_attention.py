@@ -174,6 +174,19 @@ class ZeroKeyRows(DeviceRowLengths):
         self.keep = self.dense(self.num_text + self.num_video, device)[:, :, 0, :, None]  # [B, 1, T + N, 1]
         self.num_padded = (self.num_text - self.lengths.clamp(max=self.num_text)).float()  # [B]
 
+    @classmethod
+    def from_mask(cls, text_mask: torch.Tensor, num_video: int) -> "ZeroKeyRows":
+        """The same from a device text mask [B, T] (True = valid; any pattern, not only a prefix), with no host read:
+        what a pass whose text was cut to a host-known bound uses (``text_padding.trim_text_to_bound``)."""
+        rows = cls.__new__(cls)
+        valid = text_mask.bool()
+        rows.num_text, rows.num_video = valid.shape[1], int(num_video)
+        rows.lengths = valid.sum(-1)  # valid counts (not prefix lengths); their number is the batch size
+        video = valid.new_ones(valid.shape[0], rows.num_video)
+        rows.keep = torch.cat((valid, video), dim=1)[:, None, :, None]
+        rows.num_padded = (rows.num_text - rows.lengths).float()
+        return rows
+
     def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         """[B, heads, T + N, head_dim] q/k/v (one dtype) -> [B, heads, T + N, head_dim], each query over its row's
         valid keys; the dense mask where no zero-key kernel serves (``zero_key_kernel``)."""
