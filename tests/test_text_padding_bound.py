@@ -70,13 +70,13 @@ def test_a_bound_below_a_valid_length_is_an_error():
 
 
 def test_zero_key_rows_from_any_device_mask_equal_sdpa_with_it():
-    """``ZeroKeyRows.from_mask`` takes any valid pattern (not only a prefix): row 1 has holes."""
+    """``ZeroKeyRows.from_key_mask`` takes any valid pattern (not only a prefix): row 1 has holes."""
     (q, k, v), gen = qkv_with_garbage_in_padding([2, 5], seed=4)
     text_mask = torch.tensor([[True, True, False, False, False], [True, False, True, False, True]])
     with torch.no_grad():  # garbage where row 1's mask has holes
         k[1, :, [1, 3]] = 1e3
         v[1, :, [1, 3]] = -1e3
-    rows = ZeroKeyRows.from_mask(text_mask, num_video=6)
+    rows = ZeroKeyRows.from_key_mask(MMDiT.key_mask(text_mask, 6, has_padding=True), num_text=5)
     assert torch.equal(rows.num_padded, torch.tensor([3.0, 2.0]))
     full = torch.cat((text_mask, torch.ones(2, 6, dtype=torch.bool)), 1)[:, None, None, :]
     out = attention(q, k, v, rows)

@@ -20,7 +20,7 @@ from .bias_channel_attention import BiasChannelRows
 from .device_capability import device_major
 from .flex_attention import FlexRows
 from .packed_attention import PackedRows
-from .zero_key_attention import ZeroKeyRows
+from .zero_key_attention import ZeroKeyRows, zero_key_kernel
 
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -101,7 +101,11 @@ def attention(
         head_dim = q.shape[-1]
         return _dense_sdpa(*mask.augment(q, k, v), None, backend, scale=head_dim**-0.5, channels=head_dim)
     if isinstance(mask, ZeroKeyRows):  # padded keys zeroed, an unmasked kernel, its output corrected
-        return _dense_grad(_merge_heads(mask.attend_heads(*_same_dtype(q, k, v), backend)))
+        q, k, v = _same_dtype(q, k, v)
+        kernel = zero_key_kernel(q, backend)
+        if kernel is None:  # fp32 on CUDA, the efficient / math backends: the dense mask
+            return _dense_sdpa(q, k, v, mask.key_mask, backend)
+        return _dense_grad(_merge_heads(mask.attend_heads(q, k, v, kernel)))
     if torch.compiler.is_compiling() and COMPILED_ATTENTION["mode"] == "op":
         q, k, v = _same_dtype(q, k, v)
         return torch.ops.opensora.attention(q, k, v, mask, check_backend(backend))

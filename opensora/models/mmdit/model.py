@@ -289,9 +289,19 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         cache) start from it, so they all take the same path."""
         if not self.training:
             return text_emb, text_mask, None
-        if text_length_bound is not None and text_mask is not None and text_mask_has_padding is not False:
+        if self.cuts_text_to_bound(text_mask, text_mask_has_padding, text_length_bound):
             return (*trim_text_to_bound(text_emb, text_mask, text_length_bound, self.text_length_multiple), None)
         return trim_text(text_emb, text_mask, text_mask_has_padding, self.text_length_multiple)
+
+    def cuts_text_to_bound(self, text_mask, text_mask_has_padding, text_length_bound) -> bool:
+        """Whether ``prepare_text`` cuts the text at ``text_length_bound``: a training pass with a mask that may
+        pad."""
+        return (
+            self.training
+            and text_length_bound is not None
+            and text_mask is not None
+            and text_mask_has_padding is not False
+        )
 
     def padding_mask(
         self, text_mask, lengths, num_text: int, num_video: int, has_padding=None, own_keys=True, rows_from_mask=False
@@ -307,7 +317,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         the device mask, the other paths take the dense key mask."""
         how = self.padded_text_attention
         if rows_from_mask and how == "zero-keys" and own_keys and self.sp is None and text_mask is not None:
-            return ZeroKeyRows.from_mask(text_mask, num_video)
+            return ZeroKeyRows.from_key_mask(self.key_mask(text_mask, num_video, has_padding=True), num_text)
         if lengths is not None and self.sp is None and how != "dense":
             if own_keys and how in ROW_MASKS and min(lengths) < num_text:
                 return ROW_MASKS[how](lengths, num_text, num_video, text_mask.device)
@@ -366,7 +376,8 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
             text_mask_has_padding: lets a caller that knows whether ``text_mask`` has padded tokens skip
                 inspecting it (a GPU->host sync per step), see ``key_mask``.
             text_length_bound: a host int >= every row's valid text length (e.g. from the loader's host mask): a
-                training pass cuts the text there instead of reading the lengths back from the device (``prepare_text``).
+                training pass cuts the text there instead of reading the lengths back from the device
+                (``prepare_text``).
             kv_cache, start_frame, store_kv: a causal model (``causal_chunk_frames > 0``, causal.py) given a
                 ``kv_cache`` runs ``forward_chunk`` (through ``forward``, so a training wrapper's hooks run);
                 ``text_cache``/``text_key`` go with it (the causal text cache, see ``forward_chunk``).
@@ -390,8 +401,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
                 text_key=text_key,
                 text_mask_has_padding=text_mask_has_padding,
             )
-        bounded = self.training and text_length_bound is not None and text_mask is not None
-        bounded = bounded and text_mask_has_padding is not False  # prepare_text's rule: cut to the bound
+        bounded = self.cuts_text_to_bound(text_mask, text_mask_has_padding, text_length_bound)
         text_emb, text_mask, text_lengths = self.prepare_text(
             text_emb, text_mask, text_mask_has_padding, text_length_bound
         )

@@ -54,8 +54,12 @@ def trimmed_length(lengths: Sequence[int], max_length: int, multiple: int = TEXT
     row's call of the per-row path was."""
     if lengths and min(lengths) == max(lengths) > 0:
         return min(lengths[0], max_length)
-    longest = max(max(lengths, default=0), 1)
-    return min(max_length, -(-longest // multiple) * multiple)
+    return rounded_text_length(max(lengths, default=0), max_length, multiple)
+
+
+def rounded_text_length(longest: int, max_length: int, multiple: int = TEXT_LENGTH_MULTIPLE) -> int:
+    """``longest`` valid tokens rounded up to ``multiple``, at most ``max_length`` and at least 1."""
+    return min(max_length, -(-max(int(longest), 1) // multiple) * multiple)
 
 
 def trim_text(
@@ -89,11 +93,11 @@ def trim_text_to_bound(
     """``(text_emb, text_mask)`` cut to ``bound`` rounded up to ``multiple`` (at most their length), where ``bound`` is
     a host int the caller knows to be at least every row's valid length (e.g. read from the loader's host mask):
     nothing is read back from the device. The rows' padding is then handled from the device mask
-    (``ZeroKeyRows.from_mask`` or the dense key mask). A bound below a row's valid length would cut valid tokens, so
+    (``ZeroKeyRows.from_key_mask`` or the dense key mask). A bound below a row's valid length would cut valid tokens, so
     the cut columns are checked on the device without a host wait (``torch._assert_async``: a device-side error)."""
     if bound < 0:
         raise ValueError(f"text_length_bound must be >= 0, got {bound}")
-    keep = min(text_emb.shape[1], -(-max(int(bound), 1) // multiple) * multiple)
+    keep = rounded_text_length(bound, text_emb.shape[1], multiple)
     if keep < text_mask.shape[1]:
         torch._assert_async(~text_mask[:, keep:].bool().any(), "text_length_bound is below a row's valid length")
     return text_emb[:, :keep], text_mask[:, :keep]

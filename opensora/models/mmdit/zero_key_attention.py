@@ -26,20 +26,20 @@ inf or NaN.
 
 Kernels: cuDNN on sm90+ and flash elsewhere on CUDA (bf16 / fp16, head size <= 128 for cuDNN, <= 256 for flash),
 PyTorch's flash kernel for the CPU (what the CPU tests use). Other cases (fp32 on CUDA, the "efficient" / "math"
-backends) take the dense mask.
+backends) take the dense mask through attention.py's SDPA path, under the chosen backend.
 """
 
 import warnings
 from typing import Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .device_capability import device_major
 from .row_lengths import DeviceRowLengths
 
 MAX_PADDED_SHARE = 1.0 - 2.0**-20  # the cap on r (module docstring): keeps 1 - r > 0 in fp32
 aten = torch.ops.aten
+_UNUSED = {}  # device -> the zero int64 scalar the backward ops take for their unused random state
 
 
 def zero_key_kernel(q: torch.Tensor, backend: str) -> Optional[str]:
@@ -72,7 +72,9 @@ def _kernel_backward(kernel: str, grad, q, k, v, out, lse):
     they get zero scalars (some versions read their pointers anyway)."""
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False)
-    unused = torch.zeros((), dtype=torch.int64, device=q.device)
+    unused = _UNUSED.get(q.device)
+    if unused is None:
+        unused = _UNUSED.setdefault(q.device, torch.zeros((), dtype=torch.int64, device=q.device))
     tokens_q, tokens_k = q.shape[2], k.shape[2]
     if kernel == "cudnn":
         return aten._scaled_dot_product_cudnn_attention_backward(
@@ -171,29 +173,28 @@ class ZeroKeyRows(DeviceRowLengths):
 
     def __init__(self, lengths: Sequence[int], num_text: int, num_video: int, device):
         super().__init__(lengths, num_text, num_video, device)
-        self.keep = self.dense(self.num_text + self.num_video, device)[:, :, 0, :, None]  # [B, 1, T + N, 1]
-        self.num_padded = (self.num_text - self.lengths.clamp(max=self.num_text)).float()  # [B]
+        self._keep_keys(self.dense(self.num_text + self.num_video, device))
 
     @classmethod
-    def from_mask(cls, text_mask: torch.Tensor, num_video: int) -> "ZeroKeyRows":
-        """The same from a device text mask [B, T] (True = valid; any pattern, not only a prefix), with no host read:
-        what a pass whose text was cut to a host-known bound uses (``text_padding.trim_text_to_bound``)."""
+    def from_key_mask(cls, key_mask: torch.Tensor, num_text: int) -> "ZeroKeyRows":
+        """The same from a device key mask [B, 1, 1, T + N] (``MMDiT.key_mask``; any valid text pattern, not only a
+        prefix), with no host read: what a pass whose text was cut to a host-known bound uses
+        (``text_padding.trim_text_to_bound``). ``lengths`` then holds the valid counts."""
         rows = cls.__new__(cls)
-        valid = text_mask.bool()
-        rows.num_text, rows.num_video = valid.shape[1], int(num_video)
-        rows.lengths = valid.sum(-1)  # valid counts (not prefix lengths); their number is the batch size
-        video = valid.new_ones(valid.shape[0], rows.num_video)
-        rows.keep = torch.cat((valid, video), dim=1)[:, None, :, None]
-        rows.num_padded = (rows.num_text - rows.lengths).float()
+        rows.num_text, rows.num_video = int(num_text), key_mask.shape[-1] - int(num_text)
+        rows.lengths = key_mask[:, 0, 0, :num_text].sum(-1)
+        rows._keep_keys(key_mask)
         return rows
 
-    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    def _keep_keys(self, key_mask: torch.Tensor) -> None:
+        self.key_mask = key_mask  # [B, 1, 1, T + N]: the dense fallback's mask
+        self.keep = key_mask[:, :, 0, :, None]  # [B, 1, T + N, 1]: broadcasts over heads and channels
+        self.num_padded = (self.num_text - key_mask[:, 0, 0, : self.num_text].sum(-1)).float()  # [B]
+
+    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> torch.Tensor:
         """[B, heads, T + N, head_dim] q/k/v (one dtype) -> [B, heads, T + N, head_dim], each query over its row's
-        valid keys; the dense mask where no zero-key kernel serves (``zero_key_kernel``)."""
+        valid keys, on ``kernel`` (``zero_key_kernel``; where none serves, attention.py uses ``key_mask``)."""
         self.check(q, k)
-        kernel = zero_key_kernel(q, backend)
-        if kernel is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.keep[:, :, None, :, 0])
         zero = q.new_zeros(())
         k, v = torch.where(self.keep, k, zero), torch.where(self.keep, v, zero)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
