@@ -250,11 +250,14 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         ),
     )
 
-    def variant(name: str, value, plain) -> dict:
-        """The long run again (same seeds) with the generator's ``name`` set to ``value``, scored the same way."""
-        setattr(generator, name, value)
+    def variant(**settings) -> dict:
+        """The long run again (same seeds) with the generator's attributes set to ``settings``, scored the same way."""
+        plain = {name: getattr(generator, name) for name in settings}
+        for name, value in settings.items():
+            setattr(generator, name, value)
         variant_seconds, videos = timed(lambda: stream(long_frames))
-        setattr(generator, name, plain)
+        for name, value in plain.items():
+            setattr(generator, name, value)
         return dict(
             frames=long_frames,
             seconds=variant_seconds,
@@ -267,16 +270,17 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         )
 
     if args.rope_anchor in ("window", "both"):
-        anchored = variant("rope_anchor", "window", "absolute")
+        anchored = variant(rope_anchor="window")
         if args.rope_anchor == "window":
             result["long"] = anchored  # the long criteria judge the anchored run
         result["long_rope_window"] = anchored
     if args.sink_frames_variant is not None:  # the sinks' share in what the long run does, same seeds
-        result["long_sinks"] = dict(
-            sink_frames=args.sink_frames_variant, **variant("sink_frames", args.sink_frames_variant, args.sink_frames)
-        )
+        sinks = args.sink_frames_variant
+        result["long_sinks"] = dict(sink_frames=sinks, **variant(sink_frames=sinks))
+        if args.rope_anchor == "both":  # neither a sink jump nor text at out-of-range RoPE distances
+            result["long_sinks_rope_window"] = dict(sink_frames=sinks, **variant(sink_frames=sinks, rope_anchor="window"))
     if args.kv_recache in ("shift", "both"):
-        recache = variant("kv_recache", "shift", "off")
+        recache = variant(kv_recache="shift")
         if args.kv_recache == "shift":
             result["long"] = recache  # the long criteria judge the re-cached run
         result["long_kv_recache"] = recache
@@ -418,9 +422,10 @@ def student_names(checkpoints_or_report) -> list:
 def print_windows(windows) -> None:
     for w in windows:
         direction = "  -  " if w["direction_acc"] is None else f"{w['direction_acc']:.3f}"
+        reads = "/".join(str(n) for n in w.get("direction_reads", {}).values())  # match/reverse/sideways/static
         print(
             f"    from {w['start_frame']:>4}: colour {w['color_acc']:.3f} shape {w['shape_acc']:.3f} "
-            f"direction {direction} stats {w['stats_in_range']:.3f} background {w['background']:.1f}"
+            f"direction {direction} ({reads}) stats {w['stats_in_range']:.3f} background {w['background']:.1f}"
         )
 
 
@@ -449,11 +454,12 @@ def print_report(report: dict) -> None:
         print_windows(s["long"]["windows"])
         print_background(s["long"]["background_by_frame"], report["clip"][0])
         print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
-        if "long_sinks" in s:
-            r = s["long_sinks"]
-            print(f"  --sink-frames {r['sink_frames']}, same seeds, windows:")
-            print_windows(r["windows"])
-            print_background(r["background_by_frame"], report["clip"][0])
+        for key, anchor in (("long_sinks", "absolute"), ("long_sinks_rope_window", "window")):
+            if key in s:
+                r = s[key]
+                print(f"  --sink-frames {r['sink_frames']} (RoPE anchor {anchor}), same seeds, windows:")
+                print_windows(r["windows"])
+                print_background(r["background_by_frame"], report["clip"][0])
         if "long_kv_recache" in s:
             r = s["long_kv_recache"]
             print(
@@ -509,6 +515,13 @@ def parse_args(argv=None):
         "(long tuning after it, Self-Forcing++'s order), which also trains and scores the control self_forcing_more: "
         "Self-Forcing trained on from its student for as long",
     )
+    parser.add_argument(
+        "--students",
+        choices=("all", "self_forcing"),
+        default="all",
+        help="self_forcing: train and score the Self-Forcing student only (a question about inference, such as the "
+        "sinks' share, needs no long-rollout student)",
+    )
     parser.add_argument("--stop-after", choices=STAGES, default=None, help="end after this stage (calls under 10 min)")
     parser.add_argument("--long-multiple", type=int, default=8)
     parser.add_argument(
@@ -555,6 +568,8 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny networks and clips, a few steps")
     parser.add_argument("--tiny-steps", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.students == "self_forcing" and args.stop_after == "long_rollout":
+        parser.error("--students self_forcing trains no long-rollout student: stop after self_forcing")
     if args.rope_anchor == "window" and args.kv_recache != "off":
         parser.error("--rope-anchor window does not combine with --kv-recache (use --rope-anchor both)")
     if args.tiny:
@@ -579,7 +594,8 @@ def main(argv=None) -> dict:
     checkpoints["ode"] = train(args, "ode", args.ode_minutes, dict(student=teacher, teacher=teacher))
     if args.stop_after == "ode":
         return {}
-    for name in ("self_forcing", "long_rollout"):  # the same teacher and budget; the same init by default
+    for name in ("self_forcing", "long_rollout")[: 1 if args.students == "self_forcing" else 2]:
+        # the same teacher and budget; the same init by default
         start = checkpoints["self_forcing"] if name == "long_rollout" and args.long_init == "self_forcing" else None
         inits = dict(student=start or checkpoints["ode"], teacher=teacher, critic=teacher)
         steps = args.student_steps if name == "long_rollout" else None

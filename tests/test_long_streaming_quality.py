@@ -50,6 +50,10 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
         sinkless = student["long_sinks"]  # the same seeds without sink frames
         assert sinkless["sink_frames"] == 0 and [w["start_frame"] for w in sinkless["windows"]] == [0, 8, 16]
         assert sinkless["windows"][0] == long["windows"][0]  # sinks only matter once the window rolls
+        neither = student["long_sinks_rope_window"]  # no sinks and the text at the window's start
+        assert neither["sink_frames"] == 0 and neither["windows"][0] == long["windows"][0]
+        for w in long["windows"]:  # every scored direction is read as one of the four relations
+            assert sum(w["direction_reads"].values()) == w["direction_n"]
         recache = student["long_kv_recache"]
         assert recache["frames"] == 24 and [w["start_frame"] for w in recache["windows"]] == [0, 8, 16]
         switch = student["switch"]
@@ -149,3 +153,25 @@ def test_student_steps_give_long_rollout_and_the_control_equal_steps(tmp_path, m
 
     assert budget("long_rollout") == budget(bench.CONTROL) == ("120", "8.0")
     assert budget("self_forcing") == ("1000000", "8.0") and budget("ode")[0] == "1000000"
+
+
+def test_self_forcing_only_trains_no_long_rollout_student_and_scores_self_forcing(tmp_path, monkeypatch):
+    """``--students self_forcing``: teacher -> causal init -> Self-Forcing, then the evaluation of that student alone
+    (questions about inference need no long-rollout training)."""
+    bench = _benchmark()
+    trained, evaluated = [], {}
+
+    def record(command, **_):
+        stage = Path(command[command.index("--outputs") + 1]).name
+        trained.append(stage)
+        (tmp_path / stage / "checkpoints" / "step-0000001").mkdir(parents=True)
+
+    monkeypatch.setattr(bench.subprocess, "run", record)
+    monkeypatch.setattr(bench, "stage_config", lambda args, stage: tmp_path / f"{stage}.py")
+    monkeypatch.setattr(bench, "evaluate", lambda args, checkpoints: evaluated.update(checkpoints) or {})
+    monkeypatch.setattr(bench, "print_report", lambda report: None)
+    bench.main(["--out", str(tmp_path), "--students", "self_forcing"])
+    assert trained == ["teacher", "ode", "self_forcing"]
+    assert bench.student_names(evaluated) == ["self_forcing"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--students", "self_forcing", "--stop-after", "long_rollout"])

@@ -273,3 +273,13 @@ def test_ground_truth_at_the_benchmark_size_scores_one_in_every_window_and_corru
     if motion == "wrap":  # played backwards: the opposite direction in every window
         backwards = score_windows([v[::-1] for v in short], BENCH_PROMPTS, FRAMES, motion=motion)
         assert backwards["direction_window_min"] == 0.0 and backwards["color_window_min"] == 1.0
+
+
+def test_direction_relation_tells_reversed_sideways_and_stopped_shapes_apart():
+    from opensora.eval.moving_shapes import STATIC
+    from opensora.eval.moving_shapes_windows import direction_relation
+
+    assert direction_relation("right", "right") == "match"
+    assert direction_relation("left", "right") == direction_relation("up", "down") == "reverse"
+    assert direction_relation("up", "right") == direction_relation("left", "down") == "sideways"
+    assert direction_relation(STATIC, "left") == "static"

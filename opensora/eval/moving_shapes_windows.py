@@ -142,6 +142,19 @@ def expected_window_directions(
     return [majority_direction(steps[s : s + window - 1]) for s in starts]
 
 
+DIRECTION_RELATIONS = ("match", "reverse", "sideways", "static")
+
+
+def direction_relation(read: str, expected: str) -> str:
+    """How a read direction relates to the expected one: a wrong direction that is the opposite (a shape pulled back
+    towards where it was) tells a different story from one across the axis or a shape that stopped."""
+    if read == expected:
+        return "match"
+    if read not in DIRECTION_VECTORS:
+        return "static"
+    return "reverse" if OPPOSITE[expected] == read else "sideways"
+
+
 # ---- scoring ------------------------------------------------------------------------------------------------------
 @dataclass
 class WindowScore:
@@ -150,6 +163,8 @@ class WindowScore:
     shape_acc: Optional[float]
     direction_acc: Optional[float]  # None when no clip has a scored direction in this window
     direction_n: int  # clips whose direction is scored in this window
+    # how the scored clips' read directions relate to the expected one: match / reverse / sideways / static
+    direction_reads: Dict[str, int]
     stats_in_range: Optional[float]  # share of clips whose frame statistics lie in their caption's range
     frame_mean: float
     frame_std: float
@@ -196,6 +211,7 @@ def score_windows(
     starts = window_starts(len(videos[0]), window, stride)
     wrap = motion == "wrap"
     hits = {a: np.full((len(videos), len(starts)), np.nan) for a in ("color", "shape", "stats", "direction")}
+    reads = [dict.fromkeys(DIRECTION_RELATIONS, 0) for _ in starts]
     moments = np.zeros((len(videos), len(starts), len(STATISTICS)))
     for i, (video, prompt) in enumerate(zip(videos, prompts)):
         video = np.asarray(video)
@@ -220,6 +236,7 @@ def score_windows(
             hits["stats"][i, k] = stats_in_range(clip, color, shape, stats_margin)
             if expected[k] is not None:
                 hits["direction"][i, k] = reading.direction == expected[k]
+                reads[k][direction_relation(reading.direction, expected[k])] += 1
 
     def share(name, k):
         scored = hits[name][:, k][~np.isnan(hits[name][:, k])]
@@ -235,6 +252,7 @@ def score_windows(
                 shape_acc=share("shape", k)[0],
                 direction_acc=direction_acc,
                 direction_n=direction_n,
+                direction_reads=reads[k],
                 stats_in_range=share("stats", k)[0],
                 frame_mean=float((moments[:, k, 0] + moments[:, k, 2]).mean()),
                 frame_std=float(moments[:, k, 1].mean()),
