@@ -278,7 +278,9 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         sinks = args.sink_frames_variant
         result["long_sinks"] = dict(sink_frames=sinks, **variant(sink_frames=sinks))
         if args.rope_anchor == "both":  # neither a sink jump nor text at out-of-range RoPE distances
-            result["long_sinks_rope_window"] = dict(sink_frames=sinks, **variant(sink_frames=sinks, rope_anchor="window"))
+            result["long_sinks_rope_window"] = dict(
+                sink_frames=sinks, **variant(sink_frames=sinks, rope_anchor="window")
+            )
     if args.kv_recache in ("shift", "both"):
         recache = variant(kv_recache="shift")
         if args.kv_recache == "shift":
