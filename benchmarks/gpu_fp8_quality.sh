@@ -3,6 +3,8 @@
 # seed, in bf16 and with FP8 block linears (torchao, MMDiT(fp8_linears=RECIPE)), each scored on the 72 held captions
 # with the same sampling seeds (30 Euler steps, CFG 4). The scores should agree within a point.
 #   bash benchmarks/gpu_fp8_quality.sh OUT [STEPS] [RECIPE]      (defaults: 2000 steps, tensorwise)
+# PRECISIONS="tensorwise" runs one side only (the calls may be split: eager FP8 at this 30M width is slower than
+# bf16); FP8_FLAGS adds trainer flags to the FP8 run (e.g. "--model.compile_blocks True": the float8 casts fused).
 # One call of under 10 minutes at 2000 steps on an H200 (~3 min of training each). The device machine lacks
 # colossalai / mmengine / diffusers: carry .whl (../shared/tools/device_wheels.sh all) and install it first.
 set -euo pipefail
@@ -12,10 +14,10 @@ recipe=${3:-tensorwise}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$out"
 cfg=configs/diffusion/train/moving_shapes_gpu.py
-for precision in bf16 "$recipe"; do
+for precision in ${PRECISIONS:-bf16 $recipe}; do
   runs=outputs/fp8_quality/$precision
   extra=()
-  if [ "$precision" != bf16 ]; then extra=(--model.fp8_linears "$precision"); fi
+  if [ "$precision" != bf16 ]; then extra=(--model.fp8_linears "$precision" ${FP8_FLAGS:-}); fi
   start=$(date +%s)
   torchrun --standalone --nproc_per_node 1 scripts/diffusion/train.py "$cfg" --outputs "$runs" --overwrite \
     --max-steps "$steps" --ckpt-every 0 "${extra[@]}" 2>&1 | grep -v -i warn | tail -n 4

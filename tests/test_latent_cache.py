@@ -80,12 +80,26 @@ def data(tmp_path_factory):
 
 
 # ---- equivalence --------------------------------------------------------------------------------------------------
-def test_training_from_the_cache_is_bit_identical_to_training_from_the_videos(data):
+def test_training_from_the_cache_is_bit_identical_to_training_from_the_videos(data, monkeypatch):
+    import opensora.models.mmdit.text_padding as text_padding
+
+    def no_read(_):
+        raise AssertionError("a training step read the text lengths back from the device")
+
+    # both paths give the model the same host bound on the text lengths (the cache's host mask, the tokenizer's
+    # count), so neither reads them back and both cut the text alike
+    monkeypatch.setattr(text_padding, "valid_prefix_lengths", no_read)
+    import opensora.models.mmdit.model as mmdit_model
+
+    cuts = []
+    real_cut = mmdit_model.trim_text_to_bound
+    monkeypatch.setattr(mmdit_model, "trim_text_to_bound", lambda *a: cuts.append(a[2]) or real_cut(*a))
     reference = train(data["videos"], data["root"] / "from_videos", "--max-steps", STEPS)
     trainer = train(data["cached"], data["root"] / "from_cache", "--max-steps", STEPS)
 
     want, got = read_metrics(data["root"] / "from_videos"), read_metrics(data["root"] / "from_cache")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert len(cuts) == 2 * STEPS and cuts[:STEPS] == cuts[STEPS:]  # every step cut at the same bound both ways
     for a, b in zip(want, got):
         for key in ("loss", "grad_norm", "lr", "skipped_samples", "bad_files"):
             assert a[key] == b[key], f"step {a['step']} {key}: {a[key]!r} (videos) != {b[key]!r} (cache)"

@@ -52,6 +52,7 @@ class FlowMatching(TrainingMethod):
         self.patch_size = tuple(model.patch_size)
         self.uses_condition = getattr(model, "cond_channels", None) is not None
         self.model_dtype = next(model.parameters()).dtype
+        self._null_text_length: Optional[int] = None
 
     @torch.no_grad()
     def encode_batch(self, batch: Mapping) -> tuple:
@@ -72,8 +73,33 @@ class FlowMatching(TrainingMethod):
             text = {k: v.to(comp.device, non_blocking=True) for k, v in text.items()}
         return x0, text
 
+    def text_length_bound(self, batch: Mapping) -> Optional[int]:
+        """A host int >= every row's valid text length after CFG dropout, or None (the model then reads the lengths
+        back from the GPU once per forward, a host wait that stalls the launch queue). Both input paths give the same
+        bound, so training from precomputed features stays bit-identical to training from the videos: the longest
+        row of the loader's host mask, or the tokenizer's count of the longest prompt, raised to the null text's
+        length when dropout may swap it in."""
+        if "text_emb" in batch:
+            mask = batch.get("text_mask")
+            if mask is None or mask.device.type != "cpu":
+                return None
+            longest = int(mask.sum(-1).max())
+        else:
+            lengths = getattr(self.components.text_encoder, "text_lengths", None)
+            if lengths is None:
+                return None
+            longest = max(lengths(list(batch["text"])))
+        null = self.components.null_text
+        if null is not None and self.text_dropout > 0:
+            if self._null_text_length is None:  # one device read, on the first step
+                mask = null.get("text_mask")
+                self._null_text_length = int(mask.sum(-1).max()) if mask is not None else null["text_emb"].shape[1]
+            longest = max(longest, self._null_text_length)
+        return longest
+
     def single_train_step(self, batch: Mapping, iteration: int):
         comp = self.components
+        bound = self.text_length_bound(batch)
         x0, text = self.encode_batch(batch)
         batch_size = x0.shape[0]
         if comp.null_text is not None:
@@ -102,6 +128,7 @@ class FlowMatching(TrainingMethod):
             cond,
             self.model_dtype,
             text_mask_has_padding=text.get("text_mask") is not None,
+            text_length_bound=bound,
         )
         loss = masked_mse(pred, target, loss_mask)
 

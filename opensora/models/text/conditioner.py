@@ -137,6 +137,13 @@ class TextConditioner(nn.Module):
         text_emb, text_mask, pooled = (torch.stack(parts) for parts in zip(*rows))
         return dict(text_emb=text_emb, text_mask=text_mask, pooled=pooled)
 
+    def text_lengths(self, prompts: Union[str, Sequence[str]]) -> List[int]:
+        """Each prompt's valid T5 token count (what ``encode``'s ``text_mask`` marks), from the tokenizer on the
+        host: a trainer learns the longest one without reading the mask back from the GPU."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = self._t5_encoder.tokenizer(prompts, max_length=self.max_length, truncation=True).input_ids
+        return [len(row) for row in ids]
+
     @torch.no_grad()
     def null_embeddings(self, batch_size: int) -> Dict[str, torch.Tensor]:
         """Empty-prompt features repeated ``batch_size`` times (the unconditional branch of CFG)."""
