@@ -11,11 +11,12 @@ rounds (round r: each variant ``--iters`` steps), so slow drift of the card hits
 
 Variants (``ours-*`` share one model; ``diffusers-*`` is diffusers' FluxTransformer2DModel with flash SDPA, which
 has no text mask: it attends to every padded token, as Flux training does):
-  ours-padded          compiled blocks, 512 padded columns given: the model trims them and skips the rest of the
-                       padding per row (text_padding.py) -- what the training configs run (zero keys since
-                       2026-11-27; the dense key mask before, now ours-padded-dense)
+  ours-padded          compiled blocks, 512 padded columns given: the model reads the valid lengths back, trims
+                       the text and skips the rest of the padding per row (text_padding.py; zero keys since
+                       2026-11-27, the dense key mask before, now ours-padded-dense)
   ours-padded-bound    the same with the longest prompt length given from the host (text_length_bound): the model
-                       cuts the text there and reads no lengths back from the GPU (no host wait per forward)
+                       cuts the text there and reads no lengths back from the GPU (no host wait per forward) --
+                       what the trainer runs (FlowMatching passes the bound since 2026-11-27)
   ours-unpadded-128    compiled, 128 text columns and no mask: the mask-free step at the trimmed shape
   ours-unpadded-70     compiled, 70 text columns and no mask: the mean valid length of the padded batches
   ours-masked          compiled, the 512 columns behind a dense boolean mask (what the model did before trimming)
