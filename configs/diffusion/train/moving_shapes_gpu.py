@@ -20,7 +20,9 @@ model = dict(
     depth_double=4,
     depth_single=8,
     axes_dims=(16, 24, 24),
-    compile_blocks=False,  # a 30M model trained for minutes: compiling would eat into the budget (not measured)
+    # a 30M model trained for minutes: on an H200 compiling costs ~33 s once and saves ~11 ms a step (85.7 vs 96.6
+    # ms, separate runs: benchmarks/reports/padded_text_h200_2026-11.md), so it pays only after ~3000 steps
+    compile_blocks=False,
 )
 lr = 5e-4
 warmup_steps = 200

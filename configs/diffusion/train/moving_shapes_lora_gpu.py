@@ -17,7 +17,7 @@ lora = dict(
     target_modules=["qkv", "proj", "linear1", "linear2", "img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2"],
     dropout=0.0,
 )
-model = dict(compile_blocks=False)  # compiled blocks with peft's LoRA layers: not yet run on a GPU
+model = dict(compile_blocks=False)  # as the base config; compiled LoRA is GPU-tested (test_text_padding_gpu.py -k lora)
 dataset = dict(where=dict(direction="left"))  # the subset to finetune on (colour / shape / direction values)
 lr = 5e-4
 warmup_steps = 20
