@@ -88,6 +88,10 @@ def stage_config(args, stage: str) -> Path:
     method = {}  # the stage's method overrides, one dict (a second assignment would replace the first)
     if stage == "long_rollout" and args.switch_prob is not None:
         method["switch_prob"] = float(args.switch_prob)
+    if stage == "long_rollout" and args.long_sink_frames is not None:
+        method["kv_sink_frames"] = int(args.long_sink_frames)
+    if stage == "long_rollout" and args.long_rope_anchor == "window":  # switches re-cache under absolute RoPE only
+        method.update(kv_rope_anchor="window", switch_prob=float(args.switch_prob or 0.0))
     if args.tiny:
         lines.append(TINY_DATA)
         if stage == "teacher":
@@ -529,6 +533,20 @@ def parse_args(argv=None):
     parser.add_argument(
         "--switch-prob", type=float, default=None, help="the long-rollout student's prompt-switch share (config: 0.25)"
     )
+    parser.add_argument(
+        "--long-sink-frames",
+        type=int,
+        default=None,
+        help="the long-rollout student trains with this many sink frames (config: one chunk); e.g. 0 with "
+        "--long-rope-anchor window trains the regime of the long_sinks_rope_window variant",
+    )
+    parser.add_argument(
+        "--long-rope-anchor",
+        choices=("absolute", "window"),
+        default="absolute",
+        help="where the long-rollout student's training rollouts put the text and the sinks once the window rolls "
+        "(window: no prompt switches, as the sampler)",
+    )
     parser.add_argument("--window-frames", type=int, default=None, help="cache window (latent frames); clip - chunk")
     parser.add_argument("--sink-frames", type=int, default=2)
     parser.add_argument(
@@ -570,6 +588,8 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny networks and clips, a few steps")
     parser.add_argument("--tiny-steps", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.long_rope_anchor == "window" and args.switch_prob:
+        parser.error("--long-rope-anchor window trains no prompt switches (the re-cache needs the absolute anchor)")
     if args.students == "self_forcing" and args.stop_after == "long_rollout":
         parser.error("--students self_forcing trains no long-rollout student: stop after self_forcing")
     if args.rope_anchor == "window" and args.kv_recache != "off":

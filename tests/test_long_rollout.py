@@ -128,6 +128,8 @@ def test_trains_a_few_steps_with_finite_losses_on_the_two_time_scale_rule():
         (dict(window="middle"), "window"),
         (dict(kv_window_frames=2, kv_sink_frames=2), "kv_sink_frames"),
         (dict(switch_prob=1.5), "switch_prob"),
+        (dict(kv_rope_anchor="middle"), "kv_rope_anchor"),
+        (dict(kv_rope_anchor="window", switch_prob=0.5), "absolute RoPE anchor"),
     ],
 )
 def test_bad_settings_are_refused(bad, match):
@@ -143,23 +145,28 @@ def test_default_cache_window_needs_room_beside_the_sinks():
         method.generate(method.adapter.prepare_batch(tiny_batch(1)), with_grad=False)
 
 
-@pytest.mark.parametrize("switch_chunk", [None, 3])
-def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_generates(switch_chunk):
+@pytest.mark.parametrize("switch_chunk, anchor", [(None, "absolute"), (3, "absolute"), (None, "window")])
+def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_generates(switch_chunk, anchor):
     """Train/test consistency past the clip length: the training rollout through the rolling cache with a sink (3x the
     clip, exit at the last step) equals the streaming sampler's latents with the same window and sink frames; with a
-    prompt switch at chunk 3 (each sample takes the other's prompt) it equals the sampler's switch with the re-cache."""
+    prompt switch at chunk 3 (each sample takes the other's prompt) it equals the sampler's switch with the re-cache;
+    with the window RoPE anchor (text and sinks at the window's start) it equals the sampler's anchored stream."""
     from test_methods_framework import tiny_batch
 
     from opensora.inference.sampler import VideoSampler
     from opensora.inference.streaming.generator import StreamingGenerator
 
     steps = [1.0, 0.6, 0.3]
-    method, roles, _ = make_long_rollout(num_frames_per_chunk=2, rollout="euler", kv_window_frames=4, kv_sink_frames=2)
+    method, roles, _ = make_long_rollout(
+        num_frames_per_chunk=2, rollout="euler", kv_window_frames=4, kv_sink_frames=2, kv_rope_anchor=anchor
+    )
     batch = tiny_batch(2)
     prepared = method.adapter.prepare_batch(batch)
     comp = method.components
     sampler = VideoSampler(roles["student"].unwrap(), comp.vae, comp.text_encoder, progress=False)
-    stream = StreamingGenerator(sampler, step_list=steps, rollout="euler", window_frames=4, sink_frames=2)
+    stream = StreamingGenerator(
+        sampler, step_list=steps, rollout="euler", window_frames=4, sink_frames=2, rope_anchor=anchor
+    )
     seeds = [3, 4]
     switches, switch = (), None
     if switch_chunk is not None:
@@ -179,6 +186,13 @@ def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_genera
     )
     rolled = method.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False, switch=switch)
     torch.testing.assert_close(rolled, streamed, rtol=1e-4, atol=1e-5)
+    if anchor == "window":  # the anchor moved the text and the sinks once the cache rolled: a different stream
+        absolute = make_long_rollout(
+            num_frames_per_chunk=2, rollout="euler", kv_window_frames=4, kv_sink_frames=2, kv_rope_anchor="absolute"
+        )[0]
+        absolute.student = method.student  # the same network, only the anchor differs
+        plain = absolute.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False)
+        assert (rolled - plain).abs().max() > 1e-3
     if switch_chunk is not None:  # the switch changed what follows it, not what precedes it
         plain = method.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False)
         torch.testing.assert_close(rolled[:, :, : 2 * switch_chunk], plain[:, :, : 2 * switch_chunk])

@@ -175,3 +175,18 @@ def test_self_forcing_only_trains_no_long_rollout_student_and_scores_self_forcin
     assert bench.student_names(evaluated) == ["self_forcing"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--students", "self_forcing", "--stop-after", "long_rollout"])
+
+
+def test_long_rollout_can_train_without_sinks_at_the_window_anchor(tmp_path):
+    """``--long-sink-frames 0 --long-rope-anchor window``: the long-rollout stage's config trains that regime (and no
+    prompt switches, which re-cache under the absolute anchor only); the config builds the method."""
+    bench = _benchmark()
+    args = bench.parse_args(["--out", str(tmp_path), "--long-sink-frames", "0", "--long-rope-anchor", "window"])
+    text = bench.stage_config(args, "long_rollout").read_text()
+    assert "kv_sink_frames=0" in text and "kv_rope_anchor='window'" in text and "switch_prob=0.0" in text
+    from opensora.config import load_config
+
+    method = load_config(str(tmp_path / "configs" / "long_rollout.py")).method
+    assert (method.kv_sink_frames, method.kv_rope_anchor, method.switch_prob) == (0, "window", 0.0)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--long-rope-anchor", "window", "--switch-prob", "0.5"])

@@ -91,11 +91,13 @@ class StreamingSpy:
         adapter.new_kv_cache = self.new_kv_cache
         adapter.predict_x0_streaming = self.predict
 
-    def new_kv_cache(self, handle, batch, window_frames=None, sink_frames=0):
+    def new_kv_cache(self, handle, batch, window_frames=None, sink_frames=0, rope_anchor="absolute"):
         cache = (
             SpyCache()
             if self.fake
-            else self._real_new(handle, batch, window_frames=window_frames, sink_frames=sink_frames)
+            else self._real_new(
+                handle, batch, window_frames=window_frames, sink_frames=sink_frames, rope_anchor=rope_anchor
+            )
         )
         self.caches.append(cache)
         return cache

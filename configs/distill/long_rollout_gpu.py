@@ -12,6 +12,9 @@ outputs = "outputs/moving_shapes_gpu/long_rollout"
 # keeps every frame)
 window_frames = 14  # 16 latent frames per clip minus one chunk
 sink_frames = {{_base_.num_frames_per_chunk}}
+# where the text and the sinks sit in RoPE time once the window rolls (absolute | window), read by the method and the
+# sampler alike; window with sink_frames = 0 keeps every distance the student sees inside the clip's (no switches yet)
+rope_anchor = "absolute"
 
 method = dict(
     _delete_=True,
@@ -24,6 +27,7 @@ method = dict(
     window="uniform",
     kv_window_frames=window_frames,
     kv_sink_frames=sink_frames,
+    kv_rope_anchor=rope_anchor,
     # a quarter of the iterations switch every sample's prompt at the judged window's start (re-cache under the new
     # text, DMD with the new prompt), so a prompt switch mid-stream is learned; not yet measured on a GPU
     switch_prob=0.25,

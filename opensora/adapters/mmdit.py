@@ -176,12 +176,19 @@ class MMDiTAdapter:
         causal = getattr(handle.unwrap(), "causal_chunk_frames", 0) > 0
         return self.capabilities if causal else self.capabilities - {"streaming"}
 
-    def new_kv_cache(self, handle, batch: PreparedBatch, window_frames: Optional[int] = None, sink_frames: int = 0):
+    def new_kv_cache(
+        self,
+        handle,
+        batch: PreparedBatch,
+        window_frames: Optional[int] = None,
+        sink_frames: int = 0,
+        rope_anchor: str = "absolute",
+    ):
         """An empty ``KVCache`` for ``handle``'s causal network (one per network and guidance branch)."""
         network = handle.unwrap()
         if "streaming" not in self.capabilities_for(handle):
             raise ValueError("new_kv_cache needs a causal MMDiT (built with causal_chunk_frames > 0)")
-        return network.new_kv_cache(window_frames=window_frames, sink_frames=sink_frames)
+        return network.new_kv_cache(window_frames=window_frames, sink_frames=sink_frames, rope_anchor=rope_anchor)
 
     def predict_x0_streaming(
         self,

@@ -31,6 +31,8 @@ Memory is bounded by the window: one student graph per graded chunk (as many as 
 plus a KV cache of at most ``kv_window_frames`` frames; the longer rollout costs time (no-grad passes), not memory.
 ``kv_window_frames`` defaults to the clip length minus one chunk (what the streaming sampler keeps by default) and
 ``kv_sink_frames`` to one chunk (the first chunk stays in view as an attention sink, LongLive's frame sink).
+``kv_rope_anchor`` (Self-Forcing's, default ``"absolute"``) trains the rollout with the text and the sinks where the
+streaming sampler's ``rope_anchor`` puts them; train in the regime the student will stream in.
 """
 
 import dataclasses
@@ -63,6 +65,11 @@ class LongRollout(SelfForcing):
         if not 0.0 <= float(switch_prob) <= 1.0:
             raise ValueError(f"LongRollout: switch_prob must be in [0, 1], got {switch_prob}")
         self.switch_prob = float(switch_prob)
+        if self.switch_prob > 0 and self.kv_rope_anchor != "absolute":
+            raise ValueError(
+                "LongRollout: prompt switches (switch_prob > 0) re-cache under the absolute RoPE anchor only (as the "
+                "streaming sampler); set kv_rope_anchor='absolute' or switch_prob=0"
+            )
         self.switched = None  # the prompts the judged window was made with, after a prompt switch
         if int(rollout_multiple) != rollout_multiple or rollout_multiple < 1:
             raise ValueError(f"LongRollout: rollout_multiple must be a whole number >= 1, got {rollout_multiple}")

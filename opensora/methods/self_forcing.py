@@ -32,6 +32,7 @@ import torch
 from opensora.diffusion.sampling import euler_step
 from opensora.methods.causal import num_chunks, shared_randint
 from opensora.methods.causvid import CausVid
+from opensora.models.mmdit.causal import ROPE_ANCHORS
 from opensora.registry import METHODS
 
 
@@ -46,9 +47,12 @@ class SelfForcing(CausVid):
         context_noise: float = 0.0,
         kv_window_frames: Optional[int] = None,
         kv_sink_frames: int = 0,
+        kv_rope_anchor: str = "absolute",
         **causvid_kwargs,
     ):
         super().__init__(roles, components, rollout=rollout, **causvid_kwargs)
+        if kv_rope_anchor not in ROPE_ANCHORS:
+            raise ValueError(f"SelfForcing: kv_rope_anchor must be one of {ROPE_ANCHORS}, got {kv_rope_anchor!r}")
         if grad_frames is not None and int(grad_frames) < 1:
             raise ValueError(f"SelfForcing: grad_frames must be >= 1 latent frame or None (all), got {grad_frames}")
         if not 0.0 <= float(context_noise) < 1.0:
@@ -57,6 +61,7 @@ class SelfForcing(CausVid):
         self.context_noise = float(context_noise)
         self.kv_window_frames = kv_window_frames
         self.kv_sink_frames = int(kv_sink_frames)
+        self.kv_rope_anchor = kv_rope_anchor  # where the text and the sinks sit once the window rolls (KVCache)
         self.last_extra_passes = 0.0
 
     # ---- the rollout ----------------------------------------------------------------------------------------
@@ -114,7 +119,11 @@ class SelfForcing(CausVid):
         t_exit = self.step_times[exit_index].to(noise.device).expand(b)
         t_context = torch.full((b,), self.context_noise, device=noise.device)
         cache = self.adapter.new_kv_cache(
-            self.student, batch, window_frames=self.cache_window(batch), sink_frames=self.kv_sink_frames
+            self.student,
+            batch,
+            window_frames=self.cache_window(batch),
+            sink_frames=self.kv_sink_frames,
+            rope_anchor=self.kv_rope_anchor,
         )
         outputs = []
         try:
