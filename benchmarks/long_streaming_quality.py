@@ -88,9 +88,11 @@ def stage_config(args, stage: str) -> Path:
     method = {}  # the stage's method overrides, one dict (a second assignment would replace the first)
     if stage == "long_rollout" and args.switch_prob is not None:
         method["switch_prob"] = float(args.switch_prob)
-    if stage == "long_rollout" and args.long_sink_frames is not None:
+    if stage == "long_rollout" and args.long_sink_frames is not None:  # the sampler's key and the method's copy
+        lines.append(f"sink_frames = {int(args.long_sink_frames)}")
         method["kv_sink_frames"] = int(args.long_sink_frames)
     if stage == "long_rollout" and args.long_rope_anchor == "window":  # switches re-cache under absolute RoPE only
+        lines.append("rope_anchor = 'window'")
         method.update(kv_rope_anchor="window", switch_prob=float(args.switch_prob or 0.0))
     if args.tiny:
         lines.append(TINY_DATA)
@@ -537,15 +539,16 @@ def parse_args(argv=None):
         "--long-sink-frames",
         type=int,
         default=None,
-        help="the long-rollout student trains with this many sink frames (config: one chunk); e.g. 0 with "
-        "--long-rope-anchor window trains the regime of the long_sinks_rope_window variant",
+        help="the long-rollout student trains with this many sink frames (config: one chunk); every student is then "
+        "also streamed with them (--sink-frames-variant); 0 with --long-rope-anchor window is the long_sinks_rope_window "
+        "variant's regime",
     )
     parser.add_argument(
         "--long-rope-anchor",
         choices=("absolute", "window"),
         default="absolute",
         help="where the long-rollout student's training rollouts put the text and the sinks once the window rolls "
-        "(window: no prompt switches, as the sampler)",
+        "(window: no prompt switches, as the sampler; every student is then also streamed anchored, --rope-anchor both)",
     )
     parser.add_argument("--window-frames", type=int, default=None, help="cache window (latent frames); clip - chunk")
     parser.add_argument("--sink-frames", type=int, default=2)
@@ -590,6 +593,14 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.long_rope_anchor == "window" and args.switch_prob:
         parser.error("--long-rope-anchor window trains no prompt switches (the re-cache needs the absolute anchor)")
+    # every student is also streamed in the long-rollout student's training regime (same seeds), so that student is
+    # scored where it trained and the others beside it
+    if args.long_sink_frames is not None and args.long_sink_frames != args.sink_frames:
+        if args.sink_frames_variant not in (None, args.long_sink_frames):
+            parser.error("--sink-frames-variant must equal --long-sink-frames (the long-rollout student's regime)")
+        args.sink_frames_variant = args.long_sink_frames
+    if args.long_rope_anchor == "window" and args.rope_anchor == "absolute":
+        args.rope_anchor = "both"
     if args.students == "self_forcing" and args.stop_after == "long_rollout":
         parser.error("--students self_forcing trains no long-rollout student: stop after self_forcing")
     if args.rope_anchor == "window" and args.kv_recache != "off":

@@ -252,3 +252,16 @@ def test_a_prompt_switch_is_judged_with_the_new_prompts(batch_size, end, switche
     assert torch.equal(judged, expected)
     if switched:
         assert not torch.equal(judged, prepared.text["text_emb"])  # the two prompts differ
+
+
+def test_the_gpu_configs_cache_flags_reach_the_method():
+    """``--window-frames / --sink-frames / --rope-anchor`` on the command line set the sampler's keys and the method's
+    copies alike (``_links_``), so training and streaming keep one regime."""
+    from opensora.config import load_config
+
+    path = "configs/distill/long_rollout_gpu.py"
+    cfg = load_config(path, ["--rope-anchor", "window", "--sink-frames", "0", "--window-frames", "12"])
+    assert (cfg.rope_anchor, cfg.sink_frames, cfg.window_frames) == ("window", 0, 12)
+    assert (cfg.method.kv_rope_anchor, cfg.method.kv_sink_frames, cfg.method.kv_window_frames) == ("window", 0, 12)
+    plain = load_config(path)
+    assert (plain.method.kv_rope_anchor, plain.method.kv_sink_frames) == (plain.rope_anchor, plain.sink_frames)

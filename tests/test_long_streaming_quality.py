@@ -184,9 +184,15 @@ def test_long_rollout_can_train_without_sinks_at_the_window_anchor(tmp_path):
     args = bench.parse_args(["--out", str(tmp_path), "--long-sink-frames", "0", "--long-rope-anchor", "window"])
     text = bench.stage_config(args, "long_rollout").read_text()
     assert "kv_sink_frames=0" in text and "kv_rope_anchor='window'" in text and "switch_prob=0.0" in text
+    # the streamed regime follows: the sampler's keys in the stage config, and every student streamed that way too
+    assert "sink_frames = 0" in text and "rope_anchor = 'window'" in text
+    assert (args.sink_frames_variant, args.rope_anchor) == (0, "both")
     from opensora.config import load_config
 
-    method = load_config(str(tmp_path / "configs" / "long_rollout.py")).method
-    assert (method.kv_sink_frames, method.kv_rope_anchor, method.switch_prob) == (0, "window", 0.0)
+    cfg = load_config(str(tmp_path / "configs" / "long_rollout.py"))
+    assert (cfg.method.kv_sink_frames, cfg.method.kv_rope_anchor, cfg.method.switch_prob) == (0, "window", 0.0)
+    assert (cfg.sink_frames, cfg.rope_anchor) == (0, "window")
     with pytest.raises(SystemExit):
         bench.parse_args(["--long-rope-anchor", "window", "--switch-prob", "0.5"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--long-sink-frames", "0", "--sink-frames-variant", "1"])

@@ -15,6 +15,12 @@ sink_frames = {{_base_.num_frames_per_chunk}}
 # where the text and the sinks sit in RoPE time once the window rolls (absolute | window), read by the method and the
 # sampler alike; window with sink_frames = 0 keeps every distance the student sees inside the clip's (no switches yet)
 rope_anchor = "absolute"
+# a command-line --window-frames / --sink-frames / --rope-anchor reaches the method's copies too
+_links_ = dict(
+    window_frames=["method.kv_window_frames"],
+    sink_frames=["method.kv_sink_frames"],
+    rope_anchor=["method.kv_rope_anchor"],
+)
 
 method = dict(
     _delete_=True,

@@ -83,12 +83,14 @@ class FlowMatching(TrainingMethod):
             mask = batch.get("text_mask")
             if mask is None or mask.device.type != "cpu":
                 return None
-            longest = int(mask.sum(-1).max())
+            valid_columns = mask.bool().any(0).nonzero()  # the last valid column: a safe cut for any mask pattern
+            longest = int(valid_columns.max()) + 1 if len(valid_columns) else 0
         else:
-            lengths = getattr(self.components.text_encoder, "text_lengths", None)
-            if lengths is None:
+            text_lengths = getattr(self.components.text_encoder, "text_lengths", None)
+            lengths = text_lengths(list(batch["text"])) if text_lengths is not None else None
+            if lengths is None:  # an encoder without host counts, or one that pads on the left
                 return None
-            longest = max(lengths(list(batch["text"])))
+            longest = max(lengths)
         null = self.components.null_text
         if null is not None and self.text_dropout > 0:
             if self._null_text_length is None:  # one device read, on the first step
@@ -99,8 +101,8 @@ class FlowMatching(TrainingMethod):
 
     def single_train_step(self, batch: Mapping, iteration: int):
         comp = self.components
-        bound = self.text_length_bound(batch)
         x0, text = self.encode_batch(batch)
+        bound = self.text_length_bound(batch)  # after encoding: the encoder remembers the prompts' counts
         batch_size = x0.shape[0]
         if comp.null_text is not None:
             text, _ = drop_text(text, comp.null_text, self.text_dropout)

@@ -40,6 +40,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from opensora.cli_errors import UserInputError
 from opensora.methods.causal import num_chunks, shared_randint
 from opensora.methods.self_forcing import SelfForcing
 from opensora.registry import METHODS
@@ -66,7 +67,7 @@ class LongRollout(SelfForcing):
             raise ValueError(f"LongRollout: switch_prob must be in [0, 1], got {switch_prob}")
         self.switch_prob = float(switch_prob)
         if self.switch_prob > 0 and self.kv_rope_anchor != "absolute":
-            raise ValueError(
+            raise UserInputError(
                 "LongRollout: prompt switches (switch_prob > 0) re-cache under the absolute RoPE anchor only (as the "
                 "streaming sampler); set kv_rope_anchor='absolute' or switch_prob=0"
             )

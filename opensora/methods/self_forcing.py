@@ -29,6 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from opensora.cli_errors import UserInputError
 from opensora.diffusion.sampling import euler_step
 from opensora.methods.causal import num_chunks, shared_randint
 from opensora.methods.causvid import CausVid
@@ -52,7 +53,7 @@ class SelfForcing(CausVid):
     ):
         super().__init__(roles, components, rollout=rollout, **causvid_kwargs)
         if kv_rope_anchor not in ROPE_ANCHORS:
-            raise ValueError(f"SelfForcing: kv_rope_anchor must be one of {ROPE_ANCHORS}, got {kv_rope_anchor!r}")
+            raise UserInputError(f"SelfForcing: kv_rope_anchor must be one of {ROPE_ANCHORS}, got {kv_rope_anchor!r}")
         if grad_frames is not None and int(grad_frames) < 1:
             raise ValueError(f"SelfForcing: grad_frames must be >= 1 latent frame or None (all), got {grad_frames}")
         if not 0.0 <= float(context_noise) < 1.0:

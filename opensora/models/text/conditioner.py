@@ -7,7 +7,7 @@
 
 import logging
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -20,11 +20,16 @@ from .encoders import LoadedEncoder, load_clip, load_t5
 logger = logging.getLogger(__name__)
 
 
-def _tokenize(encoder: LoadedEncoder, prompts: Sequence[str], device) -> Dict[str, torch.Tensor]:
+LENGTH_CACHE_MIN = 8192  # prompts whose T5 token counts are remembered (ints: cheap), at least the feature cache's
+
+
+def _tokenize(encoder: LoadedEncoder, prompts: Sequence[str], device) -> Tuple[Dict[str, torch.Tensor], List[int]]:
+    """The encoder's inputs on ``device``, and each prompt's valid token count read on the host before the copy."""
     tokens = encoder.tokenizer(
         list(prompts), padding="max_length", max_length=encoder.max_length, truncation=True, return_tensors="pt"
     )
-    return {"input_ids": tokens.input_ids.to(device), "attention_mask": tokens.attention_mask.to(device)}
+    lengths = tokens.attention_mask.sum(-1).tolist()
+    return {"input_ids": tokens.input_ids.to(device), "attention_mask": tokens.attention_mask.to(device)}, lengths
 
 
 @MODELS.register_module()
@@ -64,6 +69,7 @@ class TextConditioner(nn.Module):
         self.clip_max_length = clip_encoder.max_length
         self.cache_size = int(cache_size)
         self._cache: "OrderedDict[str, tuple]" = OrderedDict()
+        self._lengths: "OrderedDict[str, int]" = OrderedDict()  # T5 valid token counts (host), see text_lengths
         self._null: Optional[tuple] = None
         self._warned_long_prompt = False
         self.requires_grad_(False)
@@ -106,9 +112,10 @@ class TextConditioner(nn.Module):
     def _encode_uncached(self, prompts: List[str]) -> tuple:
         device = self.device
         self._warn_if_cut(prompts)
-        t5_tokens = _tokenize(self._t5_encoder, prompts, device)
+        t5_tokens, lengths = _tokenize(self._t5_encoder, prompts, device)
+        self._remember_lengths(prompts, lengths)
         text_emb = self.t5(**t5_tokens).last_hidden_state
-        clip_tokens = _tokenize(self._clip_encoder, prompts, device)
+        clip_tokens, _ = _tokenize(self._clip_encoder, prompts, device)
         pooled = self.clip(**clip_tokens).pooler_output
         return text_emb, t5_tokens["attention_mask"].bool(), pooled
 
@@ -137,12 +144,26 @@ class TextConditioner(nn.Module):
         text_emb, text_mask, pooled = (torch.stack(parts) for parts in zip(*rows))
         return dict(text_emb=text_emb, text_mask=text_mask, pooled=pooled)
 
-    def text_lengths(self, prompts: Union[str, Sequence[str]]) -> List[int]:
-        """Each prompt's valid T5 token count (what ``encode``'s ``text_mask`` marks), from the tokenizer on the
-        host: a trainer learns the longest one without reading the mask back from the GPU."""
+    def _remember_lengths(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
+        for prompt, length in zip(prompts, lengths):
+            self._lengths[prompt] = int(length)
+            self._lengths.move_to_end(prompt)
+        while len(self._lengths) > max(self.cache_size, LENGTH_CACHE_MIN):
+            self._lengths.popitem(last=False)
+
+    def text_lengths(self, prompts: Union[str, Sequence[str]]) -> Optional[List[int]]:
+        """Each prompt's valid T5 token count, which is where ``encode``'s ``text_mask`` ends: a trainer learns the
+        longest one on the host instead of reading the mask back from the GPU. Counts of prompts ``encode`` has seen
+        are remembered (no second tokenization); others are tokenized here. None when the tokenizer pads on the left:
+        the valid tokens then do not start each row, so a count is not where the text can be cut."""
+        if getattr(self._t5_encoder.tokenizer, "padding_side", "right") != "right":
+            return None
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        ids = self._t5_encoder.tokenizer(prompts, max_length=self.max_length, truncation=True).input_ids
-        return [len(row) for row in ids]
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._lengths]
+        if missing:
+            ids = self._t5_encoder.tokenizer(missing, max_length=self.max_length, truncation=True).input_ids
+            self._remember_lengths(missing, [len(row) for row in ids])
+        return [self._lengths[p] for p in prompts]
 
     @torch.no_grad()
     def null_embeddings(self, batch_size: int) -> Dict[str, torch.Tensor]:
