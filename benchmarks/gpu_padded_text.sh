@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls for padded prompts at unpadded speed, compiled blocks by default and FP8 (one GPU). Usage, from the
 # repository root on the GPU machine, with the wheels in .whl/ (diffusers, torchao, ...):
-#   bash benchmarks/gpu_padded_text.sh tests|zero-keys|lora|step|fp8|trainer ...   (results under $OUT)
+#   bash benchmarks/gpu_padded_text.sh tests|zero-keys|graph-ckpt|lora|step|fp8|trainer ...   (results under $OUT)
 # Per-part limits (seconds, env TESTS_S STEP_S FP8_S TRAINER_S): tests 280 + step 270 fit one 580 s device call,
 # fp8 220 + trainer 330 another. STEP_ARGS / FP8_ARGS / TRAINER_ARGS add flags (e.g. STEP_ARGS="--variants ...
 # --profile-steps 2", FP8_ARGS="--widths 11b-width", TRAINER_ARGS="--profile-steps 2").
@@ -24,6 +24,9 @@ for part in "$@"; do
     zero-keys)  # the zero-key path's GPU tests: kernels vs fp32 masked attention, the model eager / compiled
       timeout ${TESTS_S:-200} python -m pytest -q -p no:cacheprovider tests/test_text_padding_gpu.py -k zero \
         > "$OUT/zero_keys_gpu_tests.txt" 2>&1; tail -4 "$OUT/zero_keys_gpu_tests.txt" ;;
+    graph-ckpt)  # checkpointed compiled blocks with the recompute inside the graph: equal to the default, same memory
+      timeout ${TESTS_S:-200} python -m pytest -q -p no:cacheprovider tests/test_graph_checkpoint.py \
+        > "$OUT/graph_checkpoint_gpu_tests.txt" 2>&1; tail -4 "$OUT/graph_checkpoint_gpu_tests.txt" ;;
     lora)  # compiled LoRA with padded text; peft would import the wheel set's stub bitsandbytes, so hide it here
       site=$PWD/.pysite; [ -d "$site/bitsandbytes" ] && mv "$site/bitsandbytes" "$site/.bitsandbytes_hidden"
       timeout ${TESTS_S:-120} python -m pytest -q -p no:cacheprovider tests/test_text_padding_gpu.py -k lora \

@@ -17,6 +17,8 @@ has no text mask: it attends to every padded token, as Flux training does):
   ours-padded-bound    the same with the longest prompt length given from the host (text_length_bound): the model
                        cuts the text there and reads no lengths back from the GPU (no host wait per forward) --
                        what the trainer runs (FlowMatching passes the bound since 2026-11-27)
+  ours-padded-bound-graph-ckpt  the same with each checkpointed block call compiled as one graph, the recompute
+                       inside the compiled backward (MMDiT.checkpoint_in_graph; graph_checkpoint.py)
   ours-unpadded-128    compiled, 128 text columns and no mask: the mask-free step at the trimmed shape
   ours-unpadded-70     compiled, 70 text columns and no mask: the mean valid length of the padded batches
   ours-masked          compiled, the 512 columns behind a dense boolean mask (what the model did before trimming)
@@ -56,7 +58,7 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
+VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
             "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
             "diffusers-128")  # fmt: skip
 PER_ROW_VARIANTS = ("ours-padded-rows",)  # one SDPA call per row: a cuDNN plan per prompt length
@@ -109,6 +111,20 @@ class Variant:
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
         return loss, lengths
+
+
+def graph_checkpoint(model):
+    """The checkpointed blocks compiled with their recompute inside the graph (``MMDiT.checkpoint_in_graph``)."""
+
+    @contextlib.contextmanager
+    def context():
+        model.checkpoint_in_graph = True
+        try:
+            yield
+        finally:
+            model.checkpoint_in_graph = False
+
+    return context
 
 
 def padded_path(model, how, multiple):
@@ -202,6 +218,7 @@ def build(shape, device, dtype, args):
 
     processed = lambda cols: mmdit_flops_at(shape, cols)  # noqa: E731
     padded = ours_inputs(n_txt, True)
+    bounded = ours_inputs(n_txt, True, host_bound=True)
     variants = [
         Variant("ours-padded", ours, ours_opt, padded, run_ours, None),  # the model's defaults
         Variant("ours-padded-dense", ours, ours_opt, padded, run_ours, None, padded_path(ours, "dense", 128)),
@@ -210,7 +227,8 @@ def build(shape, device, dtype, args):
             "ours-padded-bias-channel", ours, ours_opt, padded, run_ours, None, padded_path(ours, "bias-channel", 128)
         ),
         Variant("ours-padded-zero-keys", ours, ours_opt, padded, run_ours, None, padded_path(ours, "zero-keys", 128)),
-        Variant("ours-padded-bound", ours, ours_opt, ours_inputs(n_txt, True, host_bound=True), run_ours, None),
+        Variant("ours-padded-bound", ours, ours_opt, bounded, run_ours, None),
+        Variant("ours-padded-bound-graph-ckpt", ours, ours_opt, bounded, run_ours, None, graph_checkpoint(ours)),
         Variant("ours-padded-packed", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 32)),
         Variant("ours-padded-packed-128", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 128)),
         Variant("ours-padded-rows", ours, ours_opt, padded, run_ours, None, padded_path(ours, "rows", 32)),
@@ -354,6 +372,8 @@ def run(args):
                  ("ours-padded-zero-keys", "ours-padded"), ("ours-padded-zero-keys", "ours-unpadded-128"),
                  ("ours-padded-dense", "ours-padded"), ("ours-padded-dense", "ours-unpadded-128"),
                  ("ours-padded-bound", "ours-padded"), ("ours-padded-bound", "ours-unpadded-128"),
+                 ("diffusers-128", "ours-padded-bound"), ("diffusers-128", "ours-padded-bound-graph-ckpt"),
+                 ("ours-padded-bound-graph-ckpt", "ours-padded-bound"),
                  ("ours-padded-packed", "ours-padded"),
                  ("ours-padded-packed-128", "ours-padded"), ("ours-padded-dense-32", "ours-padded"),
                  ("ours-padded", "ours-masked"), ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip

@@ -24,6 +24,7 @@ from .causal_stream import CausalStreaming
 from .device_capability import device_major
 from .flex_attention import FlexRows
 from .fp8 import check_recipe, convert_block_linears
+from .graph_checkpoint import checkpointed_in_graph
 from .layers import DoubleStreamBlock, FinalLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 from .packed_attention import PackedRows
 from .patches import patchify, unpatchify
@@ -103,6 +104,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         fp8_linears: Optional[str] = None,
         padded_text_attention: str = "zero-keys",
         text_length_multiple: int = TRAIN_TEXT_LENGTH_MULTIPLE,
+        checkpoint_in_graph: bool = False,
     ):
         """``causal_chunk_frames``: 0 = bidirectional attention; K > 0 = block-causal over chunks of K latent frames
         (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``, causal_stream.py).
@@ -120,7 +122,9 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         rows 2.4x, flex 1.013x and bias-channel 1.016x the dense step
         (benchmarks/reports/padded_text_h200_2026-11.md). Not architecture (left out of ``arch``), nor is
         ``text_length_multiple`` (trimmed lengths are its multiples: a larger one gives fewer shapes to compile, a
-        smaller one fewer padded tokens)."""
+        smaller one fewer padded tokens). ``checkpoint_in_graph``: with compiled blocks, compile each checkpointed
+        block call as one graph, its recompute inside the compiled backward (graph_checkpoint.py); a training
+        option."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -178,7 +182,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(**block_args) for _ in range(depth_double))
         self.single_blocks = nn.ModuleList(SingleStreamBlock(**block_args) for _ in range(depth_single))
         self.final_layer = FinalLayer(hidden_size, out_channels * patch_volume)
-        self.compile_blocks = False
+        self.compile_blocks, self.compile_options = False, {}
         self.set_compile_blocks(compile_blocks)
         self.sp = None
         if padded_text_attention not in PADDED_TEXT_ATTENTION:
@@ -188,6 +192,8 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         self.padded_text_attention = self.arch.pop("padded_text_attention")
         self.text_length_multiple = int(self.arch.pop("text_length_multiple"))
         self.arch.pop("fp8_linears")  # not architecture: a rebuild from ``arch`` (sampling, export) needs no torchao
+        self.arch.pop("checkpoint_in_graph")  # a training option (graph_checkpoint.py)
+        self.checkpoint_in_graph = bool(checkpoint_in_graph)
         if check_recipe(fp8_linears) is not None:
             convert_block_linears(self, fp8_linears)
 
@@ -243,6 +249,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
                 raise ValueError(f"attention must be one of {COMPILED_ATTENTION_MODES}, got {attention!r}")
             COMPILED_ATTENTION["mode"] = attention
         options = compile_block_options(inductor_options)
+        self.compile_options = options  # also for the checkpointed calls compiled as one graph (graph_checkpoint.py)
         for block in [*self.double_blocks, *self.single_blocks]:
             if enabled:
                 block.compile(options=options) if options else block.compile()
@@ -338,9 +345,13 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         return rope_cos_sin(ids, self.axes_dims, self.theta)
 
     def run_block(self, block, checkpointed: bool, *args):
+        recompute = checkpointed and self.training and torch.is_grad_enabled()
+        if recompute and self.compile_blocks and self.checkpoint_in_graph:  # the recompute inside the compiled graph
+            kind = "double" if isinstance(block, DoubleStreamBlock) else "single"
+            return checkpointed_in_graph(kind, self.compile_options)(block, *args)
         if self.compile_blocks:  # a recompute in the backward runs under the forward's thread count
             block = partial(call_with_thread_count, torch.get_num_threads(), block)
-        if checkpointed and self.training and torch.is_grad_enabled():
+        if recompute:
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)
 
