@@ -115,6 +115,15 @@ def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_mas
     compare_to_fp32_masked(model, data, reference, baseline)
 
 
+@pytest.mark.parametrize("ckpt, how", [(2, "zero-keys"), (1, "zero-keys"), (2, "dense")])
+def test_checkpoint_in_graph_is_as_close_to_the_fp32_masked_reference(references, ckpt, how):
+    """``checkpoint_in_graph``: compiled checkpointed blocks with the recompute inside the compiled graph."""
+    data, reference, baseline = references
+    model = gpu_model(grad_ckpt_double=ckpt, grad_ckpt_single=ckpt, padded_text_attention=how, checkpoint_in_graph=True)
+    model.set_compile_blocks(True)
+    compare_to_fp32_masked(model, data, reference, baseline)
+
+
 @pytest.mark.parametrize("how", ["packed", "flex", "bias-channel", "zero-keys"])
 def test_packed_flash_and_flex_attention_with_a_row_that_fills_the_trimmed_text(how):
     """Lengths 64, 10, 64: trimmed to 64 (multiples of 32), so rows 0 and 2 have an empty padding run (a zero-length sequence for the
@@ -218,7 +227,8 @@ def test_batch_1_prompts_from_a_pinning_loader_compile_few_graphs_and_match_eage
     assert graphs[-1] <= 6, graphs
 
 
-def test_compiled_lora_network_with_padded_text_matches_eager():
+@pytest.mark.parametrize("in_graph", [False, True], ids=["ckpt_around", "ckpt_in_graph"])
+def test_compiled_lora_network_with_padded_text_matches_eager(in_graph):
     from opensora.lora import add_lora, lora_settings
 
     eager = add_lora(
@@ -229,6 +239,7 @@ def test_compiled_lora_network_with_padded_text_matches_eager():
             if "lora_B" in name:  # peft starts B at zero: give it values so the adapter's path matters
                 p.normal_(0, 0.05)
     compiled = copy.deepcopy(eager)
+    compiled.checkpoint_in_graph = in_graph
     compiled.set_compile_blocks(True)
     data = cast(padded_batch([20, 77, 120, 3]), torch.bfloat16)
     got, want = loss_and_grads(compiled, compiled(**data)), loss_and_grads(eager, eager(**data))
@@ -237,9 +248,11 @@ def test_compiled_lora_network_with_padded_text_matches_eager():
         assert torch.isfinite(got[1][name]).all() and rel(got[1][name], ref) < 5e-2, name
 
 
-def test_compiled_causal_student_with_padded_text_matches_eager():
+@pytest.mark.parametrize("in_graph", [False, True], ids=["ckpt_around", "ckpt_in_graph"])
+def test_compiled_causal_student_with_padded_text_matches_eager(in_graph):
     eager = gpu_model(causal_chunk_frames=2, grad_ckpt_double=2, grad_ckpt_single=2)
     compiled = copy.deepcopy(eager)
+    compiled.checkpoint_in_graph = in_graph
     compiled.set_compile_blocks(True)
     data = cast(padded_batch([20, 77, 120, 3]), torch.bfloat16)
     got, want = loss_and_grads(compiled, compiled(**data)), loss_and_grads(eager, eager(**data))
