@@ -76,9 +76,9 @@ class FlowMatching(TrainingMethod):
     def text_length_bound(self, batch: Mapping) -> Optional[int]:
         """A host int >= every row's valid text length after CFG dropout, or None (the model then reads the lengths
         back from the GPU once per forward, a host wait that stalls the launch queue). Both input paths give the same
-        bound, so training from precomputed features stays bit-identical to training from the videos: the longest
-        row of the loader's host mask, or the tokenizer's count of the longest prompt, raised to the null text's
-        length when dropout may swap it in."""
+        bound, so training from precomputed features stays bit-identical to training from the videos: the last valid
+        column of the loader's host mask (its longest row, valid tokens coming first), or the tokenizer's count of the
+        longest prompt, raised to the null text's length when dropout may swap it in."""
         if "text_emb" in batch:
             mask = batch.get("text_mask")
             if mask is None or mask.device.type != "cpu":

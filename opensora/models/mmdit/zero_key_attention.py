@@ -182,14 +182,16 @@ class ZeroKeyRows(DeviceRowLengths):
         (``text_padding.trim_text_to_bound``). ``lengths`` then holds the valid counts."""
         rows = cls.__new__(cls)
         rows.num_text, rows.num_video = int(num_text), key_mask.shape[-1] - int(num_text)
-        rows.lengths = key_mask[:, 0, 0, :num_text].sum(-1)
-        rows._keep_keys(key_mask)
+        rows.lengths = rows._keep_keys(key_mask)
         return rows
 
-    def _keep_keys(self, key_mask: torch.Tensor) -> None:
+    def _keep_keys(self, key_mask: torch.Tensor) -> torch.Tensor:
+        """Keep mask and padded counts from the key mask; returns each row's valid text count [B] (device)."""
         self.key_mask = key_mask  # [B, 1, 1, T + N]: the dense fallback's mask
         self.keep = key_mask[:, :, 0, :, None]  # [B, 1, T + N, 1]: broadcasts over heads and channels
-        self.num_padded = (self.num_text - key_mask[:, 0, 0, : self.num_text].sum(-1)).float()  # [B]
+        valid = key_mask[:, 0, 0, : self.num_text].sum(-1)
+        self.num_padded = (self.num_text - valid).float()  # [B]
+        return valid
 
     def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> torch.Tensor:
         """[B, heads, T + N, head_dim] q/k/v (one dtype) -> [B, heads, T + N, head_dim], each query over its row's
