@@ -34,9 +34,11 @@ With ``--kv-recache shift|both`` the long run is (also) streamed with ``kv_recac
 length to a caption that differs in colour, shape and direction, and the window right after the switch is scored
 against the new caption: its colour, shape and direction accuracy >= 90% (``switch``; LongLive's re-cache under the
 new prompt, and for comparison the same switch keeping the old prompt's keys/values).
-With ``--rope-anchor window|both`` the long run is (also) streamed with ``rope_anchor="window"`` (the text and the
-sink frames at the window's start in RoPE time, ``KVCache``) on the same seeds and scored the same way
-(``long_rope_window``); the training-length run never rolls the window, so it is the same either way.
+By default (``--rope-anchor window``, what the sampling CLI streams with on one GPU) the long run and the prompt switch
+are streamed with ``rope_anchor="window"`` (the text and the sink frames at the window's start in RoPE time,
+``KVCache``); ``--rope-anchor both`` judges the absolute run and adds the anchored one on the same seeds
+(``long_rope_window``, ``switch_rope_window``); the training-length run never rolls the window, so it is the same
+either way. The long-rollout student trains under ``--long-rope-anchor`` (default window, as its config).
 ``--sink-frames-variant N`` streams the long run again with N sink frames (``long_sinks``). Every long run also
 reports ``background_by_frame`` (the mean background level of each frame), which shows where a drift starts.
 With ``--long-init self_forcing`` the long-rollout student starts from the Self-Forcing student, and a control
@@ -91,9 +93,9 @@ def stage_config(args, stage: str) -> Path:
     if stage == "long_rollout" and args.long_sink_frames is not None:  # the sampler's key and the method's copy
         lines.append(f"sink_frames = {int(args.long_sink_frames)}")
         method["kv_sink_frames"] = int(args.long_sink_frames)
-    if stage == "long_rollout" and args.long_rope_anchor == "window":  # switches re-cache under absolute RoPE only
-        lines.append("rope_anchor = 'window'")
-        method.update(kv_rope_anchor="window", switch_prob=float(args.switch_prob or 0.0))
+    if stage == "long_rollout":  # the sampler's key and the method's copy
+        lines.append(f"rope_anchor = {args.long_rope_anchor!r}")
+        method["kv_rope_anchor"] = args.long_rope_anchor
     if args.tiny:
         lines.append(TINY_DATA)
         if stage == "teacher":
@@ -226,6 +228,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         window_frames=window,
         sink_frames=args.sink_frames,
         context_time=float(cfg.get("context_time") or 0.0),
+        rope_anchor="window" if args.rope_anchor == "window" else "absolute",  # the anchor the criteria judge
     )
 
     def stream(num_frames):
@@ -243,6 +246,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         training=training_summary(Path(args.out) / name),
         window_frames=window,
         sink_frames=args.sink_frames,
+        rope_anchor=generator.rope_anchor,
         seconds=seconds,
         frames_per_s=len(prompts) * frames / seconds,
         long_seconds=long_seconds,
@@ -275,11 +279,8 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
             mean_abs_diff_vs_long=float(abs(videos.astype("float32") - long.astype("float32")).mean()),
         )
 
-    if args.rope_anchor in ("window", "both"):
-        anchored = variant(rope_anchor="window")
-        if args.rope_anchor == "window":
-            result["long"] = anchored  # the long criteria judge the anchored run
-        result["long_rope_window"] = anchored
+    if args.rope_anchor == "both":  # the absolute run is judged; the anchored one beside it
+        result["long_rope_window"] = variant(rope_anchor="window")
     if args.sink_frames_variant is not None:  # the sinks' share in what the long run does, same seeds
         sinks = args.sink_frames_variant
         result["long_sinks"] = dict(sink_frames=sinks, **variant(sink_frames=sinks))
@@ -292,8 +293,14 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         if args.kv_recache == "shift":
             result["long"] = recache  # the long criteria judge the re-cached run
         result["long_kv_recache"] = recache
-    if args.prompt_switch:
-        result["switch"] = evaluate_switch(args, generator, prompts, seeds, clip)
+    if args.prompt_switch:  # under the anchor the long criteria judge; with "both" under the window anchor too
+        runs = [("switch", generator.rope_anchor)]
+        runs += [("switch_rope_window", "window")] if args.rope_anchor == "both" else []
+        plain = generator.rope_anchor
+        for key, anchor in runs:
+            generator.rope_anchor = anchor  # a re-cache under the window anchor pins it (KVCache.pin_anchor)
+            result[key] = dict(rope_anchor=anchor, **evaluate_switch(args, generator, prompts, seeds, clip))
+        generator.rope_anchor = plain
     result["over_teacher"] = {
         k: (result[k] / teacher[k] if teacher[k] else None) for k in ("color_acc", "shape_acc", "direction_acc")
     }
@@ -382,6 +389,8 @@ def criteria(student: dict, teacher: dict) -> dict:
         out[f"{key}_ge_98pct_of_teacher"] = None if ratio is None else ratio >= 0.98
     if "switch" in student:
         out["switch_new_prompt_ge_90pct_within_one_window"] = student["switch"]["recache"]["new_prompt_ge_90pct"]
+    if "switch_rope_window" in student:
+        out["switch_rope_window_ge_90pct"] = student["switch_rope_window"]["recache"]["new_prompt_ge_90pct"]
     return out
 
 
@@ -458,11 +467,11 @@ def print_report(report: dict) -> None:
             f"{name:<16} colour {s['color_acc']:.3f} shape {s['shape_acc']:.3f} direction {s['direction_acc']:.3f}"
             f"  {s['frames_per_s']:.1f} frames/s; trained {s['training']['steps']} steps"
         )
-        print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}:")
+        print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}, RoPE anchor {s.get('rope_anchor')}:")
         print_windows(s["long"]["windows"])
         print_background(s["long"]["background_by_frame"], report["clip"][0])
         print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
-        for key, anchor in (("long_sinks", "absolute"), ("long_sinks_rope_window", "window")):
+        for key, anchor in (("long_sinks", s.get("rope_anchor", "absolute")), ("long_sinks_rope_window", "window")):
             if key in s:
                 r = s[key]
                 print(f"  --sink-frames {r['sink_frames']} (RoPE anchor {anchor}), same seeds, windows:")
@@ -487,8 +496,11 @@ def print_report(report: dict) -> None:
                 f" flicker {r['flicker']['edge_over_inside']}; {r['frames_per_s']:.1f} frames/s"
                 f" (absolute {s['long_frames_per_s']:.1f})"
             )
-        if "switch" in s:
-            w = s["switch"]
+        for key in ("switch", "switch_rope_window"):
+            if key not in s:
+                continue
+            w = s[key]
+            print(f"  prompt switch, RoPE anchor {w['rope_anchor']}:")
             for name in ("recache", "keep_old_kv"):
                 after = w[name]["after"]
                 old = w[name]["after_reads_old"]
@@ -546,9 +558,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--long-rope-anchor",
         choices=("absolute", "window"),
-        default="absolute",
+        default="window",
         help="where the long-rollout student's training rollouts put the text and the sinks once the window rolls "
-        "(window: no prompt switches, as the sampler; every student is then also streamed anchored, --rope-anchor both)",
+        "(window: every student is then also streamed anchored, --rope-anchor both)",
     )
     parser.add_argument("--window-frames", type=int, default=None, help="cache window (latent frames); clip - chunk")
     parser.add_argument("--sink-frames", type=int, default=2)
@@ -569,9 +581,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "--rope-anchor",
         choices=("absolute", "window", "both"),
-        default="absolute",
-        help="stream the long run with the text and sink frames at the window's start in RoPE time: window (instead "
-        "of the absolute run) or both (the absolute run and an anchored one on the same seeds, key long_rope_window)",
+        default="window",
+        help="where the long run puts the text and sink frames once the window rolls: window (default, the sampling "
+        "CLI's on one GPU: at the window's start in RoPE time; the criteria judge it), absolute, or both (the "
+        "criteria judge the absolute run, the anchored one on the same seeds is key long_rope_window)",
     )
     parser.add_argument(
         "--prompt-switch", action="store_true", help="score a prompt switch mid-stream (report key switch)"
@@ -591,8 +604,6 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny networks and clips, a few steps")
     parser.add_argument("--tiny-steps", type=int, default=2)
     args = parser.parse_args(argv)
-    if args.long_rope_anchor == "window" and args.switch_prob:
-        parser.error("--long-rope-anchor window trains no prompt switches (the re-cache needs the absolute anchor)")
     # every student is also streamed in the long-rollout student's training regime (same seeds), so that student is
     # scored where it trained and the others beside it
     if args.long_sink_frames is not None and args.long_sink_frames != args.sink_frames:
@@ -603,8 +614,6 @@ def parse_args(argv=None):
         args.rope_anchor = "both"
     if args.students == "self_forcing" and args.stop_after == "long_rollout":
         parser.error("--students self_forcing trains no long-rollout student: stop after self_forcing")
-    if args.rope_anchor == "window" and args.kv_recache != "off":
-        parser.error("--rope-anchor window does not combine with --kv-recache (use --rope-anchor both)")
     if args.tiny:
         args.num_prompts, args.teacher_steps, args.long_multiple = (
             min(args.num_prompts, 4),

@@ -64,6 +64,11 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
             assert set(switch[variant]["after"]) == {"color_acc", "shape_acc", "direction_acc", "stats_in_range"}
             assert set(switch[variant]["after_reads_old"]) == {"color_share", "shape_share", "direction_share"}
         assert "switch_new_prompt_ge_90pct_within_one_window" in student["criteria"]
+        # --rope-anchor both: the absolute runs are judged, the switch is streamed anchored too (a pinned re-cache)
+        assert student["rope_anchor"] == switch["rope_anchor"] == "absolute"
+        anchored_switch = student["switch_rope_window"]
+        assert anchored_switch["rope_anchor"] == "window" and anchored_switch["switch_frame"] == 8
+        assert "switch_rope_window_ge_90pct" in student["criteria"]
     # the long-rollout student trained with the rolling cache and sinks of its config
     config = (out / "configs/long_rollout.py").read_text()
     assert "LongRollout" not in config and "long_rollout_gpu.py" in config and "motion='wrap'" in config
@@ -178,21 +183,19 @@ def test_self_forcing_only_trains_no_long_rollout_student_and_scores_self_forcin
 
 
 def test_long_rollout_can_train_without_sinks_at_the_window_anchor(tmp_path):
-    """``--long-sink-frames 0 --long-rope-anchor window``: the long-rollout stage's config trains that regime (and no
-    prompt switches, which re-cache under the absolute anchor only); the config builds the method."""
+    """``--long-sink-frames 0 --long-rope-anchor window``: the long-rollout stage's config trains that regime, prompt
+    switches included (the re-cache pins the anchor); the config builds the method."""
     bench = _benchmark()
     args = bench.parse_args(["--out", str(tmp_path), "--long-sink-frames", "0", "--long-rope-anchor", "window"])
     text = bench.stage_config(args, "long_rollout").read_text()
-    assert "kv_sink_frames=0" in text and "kv_rope_anchor='window'" in text and "switch_prob=0.0" in text
+    assert "kv_sink_frames=0" in text and "kv_rope_anchor='window'" in text and "switch_prob" not in text
     # the streamed regime follows: the sampler's keys in the stage config, and every student streamed that way too
     assert "sink_frames = 0" in text and "rope_anchor = 'window'" in text
-    assert (args.sink_frames_variant, args.rope_anchor) == (0, "both")
+    assert (args.sink_frames_variant, args.rope_anchor) == (0, "window")  # every student streamed that way
     from opensora.config import load_config
 
     cfg = load_config(str(tmp_path / "configs" / "long_rollout.py"))
-    assert (cfg.method.kv_sink_frames, cfg.method.kv_rope_anchor, cfg.method.switch_prob) == (0, "window", 0.0)
+    assert (cfg.method.kv_sink_frames, cfg.method.kv_rope_anchor, cfg.method.switch_prob) == (0, "window", 0.25)
     assert (cfg.sink_frames, cfg.rope_anchor) == (0, "window")
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--long-rope-anchor", "window", "--switch-prob", "0.5"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--long-sink-frames", "0", "--sink-frames-variant", "1"])

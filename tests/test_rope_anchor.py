@@ -187,10 +187,5 @@ def test_unsupported_combinations_and_values_are_refused():
         StreamingGenerator(sampler, rope_anchor="relative")
     with pytest.raises(ValueError, match="merge_refill"):
         StreamingGenerator(sampler, rope_anchor="window", merge_refill=True)
-    with pytest.raises(ValueError, match="kv_recache"):
-        StreamingGenerator(sampler, rope_anchor="window", kv_recache="shift")
-    gen = StreamingGenerator(sampler, rope_anchor="window", **GEN)
-    with pytest.raises(ValueError, match="prompt switch"):
-        list(gen.stream(PROMPTS[:1], [0], 10, 16, 16, switches=[(4, [PROMPTS[1]])]))
     with pytest.raises(ValueError, match="rope_anchor"):
         sampler.model.new_kv_cache(4, 2, rope_anchor="sideways")

@@ -32,17 +32,20 @@ def recording(sampler):
 
 
 @torch.no_grad()
-def block_causal_kv(model, latents, frame_ids, chunk_frames, text, time=0.0):
+def block_causal_kv(model, latents, frame_ids, chunk_frames, text, time=0.0, positions=None, text_time=0):
     """Every block's video keys/values of ONE full forward over ``latents`` [B, C, F, h, w] (frames ``frame_ids``,
-    absolute: their RoPE time ids), each piece (consecutive frames of one chunk) attending to the pieces before it and
-    to itself: what a re-cache must leave in the cache."""
+    absolute: their RoPE time ids, or ``positions`` when given; the text at ``text_time``), each piece (consecutive
+    frames of one chunk) attending to the pieces before it and to itself: what a re-cache must leave in the cache.
+    Under ``rope_anchor="window"`` that is the video starting at the anchor: text and sinks there (``positions``)."""
     b = latents.shape[0]
     cond = torch.zeros(b, model.cond_channels, *latents.shape[2:])
     timestep = torch.full((b,), time)
     img, txt, vec, grid = model.embed(latents, timestep, text["text_emb"], text["pooled"], cond)
     ids = video_position_ids(*grid)
-    ids[:, 0] = torch.tensor(frame_ids)[ids[:, 0]]  # absolute time ids (temporal patch 1)
-    rope = rope_cos_sin(torch.cat((ids.new_zeros(txt.shape[1], 3), ids)), model.axes_dims, model.theta)
+    ids[:, 0] = torch.tensor(frame_ids if positions is None else positions)[ids[:, 0]]  # time ids (temporal patch 1)
+    text_ids = ids.new_zeros(txt.shape[1], 3)
+    text_ids[:, 0] = text_time
+    rope = rope_cos_sin(torch.cat((text_ids, ids)), model.axes_dims, model.theta)
     piece = torch.tensor([p for p, frames in enumerate(pieces_of(frame_ids, chunk_frames)) for _ in frames])
     per_frame = grid[1] * grid[2]
     piece = piece.repeat_interleave(per_frame)
@@ -104,21 +107,34 @@ def test_recache_plan_keeps_whole_sink_chunks_and_reruns_everything_after_the_fi
     assert plan_recache([0, 1], [0, 1, 2, 3], 2, everything=True).pieces == [[0, 1], [2, 3]]  # a prompt switch
 
 
+def kept_forward(model, cache, kept, text):
+    """``block_causal_kv`` of the frames ``cache`` holds, at the positions its anchor gives them."""
+    return block_causal_kv(model, kept, cache.frame_ids, 2, text, positions=cache.positions, text_time=cache.anchor)
+
+
 @pytest.mark.parametrize("padded", [True, False])
-@pytest.mark.parametrize("guidance,window,sinks", [(1.0, 6, 2), (2.0, 4, 0), (1.0, 5, 1)])
-def test_shift_recache_leaves_the_block_causal_forward_of_the_kept_frames(guidance, window, sinks, padded):
+@pytest.mark.parametrize(
+    "guidance,window,sinks,anchor",
+    [(1.0, 6, 2, "absolute"), (2.0, 4, 0, "absolute"), (1.0, 5, 1, "absolute"), (1.0, 6, 2, "window"),
+     (2.0, 4, 0, "window"), (1.0, 5, 1, "window")],
+)  # fmt: skip
+def test_shift_recache_leaves_the_block_causal_forward_of_the_kept_frames(guidance, window, sinks, anchor, padded):
     """After every re-cache the cache holds, block by block, what one full forward over the kept frames' clean
     latents (at their absolute positions, each chunk's frames attending to the kept frames before them) computes;
     the plain rolling cache does not (its frames saw the frames that left). Sinks of a whole chunk, none, and one sink
-    frame that splits the first chunk."""
+    frame that splits the first chunk. Under the window RoPE anchor the forward is the kept frames' video starting at
+    the anchor (text and sinks there): the re-cache's pieces must see the anchor the cache ends with, not the one of
+    the partly refilled cache."""
     sampler = tiny_sampler() if padded else unpadded(tiny_sampler())
     made = recording(sampler)
-    kwargs = dict(step_list=[1.0, 0.5], guidance_scale=guidance, window_frames=window, sink_frames=sinks)
+    kwargs = dict(
+        step_list=[1.0, 0.5], guidance_scale=guidance, window_frames=window, sink_frames=sinks, rope_anchor=anchor
+    )
     generator = StreamingGenerator(sampler, kv_recache="shift", **kwargs)
     text, null = sampler.encode_text(PROMPTS)
     rows = [text, null] if guidance != 1.0 else [text]
     text = {k: torch.cat([r[k] for r in rows]) for k in ("text_emb", "text_mask", "pooled")}
-    latents, checked = {}, 0
+    latents, checked, moved = {}, 0, 0
     for chunk in generator.stream(PROMPTS, [0, 1], 16, 16, 16, decode=False):
         if chunk.recache is not None:
             assert chunk.recache["reason"] == "shift" and chunk.recache["seconds"] >= 0
@@ -127,25 +143,32 @@ def test_shift_recache_leaves_the_block_causal_forward_of_the_kept_frames(guidan
             assert cache.frame_ids == stored[:sinks] + stored[len(stored) - window + sinks :]
             kept = torch.cat([latents[i] for i in cache.frame_ids], dim=2)
             kept = torch.cat([kept] * len(rows))
-            assert_cache_is(cache, block_causal_kv(sampler.model, kept, cache.frame_ids, 2, text))
+            assert_cache_is(cache, kept_forward(sampler.model, cache, kept, text))
+            assert cache.placed_anchor == cache.anchor and cache.pinned_anchor is None
+            moved += cache.anchor > 0
             checked += 1
         for offset in range(chunk.latents.shape[2]):
             latents[chunk.start_frame + offset] = chunk.latents[:, :, offset : offset + 1]
-    assert checked >= 3
+    assert checked >= 3 and (moved >= 3) == (anchor == "window")
     # the plain cache at the end differs from that forward in the blocks after the first
     plain = recording(sampler)
     list(StreamingGenerator(sampler, **kwargs).stream(PROMPTS, [0, 1], 16, 16, 16, decode=False))
     cache = plain["kv"][-1]
     kept = torch.cat([torch.cat([latents[i] for i in cache.frame_ids], dim=2)] * len(rows))
-    reference = block_causal_kv(sampler.model, kept, cache.frame_ids, 2, text)
+    reference = kept_forward(sampler.model, cache, kept, text)
     assert not torch.allclose(cache.block(1)[0], reference[1][0], atol=1e-4)
+    if anchor == "window":  # the pin matters: the partly refilled cache's anchor (0) gives another forward
+        absolute = block_causal_kv(sampler.model, kept, cache.frame_ids, 2, text)
+        assert not torch.allclose(absolute[1][0], reference[1][0], atol=1e-4)
 
 
-def test_graphed_recache_and_switch_replay_the_eager_passes_bitwise_on_a_cpu():
+@pytest.mark.parametrize("anchor", ["absolute", "window"])
+def test_graphed_recache_and_switch_replay_the_eager_passes_bitwise_on_a_cpu(anchor):
     """The chunk graphs (eager 'replay': their static buffers and caches on a CPU) run the re-cache and the prompt
-    switch's passes, bit-identical to the eager generator."""
+    switch's passes, bit-identical to the eager generator (the pinned anchor reaches them through their inputs)."""
     sampler = tiny_sampler()
     kwargs = dict(step_list=[1.0, 0.5], guidance_scale=2.0, window_frames=6, sink_frames=2, kv_recache="shift")
+    kwargs.update(rope_anchor=anchor)
     graphed = StreamingGenerator(sampler, **kwargs)
     graphed.cuda_graphs = EagerReplayGraphs.make(sampler.model)
     plain = StreamingGenerator(sampler, **kwargs)
@@ -160,15 +183,17 @@ def test_graphed_recache_and_switch_replay_the_eager_passes_bitwise_on_a_cpu():
 
 
 # ---- prompt switch ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("anchor", ["absolute", "window"])
 @pytest.mark.parametrize("kv_recache", ["off", "shift"])
 @pytest.mark.parametrize("guidance", [1.0, 2.0])
-def test_prompt_switch_keeps_the_frames_before_it_and_takes_the_new_prompts_text(guidance, kv_recache):
+def test_prompt_switch_keeps_the_frames_before_it_and_takes_the_new_prompts_text(guidance, kv_recache, anchor):
     """A switch at latent frame 8 (chunk 4 of 8): chunks 0-3 equal a single-prompt run's bit for bit; the text cache
     after the switch equals the one of a run with the new prompts from the start (the same keys/values per step time);
     the KV cache right after the switch is the new prompt's block-causal forward over the kept frames."""
     sampler = tiny_sampler()
     made = recording(sampler)
     kwargs = dict(step_list=[1.0, 0.5], guidance_scale=guidance, window_frames=6, sink_frames=2, kv_recache=kv_recache)
+    kwargs.update(rope_anchor=anchor)
     single = list(StreamingGenerator(sampler, **kwargs).stream(PROMPTS, [0, 1], 16, 16, 16))
     generator = StreamingGenerator(sampler, **kwargs)
     latents, switched = {}, None
@@ -186,7 +211,9 @@ def test_prompt_switch_keeps_the_frames_before_it_and_takes_the_new_prompts_text
             rows = [text, null] if guidance != 1.0 else [text]
             text = {k: torch.cat([r[k] for r in rows]) for k in ("text_emb", "text_mask", "pooled")}
             kept = torch.cat([torch.cat([latents[i] for i in cache.frame_ids], dim=2)] * len(rows))
-            assert_cache_is(cache, block_causal_kv(sampler.model, kept, cache.frame_ids, 2, text))
+            assert_cache_is(cache, kept_forward(sampler.model, cache, kept, text))
+            assert cache.frame_ids == [0, 1, 4, 5, 6, 7]  # the sinks and the newest 4 frames before the switch
+            assert cache.anchor == (2 if anchor == "window" else 0)
             switched = made["text"][-1]
         for offset in range(chunk.latents.shape[2]):
             latents[chunk.start_frame + offset] = chunk.latents[:, :, offset : offset + 1]
@@ -195,8 +222,13 @@ def test_prompt_switch_keeps_the_frames_before_it_and_takes_the_new_prompts_text
     fresh = made["text"][-1]
     assert sorted(switched.entries) == sorted(fresh.entries)
     for key in fresh.entries:
-        for (k1, v1), (k2, v2) in zip(switched.entries[key], fresh.entries[key]):
-            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        if anchor == "absolute":
+            for (k1, v1), (k2, v2) in zip(switched.entries[key], fresh.entries[key]):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        else:  # the switched run made its entries at a moved text time: the same keys once rotated to one time
+            for (k1, v1), (k2, v2) in zip(switched.get(key, 0), fresh.get(key, 0)):
+                torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)  # text attention under a shared shift
 
 
 def test_switch_without_recache_keeps_the_old_prompts_cache():

@@ -14,6 +14,14 @@ outputs = "outputs/demo/long_rollout"
 # None keeps every frame, so set it)
 window_frames = 3  # the demo's 4 latent frames per clip minus one chunk (chunks of 1 latent frame)
 sink_frames = {{_base_.num_frames_per_chunk}}  # the first chunk stays in view (frame sink)
+# the text and the sinks at the window's start in RoPE time once it rolls: the sampling CLI's default on one device,
+# so the student trains where it will stream (long_rollout_gpu.py says why)
+rope_anchor = "window"
+_links_ = dict(
+    window_frames=["method.kv_window_frames"],
+    sink_frames=["method.kv_sink_frames"],
+    rope_anchor=["method.kv_rope_anchor"],
+)
 
 method = dict(
     _delete_=True,
@@ -29,5 +37,6 @@ method = dict(
     window="uniform",  # or "last": always the rollout's last window
     kv_window_frames=window_frames,
     kv_sink_frames=sink_frames,
+    kv_rope_anchor=rope_anchor,
     adapter={{_base_.method.adapter}},
 )

@@ -12,9 +12,10 @@ outputs = "outputs/moving_shapes_gpu/long_rollout"
 # keeps every frame)
 window_frames = 14  # 16 latent frames per clip minus one chunk
 sink_frames = {{_base_.num_frames_per_chunk}}
-# where the text and the sinks sit in RoPE time once the window rolls (absolute | window), read by the method and the
-# sampler alike; window with sink_frames = 0 keeps every distance the student sees inside the clip's (no switches yet)
-rope_anchor = "absolute"
+# where the text and the sinks sit in RoPE time once the window rolls (absolute | window), read by the method, the
+# windowed validation and the sampler alike. window: the sampling CLI's default on one GPU (under it a Self-Forcing
+# student kept its direction at 8x the clip, benchmarks/reports/long_streaming_h200_2026-11.md); train where it streams
+rope_anchor = "window"
 # a command-line --window-frames / --sink-frames / --rope-anchor reaches the method's copies too
 _links_ = dict(
     window_frames=["method.kv_window_frames"],
@@ -35,7 +36,8 @@ method = dict(
     kv_sink_frames=sink_frames,
     kv_rope_anchor=rope_anchor,
     # a quarter of the iterations switch every sample's prompt at the judged window's start (re-cache under the new
-    # text, DMD with the new prompt), so a prompt switch mid-stream is learned; not yet measured on a GPU
+    # text at the pinned anchor, DMD with the new prompt), so a prompt switch mid-stream is learned; not yet measured
+    # on a GPU
     switch_prob=0.25,
     adapter={{_base_.method.adapter}},
 )

@@ -40,7 +40,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from opensora.cli_errors import UserInputError
 from opensora.methods.causal import num_chunks, shared_randint
 from opensora.methods.self_forcing import SelfForcing
 from opensora.registry import METHODS
@@ -66,11 +65,6 @@ class LongRollout(SelfForcing):
         if not 0.0 <= float(switch_prob) <= 1.0:
             raise ValueError(f"LongRollout: switch_prob must be in [0, 1], got {switch_prob}")
         self.switch_prob = float(switch_prob)
-        if self.switch_prob > 0 and self.kv_rope_anchor != "absolute":
-            raise UserInputError(
-                "LongRollout: prompt switches (switch_prob > 0) re-cache under the absolute RoPE anchor only (as the "
-                "streaming sampler); set kv_rope_anchor='absolute' or switch_prob=0"
-            )
         self.switched = None  # the prompts the judged window was made with, after a prompt switch
         if int(rollout_multiple) != rollout_multiple or rollout_multiple < 1:
             raise ValueError(f"LongRollout: rollout_multiple must be a whole number >= 1, got {rollout_multiple}")

@@ -255,7 +255,8 @@ class StreamingGenerator:
             False keeps the old prompt's keys/values (the chunk before the switch is refilled under the old prompt).
         rope_anchor: ``"absolute"`` (default) or ``"window"``: once the window rolls, the text and the sink frames
             sit at the window's start in RoPE time, so no query-key distance leaves the range of a video starting
-            there (``KVCache``). Not combined with ``merge_refill`` or any re-cache (their passes assume absolute
+            there (``KVCache``). A re-cache (``kv_recache``, a prompt switch) then rebuilds the window as a video starting
+            at its anchor (``KVCache.pin_anchor``). Not combined with ``merge_refill`` (its merged pass assumes absolute
             positions).
     """
 
@@ -289,8 +290,8 @@ class StreamingGenerator:
             raise ValueError(f"unknown kv_recache {kv_recache!r}; choose one of {KV_RECACHE}")
         if rope_anchor not in ROPE_ANCHORS:
             raise ValueError(f"unknown rope_anchor {rope_anchor!r}; choose one of {ROPE_ANCHORS}")
-        if rope_anchor == "window" and (merge_refill or kv_recache != "off"):
-            raise ValueError("rope_anchor='window' does not support merge_refill or kv_recache='shift' yet")
+        if rope_anchor == "window" and merge_refill:
+            raise ValueError("rope_anchor='window' does not support merge_refill yet")
         if not 0.0 <= context_time < 1.0:
             raise ValueError(f"context_time must lie in [0, 1), got {context_time}")
         self.sampler, self.model = sampler, model
@@ -423,8 +424,6 @@ class StreamingGenerator:
             raise ValueError(f"{total} latent frames are not a multiple of the temporal patch size {pt}")
         times = self.schedule(latent_size)
         switch_at = self.check_switches(switches, total, len(prompts))
-        if switch_at and self.switch_recache and self.rope_anchor != "absolute":
-            raise ValueError("rope_anchor='window' does not support the re-cache at a prompt switch yet")
         guided = self.guidance_scale != 1.0
         rows = len(prompts) * (2 if guided else 1)
 

@@ -6,8 +6,9 @@ window rolls, frames leave, yet the frames after them keep keys/values computed 
 (in every block past the first, a key is a function of the attention outputs below it). A re-cache runs the kept
 frames again, in order, each piece (the kept frames of one chunk) attending to the kept pieces before it and to
 itself: the cache then holds what a block-causal forward over the kept frames alone, at their absolute positions,
-computes. The refill input of a frame is the finished chunk noised to the context time (the clean latent at time 0),
-kept by ``WindowLatents``; no noise is drawn, so the noise order of the video is unchanged.
+computes (under ``rope_anchor="window"``, with the text and the sinks at the window's anchor: a video starting there).
+The refill input of a frame is the finished chunk noised to the context time (the clean latent at time 0), kept by
+``WindowLatents``; no noise is drawn, so the noise order of the video is unchanged.
 
 * ``shift`` (``--kv-recache shift``): when a refill would drop frames, the refill becomes a re-cache: the frames before
   the first dropped one (the sinks, when whole chunks) are already consistent and stay; every piece after them and
@@ -95,10 +96,13 @@ def plan_recache(
 def run_recache(cache, latents: WindowLatents, plan: RecachePlan, store_pass: Callable) -> int:
     """Apply ``plan`` to ``cache`` (a ``KVCache``): keep its oldest ``plan.keep_frames`` frames, then
     ``store_pass(latents, start_frame)`` each piece in order (a storing pass at the context time). Returns the
-    frames recomputed."""
-    cache.truncate(plan.keep_frames)
-    for piece in plan.pieces:
-        store_pass(latents.gather(piece), piece[0])
+    frames recomputed. Under ``rope_anchor="window"`` the pieces see the text and the sinks at the anchor of the
+    frames the cache ends with (``KVCache.pin_anchor``)."""
+    ids_after = list(cache.frame_ids[: plan.keep_frames]) + [i for piece in plan.pieces for i in piece]
+    with cache.pin_anchor(ids_after):
+        cache.truncate(plan.keep_frames)
+        for piece in plan.pieces:
+            store_pass(latents.gather(piece), piece[0])
     latents.keep(cache.frame_ids)
     return sum(map(len, plan.pieces))
 

@@ -21,7 +21,8 @@ chunk's own video keys/values to the cache after the forward. Cached tensors are
 through the chunk's own tokens only (what Self-Forcing trains).
 """
 
-from typing import Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -113,6 +114,7 @@ class KVCache:
         self.window_frames = None if window_frames is None else int(window_frames)
         self.sink_frames = int(sink_frames)
         self.rope_anchor, self.rope_axes, self.rope_theta = rope_anchor, rope_axes, rope_theta
+        self.pinned_anchor: Optional[int] = None  # a re-cache's target anchor (``pin_anchor``); kept by clear()
         self.clear()
 
     # ---- state ----------------------------------------------------------------------------------------------
@@ -139,11 +141,34 @@ class KVCache:
     @property
     def anchor(self) -> int:
         """Latent frame where the text and the sink frames sit for the next chunk: 0 under ``"absolute"``; under
-        ``"window"`` the oldest kept non-sink frame minus the sink frames (0 until the window first rolls)."""
-        sinks = min(self.sink_frames, self.num_frames)
-        if self.rope_anchor != "window" or self.num_frames <= sinks:
+        ``"window"`` the oldest kept non-sink frame minus the sink frames (0 until the window first rolls), or the
+        pinned anchor (``pin_anchor``) once every sink frame is held."""
+        if self.pinned_anchor is not None and self.rope_anchor == "window" and self.num_frames >= self.sink_frames:
+            return self.pinned_anchor
+        return self.anchor_of(self.frame_ids)
+
+    def anchor_of(self, frame_ids: Sequence[int]) -> int:
+        """The anchor of a cache holding ``frame_ids`` (``anchor``'s rule, without a pin)."""
+        sinks = min(self.sink_frames, len(frame_ids))
+        if self.rope_anchor != "window" or len(frame_ids) <= sinks:
             return 0
-        return max(self.frame_ids[sinks] - self.sink_frames, 0)
+        return max(frame_ids[sinks] - self.sink_frames, 0)
+
+    @contextmanager
+    def pin_anchor(self, frame_ids: Sequence[int]):
+        """Rebuild the cache as holding ``frame_ids`` (a re-cache: ``inference.streaming.recache``) under their anchor.
+
+        A re-cache stores the kept frames again piece by piece. Under ``"window"`` the anchor of the partly refilled
+        cache is not the final one: with only the sinks held it is 0, so the first piece after them would see the
+        text and the sinks a whole stream away, as under ``"absolute"``. Pinned, the sink frames are made as a video
+        start (text and sinks at 0: while fewer than ``sink_frames`` are held nothing is pinned), then moved to the
+        final anchor with the text, and every later piece sees them there: the cache ends as the block-causal forward
+        of the kept frames with the video starting at the anchor."""
+        self.pinned_anchor = self.anchor_of(list(frame_ids))
+        try:
+            yield
+        finally:
+            self.pinned_anchor = None
 
     @property
     def text_time(self) -> int:
