@@ -413,9 +413,9 @@ def evaluate(args, checkpoints: dict) -> dict:
 
     seconds, videos = timed(sample)
     teacher_scores = dict(ckpt=str(checkpoints["teacher"]), seconds=seconds, **accuracy(videos, prompts, args.motion))
-    teacher_scores["stats_in_range"] = score_windows(list(videos), prompts, clip[0], motion=args.motion)[
-        "stats_window_min"
-    ]
+    teacher_window = score_windows(list(videos), prompts, clip[0], motion=args.motion)
+    teacher_scores["stats_in_range"] = teacher_window["stats_window_min"]
+    teacher_scores["stats_outside"] = teacher_window["windows"][0]["stats_outside"]
     report = dict(
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         motion=args.motion,
@@ -442,8 +442,15 @@ def print_windows(windows) -> None:
         reads = "/".join(str(n) for n in w.get("direction_reads", {}).values())  # match/reverse/sideways/static
         print(
             f"    from {w['start_frame']:>4}: colour {w['color_acc']:.3f} shape {w['shape_acc']:.3f} "
-            f"direction {direction} ({reads}) stats {w['stats_in_range']:.3f} background {w['background']:.1f}"
+            f"direction {direction} ({reads}) stats {w['stats_in_range']:.3f} ({outside_text(w)}) "
+            f"background {w['background']:.1f}"
         )
+
+
+def outside_text(scores: dict) -> str:
+    """Which frame statistics leave their caption's range, as clips below/above: "mean 3/40 std 0/12 bg 0/0"."""
+    short = dict(shape_mean="mean", std="std", background="bg")
+    return " ".join(f"{short[k]} {lo}/{hi}" for k, (lo, hi) in scores.get("stats_outside", {}).items())
 
 
 def print_background(levels, clip_frames: int) -> None:
@@ -459,7 +466,7 @@ def print_report(report: dict) -> None:
     t = report["teacher"]
     print(
         f"teacher          colour {t['color_acc']:.3f} shape {t['shape_acc']:.3f} direction {t['direction_acc']:.3f}"
-        f" stats in range {t['stats_in_range']:.3f}"
+        f" stats in range {t['stats_in_range']:.3f} ({outside_text(t)})"
     )
     for name in student_names(report):
         s = report[name]

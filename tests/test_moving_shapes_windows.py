@@ -143,11 +143,17 @@ def test_frame_statistics_catch_a_darkening_background_and_a_changed_shape_for_e
     assert score_windows(shifted(-2), prompts, WINDOW, motion="wrap")["stats_window_min"] == 1.0
     report = score_windows(shifted(-5), prompts, WINDOW, motion="wrap")
     assert report["stats_window_min"] == 0.0 and report["color_window_min"] == 1.0
+    n = len(videos)  # which statistic left its range, and which way: the darker background, below
+    assert all(w["stats_outside"]["background"] == [n, 0] for w in report["windows"])
+    truth = score_windows(videos, prompts, WINDOW, motion="wrap")["windows"]
+    assert all(side == [0, 0] for w in truth for side in w["stats_outside"].values())
     faded = [(ms.BACKGROUND + (v.astype(float) - ms.BACKGROUND) * 0.5).round().astype(np.uint8) for v in videos]
     assert score_windows(faded, prompts, WINDOW, motion="wrap")["stats_window_min"] == 0.0
     motions, _, _ = long_clips("wrap")
     grown = [ms.render_video(replace(m, size=m.size * 2**0.5), SIZE, SIZE, LONG) for m in motions]
-    assert score_windows(grown, prompts, WINDOW, motion="wrap")["stats_window_min"] == 0.0
+    report = score_windows(grown, prompts, WINDOW, motion="wrap")
+    assert report["stats_window_min"] == 0.0
+    assert all(w["stats_outside"]["shape_mean"] == [0, n] for w in report["windows"])  # a bigger shape: mean high
     for video, combo in zip(videos, COMBOS):
         assert stats_in_range(video[:WINDOW], *combo[:2]) and not stats_in_range(video[:WINDOW], "red", None)
     # a linear clip carried on at the training speed past the training length: the shape leaves the frame

@@ -83,12 +83,21 @@ def stats_range(color: str, shape: str, height: int, width: int, margin: float =
     return ranges
 
 
+def stats_sides(frames: np.ndarray, color: str, shape: str, margin: float = STATS_MARGIN) -> Dict[str, int]:
+    """Per ``STATISTICS`` name, where a window's value lies against its caption's range: -1 below, 0 in, +1 above
+    (which statistic fails, and which way, says what kind of drift it is)."""
+    ranges = stats_range(color, shape, frames.shape[1], frames.shape[2], float(margin))
+    return {
+        name: -1 if value < ranges[name][0] else (1 if value > ranges[name][1] else 0)
+        for name, value in zip(STATISTICS, frame_stats(frames))
+    }
+
+
 def stats_in_range(frames: np.ndarray, color: Optional[str], shape: Optional[str], margin: float = STATS_MARGIN):
     """Whether a window's ``STATISTICS`` lie in its caption's ranges (False when the caption names no colour/shape)."""
     if color is None or shape is None:
         return False
-    ranges = stats_range(color, shape, frames.shape[1], frames.shape[2], float(margin))
-    return all(ranges[name][0] <= value <= ranges[name][1] for name, value in zip(STATISTICS, frame_stats(frames)))
+    return not any(stats_sides(frames, color, shape, margin).values())
 
 
 # ---- the direction a window should have -----------------------------------------------------------------------------
@@ -166,6 +175,8 @@ class WindowScore:
     # how the scored clips' read directions relate to the expected one: match / reverse / sideways / static
     direction_reads: Dict[str, int]
     stats_in_range: Optional[float]  # share of clips whose frame statistics lie in their caption's range
+    # per statistic, the scored clips below / above their caption's range: [low, high]
+    stats_outside: Dict[str, List[int]]
     frame_mean: float
     frame_std: float
     background: float
@@ -212,6 +223,7 @@ def score_windows(
     wrap = motion == "wrap"
     hits = {a: np.full((len(videos), len(starts)), np.nan) for a in ("color", "shape", "stats", "direction")}
     reads = [dict.fromkeys(DIRECTION_RELATIONS, 0) for _ in starts]
+    outside = [{name: [0, 0] for name in STATISTICS} for _ in starts]
     moments = np.zeros((len(videos), len(starts), len(STATISTICS)))
     for i, (video, prompt) in enumerate(zip(videos, prompts)):
         video = np.asarray(video)
@@ -233,7 +245,11 @@ def score_windows(
             reading = read_shape(clip, wrap)
             hits["color"][i, k] = reading.color == color
             hits["shape"][i, k] = reading.shape == shape
-            hits["stats"][i, k] = stats_in_range(clip, color, shape, stats_margin)
+            sides = stats_sides(clip, color, shape, stats_margin)
+            hits["stats"][i, k] = not any(sides.values())
+            for name, side in sides.items():
+                if side:
+                    outside[k][name][side > 0] += 1
             if expected[k] is not None:
                 hits["direction"][i, k] = reading.direction == expected[k]
                 reads[k][direction_relation(reading.direction, expected[k])] += 1
@@ -254,6 +270,7 @@ def score_windows(
                 direction_n=direction_n,
                 direction_reads=reads[k],
                 stats_in_range=share("stats", k)[0],
+                stats_outside=outside[k],
                 frame_mean=float((moments[:, k, 0] + moments[:, k, 2]).mean()),
                 frame_std=float(moments[:, k, 1].mean()),
                 background=float(moments[:, k, 2].mean()),
@@ -312,6 +329,7 @@ __all__ = [
     "frame_stats",
     "stats_range",
     "stats_in_range",
+    "stats_sides",
     "window_starts",
     "bounce_step_directions",
     "expected_window_directions",
