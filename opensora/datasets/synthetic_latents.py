@@ -7,10 +7,12 @@ encoder). The bucket sampler sees the pixel shape a VAE with the given compressi
 (``t -> 1 + (t - 1) * temporal`` frames for a causal VAE, ``h, w -> h * spatial, w * spatial``), so the usual
 ``bucket_config`` (an explicit ``"<H>x<W>"`` resolution) and the resumable sampler apply unchanged.
 
-``text_valid_tokens`` < ``text_tokens`` adds a ``text_mask`` with that many real tokens (padded prompts).
+``text_valid_tokens`` < ``text_tokens`` adds a ``text_mask`` with that many real tokens (padded prompts);
+``text_valid_range=(lo, hi)`` instead draws each pool slot's count uniformly in ``[lo, hi]`` (seeded), so the rows of
+a batch differ as real prompts do (e.g. 20-120 of 512 T5 tokens).
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +37,7 @@ class SyntheticLatentDataset(VideoTextDataset):
         text_dim: int = 4096,
         pooled_dim: int = 768,
         text_valid_tokens: Optional[int] = None,
+        text_valid_range: Optional[Sequence[int]] = None,
         pool: int = 4,
         seed: int = 0,
         dtype: str = "bf16",
@@ -43,6 +46,13 @@ class SyntheticLatentDataset(VideoTextDataset):
             raise ValueError(f"num and pool must be >= 1, got num={num}, pool={pool}")
         if text_valid_tokens is not None and not 0 < text_valid_tokens <= text_tokens:
             raise ValueError(f"text_valid_tokens={text_valid_tokens} must lie in [1, text_tokens={text_tokens}]")
+        if text_valid_range is not None:
+            lo, hi = (int(v) for v in text_valid_range)
+            if text_valid_tokens is not None or not 0 < lo <= hi <= text_tokens:
+                raise ValueError(
+                    f"text_valid_range={tuple(text_valid_range)} must be (lo, hi) with 1 <= lo <= hi <= "
+                    f"text_tokens={text_tokens}, without text_valid_tokens"
+                )
         frames = (
             1 + (latent_frames - 1) * temporal_compression if causal_temporal else latent_frames * temporal_compression
         )
@@ -67,9 +77,12 @@ class SyntheticLatentDataset(VideoTextDataset):
         self.latents = torch.randn(pool, latent_channels, latent_frames, latent_height, latent_width, generator=gen)
         self.text_emb = torch.randn(pool, text_tokens, text_dim, generator=gen).to(store)
         self.pooled = torch.randn(pool, pooled_dim, generator=gen).to(store)
-        self.text_mask = None
+        self.text_mask = None  # one mask [L] for every sample, or one per pool slot [pool, L]
         if text_valid_tokens is not None and text_valid_tokens < text_tokens:
             self.text_mask = torch.arange(text_tokens) < text_valid_tokens
+        if text_valid_range is not None:
+            counts = torch.randint(lo, hi + 1, (pool,), generator=gen)
+            self.text_mask = torch.arange(text_tokens)[None, :] < counts[:, None]
 
     def load_sample(self, key) -> dict:
         index, num_frames, height, width, _ = self._resolve_key(key)
@@ -91,5 +104,5 @@ class SyntheticLatentDataset(VideoTextDataset):
             index=index,
         )
         if self.text_mask is not None:
-            sample["text_mask"] = self.text_mask
+            sample["text_mask"] = self.text_mask if self.text_mask.dim() == 1 else self.text_mask[slot]
         return sample
