@@ -156,13 +156,15 @@ def test_graphed_streaming_peak_memory_is_bounded_in_the_length(merge_refill):
     assert max(peaks.values()) <= 1.10 * peaks[6], peaks
 
 
-@pytest.mark.parametrize("merge_refill", [False, True])
-def test_graphed_recache_and_prompt_switch_match_the_eager_passes(merge_refill):
+@pytest.mark.parametrize("merge_refill, anchor", [(False, "absolute"), (True, "absolute"), (False, "window")])
+def test_graphed_recache_and_prompt_switch_match_the_eager_passes(merge_refill, anchor):
     """``kv_recache="shift"`` and a prompt switch with the chunk graphs (merged refills where no re-cache runs, decode
     ahead on a side stream): the eager generator's latents within the graphs' tolerance, the same re-caches reported
-    with their time from CUDA events."""
+    with their time from CUDA events. Under the window RoPE anchor the re-cache pins the anchor (the sinks rotated in
+    place, the text at the pinned time): the graphs must read both through their inputs."""
     sampler = gpu_sampler()
     kwargs = dict(step_list=[1.0, 0.5], guidance_scale=3.0, window_frames=6, sink_frames=2, kv_recache="shift")
+    kwargs.update(rope_anchor=anchor)
     switches = [(8, ["a green triangle moving right", "a yellow circle moving down"])]
     reference = StreamingGenerator(sampler, **kwargs)
     graphed = StreamingGenerator(sampler, cuda_graphs=True, merge_refill=merge_refill, **kwargs)
