@@ -11,6 +11,7 @@ import torch
 from test_causal_gpu import ARCH  # the same small causal-capable architecture
 
 from opensora.models.mmdit import MMDiT
+from opensora.models.mmdit.rope import shift_time, shift_time_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -95,3 +96,24 @@ def test_graphed_streaming_with_the_window_anchor_matches_eager_in_bf16():
     assert graphs.captures == len(graphs.graphs) == 2 + 3 * 2  # as many as absolute positions capture
     rolled = 3 * 3  # the chunks at frames 0, 3, 6 see anchor 0; from frame 9 on the anchor moves
     assert close(eager[:rolled], absolute[:rolled], rel=1e-6) and not close(eager[rolled:], absolute[rolled:], 1e-3)
+
+
+@torch.no_grad()
+def test_moving_the_anchor_makes_no_host_sync():
+    """Every chunk after the roll moves the sink keys and the cached text keys to the new anchor: on the device from the
+    Python time shift, never through a host-to-device copy (which waits for the stream and would stall the host that
+    runs ahead of the GPU while a chunk decodes)."""
+    model = make_model()
+    text_cache = model.new_text_cache()
+    run(model, model.forward_chunk, text_cache, chunks=4, sinks=CHUNK, rope_anchor="window")  # fills a text cache
+    keys = [torch.randn(2, 4, 20, sum(model.axes_dims), device="cuda", dtype=torch.bfloat16) for _ in range(5)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved = shift_time_all(keys, 7, model.axes_dims, model.theta)
+        for key in list(text_cache.entries):
+            text_cache.get(key, 9)  # the text keys re-rotated to a moved anchor
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for k, m in zip(keys, moved):
+        assert torch.equal(m, shift_time(k, 7, model.axes_dims, model.theta))

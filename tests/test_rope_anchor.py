@@ -13,7 +13,7 @@ from test_causal import causal_model, padded_inputs, text_kwargs
 from test_streaming import PROMPTS, EagerReplayGraphs, assert_streams_bitwise_equal, tiny_sampler
 
 from opensora.inference.streaming.generator import StreamingGenerator
-from opensora.models.mmdit.rope import shift_time
+from opensora.models.mmdit.rope import shift_time, shift_time_all
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
@@ -189,3 +189,17 @@ def test_unsupported_combinations_and_values_are_refused():
         StreamingGenerator(sampler, rope_anchor="window", merge_refill=True)
     with pytest.raises(ValueError, match="rope_anchor"):
         sampler.model.new_kv_cache(4, 2, rope_anchor="sideways")
+
+
+def test_moving_many_keys_at_once_is_each_moved_alone_bit_for_bit():
+    model = causal_model(chunk=CHUNK)
+    axes, theta = model.axes_dims, model.theta
+    same = [torch.randn(2, 3, 5, sum(axes)) for _ in range(4)]
+    mixed = same[:2] + [torch.randn(1, 3, 7, sum(axes))]
+    for keys in (same, mixed, same[:1]):
+        for got, x in zip(shift_time_all(keys, 6, axes, theta), keys):
+            assert torch.equal(got, shift_time(x, 6, axes, theta))
+    back = shift_time_all(shift_time_all(same, 6, axes, theta), -6, axes, theta)
+    for b, x in zip(back, same):
+        torch.testing.assert_close(b, x, rtol=1e-5, atol=1e-5)
+    assert shift_time_all([], 3, axes, theta) == []

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .patches import unpatchify
-from .rope import shift_time
+from .rope import shift_time_all
 
 ROPE_ANCHORS = ("absolute", "window")  # KVCache(rope_anchor=...): where the text and the sink frames sit in time
 
@@ -194,9 +194,10 @@ class KVCache:
             return
         if self.sink_keys is None:  # the window's first roll: the sinks are still where they were made, at 0
             self.sink_keys = [k[:, :, :tokens].clone() for k in self.keys]
-        for i, original in enumerate(self.sink_keys):
+        moved = shift_time_all(self.sink_keys, anchor // self.frames_per_group, *self.rope)
+        for i, keys in enumerate(moved):
             # in place: the anchor moves only when trim / truncate just made these tensors, nothing else holds them
-            self.keys[i][:, :, :tokens] = shift_time(original, anchor // self.frames_per_group, *self.rope)
+            self.keys[i][:, :, :tokens] = keys
 
     @property
     def rope(self) -> tuple:
@@ -401,7 +402,8 @@ class TextKVCache:
         if moved is None or moved[0] != text_time or moved[1] is not entry:
             if self.rope is None:
                 raise ValueError("moving cached text keys to another time id needs the model's RoPE (rope=...)")
-            shifted = [(shift_time(k, delta, *self.rope), v) for k, v in entry]
+            keys = shift_time_all([k for k, _ in entry], delta, *self.rope)
+            shifted = [(k, v) for k, (_, v) in zip(keys, entry)]
             moved = self._moved[key] = (text_time, entry, shifted)
         return moved[2]
 

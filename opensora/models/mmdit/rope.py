@@ -5,7 +5,7 @@ pairs of adjacent channels (2j, 2j+1) by ``pos_i * theta ** (-2j / axes_dims[i])
 (0, 0, 0), which is the identity rotation. cos/sin are built once per forward and shared by all blocks.
 """
 
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -57,8 +57,24 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 def shift_time(x: torch.Tensor, delta: int, axes_dims: Sequence[int], theta: float) -> torch.Tensor:
     """Keys ``x`` [..., N, D] already rotated at time ids ``p`` -> rotated at ``p + delta`` (rotations compose: the
     table of id (delta, 0, 0), whose h/w parts are the identity); fp32 math, x's dtype out."""
-    ids = torch.tensor([[delta] + [0] * (len(axes_dims) - 1)], device=x.device)
-    return apply_rope(x, *rope_cos_sin(ids, axes_dims, theta))
+    return shift_time_all([x], delta, axes_dims, theta)[0]
+
+
+def shift_time_all(
+    xs: Sequence[torch.Tensor], delta: int, axes_dims: Sequence[int], theta: float
+) -> List[torch.Tensor]:
+    """``shift_time`` of every tensor in ``xs`` (all on one device), bit for bit: one rotation table, and one rotation
+    over the stacked tensors when they share a shape (every block's keys do), so moving a window's keys costs a few
+    kernels instead of a dozen per block. The table is made on the device from the Python ``delta`` (a fill, not a
+    host-to-device copy, which would wait for the stream: a streamed chunk moves its keys without a host sync)."""
+    if not xs:
+        return []
+    ids = torch.zeros((1, len(axes_dims)), dtype=torch.int64, device=xs[0].device)
+    ids[:, 0] = int(delta)
+    cos, sin = rope_cos_sin(ids, axes_dims, theta)
+    if len(xs) > 1 and all(x.shape == xs[0].shape and x.dtype == xs[0].dtype for x in xs):
+        return list(apply_rope(torch.stack(list(xs)), cos, sin).unbind(0))
+    return [apply_rope(x, cos, sin) for x in xs]
 
 
 def rotate_pairs(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
