@@ -24,10 +24,11 @@ for part in "$@"; do
     zero-keys)  # the zero-key path's GPU tests: kernels vs fp32 masked attention, the model eager / compiled
       timeout ${TESTS_S:-200} python -m pytest -q -p no:cacheprovider tests/test_text_padding_gpu.py -k zero \
         > "$OUT/zero_keys_gpu_tests.txt" 2>&1; tail -4 "$OUT/zero_keys_gpu_tests.txt" ;;
-    graph-ckpt)  # checkpointed compiled blocks with the recompute inside the graph: equal to the default, same memory,
-      # against the fp32 masked reference, and the causal student (LoRA: the lora part runs both ways)
+    graph-ckpt)  # checkpointed compiled blocks, the recompute inside the graph (the default) and checkpointing around the
+      # compiled block: equal, same memory, each against the fp32 masked reference, batch 1 from a pinning loader and
+      # the causal student both ways (LoRA: the lora part runs both ways)
       { timeout ${TESTS_S:-200} python -m pytest -q -p no:cacheprovider tests/test_graph_checkpoint.py
-        timeout ${TESTS_S:-200} python -m pytest -q -p no:cacheprovider tests/test_text_padding_gpu.py -k "in_graph and not lora"
+        timeout ${TESTS_S:-200} python -m pytest -q -p no:cacheprovider tests/test_text_padding_gpu.py -k "(in_graph or around) and not lora"
       } > "$OUT/graph_checkpoint_gpu_tests.txt" 2>&1; grep -E "passed|failed|error" "$OUT/graph_checkpoint_gpu_tests.txt" | tail -4 ;;
     lora)  # compiled LoRA with padded text; peft would import the wheel set's stub bitsandbytes, so hide it here
       site=$PWD/.pysite; [ -d "$site/bitsandbytes" ] && mv "$site/bitsandbytes" "$site/.bitsandbytes_hidden"

@@ -15,10 +15,13 @@ has no text mask: it attends to every padded token, as Flux training does):
                        the text and skips the rest of the padding per row (text_padding.py; zero keys since
                        2026-11-27, the dense key mask before, now ours-padded-dense)
   ours-padded-bound    the same with the longest prompt length given from the host (text_length_bound): the model
-                       cuts the text there and reads no lengths back from the GPU (no host wait per forward) --
-                       what the trainer runs (FlowMatching passes the bound since 2026-11-27)
+                       cuts the text there and reads no lengths back from the GPU (no host wait per forward;
+                       FlowMatching passes the bound since 2026-11-27), with torch.utils.checkpoint around each
+                       compiled block (MMDiT(checkpoint_in_graph=False): the trainer's step until 2026-11-27)
   ours-padded-bound-graph-ckpt  the same with each checkpointed block call compiled as one graph, the recompute
-                       inside the compiled backward (MMDiT.checkpoint_in_graph; graph_checkpoint.py)
+                       inside the compiled backward (MMDiT.checkpoint_in_graph, the default since 2026-11-27;
+                       graph_checkpoint.py) -- what the trainer runs
+  (every other ours-* variant runs the model's default, the recompute inside the graph since 2026-11-27)
   ours-unpadded-128    compiled, 128 text columns and no mask: the mask-free step at the trimmed shape
   ours-unpadded-70     compiled, 70 text columns and no mask: the mean valid length of the padded batches
   ours-masked          compiled, the 512 columns behind a dense boolean mask (what the model did before trimming)
@@ -113,16 +116,19 @@ class Variant:
         return loss, lengths
 
 
-def graph_checkpoint(model):
-    """The checkpointed blocks compiled with their recompute inside the graph (``MMDiT.checkpoint_in_graph``)."""
+def checkpoint_in_graph(model, in_graph):
+    """``MMDiT.checkpoint_in_graph`` set to ``in_graph`` for the step: True, the checkpointed blocks compiled with
+    their recompute inside the graph (the default since 2026-11-27); False, ``torch.utils.checkpoint`` around each
+    compiled block."""
 
     @contextlib.contextmanager
     def context():
-        model.checkpoint_in_graph = True
+        before = model.checkpoint_in_graph
+        model.checkpoint_in_graph = in_graph
         try:
             yield
         finally:
-            model.checkpoint_in_graph = False
+            model.checkpoint_in_graph = before
 
     return context
 
@@ -227,8 +233,10 @@ def build(shape, device, dtype, args):
             "ours-padded-bias-channel", ours, ours_opt, padded, run_ours, None, padded_path(ours, "bias-channel", 128)
         ),
         Variant("ours-padded-zero-keys", ours, ours_opt, padded, run_ours, None, padded_path(ours, "zero-keys", 128)),
-        Variant("ours-padded-bound", ours, ours_opt, bounded, run_ours, None),
-        Variant("ours-padded-bound-graph-ckpt", ours, ours_opt, bounded, run_ours, None, graph_checkpoint(ours)),
+        Variant("ours-padded-bound", ours, ours_opt, bounded, run_ours, None, checkpoint_in_graph(ours, False)),
+        Variant(
+            "ours-padded-bound-graph-ckpt", ours, ours_opt, bounded, run_ours, None, checkpoint_in_graph(ours, True)
+        ),
         Variant("ours-padded-packed", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 32)),
         Variant("ours-padded-packed-128", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 128)),
         Variant("ours-padded-rows", ours, ours_opt, padded, run_ours, None, padded_path(ours, "rows", 32)),
@@ -371,7 +379,7 @@ def run(args):
                  ("ours-padded-bias-channel", "ours-padded"), ("ours-padded-bias-channel", "ours-unpadded-128"),
                  ("ours-padded-zero-keys", "ours-padded"), ("ours-padded-zero-keys", "ours-unpadded-128"),
                  ("ours-padded-dense", "ours-padded"), ("ours-padded-dense", "ours-unpadded-128"),
-                 ("ours-padded-bound", "ours-padded"), ("ours-padded-bound", "ours-unpadded-128"),
+                 ("ours-padded-bound-graph-ckpt", "ours-padded"), ("ours-padded-bound-graph-ckpt", "ours-unpadded-128"),
                  ("diffusers-128", "ours-padded-bound"), ("diffusers-128", "ours-padded-bound-graph-ckpt"),
                  ("ours-padded-bound-graph-ckpt", "ours-padded-bound"),
                  ("ours-padded-packed", "ours-padded"),

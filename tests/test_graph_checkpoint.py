@@ -1,9 +1,11 @@
-"""``MMDiT(checkpoint_in_graph=True)``: with compiled blocks, each checkpointed block call is compiled as one graph
-whose recompute lives in the compiled backward (graph_checkpoint.py). Against the default (``torch.utils.checkpoint``
-around the compiled block), on padded text with zero keys, full and selective checkpointing: the same output and
-gradients (CPU fp32), the same activations kept for the backward (parameters are kept by reference and not counted),
-and one compiled graph per block kind and shape regime however many blocks share it. The GPU test compares the two
-in bf16 at head size 128, with peak memory."""
+"""``MMDiT(checkpoint_in_graph=True)``, the default: with compiled blocks, each checkpointed block call is compiled as
+one graph whose recompute lives in the compiled backward (graph_checkpoint.py). Against ``checkpoint_in_graph=False``
+(``torch.utils.checkpoint`` around the compiled block), on padded text with zero keys, full and selective
+checkpointing: the same output and gradients (CPU fp32), the same activations kept for the backward (parameters are
+kept by reference and not counted), and one compiled graph per block kind and shape regime however many blocks share
+it. The GPU test compares the two in bf16 at head size 128, with peak memory. On a host with a GPU the around path
+initialises CUDA before its checkpoint (``MMDiT.run_block``): simulated on CPU, and met for real by the first test
+when this file runs alone on a GPU machine (CUDA not yet initialised when its first block compiles)."""
 
 import copy
 
@@ -70,6 +72,45 @@ def in_graph_functions():
     from opensora.models.mmdit import graph_checkpoint
 
     return [graph_checkpoint._checkpointed_double, graph_checkpoint._checkpointed_single]
+
+
+def test_checkpointing_around_a_compiled_block_initialises_cuda_before_the_checkpoint(monkeypatch):
+    """On a host with a GPU, a block's first compile initialises CUDA (Dynamo reads the CUDA RNG state), and inside a
+    non-reentrant checkpoint over CPU tensors torch refuses that ("device state was initialized in the forward pass of
+    a Checkpoint"): CPU training there with ``checkpoint_in_graph=False`` failed at its first step. Simulated without a
+    GPU or a compile: CUDA "available", each block call standing in for the compiled call that initialises it."""
+    import opensora.models.mmdit.model as model_module
+    from opensora.models.mmdit import MMDiT
+
+    def fake_cuda_host():
+        # checkpointing over CPU tensors takes the device module of the host's accelerator: CUDA's there
+        monkeypatch.setattr(torch.utils.checkpoint.DefaultDeviceType, "_default_device_type", "cuda")
+        monkeypatch.setattr(torch.cuda, "_initialized", False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: torch.cuda._initialized)
+        monkeypatch.setattr(torch.cuda, "init", lambda: setattr(torch.cuda, "_initialized", True))
+
+    def compiled_call(block):  # what block.compile() leaves, minus the compile
+        def call(*args):
+            torch.cuda._initialized = True
+            return block.forward(*args)
+
+        return call
+
+    model = MMDiT(**tiny_kwargs(depth_double=1, depth_single=1, checkpoint_in_graph=False)).train()
+    model.set_grad_ckpt(1, 1)
+    for block in [*model.double_blocks, *model.single_blocks]:
+        block._compiled_call_impl = compiled_call(block)
+    model.compile_blocks = True
+    data = padded_batch([5, 37])
+    fake_cuda_host()
+    model(**data).pow(2).mean().backward()
+    assert torch.cuda._initialized
+
+    fake_cuda_host()  # the failure the guard prevents
+    monkeypatch.setattr(model_module, "init_cuda_before_checkpointed_compile", lambda: None)
+    with pytest.raises(RuntimeError, match="device state was initialized in the forward pass"):
+        model(**data)
 
 
 def test_an_unknown_block_kind_is_refused():

@@ -146,6 +146,12 @@ def test_sequence_group_slices_and_rejects_uneven_splits():
     model.set_sequence_parallel(SequenceGroup(group=None, size=2, rank=0))
     with pytest.raises(ValueError, match="compile_blocks"):
         model.set_compile_blocks(True)
+    # either order: compiled blocks (so checkpoint_in_graph, which acts only on them) never meet sequence parallelism
+    model.set_sequence_parallel(None)
+    model.set_compile_blocks(True)  # lazy: nothing compiles until a call
+    with pytest.raises(ValueError, match="compile_blocks"):
+        model.set_sequence_parallel(SequenceGroup(group=None, size=2, rank=0))
+    model.set_compile_blocks(False)
 
 
 def _row_by_row_body(rank, world_size, cuda=False):

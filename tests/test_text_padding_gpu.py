@@ -116,10 +116,13 @@ def test_padded_text_in_bf16_is_as_close_to_the_fp32_masked_reference_as_the_mas
 
 
 @pytest.mark.parametrize("ckpt, how", [(2, "zero-keys"), (1, "zero-keys"), (2, "dense")])
-def test_checkpoint_in_graph_is_as_close_to_the_fp32_masked_reference(references, ckpt, how):
-    """``checkpoint_in_graph``: compiled checkpointed blocks with the recompute inside the compiled graph."""
+def test_checkpointing_around_the_compiled_block_is_as_close_to_the_fp32_masked_reference(references, ckpt, how):
+    """``checkpoint_in_graph=False``: ``torch.utils.checkpoint`` around each compiled block (the test above runs the
+    default, each checkpointed call one graph with its recompute inside, graph_checkpoint.py)."""
     data, reference, baseline = references
-    model = gpu_model(grad_ckpt_double=ckpt, grad_ckpt_single=ckpt, padded_text_attention=how, checkpoint_in_graph=True)
+    model = gpu_model(
+        grad_ckpt_double=ckpt, grad_ckpt_single=ckpt, padded_text_attention=how, checkpoint_in_graph=False
+    )
     model.set_compile_blocks(True)
     compare_to_fp32_masked(model, data, reference, baseline)
 
@@ -196,18 +199,22 @@ def test_a_stream_of_fresh_prompt_lengths_settles_on_a_few_graphs_and_matches_ea
     assert graphs[-1] <= 10, graphs
 
 
-def test_batch_1_prompts_from_a_pinning_loader_compile_few_graphs_and_match_eager():
+@pytest.mark.parametrize("in_graph", [False, True], ids=["ckpt_around", "ckpt_in_graph"])
+def test_batch_1_prompts_from_a_pinning_loader_compile_few_graphs_and_match_eager(in_graph):
     """Batch 1 (the case whose compiled backward once failed in Inductor) is cut to exactly its valid text, so it runs
     without a mask or per-row calls: fresh lengths cost one symbolic recompile (plus one graph for the one-token null
     prompt), not one graph per length. The lengths come through a DataLoader with ``pin_memory``, whose pin thread
-    sets the process-wide thread count to 1; with checkpointing the blocks' recompute runs on the autograd device
-    thread, so without ``model.call_with_thread_count`` the blocks recompile there ("GLOBAL_STATE changed:
-    num_threads"). Run alone (a fresh process) to see that case: the autograd thread starts after the loader."""
+    sets the process-wide thread count to 1; with checkpointing around the compiled block (``in_graph`` False) the
+    blocks' recompute runs on the autograd device thread, so without ``model.call_with_thread_count`` the blocks
+    recompile there ("GLOBAL_STATE changed: num_threads"); the default (``in_graph``) recomputes inside the compiled
+    backward, which no guard checks. Run alone (a fresh process, the around case first) to see that case: the
+    autograd thread starts after the loader."""
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
     eager = gpu_model(grad_ckpt_double=2, grad_ckpt_single=2)
     compiled = copy.deepcopy(eager)
+    compiled.checkpoint_in_graph = in_graph
     compiled.set_compile_blocks(True)
     lengths = [7, 20, 1, 77, 120, 33, 64, 5]
     loader = torch.utils.data.DataLoader(lengths, batch_size=None, num_workers=1, pin_memory=True)
