@@ -54,6 +54,9 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     return tuple(rotate_pairs(x.float().contiguous(), rotation).to(x.dtype) for x in (q, k))
 
 
+SHIFT_GROUP_BYTES = 64 << 20  # fp32 bytes one stacked rotation of ``shift_time_all`` may cover
+
+
 def shift_time(x: torch.Tensor, delta: int, axes_dims: Sequence[int], theta: float) -> torch.Tensor:
     """Keys ``x`` [..., N, D] already rotated at time ids ``p`` -> rotated at ``p + delta`` (rotations compose: the
     table of id (delta, 0, 0), whose h/w parts are the identity); fp32 math, x's dtype out."""
@@ -64,17 +67,29 @@ def shift_time_all(
     xs: Sequence[torch.Tensor], delta: int, axes_dims: Sequence[int], theta: float
 ) -> List[torch.Tensor]:
     """``shift_time`` of every tensor in ``xs`` (all on one device), bit for bit: one rotation table, and one rotation
-    over the stacked tensors when they share a shape (every block's keys do), so moving a window's keys costs a few
-    kernels instead of a dozen per block. The table is made on the device from the Python ``delta`` (a fill, not a
-    host-to-device copy, which would wait for the stream: a streamed chunk moves its keys without a host sync)."""
+    per run of same-shaped tensors (every block's keys share one shape), stacked up to ``SHIFT_GROUP_BYTES`` of fp32
+    work so the transient stays small, so moving a window's keys costs a few kernels instead of a dozen per block. The
+    table is made on the device from the Python ``delta`` (a fill, not a host-to-device copy, which would wait for the
+    stream: a streamed chunk moves its keys without a host sync)."""
     if not xs:
         return []
     ids = torch.zeros((1, len(axes_dims)), dtype=torch.int64, device=xs[0].device)
     ids[:, 0] = int(delta)
     cos, sin = rope_cos_sin(ids, axes_dims, theta)
-    if len(xs) > 1 and all(x.shape == xs[0].shape and x.dtype == xs[0].dtype for x in xs):
-        return list(apply_rope(torch.stack(list(xs)), cos, sin).unbind(0))
-    return [apply_rope(x, cos, sin) for x in xs]
+    out: List[torch.Tensor] = []
+    start = 0
+    while start < len(xs):
+        first = xs[start]
+        room = max(1, SHIFT_GROUP_BYTES // max(4 * first.numel(), 1))
+        end = start + 1
+        while end < len(xs) and end - start < room and xs[end].shape == first.shape and xs[end].dtype == first.dtype:
+            end += 1
+        if end - start == 1:
+            out.append(apply_rope(first, cos, sin))
+        else:
+            out.extend(apply_rope(torch.stack(list(xs[start:end])), cos, sin).unbind(0))
+        start = end
+    return out
 
 
 def rotate_pairs(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
