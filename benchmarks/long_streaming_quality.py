@@ -34,7 +34,7 @@ With ``--kv-recache shift|both`` the long run is (also) streamed with ``kv_recac
 length to a caption that differs in colour, shape and direction, and the window right after the switch is scored
 against the new caption: its colour, shape and direction accuracy >= 90% (``switch``; LongLive's re-cache under the
 new prompt, and for comparison the same switch keeping the old prompt's keys/values).
-By default (``--rope-anchor window``, what the sampling CLI streams with on one GPU) the long run and the prompt switch
+By default (``--rope-anchor window``, what the sampling CLI streams with) the long run and the prompt switch
 are streamed with ``rope_anchor="window"`` (the text and the sink frames at the window's start in RoPE time,
 ``KVCache``); ``--rope-anchor both`` judges the absolute run and adds the anchored one on the same seeds
 (``long_rope_window``, ``switch_rope_window``); the training-length run never rolls the window, so it is the same
@@ -590,7 +590,7 @@ def parse_args(argv=None):
         choices=("absolute", "window", "both"),
         default="window",
         help="where the long run puts the text and sink frames once the window rolls: window (default, the sampling "
-        "CLI's on one GPU: at the window's start in RoPE time; the criteria judge it), absolute, or both (the "
+        "CLI's: at the window's start in RoPE time; the criteria judge it), absolute, or both (the "
         "criteria judge the absolute run, the anchored one on the same seeds is key long_rope_window)",
     )
     parser.add_argument(

@@ -68,10 +68,6 @@ def test_defaults_pass_their_checks_and_the_namespace_is_read_once():
         (dict(sequence_parallel_size=2, jano_graphs=True), "does not combine with --jano"),
         (dict(step_list="1.0,x"), "--step-list"),
         (dict(rope_anchor="relative"), "--rope-anchor 'relative' is not one of auto, absolute, window"),
-        (
-            dict(rope_anchor="window", streaming=True, pp_devices="cuda:0,cuda:1"),
-            "--rope-anchor window runs on one GPU",
-        ),
     ],
 )
 def test_bad_flags_are_one_line_errors_naming_the_flag(overrides, phrase):
@@ -92,11 +88,11 @@ def test_streaming_graph_choice_follows_the_device():
     assert not StreamingOptions(stream_graphs="off").graphs_on("cuda:0")
 
 
-def test_the_rope_anchor_defaults_to_window_on_one_device_and_absolute_for_the_pipeline():
+def test_the_rope_anchor_defaults_to_window_on_one_device_and_in_the_pipeline():
     one = InferenceOptions.from_args(namespace(streaming=True))
     assert one.streaming.rope_anchor == "window" and one.streaming.record()["rope_anchor"] == "window"
     piped = InferenceOptions.from_args(namespace(streaming=True, pp_devices="cuda:0,cuda:1"))
-    assert piped.streaming.rope_anchor == "absolute"
+    assert piped.streaming.rope_anchor == "window"
     assert InferenceOptions.from_args(namespace(streaming=True, rope_anchor="absolute")).streaming.rope_anchor == (
         "absolute"
     )

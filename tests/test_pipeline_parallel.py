@@ -418,10 +418,10 @@ def streaming_sampler(dtype=torch.float32):
     return VideoSampler(cpu.model.to(dtype), cpu.vae, cpu.text_encoder, progress=False)
 
 
-def generator_reference(sampler, case, num_frames, size, graphs=None):
+def generator_reference(sampler, case, num_frames, size, graphs=None, **options):
     """The one-device ``StreamingGenerator`` run of ``case`` per prompt group, and the pipeline's inputs for it:
     (generator, chunks per group, groups, latent size). ``graphs``: a class whose ``make(model)`` gives the
-    generator's ``cuda_graphs`` runner."""
+    generator's ``cuda_graphs`` runner; ``options``: more generator options (sink frames, RoPE anchor)."""
     from opensora.inference.streaming.generator import StreamingGenerator
 
     prompt_groups, steps, guidance, rollout, window, context_time = case
@@ -432,6 +432,7 @@ def generator_reference(sampler, case, num_frames, size, graphs=None):
         guidance_scale=guidance,
         window_frames=window,
         context_time=context_time,
+        **options,
     )
     if graphs is not None:
         gen.cuda_graphs = graphs.make(sampler.model)
@@ -491,18 +492,45 @@ def test_streaming_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(c
 
 
 @pytest.mark.parametrize("mode", OVERLAP_MODES)
-@pytest.mark.parametrize("case", STREAM_CASES[1:], ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
-def test_graphed_stages_match_the_graphed_streaming_generator_bitwise_on_cpu(case, mode, one_thread):
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_window_anchor_pipeline_is_bit_identical_to_the_streaming_generator_on_cpu(sinks, mode, one_thread):
+    """``rope_anchor="window"`` (the sampling CLI's default): each chunk's RoPE tables, made by the prep ahead of the
+    cache writes, carry the anchor the lanes' caches reach by then, and both lanes move their sinks and text keys to
+    it, so the pipeline's chunks equal the one-device generator's bit for bit over a window that rolls 4 times."""
+    sampler = streaming_sampler()
+    case = STREAM_CASES[2]  # two groups, CFG, a 4-frame window
+    options = dict(sink_frames=sinks, rope_anchor="window")
+    gen, refs, groups, latent_size = generator_reference(sampler, case, 11, 16, **options)
+    split = 1
+    place_model(sampler.model, split, ["cpu", "cpu"])
+    lanes = Lanes(["cpu", "cpu"])
+    stages = generator_stages(sampler, case, gen, groups, latent_size, split, lanes, **options)
+    anchors = [stages.caches[0][0][0].anchor_before(2 * c) for c in range(stages.plan.num_chunks)]
+    assert anchors == [0, 0, 0, 2, 4, 6]  # the window rolls from the chunk at frame 6 on
+    result, _ = run_plan(stages, mode, lanes, threads=True)
+    assert_chunks_equal(result, refs)
+    _, absolute, _, _ = generator_reference(sampler, case, 11, 16, sink_frames=sinks)  # the anchor matters
+    assert torch.equal(absolute[0][0].latents, refs[0][0].latents)
+    assert not torch.equal(absolute[0][-1].latents, refs[0][-1].latents)
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize(
+    "case, options",
+    [(c, {}) for c in STREAM_CASES[1:]] + [(STREAM_CASES[2], dict(sink_frames=2, rope_anchor="window"))],
+    ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}" if isinstance(c, tuple) else "-".join(map(str, c.values())),
+)
+def test_graphed_stages_match_the_graphed_streaming_generator_bitwise_on_cpu(case, options, mode, one_thread):
     """Each stage's pass through ``ChunkGraphs.stage`` (capture swapped for an eager re-run of the captured body, as
     in test_streaming.py): the static-buffer plumbing of both lanes, issued from one host thread, gives the
     generator's chunks bit for bit in bf16 (the generator through the same runner), over two runs of the stages
-    that reuse the graphs."""
+    that reuse the graphs; with the window RoPE anchor too (moved text keys and sinks through the static inputs)."""
     from test_streaming import EagerReplayGraphs
 
     sampler = streaming_sampler(torch.bfloat16)
-    num_frames, size = 7, 16
-    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size)
-    _, graphed_refs, _, _ = generator_reference(sampler, case, num_frames, size, graphs=EagerReplayGraphs)
+    num_frames, size = (11 if options else 7), 16
+    gen, refs, groups, latent_size = generator_reference(sampler, case, num_frames, size, **options)
+    _, graphed_refs, _, _ = generator_reference(sampler, case, num_frames, size, graphs=EagerReplayGraphs, **options)
     for mine, theirs in zip(refs, graphed_refs):
         for a, b in zip(mine, theirs):
             assert torch.equal(a.latents, b.latents)
@@ -511,7 +539,7 @@ def test_graphed_stages_match_the_graphed_streaming_generator_bitwise_on_cpu(cas
     lanes = Lanes(["cpu", "cpu"])
     runners = (EagerReplayGraphs.make(sampler.model), EagerReplayGraphs.make(sampler.model))
     for _ in range(2):
-        stages = generator_stages(sampler, case, gen, groups, latent_size, split, lanes, cuda_graphs=runners)
+        stages = generator_stages(sampler, case, gen, groups, latent_size, split, lanes, cuda_graphs=runners, **options)
         result, _ = run_plan(stages, mode, lanes, threads=False)
         assert_chunks_equal(result, refs)
     for runner in runners:

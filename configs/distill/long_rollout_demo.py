@@ -14,7 +14,7 @@ outputs = "outputs/demo/long_rollout"
 # None keeps every frame, so set it)
 window_frames = 3  # the demo's 4 latent frames per clip minus one chunk (chunks of 1 latent frame)
 sink_frames = {{_base_.num_frames_per_chunk}}  # the first chunk stays in view (frame sink)
-# the text and the sinks at the window's start in RoPE time once it rolls: the sampling CLI's default on one device,
+# the text and the sinks at the window's start in RoPE time once it rolls: the sampling CLI's default,
 # so the student trains where it will stream (long_rollout_gpu.py says why)
 rope_anchor = "window"
 _links_ = dict(

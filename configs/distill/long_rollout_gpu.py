@@ -13,7 +13,7 @@ outputs = "outputs/moving_shapes_gpu/long_rollout"
 window_frames = 14  # 16 latent frames per clip minus one chunk
 sink_frames = {{_base_.num_frames_per_chunk}}
 # where the text and the sinks sit in RoPE time once the window rolls (absolute | window), read by the method, the
-# windowed validation and the sampler alike. window: the sampling CLI's default on one GPU (under it a Self-Forcing
+# windowed validation and the sampler alike. window: the sampling CLI's default (under it a Self-Forcing
 # student kept its direction at 8x the clip, benchmarks/reports/long_streaming_h200_2026-11.md); train where it streams
 rope_anchor = "window"
 # a command-line --window-frames / --sink-frames / --rope-anchor reaches the method's copies too

@@ -128,8 +128,8 @@ class StreamingOptions(_Options):
     # off | shift: when the window rolls, re-run the kept frames against their current context (streaming/recache.py)
     kv_recache: str = "off"
     # absolute | window: once the window rolls, the text and sink frames sit at its start in RoPE time (KVCache);
-    # auto: window on one device (it kept a Self-Forcing student's direction at 8x its clip, where absolute lost it:
-    # benchmarks/reports/long_streaming_h200_2026-11.md), absolute for the --pp-devices pipeline (which has no window)
+    # auto = window (it kept a Self-Forcing student's direction at 8x its clip, where absolute lost it:
+    # benchmarks/reports/long_streaming_h200_2026-11.md), on one GPU and in the --pp-devices pipeline alike
     rope_anchor: str = "auto"
     prompt_schedule: Optional[str] = None  # "0:A;64:B": one video whose prompt changes at those pixel frames
 
@@ -347,9 +347,7 @@ class InferenceOptions:
             if self.run.prompt is not None or self.run.prompt_file is not None:
                 raise UserInputError("--prompt-schedule gives the prompts itself: drop --prompt / --prompt-file")
         if stream.rope_anchor == "auto":
-            stream.rope_anchor = "absolute" if self.pipeline.enabled else "window"
-        if self.pipeline.enabled and stream.rope_anchor != "absolute":
-            raise UserInputError("--rope-anchor window runs on one GPU; the --pp-devices pipeline keeps absolute")
+            stream.rope_anchor = "window"
         if self.pipeline.enabled and (stream.kv_recache != "off" or stream.prompt_schedule is not None):
             raise UserInputError(
                 "--kv-recache / --prompt-schedule run on one GPU; the --pp-devices pipeline has neither"

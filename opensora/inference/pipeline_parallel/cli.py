@@ -176,6 +176,7 @@ def run_pipelined(job) -> list:
         context_time=streaming.context_time,
         window_frames=generator.window_frames,
         sink_frames=generator.sink_frames,
+        rope_anchor=generator.rope_anchor,
         cfg_rows=bool(pipeline.pp_cfg_rows),
         make_decoder=make_decoder,
         decode_stream=pipeline.pp_decode_stream,

@@ -52,6 +52,9 @@ class CausalStreamingStages:
         decode_stream: ``side`` (each lane decodes on a decode stream beside its compute stream) or ``compute``
             (``Plan.decode_stream``; the frames are the same).
         window_frames / sink_frames: the caches' rolling window (see ``KVCache``).
+        rope_anchor: ``"absolute"`` or ``"window"`` (``StreamingGenerator``'s): where the text and the sinks sit in
+            RoPE time once the window rolls. Each chunk's RoPE tables carry the anchor its passes will see (a pure
+            function of the chunk start, ``KVCache.anchor_before``), so the prep needs no cache state.
         text_cache: keep every block's text keys/values per pass time after the first chunk (``StreamingGenerator``'s
             ``text_cache``, on by default there and here). It changes which rows a pass runs, hence the GEMM shapes and
             in bf16 the rounding: the pipeline and its one-GPU reference must agree on it.
@@ -76,6 +79,7 @@ class CausalStreamingStages:
         context_time: float = 0.0,
         window_frames: Optional[int] = None,
         sink_frames: int = 0,
+        rope_anchor: str = "absolute",
         cfg_rows: bool = True,
         text_cache: bool = True,
         cuda_graphs=False,
@@ -132,11 +136,12 @@ class CausalStreamingStages:
         self.text_padded = [
             text_has_padding(rows_of_passes(g["branches"], "text_mask")) for g in self.groups
         ]  # one host read per group
+        rope = (tuple(model.axes_dims), model.theta)  # moves the sinks and the text keys under the window anchor
         self.caches = [
             [
                 (
-                    KVCache(split + 1, window_frames, sink_frames),
-                    KVCache(self.num_blocks - split - 1, window_frames, sink_frames),
+                    KVCache(split + 1, window_frames, sink_frames, rope_anchor, *rope),
+                    KVCache(self.num_blocks - split - 1, window_frames, sink_frames, rope_anchor, *rope),
                 )
                 for _ in g
             ]
@@ -146,7 +151,9 @@ class CausalStreamingStages:
         # filled by the first chunk, as ``StreamingGenerator``'s one cache over all blocks (None: text_cache off)
         self.text_caches = [
             [
-                (TextKVCache(split + 1), TextKVCache(self.num_blocks - split - 1)) if text_cache else (None, None)
+                (TextKVCache(split + 1, rope), TextKVCache(self.num_blocks - split - 1, rope))
+                if text_cache
+                else (None, None)
                 for _ in g
             ]
             for g in self.text
@@ -210,8 +217,10 @@ class CausalStreamingStages:
         grid = (frames // pt, self.hw[0] // ph, self.hw[1] // pw)
         num_text = self.text[group][0]["text_emb"].shape[1]
 
+        text_time = self.caches[group][0][0].anchor_before(start) // pt  # what the cache says when the passes run
+
         def rope_tables():
-            return model.rope(grid, num_text, dev0, time_offset=start // pt), lanes.event(0)
+            return model.rope(grid, num_text, dev0, time_offset=start // pt, text_time=text_time), lanes.event(0)
 
         rope, rope_ready = self._reused(("rope", grid, num_text, start), rope_tables)
         rows = self.rows[group]
@@ -280,12 +289,12 @@ class CausalStreamingStages:
             )
 
         def eager():
-            text_kv = None if text_cache is None else text_cache.get(key)
+            text_kv = None if text_cache is None else text_cache.get(key, cache.text_time)
             pending = {} if store_kv else None
             entry = {} if text_cache is not None and text_kv is None else None
             out = model.chunk_stage(inputs, lo, hi, num_text, cache, text_kv, pending, entry, ctx["grid"])
             if entry is not None:
-                text_cache.entries[key] = [entry[i] for i in range(text_cache.num_blocks)]
+                text_cache.put(key, [entry[i] for i in range(text_cache.num_blocks)], cache.text_time)
             if store_kv:
                 cache.append(pending, ctx["start"], ctx["frames"], frames_per_group=model.patch_size[0])
             return out

@@ -147,6 +147,12 @@ class KVCache:
             return self.pinned_anchor
         return self.anchor_of(self.frame_ids)
 
+    def anchor_before(self, start_frame: int) -> int:
+        """The anchor a chunk at ``start_frame`` sees once every earlier frame was stored (a pure function of the
+        window and sinks: the two-GPU pipeline's prep makes each chunk's RoPE tables ahead of the cache writes)."""
+        ids = list(range(start_frame))
+        return self.anchor_of(ids if self.window_frames is None else self._kept_ids(ids, self.window_frames))
+
     def anchor_of(self, frame_ids: Sequence[int]) -> int:
         """The anchor of a cache holding ``frame_ids`` (``anchor``'s rule, without a pin)."""
         sinks = min(self.sink_frames, len(frame_ids))
