@@ -27,8 +27,8 @@ INFERENCE_HELP = {
     "sinks); multiples of the temporal patch, <= --window-frames",
     "kv_recache": "--streaming: off | shift: when the window rolls, re-run the kept frames' keys/values against the "
     "context they have now (one pass per recomputed chunk, in place of that refill)",
-    "rope_anchor": "--streaming: auto | absolute | window: once the window rolls, put the text and sink frames at its "
-    "start in RoPE time, so no query-key distance exceeds what a training clip has; auto (default): window",
+    "rope_anchor": "--streaming: window (default) | absolute: once the window rolls, put the text and sink frames at "
+    "its start in RoPE time, so no query-key distance exceeds what a training clip has (absolute: the text at frame 0)",
     "prompt_schedule": "--streaming: one video whose prompt changes, e.g. '0:A;64:B' (pixel frames, each a chunk start;"
     " ';' separates entries); at each switch the window's keys/values are recomputed under the new prompt",
 }

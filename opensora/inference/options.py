@@ -128,9 +128,9 @@ class StreamingOptions(_Options):
     # off | shift: when the window rolls, re-run the kept frames against their current context (streaming/recache.py)
     kv_recache: str = "off"
     # absolute | window: once the window rolls, the text and sink frames sit at its start in RoPE time (KVCache);
-    # auto = window (it kept a Self-Forcing student's direction at 8x its clip, where absolute lost it:
-    # benchmarks/reports/long_streaming_h200_2026-11.md), on one GPU and in the --pp-devices pipeline alike
-    rope_anchor: str = "auto"
+    # window by default: it kept a Self-Forcing student's direction at 8x its clip, where absolute lost it
+    # (benchmarks/reports/long_streaming_h200_2026-11.md); on one GPU and in the --pp-devices pipeline alike
+    rope_anchor: str = "window"
     prompt_schedule: Optional[str] = None  # "0:A;64:B": one video whose prompt changes at those pixel frames
 
     def schedule(self) -> Optional[list]:
@@ -148,8 +148,8 @@ class StreamingOptions(_Options):
         self.stream_graphs = parse_graphs(self.stream_graphs, "--stream-graphs")
         if self.kv_recache not in KV_RECACHE:
             raise UserInputError(f"--kv-recache {self.kv_recache!r} is not one of {', '.join(KV_RECACHE)}")
-        if self.rope_anchor not in ("auto", *ROPE_ANCHORS):
-            raise UserInputError(f"--rope-anchor {self.rope_anchor!r} is not one of auto, {', '.join(ROPE_ANCHORS)}")
+        if self.rope_anchor not in ROPE_ANCHORS:
+            raise UserInputError(f"--rope-anchor {self.rope_anchor!r} is not one of {', '.join(ROPE_ANCHORS)}")
         self.schedule()  # a one-line error for a malformed schedule, before anything loads
         self.window_frames = None if self.window_frames is None else int(self.window_frames)
         self.sink_frames, self.context_time = int(self.sink_frames), float(self.context_time)
@@ -346,8 +346,6 @@ class InferenceOptions:
                 raise UserInputError("--prompt-schedule changes the prompt of a streamed video: add --streaming")
             if self.run.prompt is not None or self.run.prompt_file is not None:
                 raise UserInputError("--prompt-schedule gives the prompts itself: drop --prompt / --prompt-file")
-        if stream.rope_anchor == "auto":
-            stream.rope_anchor = "window"
         if self.pipeline.enabled and (stream.kv_recache != "off" or stream.prompt_schedule is not None):
             raise UserInputError(
                 "--kv-recache / --prompt-schedule run on one GPU; the --pp-devices pipeline has neither"
