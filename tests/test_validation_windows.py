@@ -87,7 +87,9 @@ def test_long_clips_are_sampled_scored_per_window_and_logged(causal, tmp_path):
         if causal:
             from opensora.inference.streaming.generator import StreamingGenerator
 
-            stream = StreamingGenerator(sampler, step_list=[1.0, 0.5], rollout="euler", window_frames=3, sink_frames=1)
+            stream = StreamingGenerator(  # the CLI's default anchor: the window's start once it rolls
+                sampler, step_list=[1.0, 0.5], rollout="euler", window_frames=3, sink_frames=1, rope_anchor="window"
+            )
             videos = stream.generate(PROMPTS, [0, 1], 8, 16, 16)
         else:
             videos = sampler.generate(

@@ -61,7 +61,7 @@ def sample_long_clips(sampler, s: Mapping, cfg: Mapping, prompts, seeds, height:
             guidance_scale=s["guidance_scale"],
             window_frames=cfg.get("window_frames"),
             sink_frames=int(cfg.get("sink_frames") or 0),
-            rope_anchor=cfg.get("rope_anchor") or "absolute",
+            rope_anchor=cfg.get("rope_anchor") or "window",  # the sampling CLI's default
             context_time=float(cfg.get("context_time") or 0.0),
         )
 
