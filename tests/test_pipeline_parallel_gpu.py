@@ -56,8 +56,9 @@ def pipelined(sampler, groups, latent_size, times, split, make_decoder, graphs=F
         assert runner.summary["eager"] == 0 and runner.summary["failures"] == [], runner.summary
 
 
-def assert_every_mode_matches(sampler, case, gen, refs, groups, latent_size, graphs=False):
-    """The pipeline (split 2) in every mode, REPEATS runs each: every chunk's latents and frames equal ``refs``."""
+def assert_every_mode_matches(sampler, case, gen, refs, groups, latent_size, graphs=False, **options):
+    """The pipeline (split 2) in every mode, REPEATS runs each: every chunk's latents and frames equal ``refs``.
+    ``options``: more stage options, as the generator that made ``refs`` had them (sink frames, RoPE anchor)."""
     _, _, guidance, rollout, window, context_time = case
     for mode, run, result in pipelined(
         sampler,
@@ -71,6 +72,7 @@ def assert_every_mode_matches(sampler, case, gen, refs, groups, latent_size, gra
         guidance_scale=guidance,
         context_time=context_time,
         window_frames=window,
+        **options,
     ):
         for g, chunks in enumerate(refs):
             for chunk in chunks:
@@ -100,6 +102,21 @@ def test_two_gpu_streaming_is_bit_identical_to_the_one_gpu_streaming_generator(c
 
 class _Graphs:
     make = ChunkGraphs
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_two_gpu_streaming_under_the_window_anchor_is_bit_identical_to_one_gpu(graphed):
+    """``rope_anchor="window"`` (the sampling CLI's default) with sinks, a 4-frame window (anchors 2, 4 at the end):
+    each chunk's RoPE tables carry the anchor and both GPUs move their sinks and text keys, eager and graphed."""
+    from test_pipeline_parallel import generator_reference
+
+    sampler = gpu_sampler()
+    case, options = GENERATOR_CASES[2], dict(sink_frames=2, rope_anchor="window")
+    graphs = _Graphs if graphed else None
+    gen, refs, groups, latent_size = generator_reference(sampler, case, 9, 32, graphs=graphs, **options)
+    _, absolute, _, _ = generator_reference(sampler, case, 9, 32, graphs=graphs, sink_frames=2)
+    assert not torch.equal(refs[0][-1].latents, absolute[0][-1].latents)  # the anchor moved
+    assert_every_mode_matches(sampler, case, gen, refs, groups, latent_size, graphs=graphed, **options)
 
 
 @pytest.mark.parametrize("case", GENERATOR_CASES[1:], ids=lambda c: f"g{len(c[0])}s{len(c[1])}w{c[2]}{c[3]}")
