@@ -217,9 +217,8 @@ class CausalStreamingStages:
         grid = (frames // pt, self.hw[0] // ph, self.hw[1] // pw)
         num_text = self.text[group][0]["text_emb"].shape[1]
 
-        text_time = self.caches[group][0][0].anchor_before(start) // pt  # what the cache says when the passes run
-
         def rope_tables():
+            text_time = self.caches[group][0][0].anchor_before(start) // pt  # the caches' text time at the passes
             return model.rope(grid, num_text, dev0, time_offset=start // pt, text_time=text_time), lanes.event(0)
 
         rope, rope_ready = self._reused(("rope", grid, num_text, start), rope_tables)
