@@ -550,6 +550,13 @@ def parse_args(argv=None):
         "sinks' share, needs no long-rollout student)",
     )
     parser.add_argument("--stop-after", choices=STAGES, default=None, help="end after this stage (calls under 10 min)")
+    parser.add_argument(
+        "--only-stage",
+        choices=(*STAGES, CONTROL),
+        default=None,
+        help="train this stage alone and end; the stages it starts from must be trained already (two stages that "
+        "need the same inputs, e.g. long_rollout and self_forcing_more, can then train at once on two GPUs)",
+    )
     parser.add_argument("--long-multiple", type=int, default=8)
     parser.add_argument(
         "--switch-prob", type=float, default=None, help="the long-rollout student's prompt-switch share (config: 0.25)"
@@ -619,6 +626,8 @@ def parse_args(argv=None):
         args.sink_frames_variant = args.long_sink_frames
     if args.long_rope_anchor == "window" and args.rope_anchor == "absolute":
         args.rope_anchor = "both"
+    if args.only_stage == CONTROL and args.long_init != "self_forcing":
+        parser.error(f"--only-stage {CONTROL} is the control of --long-init self_forcing: add that flag")
     if args.students == "self_forcing" and args.stop_after == "long_rollout":
         parser.error("--students self_forcing trains no long-rollout student: stop after self_forcing")
     if args.tiny:
@@ -630,30 +639,60 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def train_all(args) -> Optional[dict]:
+    """Every stage's checkpoint, training what is missing; None after ``--stop-after``."""
     checkpoints = {"teacher": Path(args.teacher_ckpt) if args.teacher_ckpt else None}
     if checkpoints["teacher"] is None:
-        checkpoints["teacher"] = train(args, "teacher", args.teacher_minutes, {})
+        checkpoints["teacher"] = train_or_reuse(args, "teacher", args.teacher_minutes, {})
     if args.stop_after == "teacher":
-        return {}
+        return None
     teacher = checkpoints["teacher"]
-    checkpoints["ode"] = train(args, "ode", args.ode_minutes, dict(student=teacher, teacher=teacher))
+    checkpoints["ode"] = train_or_reuse(args, "ode", args.ode_minutes, dict(student=teacher, teacher=teacher))
     if args.stop_after == "ode":
-        return {}
+        return None
     for name in ("self_forcing", "long_rollout")[: 1 if args.students == "self_forcing" else 2]:
         # the same teacher and budget; the same init by default
         start = checkpoints["self_forcing"] if name == "long_rollout" and args.long_init == "self_forcing" else None
         inits = dict(student=start or checkpoints["ode"], teacher=teacher, critic=teacher)
         steps = args.student_steps if name == "long_rollout" else None
-        checkpoints[name] = train(args, name, args.student_minutes, inits, steps)
+        if not (name == "long_rollout" and args.only_stage == CONTROL):  # the control starts from Self-Forcing
+            checkpoints[name] = train_or_reuse(args, name, args.student_minutes, inits, steps)
         if name == "long_rollout" and args.long_init == "self_forcing":
             more = dict(student=checkpoints["self_forcing"], teacher=teacher, critic=teacher)
-            checkpoints[CONTROL] = train(args, CONTROL, args.student_minutes, more, args.student_steps)
+            checkpoints[CONTROL] = train_or_reuse(args, CONTROL, args.student_minutes, more, args.student_steps)
         if args.stop_after == name:
-            return {}
+            return None
+    return checkpoints
+
+
+class StageDone(Exception):
+    """``--only-stage`` trained its stage: nothing else runs."""
+
+
+def train_or_reuse(args, stage: str, minutes: float, inits: dict, steps: Optional[int] = None) -> Path:
+    """``train``, except that under ``--only-stage`` every other stage must already have its checkpoint."""
+    if args.only_stage not in (None, stage):
+        done = last_checkpoint(Path(args.out) / stage)
+        if done is None:
+            print(f"--only-stage {args.only_stage}: stage {stage} has no checkpoint in {args.out}; train it first")
+            raise SystemExit(2)
+        return done
+    path = train(args, stage, minutes, inits, steps)
+    if args.only_stage == stage:
+        raise StageDone
+    return path
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        checkpoints = train_all(args)
+    except StageDone:
+        return {}
+    if checkpoints is None:  # --stop-after
+        return {}
     report = evaluate(args, checkpoints)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     print_report(report)

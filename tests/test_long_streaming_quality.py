@@ -160,6 +160,37 @@ def test_student_steps_give_long_rollout_and_the_control_equal_steps(tmp_path, m
     assert budget("self_forcing") == ("1000000", "8.0") and budget("ode")[0] == "1000000"
 
 
+def test_only_stage_trains_one_stage_from_trained_inputs_so_two_can_run_at_once(tmp_path, monkeypatch, capsys):
+    """``--only-stage``: long_rollout and its control each train alone from the same trained stages (two GPUs at
+    once); a missing input stops with exit code 2 instead of training it; the evaluation then reuses both."""
+    bench = _benchmark()
+    trained = []
+
+    def record(command, **_):
+        stage = Path(command[command.index("--outputs") + 1]).name
+        trained.append(stage)
+        (tmp_path / stage / "checkpoints" / "step-0000001").mkdir(parents=True)
+
+    monkeypatch.setattr(bench.subprocess, "run", record)
+    monkeypatch.setattr(bench, "stage_config", lambda args, stage: tmp_path / f"{stage}.py")
+    flags = ["--out", str(tmp_path), "--long-init", "self_forcing"]
+    with pytest.raises(SystemExit) as stopped:
+        bench.main([*flags, "--only-stage", "long_rollout"])
+    assert stopped.value.code == 2 and "stage teacher has no checkpoint" in capsys.readouterr().out
+    assert trained == []
+    assert bench.main([*flags, "--only-stage", "teacher"]) == {} and trained == ["teacher"]
+    assert bench.main([*flags, "--stop-after", "self_forcing"]) == {} and trained[1:] == ["ode", "self_forcing"]
+    assert bench.main([*flags, "--only-stage", bench.CONTROL]) == {} and trained[3:] == [bench.CONTROL]
+    assert bench.main([*flags, "--only-stage", "long_rollout"]) == {} and trained[4:] == ["long_rollout"]
+    evaluated = {}
+    monkeypatch.setattr(bench, "evaluate", lambda args, checkpoints: evaluated.update(checkpoints) or {})
+    monkeypatch.setattr(bench, "print_report", lambda report: None)
+    bench.main(flags)
+    assert len(trained) == 5 and bench.student_names(evaluated) == ["self_forcing", "long_rollout", bench.CONTROL]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--only-stage", bench.CONTROL])
+
+
 def test_self_forcing_only_trains_no_long_rollout_student_and_scores_self_forcing(tmp_path, monkeypatch):
     """``--students self_forcing``: teacher -> causal init -> Self-Forcing, then the evaluation of that student alone
     (questions about inference need no long-rollout training)."""
