@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls for padded prompts at unpadded speed, compiled blocks by default and FP8 (one GPU). Usage, from the
 # repository root on the GPU machine, with the wheels in .whl/ (diffusers, torchao, ...):
-#   bash benchmarks/gpu_padded_text.sh tests|zero-keys|graph-ckpt|lora|step|fp8|trainer ...   (results under $OUT)
+#   bash benchmarks/gpu_padded_text.sh tests|zero-keys|graph-ckpt|lora|step|fp8|trainer|trainer-padded ...   (under $OUT)
 # Per-part limits (seconds, env TESTS_S STEP_S FP8_S TRAINER_S): tests 280 + step 270 fit one 580 s device call,
 # fp8 220 + trainer 330 another. STEP_ARGS / FP8_ARGS / TRAINER_ARGS add flags (e.g. STEP_ARGS="--variants ...
 # --profile-steps 2", FP8_ARGS="--widths 11b-width", TRAINER_ARGS="--profile-steps 2").
@@ -27,8 +27,8 @@ for part in "$@"; do
     graph-ckpt)  # checkpointed compiled blocks, the recompute inside the graph (the default) and checkpointing around the
       # compiled block: equal, same memory, each against the fp32 masked reference, batch 1 from a pinning loader and
       # the causal student both ways (LoRA: the lora part runs both ways)
-      { timeout ${TESTS_S:-200} python -m pytest -q -p no:cacheprovider tests/test_graph_checkpoint.py
-        timeout ${TESTS_S:-200} python -m pytest -q -p no:cacheprovider tests/test_text_padding_gpu.py -k "(in_graph or around) and not lora"
+      { timeout ${TESTS_S:-300} python -m pytest -q -p no:cacheprovider tests/test_graph_checkpoint.py
+        timeout ${TESTS_S:-300} python -m pytest -q -p no:cacheprovider tests/test_text_padding_gpu.py -k "(in_graph or around) and not lora"
       } > "$OUT/graph_checkpoint_gpu_tests.txt" 2>&1; grep -E "passed|failed|error" "$OUT/graph_checkpoint_gpu_tests.txt" | tail -4 ;;
     lora)  # compiled LoRA with padded text; peft would import the wheel set's stub bitsandbytes, so hide it here
       site=$PWD/.pysite; [ -d "$site/bitsandbytes" ] && mv "$site/bitsandbytes" "$site/.bitsandbytes_hidden"
@@ -48,6 +48,16 @@ for part in "$@"; do
         > "$OUT/trainer_compile.txt" 2>&1; tail -6 "$OUT/trainer_compile.txt"
       echo "recompiles: $(grep -c 'Recompiling function' "$OUT/trainer_compile.txt")," \
         "num_threads reasons: $(grep -c 'num_threads' "$OUT/trainer_compile.txt")" ;;
+    trainer-padded)  # the trainer at padded_text_step's shape (mmdit_1b_padded_text_shape.py) beside the bare step in
+      # bf16 and with the trainer's optimizer precision, alternated twice (separate processes, so repeated, not interleaved)
+      for round in 1 2; do
+        timeout ${STEP_S:-150} python -m benchmarks.padded_text_step --no-diffusers --rounds 1 \
+          --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-master \
+          --out "$OUT/bare_padded_$round.json" > "$OUT/bare_padded_$round.txt" 2>&1; tail -3 "$OUT/bare_padded_$round.txt"
+        timeout ${TRAINER_S:-150} python -m benchmarks.train_step --runs "trainer@full" \
+          --trainer-config configs/diffusion/train/mmdit_1b_padded_text_shape.py ${TRAINER_ARGS:-} \
+          --out "$OUT/trainer_padded_$round.json" > "$OUT/trainer_padded_$round.txt" 2>&1; tail -2 "$OUT/trainer_padded_$round.txt"
+      done ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"
 done

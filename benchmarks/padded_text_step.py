@@ -21,6 +21,10 @@ has no text mask: it attends to every padded token, as Flux training does):
   ours-padded-bound-graph-ckpt  the same with each checkpointed block call compiled as one graph, the recompute
                        inside the compiled backward (MMDiT.checkpoint_in_graph, the default since 2026-11-27;
                        graph_checkpoint.py) -- what the trainer runs
+  ours-padded-bound-graph-ckpt-master  the same with the trainer's optimizer precision: fp32 master weights and
+                       AdamW moments, fused AdamW on the masters, masters copied back into the bf16 weights
+                       (train_step.MasterWeightAdamW; no clip, no EMA, no ZeRO bookkeeping): the trainer's like-for-like
+                       bare step
   (every other ours-* variant runs the model's default, the recompute inside the graph since 2026-11-27)
   ours-unpadded-128    compiled, 128 text columns and no mask: the mask-free step at the trimmed shape
   ours-unpadded-70     compiled, 70 text columns and no mask: the mean valid length of the padded batches
@@ -61,7 +65,7 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
+VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-bound-graph-ckpt-master", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
             "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
             "diffusers-128")  # fmt: skip
 PER_ROW_VARIANTS = ("ours-padded-rows",)  # one SDPA call per row: a cuDNN plan per prompt length
@@ -114,6 +118,22 @@ class Variant:
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
         return loss, lengths
+
+
+class MastersOnFirstStep:
+    """The trainer's optimizer precision (``train_step.MasterWeightAdamW``: fp32 masters and moments, AdamW on the
+    masters, copied back into the bf16 weights), built at its first step so the fp32 copies (12 bytes a parameter)
+    exist only when the variant runs."""
+
+    def __init__(self, model, fused: bool):
+        self.model, self.fused, self.inner = model, fused, None
+
+    def step(self):
+        if self.inner is None:
+            from benchmarks.train_step import MasterWeightAdamW
+
+            self.inner = MasterWeightAdamW(self.model, fused=self.fused)
+        self.inner()
 
 
 def checkpoint_in_graph(model, in_graph):
@@ -236,6 +256,15 @@ def build(shape, device, dtype, args):
         Variant("ours-padded-bound", ours, ours_opt, bounded, run_ours, None, checkpoint_in_graph(ours, False)),
         Variant(
             "ours-padded-bound-graph-ckpt", ours, ours_opt, bounded, run_ours, None, checkpoint_in_graph(ours, True)
+        ),
+        Variant(
+            "ours-padded-bound-graph-ckpt-master",
+            ours,
+            MastersOnFirstStep(ours, fused=device.type == "cuda"),
+            bounded,
+            run_ours,
+            None,
+            checkpoint_in_graph(ours, True),
         ),
         Variant("ours-padded-packed", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 32)),
         Variant("ours-padded-packed-128", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 128)),
