@@ -14,6 +14,10 @@
 #   bash benchmarks/gpu_long_streaming.sh OUT long          the long-rollout student from the Self-Forcing one and the
 #                                                           control self_forcing_more; with two GPUs both at once
 #                                                           (--only-stage, one per GPU; logs OUT/lane_*.txt)
+#   bash benchmarks/gpu_long_streaming.sh OUT long_rollout  the long-rollout student alone (from Self-Forcing); with
+#                                                           LANE_GPU, two OUTs holding copies of the same teacher /
+#                                                           ode / self_forcing stages train two variants at once
+#                                                           (EXTRA="--switch-prob 0" in one of them)
 # LANE_GPU=N pins every part to GPU N (then long trains its two stages one after the other).
 # The device machine lacks colossalai / mmengine / diffusers: carry .whl (../shared/tools/device_wheels.sh train) and
 # start the call with the pip line that script prints. EXTRA: more flags for the benchmark (e.g. --seed 777;
@@ -21,8 +25,8 @@
 # EXTRA="--long-init self_forcing" trains the long-rollout student from the Self-Forcing one plus the control
 # self_forcing_more, Self-Forcing trained on for as long; "--sink-frames-variant 0" adds the long run without sinks).
 set -euo pipefail
-out=${1:?usage: gpu_long_streaming.sh OUT prep|students|eval|options|teacher|self_forcing|long}
-part=${2:?usage: gpu_long_streaming.sh OUT prep|students|eval|options|teacher|self_forcing|long}
+out=${1:?usage: gpu_long_streaming.sh OUT prep|students|eval|options|teacher|self_forcing|long|long_rollout}
+part=${2:?usage: gpu_long_streaming.sh OUT prep|students|eval|options|teacher|self_forcing|long|long_rollout}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$out"
 [ -n "${LANE_GPU:-}" ] && export CUDA_VISIBLE_DEVICES=$LANE_GPU
@@ -43,11 +47,12 @@ long)
     exit $status
   fi
   "${run[@]}" --long-init self_forcing --stop-after long_rollout 2>&1 | grep -v -i warn | tail -n 20 ;;
+long_rollout) "${run[@]}" --long-init self_forcing --only-stage long_rollout 2>&1 | grep -v -i warn | tail -n 20 ;;
 prep) "${run[@]}" --stop-after ode 2>&1 | grep -v -i warn | tail -n 20 ;;
 students) "${run[@]}" --stop-after long_rollout 2>&1 | grep -v -i warn | tail -n 20 ;;
 eval) "${run[@]}" 2>&1 | grep -v -i warn | tail -n 120 | tee "$out/report.txt" ;;
 options)
   "${run[@]}" --kv-recache both --prompt-switch 2>&1 | grep -v -i warn | tail -n 120 | tee "$out/report_options.txt"
   cp "$out/report.json" "$out/report_options.json" ;;
-*) echo "unknown part $part (prep|students|eval|options|teacher|self_forcing|long)" >&2; exit 2 ;;
+*) echo "unknown part $part (prep|students|eval|options|teacher|self_forcing|long|long_rollout)" >&2; exit 2 ;;
 esac
