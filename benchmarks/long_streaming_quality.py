@@ -70,6 +70,7 @@ CONFIGS = dict(
     long_rollout="configs/distill/long_rollout_gpu.py",
     self_forcing_more="configs/distill/self_forcing_gpu.py",
 )
+DMD_STAGES = ("self_forcing", "long_rollout", CONTROL)  # the stages that train with DMD's guided real score
 # --tiny: every stage on CPU in seconds (16x16 clips of 8 frames, a 2-block MMDiT, a few steps)
 TINY_MODEL = "dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6))"
 TINY_DATA = (
@@ -88,6 +89,8 @@ def stage_config(args, stage: str) -> Path:
         f"seed = {int(args.train_seed)}",
     ]
     method = {}  # the stage's method overrides, one dict (a second assignment would replace the first)
+    if stage in DMD_STAGES and args.real_guidance is not None:
+        method["real_guidance_scale"] = float(args.real_guidance)
     if stage == "long_rollout" and args.switch_prob is not None:
         method["switch_prob"] = float(args.switch_prob)
     if stage == "long_rollout" and args.long_sink_frames is not None:  # the sampler's key and the method's copy
@@ -560,6 +563,14 @@ def parse_args(argv=None):
     parser.add_argument("--long-multiple", type=int, default=8)
     parser.add_argument(
         "--switch-prob", type=float, default=None, help="the long-rollout student's prompt-switch share (config: 0.25)"
+    )
+    parser.add_argument(
+        "--real-guidance",
+        type=float,
+        default=None,
+        help="CFG scale of DMD's real score in Self-Forcing, LongRollout and the control (configs: 4.0, the teacher's "
+        "sampling scale); a lower one tests whether the students' too bright / too big shapes (stats above the "
+        "range) come from the guided target",
     )
     parser.add_argument(
         "--long-sink-frames",

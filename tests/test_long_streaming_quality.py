@@ -213,6 +213,21 @@ def test_self_forcing_only_trains_no_long_rollout_student_and_scores_self_forcin
         bench.parse_args(["--students", "self_forcing", "--stop-after", "long_rollout"])
 
 
+def test_real_guidance_sets_the_dmd_stages_real_score_scale_only(tmp_path):
+    """``--real-guidance 2``: Self-Forcing, LongRollout and the control train with that CFG scale on DMD's real score;
+    the teacher and the causal init are untouched; the configs build with it."""
+    bench = _benchmark()
+    args = bench.parse_args(["--out", str(tmp_path), "--real-guidance", "2"])
+    from opensora.config import load_config
+
+    for stage in bench.DMD_STAGES:
+        assert load_config(str(bench.stage_config(args, stage))).method.real_guidance_scale == 2.0
+    for stage in ("teacher", "ode"):
+        assert "real_guidance_scale" not in bench.stage_config(args, stage).read_text()
+    plain = bench.parse_args(["--out", str(tmp_path / "plain")])
+    assert load_config(str(bench.stage_config(plain, "self_forcing"))).method.real_guidance_scale == 4.0
+
+
 def test_long_rollout_can_train_without_sinks_at_the_window_anchor(tmp_path):
     """``--long-sink-frames 0 --long-rope-anchor window``: the long-rollout stage's config trains that regime, prompt
     switches included (the re-cache pins the anchor); the config builds the method."""
