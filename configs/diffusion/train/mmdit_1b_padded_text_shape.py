@@ -4,7 +4,9 @@
 # checkpointing, compiled blocks. Loading costs nothing (SyntheticLatentDataset); FlowMatching hands the model the
 # host bound on the text lengths (the last valid column of the batch's mask), as with a latent cache.
 #   python -m benchmarks.train_step --trainer-config configs/diffusion/train/mmdit_1b_padded_text_shape.py \
-#       --runs "trainer@full"          # the trainer's padded step, next to padded_text_step's ours-padded-bound-graph-ckpt
+#       --runs "trainer@full"          # the trainer's padded step, next to padded_text_step's
+#   ours-padded-bound-graph-ckpt-master (the bare step with the trainer's fp32 masters; bash benchmarks/gpu_padded_text.sh
+#   trainer-padded times all three)
 _base_ = ["mmdit_1b_bench_shape.py"]
 
 outputs = "outputs/mmdit_1b_padded_text_shape"
