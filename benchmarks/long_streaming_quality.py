@@ -637,6 +637,10 @@ def parse_args(argv=None):
         args.sink_frames_variant = args.long_sink_frames
     if args.long_rope_anchor == "window" and args.rope_anchor == "absolute":
         args.rope_anchor = "both"
+    if args.only_stage in ("long_rollout", CONTROL) and args.students == "self_forcing":
+        parser.error(f"--students self_forcing trains no {args.only_stage} stage")
+    if args.only_stage == "teacher" and args.teacher_ckpt:
+        parser.error("--teacher-ckpt names a trained teacher: there is no teacher stage to train")
     if args.only_stage == CONTROL and args.long_init != "self_forcing":
         parser.error(f"--only-stage {CONTROL} is the control of --long-init self_forcing: add that flag")
     if args.students == "self_forcing" and args.stop_after == "long_rollout":

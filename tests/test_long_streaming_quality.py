@@ -187,8 +187,13 @@ def test_only_stage_trains_one_stage_from_trained_inputs_so_two_can_run_at_once(
     monkeypatch.setattr(bench, "print_report", lambda report: None)
     bench.main(flags)
     assert len(trained) == 5 and bench.student_names(evaluated) == ["self_forcing", "long_rollout", bench.CONTROL]
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--only-stage", bench.CONTROL])
+    for refused in (
+        ["--only-stage", bench.CONTROL],  # the control belongs to --long-init self_forcing
+        ["--only-stage", "long_rollout", "--students", "self_forcing"],  # a stage this run never reaches
+        ["--only-stage", "teacher", "--teacher-ckpt", str(tmp_path)],
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(refused)
 
 
 def test_self_forcing_only_trains_no_long_rollout_student_and_scores_self_forcing(tmp_path, monkeypatch):
