@@ -208,7 +208,31 @@ def accuracy(videos, prompts, motion) -> dict:
             rewritten.append(caption(color, shape, expected))  # no direction named: not scored for direction
         prompts = rewritten
     report = score_rows([(f"s{i}", t, v, None) for i, (t, v) in enumerate(zip(prompts, videos))], wrap=motion == "wrap")
-    return {f"{a}_acc": getattr(report, f"{a}_acc") for a in ("color", "shape", "direction", "all")}
+    scores = {f"{a}_acc": getattr(report, f"{a}_acc") for a in ("color", "shape", "direction", "all")}
+    return dict(scores, confusions=confusions(report.rows))
+
+
+def confusions(rows) -> dict:
+    """The wrong readings of each attribute as ``{"caption value->read value": clips}`` (a read of None: no shape, or
+    no motion found), so a score below the teacher's says which colours, shapes or directions it loses."""
+    wrong = {}
+    for row in rows:
+        for attribute, hit in row["correct"].items():
+            if hit is False:
+                key = f"{row['truth'][attribute]}->{row['pred'][attribute]}"
+                wrong.setdefault(attribute, {})
+                wrong[attribute][key] = wrong[attribute].get(key, 0) + 1
+    return {a: dict(sorted(c.items(), key=lambda kv: -kv[1])) for a, c in wrong.items()}
+
+
+def confusions_text(scores: dict) -> str:
+    """ "colour blue->cyan 3, red->None 1; direction left->None 2" (most frequent first), or "" when none is wrong."""
+    short = dict(color="colour")
+    parts = [
+        f"{short.get(a, a)} " + ", ".join(f"{k} {n}" for k, n in counts.items())
+        for a, counts in scores.get("confusions", {}).items()
+    ]
+    return "; ".join(parts)
 
 
 def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
@@ -471,12 +495,16 @@ def print_report(report: dict) -> None:
         f"teacher          colour {t['color_acc']:.3f} shape {t['shape_acc']:.3f} direction {t['direction_acc']:.3f}"
         f" stats in range {t['stats_in_range']:.3f} ({outside_text(t)})"
     )
+    if confusions_text(t):
+        print(f"  wrong reads: {confusions_text(t)}")
     for name in student_names(report):
         s = report[name]
         print(
             f"{name:<16} colour {s['color_acc']:.3f} shape {s['shape_acc']:.3f} direction {s['direction_acc']:.3f}"
             f"  {s['frames_per_s']:.1f} frames/s; trained {s['training']['steps']} steps"
         )
+        if confusions_text(s):
+            print(f"  wrong reads at the clip length: {confusions_text(s)}")
         print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}, RoPE anchor {s.get('rope_anchor')}:")
         print_windows(s["long"]["windows"])
         print_background(s["long"]["background_by_frame"], report["clip"][0])

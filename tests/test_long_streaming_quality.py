@@ -128,12 +128,30 @@ def test_teacher_row_scores_ground_truth_clips_of_the_benchmark_as_one(motion):
         for i, p in enumerate(prompts)
     ]
     scores = _benchmark().accuracy(videos, prompts, motion)
-    assert scores == dict(color_acc=1.0, shape_acc=1.0, direction_acc=1.0, all_acc=1.0)
+    assert scores == dict(color_acc=1.0, shape_acc=1.0, direction_acc=1.0, all_acc=1.0, confusions={})
     if motion == "bounce":  # a clip that turns back is wrong when it is read against its caption alone
         from opensora.eval.moving_shapes import score_rows
 
         plain = score_rows([(str(i), p, v, None) for i, (p, v) in enumerate(zip(prompts, videos))])
         assert plain.direction_acc < 1.0
+
+
+def test_wrong_reads_name_the_caption_value_and_what_the_clip_shows():
+    """``confusions``: a clip of one caption scored against another reads as "caption value->shown value" for each
+    attribute that differs, counted over clips; the printed line lists them most frequent first."""
+    from opensora.datasets import moving_shapes as ms
+
+    bench = _benchmark()
+    shown = ["a red circle moving left", "a red circle moving left", "a blue circle moving up"]
+    videos = [
+        ms.render_from_attributes(*ms.parse_caption(p), 64, 64, 16, 7 + i, motion="wrap", reference_frames=16)
+        for i, p in enumerate(shown)
+    ]
+    captions = ["a green circle moving left", "a green circle moving right", "a blue circle moving up"]
+    scores = bench.accuracy(videos, captions, "wrap")
+    assert scores["confusions"] == {"color": {"green->red": 2}, "direction": {"right->left": 1}}
+    assert scores["color_acc"] == pytest.approx(1 / 3) and scores["direction_acc"] == pytest.approx(2 / 3)
+    assert bench.confusions_text(scores) == "colour green->red 2; direction right->left 1"
 
 
 def test_student_steps_give_long_rollout_and_the_control_equal_steps(tmp_path, monkeypatch):
