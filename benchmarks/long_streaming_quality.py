@@ -93,6 +93,8 @@ def stage_config(args, stage: str) -> Path:
         method["real_guidance_scale"] = float(args.real_guidance)
     if stage == "long_rollout" and args.switch_prob is not None:
         method["switch_prob"] = float(args.switch_prob)
+    if stage == "long_rollout" and args.long_context_steps is not None:
+        method["context_steps"] = args.long_context_steps
     if stage == "long_rollout" and args.long_sink_frames is not None:  # the sampler's key and the method's copy
         lines.append(f"sink_frames = {int(args.long_sink_frames)}")
         method["kv_sink_frames"] = int(args.long_sink_frames)
@@ -591,6 +593,13 @@ def parse_args(argv=None):
     parser.add_argument("--long-multiple", type=int, default=8)
     parser.add_argument(
         "--switch-prob", type=float, default=None, help="the long-rollout student's prompt-switch share (config: 0.25)"
+    )
+    parser.add_argument(
+        "--long-context-steps",
+        choices=("exit", "full"),
+        default=None,
+        help="the long-rollout student's chunks before its judged window: stop at the exit step (config default, "
+        "Self-Forcing's rule) or run every step (the sampler's context)",
     )
     parser.add_argument(
         "--real-guidance",

@@ -129,6 +129,7 @@ def test_trains_a_few_steps_with_finite_losses_on_the_two_time_scale_rule():
         (dict(kv_window_frames=2, kv_sink_frames=2), "kv_sink_frames"),
         (dict(switch_prob=1.5), "switch_prob"),
         (dict(kv_rope_anchor="middle"), "kv_rope_anchor"),
+        (dict(context_steps="some"), "context_steps"),
     ],
 )
 def test_bad_settings_are_refused(bad, match):
@@ -199,6 +200,67 @@ def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_genera
         plain = method.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False)
         torch.testing.assert_close(rolled[:, :, : 2 * switch_chunk], plain[:, :, : 2 * switch_chunk])
         assert (rolled[:, :, 2 * switch_chunk :] - plain[:, :, 2 * switch_chunk :]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("anchor", ["absolute", "window"])
+def test_full_context_steps_give_the_window_the_streaming_samplers_context(anchor):
+    """``context_steps="full"``: whatever the exit step, the chunks before the judged window run every step, so
+    each one is the chunk the streaming sampler generates from the same noise (its cache, sinks and anchor
+    included); the window's chunks still stop at the exit step and alone keep graphs. The default ("exit") stops
+    every chunk at the exit step, so its context differs."""
+    from test_methods_framework import tiny_batch
+
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import StreamingGenerator
+
+    steps = [1.0, 0.6, 0.3]
+    flags = dict(num_frames_per_chunk=2, rollout="euler", kv_window_frames=4, kv_sink_frames=2, kv_rope_anchor=anchor)
+    method, roles, spy = make_long_rollout(context_steps="full", **flags)
+    batch = tiny_batch(2)
+    prepared = method.adapter.prepare_batch(batch)
+    comp = method.components
+    sampler = VideoSampler(roles["student"].unwrap(), comp.vae, comp.text_encoder, progress=False)
+    stream = StreamingGenerator(
+        sampler, step_list=steps, rollout="euler", window_frames=4, sink_frames=2, rope_anchor=anchor
+    )
+    seeds = [3, 4]
+    with torch.no_grad():
+        chunks = list(stream.stream(batch["text"], seeds, num_frames=3 * CLIP, height=16, width=16, decode=False))
+    streamed = torch.cat([chunk.latents for chunk in chunks], dim=2)
+    generators = [torch.Generator().manual_seed(s) for s in seeds]  # the sampler's noise: one draw per chunk
+    noise = torch.cat(
+        [torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators]) for _ in range(6)], dim=2
+    )
+    with torch.no_grad():
+        rolled = method.rollout_chunks(
+            noise, prepared, exit_index=0, with_grad=False, keep_from=4, context_exit_index=len(steps) - 1
+        )
+    passes = [call for call in spy.calls if not call["store"]]
+    context = {call["start"]: call["output"] for call in passes if call["t"] == pytest.approx(0.3)}
+    assert sorted(context) == [0, 2, 4, 6]  # every context chunk ran to the last step, no window chunk did
+    torch.testing.assert_close(torch.cat([context[s] for s in (0, 2, 4, 6)], dim=2), streamed[:, :, :8])
+    assert [c["start"] for c in passes if c["start"] >= 8] == [8, 10]  # the window: one pass each (exit step 0)
+    assert rolled.shape[2] == 4
+    default = make_long_rollout(**flags)[0]
+    default.student = method.student  # the same network; only the context's steps differ
+    exit_context = default.rollout_chunks(noise, prepared, exit_index=0, with_grad=False, keep_from=4)
+    assert (exit_context - rolled).abs().max() > 1e-5  # a random tiny network leans little on its context
+
+
+def test_full_context_steps_keep_graphs_on_the_window_and_count_their_passes():
+    """The graded rollout under ``context_steps="full"``: graphs only on the window's exit steps, every context chunk
+    at every step, and the FLOP count's extra passes include them."""
+    from test_methods_framework import tiny_batch
+
+    method, _, spy = make_long_rollout(context_steps="full")  # 3 steps (exit indices 0-2), 1-frame chunks
+    fixed_draws(method, 0, 9)
+    batch = method.adapter.prepare_batch(tiny_batch(2))
+    window, _ = method.generate(batch, with_grad=True)
+    passes = [call for call in spy.calls if not call["store"]]
+    assert [len([c for c in passes if c["start"] == s]) for s in range(9)] == [3] * 5 + [1] * 4
+    assert [c["start"] for c in spy.calls if c["graph"]] == [5, 6, 7, 8] and window.requires_grad
+    # refills 8 + context 5 x 3 + window 4 x 1 passes, less DMD2's own count of one clip (4 x 1), over 4 chunks
+    assert method.last_extra_passes == pytest.approx((8 + 15 + 4 - 4) / 4)
 
 
 def test_demo_config_trains_a_few_steps_at_the_demo_clip_shape():

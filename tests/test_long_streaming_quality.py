@@ -238,7 +238,8 @@ def test_self_forcing_only_trains_no_long_rollout_student_and_scores_self_forcin
 
 def test_real_guidance_sets_the_dmd_stages_real_score_scale_only(tmp_path):
     """``--real-guidance 2``: Self-Forcing, LongRollout and the control train with that CFG scale on DMD's real score;
-    the teacher and the causal init are untouched; the configs build with it."""
+    the teacher and the causal init are untouched; the configs build with it. ``--long-context-steps full`` reaches
+    the long-rollout stage's method."""
     bench = _benchmark()
     args = bench.parse_args(["--out", str(tmp_path), "--real-guidance", "2"])
     from opensora.config import load_config
@@ -249,6 +250,9 @@ def test_real_guidance_sets_the_dmd_stages_real_score_scale_only(tmp_path):
         assert "real_guidance_scale" not in bench.stage_config(args, stage).read_text()
     plain = bench.parse_args(["--out", str(tmp_path / "plain")])
     assert load_config(str(bench.stage_config(plain, "self_forcing"))).method.real_guidance_scale == 4.0
+    assert load_config(str(bench.stage_config(plain, "long_rollout"))).method.get("context_steps", "exit") == "exit"
+    full = bench.parse_args(["--out", str(tmp_path / "full"), "--long-context-steps", "full"])
+    assert load_config(str(bench.stage_config(full, "long_rollout"))).method.context_steps == "full"
 
 
 def test_long_rollout_can_train_without_sinks_at_the_window_anchor(tmp_path):

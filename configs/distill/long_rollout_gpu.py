@@ -36,8 +36,12 @@ method = dict(
     kv_sink_frames=sink_frames,
     kv_rope_anchor=rope_anchor,
     # a quarter of the iterations switch every sample's prompt at the judged window's start (re-cache under the new
-    # text at the pinned anchor, DMD with the new prompt), so a prompt switch mid-stream is learned; not yet measured
-    # on a GPU
+    # text at the pinned anchor, DMD with the new prompt), so a prompt switch mid-stream is learned. Measured once
+    # (benchmarks/reports/long_streaming_h200_2026-11.md, session 19): 120 steps from a Self-Forcing student faded it
+    # (0.94 -> 0.79 at the clip length) and taught no colour switch; whether the switches cause that is not yet known
     switch_prob=0.25,
+    # the chunks before the judged window stop at the exit step (Self-Forcing's rule); "full" runs them through every
+    # step, so the window sees the context the sampler would have made (not yet measured)
+    context_steps="exit",
     adapter={{_base_.method.adapter}},
 )

@@ -27,6 +27,12 @@ For one iteration, with the clip of ``T`` latent frames (the batch's) in chunks 
    prompt from the chunk after the switch, where otherwise it copies its context (the old prompt's colour). Needs
    a batch of 2 or more and a window that starts after the first chunk; drawn every iteration, used where it fits.
 
+``context_steps``: the chunks before the judged window stop at the iteration's exit step, as every Self-Forcing chunk
+does (``"exit"``, the default); or they run the whole step list (``"full"``), so the window's context is what the
+streaming sampler would have cached (the same frames for the same noise), not up to ``rollout_multiple - 1`` clip
+lengths of one-step predictions when the exit step is early. They carry no gradient either way; ``"full"`` costs
+more no-grad passes (a 4-step list: 5 passes a context chunk with its refill instead of 3.5 on average).
+
 Memory is bounded by the window: one student graph per graded chunk (as many as Self-Forcing at the clip length)
 plus a KV cache of at most ``kv_window_frames`` frames; the longer rollout costs time (no-grad passes), not memory.
 ``kv_window_frames`` defaults to the clip length minus one chunk (what the streaming sampler keeps by default) and
@@ -45,6 +51,7 @@ from opensora.methods.self_forcing import SelfForcing
 from opensora.registry import METHODS
 
 WINDOWS = ("uniform", "last")
+CONTEXT_STEPS = ("exit", "full")  # the chunks before the judged window: Self-Forcing's exit step, or every step
 SWITCH_DRAWS = 1 << 20  # resolution of the switch_prob draw
 
 
@@ -59,12 +66,16 @@ class LongRollout(SelfForcing):
         kv_window_frames: Optional[int] = None,
         kv_sink_frames: Optional[int] = None,
         switch_prob: float = 0.0,
+        context_steps: str = "exit",
         **self_forcing_kwargs,
     ):
         super().__init__(roles, components, **self_forcing_kwargs)
         if not 0.0 <= float(switch_prob) <= 1.0:
             raise ValueError(f"LongRollout: switch_prob must be in [0, 1], got {switch_prob}")
         self.switch_prob = float(switch_prob)
+        if context_steps not in CONTEXT_STEPS:
+            raise ValueError(f"LongRollout: context_steps must be one of {CONTEXT_STEPS}, got {context_steps!r}")
+        self.context_steps = context_steps
         self.switched = None  # the prompts the judged window was made with, after a prompt switch
         if int(rollout_multiple) != rollout_multiple or rollout_multiple < 1:
             raise ValueError(f"LongRollout: rollout_multiple must be a whole number >= 1, got {rollout_multiple}")
@@ -120,7 +131,17 @@ class LongRollout(SelfForcing):
             if drawn and start >= 1 and batch.batch_size >= 2:
                 self.switched = self.adapter.roll_prompts(batch)
                 switch = (start, self.switched)
-        x0 = self.rollout_chunks(noise, batch, exit_index, with_grad, graded=graded, keep_from=start, switch=switch)
+        context_exit = self.num_student_steps - 1 if self.context_steps == "full" else None
+        x0 = self.rollout_chunks(
+            noise,
+            batch,
+            exit_index,
+            with_grad,
+            graded=graded,
+            keep_from=start,
+            switch=switch,
+            context_exit_index=context_exit,
+        )
         self.last_window = (start * chunk, end * chunk)
         return x0, exit_index
 

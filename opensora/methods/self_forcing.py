@@ -96,6 +96,7 @@ class SelfForcing(CausVid):
         graded: Optional[range] = None,
         keep_from: int = 0,
         switch: Optional[Tuple[int, object]] = None,
+        context_exit_index: Optional[int] = None,
     ) -> torch.Tensor:
         """The autoregressive rollout described in the module docstring; returns the video's x0 [B, C, T, H, W].
         With ``exit_index`` the last step it is exactly what the streaming sampler generates from ``noise``.
@@ -105,7 +106,8 @@ class SelfForcing(CausVid):
         fill the cache, so their outputs are dropped as soon as they are stored). ``switch``: ``(chunk, batch)``, a
         prompt switch at that chunk (> 0): from it on the passes take ``batch``'s text, and the previous chunk's
         refill becomes a re-cache of every kept frame under the new text (the streaming sampler's
-        ``switch_recache``, LongLive's re-cache on a prompt switch)."""
+        ``switch_recache``, LongLive's re-cache on a prompt switch). ``context_exit_index``: the exit step of the
+        chunks before ``keep_from`` (default ``exit_index``; the last step: the sampler's own chunks)."""
         from opensora.inference.streaming.recache import WindowLatents, plan_recache, run_recache
 
         switch_chunk, switch_batch = switch if switch is not None else (None, None)
@@ -117,7 +119,9 @@ class SelfForcing(CausVid):
         count = num_chunks(frames, chunk)
         graded = range(self.first_graded_chunk(frames), count) if graded is None else graded
         b = noise.shape[0]
-        t_exit = self.step_times[exit_index].to(noise.device).expand(b)
+        exits = [
+            exit_index if c >= keep_from or context_exit_index is None else context_exit_index for c in range(count)
+        ]
         t_context = torch.full((b,), self.context_noise, device=noise.device)
         cache = self.adapter.new_kv_cache(
             self.student,
@@ -132,10 +136,11 @@ class SelfForcing(CausVid):
                 start = c * chunk
                 x = noise[:, :, start : start + chunk]
                 with torch.no_grad():
-                    for i in range(exit_index):
+                    for i in range(exits[c]):
                         t = self.step_times[i].to(x.device).expand(b)
                         x0 = self.adapter.predict_x0_streaming(self.student, x, t, batch, cache, start, False)
                         x = self._next_state(x, x0, i)
+                t_exit = self.step_times[exits[c]].to(x.device).expand(b)
                 with torch.set_grad_enabled(with_grad and c in graded):
                     x0 = self.adapter.predict_x0_streaming(self.student, x, t_exit, batch, cache, start, False)
                 if c >= keep_from:
@@ -170,7 +175,8 @@ class SelfForcing(CausVid):
         # clip-equivalent student passes beyond DMD2's count (exit_index + 1 over one clip): the refills, and the
         # chunks a rollout longer than the clip adds
         clip_chunks = batch.latent_shape[2] // chunk
-        self.last_extra_passes = ((count - 1) + (count - clip_chunks) * (exit_index + 1)) / clip_chunks
+        chunk_passes = sum(e + 1 for e in exits)
+        self.last_extra_passes = ((count - 1) + chunk_passes - clip_chunks * (exit_index + 1)) / clip_chunks
         return torch.cat(outputs, dim=2)
 
     def generate(self, batch, with_grad: bool) -> Tuple[torch.Tensor, int]:
