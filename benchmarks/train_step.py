@@ -420,6 +420,8 @@ def trainer_config(ckpt, args, outputs):
             pooled_dim=TINY["pooled_dim"],
             num=64,
         )
+        if cfg.dataset.get("text_valid_range"):  # prompts of differing lengths, inside the tiny text
+            cfg.dataset.update(text_valid_range=(max(1, TINY["text_tokens"] // 4), TINY["text_tokens"]))
         cfg.bucket_config = {f"{16 * h}x{16 * w}": {1 + 4 * (t - 1): (1.0, 1)}}
         cfg.model = model_config(TINY)
     d, s = ckpt_counts(ckpt, dict(depth_double=len_blocks(cfg, "double"), depth_single=len_blocks(cfg, "single")))

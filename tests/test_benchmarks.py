@@ -118,6 +118,21 @@ def test_train_step_benchmark_tiny_runs_both_models(tmp_path):
     assert runs[("ours-eager", "none")]["params"] == runs[("diffusers", "none")]["params"]
 
 
+def test_the_padded_text_trainer_config_runs_at_the_tiny_shape(tmp_path):
+    """configs/diffusion/train/mmdit_1b_padded_text_shape.py (the trainer at padded_text_step's shape, prompts of
+    20-120 valid tokens) under ``train_step --tiny``: its prompt lengths are fitted into the tiny text, so the real
+    Trainer builds and times it on CPU."""
+    out = tmp_path / "padded.json"
+    config = "configs/diffusion/train/mmdit_1b_padded_text_shape.py"
+    cmd = [sys.executable, "-m", "benchmarks.train_step", "--tiny", "--warmup", "1", "--iters", "2", "--audit-steps"]
+    cmd += ["1", "--runs", "trainer@full", "--trainer-config", config, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert "error" not in run, run
+    assert run["config"] == config and len(run["times_ms"]) == 2 and run["params"] > 0
+
+
 def test_train_scaling_script_runs_the_trainer_at_one_and_two_processes(tmp_path):
     """The scaling benchmark on CPU (gloo, demo config): both process counts train and the report is filled; with
     --shared-base the second variant (ColossalAI's own multi-rank ZeRO step) runs at 2 processes only, is measured
