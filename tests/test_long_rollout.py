@@ -11,6 +11,7 @@ from opensora.registry import METHODS, build_module
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 CLIP = 4  # latent frames of test_methods_framework.tiny_batch
+STEPS = [1.0, 0.6, 0.3]  # make_long_rollout's step list
 
 
 def make_long_rollout(fake=False, **kwargs):
@@ -18,7 +19,7 @@ def make_long_rollout(fake=False, **kwargs):
 
     cfg = dict(
         type="LongRollout",
-        step_list=[1.0, 0.6, 0.3],
+        step_list=list(STEPS),
         num_frames_per_chunk=1,
         real_guidance_scale=2.0,
         rollout_multiple=3,
@@ -145,6 +146,31 @@ def test_default_cache_window_needs_room_beside_the_sinks():
         method.generate(method.adapter.prepare_batch(tiny_batch(1)), with_grad=False)
 
 
+def sampler_stream_and_noise(method, roles, batch, anchor, switches=()):
+    """The streaming sampler of ``method``'s student on ``batch`` (seeds 3 and 4, 3x the clip in 2-frame chunks,
+    window 4, 2 sinks, ``anchor``, ``switches``): its chunks, their latents, and the noise it drew as one tensor for
+    ``rollout_chunks``."""
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import StreamingGenerator
+
+    comp = method.components
+    sampler = VideoSampler(roles["student"].unwrap(), comp.vae, comp.text_encoder, progress=False)
+    stream = StreamingGenerator(
+        sampler, step_list=list(STEPS), rollout="euler", window_frames=4, sink_frames=2, rope_anchor=anchor
+    )
+    seeds = [3, 4]
+    with torch.no_grad():
+        chunks = list(
+            stream.stream(batch["text"], seeds, num_frames=3 * CLIP, height=16, width=16, decode=False,
+                          switches=switches)
+        )  # fmt: skip
+    generators = [torch.Generator().manual_seed(s) for s in seeds]  # the sampler's noise: one draw per chunk
+    noise = torch.cat(
+        [torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators]) for _ in range(6)], dim=2
+    )
+    return chunks, torch.cat([chunk.latents for chunk in chunks], dim=2), noise
+
+
 @pytest.mark.parametrize(
     "switch_chunk, anchor", [(None, "absolute"), (3, "absolute"), (None, "window"), (3, "window"), (4, "window")]
 )
@@ -156,37 +182,19 @@ def test_long_rollout_at_the_last_exit_step_is_what_the_streaming_sampler_genera
     a switch too (the re-cache pins the anchor on both sides; at chunk 4 the window has rolled twice)."""
     from test_methods_framework import tiny_batch
 
-    from opensora.inference.sampler import VideoSampler
-    from opensora.inference.streaming.generator import StreamingGenerator
-
-    steps = [1.0, 0.6, 0.3]
+    steps = STEPS
     method, roles, _ = make_long_rollout(
         num_frames_per_chunk=2, rollout="euler", kv_window_frames=4, kv_sink_frames=2, kv_rope_anchor=anchor
     )
     batch = tiny_batch(2)
     prepared = method.adapter.prepare_batch(batch)
-    comp = method.components
-    sampler = VideoSampler(roles["student"].unwrap(), comp.vae, comp.text_encoder, progress=False)
-    stream = StreamingGenerator(
-        sampler, step_list=steps, rollout="euler", window_frames=4, sink_frames=2, rope_anchor=anchor
-    )
-    seeds = [3, 4]
     switches, switch = (), None
     if switch_chunk is not None:
         prompts = list(batch["text"])
         switches = [(switch_chunk * 2, prompts[-1:] + prompts[:-1])]  # latent frame of chunk 3; sample i takes i - 1
         switch = (switch_chunk, method.adapter.roll_prompts(prepared))
-    with torch.no_grad():
-        chunks = list(
-            stream.stream(batch["text"], seeds, num_frames=3 * CLIP, height=16, width=16, decode=False,
-                          switches=switches)
-        )  # fmt: skip
-    streamed = torch.cat([chunk.latents for chunk in chunks], dim=2)
+    chunks, streamed, noise = sampler_stream_and_noise(method, roles, batch, anchor, switches)
     assert max(chunk.cached_frames for chunk in chunks) == 4  # the cache rolled
-    generators = [torch.Generator().manual_seed(s) for s in seeds]  # the sampler's noise: one draw per chunk
-    noise = torch.cat(
-        [torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators]) for _ in range(6)], dim=2
-    )
     rolled = method.rollout_chunks(noise, prepared, exit_index=len(steps) - 1, with_grad=False, switch=switch)
     torch.testing.assert_close(rolled, streamed, rtol=1e-4, atol=1e-5)
     if anchor == "window":  # the anchor moved the text and the sinks once the cache rolled: a different stream
@@ -210,30 +218,14 @@ def test_full_context_steps_give_the_window_the_streaming_samplers_context(ancho
     every chunk at the exit step, so its context differs."""
     from test_methods_framework import tiny_batch
 
-    from opensora.inference.sampler import VideoSampler
-    from opensora.inference.streaming.generator import StreamingGenerator
-
-    steps = [1.0, 0.6, 0.3]
     flags = dict(num_frames_per_chunk=2, rollout="euler", kv_window_frames=4, kv_sink_frames=2, kv_rope_anchor=anchor)
     method, roles, spy = make_long_rollout(context_steps="full", **flags)
     batch = tiny_batch(2)
     prepared = method.adapter.prepare_batch(batch)
-    comp = method.components
-    sampler = VideoSampler(roles["student"].unwrap(), comp.vae, comp.text_encoder, progress=False)
-    stream = StreamingGenerator(
-        sampler, step_list=steps, rollout="euler", window_frames=4, sink_frames=2, rope_anchor=anchor
-    )
-    seeds = [3, 4]
-    with torch.no_grad():
-        chunks = list(stream.stream(batch["text"], seeds, num_frames=3 * CLIP, height=16, width=16, decode=False))
-    streamed = torch.cat([chunk.latents for chunk in chunks], dim=2)
-    generators = [torch.Generator().manual_seed(s) for s in seeds]  # the sampler's noise: one draw per chunk
-    noise = torch.cat(
-        [torch.stack([torch.randn((48, 2, 4, 4), generator=g) for g in generators]) for _ in range(6)], dim=2
-    )
+    _, streamed, noise = sampler_stream_and_noise(method, roles, batch, anchor)
     with torch.no_grad():
         rolled = method.rollout_chunks(
-            noise, prepared, exit_index=0, with_grad=False, keep_from=4, context_exit_index=len(steps) - 1
+            noise, prepared, exit_index=0, with_grad=False, keep_from=4, context_exit_index=len(STEPS) - 1
         )
     passes = [call for call in spy.calls if not call["store"]]
     context = {call["start"]: call["output"] for call in passes if call["t"] == pytest.approx(0.3)}

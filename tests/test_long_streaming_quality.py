@@ -154,21 +154,37 @@ def test_wrong_reads_name_the_caption_value_and_what_the_clip_shows():
     assert bench.confusions_text(scores) == "colour green->red 2; direction right->left 1"
 
 
-def test_student_steps_give_long_rollout_and_the_control_equal_steps(tmp_path, monkeypatch):
-    """``--student-steps N``: LongRollout and the control train N steps each, their minutes only a cap; the other
-    stages keep their minutes (the trainer commands, recorded instead of run)."""
-    bench = _benchmark()
-    commands = {}
+def _record_trainings(bench, tmp_path, monkeypatch) -> list:
+    """Stage trainings recorded instead of run: each trainer command as ``(stage, command)``, in order, with the
+    stage's final checkpoint made as the trainer would."""
+    calls = []
 
     def record(command, **_):
         stage = Path(command[command.index("--outputs") + 1]).name
-        commands[stage] = command
+        calls.append((stage, command))
         (tmp_path / stage / "checkpoints" / "step-0000001").mkdir(parents=True)
 
     monkeypatch.setattr(bench.subprocess, "run", record)
     monkeypatch.setattr(bench, "stage_config", lambda args, stage: tmp_path / f"{stage}.py")
+    return calls
+
+
+def _record_evaluation(bench, monkeypatch) -> dict:
+    """The checkpoints handed to the evaluation, recorded instead of streamed and scored."""
+    evaluated = {}
+    monkeypatch.setattr(bench, "evaluate", lambda args, checkpoints: evaluated.update(checkpoints) or {})
+    monkeypatch.setattr(bench, "print_report", lambda report: None)
+    return evaluated
+
+
+def test_student_steps_give_long_rollout_and_the_control_equal_steps(tmp_path, monkeypatch):
+    """``--student-steps N``: LongRollout and the control train N steps each, their minutes only a cap; the other
+    stages keep their minutes (the trainer commands, recorded instead of run)."""
+    bench = _benchmark()
+    calls = _record_trainings(bench, tmp_path, monkeypatch)
     flags = ["--out", str(tmp_path), "--long-init", "self_forcing", "--student-steps", "120", "--student-minutes", "8"]
     assert bench.main([*flags, "--stop-after", "long_rollout"]) == {}
+    commands = dict(calls)
 
     def budget(stage):
         command = commands[stage]
@@ -182,29 +198,20 @@ def test_only_stage_trains_one_stage_from_trained_inputs_so_two_can_run_at_once(
     """``--only-stage``: long_rollout and its control each train alone from the same trained stages (two GPUs at
     once); a missing input stops with exit code 2 instead of training it; the evaluation then reuses both."""
     bench = _benchmark()
-    trained = []
-
-    def record(command, **_):
-        stage = Path(command[command.index("--outputs") + 1]).name
-        trained.append(stage)
-        (tmp_path / stage / "checkpoints" / "step-0000001").mkdir(parents=True)
-
-    monkeypatch.setattr(bench.subprocess, "run", record)
-    monkeypatch.setattr(bench, "stage_config", lambda args, stage: tmp_path / f"{stage}.py")
+    calls = _record_trainings(bench, tmp_path, monkeypatch)
+    trained = lambda: [stage for stage, _ in calls]  # noqa: E731
     flags = ["--out", str(tmp_path), "--long-init", "self_forcing"]
     with pytest.raises(SystemExit) as stopped:
         bench.main([*flags, "--only-stage", "long_rollout"])
     assert stopped.value.code == 2 and "stage teacher has no checkpoint" in capsys.readouterr().out
-    assert trained == []
-    assert bench.main([*flags, "--only-stage", "teacher"]) == {} and trained == ["teacher"]
-    assert bench.main([*flags, "--stop-after", "self_forcing"]) == {} and trained[1:] == ["ode", "self_forcing"]
-    assert bench.main([*flags, "--only-stage", bench.CONTROL]) == {} and trained[3:] == [bench.CONTROL]
-    assert bench.main([*flags, "--only-stage", "long_rollout"]) == {} and trained[4:] == ["long_rollout"]
-    evaluated = {}
-    monkeypatch.setattr(bench, "evaluate", lambda args, checkpoints: evaluated.update(checkpoints) or {})
-    monkeypatch.setattr(bench, "print_report", lambda report: None)
+    assert trained() == []
+    assert bench.main([*flags, "--only-stage", "teacher"]) == {} and trained() == ["teacher"]
+    assert bench.main([*flags, "--stop-after", "self_forcing"]) == {} and trained()[1:] == ["ode", "self_forcing"]
+    assert bench.main([*flags, "--only-stage", bench.CONTROL]) == {} and trained()[3:] == [bench.CONTROL]
+    assert bench.main([*flags, "--only-stage", "long_rollout"]) == {} and trained()[4:] == ["long_rollout"]
+    evaluated = _record_evaluation(bench, monkeypatch)
     bench.main(flags)
-    assert len(trained) == 5 and bench.student_names(evaluated) == ["self_forcing", "long_rollout", bench.CONTROL]
+    assert len(trained()) == 5 and bench.student_names(evaluated) == ["self_forcing", "long_rollout", bench.CONTROL]
     for refused in (
         ["--only-stage", bench.CONTROL],  # the control belongs to --long-init self_forcing
         ["--only-stage", "long_rollout", "--students", "self_forcing"],  # a stage this run never reaches
@@ -218,19 +225,10 @@ def test_self_forcing_only_trains_no_long_rollout_student_and_scores_self_forcin
     """``--students self_forcing``: teacher -> causal init -> Self-Forcing, then the evaluation of that student alone
     (questions about inference need no long-rollout training)."""
     bench = _benchmark()
-    trained, evaluated = [], {}
-
-    def record(command, **_):
-        stage = Path(command[command.index("--outputs") + 1]).name
-        trained.append(stage)
-        (tmp_path / stage / "checkpoints" / "step-0000001").mkdir(parents=True)
-
-    monkeypatch.setattr(bench.subprocess, "run", record)
-    monkeypatch.setattr(bench, "stage_config", lambda args, stage: tmp_path / f"{stage}.py")
-    monkeypatch.setattr(bench, "evaluate", lambda args, checkpoints: evaluated.update(checkpoints) or {})
-    monkeypatch.setattr(bench, "print_report", lambda report: None)
+    calls = _record_trainings(bench, tmp_path, monkeypatch)
+    evaluated = _record_evaluation(bench, monkeypatch)
     bench.main(["--out", str(tmp_path), "--students", "self_forcing"])
-    assert trained == ["teacher", "ode", "self_forcing"]
+    assert [stage for stage, _ in calls] == ["teacher", "ode", "self_forcing"]
     assert bench.student_names(evaluated) == ["self_forcing"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--students", "self_forcing", "--stop-after", "long_rollout"])
