@@ -122,6 +122,7 @@ class SelfForcing(CausVid):
         exits = [
             exit_index if c >= keep_from or context_exit_index is None else context_exit_index for c in range(count)
         ]
+        t_exits = {e: self.step_times[e].to(noise.device).expand(b) for e in set(exits)}  # made once, as before
         t_context = torch.full((b,), self.context_noise, device=noise.device)
         cache = self.adapter.new_kv_cache(
             self.student,
@@ -140,9 +141,10 @@ class SelfForcing(CausVid):
                         t = self.step_times[i].to(x.device).expand(b)
                         x0 = self.adapter.predict_x0_streaming(self.student, x, t, batch, cache, start, False)
                         x = self._next_state(x, x0, i)
-                t_exit = self.step_times[exits[c]].to(x.device).expand(b)
                 with torch.set_grad_enabled(with_grad and c in graded):
-                    x0 = self.adapter.predict_x0_streaming(self.student, x, t_exit, batch, cache, start, False)
+                    x0 = self.adapter.predict_x0_streaming(
+                        self.student, x, t_exits[exits[c]], batch, cache, start, False
+                    )
                 if c >= keep_from:
                     outputs.append(x0)
                 if c + 1 < count:  # cache refill: the chunk's own output as clean (or lightly noised) context
