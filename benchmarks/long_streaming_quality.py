@@ -383,15 +383,20 @@ def evaluate_switch(args, generator, prompts, seeds, clip) -> dict:
             for k, a in enumerate(("color", "shape", "direction"))
         }
 
-    for name, recache in (("recache", True), ("keep_old_kv", False)):
-        generator.switch_recache = recache
+    runs = [("recache", True, generator.sink_frames), ("keep_old_kv", False, generator.sink_frames)]
+    if args.switch_sink_frames is not None:  # does a sink frame, made under the old prompt, carry its colour on?
+        runs.append((f"recache_sinks_{args.switch_sink_frames}", True, args.switch_sink_frames))
+    plain_sinks = generator.sink_frames
+    for name, recache, sinks in runs:
+        generator.switch_recache, generator.sink_frames = recache, sinks
         seconds, videos = timed(
             lambda: generator.generate(prompts, seeds, total, height, width, switches=switches).numpy()
         )
-        generator.switch_recache = True
+        generator.switch_recache, generator.sink_frames = True, plain_sinks
         after = window(videos, at, new)
         accuracies = [after[k] for k in ("color_acc", "shape_acc", "direction_acc")]
         out[name] = dict(
+            sink_frames=sinks,
             seconds=seconds,
             before=window(videos, at - frames, prompts) if at >= frames else None,
             after=after,
@@ -456,6 +461,8 @@ def evaluate(args, checkpoints: dict) -> dict:
         teacher=teacher_scores,
     )
     for name in student_names(checkpoints):
+        if args.score and name not in args.score:
+            continue
         report[name] = evaluate_student(args, name, checkpoints[name], prompts, seeds, clip, teacher_scores)
     return report
 
@@ -541,14 +548,15 @@ def print_report(report: dict) -> None:
                 continue
             w = s[key]
             print(f"  prompt switch, RoPE anchor {w['rope_anchor']}:")
-            for name in ("recache", "keep_old_kv"):
-                after = w[name]["after"]
+            for name in [n for n, run in w.items() if isinstance(run, dict) and "after" in run]:
+                after, second = w[name]["after"], w[name]["after_second"]
                 old = w[name]["after_reads_old"]
                 print(
-                    f"  switch at frame {w['switch_frame']} ({name}): next window colour {after['color_acc']:.3f} "
-                    f"shape {after['shape_acc']:.3f} direction {after['direction_acc']}; >= 90%: "
-                    f"{w[name]['new_prompt_ge_90pct']}; reads the old caption's colour {old['color_share']:.3f} "
-                    f"shape {old['shape_share']:.3f} direction {old['direction_share']:.3f}"
+                    f"  switch at frame {w['switch_frame']} ({name}, {w[name]['sink_frames']} sinks): next window "
+                    f"colour {after['color_acc']:.3f} shape {after['shape_acc']:.3f} direction "
+                    f"{after['direction_acc']}; >= 90%: {w[name]['new_prompt_ge_90pct']}; reads the old caption's "
+                    f"colour {old['color_share']:.3f} shape {old['shape_share']:.3f} direction "
+                    f"{old['direction_share']:.3f}; second window colour {second['color_acc']:.3f}"
                 )
 
 
@@ -651,6 +659,20 @@ def parse_args(argv=None):
     parser.add_argument(
         "--prompt-switch", action="store_true", help="score a prompt switch mid-stream (report key switch)"
     )
+    parser.add_argument(
+        "--switch-sink-frames",
+        type=int,
+        default=None,
+        help="with --prompt-switch, the re-cached switch again with this many sink frames (e.g. 0; report key "
+        "switch.recache_sinks_N): whether the sinks, made under the old prompt, keep its colour in view",
+    )
+    parser.add_argument(
+        "--score",
+        nargs="+",
+        choices=("self_forcing", "long_rollout", CONTROL),
+        default=None,
+        help="score only these students (default: every trained one; the teacher is always scored)",
+    )
     parser.add_argument("--num-prompts", type=int, default=72)
     parser.add_argument("--seed", type=int, default=424242, help="first sampling seed (prompt i uses seed + i)")
     parser.add_argument("--train-seed", type=int, default=0)
@@ -682,6 +704,8 @@ def parse_args(argv=None):
         parser.error(f"--only-stage {CONTROL} is the control of --long-init self_forcing: add that flag")
     if args.students == "self_forcing" and args.stop_after == "long_rollout":
         parser.error("--students self_forcing trains no long-rollout student: stop after self_forcing")
+    if args.switch_sink_frames is not None and not args.prompt_switch:
+        parser.error("--switch-sink-frames varies the prompt switch: add --prompt-switch")
     if args.tiny:
         args.num_prompts, args.teacher_steps, args.long_multiple = (
             min(args.num_prompts, 4),

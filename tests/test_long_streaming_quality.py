@@ -30,6 +30,7 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
     out = tmp_path / "run"
     # the streaming options' variants, scored the same way
     flags = ["--kv-recache", "both", "--prompt-switch", "--rope-anchor", "both", "--sink-frames-variant", "0"]
+    flags += ["--switch-sink-frames", "0"]
     report = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--launcher", "in-process", *flags])
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
     assert report["motion"] == "wrap" and report["clip"] == [8, 16, 16] and report["prompts"] == 4
@@ -63,6 +64,9 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
         for variant in ("recache", "keep_old_kv"):
             assert set(switch[variant]["after"]) == {"color_acc", "shape_acc", "direction_acc", "stats_in_range"}
             assert set(switch[variant]["after_reads_old"]) == {"color_share", "shape_share", "direction_share"}
+        assert switch["recache"]["sink_frames"] == 2 and switch["recache_sinks_0"]["sink_frames"] == 0
+        # the window before the switch streams before the cache rolls: no sink has mattered yet
+        assert switch["recache_sinks_0"]["before"] == switch["recache"]["before"]
         assert "switch_new_prompt_ge_90pct_within_one_window" in student["criteria"]
         # --rope-anchor both: the absolute runs are judged, the switch is streamed anchored too (a pinned re-cache)
         assert student["rope_anchor"] == switch["rope_anchor"] == "absolute"
@@ -78,6 +82,10 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
     printed = capsys.readouterr().out
     assert all(f"== {name}: reusing" in printed for name in bench.STAGES)
     assert all(bench.last_checkpoint(out / name) == path for name, path in stages.items())
+    # --score: the teacher and the named student only, from the reused stages
+    scored = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--score", "long_rollout"])
+    assert "self_forcing" not in scored and scored["long_rollout"]["ckpt"] == str(stages["long_rollout"])
+    assert scored["teacher"]["ckpt"] == str(stages["teacher"])
 
 
 def test_long_tuning_after_self_forcing_is_compared_with_as_much_more_self_forcing(tmp_path, capsys):
@@ -216,6 +224,7 @@ def test_only_stage_trains_one_stage_from_trained_inputs_so_two_can_run_at_once(
         ["--only-stage", bench.CONTROL],  # the control belongs to --long-init self_forcing
         ["--only-stage", "long_rollout", "--students", "self_forcing"],  # a stage this run never reaches
         ["--only-stage", "teacher", "--teacher-ckpt", str(tmp_path)],
+        ["--switch-sink-frames", "0"],  # a variant of the prompt switch, which this run does not score
     ):
         with pytest.raises(SystemExit):
             bench.parse_args(refused)

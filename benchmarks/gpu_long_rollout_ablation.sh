@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# What made the long-rollout student fade (its prompt switches or its window-anchored long rollouts), and do the
+# students' too-bright shapes come from DMD's guided real score? One chain on a two-GPU machine, started detached
+# (setsid) so that it outlives the device call that starts it and no GPU waits for a call boundary:
+#   bash benchmarks/gpu_long_rollout_ablation.sh start OUT      start the chain; returns at once
+#   bash benchmarks/gpu_long_rollout_ablation.sh wait OUT SEC   wait up to SEC s for it to end, print its progress and
+#                                                               copy logs and reports to $OUT
+# The stages, GPU 0 | GPU 1 (EXTRA: the chain's flags, e.g. "--motion wrap --seed 929292 --train-seed 2"):
+#   teacher                                  | padded-text GPU tests (graph-ckpt), the trainer at the padded shape
+#   causal ODE init                          | -
+#   Self-Forcing, real-score CFG 4           | Self-Forcing, real-score CFG 2 (OUT/lsg, a copy of teacher + ode)
+#   LongRollout switch_prob 0.25 (OUT/ls),   | the control (Self-Forcing +STEPS), then LongRollout switch_prob 0 (OUT/ls0)
+#     beside it the CFG-2 student's eval     |
+#   evaluation of SF, LR 0.25, control       | evaluation of LR 0
+# then the trainer at the padded shape again, alone on the machine (when the chain is within QUIET_BY seconds).
+# The CFG-2 student's evaluation shares GPU 0 with a training run: its speeds are not comparable. Every evaluation adds the prompt switch, with
+# the sinks as trained and without sinks (does a sink frame carry the old colour?).
+set -uo pipefail
+mode=${1:?usage: gpu_long_rollout_ablation.sh start|wait OUT [SEC]}
+out=${2:?usage: gpu_long_rollout_ablation.sh start|wait OUT [SEC]}
+mkdir -p "$out/log"
+
+if [ "$mode" = wait ]; then
+  limit=${3:-540}
+  for _ in $(seq "$limit"); do [ -e "$out/done" ] && break; sleep 1; done
+  cat "$out/progress.txt"
+  grep -h -E "trained in|reusing|Error|error:|Killed" "$out"/log/*.txt 2>/dev/null | tail -n 12
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT/log" && cp "$out"/log/*.txt "$out/progress.txt" "$OUT/log/" 2>/dev/null
+    for d in ls ls0 lsg; do
+      for f in report.json report.txt; do [ -e "$out/$d/$f" ] && cp "$out/$d/$f" "$OUT/${d}_$f"; done
+    done
+    cp -r "$out/p30" "$OUT/" 2>/dev/null
+  fi
+  [ -e "$out/done" ] && echo "chain done" || echo "chain still running"
+  exit 0
+fi
+
+if [ "$mode" = start ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target .pysite .whl/*.whl > /dev/null 2>&1
+  rm -f "$out/done"
+  setsid nohup bash "$0" chain "$out" > "$out/log/chain.txt" 2>&1 < /dev/null &
+  echo "chain started: $out"
+  exit 0
+fi
+
+[ "$mode" = chain ] || { echo "unknown mode $mode (start|wait)" >&2; exit 2; }
+export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+E=${EXTRA:-"--motion wrap --seed 929292 --train-seed 2 --teacher-minutes 6.5 --ode-minutes 2.5 --student-minutes 2.5"}
+L="--student-minutes 7 --student-steps ${STEPS:-120} --long-init self_forcing"
+t0=$(date +%s)
+note() { echo "$(( $(date +%s) - t0 )) s: $*" >> "$out/progress.txt"; }
+# stage GPU DIR NAME FLAGS...: one benchmark run pinned to a GPU, logged to log/NAME.txt
+stage() {
+  local gpu=$1 dir=$2 name=$3
+  shift 3
+  note "start $name (GPU $gpu)"
+  CUDA_VISIBLE_DEVICES=$gpu python -m benchmarks.long_streaming_quality --out "$out/$dir" $E "$@" \
+    > "$out/log/$name.txt" 2>&1 && note "end $name" || note "FAILED $name"
+}
+padded() {  # gpu_padded_text.sh parts, results under p30/NAME
+  local gpu=$1 name=$2
+  shift 2
+  note "start #30 $name (GPU $gpu)"
+  CUDA_VISIBLE_DEVICES=$gpu OUT="$out/p30/$name" TESTS_S=290 bash benchmarks/gpu_padded_text.sh "$@" \
+    > "$out/log/p30_$name.txt" 2>&1
+  note "end #30 $name"
+}
+: > "$out/progress.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/log/gpu.txt"
+switch=(--prompt-switch --switch-sink-frames 0)
+
+( padded 1 graph_ckpt graph-ckpt; STEP_S=150 TRAINER_S=150 padded 1 trainer_padded_beside trainer-padded ) &
+tests=$!
+stage 0 ls teacher --only-stage teacher
+stage 0 ls ode --only-stage ode
+mkdir -p "$out/lsg" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/lsg/"
+wait $tests
+stage 1 lsg self_forcing_cfg2 --only-stage self_forcing --real-guidance 2 &
+stage 0 ls self_forcing --only-stage self_forcing
+mkdir -p "$out/ls0" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" "$out/ls0/"
+wait
+( stage 0 ls long_rollout_switch25 $L --only-stage long_rollout & stage 0 lsg eval_lsg --students self_forcing "${switch[@]}"
+  wait ) &
+lane0=$!
+(
+  stage 1 ls control $L --only-stage self_forcing_more
+  cp -r "$out/ls/self_forcing_more" "$out/ls0/"
+  stage 1 ls0 long_rollout_switch0 $L --switch-prob 0 --only-stage long_rollout
+  stage 1 ls0 eval_ls0 $L "${switch[@]}" --score long_rollout
+) &
+lane1=$!
+wait $lane0
+stage 0 ls eval_ls $L "${switch[@]}"
+wait $lane1
+# the quiet round only while the session's device time allows it (QUIET_BY: seconds into the chain)
+[ $(( $(date +%s) - t0 )) -le "${QUIET_BY:-1450}" ] && STEP_S=150 TRAINER_S=150 padded 0 trainer_padded_quiet trainer-padded
+note "chain done"
+touch "$out/done"
