@@ -343,3 +343,15 @@ def test_results_hold_exactly_the_files_the_reports_cite_and_the_readme_links_re
     named = {name for text in texts for name in re.findall(r"[\w.-]+_\d{4}-\d{2}\.md", text)}
     assert {name for name in named if not (bench / "reports" / name).is_file()} == set()
     assert len(readme.splitlines()) <= 150
+
+
+def test_ema_update_host_times_this_checkout_beside_another_ema(tmp_path):
+    """``--against`` loads another version of ema.py (here this one, copied) and interleaves both."""
+    from benchmarks import ema_update_host
+
+    copy = tmp_path / "ema_copy.py"
+    copy.write_text((ROOT / "opensora/training/ema.py").read_text())
+    result = ema_update_host.main(["--iters", "2", "--rounds", "2", "--against", str(copy)])
+    assert result["tensors"] == 336  # the 1B preset's trainable tensors
+    assert set(result["rounds_ms"]) == {"this checkout", str(copy)}
+    assert all(len(v) == 2 and min(v) > 0 for v in result["rounds_ms"].values())

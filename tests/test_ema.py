@@ -183,3 +183,22 @@ def test_overlapped_update_on_a_side_stream_equals_the_serial_update():
                 p.mul_(0.5).add_(torch.randn_like(p))
     for name, value in serial.state_dict().items():
         assert torch.equal(overlapped.state_dict()[name], value), name
+
+
+def test_an_update_reuses_its_plan_until_the_parameters_change(monkeypatch):
+    """The names, lists and casting plan are made once; a parameter on new storage (``.to()``, ``param.data = ...``)
+    or a newly frozen one makes the next update see the model as it is, never stale tensors."""
+    model = _mixed_model(torch.bfloat16)
+    ema = EMA(model, decay=0.9, enabled=True)
+    walks = []
+    monkeypatch.setattr(EMA, "_tracked", staticmethod(lambda m, _tracked=EMA._tracked: walks.append(1) or _tracked(m)))
+    _assert_updates_match_per_tensor(ema, model, steps=3)
+    assert len(walks) == 1  # the named walk and the plan: the first update only
+    model[2].weight.data = torch.randn(5, 33)  # new storage: the old plan would average stale weights
+    _assert_updates_match_per_tensor(ema, model, steps=2)
+    assert len(walks) == 2
+    model[1].weight.requires_grad_(False)  # frozen: no longer tracked, its shadow stays where it was
+    kept = ema.shadow["1.weight"].clone()
+    _set_weights(model, seed=9)
+    ema.update(model, step=9)
+    assert len(walks) == 3 and torch.equal(ema.shadow["1.weight"], kept)

@@ -69,26 +69,54 @@ def _chunks(shadows, values, limit: int):
         yield run
 
 
+class _UpdatePlan:
+    """What ``ema_step_all`` does for one list of (shadow, value) pairs, worked out once: the runs of ``_chunks``,
+    detached flat views of the values and shadows, and each run's scratch size. Replaying it costs a few host ops per
+    run instead of several per tensor (~340 tensors at 1B; the update then no longer holds up a host-bound step).
+    Valid while the values are the same tensors on the same storage (``EMA`` checks that each update)."""
+
+    def __init__(self, shadows: list, values: list, chunk_numel: int):
+        self.runs = []
+        for run in _chunks(shadows, values, chunk_numel):
+            run_shadows = [s for s, _ in run]
+            run_values = [v.detach() for _, v in run]
+            if run_values[0].device != run_shadows[0].device:  # a host-side shadow (device="cpu"): tensor by tensor
+                self.runs.append(("per_tensor", run_shadows, run_values, None))
+            elif run_values[0].dtype == run_shadows[0].dtype:
+                self.runs.append(("lerp", run_shadows, run_values, None))
+            elif all(t.is_contiguous() for t in (*run_shadows, *run_values)):
+                # flat views: the scratch's pieces need no per-tensor view, and elementwise kernels do not care
+                flat_shadows, flat_values = [s.view(-1) for s in run_shadows], [v.view(-1) for v in run_values]
+                self.runs.append(("cast", flat_shadows, flat_values, [v.numel() for v in run_values]))
+            else:
+                self.runs.append(("cast_shaped", run_shadows, run_values, None))
+
+    def run(self, decay: float) -> None:
+        """The same arithmetic as ``ema_step`` per tensor, so bit-identical results: each value is first cast into
+        fp32 (shadow dtype) scratch (one ``_foreach_copy_`` per run), then one ``_foreach_lerp_`` folds the run in."""
+        weight = 1.0 - decay
+        for kind, shadows, values, sizes in self.runs:
+            if kind == "per_tensor":
+                for shadow, value in zip(shadows, values):
+                    ema_step(shadow, value, decay)
+                continue
+            if kind == "lerp":
+                torch._foreach_lerp_(shadows, values, weight)
+                continue
+            first = shadows[0]
+            scratch = torch.empty(sum(v.numel() for v in values), device=first.device, dtype=first.dtype)
+            if kind == "cast":
+                casts = list(scratch.split(sizes))
+            else:
+                casts = [piece.view_as(v) for piece, v in zip(scratch.split([v.numel() for v in values]), values)]
+            torch._foreach_copy_(casts, values)
+            torch._foreach_lerp_(shadows, casts, weight)
+
+
 def ema_step_all(shadows: list, values: list, decay: float, chunk_numel: int = CAST_CHUNK_NUMEL) -> None:
-    """``ema_step`` over lists with multi-tensor kernels; the same arithmetic, so bit-identical results: each value
-    is first cast into fp32 (shadow dtype) scratch (one ``_foreach_copy_`` per chunk), then one ``_foreach_lerp_``
-    folds the chunk in. Per-tensor ``ema_step`` costs two launches and an allocation per tensor (~670 at 1B)."""
-    weight = 1.0 - decay
-    for run in _chunks(shadows, values, chunk_numel):
-        run_shadows = [s for s, _ in run]
-        run_values = [v.detach() for _, v in run]
-        first = run_shadows[0]
-        if run_values[0].device != first.device:  # a host-side shadow (device="cpu"): tensor by tensor, as before
-            for shadow, value in zip(run_shadows, run_values):
-                ema_step(shadow, value, decay)
-            continue
-        if run_values[0].dtype == first.dtype:
-            torch._foreach_lerp_(run_shadows, run_values, weight)
-            continue
-        scratch = torch.empty(sum(v.numel() for v in run_values), device=first.device, dtype=first.dtype)
-        casts = [piece.view_as(v) for piece, v in zip(scratch.split([v.numel() for v in run_values]), run_values)]
-        torch._foreach_copy_(casts, run_values)
-        torch._foreach_lerp_(run_shadows, casts, weight)
+    """``ema_step`` over lists with multi-tensor kernels (``_UpdatePlan``); the same arithmetic, so bit-identical
+    results. Per-tensor ``ema_step`` costs two launches and an allocation per tensor (~670 at 1B)."""
+    _UpdatePlan(shadows, values, chunk_numel).run(decay)
 
 
 class EMA:
@@ -134,6 +162,7 @@ class EMA:
         self.overlap = bool(overlap)
         self._stream = None  # the side stream of the overlapped updates, made on the first one
         self._done = None  # an event after the last overlapped update
+        self._prepared_for = None  # (parameters key, shadows, params, plan, GPU) of the last update: ``_prepared``
         self.shadow: dict[str, torch.Tensor] = {}
         if self.enabled:
             with torch.no_grad():
@@ -155,13 +184,7 @@ class EMA:
         then starts at that event instead of behind everything queued so far."""
         if not self.enabled:
             return
-        tracked = self._tracked(model)
-        for name, _ in tracked:
-            if name not in self.shadow:
-                raise KeyError(f"EMA has no weight {name!r}: was the model changed after the EMA was built?")
-        shadows = [self.shadow[name] for name, _ in tracked]
-        params = [param.detach() for _, param in tracked]
-        side = self._side_stream(shadows, params)
+        shadows, params, plan, side = self._prepared(model)
         if side is not None and after is not None:
             side.wait_event(after)
         elif side is not None:  # after everything queued so far (the optimizer's writes to the parameters)
@@ -171,18 +194,36 @@ class EMA:
                 for shadow, param in zip(shadows, params):
                     shadow.copy_(param)
             else:
-                ema_step_all(shadows, params, self.decay_at(step))
+                plan.run(self.decay_at(step))
             if side is not None:
                 self._done = torch.cuda.Event()
                 self._done.record(side)
         self.num_updates += 1
 
-    def _side_stream(self, shadows, params):
-        """The overlap's stream, or ``None`` (overlap off, host shadows, or not all on one GPU)."""
-        if not (self.overlap and shadows and torch.cuda.is_available()):
-            return None
-        device = shadows[0].device
-        if device.type != "cuda" or any(t.device != device for t in (*shadows, *params)):
+    def _prepared(self, model: nn.Module):
+        """(shadows, params, update plan, side stream) for ``model``'s trainable weights. Walking the module tree is
+        the one per-update cost when the trainable parameters are the tensors of the last update (same objects on
+        the same storage, in the same order): the name check, the lists, the plan and the stream choice are kept."""
+        params = [p for p in unwrap_model(model).parameters() if p.requires_grad]
+        key = (tuple(map(id, params)), tuple(p.data_ptr() for p in params), CAST_CHUNK_NUMEL)
+        if self._prepared_for is None or self._prepared_for[0] != key:
+            tracked = self._tracked(model)
+            for name, _ in tracked:
+                if name not in self.shadow:
+                    raise KeyError(f"EMA has no weight {name!r}: was the model changed after the EMA was built?")
+            shadows = [self.shadow[name] for name, _ in tracked]
+            values = [param.detach() for _, param in tracked]
+            plan = _UpdatePlan(shadows, values, CAST_CHUNK_NUMEL)
+            device = shadows[0].device if shadows else None  # the GPU all of them are on, if one is
+            if device is None or device.type != "cuda" or any(t.device != device for t in (*shadows, *values)):
+                device = None
+            self._prepared_for = (key, shadows, values, plan, device)
+        _, shadows, values, plan, device = self._prepared_for
+        return shadows, values, plan, self._side_stream(device)
+
+    def _side_stream(self, device: torch.device | None):
+        """The overlap's stream, or ``None`` (overlap off, or ``device`` None: host shadows or not all on one GPU)."""
+        if not (self.overlap and device is not None and torch.cuda.is_available()):
             return None
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device=device)
