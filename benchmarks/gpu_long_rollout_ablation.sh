@@ -13,8 +13,11 @@
 #     beside it the CFG-2 student's eval     |
 #   evaluation of SF, LR 0.25, control       | evaluation of LR 0
 # then the trainer at the padded shape again, alone on the machine (when the chain is within QUIET_BY seconds).
-# The CFG-2 student's evaluation shares GPU 0 with a training run: its speeds are not comparable. Every evaluation adds the prompt switch, with
-# the sinks as trained and without sinks (does a sink frame carry the old colour?).
+# Other lanes, same schedule: SWITCH_A / SWITCH_B (the two LongRollout switch shares, default 0.25 / 0), LANE_B_FLAGS
+# (more flags for the second, e.g. "--long-context-steps full"), CFG_B (the second Self-Forcing's real-score CFG,
+# default 2), STEPS (LongRollout's and the control's, default 120).
+# The CFG-2 student's evaluation shares GPU 0 with a training run: its speeds are not comparable. Every evaluation
+# adds the prompt switch, with the sinks as trained and without sinks (does a sink frame carry the old colour?).
 set -uo pipefail
 mode=${1:?usage: gpu_long_rollout_ablation.sh start|wait OUT [SEC]}
 out=${2:?usage: gpu_long_rollout_ablation.sh start|wait OUT [SEC]}
@@ -76,17 +79,18 @@ stage 0 ls teacher --only-stage teacher
 stage 0 ls ode --only-stage ode
 mkdir -p "$out/lsg" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/lsg/"
 wait $tests
-stage 1 lsg self_forcing_cfg2 --only-stage self_forcing --real-guidance 2 &
+stage 1 lsg self_forcing_cfg_b --only-stage self_forcing --real-guidance "${CFG_B:-2}" &
 stage 0 ls self_forcing --only-stage self_forcing
 mkdir -p "$out/ls0" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" "$out/ls0/"
 wait
-( stage 0 ls long_rollout_switch25 $L --only-stage long_rollout & stage 0 lsg eval_lsg --students self_forcing "${switch[@]}"
+( stage 0 ls long_rollout_a $L --switch-prob "${SWITCH_A:-0.25}" --only-stage long_rollout &
+  stage 0 lsg eval_lsg --students self_forcing "${switch[@]}"
   wait ) &
 lane0=$!
 (
   stage 1 ls control $L --only-stage self_forcing_more
   cp -r "$out/ls/self_forcing_more" "$out/ls0/"
-  stage 1 ls0 long_rollout_switch0 $L --switch-prob 0 --only-stage long_rollout
+  stage 1 ls0 long_rollout_b $L --switch-prob "${SWITCH_B:-0}" ${LANE_B_FLAGS:-} --only-stage long_rollout
   stage 1 ls0 eval_ls0 $L "${switch[@]}" --score long_rollout
 ) &
 lane1=$!
