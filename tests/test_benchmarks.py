@@ -345,13 +345,20 @@ def test_results_hold_exactly_the_files_the_reports_cite_and_the_readme_links_re
     assert len(readme.splitlines()) <= 150
 
 
-def test_ema_update_host_times_this_checkout_beside_another_ema(tmp_path):
-    """``--against`` loads another version of ema.py (here this one, copied) and interleaves both."""
-    from benchmarks import ema_update_host
+def test_host_work_times_this_checkout_beside_other_versions(tmp_path):
+    """``--against-ema`` / ``--against-zero`` load other versions of those modules (here copies of this checkout's)
+    and interleave them with this checkout's, part by part."""
+    from benchmarks import host_work
 
-    copy = tmp_path / "ema_copy.py"
-    copy.write_text((ROOT / "opensora/training/ema.py").read_text())
-    result = ema_update_host.main(["--iters", "2", "--rounds", "2", "--against", str(copy)])
+    copies = {}
+    for name in ("ema", "zero_single_rank"):
+        copies[name] = tmp_path / f"{name}_copy.py"
+        copies[name].write_text((ROOT / f"opensora/training/{name}.py").read_text())
+    argv = ["--iters", "2", "--rounds", "2", "--against-ema", str(copies["ema"])]
+    result = host_work.main(argv + ["--against-zero", str(copies["zero_single_rank"])])
     assert result["tensors"] == 336  # the 1B preset's trainable tensors
-    assert set(result["rounds_ms"]) == {"this checkout", str(copy)}
-    assert all(len(v) == 2 and min(v) > 0 for v in result["rounds_ms"].values())
+    assert set(result["parts"]) == {"ema", "zero_cast", "zero_write_back"}
+    assert set(result["parts"]["ema"]) == {"this checkout", str(copies["ema"])}
+    assert set(result["parts"]["zero_cast"]) == {"this checkout", str(copies["zero_single_rank"])}
+    for versions in result["parts"].values():
+        assert all(len(v["rounds_ms"]) == 2 and min(v["rounds_ms"]) > 0 for v in versions.values())

@@ -96,10 +96,32 @@ def _cast_all(tensors: list, dtype: torch.dtype) -> list:
     of ``dtype`` are returned as they are, as ``.to()`` does)."""
     if not tensors or tensors[0].dtype == dtype:
         return list(tensors)
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
-    casts = [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    sizes = [t.numel() for t in tensors]
+    pieces = torch.empty(sum(sizes), dtype=dtype, device=tensors[0].device).split(sizes)
+    if all(t.dim() == 1 for t in tensors):  # ZeRO's gradient shards are flat: the pieces need no view each
+        casts = list(pieces)
+    else:
+        casts = [piece.view(t.shape) for piece, t in zip(pieces, tensors)]
     torch._foreach_copy_(casts, tensors)
     return casts
+
+
+def _write_back_lists(self, stepped: list) -> tuple:
+    """(each stepped parameter's data, its master viewed in the parameter's shape) for the one-rank write-back, kept
+    on the optimizer while the stepped pairs are the same tensors on the same storage: a view and an alias per
+    parameter tensor every step are host time a host-bound step pays. Masters that cannot be viewed in the
+    parameter's shape are reshaped (a copy) every step instead, as before."""
+    key = tuple((id(w), w.data_ptr(), m.data_ptr()) for w, m in stepped)
+    cached = getattr(self, "_opensora_write_back", None)
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
+    working = [w.data for w, _ in stepped]
+    try:
+        masters = [m.view(w.shape) for w, (_, m) in zip(working, stepped)]
+    except RuntimeError:  # not viewable: no cache (a copy would go stale)
+        return working, [m.reshape(w.shape) for w, (_, m) in zip(working, stepped)]
+    self._opensora_write_back = (key, working, masters)
+    return working, masters
 
 
 def _chunks(pairs: list, bound: float) -> list:
@@ -184,8 +206,7 @@ def _step(self, closure=None):
             master.grad = None
         self.optim.param_groups[group_id]["params"] = self._master_param_groups_of_current_rank[group_id]
     if stepped and path == "local":  # one rank: each master is its parameter's whole (unpadded) flat copy
-        working = [w.data for w, _ in stepped]
-        torch._foreach_copy_(working, [m.reshape(w.shape) for w, (_, m) in zip(working, stepped)])
+        torch._foreach_copy_(*_write_back_lists(self, stepped))
     elif stepped:
         _gather_into_params(self, stepped)
     SHORTCUTS_TAKEN["step" if path == "local" else "multi_rank_step"] += 1
