@@ -30,8 +30,8 @@ if [ "$mode" = wait ]; then
   grep -h -E "trained in|reusing|Error|error:|Killed" "$out"/log/*.txt 2>/dev/null | tail -n 12
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT/log" && cp "$out"/log/*.txt "$out/progress.txt" "$OUT/log/" 2>/dev/null
-    for d in ls ls0 lsg; do
-      for f in report.json report.txt; do [ -e "$out/$d/$f" ] && cp "$out/$d/$f" "$OUT/${d}_$f"; done
+    for d in ls ls0 lsg; do  # the printed tables are the log/eval_*.txt
+      [ -e "$out/$d/report.json" ] && cp "$out/$d/report.json" "$OUT/${d}_report.json"
     done
     cp -r "$out/p30" "$OUT/" 2>/dev/null
   fi

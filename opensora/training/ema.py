@@ -80,16 +80,17 @@ class _UpdatePlan:
         for run in _chunks(shadows, values, chunk_numel):
             run_shadows = [s for s, _ in run]
             run_values = [v.detach() for _, v in run]
+            sizes = [v.numel() for v in run_values]  # the cast scratch's pieces
             if run_values[0].device != run_shadows[0].device:  # a host-side shadow (device="cpu"): tensor by tensor
-                self.runs.append(("per_tensor", run_shadows, run_values, None))
+                self.runs.append(("per_tensor", run_shadows, run_values, sizes))
             elif run_values[0].dtype == run_shadows[0].dtype:
-                self.runs.append(("lerp", run_shadows, run_values, None))
+                self.runs.append(("lerp", run_shadows, run_values, sizes))
             elif all(t.is_contiguous() for t in (*run_shadows, *run_values)):
                 # flat views: the scratch's pieces need no per-tensor view, and elementwise kernels do not care
                 flat_shadows, flat_values = [s.view(-1) for s in run_shadows], [v.view(-1) for v in run_values]
-                self.runs.append(("cast", flat_shadows, flat_values, [v.numel() for v in run_values]))
+                self.runs.append(("cast", flat_shadows, flat_values, sizes))
             else:
-                self.runs.append(("cast_shaped", run_shadows, run_values, None))
+                self.runs.append(("cast_shaped", run_shadows, run_values, sizes))
 
     def run(self, decay: float) -> None:
         """The same arithmetic as ``ema_step`` per tensor, so bit-identical results: each value is first cast into
@@ -104,11 +105,8 @@ class _UpdatePlan:
                 torch._foreach_lerp_(shadows, values, weight)
                 continue
             first = shadows[0]
-            scratch = torch.empty(sum(v.numel() for v in values), device=first.device, dtype=first.dtype)
-            if kind == "cast":
-                casts = list(scratch.split(sizes))
-            else:
-                casts = [piece.view_as(v) for piece, v in zip(scratch.split([v.numel() for v in values]), values)]
+            pieces = torch.empty(sum(sizes), device=first.device, dtype=first.dtype).split(sizes)
+            casts = list(pieces) if kind == "cast" else [piece.view_as(v) for piece, v in zip(pieces, values)]
             torch._foreach_copy_(casts, values)
             torch._foreach_lerp_(shadows, casts, weight)
 
