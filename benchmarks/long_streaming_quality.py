@@ -70,7 +70,8 @@ CONFIGS = dict(
     long_rollout="configs/distill/long_rollout_gpu.py",
     self_forcing_more="configs/distill/self_forcing_gpu.py",
 )
-DMD_STAGES = ("self_forcing", "long_rollout", CONTROL)  # the stages that train with DMD's guided real score
+# the streamed students, which are also the stages that train with DMD's guided real score
+DMD_STAGES = ("self_forcing", "long_rollout", CONTROL)
 # --tiny: every stage on CPU in seconds (16x16 clips of 8 frames, a 2-block MMDiT, a few steps)
 TINY_MODEL = "dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6))"
 TINY_DATA = (
@@ -469,7 +470,7 @@ def evaluate(args, checkpoints: dict) -> dict:
 
 def student_names(checkpoints_or_report) -> list:
     """The streamed students present: Self-Forcing, long-rollout and (with --long-init self_forcing) the control."""
-    return [n for n in ("self_forcing", "long_rollout", CONTROL) if n in checkpoints_or_report]
+    return [n for n in DMD_STAGES if n in checkpoints_or_report]
 
 
 def print_windows(windows) -> None:
@@ -669,7 +670,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--score",
         nargs="+",
-        choices=("self_forcing", "long_rollout", CONTROL),
+        choices=DMD_STAGES,
         default=None,
         help="score only these students (default: every trained one; the teacher is always scored)",
     )

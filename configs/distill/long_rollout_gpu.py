@@ -37,8 +37,10 @@ method = dict(
     kv_rope_anchor=rope_anchor,
     # a quarter of the iterations switch every sample's prompt at the judged window's start (re-cache under the new
     # text at the pinned anchor, DMD with the new prompt), so a prompt switch mid-stream is learned. Measured once
-    # (benchmarks/reports/long_streaming_h200_2026-11.md, session 19): 120 steps from a Self-Forcing student faded it
-    # (0.94 -> 0.79 at the clip length) and taught no colour switch; whether the switches cause that is not yet known
+    # twice (benchmarks/reports/long_streaming_h200_2026-11.md, sessions 19 and 20), 120 steps from a Self-Forcing
+    # student each: it taught no colour switch either time; the student faded once (0.94 -> 0.79 at the clip length)
+    # and not the other time, with or without switches; with switches the frame statistics came back (0.72 in range
+    # at the clip length against 0.22 without)
     switch_prob=0.25,
     # the chunks before the judged window stop at the exit step (Self-Forcing's rule); "full" runs them through every
     # step, so the window sees the context the sampler would have made (not yet measured)
