@@ -15,7 +15,10 @@
 # then the trainer at the padded shape again, alone on the machine (when the chain is within QUIET_BY seconds).
 # Other lanes, same schedule: SWITCH_A / SWITCH_B (the two LongRollout switch shares, default 0.25 / 0), LANE_B_FLAGS
 # (more flags for the second, e.g. "--long-context-steps full"), CFG_B (the second Self-Forcing's real-score CFG,
-# default 2), STEPS (LongRollout's and the control's, default 120).
+# default 2; "off": no second Self-Forcing), STEPS (LongRollout's and the control's, default 120) and L_MINUTES (their
+# time cap, default 7), P30_START (the #30 parts before the trainer on GPU 1, default graph-ckpt; "" for none).
+# SWITCH_EVAL (e.g. "--switch-renoise 0.5 0.75"): after the evaluations, a switch-only evaluation of every student
+# with these flags (report_switch.json). The quiet round ends with the optimizer's GPU tests on both GPUs.
 # The CFG-2 student's evaluation shares GPU 0 with a training run: its speeds are not comparable. Every evaluation
 # adds the prompt switch, with the sinks as trained and without sinks (does a sink frame carry the old colour?).
 set -uo pipefail
@@ -30,8 +33,9 @@ if [ "$mode" = wait ]; then
   grep -h -E "trained in|reusing|Error|error:|Killed" "$out"/log/*.txt 2>/dev/null | tail -n 12
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT/log" && cp "$out"/log/*.txt "$out/progress.txt" "$OUT/log/" 2>/dev/null
-    for d in ls ls0 lsg; do  # the printed tables are the log/eval_*.txt
+    for d in ls ls0 lsg; do  # the printed tables are the log/eval_*.txt and log/switch_*.txt
       [ -e "$out/$d/report.json" ] && cp "$out/$d/report.json" "$OUT/${d}_report.json"
+      [ -e "$out/$d/report_switch.json" ] && cp "$out/$d/report_switch.json" "$OUT/${d}_report_switch.json"
     done
     cp -r "$out/p30" "$OUT/" 2>/dev/null
   fi
@@ -50,7 +54,7 @@ fi
 [ "$mode" = chain ] || { echo "unknown mode $mode (start|wait)" >&2; exit 2; }
 export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 E=${EXTRA:-"--motion wrap --seed 929292 --train-seed 2 --teacher-minutes 6.5 --ode-minutes 2.5 --student-minutes 2.5"}
-L="--student-minutes 7 --student-steps ${STEPS:-120} --long-init self_forcing"
+L="--student-minutes ${L_MINUTES:-7} --student-steps ${STEPS:-120} --long-init self_forcing"
 t0=$(date +%s)
 note() { echo "$(( $(date +%s) - t0 )) s: $*" >> "$out/progress.txt"; }
 # stage GPU DIR NAME FLAGS...: one benchmark run pinned to a GPU, logged to log/NAME.txt
@@ -73,18 +77,22 @@ padded() {  # gpu_padded_text.sh parts, results under p30/NAME
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/log/gpu.txt"
 switch=(--prompt-switch --switch-sink-frames 0)
 
-( padded 1 graph_ckpt graph-ckpt; STEP_S=150 TRAINER_S=150 padded 1 trainer_padded_beside trainer-padded ) &
+cfg_b=${CFG_B:-2}
+( for part in ${P30_START-graph-ckpt}; do padded 1 "${part//-/_}" "$part"; done
+  STEP_S=150 TRAINER_S=150 padded 1 trainer_padded_beside trainer-padded ) &
 tests=$!
 stage 0 ls teacher --only-stage teacher
 stage 0 ls ode --only-stage ode
-mkdir -p "$out/lsg" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/lsg/"
-wait $tests
-stage 1 lsg self_forcing_cfg_b --only-stage self_forcing --real-guidance "${CFG_B:-2}" &
+if [ "$cfg_b" != off ]; then
+  mkdir -p "$out/lsg" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/lsg/"
+  wait $tests
+  stage 1 lsg self_forcing_cfg_b --only-stage self_forcing --real-guidance "$cfg_b" &
+fi
 stage 0 ls self_forcing --only-stage self_forcing
 mkdir -p "$out/ls0" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" "$out/ls0/"
-wait
+[ "$cfg_b" != off ] && wait
 ( stage 0 ls long_rollout_a $L --switch-prob "${SWITCH_A:-0.25}" --only-stage long_rollout &
-  stage 0 lsg eval_lsg --students self_forcing "${switch[@]}"
+  [ "$cfg_b" != off ] && stage 0 lsg eval_lsg --students self_forcing "${switch[@]}"
   wait ) &
 lane0=$!
 (
@@ -97,7 +105,17 @@ lane1=$!
 wait $lane0
 stage 0 ls eval_ls $L "${switch[@]}"
 wait $lane1
+if [ -n "${SWITCH_EVAL:-}" ]; then  # the students again, the prompt switch only, with these flags
+  stage 0 ls switch_ls $L --switch-only $SWITCH_EVAL &
+  stage 1 ls0 switch_ls0 $L --switch-only $SWITCH_EVAL --score long_rollout &
+  wait
+fi
 # the quiet round only while the session's device time allows it (QUIET_BY: seconds into the chain)
 [ $(( $(date +%s) - t0 )) -le "${QUIET_BY:-1450}" ] && STEP_S=150 TRAINER_S=150 padded 0 trainer_padded_quiet trainer-padded
+wait $tests
+note "start optimizer GPU tests (both GPUs)"
+timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/test_ema.py tests/test_zero_single_rank.py \
+  > "$out/log/optimizer_gpu_tests.txt" 2>&1
+note "end optimizer GPU tests: $(tail -n 1 "$out/log/optimizer_gpu_tests.txt")"
 note "chain done"
 touch "$out/done"

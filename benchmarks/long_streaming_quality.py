@@ -14,6 +14,9 @@ teacher.
   # streaming options on the trained students: the long run again with the KV re-cache at every window shift, and
   # a prompt switch mid-stream (with and without the re-cache under the new prompt)
   python -m benchmarks.long_streaming_quality --out DIR --kv-recache both --prompt-switch
+  # the prompt switch alone on the trained students (no training, no teacher sampling; report_switch.json), with the
+  # kept window re-rendered under the new prompt from t = 0.5, 0.75 and 1 (StreamingGenerator(switch_renoise=t))
+  python -m benchmarks.long_streaming_quality --out DIR --switch-only --switch-renoise 0.5 0.75 1.0
   # the long run with absolute RoPE positions and with the text + sinks anchored at the window's start, same seeds
   python -m benchmarks.long_streaming_quality --out DIR --rope-anchor both
   # long tuning after Self-Forcing (Self-Forcing++'s order) against Self-Forcing trained on for as long (the
@@ -33,7 +36,10 @@ With ``--kv-recache shift|both`` the long run is (also) streamed with ``kv_recac
 (``long_kv_recache``). With ``--prompt-switch`` every prompt switches at the first chunk start at or after the clip
 length to a caption that differs in colour, shape and direction, and the window right after the switch is scored
 against the new caption: its colour, shape and direction accuracy >= 90% (``switch``; LongLive's re-cache under the
-new prompt, and for comparison the same switch keeping the old prompt's keys/values).
+new prompt, and for comparison the same switch keeping the old prompt's keys/values). ``--switch-renoise T ...``
+adds one switch per T (``renoise_T``) whose kept window is re-rendered under the new prompt from time T before it is
+re-cached; every switch run also reports ``boundary_change`` (the frame change across the switch over the change
+between frames inside the windows around it: a re-render that jumps shows there).
 By default (``--rope-anchor window``, what the sampling CLI streams with) the long run and the prompt switch
 are streamed with ``rope_anchor="window"`` (the text and the sink frames at the window's start in RoPE time,
 ``KVCache``); ``--rope-anchor both`` judges the absolute run and adds the anchored one on the same seeds
@@ -238,20 +244,19 @@ def confusions_text(scores: dict) -> str:
     return "; ".join(parts)
 
 
-def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
-    """Stream the student at the training length (accuracy, speed) and at the long length (windows, flicker)."""
+def student_generator(args, name, ckpt, clip):
+    """The student's ``StreamingGenerator`` as every run streams it (its config's steps, rollout and context time;
+    the benchmark's window, sinks and RoPE anchor)."""
     from benchmarks.streaming import clip_window
     from opensora.config import load_config
-    from opensora.eval.moving_shapes_windows import background_by_frame, chunk_edge_flicker, score_windows
     from opensora.inference.sampler import VideoSampler
     from opensora.inference.streaming.generator import StreamingGenerator
 
     cfg = load_config(str(stage_config(args, name)))
     sampler = VideoSampler.from_config(cfg, ckpt, role="student", device=args.device, progress=False)
     frames, height, width = clip
-    chunk = sampler.model.causal_chunk_frames
     window = args.window_frames if args.window_frames is not None else clip_window(sampler, frames, height, width)
-    generator = StreamingGenerator(
+    return StreamingGenerator(
         sampler,
         step_list=list(cfg.step_list),
         rollout=cfg.get("rollout", "renoise"),
@@ -260,6 +265,29 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         context_time=float(cfg.get("context_time") or 0.0),
         rope_anchor="window" if args.rope_anchor == "window" else "absolute",  # the anchor the criteria judge
     )
+
+
+def switch_runs(args, generator, prompts, seeds, clip) -> dict:
+    """``evaluate_switch`` under the anchor the long criteria judge, and with ``--rope-anchor both`` under the window
+    anchor too (report keys ``switch``, ``switch_rope_window``)."""
+    runs = [("switch", generator.rope_anchor)]
+    runs += [("switch_rope_window", "window")] if args.rope_anchor == "both" else []
+    plain, result = generator.rope_anchor, {}
+    for key, anchor in runs:
+        generator.rope_anchor = anchor  # a re-cache under the window anchor pins it (KVCache.pin_anchor)
+        result[key] = dict(rope_anchor=anchor, **evaluate_switch(args, generator, prompts, seeds, clip))
+    generator.rope_anchor = plain
+    return result
+
+
+def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
+    """Stream the student at the training length (accuracy, speed) and at the long length (windows, flicker)."""
+    from opensora.eval.moving_shapes_windows import background_by_frame, chunk_edge_flicker, score_windows
+
+    generator = student_generator(args, name, ckpt, clip)
+    sampler, window = generator.sampler, generator.window_frames
+    frames, height, width = clip
+    chunk = sampler.model.causal_chunk_frames
 
     def stream(num_frames):
         return generator.generate(prompts, seeds, num_frames, height, width).numpy()
@@ -324,13 +352,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
             result["long"] = recache  # the long criteria judge the re-cached run
         result["long_kv_recache"] = recache
     if args.prompt_switch:  # under the anchor the long criteria judge; with "both" under the window anchor too
-        runs = [("switch", generator.rope_anchor)]
-        runs += [("switch_rope_window", "window")] if args.rope_anchor == "both" else []
-        plain = generator.rope_anchor
-        for key, anchor in runs:
-            generator.rope_anchor = anchor  # a re-cache under the window anchor pins it (KVCache.pin_anchor)
-            result[key] = dict(rope_anchor=anchor, **evaluate_switch(args, generator, prompts, seeds, clip))
-        generator.rope_anchor = plain
+        result.update(switch_runs(args, generator, prompts, seeds, clip))
     result["over_teacher"] = {
         k: (result[k] / teacher[k] if teacher[k] else None) for k in ("color_acc", "shape_acc", "direction_acc")
     }
@@ -384,21 +406,29 @@ def evaluate_switch(args, generator, prompts, seeds, clip) -> dict:
             for k, a in enumerate(("color", "shape", "direction"))
         }
 
-    runs = [("recache", True, generator.sink_frames), ("keep_old_kv", False, generator.sink_frames)]
-    if args.switch_sink_frames is not None:  # does a sink frame, made under the old prompt, carry its colour on?
-        runs.append((f"recache_sinks_{args.switch_sink_frames}", True, args.switch_sink_frames))
     plain_sinks = generator.sink_frames
-    for name, recache, sinks in runs:
-        generator.switch_recache, generator.sink_frames = recache, sinks
-        seconds, videos = timed(
-            lambda: generator.generate(prompts, seeds, total, height, width, switches=switches).numpy()
-        )
-        generator.switch_recache, generator.sink_frames = True, plain_sinks
+    runs = [("recache", True, plain_sinks, None), ("keep_old_kv", False, plain_sinks, None)]
+    if args.switch_sink_frames is not None:  # does a sink frame, made under the old prompt, carry its colour on?
+        runs.append((f"recache_sinks_{args.switch_sink_frames}", True, args.switch_sink_frames, None))
+    for start in args.switch_renoise or ():  # the kept window re-rendered under the new prompt from ``start``
+        runs.append((f"renoise_{float(start)}", True, plain_sinks, float(start)))
+    for name, recache, sinks, renoise in runs:
+        generator.switch_recache, generator.sink_frames, generator.switch_renoise = recache, sinks, renoise
+        try:
+            seconds, videos = timed(
+                lambda: generator.generate(prompts, seeds, total, height, width, switches=switches).numpy()
+            )
+        finally:
+            generator.switch_recache, generator.sink_frames, generator.switch_renoise = True, plain_sinks, None
         after = window(videos, at, new)
         accuracies = [after[k] for k in ("color_acc", "shape_acc", "direction_acc")]
         out[name] = dict(
             sink_frames=sinks,
+            switch_renoise=renoise,
             seconds=seconds,
+            # a jump at the switch: the mean frame change across it over the mean change between frames of the
+            # windows around it (about 1 for a seamless switch)
+            boundary_change=boundary_change(videos, at, frames),
             before=window(videos, at - frames, prompts) if at >= frames else None,
             after=after,
             after_second=window(videos, at + frames, new),
@@ -406,6 +436,19 @@ def evaluate_switch(args, generator, prompts, seeds, clip) -> dict:
             new_prompt_ge_90pct=None if None in accuracies else min(accuracies) >= 0.9,
         )
     return out
+
+
+def boundary_change(videos, at: int, frames: int) -> dict:
+    """mean |frame[at] - frame[at-1]| (the switch boundary), the mean |frame[k] - frame[k-1]| inside the window
+    before and the window from ``at`` on (boundary excluded), and their ratio."""
+    import numpy as np
+
+    v = np.asarray(videos, dtype=np.float32)
+    steps = np.abs(np.diff(v[:, max(at - frames, 0) : at + frames], axis=1)).mean(axis=(0, 2, 3, 4))
+    edge = at - max(at - frames, 0) - 1  # the diff across the boundary
+    boundary = float(steps[edge])
+    inside = float(np.delete(steps, edge).mean()) if len(steps) > 1 else None
+    return dict(boundary=boundary, inside=inside, ratio=boundary / inside if inside else None)
 
 
 def criteria(student: dict, teacher: dict) -> dict:
@@ -429,16 +472,33 @@ def criteria(student: dict, teacher: dict) -> dict:
     return out
 
 
-def evaluate(args, checkpoints: dict) -> dict:
+def evaluation_inputs(args):
+    """(prompts, seeds, the teacher's config, clip (frames, height, width), the report's header) of every
+    evaluation: the first ``--num-prompts`` held captions, prompt i at seed ``--seed`` + i."""
     from opensora.config import load_config
     from opensora.datasets.moving_shapes import all_captions
-    from opensora.eval.moving_shapes_windows import score_windows
-    from opensora.inference.sampler import VideoSampler
 
     prompts = all_captions()[: args.num_prompts]
     seeds = [args.seed + i for i in range(len(prompts))]
     cfg = load_config(str(stage_config(args, "teacher")))
     clip = (int(cfg.dataset.num_frames), int(cfg.dataset.height), int(cfg.dataset.width))
+    header = dict(
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        motion=args.motion,
+        prompts=len(prompts),
+        seeds=[seeds[0], seeds[-1]],
+        clip=list(clip),
+        long_multiple=args.long_multiple,
+        long_init=args.long_init,
+    )
+    return prompts, seeds, cfg, clip, header
+
+
+def evaluate(args, checkpoints: dict) -> dict:
+    from opensora.eval.moving_shapes_windows import score_windows
+    from opensora.inference.sampler import VideoSampler
+
+    prompts, seeds, cfg, clip, header = evaluation_inputs(args)
     teacher = VideoSampler.from_config(cfg, checkpoints["teacher"], role="model", device=args.device, progress=False)
 
     def sample():
@@ -451,16 +511,7 @@ def evaluate(args, checkpoints: dict) -> dict:
     teacher_window = score_windows(list(videos), prompts, clip[0], motion=args.motion)
     teacher_scores["stats_in_range"] = teacher_window["stats_window_min"]
     teacher_scores["stats_outside"] = teacher_window["windows"][0]["stats_outside"]
-    report = dict(
-        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        motion=args.motion,
-        prompts=len(prompts),
-        seeds=[seeds[0], seeds[-1]],
-        clip=list(clip),
-        long_multiple=args.long_multiple,
-        long_init=args.long_init,
-        teacher=teacher_scores,
-    )
+    report = dict(header, teacher=teacher_scores)
     for name in student_names(checkpoints):
         if args.score and name not in args.score:
             continue
@@ -544,21 +595,36 @@ def print_report(report: dict) -> None:
                 f" flicker {r['flicker']['edge_over_inside']}; {r['frames_per_s']:.1f} frames/s"
                 f" (absolute {s['long_frames_per_s']:.1f})"
             )
-        for key in ("switch", "switch_rope_window"):
-            if key not in s:
-                continue
-            w = s[key]
-            print(f"  prompt switch, RoPE anchor {w['rope_anchor']}:")
-            for name in [n for n, run in w.items() if isinstance(run, dict) and "after" in run]:
-                after, second = w[name]["after"], w[name]["after_second"]
-                old = w[name]["after_reads_old"]
-                print(
-                    f"  switch at frame {w['switch_frame']} ({name}, {w[name]['sink_frames']} sinks): next window "
-                    f"colour {after['color_acc']:.3f} shape {after['shape_acc']:.3f} direction "
-                    f"{after['direction_acc']}; >= 90%: {w[name]['new_prompt_ge_90pct']}; reads the old caption's "
-                    f"colour {old['color_share']:.3f} shape {old['shape_share']:.3f} direction "
-                    f"{old['direction_share']:.3f}; second window colour {second['color_acc']:.3f}"
-                )
+        print_switch_lines(s)
+
+
+def print_switch_lines(s: dict) -> None:
+    """The prompt-switch lines of one student's report (every run: re-cache, old keys/values, sinks, re-render)."""
+    for key in ("switch", "switch_rope_window"):
+        if key not in s:
+            continue
+        w = s[key]
+        print(f"  prompt switch, RoPE anchor {w['rope_anchor']}:")
+        for name in [n for n, run in w.items() if isinstance(run, dict) and "after" in run]:
+            after, second = w[name]["after"], w[name]["after_second"]
+            old, jump = w[name]["after_reads_old"], w[name].get("boundary_change", {}).get("ratio")
+            print(
+                f"  switch at frame {w['switch_frame']} ({name}, {w[name]['sink_frames']} sinks): next window "
+                f"colour {after['color_acc']:.3f} shape {after['shape_acc']:.3f} direction "
+                f"{after['direction_acc']}; >= 90%: {w[name]['new_prompt_ge_90pct']}; reads the old caption's "
+                f"colour {old['color_share']:.3f} shape {old['shape_share']:.3f} direction "
+                f"{old['direction_share']:.3f}; second window colour {second['color_acc']:.3f}; boundary change "
+                + ("-" if jump is None else f"{jump:.2f}")
+                + "x the in-window change"
+            )
+
+
+def print_switches(report: dict) -> None:
+    """``--switch-only``'s report: each student's switch lines."""
+    print(f"\nMovingShapes ({report['motion']}) prompt switch on {report['device']}: {report['prompts']} prompts")
+    for name in student_names(report):
+        print(name)
+        print_switch_lines(report[name])
 
 
 def parse_args(argv=None):
@@ -668,6 +734,21 @@ def parse_args(argv=None):
         "switch.recache_sinks_N): whether the sinks, made under the old prompt, keep its colour in view",
     )
     parser.add_argument(
+        "--switch-renoise",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="T",
+        help="with --prompt-switch, the re-cached switch again per T with the kept window re-rendered under the new "
+        "prompt from time T (StreamingGenerator(switch_renoise=T); report key switch.renoise_T)",
+    )
+    parser.add_argument(
+        "--switch-only",
+        action="store_true",
+        help="score the prompt switch alone (implies --prompt-switch): no teacher sampling, no short or long runs; "
+        "reuses the trained students in --out (trains nothing) and writes report_switch.json",
+    )
+    parser.add_argument(
         "--score",
         nargs="+",
         choices=DMD_STAGES,
@@ -705,6 +786,10 @@ def parse_args(argv=None):
         parser.error(f"--only-stage {CONTROL} is the control of --long-init self_forcing: add that flag")
     if args.students == "self_forcing" and args.stop_after == "long_rollout":
         parser.error("--students self_forcing trains no long-rollout student: stop after self_forcing")
+    if args.switch_only:
+        args.prompt_switch = True
+    if args.switch_renoise is not None and not args.prompt_switch:
+        parser.error("--switch-renoise varies the prompt switch: add --prompt-switch")
     if args.switch_sink_frames is not None and not args.prompt_switch:
         parser.error("--switch-sink-frames varies the prompt switch: add --prompt-switch")
     if args.tiny:
@@ -760,10 +845,37 @@ def train_or_reuse(args, stage: str, minutes: float, inits: dict, steps: Optiona
     return path
 
 
+def trained_students(args) -> dict:
+    """The students' final checkpoints in ``--out`` (``--switch-only``: nothing trains); exit 2 when none is there."""
+    names = ("self_forcing",) if args.students == "self_forcing" else DMD_STAGES
+    found = {name: last_checkpoint(Path(args.out) / name) for name in names}
+    found = {name: path for name, path in found.items() if path is not None and (not args.score or name in args.score)}
+    if not found:
+        print(f"--switch-only: no trained student in {args.out}; train them first")
+        raise SystemExit(2)
+    return found
+
+
+def evaluate_switch_only(args) -> dict:
+    """``--switch-only``: each trained student's prompt switch (``switch_runs``), built as ``evaluate_student``
+    builds it, and nothing else."""
+    prompts, seeds, _, clip, report = evaluation_inputs(args)
+    for name, ckpt in trained_students(args).items():
+        generator = student_generator(args, name, ckpt, clip)
+        report[name] = dict(ckpt=str(ckpt), **switch_runs(args, generator, prompts, seeds, clip))
+    return report
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.switch_only:
+        report = evaluate_switch_only(args)
+        (out / "report_switch.json").write_text(json.dumps(report, indent=1) + "\n")
+        print_switches(report)
+        print(f"report: {out / 'report_switch.json'}")
+        return report
     try:
         checkpoints = train_all(args)
     except StageDone:

@@ -86,6 +86,30 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
     scored = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--score", "long_rollout"])
     assert "self_forcing" not in scored and scored["long_rollout"]["ckpt"] == str(stages["long_rollout"])
     assert scored["teacher"]["ckpt"] == str(stages["teacher"])
+    # --switch-only: the prompt switch alone from the trained students (nothing trains, no teacher sampling), with
+    # the kept window re-rendered under the new prompt from 0.5 and from 1.0
+    stamps = {name: path.stat().st_mtime_ns for name, path in stages.items()}
+    capsys.readouterr()
+    flags = ["--switch-only", "--switch-renoise", "0.5", "1.0", "--score", "long_rollout"]
+    only = bench.main(["--tiny", "--out", str(out), "--device", "cpu", *flags])
+    printed = capsys.readouterr().out
+    assert "==" not in printed and "renoise_0.5" in printed and "boundary change" in printed
+    assert json.loads((out / "report_switch.json").read_text()) == json.loads(json.dumps(only))
+    assert "teacher" not in only and bench.student_names(only) == ["long_rollout"]
+    assert {name: path.stat().st_mtime_ns for name, path in stages.items()} == stamps
+    assert all(bench.last_checkpoint(out / name) == path for name, path in stages.items())
+    switch = only["long_rollout"]["switch"]
+    assert switch["switch_frame"] == 8 and {"recache", "keep_old_kv", "renoise_0.5", "renoise_1.0"} <= set(switch)
+    for run in ("renoise_0.5", "renoise_1.0"):
+        r = switch[run]
+        assert r["switch_renoise"] == float(run.split("_")[1]) and r["sink_frames"] == switch["recache"]["sink_frames"]
+        assert r["before"] == switch["recache"]["before"]  # the frames handed out before the switch do not change
+        for window in ("after", "after_second", "before"):
+            assert all(0.0 <= v <= 1.0 for v in r[window].values() if v is not None)
+        assert all(0.0 <= v <= 1.0 for v in r["after_reads_old"].values())
+        assert r["new_prompt_ge_90pct"] in (True, False, None) and r["boundary_change"]["ratio"] > 0
+    with pytest.raises(SystemExit):  # the re-render varies the switch: without it, a parser error
+        bench.parse_args(["--tiny", "--switch-renoise", "0.5"])
 
 
 def test_long_tuning_after_self_forcing_is_compared_with_as_much_more_self_forcing(tmp_path, capsys):

@@ -270,6 +270,8 @@ def test_prompt_schedule_parses_to_what_the_window_scoring_reads():
         (["--prompt-schedule", "0:A;40:B"], "past the video's 16 frames"),
         (["--prompt-schedule", "0:A;8:B", "--prompt", "C"], "drop --prompt"),
         (["--kv-recache", "always"], "--kv-recache 'always' is not one of off, shift"),
+        (["--prompt-schedule", "0:A;8:B", "--switch-renoise", "1.5"], "--switch-renoise must lie in (--context-time"),
+        (["--switch-renoise", "0.5"], "--switch-renoise re-renders at a prompt switch: add --prompt-schedule"),
     ],
 )
 def test_cli_refuses_a_bad_schedule_in_one_line_with_exit_code_2(tmp_path, capsys, flags, message):
@@ -323,6 +325,7 @@ def test_cli_streams_one_video_for_a_schedule_and_reports_each_recache(tmp_path)
     assert len(written) == 1 and read_video(written[0]).shape == (24, 32, 32, 3)
     sidecar = json.loads(written[0].with_suffix(".json").read_text())
     assert sidecar["prompt"] == schedule and sidecar["kv_recache"] == "shift"
+    assert "switch_renoise" not in sidecar and "rerender_passes" not in sidecar["chunks"][2]["recache"]
     assert sidecar["prompt_schedule"] == [[0, "a red circle moving left"], [8, "a blue square moving up"]]
     chunks = sidecar["chunks"]  # chunks of 4 frames: the switch re-caches before chunk 2, the window rolls at 3, 4, 5
     assert [c["index"] for c in chunks] == list(range(6)) and len(sidecar["chunk_seconds"]) == 6
@@ -345,3 +348,23 @@ def test_cli_streams_one_video_for_a_schedule_and_reports_each_recache(tmp_path)
     )
     windows = json.loads(report.read_text())["windows"]
     assert [w["scored_n"] for w in windows] == [1, 0, 1, 1, 1]  # starts 0, 4 (switch at 8 inside), 8, 12, 16
+
+
+def test_cli_switch_renoise_rerenders_the_window_at_the_switch_and_records_it(tmp_path):
+    """``--switch-renoise 0.75``: the same frames as the plain switch up to it, other frames after it; the sidecar
+    names the time and the switch's re-cache counts the re-render's passes."""
+    from opensora.datasets.video_io import read_video
+    from opensora.inference import cli
+
+    config, ckpt = random_causal_checkpoint(tmp_path)
+    argv = [str(config), "--ckpt", str(ckpt), "--streaming", "--num-frames", "16", "--resolution", "32x32"]
+    argv += ["--step-list", "1.0,0.5", "--window-frames", "8", "--prompt-schedule", "0:a red circle;8:a blue square"]
+    argv += ["--device", "cpu", "--progress", "false"]
+    plain = cli.main([*argv, "--save-dir", str(tmp_path / "plain")])
+    written = cli.main([*argv, "--save-dir", str(tmp_path / "out"), "--switch-renoise", "0.75"])
+    sidecar = json.loads(written[0].with_suffix(".json").read_text())
+    assert sidecar["switch_renoise"] == 0.75
+    recache = sidecar["chunks"][2]["recache"]  # chunks of 4 latent frames: 8 kept frames, 2 pieces, 2 steps each
+    assert recache["reason"] == "switch" and recache["passes"] == 2 and recache["rerender_passes"] == 4
+    a, b = read_video(plain[0]), read_video(written[0])
+    assert (a[:8] == b[:8]).all() and not (a[12:] == b[12:]).all()

@@ -151,6 +151,21 @@ def add_noise(x0: torch.Tensor, noise: torch.Tensor, t) -> torch.Tensor:
     return (1 - tb) * x0 + tb * noise
 
 
+def noise_forward(x_c: torch.Tensor, noise: torch.Tensor, c: float, s: float) -> torch.Tensor:
+    """A latent at time ``c`` carried forward to time ``s >= c`` with fresh noise (host floats, ``0 <= c < 1``):
+    ``x_s = a x_c + b noise`` with ``a = (1 - s) / (1 - c)`` and ``b = sqrt(s^2 - (a c)^2)``. If ``x_c = (1 - c) x0
+    + c eps``, then ``x_s = (1 - s) x0 + (a c eps + b noise)``, whose noise part has variance ``s^2``: the marginal of
+    ``add_noise(x0, ., s)``. ``c = 0`` is ``add_noise(x_c, noise, s)``; ``s = 1`` is ``noise``."""
+    c, s = float(c), float(s)
+    if not 0.0 <= c < 1.0 or not c <= s <= 1.0:
+        raise ValueError(f"noise_forward needs 0 <= c < 1 and c <= s <= 1, got c={c}, s={s}")
+    if x_c.shape != noise.shape:
+        raise ValueError(f"x_c {tuple(x_c.shape)} and noise {tuple(noise.shape)} must have the same shape")
+    a = (1.0 - s) / (1.0 - c)
+    b = math.sqrt(max(s * s - (a * c) ** 2, 0.0))
+    return a * x_c + b * noise
+
+
 def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Velocity the model learns: ``noise - x0``."""
     return noise - x0

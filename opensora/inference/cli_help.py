@@ -31,6 +31,8 @@ INFERENCE_HELP = {
     "its start in RoPE time, so no query-key distance exceeds what a training clip has (absolute: the text at frame 0)",
     "prompt_schedule": "--streaming: one video whose prompt changes, e.g. '0:A;64:B' (pixel frames, each a chunk start;"
     " ';' separates entries); at each switch the window's keys/values are recomputed under the new prompt",
+    "switch_renoise": "--prompt-schedule: re-render the kept window under the new prompt from time T at a prompt "
+    "switch (context-time < T <= 1), so later chunks do not copy the old prompt's look from their context",
 }
 
 

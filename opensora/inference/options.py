@@ -132,6 +132,8 @@ class StreamingOptions(_Options):
     # (benchmarks/reports/long_streaming_h200_2026-11.md); on one GPU and in the --pp-devices pipeline alike
     rope_anchor: str = "window"
     prompt_schedule: Optional[str] = None  # "0:A;64:B": one video whose prompt changes at those pixel frames
+    # at a prompt switch, re-render the kept window under the new prompt from this time (streaming/recache.py)
+    switch_renoise: Optional[float] = None
 
     def schedule(self) -> Optional[list]:
         """``--prompt-schedule`` parsed: ``[(0, A), (64, B), ...]`` (pixel frames), or None."""
@@ -151,6 +153,18 @@ class StreamingOptions(_Options):
         if self.rope_anchor not in ROPE_ANCHORS:
             raise UserInputError(f"--rope-anchor {self.rope_anchor!r} is not one of {', '.join(ROPE_ANCHORS)}")
         self.schedule()  # a one-line error for a malformed schedule, before anything loads
+        if self.switch_renoise is not None:
+            try:
+                self.switch_renoise = float(self.switch_renoise)
+            except (TypeError, ValueError):
+                raise UserInputError(f"--switch-renoise must be a time, got {self.switch_renoise!r}") from None
+            if not float(self.context_time) < self.switch_renoise <= 1.0:
+                raise UserInputError(
+                    f"--switch-renoise must lie in (--context-time {float(self.context_time)}, 1], "
+                    f"got {self.switch_renoise}"
+                )
+            if self.prompt_schedule is None:
+                raise UserInputError("--switch-renoise re-renders at a prompt switch: add --prompt-schedule")
         self.window_frames = None if self.window_frames is None else int(self.window_frames)
         self.sink_frames, self.context_time = int(self.sink_frames), float(self.context_time)
 
@@ -172,6 +186,7 @@ class StreamingOptions(_Options):
             context_time=self.context_time,
             kv_recache=self.kv_recache,
             rope_anchor=self.rope_anchor,
+            switch_renoise=self.switch_renoise,
         )
 
     def record(self) -> dict:
@@ -182,6 +197,8 @@ class StreamingOptions(_Options):
             record["rope_anchor"] = self.rope_anchor
         if self.prompt_schedule is not None:
             record["prompt_schedule"] = [list(entry) for entry in self.schedule()]
+        if self.switch_renoise is not None:
+            record["switch_renoise"] = self.switch_renoise
         return record
 
 

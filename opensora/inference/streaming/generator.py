@@ -27,7 +27,8 @@ Per chunk of ``K`` latent frames (``MMDiT.causal_chunk_frames``) at absolute lat
 
 Re-cache (``recache.py``): with ``kv_recache="shift"`` a refill that rolls the window re-runs the kept frames against
 the context they have now; at a prompt switch (``stream(switches=...)``) the text changes (a fresh text cache) and
-every kept frame re-runs under the new prompt. Both replace that refill; without either, nothing changes.
+every kept frame re-runs under the new prompt (with ``switch_renoise``, re-rendered under it first). Both replace that
+refill; without either, nothing changes.
 
 Noise: sample ``i`` draws every chunk's noise (and re-noising) from its own CPU generator seeded with
 ``seeds[i]``, in order, so a sample's video does not depend on the batch it runs in.
@@ -54,8 +55,9 @@ from opensora.models.vae.exact_chunk_decode import exact_chunk_decode
 
 from . import KV_RECACHE, ROPE_ANCHORS
 from .chunk_graphs import ChunkGraphs
+from .decode_ahead import DecodeAhead, decode_stream  # noqa: F401  (decode_stream: the pipeline's import)
 from .prompt_schedule import switch_chunks
-from .recache import Stopwatch, WindowLatents, plan_recache, run_recache
+from .recache import Rerender, Stopwatch, WindowLatents, plan_recache, run_recache
 from .rules import StreamNoise, check_rollout, rollout_step, text_has_padding
 
 
@@ -155,54 +157,6 @@ class GraphedDecode:
         return static_in, self.memory.capture(body).replay, holder
 
 
-_DECODE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
-
-
-def decode_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The high-priority stream chunk decodes run on beside the chunk passes (one per device, for the process: cuBLAS
-    and cuDNN keep workspaces per stream). High priority: the decode of chunk k is on the first chunk's latency path,
-    the passes it overlaps are not."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _DECODE_STREAMS:
-        _DECODE_STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
-    return _DECODE_STREAMS[index]
-
-
-class DecodeAhead:
-    """Decodes a chunk on ``decode_stream`` while the main stream goes on with the next chunk's passes.
-
-    ``launch(latents)``: the decode stream waits for the main stream's work so far (the chunk's last pass), decodes
-    (``decode_fn`` returns uint8 frames on the device: a decode graph or the eager autoencoder), copies the frames
-    into a fresh pinned host tensor without blocking and records an event; ``result(handle)`` waits for that event
-    and returns the host frames, final from then on. The latents are marked as used by the decode stream, so the
-    main stream cannot reuse their memory before the decode read them. Off the GPU it decodes at once (same frames).
-    """
-
-    def __init__(self, decoder: ChunkDecoder, device: torch.device):
-        self.decoder = decoder
-        self.stream = decode_stream(device) if device.type == "cuda" and torch.cuda.is_available() else None
-
-    def launch(self, latents: torch.Tensor):
-        if self.stream is None:
-            return self.decoder(latents), None
-        self.stream.wait_stream(torch.cuda.current_stream(latents.device))
-        latents.record_stream(self.stream)
-        with torch.cuda.stream(self.stream):
-            frames = self.decoder(latents)
-            host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
-            host.copy_(frames, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return host, done
-
-    @staticmethod
-    def result(handle) -> torch.Tensor:
-        frames, done = handle
-        if done is not None:
-            done.synchronize()
-        return frames
-
-
 class StreamingGenerator:
     """Chunk-by-chunk sampling with a causal network held by a ``VideoSampler`` (which brings the autoencoder,
     the text conditioner, the device/dtype and the time shift).
@@ -253,6 +207,9 @@ class StreamingGenerator:
             against their current context instead (``recache.py``); ``"off"`` runs exactly the passes it ran before.
         switch_recache: at a prompt switch, re-run every kept frame under the new prompt (default; LongLive).
             False keeps the old prompt's keys/values (the chunk before the switch is refilled under the old prompt).
+        switch_renoise: a time ``s`` in (context_time, 1]: at a prompt switch with ``switch_recache`` every kept piece
+            is first re-rendered under the new prompt from time ``s`` (``recache.Rerender``), so later chunks attend
+            to a context that shows the new prompt; the frames handed out do not change. None (default): off.
         rope_anchor: ``"absolute"`` (default) or ``"window"``: once the window rolls, the text and the sink frames
             sit at the window's start in RoPE time, so no query-key distance leaves the range of a video starting
             there (``KVCache``). A re-cache (``kv_recache``, a prompt switch) then rebuilds the window as a video starting
@@ -281,6 +238,7 @@ class StreamingGenerator:
         kv_recache: str = "off",
         switch_recache: bool = True,
         rope_anchor: str = "absolute",
+        switch_renoise: Optional[float] = None,
     ):
         model = sampler.model
         if not getattr(model, "causal_chunk_frames", 0):
@@ -294,6 +252,9 @@ class StreamingGenerator:
             raise ValueError("rope_anchor='window' does not support merge_refill yet")
         if not 0.0 <= context_time < 1.0:
             raise ValueError(f"context_time must lie in [0, 1), got {context_time}")
+        if switch_renoise is not None and not context_time < switch_renoise <= 1.0:
+            raise ValueError(f"switch_renoise must lie in (context_time={context_time}, 1], got {switch_renoise}")
+        self.switch_renoise = None if switch_renoise is None else float(switch_renoise)
         self.sampler, self.model = sampler, model
         self.chunk_frames = int(model.causal_chunk_frames)
         self.step_list = None if step_list is None else [float(t) for t in step_list]
@@ -535,11 +496,15 @@ class StreamingGenerator:
             if plan is not None:
                 if everything:
                     switch_text(switch)
-                watch = Stopwatch(device)
+                watch, renoise = Stopwatch(device), everything and self.switch_renoise is not None
+                args = (seeds, start, self.switch_renoise, times, self.context_time, self.rollout, velocity, device)
+                rerender = Rerender(*args) if renoise else None
                 recomputed = run_recache(
-                    cache, window, plan, lambda latents, at: velocity(latents, self.context_time, True, at)
+                    cache, window, plan, lambda latents, at: velocity(latents, self.context_time, True, at), rerender
                 )
                 record = dict(reason="switch" if everything else "shift", frames=recomputed, passes=len(plan.pieces))
+                if renoise:
+                    record["rerender_passes"] = rerender.passes
                 record["watch"], waiting = watch.stop(), None
             elif waiting is not None and (switch is not None or not self.merge_refill or waiting.shape != shape):
                 # the previous chunk's refill as a pass of its own (under the prompt it was made with)

@@ -15,8 +15,17 @@ The refill input of a frame is the finished chunk noised to the context time (th
   the new chunk run again. Cost: one pass per recomputed piece instead of the refill's one pass.
 * a prompt switch (``--prompt-schedule``): every kept frame and the new chunk run again under the new prompt's text
   (the text stream changed, so every key changed), LongLive's re-cache on a prompt switch.
+* a re-rendered switch (``switch_renoise=s``, ``--switch-renoise``): the kept frames still SHOW the old prompt (its
+  colour, say), and later chunks copy what their context shows. So at a prompt switch every kept piece is first
+  re-rendered under the new prompt (``Rerender``): its refill input (time ``c``) is carried forward to time ``s``
+  with fresh noise (``flow_matching.noise_forward``), denoised by the chunk's own schedule from ``s`` (its times
+  below ``s``, down to 0) with non-storing passes and the stream's step rule, attending to the pieces re-rendered
+  and stored before it (nothing of the old window is left), then stored as above and kept as that frame's refill
+  input. The frames already handed out do not change; only what later chunks attend to does. Its noise comes
+  from CPU generators of its own, one per sample seeded from (the sample's seed, the switch's latent frame), so the
+  stream's noise sequence stays the plain switch's and a sample's video does not depend on its batch.
 
-The passes are the generator's ordinary storing passes (``forward_chunk``, or its CUDA graphs), so a re-cache costs
+The storing passes are the generator's ordinary storing passes (``forward_chunk``, or its CUDA graphs), so a re-cache costs
 and captures what refills of those sizes do.
 """
 
@@ -27,6 +36,11 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+
+from opensora.diffusion import flow_matching as fm
+from opensora.inference.sampler import noise_from_generators
+
+from .rules import rollout_step
 
 
 class WindowLatents:
@@ -93,18 +107,62 @@ def plan_recache(
     return RecachePlan(sum(map(len, pieces[:fresh])), pieces[fresh:], dropped)
 
 
-def run_recache(cache, latents: WindowLatents, plan: RecachePlan, store_pass: Callable) -> int:
+def run_recache(
+    cache, latents: WindowLatents, plan: RecachePlan, store_pass: Callable, rerender: Optional[Callable] = None
+) -> int:
     """Apply ``plan`` to ``cache`` (a ``KVCache``): keep its oldest ``plan.keep_frames`` frames, then
-    ``store_pass(latents, start_frame)`` each piece in order (a storing pass at the context time). Returns the
-    frames recomputed. Under ``rope_anchor="window"`` the pieces see the text and the sinks at the anchor of the
-    frames the cache ends with (``KVCache.pin_anchor``)."""
+    ``store_pass(latents, start_frame)`` each piece in order (a storing pass at the context time). ``rerender``
+    (a ``Rerender``): each piece's refill input is first replaced by ``rerender(refill input, start_frame)``, in
+    ``latents`` too. Returns the frames recomputed. Under ``rope_anchor="window"`` the pieces see the text and the
+    sinks at the anchor of the frames the cache ends with (``KVCache.pin_anchor``)."""
     ids_after = list(cache.frame_ids[: plan.keep_frames]) + [i for piece in plan.pieces for i in piece]
     with cache.pin_anchor(ids_after):
         cache.truncate(plan.keep_frames)
         for piece in plan.pieces:
-            store_pass(latents.gather(piece), piece[0])
+            inputs = latents.gather(piece)
+            if rerender is not None:
+                inputs = rerender(inputs, piece[0])
+                latents.add(piece[0], inputs)
+            store_pass(inputs, piece[0])
     latents.keep(cache.frame_ids)
     return sum(map(len, plan.pieces))
+
+
+def rerender_times(times: Sequence[float], start: float) -> List[float]:
+    """The chunk schedule ``times`` (ending in 0) restricted to ``start`` and its times below it."""
+    return [float(start)] + [float(t) for t in times if t < start]
+
+
+def rerender_seed(seed: int, frame: int) -> int:
+    """The seed of a sample's re-render noise at the switch at latent ``frame`` (a 63-bit mix of both)."""
+    return (int(seed) * 0x9E3779B97F4A7C15 + (int(frame) + 1) * 0xBF58476D1CE4E5B9) % (1 << 63)
+
+
+class Rerender:
+    """The re-render of a prompt switch (module docstring): ``self(refill input [B, C, F, h, w], start_frame)`` ->
+    the piece's new refill input. Per piece: noise forward from ``context_time`` to ``start`` (``noise_forward``),
+    the steps of ``rerender_times(times, start)`` with ``velocity(x, t, False, start_frame)`` (non-storing passes)
+    and ``rollout_step``, then the clean result noised to ``context_time`` when it is > 0. Every draw comes from one
+    CPU generator per sample seeded with ``rerender_seed(seed, switch_frame)``, in that order, piece after piece.
+    ``passes``: the velocity passes run."""
+
+    def __init__(self, seeds, switch_frame, start, times, context_time, rollout, velocity, device=None):
+        self.gens = [torch.Generator("cpu").manual_seed(rerender_seed(s, switch_frame)) for s in seeds]
+        self.times, self.context_time = rerender_times(times, start), float(context_time)
+        self.rollout, self.velocity, self.device = rollout, velocity, device
+        self.passes = 0
+
+    def draw(self, like: torch.Tensor) -> torch.Tensor:
+        return noise_from_generators(self.gens, like.shape[1:], self.device).to(like.dtype)
+
+    def __call__(self, latents: torch.Tensor, start_frame: int) -> torch.Tensor:
+        x = fm.noise_forward(latents.float(), self.draw(latents.float()), self.context_time, self.times[0])
+        for t, t_next in zip(self.times[:-1], self.times[1:]):
+            v = self.velocity(x, t, False, start_frame)
+            self.passes += 1
+            renoise = self.rollout == "renoise" and t_next != 0
+            x = rollout_step(x, v, t, t_next, self.rollout, self.draw(x) if renoise else None)
+        return x if self.context_time == 0 else fm.add_noise(x, self.draw(x), self.context_time)
 
 
 class Stopwatch:
