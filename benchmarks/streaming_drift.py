@@ -8,21 +8,28 @@ Reported per run: colour / shape / direction accuracy and the share of clips wit
 first clip length (``opensora.eval.moving_shapes_windows.score_windows``), and the mean background level of every frame
 (``background_by_frame``; the data's is 24). A background that slides frame by frame from the first chunk on is
 drift; one that holds and then jumps where the window first rolls is the cache's doing.
+``--prompt-switch`` adds, per run, ``long_streaming_quality``'s prompt switch (every caption switches at the first chunk
+start after the clip to one that differs in colour, shape and direction; the window after it scored against the new
+caption), with the re-cache, without it, and with the kept window re-rendered from each ``--switch-renoise`` time.
 
   # the CPU demo's students (make demo-stream), streamed 4x their 4-frame clip
   python -m benchmarks.streaming_drift --config configs/distill/self_forcing_demo.py \\
       --runs outputs/demo/causal_ode outputs/demo/self_forcing --frames 16 --out F.json
+  # their prompt switch, plain and with the kept window re-rendered under the new prompt from t = 0.5 / 0.75 / 1
+  python -m benchmarks.streaming_drift --runs outputs/demo/self_forcing --prompt-switch --switch-renoise 0.5 0.75 1
 """
 
 import argparse
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 
-def stream_run(run_dir, cfg, prompts, seeds, frames, size, window, sinks, device) -> dict:
+def stream_run(run_dir, cfg, prompts, seeds, frames, size, window, sinks, device, switch=None) -> dict:
     """Stream one run's newest student and score it (accuracy over the first clip, background per frame).
-    ``window``: latent frames, None (every frame) or "clip" (the clip's latent frames minus one chunk)."""
+    ``window``: latent frames, None (every frame) or "clip" (the clip's latent frames minus one chunk). ``switch``:
+    the re-render times of ``long_streaming_quality.evaluate_switch`` (a list, maybe empty; None: no switch)."""
     import torch
 
     from benchmarks.streaming import clip_window
@@ -51,13 +58,21 @@ def stream_run(run_dir, cfg, prompts, seeds, frames, size, window, sinks, device
         videos = generator.generate(prompts, seeds, frames, height, width).numpy()
     seconds = time.perf_counter() - started
     first = score_windows([v[:clip] for v in videos], prompts, clip, motion="linear")["windows"][0]
-    return dict(
+    row = dict(
         ckpt=str(ckpt),
         window_frames=window,
         seconds=seconds,
         clip_scores={k: first[k] for k in ("color_acc", "shape_acc", "direction_acc", "stats_in_range")},
         background_by_frame=background_by_frame(list(videos)),
     )
+    if switch is not None:
+        from benchmarks.long_streaming_quality import evaluate_switch
+
+        settings = SimpleNamespace(
+            motion="linear", long_multiple=max(frames // clip, 2), switch_sink_frames=None, switch_renoise=switch
+        )
+        row["switch"] = evaluate_switch(settings, generator, prompts, seeds, size)
+    return row
 
 
 def main(argv=None) -> dict:
@@ -71,7 +86,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=7000)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="JSON report")
+    parser.add_argument("--prompt-switch", action="store_true", help="score a prompt switch after the clip too")
+    parser.add_argument(
+        "--switch-renoise", type=float, nargs="+", default=[], metavar="T", help="with --prompt-switch: re-render times"
+    )
     args = parser.parse_args(argv)
+    if args.switch_renoise and not args.prompt_switch:
+        parser.error("--switch-renoise varies the prompt switch: add --prompt-switch")
 
     from benchmarks.streaming import training_clip
     from opensora.config import load_config
@@ -87,8 +108,9 @@ def main(argv=None) -> dict:
         parser.error(f"--window-frames takes clip, none or a number of latent frames, got {spec!r}")
     window = None if spec == "none" else spec if spec == "clip" else int(spec)
     report = dict(config=args.config, clip=list(clip), frames=frames, prompts=len(prompts), seed=args.seed)
+    switch = args.switch_renoise if args.prompt_switch else None
     rows = {
-        run: stream_run(run, cfg, prompts, seeds, frames, clip, window, args.sink_frames, args.device)
+        run: stream_run(run, cfg, prompts, seeds, frames, clip, window, args.sink_frames, args.device, switch)
         for run in args.runs
     }
     report["runs"] = rows
@@ -99,6 +121,10 @@ def main(argv=None) -> dict:
             f"{run}: colour {s['color_acc']:.3f} shape {s['shape_acc']:.3f} direction {s['direction_acc']:.3f} "
             f"stats {s['stats_in_range']:.3f}\n  background by frame: {levels}"
         )
+        if "switch" in row:
+            from benchmarks.long_streaming_quality import print_switch_lines
+
+            print_switch_lines({"switch": dict(row["switch"], rope_anchor="absolute")})
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -145,6 +145,17 @@ def test_long_tuning_after_self_forcing_is_compared_with_as_much_more_self_forci
         row = result["runs"][run]
         assert len(row["background_by_frame"]) == 16 and row["window_frames"] == report["self_forcing"]["window_frames"]
         assert set(row["clip_scores"]) == {"color_acc", "shape_acc", "direction_acc", "stats_in_range"}
+    # and their prompt switch, plain and re-rendered: the window before the switch is the same in every run
+    switched = drift(
+        ["--config", config, "--runs", runs[1], "--prompts", "3", "--prompt-switch", "--switch-renoise", "1"]
+    )
+    switch = switched["runs"][runs[1]]["switch"]
+    assert {"recache", "keep_old_kv", "renoise_1.0"} <= set(switch)
+    assert (
+        switch["renoise_1.0"]["switch_renoise"] == 1.0
+        and switch["renoise_1.0"]["before"] == switch["recache"]["before"]
+    )
+    assert all(0 <= switch[k]["after"]["color_acc"] <= 1 for k in ("recache", "renoise_1.0"))
 
 
 @pytest.mark.parametrize("motion", ["bounce", "wrap"])
