@@ -32,7 +32,7 @@ demo-stream: venv
 test: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean-venv:
 	rm -rf $(VENV)

@@ -17,8 +17,9 @@
 # (more flags for the second, e.g. "--long-context-steps full"), CFG_B (the second Self-Forcing's real-score CFG,
 # default 2; "off": no second Self-Forcing), STEPS (LongRollout's and the control's, default 120) and L_MINUTES (their
 # time cap, default 7), P30_START (the #30 parts before the trainer on GPU 1, default graph-ckpt; "" for none).
-# SWITCH_EVAL (e.g. "--switch-renoise 0.5 0.75"): after the evaluations, a switch-only evaluation of every student
-# with these flags (report_switch.json). The quiet round ends with the optimizer's GPU tests on both GPUs.
+# SWITCH_EVAL (e.g. "--switch-renoise 0.5 0.75"): a switch-only evaluation with these flags (report_switch.json) of the
+# Self-Forcing student as soon as it is trained (GPU 1), then of each lane's students before its full evaluation.
+# The quiet round ends with the optimizer's GPU tests on both GPUs.
 # The CFG-2 student's evaluation shares GPU 0 with a training run: its speeds are not comparable. Every evaluation
 # adds the prompt switch, with the sinks as trained and without sinks (does a sink frame carry the old colour?).
 set -uo pipefail
@@ -93,23 +94,23 @@ mkdir -p "$out/ls0" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forci
 [ "$cfg_b" != off ] && wait
 ( stage 0 ls long_rollout_a $L --switch-prob "${SWITCH_A:-0.25}" --only-stage long_rollout &
   [ "$cfg_b" != off ] && stage 0 lsg eval_lsg --students self_forcing "${switch[@]}"
-  wait ) &
+  wait
+  # SWITCH_EVAL: each lane's students, the prompt switch only, before the full evaluations (it is short)
+  [ -n "${SWITCH_EVAL:-}" ] && stage 0 ls switch_ls $L --switch-only $SWITCH_EVAL
+  stage 0 ls eval_ls $L "${switch[@]}" ) &
 lane0=$!
 (
+  # the Self-Forcing student's switch first: the earliest answer, should the device time end early
+  [ -n "${SWITCH_EVAL:-}" ] && stage 1 ls switch_sf $L --switch-only $SWITCH_EVAL --score self_forcing
   stage 1 ls control $L --only-stage self_forcing_more
   cp -r "$out/ls/self_forcing_more" "$out/ls0/"
   stage 1 ls0 long_rollout_b $L --switch-prob "${SWITCH_B:-0}" ${LANE_B_FLAGS:-} --only-stage long_rollout
+  [ -n "${SWITCH_EVAL:-}" ] && stage 1 ls0 switch_ls0 $L --switch-only $SWITCH_EVAL --score long_rollout
   stage 1 ls0 eval_ls0 $L "${switch[@]}" --score long_rollout
 ) &
 lane1=$!
 wait $lane0
-stage 0 ls eval_ls $L "${switch[@]}"
 wait $lane1
-if [ -n "${SWITCH_EVAL:-}" ]; then  # the students again, the prompt switch only, with these flags
-  stage 0 ls switch_ls $L --switch-only $SWITCH_EVAL &
-  stage 1 ls0 switch_ls0 $L --switch-only $SWITCH_EVAL --score long_rollout &
-  wait
-fi
 # the quiet round only while the session's device time allows it (QUIET_BY: seconds into the chain)
 [ $(( $(date +%s) - t0 )) -le "${QUIET_BY:-1450}" ] && STEP_S=150 TRAINER_S=150 padded 0 trainer_padded_quiet trainer-padded
 wait $tests

@@ -32,7 +32,8 @@ INFERENCE_HELP = {
     "prompt_schedule": "--streaming: one video whose prompt changes, e.g. '0:A;64:B' (pixel frames, each a chunk start;"
     " ';' separates entries); at each switch the window's keys/values are recomputed under the new prompt",
     "switch_renoise": "--prompt-schedule: re-render the kept window under the new prompt from time T at a prompt "
-    "switch (context-time < T <= 1), so later chunks do not copy the old prompt's look from their context",
+    "switch (context-time < T <= 1; best one of the --step-list times, which a distilled student was trained at), so "
+    "later chunks do not copy the old prompt's look from their context",
 }
 
 
