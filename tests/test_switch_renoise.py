@@ -113,6 +113,8 @@ def test_a_switch_renoise_outside_context_time_to_one_is_refused_in_one_line():
         with pytest.raises(ValueError, match=r"switch_renoise must lie in \(context_time=.*, 1\]") as error:
             StreamingGenerator(sampler, context_time=context_time, switch_renoise=s)
         assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="needs switch_recache=True"):  # it would be ignored without the re-cache
+        StreamingGenerator(sampler, switch_recache=False, switch_renoise=0.5)
 
 
 @torch.no_grad()

@@ -254,6 +254,8 @@ class StreamingGenerator:
             raise ValueError(f"context_time must lie in [0, 1), got {context_time}")
         if switch_renoise is not None and not context_time < switch_renoise <= 1.0:
             raise ValueError(f"switch_renoise must lie in (context_time={context_time}, 1], got {switch_renoise}")
+        if switch_renoise is not None and not switch_recache:
+            raise ValueError("switch_renoise re-renders the window a switch re-caches: it needs switch_recache=True")
         self.switch_renoise = None if switch_renoise is None else float(switch_renoise)
         self.sampler, self.model = sampler, model
         self.chunk_frames = int(model.causal_chunk_frames)
