@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..streaming.generator import decode_stream
+from ..streaming.decode_ahead import decode_stream
 from .schedule import DEFAULT_CONTENTION, HOST_COPY_MODES, Plan, Simulation, Task, build_graph, schedule
 
 HOST_SLAB_BYTES = 16 << 20  # pinned host memory per allocation of ``Lanes.to_host``

@@ -55,7 +55,7 @@ from opensora.models.vae.exact_chunk_decode import exact_chunk_decode
 
 from . import KV_RECACHE, ROPE_ANCHORS
 from .chunk_graphs import ChunkGraphs
-from .decode_ahead import DecodeAhead, decode_stream  # noqa: F401  (decode_stream: the pipeline's import)
+from .decode_ahead import DecodeAhead
 from .prompt_schedule import switch_chunks
 from .recache import Rerender, Stopwatch, WindowLatents, plan_recache, run_recache
 from .rules import StreamNoise, check_rollout, rollout_step, text_has_padding
@@ -498,14 +498,16 @@ class StreamingGenerator:
             if plan is not None:
                 if everything:
                     switch_text(switch)
-                watch, renoise = Stopwatch(device), everything and self.switch_renoise is not None
-                args = (seeds, start, self.switch_renoise, times, self.context_time, self.rollout, velocity, device)
-                rerender = Rerender(*args) if renoise else None
+                watch, rerender = Stopwatch(device), None
+                if everything and self.switch_renoise is not None:
+                    rerender = Rerender(
+                        seeds, start, self.switch_renoise, times, self.context_time, self.rollout, velocity, device
+                    )
                 recomputed = run_recache(
                     cache, window, plan, lambda latents, at: velocity(latents, self.context_time, True, at), rerender
                 )
                 record = dict(reason="switch" if everything else "shift", frames=recomputed, passes=len(plan.pieces))
-                if renoise:
+                if rerender is not None:
                     record["rerender_passes"] = rerender.passes
                 record["watch"], waiting = watch.stop(), None
             elif waiting is not None and (switch is not None or not self.merge_refill or waiting.shape != shape):

@@ -40,7 +40,7 @@ import torch
 from opensora.diffusion import flow_matching as fm
 from opensora.inference.sampler import noise_from_generators
 
-from .rules import rollout_step
+from .rules import rollout_step, step_draws_noise
 
 
 class WindowLatents:
@@ -156,12 +156,14 @@ class Rerender:
         return noise_from_generators(self.gens, like.shape[1:], self.device).to(like.dtype)
 
     def __call__(self, latents: torch.Tensor, start_frame: int) -> torch.Tensor:
-        x = fm.noise_forward(latents.float(), self.draw(latents.float()), self.context_time, self.times[0])
+        x = latents.float()
+        x = fm.noise_forward(x, self.draw(x), self.context_time, self.times[0])
         for t, t_next in zip(self.times[:-1], self.times[1:]):
             v = self.velocity(x, t, False, start_frame)
             self.passes += 1
-            renoise = self.rollout == "renoise" and t_next != 0
-            x = rollout_step(x, v, t, t_next, self.rollout, self.draw(x) if renoise else None)
+            x = rollout_step(
+                x, v, t, t_next, self.rollout, self.draw(x) if step_draws_noise(self.rollout, t_next) else None
+            )
         return x if self.context_time == 0 else fm.add_noise(x, self.draw(x), self.context_time)
 
 

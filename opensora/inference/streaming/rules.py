@@ -44,6 +44,11 @@ def rollout_step(
     return x0 if t_next == 0 else fm.add_noise(x0, noise, t_next)
 
 
+def step_draws_noise(rollout: str, t_next: float) -> bool:
+    """Whether a step to ``t_next`` draws noise: ``renoise`` re-noises to a next time that is not 0."""
+    return rollout == "renoise" and t_next != 0
+
+
 def text_has_padding(text_mask: Optional[torch.Tensor]) -> bool:
     """Whether any token of ``text_mask`` [rows, L] (every CFG row of a video; None: none padded) is padding. A host
     read when the mask lives on the GPU: once per video."""
@@ -98,7 +103,7 @@ class StreamNoise:
 
     def renoises(self, step: int) -> bool:
         """Whether step ``step`` (0-based) draws: ``renoise`` re-noises to a next time that is not 0."""
-        return self.rollout == "renoise" and self.times[step + 1] != 0
+        return step_draws_noise(self.rollout, self.times[step + 1])
 
     def for_step(self, step: int, frames: int) -> Optional[torch.Tensor]:
         return self.draw(frames) if self.renoises(step) else None
