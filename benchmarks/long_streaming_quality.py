@@ -57,6 +57,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -267,16 +268,28 @@ def student_generator(args, name, ckpt, clip):
     )
 
 
+@contextmanager
+def settings_of(generator, **settings):
+    """The generator's attributes set to ``settings`` inside the block, and back to what they were after it."""
+    before = {name: getattr(generator, name) for name in settings}
+    for name, value in settings.items():
+        setattr(generator, name, value)
+    try:
+        yield generator
+    finally:
+        for name, value in before.items():
+            setattr(generator, name, value)
+
+
 def switch_runs(args, generator, prompts, seeds, clip) -> dict:
     """``evaluate_switch`` under the anchor the long criteria judge, and with ``--rope-anchor both`` under the window
     anchor too (report keys ``switch``, ``switch_rope_window``)."""
     runs = [("switch", generator.rope_anchor)]
     runs += [("switch_rope_window", "window")] if args.rope_anchor == "both" else []
-    plain, result = generator.rope_anchor, {}
+    result = {}
     for key, anchor in runs:
-        generator.rope_anchor = anchor  # a re-cache under the window anchor pins it (KVCache.pin_anchor)
-        result[key] = dict(rope_anchor=anchor, **evaluate_switch(args, generator, prompts, seeds, clip))
-    generator.rope_anchor = plain
+        with settings_of(generator, rope_anchor=anchor):  # a re-cache under the window anchor pins it (pin_anchor)
+            result[key] = dict(rope_anchor=anchor, **evaluate_switch(args, generator, prompts, seeds, clip))
     return result
 
 
@@ -320,12 +333,8 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
 
     def variant(**settings) -> dict:
         """The long run again (same seeds) with the generator's attributes set to ``settings``, scored the same way."""
-        plain = {name: getattr(generator, name) for name in settings}
-        for name, value in settings.items():
-            setattr(generator, name, value)
-        variant_seconds, videos = timed(lambda: stream(long_frames))
-        for name, value in plain.items():
-            setattr(generator, name, value)
+        with settings_of(generator, **settings):
+            variant_seconds, videos = timed(lambda: stream(long_frames))
         return dict(
             frames=long_frames,
             seconds=variant_seconds,
@@ -413,13 +422,10 @@ def evaluate_switch(args, generator, prompts, seeds, clip) -> dict:
     for start in args.switch_renoise or ():  # the kept window re-rendered under the new prompt from ``start``
         runs.append((f"renoise_{float(start)}", True, plain_sinks, float(start)))
     for name, recache, sinks, renoise in runs:
-        generator.switch_recache, generator.sink_frames, generator.switch_renoise = recache, sinks, renoise
-        try:
+        with settings_of(generator, switch_recache=recache, sink_frames=sinks, switch_renoise=renoise):
             seconds, videos = timed(
                 lambda: generator.generate(prompts, seeds, total, height, width, switches=switches).numpy()
             )
-        finally:
-            generator.switch_recache, generator.sink_frames, generator.switch_renoise = True, plain_sinks, None
         after = window(videos, at, new)
         accuracies = [after[k] for k in ("color_acc", "shape_acc", "direction_acc")]
         out[name] = dict(
