@@ -16,66 +16,18 @@
 # Other lanes, same schedule: SWITCH_A / SWITCH_B (the two LongRollout switch shares, default 0.25 / 0), LANE_B_FLAGS
 # (more flags for the second, e.g. "--long-context-steps full"), CFG_B (the second Self-Forcing's real-score CFG,
 # default 2; "off": no second Self-Forcing), STEPS (LongRollout's and the control's, default 120) and L_MINUTES (their
-# time cap, default 7), P30_START (the #30 parts before the trainer on GPU 1, default graph-ckpt; "" for none).
+# time cap, default 7), P30_START (the padded-text parts before the trainer on GPU 1, default graph-ckpt; "" for none).
 # SWITCH_EVAL (e.g. "--switch-renoise 0.5 0.75"): a switch-only evaluation with these flags (report_switch.json) of the
 # Self-Forcing student as soon as it is trained (GPU 1), then of each lane's students before its full evaluation.
 # The quiet round ends with the optimizer's GPU tests on both GPUs.
 # The CFG-2 student's evaluation shares GPU 0 with a training run: its speeds are not comparable. Every evaluation
 # adds the prompt switch, with the sinks as trained and without sinks (does a sink frame carry the old colour?).
 set -uo pipefail
-mode=${1:?usage: gpu_long_rollout_ablation.sh start|wait OUT [SEC]}
-out=${2:?usage: gpu_long_rollout_ablation.sh start|wait OUT [SEC]}
-mkdir -p "$out/log"
-
-if [ "$mode" = wait ]; then
-  limit=${3:-540}
-  for _ in $(seq "$limit"); do [ -e "$out/done" ] && break; sleep 1; done
-  cat "$out/progress.txt"
-  grep -h -E "trained in|reusing|Error|error:|Killed" "$out"/log/*.txt 2>/dev/null | tail -n 12
-  if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT/log" && cp "$out"/log/*.txt "$out/progress.txt" "$OUT/log/" 2>/dev/null
-    for d in ls ls0 lsg; do  # the printed tables are the log/eval_*.txt and log/switch_*.txt
-      [ -e "$out/$d/report.json" ] && cp "$out/$d/report.json" "$OUT/${d}_report.json"
-      [ -e "$out/$d/report_switch.json" ] && cp "$out/$d/report_switch.json" "$OUT/${d}_report_switch.json"
-    done
-    cp -r "$out/p30" "$OUT/" 2>/dev/null
-  fi
-  [ -e "$out/done" ] && echo "chain done" || echo "chain still running"
-  exit 0
-fi
-
-if [ "$mode" = start ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target .pysite .whl/*.whl > /dev/null 2>&1
-  rm -f "$out/done"
-  setsid nohup bash "$0" chain "$out" > "$out/log/chain.txt" 2>&1 < /dev/null &
-  echo "chain started: $out"
-  exit 0
-fi
-
-[ "$mode" = chain ] || { echo "unknown mode $mode (start|wait)" >&2; exit 2; }
-export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+source "$(dirname "$0")/gpu_chain.sh"
+chain_modes "$0" "${1:?usage: gpu_long_rollout_ablation.sh start|wait OUT [SEC]}" \
+  "${2:?usage: gpu_long_rollout_ablation.sh start|wait OUT [SEC]}" "${3:-540}"
 E=${EXTRA:-"--motion wrap --seed 929292 --train-seed 2 --teacher-minutes 6.5 --ode-minutes 2.5 --student-minutes 2.5"}
 L="--student-minutes ${L_MINUTES:-7} --student-steps ${STEPS:-120} --long-init self_forcing"
-t0=$(date +%s)
-note() { echo "$(( $(date +%s) - t0 )) s: $*" >> "$out/progress.txt"; }
-# stage GPU DIR NAME FLAGS...: one benchmark run pinned to a GPU, logged to log/NAME.txt
-stage() {
-  local gpu=$1 dir=$2 name=$3
-  shift 3
-  note "start $name (GPU $gpu)"
-  CUDA_VISIBLE_DEVICES=$gpu python -m benchmarks.long_streaming_quality --out "$out/$dir" $E "$@" \
-    > "$out/log/$name.txt" 2>&1 && note "end $name" || note "FAILED $name"
-}
-padded() {  # gpu_padded_text.sh parts, results under p30/NAME
-  local gpu=$1 name=$2
-  shift 2
-  note "start #30 $name (GPU $gpu)"
-  CUDA_VISIBLE_DEVICES=$gpu OUT="$out/p30/$name" TESTS_S=290 bash benchmarks/gpu_padded_text.sh "$@" \
-    > "$out/log/p30_$name.txt" 2>&1
-  note "end #30 $name"
-}
-: > "$out/progress.txt"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/log/gpu.txt"
 switch=(--prompt-switch --switch-sink-frames 0)
 
 cfg_b=${CFG_B:-2}
@@ -112,11 +64,8 @@ lane1=$!
 wait $lane0
 wait $lane1
 # the quiet round only while the session's device time allows it (QUIET_BY: seconds into the chain)
-[ $(( $(date +%s) - t0 )) -le "${QUIET_BY:-1450}" ] && STEP_S=150 TRAINER_S=150 padded 0 trainer_padded_quiet trainer-padded
+[ $(( $(date +%s) - chain_t0 )) -le "${QUIET_BY:-1450}" ] && STEP_S=150 TRAINER_S=150 padded 0 trainer_padded_quiet trainer-padded
 wait $tests
-note "start optimizer GPU tests (both GPUs)"
-timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/test_ema.py tests/test_zero_single_rank.py \
-  > "$out/log/optimizer_gpu_tests.txt" 2>&1
-note "end optimizer GPU tests: $(tail -n 1 "$out/log/optimizer_gpu_tests.txt")"
+optimizer_gpu_tests
 note "chain done"
 touch "$out/done"

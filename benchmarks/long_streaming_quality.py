@@ -825,7 +825,8 @@ def train_all(args) -> Optional[dict]:
         steps = args.student_steps if name == "long_rollout" else None
         if not (name == "long_rollout" and args.only_stage == CONTROL):  # the control starts from Self-Forcing
             checkpoints[name] = train_or_reuse(args, name, args.student_minutes, inits, steps)
-        if name == "long_rollout" and args.long_init == "self_forcing":
+        # the control, unless only other students are scored (an evaluation need not train it)
+        if name == "long_rollout" and args.long_init == "self_forcing" and (not args.score or CONTROL in args.score):
             more = dict(student=checkpoints["self_forcing"], teacher=teacher, critic=teacher)
             checkpoints[CONTROL] = train_or_reuse(args, CONTROL, args.student_minutes, more, args.student_steps)
         if args.stop_after == name:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One GPU, one detached chain (gpu_chain.sh): does re-rendering the kept window under the new prompt make a streaming
+# student switch colour, and what does it cost at the boundary? First, alone on the machine, the trainer at the
+# padded shape against its bare step and the optimizer's GPU tests.
+#   bash benchmarks/gpu_switch_rerender.sh start OUT        start the chain; returns at once
+#   bash benchmarks/gpu_switch_rerender.sh wait OUT SEC     wait up to SEC s, print progress, copy results to $OUT
+# Stages: trainer-padded (quiet) and the optimizer GPU tests (P30=0 skips both) -> teacher -> causal ODE init ->
+# Self-Forcing -> its prompt switch only: re-cached, old KV kept, 0 sinks, re-rendered from each of RENOISE (default
+# "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default 160, switch_prob 0)
+# from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf), each evaluated.
+# EXTRA: the runs' flags (seeds, minutes).
+set -uo pipefail
+source "$(dirname "$0")/gpu_chain.sh"
+chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \
+  "${2:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" "${3:-540}"
+E=${EXTRA:-"--motion wrap --seed 949494 --train-seed 4 --teacher-minutes 6.5 --ode-minutes 2.5 --student-minutes 2.5"}
+L="--student-minutes ${L_MINUTES:-9} --student-steps ${STEPS:-160} --long-init self_forcing --switch-prob 0"
+switch=(--prompt-switch --switch-sink-frames 0)
+
+if [ "${P30:-1}" != 0 ]; then
+  STEP_S=150 TRAINER_S=150 padded 0 trainer_padded_quiet trainer-padded
+  optimizer_gpu_tests
+fi
+stage 0 ls teacher --only-stage teacher
+stage 0 ls ode --only-stage ode
+stage 0 ls self_forcing --only-stage self_forcing
+stage 0 ls switch_sf --students self_forcing --switch-only --switch-renoise ${RENOISE:-0.5 0.75 1.0} \
+  --switch-sink-frames 0
+stage 0 ls eval_sf --students self_forcing "${switch[@]}"
+if [ "${LONG:-0}" = 1 ]; then
+  mkdir -p "$out/lsf" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" "$out/lsf/"
+  stage 0 ls long_rollout_exit $L --long-context-steps exit --only-stage long_rollout
+  stage 0 ls eval_exit $L --long-context-steps exit --score long_rollout "${switch[@]}"
+  stage 0 lsf long_rollout_full $L --long-context-steps full --only-stage long_rollout
+  stage 0 lsf eval_full $L --long-context-steps full --score long_rollout "${switch[@]}"
+fi
+note "chain done"
+touch "$out/done"
