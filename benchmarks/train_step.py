@@ -71,6 +71,8 @@ VARIANTS = {
     ),
     # the trainer without its rank-0 EMA (what the EMA's 18 B per parameter cost)
     "trainer-noema": dict(model="trainer", backend="auto", ema=False),
+    # one rank: the gradients through ColossalAI's bucket store (the one-rank shortcut as before it left them in .grad)
+    "trainer-bucketed": dict(model="trainer", backend="auto", plugin=dict(grads_in_place=False)),
     # the trainer with compiled blocks (model.compile_blocks=True: the step of ours-compile-traced); the first
     # warm-up step compiles
     "trainer-compile": dict(model="trainer", backend="auto", compile=True),

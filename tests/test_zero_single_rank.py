@@ -1,6 +1,8 @@
 """The ZeRO shortcuts (opensora.training.zero_single_rank) against ColossalAI's own path, bit for bit: the one-rank
 shortcuts on one gloo rank, the multi-rank step on two."""
 
+import contextlib
+import functools
 import warnings
 
 import pytest
@@ -23,9 +25,15 @@ CASES = [
     # 24-element buckets: many reduction buckets, and ColossalAI gathers the larger weights one by one (bigger than
     # a bucket) next to bucketed small ones; the multi-rank step cuts its gather into several chunks
     ("zero2_bf16_small_buckets", dict(type="LowLevelZeroPlugin", stage=2, reduce_bucket_size_in_m=24 / 2**20), "bf16"),
+    # gradient accumulation: two backwards a step (ZeRO-2 adds each to its reduced gradient), and ZeRO-1's no_sync
+    ("zero2_bf16_two_backwards", dict(type="LowLevelZeroPlugin", stage=2), "bf16", "two_backwards"),
+    ("zero1_bf16_no_sync", dict(type="LowLevelZeroPlugin", stage=1), "bf16", "no_sync"),
+    # the opt-out: one rank's gradients through the bucket store
+    ("zero2_bf16_bucketed", dict(type="LowLevelZeroPlugin", stage=2, grads_in_place=False), "bf16"),
 ]
 SHORTCUTS_ON = dict(single_rank_shortcut=True, multi_rank_shortcut=True)
 SHORTCUTS_OFF = dict(single_rank_shortcut=False, multi_rank_shortcut=False)
+MULTI_RANK_ONLY = {"reduction": 0, "step": 0, "multi_rank_step": 4, "grads_in_place": 0}  # what 4 steps on 2 ranks take
 
 
 class _Model(torch.nn.Module):
@@ -46,7 +54,7 @@ def _model():
     return _Model()
 
 
-def _train(plugin_cfg, precision, rank, device):
+def _train(plugin_cfg, precision, rank, device, accumulate=None):
     from opensora.training.booster import build_booster
     from opensora.training.ema import unwrap_model
 
@@ -68,9 +76,12 @@ def _train(plugin_cfg, precision, rank, device):
     gen = torch.Generator().manual_seed(100 + rank)
     losses = []
     for _ in range(4):
-        x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 5, generator=gen)
-        loss = ((model(x.to(device, dtype)).float() - y.to(device)) ** 2).mean()
-        booster.backward(loss, optimizer)
+        for micro in range(1 if accumulate is None else 2):
+            x, y = torch.randn(6, 7, generator=gen), torch.randn(6, 5, generator=gen)
+            loss = ((model(x.to(device, dtype)).float() - y.to(device)) ** 2).mean()
+            quiet = accumulate == "no_sync" and micro == 0  # the first micro-batch only accumulates
+            with optimizer.no_sync() if quiet else contextlib.nullcontext():
+                booster.backward(loss, optimizer)
         optimizer.step()
         losses.append((loss.item(), float(optimizer.get_grad_norm())))
         optimizer.zero_grad()
@@ -98,9 +109,12 @@ def _both_paths(rank, world_size):
 
     _, _, _, device = init_distributed()
     results = {}
-    for name, plugin_cfg, precision in CASES:
-        ours, taken = _taken(lambda: _train(dict(plugin_cfg, **SHORTCUTS_ON), precision, rank, device))
-        reference, ref_taken = _taken(lambda: _train(dict(plugin_cfg, **SHORTCUTS_OFF), precision, rank, device))
+    for name, plugin_cfg, precision, *accumulate in CASES:
+        run = functools.partial(
+            _train, precision=precision, rank=rank, device=device, accumulate=(accumulate or [None])[0]
+        )
+        ours, taken = _taken(lambda: run(dict(plugin_cfg, **SHORTCUTS_ON)))
+        reference, ref_taken = _taken(lambda: run(dict(plugin_cfg, **SHORTCUTS_OFF)))
         assert not any(ref_taken.values()), "the reference must run ColossalAI's own methods"
         results[name] = dict(ours=ours, reference=reference, taken=taken)
     return results
@@ -120,11 +134,17 @@ def one_rank():
 
 @pytest.mark.parametrize("name", [case[0] for case in CASES])
 def test_one_rank_shortcuts_are_bit_identical_to_colossalai(one_rank, name):
-    result = one_rank[name]
-    assert result["taken"]["reduction"] >= 4, "every backward's bucket must take the shortcut"
-    assert result["taken"]["step"] >= 4, "every step must take the shortcut"
-    assert result["taken"]["multi_rank_step"] == 0, "one rank takes the one-rank step"
-    _assert_bit_identical(result)
+    _assert_one_rank_paths(name, one_rank[name]["taken"])
+    _assert_bit_identical(one_rank[name])
+
+
+def _assert_one_rank_paths(name, taken):
+    # HybridParallel's optimizer, a subclass, keeps the store (its sequence parallelism reads it); so does the opt-out
+    if name.startswith("hybrid") or name.endswith("bucketed"):
+        assert taken["reduction"] >= 4 and taken["grads_in_place"] == 0, (name, taken)
+    else:  # LowLevelZero: the gradients stay in .grad, no bucket is filled
+        assert taken["reduction"] == 0 and taken["grads_in_place"] >= 4, (name, taken)
+    assert taken["step"] >= 4 and taken["multi_rank_step"] == 0, (name, taken)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +158,7 @@ def test_multi_rank_step_is_bit_identical_to_colossalai(two_ranks, name):
     for per_rank in two_ranks:
         result = per_rank[name]
         # the one-rank shortcuts, enabled too, are not taken
-        assert result["taken"] == {"reduction": 0, "step": 0, "multi_rank_step": 4}, result["taken"]
+        assert result["taken"] == MULTI_RANK_ONLY, result["taken"]
         _assert_bit_identical(result)
     (_, weights0), (_, weights1) = (per_rank[name]["ours"] for per_rank in two_ranks)
     for key, value in weights0.items():  # every rank holds the same gathered parameters
@@ -151,7 +171,7 @@ def test_multi_rank_step_is_bit_identical_to_colossalai(two_ranks, name):
 def test_one_rank_shortcuts_are_bit_identical_on_gpu_with_overlapped_communication():
     """NCCL, one GPU, overlap_communication=True (the trainer's setting): the side-stream path vs the shortcut."""
     for name, result in run_distributed(_both_paths, world_size=1, timeout=240)[0].items():
-        assert result["taken"]["reduction"] >= 4 and result["taken"]["step"] >= 4, name
+        _assert_one_rank_paths(name, result["taken"])
         _assert_bit_identical(result)
 
 
@@ -161,7 +181,7 @@ def test_multi_rank_step_is_bit_identical_on_two_gpus_with_overlapped_communicat
     """NCCL, two GPUs, overlap_communication=True: the multi-rank step (in-place all-gather) vs ColossalAI's."""
     for per_rank in run_distributed(_both_paths, world_size=2, timeout=240):
         for name, result in per_rank.items():
-            assert result["taken"] == {"reduction": 0, "step": 0, "multi_rank_step": 4}, (name, result["taken"])
+            assert result["taken"] == MULTI_RANK_ONLY, (name, result["taken"])
             _assert_bit_identical(result)
 
 
@@ -176,4 +196,62 @@ def _default_plugin_run(rank, world_size):
 def test_the_plugin_defaults_take_the_multi_rank_step_on_two_ranks():
     """No shortcut keys in the plugin config: two ranks take the multi-rank step (the default since its 2-GPU run)."""
     for taken in run_distributed(_default_plugin_run, world_size=2, timeout=240):
-        assert taken == {"reduction": 0, "step": 0, "multi_rank_step": 4}, taken
+        assert taken == MULTI_RANK_ONLY, taken
+
+
+def _whole_masters_run(rank, world_size):
+    """After two steps: ``whole_masters`` per parameter (one rank) or None (two ranks: shards)."""
+    warnings.filterwarnings("ignore")
+    from opensora.training.booster import build_booster
+    from opensora.training.distributed import init_distributed
+    from opensora.training.ema import unwrap_model
+    from opensora.training.zero_single_rank import whole_masters
+
+    _, _, _, device = init_distributed()
+    found = {}
+    for precision in ("bf16", "fp32"):
+        torch.manual_seed(0)
+        model = _model()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        booster = build_booster(dict(type="LowLevelZeroPlugin", stage=2, max_norm=1.0), precision)
+        model, optimizer, *_ = booster.boost(model, optimizer)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        for _ in range(2):
+            loss = model(torch.randn(6, 7).to(device, dtype)).float().pow(2).mean()
+            booster.backward(loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+        masters = whole_masters(optimizer)
+        params = [(n, p) for n, p in unwrap_model(model).named_parameters() if p.requires_grad]
+        found[precision] = (
+            None
+            if masters is None
+            else {
+                n: (
+                    masters[id(p)].dtype,
+                    masters[id(p)].shape == p.shape,
+                    torch.equal(masters[id(p)].to(p.dtype), p.detach()),
+                )
+                for n, p in params
+            }
+        )
+    return found
+
+
+def test_whole_masters_are_the_fp32_weights_on_one_rank_only():
+    """One rank, bf16: each trainable weight's fp32 master in its shape, whose bf16 rounding is the weight (the EMA
+    reads these); fp32 training and two ranks (shards): None, the weights are read."""
+    (one,) = run_distributed(_whole_masters_run, world_size=1, timeout=240)
+    assert one["fp32"] is None
+    assert set(one["bf16"]) == {
+        "body.0.weight",
+        "body.0.bias",
+        "body.2.weight",
+        "body.2.bias",
+        "norm.weight",
+        "unused.weight",
+        "unused.bias",
+    }
+    assert all(v == (torch.float32, True, True) for v in one["bf16"].values()), one["bf16"]
+    for per_rank in run_distributed(_whole_masters_run, world_size=2, timeout=240):
+        assert per_rank == {"bf16": None, "fp32": None}

@@ -185,10 +185,15 @@ def build_plugin(plugin_cfg: dict, mixed_precision: str = "bf16", on_gpu: bool |
     # (2 gloo ranks, 2 GPUs over NCCL). 1B on 2 H200s: 2-GPU scaling efficiency 0.972 vs 0.941 with ColossalAI's
     # step (benchmarks/README.md). `multi_rank_shortcut=False` opts out.
     multi_rank_shortcut = bool(kwargs.pop("multi_rank_shortcut", zero_like))
+    # one rank, LowLevelZero: the gradients stay in .grad, no bucket store in the backward (host time of a host-bound
+    # step; bit-identical). `grads_in_place=False`: through the store, as before.
+    grads_in_place = bool(kwargs.pop("grads_in_place", True))
     if zero_like:
         zero_sync.install()  # grad norm, clipping and the end of backward without host syncs
         if single_rank_shortcut or multi_rank_shortcut:
-            zero_single_rank.install(single_rank=single_rank_shortcut, multi_rank=multi_rank_shortcut)
+            zero_single_rank.install(
+                single_rank=single_rank_shortcut, multi_rank=multi_rank_shortcut, grads_in_place=grads_in_place
+            )
         else:
             zero_single_rank.uninstall()
     elif single_rank_shortcut or multi_rank_shortcut:

@@ -33,6 +33,7 @@ from opensora.registry import DATASETS, METHODS, build_module
 from opensora.role_config import role_configs
 from opensora.roles import Role
 from opensora.training import checkpoint as ckpt
+from opensora.training import zero_single_rank
 from opensora.training.compile_time import CompileLog
 from opensora.training.components import build_components
 from opensora.training.defaults import TRAINER_DEFAULTS
@@ -279,7 +280,9 @@ class Trainer:
             role = self.roles[name]
             if role.ema is not None:
                 role.wait_for_params()
-                role.ema.update(role.unwrap(), step=self.step, after=after)
+                # one ZeRO rank: the fp32 masters (exact weights, and no cast pass); else the working weights
+                masters = zero_single_rank.whole_masters(role.optimizer) if role.optimizer is not None else None
+                role.ema.update(role.unwrap(), step=self.step, after=after, values=masters)
 
     def _fence_emas(self) -> None:
         for role in self.roles.values():

@@ -11,7 +11,12 @@ parameter-sized memory that only move bytes from one buffer to another:
   tensor flattened again (a copy per tensor) and copied into its parameter (another copy per tensor).
 
 With one rank a sum over ranks and a division by 1 are the identity, so ``install()`` makes both do only what
-changes the result: the bucket's flat gradient buffer becomes the reduced gradient itself; the step casts all
+changes the result. For the plain ``LowLevelZeroOptimizer`` (not subclasses such as HybridParallel's, whose sequence
+parallelism reads the gradient store in the backward) the gradients are left where autograd puts them: the backward's
+per-parameter hooks only note the order the gradients arrive in, instead of queueing each into a bucket, copying the
+bucket into a flat buffer and filing a view of it per parameter (about five host ops per parameter tensor a step, host
+time a host-bound step pays); the step reads ``param.grad`` and sums the norm in that arrival order, as ColossalAI sums
+its store. Otherwise the bucket's flat gradient buffer becomes the reduced gradient itself. The step casts all
 gradients into one fp32 buffer with one multi-tensor copy and writes the updated masters straight into the bf16
 parameters with another (``copy_`` rounds fp32 to bf16 exactly as ``.to()`` does). Bit for bit the same values
 (gradient norm, clipping and the inner optimizer are ColossalAI's / ``zero_sync``'s, called as before).
@@ -36,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 _ORIGINAL: dict = {}
-ENABLED = {"single_rank": True, "multi_rank": True}  # set by install()
-SHORTCUTS_TAKEN = {"reduction": 0, "step": 0, "multi_rank_step": 0}  # counts, so tests can tell which path ran
+ENABLED = {"single_rank": True, "multi_rank": True, "grads_in_place": True}  # set by install()
+SHORTCUTS_TAKEN = {"reduction": 0, "step": 0, "multi_rank_step": 0, "grads_in_place": 0}  # so tests see which path ran
+_ARRIVALS = "_opensora_grad_arrivals"  # optimizer attribute: {id(param): (group_id, param)} in backward order
 
 
 def _communicates_gradient_bytes(optimizer) -> bool:
@@ -89,6 +95,38 @@ def _step_path(optimizer) -> str | None:
     if ENABLED["multi_rank"] and _communicates_gradient_bytes(optimizer) and _plain_data_parallel(optimizer):
         return "gather"
     return None
+
+
+def _grads_in_place(optimizer) -> bool:
+    """One rank, the plain ``LowLevelZeroOptimizer`` and the one-rank step: the gradients can stay in ``.grad``.
+    Asked once per parameter per backward, so the answer is kept while ``ENABLED`` is unchanged (the rest is fixed
+    when the optimizer is built)."""
+    key = tuple(ENABLED.values())
+    kept = optimizer.__dict__.get("_opensora_grads_in_place")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    answer = (
+        ENABLED["grads_in_place"]
+        and type(optimizer) is LowLevelZeroOptimizer
+        and len(optimizer.pg_to_grad_store) == 1
+        and _step_path(optimizer) == "local"
+    )
+    optimizer._opensora_grads_in_place = (key, answer)
+    return answer
+
+
+def _add_to_bucket(self, param, group_id):
+    if not _grads_in_place(self):
+        return _ORIGINAL["add_to_bucket"](self, param, group_id)
+    # the first arrival's place, as ColossalAI's store keeps it when a later backward adds to a gradient
+    self.__dict__.setdefault(_ARRIVALS, {}).setdefault(id(param), (group_id, param))
+
+
+def _zero_grad_stores(self):
+    self.__dict__.pop(_ARRIVALS, None)
+    return _ORIGINAL["zero_grad_stores"](self)
 
 
 def _cast_all(tensors: list, dtype: torch.dtype) -> list:
@@ -162,6 +200,60 @@ def _gather_into_params(self, pairs: list) -> None:
         torch._foreach_copy_(targets, sources)
 
 
+def _from_store(self, group_id: int) -> tuple:
+    """(working, master) pairs and this rank's gradient shards of the group's parameters that have one (an unused
+    layer has none and is not stepped), from ColossalAI's gradient store; None: the norm reads the store."""
+    pairs, grads = [], []
+    for working, master in zip(
+        self._working_param_groups[group_id], self._master_param_groups_of_current_rank[group_id]
+    ):
+        store = self.pid_to_grad_store[id(working)]
+        partitions = store.get_partitioned_gradients_by_param_id(group_id, id(working))
+        if partitions:
+            pairs.append((working, master))
+            grads.append(partitions[0 if self._partition_grads else store.local_rank])
+    return pairs, grads, None
+
+
+def _master_of(self) -> dict:
+    """{id(working parameter): its master}, kept while the groups' lists are the same lists of the same length
+    (ColossalAI builds them once; a checkpoint load copies into the masters)."""
+    groups = self._master_param_groups_of_current_rank
+    key = tuple(
+        (id(groups[g]), len(groups[g]), id(self._working_param_groups[g])) for g in range(self.num_param_groups)
+    )
+    kept = self.__dict__.get("_opensora_master_of")
+    if kept is None or kept[0] != key:
+        pairs = (zip(self._working_param_groups[g], groups[g]) for g in range(self.num_param_groups))
+        kept = (key, {id(w): m for group in pairs for w, m in group})
+        self._opensora_master_of = kept
+    return kept[1]
+
+
+def whole_masters(optimizer) -> dict | None:
+    """{id(working parameter): its fp32 master viewed in the parameter's shape} where a LowLevelZero optimizer on one
+    rank takes the one-rank step (each master is its parameter's whole flat copy, written by every step), for
+    readers of the exact weights (the EMA); None elsewhere (several ranks hold shards; other optimizers; masters of
+    the weights' own dtype, where the weights are the masters' bits). Kept while the lists are the same."""
+    while optimizer is not None and not hasattr(optimizer, "_master_param_groups_of_current_rank"):
+        optimizer = getattr(optimizer, "optim", None)
+    if optimizer is None or _step_path(optimizer) != "local":
+        return None
+    groups = optimizer._master_param_groups_of_current_rank
+    key = tuple((id(groups[g]), len(groups[g])) for g in range(optimizer.num_param_groups))
+    kept = optimizer.__dict__.get("_opensora_whole_masters")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    whole = {}
+    for g in range(optimizer.num_param_groups):
+        for working, master in zip(optimizer._working_param_groups[g], groups[g]):
+            if master.dtype == working.dtype or master.numel() != working.numel():
+                return None
+            whole[id(working)] = master.view(working.shape)
+    optimizer._opensora_whole_masters = (key, whole)
+    return whole
+
+
 def _step(self, closure=None):
     path = _step_path(self)
     if path is None:
@@ -174,26 +266,26 @@ def _step(self, closure=None):
     if self.mixed_precision_mixin is not None and self.mixed_precision_mixin.should_skip_step():
         self.zero_grad()
         return
+    # the gradients left in .grad: those whose hook ran (the store would hold exactly these), flat
+    arrivals = self.__dict__.get(_ARRIVALS, {}) if path == "local" and _grads_in_place(self) else None
     stepped, all_grads, norms = [], [], []  # (working, master) pairs of the parameters that have a gradient
     for group_id in range(self.num_param_groups):
-        pairs, grads = [], []
-        for working, master in zip(
-            self._working_param_groups[group_id], self._master_param_groups_of_current_rank[group_id]
-        ):
-            store = self.pid_to_grad_store[id(working)]
-            partitions = store.get_partitioned_gradients_by_param_id(group_id, id(working))
-            if partitions:  # a parameter without a gradient (e.g. an unused layer) is not stepped
-                pairs.append((working, master))
-                grads.append(partitions[0 if self._partition_grads else store.local_rank])  # this rank's shard
+        if arrivals is None:
+            pairs, grads, norm_grads = _from_store(self, group_id)
+        else:  # in arrival order, the order the store would list them in for the norm
+            master_of = _master_of(self)
+            pairs = [(p, master_of[id(p)]) for g, p in arrivals.values() if g == group_id]
+            grads = norm_grads = [working.grad.reshape(-1) for working, _ in pairs]
         masters = [master for _, master in pairs]
-        grads = _cast_all(grads, masters[0].dtype) if masters else []
-        for master, grad in zip(masters, grads):
+        casts = _cast_all(grads, masters[0].dtype) if masters else []
+        for master, grad in zip(masters, casts):
             master.grad = grad
-        all_grads += grads
+        all_grads += casts
         norm = 0
         for store in self.pg_to_grad_store.values():
             norm += self._compute_grad_norm(
-                dp_pg=store.torch_pg, gradients=store.get_working_grads_by_group_id(group_id)
+                dp_pg=store.torch_pg,
+                gradients=store.get_working_grads_by_group_id(group_id) if norm_grads is None else norm_grads,
             )
         norms.append(norm)
         self.optim.param_groups[group_id]["params"] = masters
@@ -210,20 +302,28 @@ def _step(self, closure=None):
     elif stepped:
         _gather_into_params(self, stepped)
     SHORTCUTS_TAKEN["step" if path == "local" else "multi_rank_step"] += 1
+    SHORTCUTS_TAKEN["grads_in_place"] += arrivals is not None
 
 
-def install(single_rank: bool = True, multi_rank: bool = True) -> None:
-    """Patch ``LowLevelZeroOptimizer._run_reduction`` and ``.step`` (once per process) and choose which shortcuts
-    they take: ``single_rank`` (groups of one rank) and ``multi_rank`` (the step of plain data parallel groups)."""
-    ENABLED.update(single_rank=bool(single_rank), multi_rank=bool(multi_rank))
+def install(single_rank: bool = True, multi_rank: bool = True, grads_in_place: bool = True) -> None:
+    """Patch ``LowLevelZeroOptimizer``'s ``_run_reduction``, ``step``, ``_add_to_bucket`` and ``zero_grad_stores``
+    (once per process) and choose which shortcuts they take: ``single_rank`` (groups of one rank) and ``multi_rank`` (the step of plain data parallel groups)."""
+    ENABLED.update(single_rank=bool(single_rank), multi_rank=bool(multi_rank), grads_in_place=bool(grads_in_place))
     if _ORIGINAL:
         return
     from colossalai.zero.low_level import low_level_optim
 
     optimizer_cls = low_level_optim.LowLevelZeroOptimizer
-    _ORIGINAL.update(run_reduction=optimizer_cls._run_reduction, step=optimizer_cls.step)
+    _ORIGINAL.update(
+        run_reduction=optimizer_cls._run_reduction,
+        step=optimizer_cls.step,
+        add_to_bucket=optimizer_cls._add_to_bucket,
+        zero_grad_stores=optimizer_cls.zero_grad_stores,
+    )
     optimizer_cls._run_reduction = _run_reduction
     optimizer_cls.step = _step
+    optimizer_cls._add_to_bucket = _add_to_bucket
+    optimizer_cls.zero_grad_stores = _zero_grad_stores
 
 
 def uninstall() -> None:
@@ -232,5 +332,10 @@ def uninstall() -> None:
         return
     from colossalai.zero.low_level import low_level_optim
 
-    low_level_optim.LowLevelZeroOptimizer._run_reduction = _ORIGINAL.pop("run_reduction")
-    low_level_optim.LowLevelZeroOptimizer.step = _ORIGINAL.pop("step")
+    for name, original in (
+        ("_run_reduction", "run_reduction"),
+        ("step", "step"),
+        ("_add_to_bucket", "add_to_bucket"),
+        ("zero_grad_stores", "zero_grad_stores"),
+    ):
+        setattr(low_level_optim.LowLevelZeroOptimizer, name, _ORIGINAL.pop(original))
