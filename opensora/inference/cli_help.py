@@ -33,7 +33,8 @@ INFERENCE_HELP = {
     " ';' separates entries); at each switch the window's keys/values are recomputed under the new prompt",
     "switch_renoise": "--prompt-schedule: re-render the kept window under the new prompt from time T at a prompt "
     "switch (context-time < T <= 1; best one of the --step-list times, which a distilled student was trained at), so "
-    "later chunks do not copy the old prompt's look from their context",
+    "later chunks do not copy the old prompt's look from their context (MovingShapes: T=1 made the new colour in 97% "
+    "of streams within one window, with a cut at the switch; the re-cache alone, 3%)",
 }
 
 
