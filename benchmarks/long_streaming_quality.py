@@ -289,7 +289,17 @@ def switch_runs(args, generator, prompts, seeds, clip) -> dict:
     result = {}
     for key, anchor in runs:
         with settings_of(generator, rope_anchor=anchor):  # a re-cache under the window anchor pins it (pin_anchor)
-            result[key] = dict(rope_anchor=anchor, **evaluate_switch(args, generator, prompts, seeds, clip))
+            switch = evaluate_switch(
+                generator,
+                prompts,
+                seeds,
+                clip,
+                motion=args.motion,
+                long_multiple=args.long_multiple,
+                sink_frames=args.switch_sink_frames,
+                renoise=args.switch_renoise,
+            )
+            result[key] = dict(rope_anchor=anchor, **switch)
     return result
 
 
@@ -381,12 +391,15 @@ def switched_caption(caption: str, captions, index: int) -> str:
     raise ValueError(f"no caption differs from {caption!r} in every attribute")
 
 
-def evaluate_switch(args, generator, prompts, seeds, clip) -> dict:
+def evaluate_switch(
+    generator, prompts, seeds, clip, *, motion: str, long_multiple: int, sink_frames=None, renoise=()
+) -> dict:
     """Every prompt switches to ``switched_caption`` at the first chunk start at or after the clip length; the video
     runs two clip lengths past the switch. Scored: the window before the switch against the old captions, the first
     and the second window after it against the new ones (the first is the criterion: >= 90% in colour, shape and
     direction), with the re-cache under the new prompt (LongLive) and without it (the old prompt's keys/values kept);
-    ``after_reads_old``: how many clips still show the old caption's colour, shape, direction in the first window."""
+    ``after_reads_old``: how many clips still show the old caption's colour, shape, direction in the first window.
+    ``sink_frames``: the re-cached switch again with this many sinks; ``renoise``: re-render times, a run each."""
     from opensora.datasets.moving_shapes import all_captions, parse_caption
     from opensora.eval.moving_shapes import read_shape
     from opensora.eval.moving_shapes_windows import score_windows
@@ -394,21 +407,21 @@ def evaluate_switch(args, generator, prompts, seeds, clip) -> dict:
     frames, height, width = clip
     captions = all_captions()
     new = [switched_caption(p, captions, i) for i, p in enumerate(prompts)]
-    starts = generator.chunk_pixel_starts(frames * args.long_multiple, height, width)
+    starts = generator.chunk_pixel_starts(frames * long_multiple, height, width)
     at = min(f for f in starts if f >= frames)
     total = at + 2 * frames
     switches = [(starts[at], new)]
     out = dict(switch_frame=at, frames=total, window=frames, examples=[[prompts[0], new[0]]])
 
     def window(videos, start, captions_):
-        scores = score_windows(list(videos[:, start : start + frames]), captions_, frames, motion=args.motion)
+        scores = score_windows(list(videos[:, start : start + frames]), captions_, frames, motion=motion)
         w = scores["windows"][0]
         return {k: w[k] for k in ("color_acc", "shape_acc", "direction_acc", "stats_in_range")}
 
     def reads_old(videos, start):
         """Share of clips whose window reads the OLD caption's colour / shape / direction: a low new-caption
         accuracy with these near 1 is a stream that keeps its context's content, not a wrongly scored window."""
-        readings = [read_shape(v[start : start + frames], args.motion == "wrap") for v in videos]
+        readings = [read_shape(v[start : start + frames], motion == "wrap") for v in videos]
         olds = [parse_caption(p) for p in prompts]
         return {
             f"{a}_share": sum(getattr(r, a) == o[k] for r, o in zip(readings, olds)) / len(readings)
@@ -417,9 +430,9 @@ def evaluate_switch(args, generator, prompts, seeds, clip) -> dict:
 
     plain_sinks = generator.sink_frames
     runs = [("recache", True, plain_sinks, None), ("keep_old_kv", False, plain_sinks, None)]
-    if args.switch_sink_frames is not None:  # does a sink frame, made under the old prompt, carry its colour on?
-        runs.append((f"recache_sinks_{args.switch_sink_frames}", True, args.switch_sink_frames, None))
-    for start in args.switch_renoise or ():  # the kept window re-rendered under the new prompt from ``start``
+    if sink_frames is not None:  # does a sink frame, made under the old prompt, carry its colour on?
+        runs.append((f"recache_sinks_{sink_frames}", True, sink_frames, None))
+    for start in renoise or ():  # the kept window re-rendered under the new prompt from ``start``
         runs.append((f"renoise_{float(start)}", True, plain_sinks, float(start)))
     for name, recache, sinks, renoise in runs:
         with settings_of(generator, switch_recache=recache, sink_frames=sinks, switch_renoise=renoise):

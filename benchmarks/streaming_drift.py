@@ -23,7 +23,6 @@ import argparse
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 
 def stream_run(run_dir, cfg, prompts, seeds, frames, size, window, sinks, device, switch=None) -> dict:
@@ -68,10 +67,10 @@ def stream_run(run_dir, cfg, prompts, seeds, frames, size, window, sinks, device
     if switch is not None:
         from benchmarks.long_streaming_quality import evaluate_switch
 
-        settings = SimpleNamespace(
-            motion="linear", long_multiple=max(frames // clip, 2), switch_sink_frames=None, switch_renoise=switch
+        long_multiple = max(frames // clip, 2)
+        row["switch"] = evaluate_switch(
+            generator, prompts, seeds, size, motion="linear", long_multiple=long_multiple, renoise=switch
         )
-        row["switch"] = evaluate_switch(settings, generator, prompts, seeds, size)
     return row
 
 
