@@ -255,3 +255,72 @@ def test_whole_masters_are_the_fp32_weights_on_one_rank_only():
     assert all(v == (torch.float32, True, True) for v in one["bf16"].values()), one["bf16"]
     for per_rank in run_distributed(_whole_masters_run, world_size=2, timeout=240):
         assert per_rank == {"bf16": None, "fp32": None}
+
+
+def _edge_runs(rank, world_size):
+    """One rank, each run with the gradients in .grad and through the store: fp16 (its loss scaler reads the store
+    for overflow), ZeRO-1 with zero_grad(set_to_none=False) and a layer unused in later steps, and
+    model.zero_grad() between backward and step."""
+    warnings.filterwarnings("ignore")
+    from colossalai.accelerator.cpu_accelerator import CpuAccelerator
+
+    from opensora.training.booster import build_booster
+    from opensora.training.distributed import init_distributed
+    from opensora.training.ema import unwrap_model
+
+    _, _, _, device = init_distributed()
+    if device.type == "cpu":  # fp16's DynamicGradScaler asks the accelerator for a device count the CPU one refuses
+        CpuAccelerator.device_count = lambda self: 1
+
+    def run(precision, stage, in_place, set_to_none=True, clear_between=False):
+        torch.manual_seed(0)
+        model = _model()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+        booster = build_booster(
+            dict(type="LowLevelZeroPlugin", stage=stage, max_norm=1.0, grads_in_place=in_place), precision
+        )
+        model, optimizer, *_ = booster.boost(model, optimizer)
+        dtype = dict(fp16=torch.float16, bf16=torch.bfloat16)[precision]
+        gen = torch.Generator().manual_seed(1)
+        scales = []
+        for step in range(3):
+            x = torch.randn(6, 7, generator=gen).to(device, dtype)
+            out = model(x)
+            if step == 0:  # the unused layer gets a gradient in the first step only
+                out = out + unwrap_model(model).unused(x[:, :3]).sum()
+            booster.backward(out.float().pow(2).mean(), optimizer)
+            if clear_between:
+                model.zero_grad()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+            if optimizer.mixed_precision_mixin is not None and hasattr(optimizer.mixed_precision_mixin, "loss_scale"):
+                scales.append(float(optimizer.mixed_precision_mixin.loss_scale))
+        weights = {n: p.detach().float().clone() for n, p in unwrap_model(model).named_parameters()}
+        return weights, scales
+
+    results = {}
+    for name, kwargs in (
+        ("fp16", dict(precision="fp16", stage=2)),
+        ("zero1_keep", dict(precision="bf16", stage=1, set_to_none=False)),
+    ):
+        results[name] = [run(in_place=flag, **kwargs) for flag in (True, False)]
+    try:
+        run("bf16", 2, True, clear_between=True)
+        results["cleared"] = "ran"
+    except RuntimeError as error:
+        results["cleared"] = str(error)
+    return results
+
+
+def test_fp16_set_to_none_false_and_cleared_gradients_match_or_are_refused():
+    """fp16 keeps the store (its overflow check reads it), so the loss scale backs off as ColossalAI's does;
+    zero_grad(set_to_none=False) leaves no zeroed gradient for ZeRO-1 to step again; a gradient cleared between
+    backward and step is refused in one line naming the cause."""
+    (result,) = run_distributed(_edge_runs, world_size=1, timeout=240)
+    for name in ("fp16", "zero1_keep"):
+        (ours, our_scales), (reference, ref_scales) = result[name]
+        assert our_scales == ref_scales, name
+        for key, value in reference.items():
+            assert torch.equal(ours[key], value), (name, key)
+    assert result["fp16"][0][1][-1] < 2.0**32  # overflow was seen: the scale backed off from its start
+    assert "cleared before optimizer.step()" in result["cleared"] and "grads_in_place=False" in result["cleared"]

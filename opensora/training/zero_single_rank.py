@@ -110,6 +110,7 @@ def _grads_in_place(optimizer) -> bool:
     answer = (
         ENABLED["grads_in_place"]
         and type(optimizer) is LowLevelZeroOptimizer
+        and optimizer._dtype != torch.float16  # fp16's loss scaler looks for overflow in the store's gradients
         and len(optimizer.pg_to_grad_store) == 1
         and _step_path(optimizer) == "local"
     )
@@ -125,8 +126,23 @@ def _add_to_bucket(self, param, group_id):
 
 
 def _zero_grad_stores(self):
-    self.__dict__.pop(_ARRIVALS, None)
+    # what ColossalAI leaves after zero_grad, also for set_to_none=False: the gradients that reached the store are
+    # gone from .grad (a zeroed .grad left behind would be re-added by ZeRO-1's end-of-backward sweep and stepped)
+    for _, param in self.__dict__.pop(_ARRIVALS, {}).values():
+        param.grad = None
     return _ORIGINAL["zero_grad_stores"](self)
+
+
+def _arrived_grad(param):
+    """A noted gradient, flat; one cleared since the backward (``model.zero_grad()`` before ``step()``) is refused:
+    ColossalAI's store would still hold it."""
+    if param.grad is None:
+        raise RuntimeError(
+            "a gradient of this backward was cleared before optimizer.step() (model.zero_grad() between backward and "
+            "step?): on one rank the gradients stay in .grad; zero them through the optimizer after its step, or set "
+            "grads_in_place=False in the plugin config"
+        )
+    return param.grad.reshape(-1)
 
 
 def _cast_all(tensors: list, dtype: torch.dtype) -> list:
@@ -231,13 +247,16 @@ def _master_of(self) -> dict:
 
 
 def whole_masters(optimizer) -> dict | None:
-    """{id(working parameter): its fp32 master viewed in the parameter's shape} where a LowLevelZero optimizer on one
-    rank takes the one-rank step (each master is its parameter's whole flat copy, written by every step), for
-    readers of the exact weights (the EMA); None elsewhere (several ranks hold shards; other optimizers; masters of
-    the weights' own dtype, where the weights are the masters' bits). Kept while the lists are the same."""
+    """{id(working parameter): its fp32 master viewed in the parameter's shape} where a LowLevelZero optimizer (or a
+    subclass) runs on one rank with master weights on the GPU: each master is then its parameter's whole flat copy,
+    written by every step, whichever step path runs. For readers of the exact weights (the EMA). None elsewhere:
+    several ranks hold shards; CPU-offloaded masters; other optimizers; masters of the weights' own dtype, where the
+    weights are the masters' bits. Kept while the lists are the same."""
     while optimizer is not None and not hasattr(optimizer, "_master_param_groups_of_current_rank"):
         optimizer = getattr(optimizer, "optim", None)
-    if optimizer is None or _step_path(optimizer) != "local":
+    if optimizer is None or not optimizer._master_weights or optimizer._cpu_offload or optimizer._overlap_allgather:
+        return None
+    if any(store.world_size != 1 for store in optimizer.pg_to_bucket_store.values()):
         return None
     groups = optimizer._master_param_groups_of_current_rank
     key = tuple((id(groups[g]), len(groups[g])) for g in range(optimizer.num_param_groups))
@@ -275,7 +294,7 @@ def _step(self, closure=None):
         else:  # in arrival order, the order the store would list them in for the norm
             master_of = _master_of(self)
             pairs = [(p, master_of[id(p)]) for g, p in arrivals.values() if g == group_id]
-            grads = norm_grads = [working.grad.reshape(-1) for working, _ in pairs]
+            grads = norm_grads = [_arrived_grad(working) for working, _ in pairs]
         masters = [master for _, master in pairs]
         casts = _cast_all(grads, masters[0].dtype) if masters else []
         for master, grad in zip(masters, casts):
