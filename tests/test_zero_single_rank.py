@@ -91,7 +91,22 @@ def _train(plugin_cfg, precision, rank, device, accumulate=None):
         for group, masters in optimizer._master_param_groups_of_current_rank.items()
         for i, master in enumerate(masters)
     )
-    return losses, weights
+    return losses, weights, _whole_masters_check(model, optimizer)
+
+
+def _whole_masters_check(model, optimizer):
+    """``whole_masters`` per trainable weight: (dtype, same shape, its rounding is the weight), or None."""
+    from opensora.training.ema import unwrap_model
+    from opensora.training.zero_single_rank import whole_masters
+
+    masters = whole_masters(optimizer)
+    if masters is None:
+        return None
+    return {
+        n: (masters[id(p)].dtype, masters[id(p)].shape == p.shape, torch.equal(masters[id(p)].to(p.dtype), p.detach()))
+        for n, p in unwrap_model(model).named_parameters()
+        if p.requires_grad
+    }
 
 
 def _taken(run):
@@ -121,7 +136,7 @@ def _both_paths(rank, world_size):
 
 
 def _assert_bit_identical(result):
-    (losses, weights), (ref_losses, ref_weights) = result["ours"], result["reference"]
+    (losses, weights, _), (ref_losses, ref_weights, _) = result["ours"], result["reference"]
     assert losses == ref_losses
     for key, value in ref_weights.items():
         assert weights[key].dtype == value.dtype and torch.equal(weights[key], value), key
@@ -136,6 +151,13 @@ def one_rank():
 def test_one_rank_shortcuts_are_bit_identical_to_colossalai(one_rank, name):
     _assert_one_rank_paths(name, one_rank[name]["taken"])
     _assert_bit_identical(one_rank[name])
+    # the EMA's fp32 weights (whole_masters): with the shortcuts and without, each master in its weight's shape whose
+    # rounding is the weight; fp32 training has none (the weights are the masters' bits)
+    for masters in (one_rank[name]["ours"][2], one_rank[name]["reference"][2]):
+        if "fp32" in name:
+            assert masters is None
+        else:
+            assert len(masters) == 7 and all(v == (torch.float32, True, True) for v in masters.values()), masters
 
 
 def _assert_one_rank_paths(name, taken):
@@ -160,7 +182,8 @@ def test_multi_rank_step_is_bit_identical_to_colossalai(two_ranks, name):
         # the one-rank shortcuts, enabled too, are not taken
         assert result["taken"] == MULTI_RANK_ONLY, result["taken"]
         _assert_bit_identical(result)
-    (_, weights0), (_, weights1) = (per_rank[name]["ours"] for per_rank in two_ranks)
+        assert result["ours"][2] is None and result["reference"][2] is None  # shards: the EMA reads the weights
+    (_, weights0, _), (_, weights1, _) = (per_rank[name]["ours"] for per_rank in two_ranks)
     for key, value in weights0.items():  # every rank holds the same gathered parameters
         if not key.startswith("master"):
             assert torch.equal(value, weights1[key]), key
@@ -197,64 +220,6 @@ def test_the_plugin_defaults_take_the_multi_rank_step_on_two_ranks():
     """No shortcut keys in the plugin config: two ranks take the multi-rank step (the default since its 2-GPU run)."""
     for taken in run_distributed(_default_plugin_run, world_size=2, timeout=240):
         assert taken == MULTI_RANK_ONLY, taken
-
-
-def _whole_masters_run(rank, world_size):
-    """After two steps: ``whole_masters`` per parameter (one rank) or None (two ranks: shards)."""
-    warnings.filterwarnings("ignore")
-    from opensora.training.booster import build_booster
-    from opensora.training.distributed import init_distributed
-    from opensora.training.ema import unwrap_model
-    from opensora.training.zero_single_rank import whole_masters
-
-    _, _, _, device = init_distributed()
-    found = {}
-    for precision in ("bf16", "fp32"):
-        torch.manual_seed(0)
-        model = _model()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        booster = build_booster(dict(type="LowLevelZeroPlugin", stage=2, max_norm=1.0), precision)
-        model, optimizer, *_ = booster.boost(model, optimizer)
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        for _ in range(2):
-            loss = model(torch.randn(6, 7).to(device, dtype)).float().pow(2).mean()
-            booster.backward(loss, optimizer)
-            optimizer.step()
-            optimizer.zero_grad()
-        masters = whole_masters(optimizer)
-        params = [(n, p) for n, p in unwrap_model(model).named_parameters() if p.requires_grad]
-        found[precision] = (
-            None
-            if masters is None
-            else {
-                n: (
-                    masters[id(p)].dtype,
-                    masters[id(p)].shape == p.shape,
-                    torch.equal(masters[id(p)].to(p.dtype), p.detach()),
-                )
-                for n, p in params
-            }
-        )
-    return found
-
-
-def test_whole_masters_are_the_fp32_weights_on_one_rank_only():
-    """One rank, bf16: each trainable weight's fp32 master in its shape, whose bf16 rounding is the weight (the EMA
-    reads these); fp32 training and two ranks (shards): None, the weights are read."""
-    (one,) = run_distributed(_whole_masters_run, world_size=1, timeout=240)
-    assert one["fp32"] is None
-    assert set(one["bf16"]) == {
-        "body.0.weight",
-        "body.0.bias",
-        "body.2.weight",
-        "body.2.bias",
-        "norm.weight",
-        "unused.weight",
-        "unused.bias",
-    }
-    assert all(v == (torch.float32, True, True) for v in one["bf16"].values()), one["bf16"]
-    for per_rank in run_distributed(_whole_masters_run, world_size=2, timeout=240):
-        assert per_rank == {"bf16": None, "fp32": None}
 
 
 def _edge_runs(rank, world_size):
