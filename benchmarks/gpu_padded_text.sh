@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls for padded prompts at unpadded speed, compiled blocks by default and FP8 (one GPU). Usage, from the
 # repository root on the GPU machine, with the wheels in .whl/ (diffusers, torchao, ...):
-#   bash benchmarks/gpu_padded_text.sh tests|zero-keys|graph-ckpt|lora|step|fp8|trainer|trainer-padded ...   (under $OUT)
+#   bash benchmarks/gpu_padded_text.sh tests|zero-keys|graph-ckpt|lora|step|fp8|trainer|trainer-padded|trainer-ema ...
 # Per-part limits (seconds, env TESTS_S STEP_S FP8_S TRAINER_S): tests 280 + step 270 fit one 580 s device call,
 # fp8 220 + trainer 330 another. STEP_ARGS / FP8_ARGS / TRAINER_ARGS add flags (e.g. STEP_ARGS="--variants ...
 # --profile-steps 2", FP8_ARGS="--widths 11b-width", TRAINER_ARGS="--profile-steps 2").
@@ -58,6 +58,12 @@ for part in "$@"; do
           --trainer-config configs/diffusion/train/mmdit_1b_padded_text_shape.py ${TRAINER_ARGS:-} \
           --out "$OUT/trainer_padded_$round.json" > "$OUT/trainer_padded_$round.txt" 2>&1; tail -2 "$OUT/trainer_padded_$round.txt"
       done ;;
+    trainer-ema)  # what the EMA costs the trainer at the padded shape: with it, without it, with it again, and the
+      # gradients through ColossalAI's bucket store (one process each; the bare step with masters is trainer-padded's)
+      timeout ${TRAINER_S:-200} python -m benchmarks.train_step \
+        --runs "trainer@full;trainer-noema@full;trainer-bucketed@full;trainer@full" \
+        --trainer-config configs/diffusion/train/mmdit_1b_padded_text_shape.py ${TRAINER_ARGS:-} \
+        --out "$OUT/trainer_ema.json" > "$OUT/trainer_ema.txt" 2>&1; tail -6 "$OUT/trainer_ema.txt" ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"
 done

@@ -4,7 +4,7 @@
 # padded shape against its bare step and the optimizer's GPU tests.
 #   bash benchmarks/gpu_switch_rerender.sh start OUT        start the chain; returns at once
 #   bash benchmarks/gpu_switch_rerender.sh wait OUT SEC     wait up to SEC s, print progress, copy results to $OUT
-# Stages: trainer-padded (quiet) and the optimizer GPU tests (P30=0 skips both) -> teacher -> causal ODE init ->
+# Stages: trainer-padded and trainer-ema (quiet) and the optimizer GPU tests (P30=0 skips them) -> teacher -> causal ODE init ->
 # Self-Forcing -> its prompt switch only: re-cached, old KV kept, 0 sinks, re-rendered from each of RENOISE (default
 # "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default 160, switch_prob 0)
 # from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf), each evaluated.
@@ -19,6 +19,7 @@ switch=(--prompt-switch --switch-sink-frames 0)
 
 if [ "${P30:-1}" != 0 ]; then
   STEP_S=150 TRAINER_S=150 padded 0 trainer_padded_quiet trainer-padded
+  TRAINER_S=200 padded 0 trainer_ema_quiet trainer-ema
   optimizer_gpu_tests
 fi
 stage 0 ls teacher --only-stage teacher
