@@ -4,10 +4,11 @@
 # padded shape against its bare step and the optimizer's GPU tests.
 #   bash benchmarks/gpu_switch_rerender.sh start OUT        start the chain; returns at once
 #   bash benchmarks/gpu_switch_rerender.sh wait OUT SEC     wait up to SEC s, print progress, copy results to $OUT
-# Stages: trainer-padded and trainer-ema (quiet) and the optimizer GPU tests (P30=0 skips them) -> teacher -> causal ODE init ->
-# Self-Forcing -> its prompt switch only: re-cached, old KV kept, 0 sinks, re-rendered from each of RENOISE (default
-# "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default 160, switch_prob 0)
-# from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf), each evaluated.
+# Stages: trainer-padded and trainer-ema (quiet) and the optimizer GPU tests (P30=0 skips them) -> teacher ->
+# causal ODE init -> Self-Forcing -> its prompt switch only: re-cached, old KV kept, 0 sinks, re-rendered from each of
+# RENOISE (default "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default
+# 160, switch_prob 0) from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf),
+# each evaluated.
 # EXTRA: the runs' flags (seeds, minutes).
 set -uo pipefail
 source "$(dirname "$0")/gpu_chain.sh"
