@@ -326,7 +326,9 @@ def _step(self, closure=None):
 
 def install(single_rank: bool = True, multi_rank: bool = True, grads_in_place: bool = True) -> None:
     """Patch ``LowLevelZeroOptimizer``'s ``_run_reduction``, ``step``, ``_add_to_bucket`` and ``zero_grad_stores``
-    (once per process) and choose which shortcuts they take: ``single_rank`` (groups of one rank) and ``multi_rank`` (the step of plain data parallel groups)."""
+    (once per process) and choose which shortcuts they take: ``single_rank`` (groups of one rank), ``grads_in_place``
+    (with it, one rank's gradients stay in ``.grad``; off: through the store) and ``multi_rank`` (the step of plain
+    data parallel groups)."""
     ENABLED.update(single_rank=bool(single_rank), multi_rank=bool(multi_rank), grads_in_place=bool(grads_in_place))
     if _ORIGINAL:
         return
