@@ -204,24 +204,35 @@ def test_an_update_reuses_its_plan_until_the_parameters_change(monkeypatch):
     assert len(walks) == 3 and torch.equal(ema.shadow["1.weight"], kept)
 
 
-def test_values_instead_of_parameters_follow_the_closed_form_and_the_plan_tracks_them():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
+def test_values_instead_of_parameters_follow_the_closed_form_and_the_plan_tracks_them(device):
     """``update(values=...)`` (the trainer's fp32 masters) folds those tensors in for the named parameters, the
-    others as they are; new value tensors make a new plan; a value of the wrong shape is refused by name."""
+    others as they are; new value tensors make a new plan; a value of the wrong shape is refused by name. On a GPU
+    the update runs on its side stream; the shadow read back fences it."""
     decay = 0.8
-    model = _model().to(torch.bfloat16)
+    model = _model().to(device, torch.bfloat16)
     ema = EMA(model, decay=decay, enabled=True)
     start = {n: v.clone() for n, v in ema.state_dict().items()}
     weight = model[0].weight
     for k in (1, 2):
-        exact = torch.randn(weight.shape, generator=torch.Generator().manual_seed(k))  # fp32, as a master
+        exact = torch.randn(weight.shape, generator=torch.Generator().manual_seed(k)).to(device)  # fp32, a master
         with torch.no_grad():
             weight.copy_(exact)  # the bf16 weight: the master rounded
         ema.update(model, step=k, values={id(weight): exact})
         expected = start["0.weight"].lerp(exact, 1 - decay)
-        assert torch.equal(ema.shadow["0.weight"], expected)  # the fp32 values, not the rounded weight
+        shadow = ema.state_dict()
+        assert torch.equal(shadow["0.weight"], expected)  # the fp32 values, not the rounded weight
         start["0.weight"] = expected
         other = start["0.bias"].lerp(model[0].bias.detach().float(), 1 - decay)
-        assert torch.equal(ema.shadow["0.bias"], other)
+        assert torch.equal(shadow["0.bias"], other)
         start["0.bias"] = other
     with pytest.raises(ValueError, match="0.weight"):
         ema.update(model, step=3, values={id(weight): torch.zeros(weight.numel())})
