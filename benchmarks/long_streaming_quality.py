@@ -434,8 +434,8 @@ def evaluate_switch(
         runs.append((f"recache_sinks_{sink_frames}", True, sink_frames, None))
     for start in renoise or ():  # the kept window re-rendered under the new prompt from ``start``
         runs.append((f"renoise_{float(start)}", True, plain_sinks, float(start)))
-    for name, recache, sinks, renoise in runs:
-        with settings_of(generator, switch_recache=recache, sink_frames=sinks, switch_renoise=renoise):
+    for name, recache, sinks, renoise_from in runs:
+        with settings_of(generator, switch_recache=recache, sink_frames=sinks, switch_renoise=renoise_from):
             seconds, videos = timed(
                 lambda: generator.generate(prompts, seeds, total, height, width, switches=switches).numpy()
             )
@@ -443,7 +443,7 @@ def evaluate_switch(
         accuracies = [after[k] for k in ("color_acc", "shape_acc", "direction_acc")]
         out[name] = dict(
             sink_frames=sinks,
-            switch_renoise=renoise,
+            switch_renoise=renoise_from,
             seconds=seconds,
             # a jump at the switch: the mean frame change across it over the mean change between frames of the
             # windows around it (about 1 for a seamless switch)

@@ -281,7 +281,7 @@ class Trainer:
             if role.ema is not None:
                 role.wait_for_params()
                 # one ZeRO rank: the fp32 masters (exact weights, and no cast pass); else the working weights
-                masters = zero_single_rank.whole_masters(role.optimizer) if role.optimizer is not None else None
+                masters = zero_single_rank.whole_masters(role.optimizer)
                 role.ema.update(role.unwrap(), step=self.step, after=after, values=masters)
 
     def _fence_emas(self) -> None:

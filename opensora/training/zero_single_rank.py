@@ -232,7 +232,7 @@ def _from_store(self, group_id: int) -> tuple:
 
 
 def _master_of(self) -> dict:
-    """{id(working parameter): its master}, kept while the groups' lists are the same lists of the same length
+    """{id(working parameter): (it, its master)}, kept while the groups' lists are the same lists of the same length
     (ColossalAI builds them once; a checkpoint load copies into the masters)."""
     groups = self._master_param_groups_of_current_rank
     key = tuple(
@@ -241,7 +241,7 @@ def _master_of(self) -> dict:
     kept = self.__dict__.get("_opensora_master_of")
     if kept is None or kept[0] != key:
         pairs = (zip(self._working_param_groups[g], groups[g]) for g in range(self.num_param_groups))
-        kept = (key, {id(w): m for group in pairs for w, m in group})
+        kept = (key, {id(w): (w, m) for group in pairs for w, m in group})
         self._opensora_master_of = kept
     return kept[1]
 
@@ -258,18 +258,16 @@ def whole_masters(optimizer) -> dict | None:
         return None
     if any(store.world_size != 1 for store in optimizer.pg_to_bucket_store.values()):
         return None
-    groups = optimizer._master_param_groups_of_current_rank
-    key = tuple((id(groups[g]), len(groups[g])) for g in range(optimizer.num_param_groups))
+    pairs = _master_of(optimizer)
     kept = optimizer.__dict__.get("_opensora_whole_masters")
-    if kept is not None and kept[0] == key:
+    if kept is not None and kept[0] is pairs:
         return kept[1]
     whole = {}
-    for g in range(optimizer.num_param_groups):
-        for working, master in zip(optimizer._working_param_groups[g], groups[g]):
-            if master.dtype == working.dtype or master.numel() != working.numel():
-                return None
-            whole[id(working)] = master.view(working.shape)
-    optimizer._opensora_whole_masters = (key, whole)
+    for key, (working, master) in pairs.items():
+        if master.dtype == working.dtype or master.numel() != working.numel():
+            return None
+        whole[key] = master.view(working.shape)
+    optimizer._opensora_whole_masters = (pairs, whole)
     return whole
 
 
@@ -293,7 +291,7 @@ def _step(self, closure=None):
             pairs, grads, norm_grads = _from_store(self, group_id)
         else:  # in arrival order, the order the store would list them in for the norm
             master_of = _master_of(self)
-            pairs = [(p, master_of[id(p)]) for g, p in arrivals.values() if g == group_id]
+            pairs = [master_of[id(p)] for g, p in arrivals.values() if g == group_id]
             grads = norm_grads = [_arrived_grad(working) for working, _ in pairs]
         masters = [master for _, master in pairs]
         casts = _cast_all(grads, masters[0].dtype) if masters else []
