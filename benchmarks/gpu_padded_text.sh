@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls for padded prompts at unpadded speed, compiled blocks by default and FP8 (one GPU). Usage, from the
 # repository root on the GPU machine, with the wheels in .whl/ (diffusers, torchao, ...):
-#   bash benchmarks/gpu_padded_text.sh tests|zero-keys|graph-ckpt|lora|step|fp8|trainer|trainer-padded|trainer-ema ...
+#   bash benchmarks/gpu_padded_text.sh tests|zero-keys|graph-ckpt|lora|step|fp8|trainer|trainer-padded|trainer-ema|trainer-vs-bare ...
 # Per-part limits (seconds, env TESTS_S STEP_S FP8_S TRAINER_S): tests 280 + step 270 fit one 580 s device call,
 # fp8 220 + trainer 330 another. STEP_ARGS / FP8_ARGS / TRAINER_ARGS add flags (e.g. STEP_ARGS="--variants ...
 # --profile-steps 2", FP8_ARGS="--widths 11b-width", TRAINER_ARGS="--profile-steps 2").
@@ -11,6 +11,11 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target .pysite .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=$PWD/.pysite:$PWD OMP_NUM_THREADS=4
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+bare_round() {  # the bare padded step in bf16 and with the trainer's fp32 masters, one process
+  timeout ${STEP_S:-150} python -m benchmarks.padded_text_step --no-diffusers --rounds 1 \
+    --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-master \
+    --out "$OUT/bare_padded_$1.json" > "$OUT/bare_padded_$1.txt" 2>&1; tail -3 "$OUT/bare_padded_$1.txt"
+}
 for part in "$@"; do
   t0=$(date +%s)
   case $part in
@@ -51,9 +56,7 @@ for part in "$@"; do
     trainer-padded)  # the trainer at padded_text_step's shape (mmdit_1b_padded_text_shape.py) beside the bare step in
       # bf16 and with the trainer's optimizer precision, alternated twice (separate processes, so repeated, not interleaved)
       for round in 1 2; do
-        timeout ${STEP_S:-150} python -m benchmarks.padded_text_step --no-diffusers --rounds 1 \
-          --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-master \
-          --out "$OUT/bare_padded_$round.json" > "$OUT/bare_padded_$round.txt" 2>&1; tail -3 "$OUT/bare_padded_$round.txt"
+        bare_round $round
         timeout ${TRAINER_S:-150} python -m benchmarks.train_step --runs "trainer@full" \
           --trainer-config configs/diffusion/train/mmdit_1b_padded_text_shape.py ${TRAINER_ARGS:-} \
           --out "$OUT/trainer_padded_$round.json" > "$OUT/trainer_padded_$round.txt" 2>&1; tail -2 "$OUT/trainer_padded_$round.txt"
@@ -64,6 +67,15 @@ for part in "$@"; do
         --runs "trainer@full;trainer-noema@full;trainer-bucketed@full;trainer@full" \
         --trainer-config configs/diffusion/train/mmdit_1b_padded_text_shape.py ${TRAINER_ARGS:-} \
         --out "$OUT/trainer_ema.json" > "$OUT/trainer_ema.txt" 2>&1; tail -6 "$OUT/trainer_ema.txt" ;;
+    trainer-vs-bare)  # the trainer (EMA from the fp32 masters on one rank), without EMA, and again, between two rounds
+      # of the bare step with masters: one quiet comparison of the trainer against its bare step
+      for round in 1 2; do
+        bare_round $round
+        [ $round = 2 ] && break
+        timeout ${TRAINER_S:-200} python -m benchmarks.train_step --runs "trainer@full;trainer-noema@full;trainer@full" \
+          --trainer-config configs/diffusion/train/mmdit_1b_padded_text_shape.py ${TRAINER_ARGS:-} \
+          --out "$OUT/trainer_vs_bare.json" > "$OUT/trainer_vs_bare.txt" 2>&1; tail -5 "$OUT/trainer_vs_bare.txt"
+      done ;;
   esac
   echo "== $part: $(( $(date +%s) - t0 )) s"
 done

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One GPU, one detached chain (gpu_chain.sh): does re-rendering the kept window under the new prompt make a streaming
-# student switch colour, and what does it cost at the boundary? First, alone on the machine, the trainer at the
-# padded shape against its bare step and the optimizer's GPU tests.
+# One GPU (two with SCALING=1), one detached chain (gpu_chain.sh): does re-rendering the kept window under the new
+# prompt make a streaming student switch colour, and what does it cost at the boundary? First, alone on the machine,
+# the trainer at the padded shape against its bare step and the optimizer's GPU tests.
 #   bash benchmarks/gpu_switch_rerender.sh start OUT        start the chain; returns at once
 #   bash benchmarks/gpu_switch_rerender.sh wait OUT SEC     wait up to SEC s, print progress, copy results to $OUT
-# Stages: trainer-padded and trainer-ema (quiet) and the optimizer GPU tests (P30=0 skips them) -> teacher ->
+# Stages: the trainer against its bare step (gpu_padded_text.sh trainer-vs-bare, quiet) and the optimizer GPU tests
+# (P30=0 skips them) -> with SCALING=1 (two GPUs), ZeRO-2 1 vs 2 GPUs at the padded-text shape -> teacher ->
 # causal ODE init -> Self-Forcing -> its prompt switch only: re-cached, old KV kept, 0 sinks, re-rendered from each of
 # RENOISE (default "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default
 # 160, switch_prob 0) from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf),
@@ -19,9 +20,14 @@ L="--student-minutes ${L_MINUTES:-9} --student-steps ${STEPS:-160} --long-init s
 switch=(--prompt-switch --switch-sink-frames 0)
 
 if [ "${P30:-1}" != 0 ]; then
-  STEP_S=150 TRAINER_S=150 padded 0 trainer_padded_quiet trainer-padded
-  TRAINER_S=200 padded 0 trainer_ema_quiet trainer-ema
+  TRAINER_S=200 padded 0 trainer_vs_bare_quiet trainer-vs-bare
   optimizer_gpu_tests
+fi
+if [ "${SCALING:-0}" = 1 ]; then  # both GPUs: ZeRO-2 1 vs 2 GPUs at the real configuration, 2 interleaved rounds
+  note "start scaling"
+  timeout 420 bash benchmarks/train_scaling.sh --repeats 2 --plugins zero2 --gpus "1 2" --steps 20 --skip 6 \
+    --config configs/diffusion/train/mmdit_1b_padded_text_shape.py --out "$out/p30/scaling" > "$out/log/scaling.txt" 2>&1
+  note "end scaling: $(grep "efficiency median" "$out/log/scaling.txt" | tail -n 1)"
 fi
 stage 0 ls teacher --only-stage teacher
 stage 0 ls ode --only-stage ode
