@@ -113,6 +113,13 @@ def safetensors_weights(checkpoint: Path) -> dict:
     return weights
 
 
+def ema_weights(checkpoint: Path) -> dict:
+    """The model role's EMA file in a checkpoint directory."""
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model" / "ema.safetensors"))
+
+
 # ---- shared data and configs --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
@@ -228,6 +235,11 @@ def test_resume_with_load_under_torchrun_is_exact(zero2_run, workdir):
     assert final.keys() == reference.keys()
     for name in final:
         assert torch.equal(final[name], reference[name]), name
+    # the EMA, sharded over the two ZeRO ranks and gathered into one file, resumes exactly too
+    final_ema, reference_ema = (ema_weights(path / "checkpoints" / "step-0000012") for path in (outputs, zero2_run))
+    assert final_ema.keys() == final.keys()
+    for name in final_ema:
+        assert torch.equal(final_ema[name], reference_ema[name]), name
 
 
 def test_ddp_and_zero2_give_the_same_losses_in_fp32(zero2_run, workdir):
@@ -243,6 +255,11 @@ def test_ddp_and_zero2_give_the_same_losses_in_fp32(zero2_run, workdir):
         assert ddp[step]["loss"] == pytest.approx(zero[step]["loss"], rel=1e-5, abs=1e-6)
         assert ddp[step]["grad_norm"] == pytest.approx(zero[step]["grad_norm"], rel=1e-5)
         assert ddp[step]["lr"] == zero[step]["lr"]
+    # DDP's EMA is rank 0's over the whole weights, ZeRO's is sharded over the masters: the same average
+    ddp_ema, zero_ema = (ema_weights(path / "checkpoints" / "step-0000006") for path in (outputs, zero2_run))
+    assert ddp_ema.keys() == zero_ema.keys()
+    for name in ddp_ema:
+        torch.testing.assert_close(ddp_ema[name], zero_ema[name], rtol=1e-5, atol=1e-6)
 
 
 def test_sequence_parallel_over_two_ranks_trains_like_one_rank(inprocess_run, workdir):

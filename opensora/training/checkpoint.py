@@ -7,7 +7,8 @@ newest-checkpoint lookup: ``opensora.checkpoint_layout``, shared with inference 
     {role}/model/          booster.save_model(shard=True, safetensors)       all ranks take part
     {role}/optimizer/      booster.save_optimizer(shard=True)                all ranks take part
     {role}/lr_scheduler.pt booster.save_lr_scheduler                         (if a scheduler is given)
-    {role}/ema.safetensors EMA weights, written by rank 0                    (if an EMA is given)
+    {role}/ema.safetensors EMA weights, whole, written by rank 0 (a sharded  (if an EMA is given)
+                           EMA gathers its pieces from every rank first)
     {role}/arch.json       the network's keyword arguments as JSON, rank 0   (if the model records ``arch``)
     {role}/master/rank{r}.pt fp32 master weights held by rank r's optimizer  (bf16/fp16 training only)
     {role}/lora.json       a LoRA role (``opensora.lora``): settings, init_from, base sha256, rank 0; such a role
@@ -275,7 +276,7 @@ def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int) -> None
         _save_master_params(model, optimizer, directory / "master", rank)
     if role.lr_scheduler is not None:
         booster.save_lr_scheduler(role.lr_scheduler, str(directory / "lr_scheduler.pt"))
-    if rank == 0 and role.ema is not None:
+    if role.ema is not None and (rank == 0 or role.ema.collective):  # a sharded EMA gathers to rank 0 here
         role.ema.save(directory / EMA_FILE)
     arch = getattr(role.unwrap(), "arch", None) if hasattr(role, "unwrap") else None
     if rank == 0 and isinstance(arch, dict):  # the architecture as JSON: reading a checkpoint never runs its config

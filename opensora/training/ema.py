@@ -21,7 +21,9 @@ and the update then reads 12 bytes a parameter instead of 18 (no bf16-to-fp32 ca
 traffic is what the EMA costs. With several ranks each holds only a shard of the masters, so the bf16 weights are
 averaged as above.
 
-With ``world_size > 1`` only rank 0 allocates the shadow; on other ranks every method is a cheap no-op.
+With ``world_size > 1`` only rank 0 allocates the shadow; on other ranks every method is a cheap no-op. Under
+LowLevelZero with several ranks the trainer keeps ``ema_sharded.ShardedEMA`` instead: each rank averages its own
+pieces of the fp32 masters.
 """
 
 from __future__ import annotations
@@ -172,9 +174,26 @@ class EMA:
         if self.enabled:
             with torch.no_grad():
                 for name, param in self._tracked(model):
-                    self.shadow[name] = param.detach().to(
-                        device=self.device or param.device, dtype=self.dtype, copy=True
-                    )
+                    self.shadow[name] = self._init_shadow(name, param)
+
+    collective = False  # whether save / state_dict / copy_to need every rank (``ShardedEMA``)
+
+    def _init_shadow(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        return param.detach().to(device=self.device or param.device, dtype=self.dtype, copy=True)
+
+    def _value_for(self, name: str, param: torch.Tensor, instead: dict) -> torch.Tensor:
+        """What the update folds into ``name``'s shadow: ``instead``'s tensor for it, else the parameter."""
+        value = instead.get(id(param))
+        if value is not None and value.shape != param.shape:
+            raise ValueError(f"EMA value for {name!r} has shape {tuple(value.shape)}, not {tuple(param.shape)}")
+        return (param if value is None else value).detach()
+
+    def masters_of(self, optimizer) -> dict | None:
+        """The ``values`` for ``update``: ZeRO's whole fp32 masters where one rank holds them, else None (the
+        weights themselves)."""
+        from .zero_single_rank import whole_masters
+
+        return whole_masters(optimizer)
 
     @staticmethod
     def _tracked(model: nn.Module):
@@ -218,14 +237,11 @@ class EMA:
         key = (tuple(map(id, params)), tuple(p.data_ptr() for p in params), CAST_CHUNK_NUMEL)
         if self._prepared_for is None or self._prepared_for[0] != key:
             tracked = self._tracked(model)
-            for name, param in tracked:
+            for name, _ in tracked:
                 if name not in self.shadow:
                     raise KeyError(f"EMA has no weight {name!r}: was the model changed after the EMA was built?")
-                value = instead.get(id(param))
-                if value is not None and value.shape != param.shape:
-                    raise ValueError(f"EMA value for {name!r} has shape {tuple(value.shape)}, not {tuple(param.shape)}")
             shadows = [self.shadow[name] for name, _ in tracked]
-            values = [instead.get(id(param), param).detach() for _, param in tracked]
+            values = [self._value_for(name, param, instead) for name, param in tracked]
             plan = _UpdatePlan(shadows, values, CAST_CHUNK_NUMEL)
             device = shadows[0].device if shadows else None  # the GPU all of them are on, if one is
             if device is None or device.type != "cuda" or any(t.device != device for t in (*shadows, *values)):
@@ -267,13 +283,16 @@ class EMA:
         self.fence()
         return dict(self.shadow)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        if not self.enabled:
-            return
+    def _check_keys(self, state, strict: bool) -> None:
         missing = sorted(set(self.shadow) - set(state))
         unexpected = sorted(set(state) - set(self.shadow))
         if strict and (missing or unexpected):
             raise KeyError(f"EMA state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        if not self.enabled:
+            return
+        self._check_keys(state, strict)
         self.fence()
         with torch.no_grad():
             for name, value in state.items():
@@ -286,8 +305,13 @@ class EMA:
             return
         self.fence()
         tensors = {name: t.detach().cpu().contiguous() for name, t in self.shadow.items()}
-        metadata = {"decay": repr(self.decay), "start_step": str(self.start_step), "num_updates": str(self.num_updates)}
-        save_file(tensors, str(path), metadata=metadata)
+        save_file(tensors, str(path), metadata=self._metadata())
+
+    def _metadata(self) -> dict[str, str]:
+        return {"decay": repr(self.decay), "start_step": str(self.start_step), "num_updates": str(self.num_updates)}
+
+    def _read_metadata(self, metadata: dict) -> None:
+        self.num_updates = int(metadata.get("num_updates", self.num_updates))
 
     def load(self, path: str | Path, strict: bool = True) -> None:
         if not self.enabled:
@@ -296,5 +320,4 @@ class EMA:
 
         self.load_state_dict(load_file(str(path)), strict=strict)
         with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-        self.num_updates = int(metadata.get("num_updates", self.num_updates))
+            self._read_metadata(handle.metadata() or {})

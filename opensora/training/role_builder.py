@@ -93,6 +93,34 @@ def check_plugin_fits_role(name: str, cfg: Mapping, plugin_cfg: Mapping) -> None
         )
 
 
+def sharded_ema_fits(plugin_cfg: Mapping) -> bool:
+    """Whether the role's EMA is sharded over the ranks like ZeRO's masters (``ema_sharded``): LowLevelZero on
+    several ranks with its masters on the device."""
+    from opensora.training.distributed import get_world_size
+
+    return plugin_cfg.get("type") == "LowLevelZeroPlugin" and get_world_size() > 1 and not plugin_cfg.get("cpu_offload")
+
+
+def build_ema(ema_cfg: Mapping | None, model: nn.Module, plugin_cfg: Mapping, is_main: bool):
+    """The role's EMA, built from the fp32 weights before the booster casts them (warmup unless the config turns it
+    off): sharded over the ranks where ``sharded_ema_fits`` (``ema=dict(..., sharded=False)`` keeps it whole on rank
+    0), else on rank 0 only; None without an EMA config."""
+    if ema_cfg is None:
+        return None
+    settings = {"warmup": True, **dict(ema_cfg)}
+    sharded = settings.pop("sharded", None)
+    if sharded is None:
+        sharded = sharded_ema_fits(plugin_cfg)
+    elif sharded and not sharded_ema_fits(plugin_cfg):
+        raise ValueError("ema sharded=True needs LowLevelZeroPlugin on several ranks without cpu_offload; drop the key")
+    if sharded:
+        from opensora.training.distributed import get_rank, get_world_size
+        from opensora.training.ema_sharded import ShardedEMA
+
+        return ShardedEMA(model, get_rank(), get_world_size(), **settings)
+    return EMA(model, **settings) if is_main else None
+
+
 def build_role(
     name: str, cfg: Mapping, components: Components, plugin_cfg: Mapping, is_main: bool, max_steps: int | None = None
 ) -> Role:
@@ -122,11 +150,7 @@ def build_role(
     plugin_clips = _plugin_takes_max_norm(plugin_cfg)
     if plugin_clips and grad_clip is not None:
         plugin_cfg.setdefault("max_norm", grad_clip)  # colossalai's name for it
-    ema = None
-    ema_cfg = cfg["ema"]
-    if ema_cfg is not None and is_main:
-        # built from the fp32 weights before the booster casts them; warmup unless the config turns it off
-        ema = EMA(model, **{"warmup": True, **dict(ema_cfg)})
+    ema = build_ema(cfg["ema"], model, plugin_cfg, is_main)
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg["optimizer"])
     factor = lr_lambda(int(cfg["warmup_steps"]), cfg.get("lr_decay"), max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -33,7 +33,6 @@ from opensora.registry import DATASETS, METHODS, build_module
 from opensora.role_config import role_configs
 from opensora.roles import Role
 from opensora.training import checkpoint as ckpt
-from opensora.training import zero_single_rank
 from opensora.training.compile_time import CompileLog
 from opensora.training.components import build_components
 from opensora.training.defaults import TRAINER_DEFAULTS
@@ -280,8 +279,8 @@ class Trainer:
             role = self.roles[name]
             if role.ema is not None:
                 role.wait_for_params()
-                # one ZeRO rank: the fp32 masters (exact weights, and no cast pass); else the working weights
-                masters = zero_single_rank.whole_masters(role.optimizer)
+                # ZeRO's fp32 masters where the EMA can read them (exact weights, no cast pass), else the weights
+                masters = role.ema.masters_of(role.optimizer)
                 role.ema.update(role.unwrap(), step=self.step, after=after, values=masters)
 
     def _fence_emas(self) -> None:

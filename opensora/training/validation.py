@@ -27,7 +27,7 @@ without validation and resume stays exact (``tests/test_validation.py``). A vali
 memory) is logged with its traceback and skipped; training goes on.
 
 Other ranks skip validation and block in the next step's first collective until rank 0 catches up; there is no
-barrier. That wait must stay well inside the process-group timeout (30 min, ``init_distributed``): validation
+barrier. (Where the role's EMA is sharded over the ranks, every rank first takes part in gathering it to rank 0.) That wait must stay well inside the process-group timeout (30 min, ``init_distributed``): validation
 stops starting new batches once ``max_seconds`` (default 300 s) are spent, so it lasts at most ``max_seconds``
 plus one batch, and a config may list at most ``max_prompts`` prompts.
 """
@@ -173,17 +173,24 @@ class Validator:
         self.outputs = Path(outputs)
         self.is_main = is_main
         self._network = None  # the private copy, built at the first validation
+        self._ema_weights = None  # a sharded EMA's whole tensors, gathered at the start of a validation
 
     @classmethod
     def from_config(cls, cfg, roles, components, metrics, outputs, is_main: bool) -> Optional["Validator"]:
         settings = validation_settings(cfg)
         return None if settings is None else cls(settings, cfg, roles, components, metrics, outputs, is_main)
 
+    def _gathers(self) -> bool:
+        """Whether the role's EMA is sharded over the ranks, so that every rank takes part in each validation."""
+        return bool(getattr(self.role.ema, "collective", False))
+
     def due(self, step: int) -> bool:
-        return self.is_main and step % self.every == 0
+        return (self.is_main or self._gathers()) and step % self.every == 0
 
     def run(self, step: int) -> Optional[dict]:
-        """Sample, write, score and log for ``step``; returns the logged record (None off rank 0)."""
+        """Sample, write, score and log for ``step``; returns the logged record (None off rank 0). A sharded EMA is
+        gathered to rank 0 first, on every rank, before anything that could fail on rank 0 alone."""
+        self._ema_weights = self.role.ema.gathered() if self._gathers() else None
         if not self.is_main:
             return None
         started = time.monotonic()
@@ -225,7 +232,13 @@ class Validator:
             self._network = network.to(first.device, first.dtype).eval().requires_grad_(False)
         self.role.wait_for_params()
         self._network.load_state_dict(live.state_dict(), strict=True)
-        if self.role.ema is not None and self.role.ema.enabled:
+        if self._ema_weights is not None:
+            # the trainable weights; the rest keep the live values loaded above
+            unexpected = self._network.load_state_dict(self._ema_weights, strict=False).unexpected_keys
+            self._ema_weights = None
+            if unexpected:
+                raise KeyError(f"EMA weights the validation network lacks: {unexpected[:5]}")
+        elif self.role.ema is not None and self.role.ema.enabled:
             self.role.ema.copy_to(self._network)
         return self._network
 

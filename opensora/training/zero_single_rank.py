@@ -246,14 +246,41 @@ def _master_of(self) -> dict:
     return kept[1]
 
 
+def _zero_optimizer(optimizer):
+    """The LowLevelZero optimizer (or subclass) inside booster wrappers, or None."""
+    while optimizer is not None and not hasattr(optimizer, "_master_param_groups_of_current_rank"):
+        optimizer = getattr(optimizer, "optim", None)
+    return optimizer
+
+
+def master_shards(optimizer) -> tuple[dict, set] | None:
+    """({id(working parameter): this rank's 1-D master piece}, {(local rank, ranks) of every parameter's shard
+    group}) for a LowLevelZero optimizer (or a subclass) with its masters on the device; the pieces are what the
+    optimizer step writes (``ema_sharded.ShardedEMA`` folds them in). None for other optimizers or CPU-offloaded
+    masters. Kept while the lists are the same."""
+    optimizer = _zero_optimizer(optimizer)
+    if optimizer is None or optimizer._cpu_offload:
+        return None
+    pairs = _master_of(optimizer)
+    kept = optimizer.__dict__.get("_opensora_master_shards")
+    if kept is not None and kept[0] is pairs:
+        return kept[1]
+    stores = optimizer.pid_to_bucket_store
+    found = (
+        {key: master for key, (_, master) in pairs.items()},
+        {(stores[key].local_rank, stores[key].world_size) for key in pairs},
+    )
+    optimizer._opensora_master_shards = (pairs, found)
+    return found
+
+
 def whole_masters(optimizer) -> dict | None:
     """{id(working parameter): its fp32 master viewed in the parameter's shape} where a LowLevelZero optimizer (or a
     subclass) runs on one rank with master weights on the GPU: each master is then its parameter's whole flat copy,
     written by every step, whichever step path runs. For readers of the exact weights (the EMA). None elsewhere:
     several ranks hold shards; CPU-offloaded masters; other optimizers; masters of the weights' own dtype, where the
     weights are the masters' bits. Kept while the lists are the same."""
-    while optimizer is not None and not hasattr(optimizer, "_master_param_groups_of_current_rank"):
-        optimizer = getattr(optimizer, "optim", None)
+    optimizer = _zero_optimizer(optimizer)
     if optimizer is None or not optimizer._master_weights or optimizer._cpu_offload or optimizer._overlap_allgather:
         return None
     if any(store.world_size != 1 for store in optimizer.pg_to_bucket_store.values()):

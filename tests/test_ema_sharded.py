@@ -1,0 +1,191 @@
+"""The EMA sharded like ZeRO's masters: each rank's pieces against the whole EMA (closed form tested in test_ema.py),
+files it writes and reads at other rank counts, and 2 gloo ranks under the real LowLevelZero optimizer."""
+
+import warnings
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+
+def _model():
+    # 7 * 5 = 35 and 5 elements: neither divides by 2 or 3, so every rank count pads
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4, bias=False))
+
+
+def _drift(model, step):
+    """New weights for ``step`` (deterministic), written into the model."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen))
+
+
+def test_shard_of_matches_colossalai_partition():
+    from opensora.training.ema_sharded import shard_of
+
+    flat = torch.arange(10.0)
+    pieces = [shard_of(flat, r, 3) for r in range(3)]
+    assert [p.tolist() for p in pieces] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 0]]  # zero-padded to 12
+    padded = torch.nn.functional.pad(flat, [0, 2])
+    for r, piece in enumerate(padded.split(4)):  # ColossalAI: pad, split(numel // world), take [local_rank]
+        assert torch.equal(pieces[r], piece)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_pieces_equal_the_whole_ema_sliced(world_size):
+    """Every rank's pieces after warmup and plain updates are exactly the whole EMA's tensors cut the same way."""
+    from opensora.training.ema import EMA
+    from opensora.training.ema_sharded import ShardedEMA, shard_of
+
+    model = _model()
+    whole = EMA(model, decay=0.9, warmup=True, enabled=True, overlap=False)
+    ranks = [ShardedEMA(model, r, world_size, decay=0.9, warmup=True, overlap=False) for r in range(world_size)]
+    params = list(model.parameters())
+    for step in range(1, 6):
+        _drift(model, step)
+        whole.update(model, step=step)
+        for r, ema in enumerate(ranks):
+            masters = {id(p): shard_of(p.detach().reshape(-1), r, world_size) for p in params}
+            ema.update(model, step=step, values=masters)
+    for r, ema in enumerate(ranks):
+        assert ema.num_updates == whole.num_updates == 5
+        for name, value in whole.shadow.items():
+            assert torch.equal(ema.shadow[name], shard_of(value.reshape(-1), r, world_size)), (r, name)
+    # one process: the "gather" is the rank's own pieces
+    if world_size == 1:
+        got = ranks[0].gathered()
+        assert got.keys() == whole.shadow.keys()
+        for name, value in whole.shadow.items():
+            assert torch.equal(got[name], value)
+
+
+def test_update_without_master_pieces_or_with_wrong_sizes_is_refused():
+    from opensora.training.ema_sharded import ShardedEMA
+
+    model = _model()
+    ema = ShardedEMA(model, 0, 2, decay=0.9, overlap=False)
+    with pytest.raises(RuntimeError, match="no master piece"):
+        ema.update(model, step=1)
+    wrong = {id(p): torch.zeros(p.numel()) for p in model.parameters()}  # whole tensors, not pieces
+    with pytest.raises(ValueError, match="does not shard over 2 ranks"):
+        ema.update(model, step=1, values=wrong)
+    with pytest.raises(ValueError, match="rank 2 is not one of 2"):
+        ShardedEMA(model, 2, 2)
+
+
+def test_a_whole_ema_file_loads_into_pieces_at_any_rank_count(tmp_path):
+    """The file format is EMA's: a rank-0 EMA's file (or a sharded run's) resumes on 2 or 3 ranks, metadata too."""
+    from opensora.training.ema import EMA
+    from opensora.training.ema_sharded import ShardedEMA, shard_of
+
+    model = _model()
+    whole = EMA(model, decay=0.9, enabled=True, overlap=False)
+    for step in range(1, 4):
+        _drift(model, step)
+        whole.update(model, step=step)
+    path = tmp_path / "ema.safetensors"
+    whole.save(path)
+    fresh = _model()
+    for world_size in (2, 3):
+        for r in range(world_size):
+            ema = ShardedEMA(fresh, r, world_size, decay=0.9, overlap=False)
+            ema.load(path)
+            assert ema.num_updates == 3
+            for name, value in whole.shadow.items():
+                assert torch.equal(ema.shadow[name], shard_of(value.reshape(-1), r, world_size))
+    with pytest.raises(KeyError, match="missing"):
+        ShardedEMA(fresh, 0, 2).load_state_dict({"0.weight": whole.shadow["0.weight"]})
+    with pytest.raises(ValueError, match="has shape"):
+        ShardedEMA(fresh, 0, 2).load_state_dict({k: v.t() if v.dim() == 2 else v for k, v in whole.shadow.items()})
+
+
+def test_build_ema_picks_sharded_only_for_multi_rank_zero():
+    from opensora.training.ema import EMA
+    from opensora.training.ema_sharded import ShardedEMA
+    from opensora.training.role_builder import build_ema
+
+    model = _model()
+    zero = dict(type="LowLevelZeroPlugin", stage=2)
+    # one process: never sharded
+    assert type(build_ema(dict(decay=0.9), model, zero, is_main=True)) is EMA
+    assert build_ema(dict(decay=0.9), model, zero, is_main=False) is None
+    assert build_ema(None, model, zero, is_main=True) is None
+    with pytest.raises(ValueError, match="sharded=True needs LowLevelZeroPlugin on several ranks"):
+        build_ema(dict(decay=0.9, sharded=True), model, zero, is_main=True)
+    assert not issubclass(EMA, ShardedEMA)
+
+
+# ---- 2 gloo ranks, the real LowLevelZero optimizer ----------------------------------------------------------------
+def _zero_two_ranks(rank, world_size, path):
+    """Train 4 steps under ZeRO-2 (fp32 on CPU: the masters equal the working weights after each step) with the
+    trainer's EMA choice (``build_ema``: sharded here) and a whole EMA of the working weights beside it."""
+    warnings.filterwarnings("ignore")
+    from opensora.training.booster import build_booster
+    from opensora.training.distributed import init_distributed
+    from opensora.training.ema import EMA, unwrap_model
+    from opensora.training.ema_sharded import ShardedEMA
+    from opensora.training.role_builder import build_ema
+
+    rank, world, _, _ = init_distributed()
+    model = _model()
+    plugin = dict(type="LowLevelZeroPlugin", stage=2)
+    ema = build_ema(dict(decay=0.8, warmup=True), model, plugin, is_main=rank == 0)
+    reference = EMA(model, decay=0.8, warmup=True, enabled=True, overlap=False)
+    wrong_layout = ShardedEMA(model, rank, 3, decay=0.8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    booster = build_booster(plugin, "fp32")
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    gen = torch.Generator().manual_seed(7 + rank)
+    for step in range(1, 5):
+        x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 4, generator=gen)
+        booster.backward(((model(x) - y) ** 2).mean(), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update(model, step=step, values=ema.masters_of(optimizer))
+        reference.update(model, step=step)
+    error = None
+    try:
+        wrong_layout.masters_of(optimizer)
+    except RuntimeError as exc:
+        error = str(exc)
+    gathered = ema.gathered()
+    ema.save(path)  # a collective: rank 0 writes
+    target = _model()
+    ema.copy_to(target if rank == 0 else None)
+    return dict(
+        kind=type(ema).__name__,
+        gathered=gathered,
+        reference=dict(reference.shadow),
+        copied={n: p.detach().clone() for n, p in target.named_parameters()},
+        live={n: p.detach().clone() for n, p in unwrap_model(model).named_parameters()},
+        error=error,
+    )
+
+
+def test_two_zero_ranks_keep_the_whole_ema_in_pieces(tmp_path):
+    from safetensors.torch import load_file
+
+    from opensora.training.ema import EMA
+
+    path = tmp_path / "ema.safetensors"
+    results = run_distributed(_zero_two_ranks, world_size=2, args=(str(path),), timeout=240)
+    first, second = results
+    assert first["kind"] == second["kind"] == "ShardedEMA"
+    assert second["gathered"] == {}  # whole tensors on rank 0 only
+    reference = first["reference"]
+    assert first["gathered"].keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(first["gathered"][name], value), name
+        assert torch.equal(first["copied"][name], value), name
+        assert not torch.equal(value, first["live"][name])  # an average, not the weights
+    saved = load_file(str(path))
+    for name, value in reference.items():
+        assert torch.equal(saved[name], value), name
+    whole = EMA(_model(), enabled=True)
+    whole.load(path)
+    assert whole.num_updates == 4
+    for error in (first["error"], second["error"]):
+        assert error is not None and "built for rank" in error and "(rank, ranks)" in error
