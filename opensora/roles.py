@@ -33,7 +33,7 @@ class Role:
     optimizer: Any = None
     lr_scheduler: Any = None
     booster: Any = None
-    ema: Any = None  # an opensora.training.ema.EMA, kept on rank 0 when the role asks for one
+    ema: Any = None  # an EMA (rank 0) or ShardedEMA (every ZeRO rank) when the role asks for one
     grad_clip: Optional[float] = None
     plugin_clips: bool = False  # ZeRO/Hybrid/Gemini plugins clip inside optimizer.step()
     lora: Optional[Dict[str, Any]] = None  # a LoRA role's lora.json record (opensora.lora.lora_record)
