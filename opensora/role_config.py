@@ -29,7 +29,9 @@ ROLE_DEFAULTS = dict(
     warmup_steps=0,  # constant_with_warmup, counted in this role's optimizer steps
     lr_decay=None,  # dict(type="cosine" | "linear", fraction=..., min_factor=0.0): opensora.lr_schedule
     grad_clip=None,  # max global grad norm; None: no clipping
-    ema=None,  # dict(decay=..., start_step=0, warmup=True): an EMA of the weights, on rank 0 or sharded over ZeRO ranks (sharded=None: auto)
+    # dict(decay=..., start_step=0, warmup=True, sharded=None): an EMA of the weights, on rank 0, or sharded over
+    # several LowLevelZero ranks (sharded=None: where that fits)
+    ema=None,
     init_from=None,  # a checkpoint / safetensors path, or dict(path=..., role="model", ema=True)
     lora=None,  # dict(rank=8, alpha=8, target_modules=["qkv", ...], dropout=0.0): train a LoRA adapter only
 )
