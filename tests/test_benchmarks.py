@@ -362,3 +362,41 @@ def test_host_work_times_this_checkout_beside_other_versions(tmp_path):
     assert set(result["parts"]["zero_cast"]) == {"this checkout", str(copies["zero_single_rank"])}
     for versions in result["parts"].values():
         assert all(len(v["rounds_ms"]) == 2 and min(v["rounds_ms"]) > 0 for v in versions.values())
+
+
+def test_flash_attention4_harness_with_a_math_stand_in(tmp_path, monkeypatch):
+    """The FA4 benchmark's harness on the CPU: an FA4 stand-in made of math attention (dense and varlen over packed
+    rows) must score as exact as math SDPA, its varlen row by row against each row's valid tokens alone; a missing
+    package skips the FA4 rows with the reason. The real kernels only run on a GPU machine."""
+    from benchmarks import flash_attention4 as bench
+
+    class MathFA4:
+        __version__ = "math stand-in"
+
+        @staticmethod
+        def flash_attn_func(q, k, v):
+            return bench.math_reference()(q, k, v), None
+
+        @staticmethod
+        def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+            pieces = []
+            for lo, hi in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+                pieces.append(bench.math_reference()(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi])[0])
+            return torch.cat(pieces), None
+
+    monkeypatch.setattr(bench, "fa4_module", lambda: (MathFA4, None))
+    result = bench.main(["--tiny", "--out", str(tmp_path / "fa4.json")])
+    assert {row["variant"] for row in result["rows"]} == {"sdpa-math", "fa4", "fa4-varlen"}
+    assert all(row.get("ran") for row in result["rows"]), result["rows"]
+    for name in ("sdpa-math", "fa4"):
+        assert max(result["errors"][name].values()) < 1e-5, result["errors"]
+    assert result["errors"]["fa4-varlen"]["out"] < 1e-5
+    # a varlen that attends over the padded text too is caught by the row-by-row check
+    right_pack = bench.pack
+    monkeypatch.setattr(bench, "pack", lambda x, mask: right_pack(x, torch.ones_like(mask)))
+    errors = bench.main(["--tiny", "--out", str(tmp_path / "wrong.json")])["errors"]["fa4-varlen"]
+    assert "failed" in errors or errors["out"] > 1e-3, errors
+    monkeypatch.setattr(bench, "fa4_module", lambda: (None, "ModuleNotFoundError: No module named 'flash_attn'"))
+    rows = bench.main(["--tiny", "--out", str(tmp_path / "missing.json")])["rows"]
+    skipped = {row["variant"]: row["reason"] for row in rows if row.get("skipped")}
+    assert skipped == dict.fromkeys(("fa4", "fa4-varlen"), "ModuleNotFoundError: No module named 'flash_attn'")
