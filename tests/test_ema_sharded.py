@@ -189,3 +189,91 @@ def test_two_zero_ranks_keep_the_whole_ema_in_pieces(tmp_path):
     assert whole.num_updates == 4
     for error in (first["error"], second["error"]):
         assert error is not None and "built for rank" in error and "(rank, ranks)" in error
+
+
+def test_pieces_are_read_by_rows_for_any_shape_and_rank_count(tmp_path):
+    """``load`` reads only the rows holding a rank's piece: equal to cutting the whole tensor, for 3-D, 2-D, 1-D and
+    0-d weights, and for rank counts above a weight's size (pieces that are all padding)."""
+    from opensora.training.ema import EMA
+    from opensora.training.ema_sharded import ShardedEMA, shard_of
+
+    class Shapes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            gen = torch.Generator().manual_seed(3)
+            for name, shape in {"cube": (3, 2, 5), "plane": (4, 3), "line": (7,), "one": (1,), "scalar": ()}.items():
+                setattr(self, name, torch.nn.Parameter(torch.randn(shape, generator=gen)))
+
+    model = Shapes()
+    path = tmp_path / "ema.safetensors"
+    EMA(model, enabled=True, overlap=False).save(path)
+    for world_size in (1, 2, 3, 4, 7, 31):
+        for r in range(world_size):
+            ema = ShardedEMA(Shapes(), r, world_size, overlap=False)
+            ema.load(path)
+            for name, param in model.named_parameters():
+                assert torch.equal(ema.shadow[name], shard_of(param.detach().reshape(-1), r, world_size)), (name, r)
+    wrong = Shapes()
+    wrong.plane = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="'plane' has shape"):
+        ShardedEMA(wrong, 0, 2).load(path)
+
+
+def _failures_two_ranks(rank, world_size, outputs):
+    """A sharded EMA whose rank 0 cannot keep the gathered tensors still takes part in every gather; and a
+    checkpoint whose rank 0 cannot write its scheduler file ends with the same error on both ranks."""
+    import errno
+
+    warnings.filterwarnings("ignore")
+    from opensora.roles import Role
+    from opensora.training import checkpoint as ckpt
+    from opensora.training.booster import build_booster
+    from opensora.training.distributed import init_distributed
+    from opensora.training.role_builder import build_ema
+
+    rank, _, _, _ = init_distributed()
+    model = _model()
+    plugin = dict(type="LowLevelZeroPlugin", stage=2)
+    ema = build_ema(dict(decay=0.8), model, plugin, is_main=rank == 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    booster = build_booster(plugin, "fp32")
+    model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    booster.backward(((model(torch.randn(4, 7)) - torch.randn(4, 4)) ** 2).mean(), optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+    ema.update(model, step=1, values=ema.masters_of(optimizer))
+    result = {}
+    try:  # rank 0 asks for an impossible device: it fails at the first tensor and goes on gathering
+        result["gathered"] = len(ema.gathered(device="meta" if rank else "no-such-device"))
+    except RuntimeError as exc:
+        result["gathered"] = f"raised: {str(exc)[:80]}"
+    result["after"] = len(ema.gathered())  # both ranks still in step
+
+    role = Role(
+        name="model", model=model, trainable=True, optimizer=optimizer, lr_scheduler=scheduler, booster=booster, ema=ema
+    )
+    real_save = torch.save
+
+    def disk_full_for_the_scheduler(obj, f, *args, **kwargs):
+        if rank == 0 and "lr_scheduler" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = disk_full_for_the_scheduler
+    try:
+        ckpt.save_checkpoint(outputs, 1, {"model": role})
+        result["save"] = "saved"
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        result["save"] = type(exc).__name__
+    finally:
+        torch.save = real_save
+    return result
+
+
+def test_a_failure_on_rank_0_leaves_no_rank_in_a_gather(tmp_path):
+    first, second = run_distributed(_failures_two_ranks, world_size=2, args=(str(tmp_path / "run"),), timeout=180)
+    assert first["gathered"].startswith("raised") and second["gathered"] == 0, (first, second)
+    assert (first["after"], second["after"]) == (3, 0)  # the model's 3 weights, whole on rank 0
+    assert first["save"] == second["save"] == "CheckpointSaveError"
+    assert not list((tmp_path / "run").rglob("ema.safetensors"))  # nothing half-written was published

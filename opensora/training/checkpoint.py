@@ -262,7 +262,7 @@ def _load_adapter(name: str, role, directory: Path) -> None:
         update_masters()
 
 
-def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int) -> None:
+def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int, ema_whole: dict | None = None) -> None:
     booster, model, optimizer = role.booster, role.model, role.optimizer
     if getattr(role, "lora", None) is not None:
         _save_adapter(role, directory, rank)
@@ -276,7 +276,9 @@ def _save_role(role, directory: Path, rank: int, size_per_shard_mb: int) -> None
         _save_master_params(model, optimizer, directory / "master", rank)
     if role.lr_scheduler is not None:
         booster.save_lr_scheduler(role.lr_scheduler, str(directory / "lr_scheduler.pt"))
-    if role.ema is not None and (rank == 0 or role.ema.collective):  # a sharded EMA gathers to rank 0 here
+    if rank == 0 and ema_whole is not None:  # a sharded EMA, gathered before any rank wrote
+        role.ema.write(directory / EMA_FILE, ema_whole)
+    elif rank == 0 and role.ema is not None:
         role.ema.save(directory / EMA_FILE)
     arch = getattr(role.unwrap(), "arch", None) if hasattr(role, "unwrap") else None
     if rank == 0 and isinstance(arch, dict):  # the architecture as JSON: reading a checkpoint never runs its config
@@ -317,10 +319,13 @@ def save_checkpoint(
             (tmp / name / "master").mkdir(parents=True)
     barrier()
 
+    # sharded EMAs gather to rank 0 on every rank first: after a write that only some ranks do (their masters, rank
+    # 0's scheduler), a failed one sends its rank to ``any_rank_failed`` while the others would wait in a gather
+    ema_whole = {name: role.ema.gathered() for name, role in trained.items() if getattr(role.ema, "collective", False)}
     error = None
     try:
         for name, role in trained.items():
-            _save_role(role, tmp / name, rank, size_per_shard_mb)
+            _save_role(role, tmp / name, rank, size_per_shard_mb, ema_whole.get(name))
         torch.save(get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
         if rank == 0:
             torch.save(dict(extra_state or {}), tmp / "extra_state.pt")

@@ -104,9 +104,11 @@ class ShardedEMA(EMA):
     @torch.no_grad()
     def gathered(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Every rank calls it: the whole EMA tensors (shadow dtype) on ``device`` on rank 0, {} on the others.
-        One parameter at a time, so the transient memory is one parameter's pieces."""
+        One parameter at a time, so the transient memory is one parameter's pieces. If rank 0 fails to keep a
+        tensor (host memory), it still takes part in every gather and raises after the last one, so the ranks never
+        end up in different collectives."""
         self.fence()
-        whole = {}
+        whole, failure = {}, None
         for name, shard in self.shadow.items():
             if self.world_size == 1:
                 pieces = [shard]
@@ -114,9 +116,14 @@ class ShardedEMA(EMA):
                 sent = shard.to(self._comm_device(shard))
                 pieces = [torch.empty_like(sent) for _ in range(self.world_size)]
                 dist.all_gather(pieces, sent)
-            if self.rank == 0:
-                shape = self.shapes[name]
-                whole[name] = torch.cat(pieces)[: shape.numel()].view(shape).to(device).clone()
+            if self.rank == 0 and failure is None:
+                try:
+                    shape = self.shapes[name]
+                    whole[name] = torch.cat(pieces)[: shape.numel()].view(shape).to(device).clone()
+                except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank's last gather
+                    failure, whole = exc, {}
+        if failure is not None:
+            raise failure
         return whole
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -150,10 +157,15 @@ class ShardedEMA(EMA):
         """Every rank calls it; rank 0 writes the whole tensors (``EMA.save``'s file)."""
         whole = self.gathered()
         if self.rank == 0:
-            save_file({k: v.contiguous() for k, v in whole.items()}, str(path), metadata=self._metadata())
+            self.write(path, whole)
+
+    def write(self, path: str | Path, whole: dict[str, torch.Tensor]) -> None:
+        """Rank 0: write ``gathered()``'s tensors as ``EMA.save``'s file (no collective; the checkpoint gathers
+        before the writes that only some ranks do)."""
+        save_file({k: v.contiguous() for k, v in whole.items()}, str(path), metadata=self._metadata())
 
     def load(self, path: str | Path, strict: bool = True) -> None:
-        """Each rank reads its pieces (one whole tensor in host memory at a time); no collective."""
+        """Each rank reads only the rows of each tensor its piece lies in; no collective."""
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as handle:
@@ -163,5 +175,24 @@ class ShardedEMA(EMA):
             with torch.no_grad():
                 for name, shard in self.shadow.items():
                     if name in names:
-                        shard.copy_(self._piece(name, handle.get_tensor(name)))
+                        shard.copy_(self._read_piece(handle, name))
             self._read_metadata(handle.metadata() or {})
+
+    def _read_piece(self, handle, name: str) -> torch.Tensor:
+        """This rank's piece of the file's tensor ``name`` (an open safetensors file), read by the rows holding it."""
+        stored = handle.get_slice(name)
+        shape = self.shapes[name]
+        if tuple(stored.get_shape()) != tuple(shape):
+            raise ValueError(f"EMA weight {name!r} has shape {tuple(stored.get_shape())}, not {tuple(shape)}")
+        if len(shape) == 0:
+            return self._piece(name, handle.get_tensor(name))
+        numel = shape.numel()
+        chunk = -(-numel // self.world_size)
+        start, end = min(self.rank * chunk, numel), min((self.rank + 1) * chunk, numel)
+        piece = torch.zeros(chunk, dtype=self.dtype)  # a piece past the end is all padding
+        if start < end:
+            row = numel // shape[0]
+            first, last = start // row, -(-end // row)
+            values = stored[first:last].reshape(-1)[start - first * row : end - first * row]
+            piece[: values.numel()] = values
+        return piece

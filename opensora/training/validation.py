@@ -190,7 +190,12 @@ class Validator:
     def run(self, step: int) -> Optional[dict]:
         """Sample, write, score and log for ``step``; returns the logged record (None off rank 0). A sharded EMA is
         gathered to rank 0 first, on every rank, before anything that could fail on rank 0 alone."""
-        self._ema_weights = self.role.ema.gathered() if self._gathers() else None
+        try:
+            self._ema_weights = self.role.ema.gathered() if self._gathers() else None
+        except Exception:  # rank 0 only (host memory), after every rank's last gather: training goes on
+            logger.exception("validation at step %d: gathering the EMA failed; skipped", step)
+            self._ema_weights = None
+            return None
         if not self.is_main:
             return None
         started = time.monotonic()
@@ -202,6 +207,7 @@ class Validator:
         except Exception:  # e.g. out of memory: a failed validation must not end (or hang) a long training run
             logger.exception("validation at step %d failed; training goes on", step)
             self._network = None  # rebuilt next time (frees its memory now)
+            self._ema_weights = None
             return None
         finally:
             set_rng_state(rng)
