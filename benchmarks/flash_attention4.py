@@ -9,7 +9,7 @@ Rows, each forward + backward of one attention call (what a block costs, before 
   of the bound): the padding never reaches the kernel, so it does less work than the dense rows;
 * ``sdpa-cudnn-masked``: cuDNN with the boolean key mask of those rows (what the zero-key path replaced).
 
-Numerics: at a smaller shape each kernel's output and q / k / v gradients against fp32 math attention (max abs error
+Numerics: at a smaller shape each kernel's output and q / k / v gradients against fp64 math attention (max abs error
 over max abs value), and ``fa4-varlen`` row by row against each row's valid tokens alone. FA4 rows are skipped
 with the reason when the package is missing or fails (``reason`` in the row).
 

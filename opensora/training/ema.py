@@ -274,8 +274,13 @@ class EMA:
     def copy_to(self, model: nn.Module) -> None:
         """Write the EMA weights into ``model`` (e.g. for sampling); only meaningful where enabled."""
         self.fence()
+        self._write_into(model, self.shadow)
+
+    @staticmethod
+    def _write_into(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy whole EMA tensors into the bare model's parameters of the same names (cast to their device/dtype)."""
         params = dict(unwrap_model(model).named_parameters())
-        for name, value in self.shadow.items():
+        for name, value in tensors.items():
             params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -25,15 +25,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from .ema import EMA, unwrap_model
+from .ema import EMA
+
+
+def piece_bounds(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
+    """(piece length, first, end) of piece ``rank`` of ``world_size`` of ``numel`` elements zero-padded to a multiple
+    of ``world_size``; ``first == end`` for a piece that is all padding."""
+    chunk = -(-numel // world_size)
+    return chunk, min(rank * chunk, numel), min((rank + 1) * chunk, numel)
 
 
 def shard_of(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Piece ``rank`` of ``world_size`` of a 1-D tensor zero-padded to a multiple of ``world_size`` (a new tensor)."""
-    chunk = -(-flat.numel() // world_size)
-    piece = flat[rank * chunk : (rank + 1) * chunk]
+    chunk, first, end = piece_bounds(flat.numel(), rank, world_size)
     out = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
-    out[: piece.numel()] = piece
+    out[: end - first] = flat[first:end]
     return out
 
 
@@ -135,9 +141,7 @@ class ShardedEMA(EMA):
         """Every rank calls it: the EMA weights written into ``model`` on rank 0 (others may pass None)."""
         whole = self.gathered()
         if self.rank == 0 and model is not None:
-            params = dict(unwrap_model(model).named_parameters())
-            for name, value in whole.items():
-                params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+            self._write_into(model, whole)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -186,12 +190,10 @@ class ShardedEMA(EMA):
             raise ValueError(f"EMA weight {name!r} has shape {tuple(stored.get_shape())}, not {tuple(shape)}")
         if len(shape) == 0:
             return self._piece(name, handle.get_tensor(name))
-        numel = shape.numel()
-        chunk = -(-numel // self.world_size)
-        start, end = min(self.rank * chunk, numel), min((self.rank + 1) * chunk, numel)
+        chunk, start, end = piece_bounds(shape.numel(), self.rank, self.world_size)
         piece = torch.zeros(chunk, dtype=self.dtype)  # a piece past the end is all padding
         if start < end:
-            row = numel // shape[0]
+            row = shape.numel() // shape[0]
             first, last = start // row, -(-end // row)
             values = stored[first:last].reshape(-1)[start - first * row : end - first * row]
             piece[: values.numel()] = values

@@ -19,6 +19,7 @@ from opensora.registry import MODELS, build_module
 from opensora.role_config import optimizer_settings
 from opensora.roles import Components, Role
 from opensora.training.booster import PLUGIN_REGISTRY, build_booster
+from opensora.training.distributed import get_rank, get_world_size
 from opensora.training.ema import EMA
 
 
@@ -96,8 +97,6 @@ def check_plugin_fits_role(name: str, cfg: Mapping, plugin_cfg: Mapping) -> None
 def sharded_ema_fits(plugin_cfg: Mapping) -> bool:
     """Whether the role's EMA is sharded over the ranks like ZeRO's masters (``ema_sharded``): LowLevelZero on
     several ranks with its masters on the device."""
-    from opensora.training.distributed import get_world_size
-
     return plugin_cfg.get("type") == "LowLevelZeroPlugin" and get_world_size() > 1 and not plugin_cfg.get("cpu_offload")
 
 
@@ -114,7 +113,6 @@ def build_ema(ema_cfg: Mapping | None, model: nn.Module, plugin_cfg: Mapping, is
     elif sharded and not sharded_ema_fits(plugin_cfg):
         raise ValueError("ema sharded=True needs LowLevelZeroPlugin on several ranks without cpu_offload; drop the key")
     if sharded:
-        from opensora.training.distributed import get_rank, get_world_size
         from opensora.training.ema_sharded import ShardedEMA
 
         return ShardedEMA(model, get_rank(), get_world_size(), **settings)

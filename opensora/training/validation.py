@@ -27,9 +27,10 @@ without validation and resume stays exact (``tests/test_validation.py``). A vali
 memory) is logged with its traceback and skipped; training goes on.
 
 Other ranks skip validation and block in the next step's first collective until rank 0 catches up; there is no
-barrier. (Where the role's EMA is sharded over the ranks, every rank first takes part in gathering it to rank 0.) That wait must stay well inside the process-group timeout (30 min, ``init_distributed``): validation
-stops starting new batches once ``max_seconds`` (default 300 s) are spent, so it lasts at most ``max_seconds``
-plus one batch, and a config may list at most ``max_prompts`` prompts.
+barrier. (Where the role's EMA is sharded over the ranks, every rank first takes part in gathering it to rank 0.)
+That wait must stay well inside the process-group timeout (30 min, ``init_distributed``): validation stops starting
+new batches once ``max_seconds`` (default 300 s) are spent, so it lasts at most ``max_seconds`` plus one batch, and a
+config may list at most ``max_prompts`` prompts.
 """
 
 from __future__ import annotations
