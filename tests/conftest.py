@@ -1,4 +1,5 @@
-"""Shared pytest set-up: skip ``@pytest.mark.gpu`` tests without CUDA; a per-test outputs directory."""
+"""Shared pytest set-up: skip ``@pytest.mark.gpu`` tests without CUDA; a per-test outputs directory; the process
+group of in-process runs freed at the end."""
 
 import pytest
 
@@ -33,3 +34,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """In-process runs leave this process's group open: free it (and its gloo threads) before the interpreter is torn
+    down, where a live gloo group can abort the exit (see ``release_process_group``)."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return
+    from opensora.training.distributed import release_process_group
+
+    release_process_group(succeeded=True)

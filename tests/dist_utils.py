@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import random
 import socket
 import time
 import traceback
@@ -30,12 +31,29 @@ from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
+# Under pytest-xdist each worker picks from its own block of ports below the OS's ephemeral range (32768 up, where
+# gloo's connections land): two workers never pick the same port between the check and the launcher's bind.
+_XDIST_PORT_RANGE = (20000, 32000)
+
 
 def find_free_port() -> int:
-    """A localhost TCP port that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A localhost TCP port that is free right now: the OS's pick, or under pytest-xdist one of this worker's block."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    size = (_XDIST_PORT_RANGE[1] - _XDIST_PORT_RANGE[0]) // workers
+    first = _XDIST_PORT_RANGE[0] + int(worker[2:]) * size
+    for port in random.Random().sample(range(first, first + size), size):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + size - 1} for pytest-xdist worker {worker}")
 
 
 def _child_entry(rank, world_size, port, fn, args, kwargs, env, result_queue):

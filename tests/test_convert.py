@@ -44,7 +44,11 @@ def _cli():
 def checkpoint(tmp_path_factory):
     """A real checkpoint: the demo config trained for 2 steps (EMA + sharded model weights, config, step)."""
     root = tmp_path_factory.mktemp("demo")
-    run = lambda *args: subprocess.run([sys.executable, *args], cwd=REPO, check=True, capture_output=True, text=True)
+
+    def run(*args):
+        done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True)
+        assert done.returncode == 0, f"{args[0]} exited with {done.returncode}:\n{done.stderr[-4000:]}"
+
     run("tools/make_demo_dataset.py", "--out", str(root / "data"), "--num", "8", "--seed", "0")
     run(
         "scripts/diffusion/train.py",

@@ -120,8 +120,9 @@ def test_build_ema_picks_sharded_only_for_multi_rank_zero():
 
 # ---- 2 gloo ranks, the real LowLevelZero optimizer ----------------------------------------------------------------
 def _zero_two_ranks(rank, world_size, path):
-    """Train 4 steps under ZeRO-2 (fp32 on CPU: the masters equal the working weights after each step) with the
-    trainer's EMA choice (``build_ema``: sharded here) and a whole EMA of the working weights beside it."""
+    """Train 4 steps under ZeRO-2 in fp32 (the masters equal the working weights after each step) with the trainer's
+    EMA choice (``build_ema``: sharded here) and a whole EMA of the working weights beside it. On gloo / CPU, or on
+    NCCL / GPU where the sharded EMA folds in on its side stream and gathers over NCCL."""
     warnings.filterwarnings("ignore")
     from opensora.training.booster import build_booster
     from opensora.training.distributed import init_distributed
@@ -129,8 +130,8 @@ def _zero_two_ranks(rank, world_size, path):
     from opensora.training.ema_sharded import ShardedEMA
     from opensora.training.role_builder import build_ema
 
-    rank, world, _, _ = init_distributed()
-    model = _model()
+    rank, world, _, device = init_distributed()
+    model = _model().to(device)
     plugin = dict(type="LowLevelZeroPlugin", stage=2)
     ema = build_ema(dict(decay=0.8, warmup=True), model, plugin, is_main=rank == 0)
     reference = EMA(model, decay=0.8, warmup=True, enabled=True, overlap=False)
@@ -140,7 +141,7 @@ def _zero_two_ranks(rank, world_size, path):
     model, optimizer, *_ = booster.boost(model, optimizer)
     gen = torch.Generator().manual_seed(7 + rank)
     for step in range(1, 5):
-        x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 4, generator=gen)
+        x, y = torch.randn(4, 7, generator=gen).to(device), torch.randn(4, 4, generator=gen).to(device)
         booster.backward(((model(x) - y) ** 2).mean(), optimizer)
         optimizer.step()
         optimizer.zero_grad()
@@ -153,25 +154,40 @@ def _zero_two_ranks(rank, world_size, path):
         error = str(exc)
     gathered = ema.gathered()
     ema.save(path)  # a collective: rank 0 writes
-    target = _model()
+    target = _model().to(device)
     ema.copy_to(target if rank == 0 else None)
+    on_cpu = lambda tensors: {name: value.detach().cpu().clone() for name, value in tensors}  # noqa: E731
     return dict(
         kind=type(ema).__name__,
-        gathered=gathered,
-        reference=dict(reference.shadow),
-        copied={n: p.detach().clone() for n, p in target.named_parameters()},
-        live={n: p.detach().clone() for n, p in unwrap_model(model).named_parameters()},
+        gathered=on_cpu(gathered.items()),
+        reference=on_cpu(reference.shadow.items()),
+        copied=on_cpu(target.named_parameters()),
+        live=on_cpu(unwrap_model(model).named_parameters()),
         error=error,
     )
 
 
 def test_two_zero_ranks_keep_the_whole_ema_in_pieces(tmp_path):
+    _check_two_zero_ranks(
+        tmp_path, run_distributed(_zero_two_ranks, world_size=2, args=(str(tmp_path / "ema.safetensors"),), timeout=240)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_zero_gpus_keep_the_whole_ema_in_pieces_over_nccl(tmp_path):
+    """The same on two GPUs: NCCL gathers for save / copy_to, the update on the EMA's side stream."""
+    _check_two_zero_ranks(
+        tmp_path, run_distributed(_zero_two_ranks, world_size=2, args=(str(tmp_path / "ema.safetensors"),), timeout=240)
+    )
+
+
+def _check_two_zero_ranks(tmp_path, results):
     from safetensors.torch import load_file
 
     from opensora.training.ema import EMA
 
     path = tmp_path / "ema.safetensors"
-    results = run_distributed(_zero_two_ranks, world_size=2, args=(str(path),), timeout=240)
     first, second = results
     assert first["kind"] == second["kind"] == "ShardedEMA"
     assert second["gathered"] == {}  # whole tensors on rank 0 only

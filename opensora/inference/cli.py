@@ -129,9 +129,12 @@ def main(argv=None, on_chunk=None) -> list:
         return sample(job)
     finally:
         if sp is not None:
+            import gc
+
             import torch.distributed as dist
 
             dist.destroy_process_group()
+            gc.collect()  # groups held in reference cycles: freed now, not while the interpreter is torn down
 
 
 def start_sequence_parallel(size: int, device):

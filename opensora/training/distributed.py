@@ -2,14 +2,17 @@
 
 ``init_distributed()`` works the same under ``colossalai run`` / ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT in the environment) and under plain ``python``: a lone process gets a world-size-1
-group on a free localhost port, so the Booster and every plugin run unchanged. NCCL on GPU, gloo on CPU
+group (on an in-memory store), so the Booster and every plugin run unchanged. NCCL on GPU, gloo on CPU
 (where the ColossalAI CPU shim is applied). Seeding is not done here: see ``opensora.training.rng``.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import socket
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -33,7 +36,7 @@ def _ensure_single_process_env() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_localhost_port()))
+    os.environ.setdefault("MASTER_PORT", str(_free_localhost_port()))  # no store listens there: it names the launch
 
 
 def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, int, torch.device]:
@@ -56,12 +59,16 @@ def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, int, torc
         apply_cpu_shim()
 
     if not dist.is_initialized():
+        world_size = int(os.environ["WORLD_SIZE"])
+        # one rank talks to nobody: an in-memory store instead of a TCP one, so no port is taken (two lone runs
+        # that picked the same free port would collide between the pick and the bind)
+        rendezvous = dict(store=dist.HashStore()) if world_size == 1 else dict(init_method="env://")
         dist.init_process_group(
             backend=backend,
-            init_method="env://",
             rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
+            world_size=world_size,
             timeout=timedelta(minutes=timeout_minutes),
+            **rendezvous,
             **({"device_id": device} if use_cuda else {}),
         )
     return dist.get_rank(), dist.get_world_size(), local_rank, device
@@ -110,7 +117,30 @@ def broadcast_object(obj, src: int = 0):
     return holder[0]
 
 
-def cleanup() -> None:
-    """Destroy the default process group if there is one."""
-    if dist.is_initialized():
+def release_process_group(succeeded: bool) -> None:
+    """At the end of a process: destroy the process group after a clean run, or on a lone rank.
+
+    A process that exits with a live gloo group can abort (SIGABRT, "terminate called without an active exception")
+    while the interpreter is torn down: the group's worker threads still hold tensors. Destroying is not enough: the
+    optimizer and plugin hold their subgroups in reference cycles, so a collection frees them (and joins their
+    threads) now, not during the teardown. After a failure on several ranks a peer may still be inside a collective,
+    and destroying could wait on it, so that case is left alone.
+    """
+    if dist.is_initialized() and (succeeded or dist.get_world_size() == 1):
         dist.destroy_process_group()
+        gc.collect()
+
+
+def run_script(main: Callable, argv: Sequence[str], prog: str, clean_codes: Sequence[int] = (0,)) -> int:
+    """A script's whole process: ``run_cli(main, argv, prog)``, then ``release_process_group`` (a clean run is one
+    that returned a code in ``clean_codes``). In-process callers (tests) call ``main`` and keep their group."""
+    from opensora.cli_errors import run_cli
+
+    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's Python stack
+    succeeded = False
+    try:
+        code = run_cli(main, argv, prog=prog)
+        succeeded = code in clean_codes
+        return code
+    finally:
+        release_process_group(succeeded)

@@ -5,7 +5,7 @@ import signal
 import sys
 from pathlib import Path
 
-from opensora.cli_errors import check_range, run_cli
+from opensora.cli_errors import check_range
 from opensora.config import ConfigKeyError, ConfigValueError, load_config_from_cli
 from opensora.quiet_logs import quiet_third_party
 from opensora.role_config import role_configs
@@ -120,5 +120,13 @@ def main(argv=None) -> int:
         return EXIT_PREEMPTED
 
 
+def run_train_script(argv) -> int:
+    """``train.py``'s process: ``main`` with its errors reported, the process group released at the end."""
+    from opensora.training.distributed import run_script
+    from opensora.training.preemption import EXIT_PREEMPTED
+
+    return run_script(main, argv, prog="train.py", clean_codes=(0, EXIT_PREEMPTED))
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main, sys.argv[1:], prog="train.py"))
+    sys.exit(run_train_script(sys.argv[1:]))

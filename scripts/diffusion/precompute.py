@@ -6,8 +6,8 @@ same command is run again."""
 
 import sys
 
-from opensora.cli_errors import run_cli
 from opensora.latent_cache.precompute import main
+from opensora.training.distributed import run_script
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, sys.argv[1:], prog="precompute.py"))
+    sys.exit(run_script(main, sys.argv[1:], prog="precompute.py"))

@@ -4,8 +4,7 @@
 
 import sys
 
-from opensora.cli_errors import run_cli
-from opensora.training.launch import main
+from opensora.training.launch import run_train_script
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, sys.argv[1:], prog="train.py"))
+    sys.exit(run_train_script(sys.argv[1:]))
