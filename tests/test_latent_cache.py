@@ -352,6 +352,7 @@ def test_two_ranks_killed_mid_way_then_rerun_stores_every_sample_once(data, tmp_
         for process in ranks:
             if process.poll() is None:
                 process.kill()
+            process.wait(timeout=60)  # gone, its lock with it (a loaded machine takes a moment to tear a process down)
     finished = len(list((cache / "progress").glob("chunk-*.json")))
     assert not (cache / "index.parquet").exists() and finished < 18, "the kill came too late to test anything"
 
