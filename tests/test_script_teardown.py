@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from dist_utils import run_distributed
+from opensora.training.preemption import EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,15 +36,15 @@ def _after_run_script(rank, world_size, codes):
 
     results = []
     for code in codes:
-        returned = run_script(main, [str(code)], prog="probe.py", clean_codes=(0, 143))
+        returned = run_script(main, [str(code)], prog="probe.py", clean_codes=(0, EXIT_PREEMPTED))
         results.append((returned, dist.is_initialized(), _gloo_worker_threads() > 0))
     return results
 
 
 def test_a_failure_keeps_the_group_on_several_ranks_and_a_clean_run_frees_it():
-    # 143: another clean code (train.py's preempted exit); after it no gloo thread is left to die in the teardown
-    expected = [(2, True, True), (143, False, False)]
-    assert run_distributed(_after_run_script, world_size=2, args=([2, 143],), timeout=120) == [expected] * 2
+    # train.py's preempted exit is a clean code too; after it no gloo thread is left to die in the teardown
+    expected = [(2, True, True), (EXIT_PREEMPTED, False, False)]
+    assert run_distributed(_after_run_script, world_size=2, args=([2, EXIT_PREEMPTED],), timeout=120) == [expected] * 2
 
 
 def test_a_lone_rank_frees_the_group_even_after_a_failure():
