@@ -911,3 +911,6 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    from opensora.training.distributed import release_process_group
+
+    release_process_group(succeeded=True)  # the in-process stages' group, freed before the interpreter is torn down
