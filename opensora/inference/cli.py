@@ -129,12 +129,9 @@ def main(argv=None, on_chunk=None) -> list:
         return sample(job)
     finally:
         if sp is not None:
-            import gc
+            from opensora.parallel.process_group import release_process_group
 
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-            gc.collect()  # groups held in reference cycles: freed now, not while the interpreter is torn down
+            release_process_group(succeeded=True)  # on every path, as before: destroyed, and its cycles collected
 
 
 def start_sequence_parallel(size: int, device):

@@ -9,7 +9,6 @@ group (on an in-memory store), so the Booster and every plugin run unchanged. NC
 from __future__ import annotations
 
 import faulthandler
-import gc
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -17,6 +16,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from opensora.parallel.process_group import release_process_group
 
 from .cpu_shim import apply_cpu_shim
 
@@ -115,20 +116,6 @@ def broadcast_object(obj, src: int = 0):
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
-
-
-def release_process_group(succeeded: bool) -> None:
-    """At the end of a process: destroy the process group after a clean run, or on a lone rank.
-
-    A process that exits with a live gloo group can abort (SIGABRT, "terminate called without an active exception")
-    while the interpreter is torn down: the group's worker threads still hold tensors. Destroying is not enough: the
-    optimizer and plugin hold their subgroups in reference cycles, so a collection frees them (and joins their
-    threads) now, not during the teardown. After a failure on several ranks a peer may still be inside a collective,
-    and destroying could wait on it, so that case is left alone.
-    """
-    if dist.is_initialized() and (succeeded or dist.get_world_size() == 1):
-        dist.destroy_process_group()
-        gc.collect()
 
 
 def run_script(main: Callable, argv: Sequence[str], prog: str, clean_codes: Sequence[int] = (0,)) -> int:
