@@ -6,7 +6,10 @@
 #   note TEXT                           a timed line in OUT/progress.txt
 #   stage GPU DIR NAME FLAGS...         one long_streaming_quality run (with $E) pinned to a GPU, logged to log/NAME.txt
 #   padded GPU NAME PARTS...            gpu_padded_text.sh parts, results under OUT/p30/NAME
-#   optimizer_gpu_tests                 the EMA and one-rank ZeRO GPU tests, logged to log/optimizer_gpu_tests.txt
+#   optimizer_gpu_tests                 the EMA (one GPU; two over NCCL where two are visible) and one-rank ZeRO GPU
+#                                       tests, logged to log/optimizer_gpu_tests.txt
+#   lone_nccl_check                     a lone process's NCCL group (init_distributed's in-memory store): an
+#                                       all-reduce, a subgroup and a barrier, before any stage depends on it
 
 chain_modes() {
   local script=$1 mode=$2
@@ -63,7 +66,15 @@ padded() {
 
 optimizer_gpu_tests() {
   note "start optimizer GPU tests"
-  timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/test_ema.py tests/test_zero_single_rank.py \
-    > "$out/log/optimizer_gpu_tests.txt" 2>&1
+  timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/test_ema.py tests/test_ema_sharded.py \
+    tests/test_zero_single_rank.py > "$out/log/optimizer_gpu_tests.txt" 2>&1
   note "end optimizer GPU tests: $(tail -n 1 "$out/log/optimizer_gpu_tests.txt")"
+}
+
+lone_nccl_check() {
+  note "start lone NCCL check"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -q -p no:cacheprovider -m gpu \
+    tests/test_script_teardown.py > "$out/log/lone_nccl_check.txt" 2>&1 \
+    && note "end lone NCCL check: $(tail -n 1 "$out/log/lone_nccl_check.txt")" \
+    || note "FAILED lone NCCL check: $(tail -n 1 "$out/log/lone_nccl_check.txt")"
 }

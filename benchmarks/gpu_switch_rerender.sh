@@ -10,7 +10,9 @@
 # RENOISE (default "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default
 # 160, switch_prob 0) from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf),
 # each evaluated.
-# EXTRA: the runs' flags (seeds, minutes).
+# EXTRA: the runs' flags (seeds, minutes). TRAINER=0 skips the trainer timing (the GPU tests still run, with the
+# two-GPU NCCL EMA test where two GPUs are visible); SWITCH=0 skips the Self-Forcing switch stages (its evaluation
+# then comes with the LONG=1 exit-context one); LONG_GPUS="0 1" runs the two LongRollout lanes side by side.
 set -uo pipefail
 source "$(dirname "$0")/gpu_chain.sh"
 chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \
@@ -19,8 +21,9 @@ E=${EXTRA:-"--motion wrap --seed 949494 --train-seed 4 --teacher-minutes 6.5 --o
 L="--student-minutes ${L_MINUTES:-9} --student-steps ${STEPS:-160} --long-init self_forcing --switch-prob 0"
 switch=(--prompt-switch --switch-sink-frames 0)
 
+lone_nccl_check
 if [ "${P30:-1}" != 0 ]; then
-  TRAINER_S=200 padded 0 trainer_vs_bare_quiet trainer-vs-bare
+  [ "${TRAINER:-1}" != 0 ] && TRAINER_S=200 padded 0 trainer_vs_bare_quiet trainer-vs-bare
   optimizer_gpu_tests
 fi
 if [ "${SCALING:-0}" = 1 ]; then  # both GPUs: ZeRO-2 1 vs 2 GPUs at the real configuration, 2 interleaved rounds
@@ -32,15 +35,31 @@ fi
 stage 0 ls teacher --only-stage teacher
 stage 0 ls ode --only-stage ode
 stage 0 ls self_forcing --only-stage self_forcing
-stage 0 ls switch_sf --students self_forcing --switch-only --switch-renoise ${RENOISE:-0.5 0.75 1.0} \
-  --switch-sink-frames 0
-stage 0 ls eval_sf --students self_forcing "${switch[@]}"
+if [ "${SWITCH:-1}" != 0 ]; then
+  stage 0 ls switch_sf --students self_forcing --switch-only --switch-renoise ${RENOISE:-0.5 0.75 1.0} \
+    --switch-sink-frames 0
+  stage 0 ls eval_sf --students self_forcing "${switch[@]}"
+fi
 if [ "${LONG:-0}" = 1 ]; then
+  # exit-step context in ls, fully denoised context in lsf; with SWITCH=0 the exit lane's evaluation also scores
+  # the Self-Forcing student it started from (same seeds)
+  read -r gpu_exit gpu_full <<< "${LONG_GPUS:-0 0}"
+  score_exit=(--score long_rollout)
+  [ "${SWITCH:-1}" = 0 ] && score_exit=()
   mkdir -p "$out/lsf" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" "$out/lsf/"
-  stage 0 ls long_rollout_exit $L --long-context-steps exit --only-stage long_rollout
-  stage 0 ls eval_exit $L --long-context-steps exit --score long_rollout "${switch[@]}"
-  stage 0 lsf long_rollout_full $L --long-context-steps full --only-stage long_rollout
-  stage 0 lsf eval_full $L --long-context-steps full --score long_rollout "${switch[@]}"
+  exit_lane() {
+    stage "$gpu_exit" ls long_rollout_exit $L --long-context-steps exit --only-stage long_rollout
+    stage "$gpu_exit" ls eval_exit $L --long-context-steps exit "${score_exit[@]}" "${switch[@]}"
+  }
+  full_lane() {
+    stage "$gpu_full" lsf long_rollout_full $L --long-context-steps full --only-stage long_rollout
+    stage "$gpu_full" lsf eval_full $L --long-context-steps full --score long_rollout "${switch[@]}"
+  }
+  if [ "$gpu_exit" != "$gpu_full" ]; then
+    exit_lane & full_lane & wait
+  else
+    exit_lane; full_lane
+  fi
 fi
 note "chain done"
 touch "$out/done"

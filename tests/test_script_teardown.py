@@ -4,6 +4,8 @@ the exit with SIGABRT), except after a failure on several ranks, where a peer ma
 import sys
 from pathlib import Path
 
+import pytest
+
 from dist_utils import run_distributed
 from opensora.training.preemption import EXIT_PREEMPTED
 
@@ -58,3 +60,38 @@ def test_the_training_and_precompute_scripts_end_through_run_script():
     assert "run_script(main, argv" in Path(sys.modules[run_train_script.__module__].__file__).read_text()
     assert "run_train_script(sys.argv[1:])" in (ROOT / "scripts/diffusion/train.py").read_text()
     assert "run_script(main, sys.argv[1:]" in (ROOT / "scripts/diffusion/precompute.py").read_text()
+
+
+LONE_GPU_PROCESS = """
+import torch, torch.distributed as dist
+from opensora.training.distributed import init_distributed, run_script
+
+def main(argv):
+    rank, world_size, _, device = init_distributed()
+    assert (rank, world_size, device.type) == (0, 1, "cuda") and dist.get_backend() == "nccl", (rank, device)
+    value = torch.full((4,), 3.0, device=device)
+    dist.all_reduce(value, group=dist.new_group([0]))
+    dist.barrier()
+    assert value.tolist() == [3.0] * 4
+    return 0
+
+code = run_script(main, [], prog="probe.py", clean_codes=(0,))
+print("lone NCCL process:", code, "group left:", dist.is_initialized())
+raise SystemExit(code)
+"""
+
+
+@pytest.mark.gpu
+def test_a_lone_gpu_process_runs_nccl_on_its_in_memory_store():
+    """What every single-GPU run does: no launcher variables, so the group's store is in memory (no port); NCCL
+    builds its communicator through it, collectives and a subgroup work, and the run ends with the group freed."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", LONE_GPU_PROCESS], env=env, capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lone NCCL process: 0 group left: False" in done.stdout
