@@ -25,6 +25,9 @@ has no text mask: it attends to every padded token, as Flux training does):
                        AdamW moments, fused AdamW on the masters, masters copied back into the bf16 weights
                        (train_step.MasterWeightAdamW; no clip, no EMA, no ZeRO bookkeeping): the trainer's like-for-like
                        bare step
+  ours-padded-bound-graph-ckpt-fa4  the trainer's step with the attention backend "fa4": FlashAttention 4 as the
+                       zero-key kernel (fa4_kernel.py); only where flash-attn-4 imports (the reason is printed and
+                       kept under ``fa4_missing`` otherwise; benchmarks/fa4_wheels.sh installs it)
   (every other ours-* variant runs the model's default, the recompute inside the graph since 2026-11-27)
   ours-unpadded-128    compiled, 128 text columns and no mask: the mask-free step at the trimmed shape
   ours-unpadded-70     compiled, 70 text columns and no mask: the mean valid length of the padded batches
@@ -65,7 +68,7 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-bound-graph-ckpt-master", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
+VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-bound-graph-ckpt-master", "ours-padded-bound-graph-ckpt-fa4", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
             "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
             "diffusers-128")  # fmt: skip
 PER_ROW_VARIANTS = ("ours-padded-rows",)  # one SDPA call per row: a cuDNN plan per prompt length
@@ -153,6 +156,34 @@ def checkpoint_in_graph(model, in_graph):
     return context
 
 
+def attention_backend(model, backend):
+    """The model's attention backend set to ``backend`` for the step (Dynamo recompiles the blocks once for it)."""
+
+    @contextlib.contextmanager
+    def context():
+        before = model.arch["attn_backend"]
+        model.set_attn_backend(backend)
+        try:
+            yield
+        finally:
+            model.set_attn_backend(before)
+
+    return context
+
+
+def chained(*contexts):
+    """One step context made of several."""
+
+    @contextlib.contextmanager
+    def context():
+        with contextlib.ExitStack() as stack:
+            for make in contexts:
+                stack.enter_context(make())
+            yield
+
+    return context
+
+
 def padded_path(model, how, multiple):
     """The padded rows through ``how`` (model.padded_text_attention) with text trimmed to multiples of ``multiple``
     (the default 128: one trimmed length for 20-120-token prompts, so the compiled blocks see one shape)."""
@@ -172,7 +203,7 @@ def padded_path(model, how, multiple):
 def build(shape, device, dtype, args):
     import torch
 
-    from opensora.models.mmdit import MMDiT
+    from opensora.models.mmdit import MMDiT, fa4_kernel
 
     t, h, w = shape["grid"]
     batch, n_txt = shape["batch"], shape["text_tokens"]
@@ -266,6 +297,15 @@ def build(shape, device, dtype, args):
             None,
             checkpoint_in_graph(ours, True),
         ),
+        Variant(
+            "ours-padded-bound-graph-ckpt-fa4",
+            ours,
+            ours_opt,
+            bounded,
+            run_ours,
+            None,
+            chained(checkpoint_in_graph(ours, True), attention_backend(ours, "fa4")),
+        ),
         Variant("ours-padded-packed", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 32)),
         Variant("ours-padded-packed-128", ours, ours_opt, padded, run_ours, None, padded_path(ours, "packed", 128)),
         Variant("ours-padded-rows", ours, ours_opt, padded, run_ours, None, padded_path(ours, "rows", 32)),
@@ -307,6 +347,9 @@ def build(shape, device, dtype, args):
     wanted = args.variants.split(",") if args.variants else VARIANTS
     if torch.device(device).type != "cuda":
         wanted = [name for name in wanted if name not in CUDA_ONLY_VARIANTS]
+    if not args.tiny and not fa4_kernel.available():  # on the CPU smoke run "fa4" falls back to SDPA
+        print(f"ours-padded-bound-graph-ckpt-fa4 skipped: {fa4_kernel.unavailable_reason()}", flush=True)
+        wanted = [name for name in wanted if not name.endswith("-fa4")]
     return [v for v in variants if v.name in wanted]
 
 
@@ -411,12 +454,21 @@ def run(args):
                  ("ours-padded-bound-graph-ckpt", "ours-padded"), ("ours-padded-bound-graph-ckpt", "ours-unpadded-128"),
                  ("diffusers-128", "ours-padded-bound"), ("diffusers-128", "ours-padded-bound-graph-ckpt"),
                  ("ours-padded-bound-graph-ckpt", "ours-padded-bound"),
+                 ("ours-padded-bound-graph-ckpt-fa4", "ours-padded-bound-graph-ckpt"), ("diffusers-128", "ours-padded-bound-graph-ckpt-fa4"),
                  ("ours-padded-packed", "ours-padded"),
                  ("ours-padded-packed-128", "ours-padded"), ("ours-padded-dense-32", "ours-padded"),
                  ("ours-padded", "ours-masked"), ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip
         if a in by and b in by:
             ratios[f"{a} / {b}"] = by[a]["step_ms"] / by[b]["step_ms"]
-    return dict(rows=rows, ratios=ratios, graphs=counters["stats"]["unique_graphs"], warm_lengths_s=warm_s)
+    from opensora.models.mmdit import fa4_kernel
+
+    return dict(
+        rows=rows,
+        ratios=ratios,
+        graphs=counters["stats"]["unique_graphs"],
+        warm_lengths_s=warm_s,
+        fa4_missing=None if args.tiny else fa4_kernel.unavailable_reason(),
+    )
 
 
 def main(argv=None):

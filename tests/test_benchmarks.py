@@ -400,3 +400,23 @@ def test_flash_attention4_harness_with_a_math_stand_in(tmp_path, monkeypatch):
     rows = bench.main(["--tiny", "--out", str(tmp_path / "missing.json")])["rows"]
     skipped = {row["variant"]: row["reason"] for row in rows if row.get("skipped")}
     assert skipped == dict.fromkeys(("fa4", "fa4-varlen"), "ModuleNotFoundError: No module named 'flash_attn'")
+
+
+def test_padded_text_step_times_the_trainer_step_beside_its_fa4_variant(tmp_path, monkeypatch):
+    """benchmarks.padded_text_step --tiny with the math FA4 stand-in of test_fa4_kernel.py: the fa4 variant runs the
+    trainer's step through FA4's entry points and is timed beside the default, with their ratio."""
+    from test_fa4_kernel import MathFA4
+
+    from benchmarks import padded_text_step
+    from opensora.models.mmdit import fa4_kernel
+
+    MathFA4.calls = []
+    monkeypatch.setitem(fa4_kernel._STATE, "module", MathFA4)
+    monkeypatch.setattr(fa4_kernel, "supports", lambda q: True)
+    names = "ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-fa4"
+    argv = ["--tiny", "--no-diffusers", "--warmup", "1", "--iters", "1", "--rounds", "1", "--variants", names]
+    assert padded_text_step.main(argv + ["--out", str(tmp_path / "step.json")]) == 0
+    report = json.loads((tmp_path / "step.json").read_text())
+    assert [row["variant"] for row in report["rows"]] == names.split(",")
+    assert "ours-padded-bound-graph-ckpt-fa4 / ours-padded-bound-graph-ckpt" in report["ratios"]
+    assert MathFA4.calls.count("fwd") >= 2 and "bwd" in MathFA4.calls  # warm-up and the timed step took FA4

@@ -139,11 +139,11 @@ def assert_close_at_scale(got, want, tol=1e-5, what=""):
     assert (got - want).abs().max() <= tol * scale, f"{what}: error {(got - want).abs().max():.3g}, scale {scale:.3g}"
 
 
-def assert_padded_batch_matches_the_masked_computation(how, lengths, mask_type=None):
-    """A tiny perturbed MMDiT with ``padded_text_attention=how`` on a batch of ``lengths`` valid prompt tokens (80
-    columns): output and every gradient equal the dense masked computation's, and (``mask_type``) the batch's key mask
-    is of that type. Returns the model."""
-    model = MMDiT(**tiny_kwargs(padded_text_attention=how)).train()
+def assert_padded_batch_matches_the_masked_computation(how, lengths, mask_type=None, **model_kwargs):
+    """A tiny perturbed MMDiT with ``padded_text_attention=how`` (and ``model_kwargs``) on a batch of ``lengths``
+    valid prompt tokens (80 columns): output and every gradient equal the dense masked computation's, and
+    (``mask_type``) the batch's key mask is of that type. Returns the model."""
+    model = MMDiT(**tiny_kwargs(padded_text_attention=how, **model_kwargs)).train()
     perturb(model)
     data = padded_batch(lengths)
     target = torch.randn(len(lengths), 4, 2, 8, 8, generator=torch.Generator().manual_seed(3))

@@ -28,7 +28,9 @@ BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
-ATTENTION_BACKENDS = ("auto",) + tuple(BACKENDS)
+# "fa4": FlashAttention 4 (fa4_kernel.py) where the zero-key path runs (padded prompts, the training default);
+# every other call, and any machine where FA4 cannot run, takes the "auto" order below
+ATTENTION_BACKENDS = ("auto",) + tuple(BACKENDS) + ("fa4",)
 
 
 def check_backend(backend: str) -> str:
@@ -53,7 +55,7 @@ def auto_backends(device: torch.device, has_mask: bool) -> Optional[list]:
 
 def backend_context(backend: str, device: torch.device, has_mask: bool):
     check_backend(backend)
-    if backend == "auto":
+    if backend in ("auto", "fa4"):
         order = auto_backends(device, has_mask)
         if order is None:
             return nullcontext()

@@ -25,6 +25,7 @@ over all of them average far below zero. ``r`` is capped below 1 so that case gi
 inf or NaN.
 
 Kernels: cuDNN on sm90+ and flash elsewhere on CUDA (bf16 / fp16, head size <= 128 for cuDNN, <= 256 for flash),
+FlashAttention 4 when the backend is "fa4" (fa4_kernel.py; sm90+, falls back to the others where it cannot run),
 PyTorch's flash kernel for the CPU (what the CPU tests use). Other cases (fp32 on CUDA, the "efficient" / "math"
 backends) take the dense mask through attention.py's SDPA path, under the chosen backend.
 """
@@ -34,6 +35,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from . import fa4_kernel
 from .device_capability import device_major
 from .row_lengths import DeviceRowLengths
 
@@ -44,7 +46,13 @@ _UNUSED = {}  # device -> the zero int64 scalar the backward ops take for their 
 
 def zero_key_kernel(q: torch.Tensor, backend: str) -> Optional[str]:
     """The kernel the zero-key path runs for ``q`` [B, heads, N, head_dim] under ``backend``, or ``None`` (then the
-    dense mask): "cpu", "cudnn" or "flash"."""
+    dense mask): "cpu", "cudnn", "flash" or "fa4"."""
+    if backend == "fa4":
+        if fa4_kernel.supports(q):
+            return "fa4"
+        if q.device.type == "cuda" and not fa4_kernel.available():
+            fa4_kernel.warn_fallback("the SDPA kernels")
+        backend = "auto"
     head_dim = q.shape[-1]
     if q.device.type == "cpu":
         return "cpu" if backend in ("auto", "flash") else None
@@ -62,6 +70,8 @@ def _kernel_forward(kernel: str, q, k, v):
     """(output [B, heads, N, D], logsumexp in the kernel's shape: [B, heads, N] or cuDNN's [B, heads, N, 1])."""
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+    if kernel == "fa4":
+        return fa4_kernel.forward(q, k, v)
     if kernel == "cudnn":
         return aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
     return aten._scaled_dot_product_flash_attention(q, k, v)[:2]
@@ -72,6 +82,8 @@ def _kernel_backward(kernel: str, grad, q, k, v, out, lse):
     they get zero scalars (some versions read their pointers anyway)."""
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False)
+    if kernel == "fa4":
+        return fa4_kernel.backward(grad, q, k, v, out, lse)
     unused = _UNUSED.get(q.device)
     if unused is None:
         unused = _UNUSED.setdefault(q.device, torch.zeros((), dtype=torch.int64, device=q.device))

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# FlashAttention 4 against cuDNN on one GPU, after three calls to one warm machine (the wheels cannot travel together:
+# .whl 42 MB, .fa4/a 47 MB, .fa4/b 52 MB, 64 MiB a call):
+#   call 1, carry [".fa4/a"]: bash benchmarks/fa4_wheels.sh stash /tmp/fa4
+#   call 2, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile --target .pysite .whl/*.whl
+#   call 3, carry [".fa4/b"]: bash benchmarks/fa4_wheels.sh install /tmp/fa4 && bash benchmarks/gpu_fa4.sh
+# Writes to $OUT: fa4.json (forward + backward of one attention call: FA4 dense / varlen vs cuDNN / flash SDPA, errors
+# against fp64), gpu_tests.txt (the FA4 zero-key GPU test and the model backend tests, with tracebacks) and
+# padded_text_step_fa4.json (the trainer's step with the "fa4" backend vs cuDNN vs diffusers' Flux, interleaved).
+set -uo pipefail
+: "${OUT:?set OUT}"
+export PYTHONPATH="$(cat /tmp/fa4/pythonpath):$PWD/.pysite:$PWD" PYTHONUNBUFFERED=1
+timeout 240 python -m benchmarks.flash_attention4 --out "$OUT/fa4.json" 2>&1 | tee "$OUT/fa4.txt" | tail -n 12
+timeout 240 python -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_fa4_kernel.py \
+  "tests/test_mmdit.py::test_model_backends_match_math_on_gpu" > "$OUT/gpu_tests.txt" 2>&1
+tail -n 3 "$OUT/gpu_tests.txt"
+timeout 420 python -m benchmarks.padded_text_step --rounds 3 \
+  --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-fa4,diffusers-128 \
+  --out "$OUT/padded_text_step_fa4.json" 2>&1 | tail -n 12
