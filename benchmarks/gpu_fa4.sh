@@ -6,10 +6,14 @@
 #   call 3, carry [".fa4/b"]: bash benchmarks/fa4_wheels.sh install /tmp/fa4 && bash benchmarks/gpu_fa4.sh
 # Writes to $OUT: fa4.json (forward + backward of one attention call: FA4 dense / varlen vs cuDNN / flash SDPA, errors
 # against fp64), gpu_tests.txt (the FA4 zero-key GPU test and the model backend tests, with tracebacks) and
-# padded_text_step_fa4.json (the trainer's step with the "fa4" backend vs cuDNN vs diffusers' Flux, interleaved).
+# padded_text_step_fa4.json (the trainer's step with the "fa4" backend vs cuDNN vs diffusers' Flux, interleaved),
+# and first model_backend_parity.json (a tiny MMDiT's backends against fp32 math: why the model backend test failed
+# for cuDNN on 2026-11-28).
 set -uo pipefail
 : "${OUT:?set OUT}"
 export PYTHONPATH="$(cat /tmp/fa4/pythonpath):$PWD/.pysite:$PWD" PYTHONUNBUFFERED=1
+timeout 180 python -m benchmarks.model_backend_parity --out "$OUT/model_backend_parity.json" > "$OUT/model_backend_parity.txt" 2>&1
+grep -c NON-FINITE "$OUT/model_backend_parity.txt"; tail -n 2 "$OUT/model_backend_parity.txt"
 timeout 240 python -m benchmarks.flash_attention4 --out "$OUT/fa4.json" 2>&1 | tee "$OUT/fa4.txt" | tail -n 12
 timeout 240 python -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_fa4_kernel.py \
   "tests/test_mmdit.py::test_model_backends_match_math_on_gpu" > "$OUT/gpu_tests.txt" 2>&1

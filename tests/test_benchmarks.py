@@ -420,3 +420,12 @@ def test_padded_text_step_times_the_trainer_step_beside_its_fa4_variant(tmp_path
     assert [row["variant"] for row in report["rows"]] == names.split(",")
     assert "ours-padded-bound-graph-ckpt-fa4 / ours-padded-bound-graph-ckpt" in report["ratios"]
     assert MathFA4.calls.count("fwd") >= 2 and "bwd" in MathFA4.calls  # warm-up and the timed step took FA4
+
+
+def test_model_backend_parity_tiny_writes_errors_against_fp32(tmp_path):
+    from benchmarks import model_backend_parity
+
+    rows = model_backend_parity.main(["--tiny", "--out", str(tmp_path / "parity.json")])["rows"]
+    assert [(r["padded"], r["backend"]) for r in rows] == [(False, "auto"), (True, "auto")]
+    # bf16 autocast against fp32: a few percent, finite; an exact match would mean the comparison ran in fp32
+    assert all(0 < r["out"] < 0.1 and r["out_finite"] and r["grad_finite"] for r in rows)
