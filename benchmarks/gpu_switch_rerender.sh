@@ -10,7 +10,7 @@
 # RENOISE (default "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default
 # 160, switch_prob 0) from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf),
 # each evaluated.
-# EXTRA: the runs' flags (seeds, minutes). TRAINER=0 skips the trainer timing (the GPU tests still run, with the
+# EXTRA: the runs' flags (seeds, minutes; --validation-every N adds the students' per-window curve). TRAINER=0 skips the trainer timing (the GPU tests still run, with the
 # two-GPU NCCL EMA test where two GPUs are visible); SWITCH=0 skips the Self-Forcing switch stages (its evaluation
 # then comes with the LONG=1 exit-context one); LONG_GPUS="0 1" runs the two LongRollout lanes side by side.
 set -uo pipefail
@@ -39,6 +39,8 @@ if [ "${SWITCH:-1}" != 0 ]; then
   stage 0 ls switch_sf --students self_forcing --switch-only --switch-renoise ${RENOISE:-0.5 0.75 1.0} \
     --switch-sink-frames 0
   stage 0 ls eval_sf --students self_forcing "${switch[@]}"
+elif [ "${LONG:-0}" != 1 ]; then  # no switch, no LongRollout: Self-Forcing's own evaluation
+  stage 0 ls eval_sf --students self_forcing
 fi
 if [ "${LONG:-0}" = 1 ]; then
   # exit-step context in ls, fully denoised context in lsf; with SWITCH=0 the exit lane's evaluation also scores

@@ -19,6 +19,8 @@ teacher.
   python -m benchmarks.long_streaming_quality --out DIR --switch-only --switch-renoise 0.5 0.75 1.0
   # the long run with absolute RoPE positions and with the text + sinks anchored at the window's start, same seeds
   python -m benchmarks.long_streaming_quality --out DIR --rope-anchor both
+  # the students' per-window scores while they train (validation every 40 steps at 8x the clip, 12 captions)
+  python -m benchmarks.long_streaming_quality --out DIR --students self_forcing --student-minutes 8 --validation-every 40
   # long tuning after Self-Forcing (Self-Forcing++'s order) against Self-Forcing trained on for as long (the
   # control, self_forcing_more), and the long run again without sink frames
   python -m benchmarks.long_streaming_quality --out DIR --long-init self_forcing --sink-frames-variant 0
@@ -106,6 +108,14 @@ def stage_config(args, stage: str) -> Path:
     if stage == "long_rollout" and args.long_sink_frames is not None:  # the sampler's key and the method's copy
         lines.append(f"sink_frames = {int(args.long_sink_frames)}")
         method["kv_sink_frames"] = int(args.long_sink_frames)
+    if stage in DMD_STAGES and args.validation_every:  # the per-window curve while the student trains
+        from opensora.config import load_config
+
+        frames = 8 if args.tiny else int(load_config(str(ROOT / CONFIGS[stage])).dataset.num_frames)
+        long_frames = frames * int(args.long_multiple)
+        lines.append(
+            f"validation = dict(every={int(args.validation_every)}, motion={args.motion!r}, long_frames={long_frames})"
+        )
     if stage == "long_rollout":  # the sampler's key and the method's copy
         lines.append(f"rope_anchor = {args.long_rope_anchor!r}")
         method["kv_rope_anchor"] = args.long_rope_anchor
@@ -137,7 +147,21 @@ def training_summary(run_dir: Path) -> dict:
     rows = [row for row in rows if "step_time" in row]
     times = sorted(row["step_time"] for row in rows)
     losses = {k: v for row in rows for k, v in row.items() if k.endswith("loss")}  # the last value of each
-    return dict(steps=len(rows), step_time_median=times[len(times) // 2] if times else None, last_losses=losses)
+    # --validation-every: the worst window's scores at each validation step (val/*_window_min)
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    curve = [
+        dict(
+            step=row["step"], **{k[4:]: v for k, v in row.items() if k.startswith("val/") and k.endswith("_window_min")}
+        )
+        for row in records
+        if any(k.startswith("val/") and k.endswith("_window_min") for k in row)
+    ]
+    return dict(
+        steps=len(rows),
+        step_time_median=times[len(times) // 2] if times else None,
+        last_losses=losses,
+        validation_window_min=curve,
+    )
 
 
 def last_checkpoint(run_dir: Path):
@@ -585,6 +609,10 @@ def print_report(report: dict) -> None:
         )
         if confusions_text(s):
             print(f"  wrong reads at the clip length: {confusions_text(s)}")
+        curve = s["training"].get("validation_window_min") or []
+        if curve:  # --validation-every: the worst window's frame statistics (and colour) as the student trained
+            points = ", ".join(f"{v['step']}: {v.get('stats_window_min', float('nan')):.2f}" for v in curve)
+            print(f"  validation, worst window's stats in range by step: {points}")
         print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}, RoPE anchor {s.get('rope_anchor')}:")
         print_windows(s["long"]["windows"])
         print_background(s["long"]["background_by_frame"], report["clip"][0])
@@ -773,6 +801,14 @@ def parse_args(argv=None):
         choices=DMD_STAGES,
         default=None,
         help="score only these students (default: every trained one; the teacher is always scored)",
+    )
+    parser.add_argument(
+        "--validation-every",
+        type=int,
+        default=0,
+        help="the DMD students validate every N steps at --long-multiple x the clip (the config's 12 captions): "
+        "each window's colour / shape / direction / frame-statistics scores over training, in report.json's "
+        "training.validation_window_min",
     )
     parser.add_argument("--num-prompts", type=int, default=72)
     parser.add_argument("--seed", type=int, default=424242, help="first sampling seed (prompt i uses seed + i)")

@@ -314,3 +314,33 @@ def test_long_rollout_can_train_without_sinks_at_the_window_anchor(tmp_path):
     assert (cfg.sink_frames, cfg.rope_anchor) == (0, "window")
     with pytest.raises(SystemExit):
         bench.parse_args(["--long-sink-frames", "0", "--sink-frames-variant", "1"])
+
+
+def test_validation_every_gives_the_students_a_per_window_curve(tmp_path):
+    """``--validation-every 40``: the DMD students (not the teacher or the causal init) validate every 40 steps at
+    8x the 16-frame clip under the run's motion rule; the report's training summary keeps each validation's
+    worst-window scores."""
+    bench = _benchmark()
+    args = bench.parse_args(["--out", str(tmp_path), "--validation-every", "40", "--motion", "bounce"])
+    from opensora.config import load_config
+
+    for stage in bench.DMD_STAGES:
+        validation = load_config(str(bench.stage_config(args, stage))).validation
+        assert (validation.every, validation.long_frames, validation.motion) == (40, 128, "bounce")
+        assert validation.score == "moving_shapes" and len(validation.prompts) == 12  # the base config's captions
+    for stage in ("teacher", "ode"):
+        assert "validation" not in bench.stage_config(args, stage).read_text()
+    run = tmp_path / "self_forcing"
+    run.mkdir()
+    rows = [
+        {"step": 1, "loss": 1.0, "step_time": 0.5},
+        {"step": 40, "val/stats_window_min": 0.25, "val/color_window_min": 0.9, "val/stats_vs_first_min": 0.8},
+        {"step": 40, "loss": 0.5, "step_time": 0.7},
+        {"step": 80, "val/stats_window_min": 0.5, "val/color_window_min": 1.0},
+    ]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    summary = bench.training_summary(run)
+    assert summary["steps"] == 2 and summary["validation_window_min"] == [
+        {"step": 40, "stats_window_min": 0.25, "color_window_min": 0.9},
+        {"step": 80, "stats_window_min": 0.5, "color_window_min": 1.0},
+    ]
