@@ -17,6 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .device_capability import device_major
+
 _STATE = {}  # "module" -> flash_attn.cute.interface, or "reason" -> why it is unusable
 
 
@@ -51,8 +53,6 @@ def warn_fallback(fallback: str) -> None:
 def supports(q: torch.Tensor) -> bool:
     """FA4 can take ``q`` [B, heads, N, head_dim]: CUDA, 16-bit, sm90 or newer, head size a multiple of 8 up to
     256 (its Hopper range), and the package imports."""
-    from .device_capability import device_major
-
     return (
         q.device.type == "cuda"
         and q.dtype in (torch.bfloat16, torch.float16)
@@ -63,15 +63,18 @@ def supports(q: torch.Tensor) -> bool:
     )
 
 
+def _tokens_first(*tensors):
+    """[B, heads, N, D] -> FA4's [B, N, heads, D], as views."""
+    return [t.transpose(1, 2) for t in tensors]
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """[B, heads, N, D] q / k / v -> (output [B, heads, N, D], log-sum-exp [B, heads, N] fp32), unmasked."""
-    out, lse = interface()._flash_attn_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_lse=True)[:2]
+    out, lse = interface()._flash_attn_fwd(*_tokens_first(q, k, v), return_lse=True)[:2]
     return out.transpose(1, 2), lse
 
 
 def backward(grad, q, k, v, out, lse) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA4's backward from a given output and log-sum-exp [B, heads, N]; every tensor [B, heads, N, D]."""
-    grads = interface()._flash_attn_bwd(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), grad.transpose(1, 2), lse
-    )
-    return tuple(g.transpose(1, 2) for g in grads[:3])
+    q, k, v, out, grad = _tokens_first(q, k, v, out, grad)
+    return tuple(g.transpose(1, 2) for g in interface()._flash_attn_bwd(q, k, v, out, grad, lse)[:3])
