@@ -3,7 +3,9 @@
 # .whl 42 MB, .fa4/a 47 MB, .fa4/b 52 MB, 64 MiB a call):
 #   call 1, carry [".fa4/a"]: bash benchmarks/fa4_wheels.sh stash /tmp/fa4
 #   call 2, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile --target .pysite .whl/*.whl
-#   call 3, carry [".fa4/b"]: bash benchmarks/fa4_wheels.sh install /tmp/fa4 && bash benchmarks/gpu_fa4.sh
+#   call 3, carry [".fa4/b"]: bash benchmarks/fa4_wheels.sh install /tmp/fa4 && bash benchmarks/gpu_fa4.sh parity fa4 tests
+#   call 4 (no carry):         bash benchmarks/gpu_fa4.sh step
+# (a call has 600 s: the first three parts are capped at 120 + 240 + 180 s, the step at 420 s; no argument runs all)
 # Writes to $OUT: fa4.json (forward + backward of one attention call: FA4 dense / varlen vs cuDNN / flash SDPA, errors
 # against fp64), gpu_tests.txt (the FA4 zero-key GPU test and the model backend tests, with tracebacks) and
 # padded_text_step_fa4.json (the trainer's step with the "fa4" backend vs cuDNN vs diffusers' Flux, interleaved),
@@ -12,12 +14,24 @@
 set -uo pipefail
 : "${OUT:?set OUT}"
 export PYTHONPATH="$(cat /tmp/fa4/pythonpath):$PWD/.pysite:$PWD" PYTHONUNBUFFERED=1
-timeout 180 python -m benchmarks.model_backend_parity --out "$OUT/model_backend_parity.json" > "$OUT/model_backend_parity.txt" 2>&1
-grep -c NON-FINITE "$OUT/model_backend_parity.txt"; tail -n 2 "$OUT/model_backend_parity.txt"
-timeout 240 python -m benchmarks.flash_attention4 --out "$OUT/fa4.json" 2>&1 | tee "$OUT/fa4.txt" | tail -n 12
-timeout 240 python -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_fa4_kernel.py \
-  "tests/test_mmdit.py::test_model_backends_match_math_on_gpu" > "$OUT/gpu_tests.txt" 2>&1
-tail -n 3 "$OUT/gpu_tests.txt"
-timeout 420 python -m benchmarks.padded_text_step --rounds 3 \
-  --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-fa4,diffusers-128 \
-  --out "$OUT/padded_text_step_fa4.json" 2>&1 | tail -n 12
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(parity fa4 tests step)
+for part in "${parts[@]}"; do
+  case $part in
+    parity)
+      timeout 120 python -m benchmarks.model_backend_parity --out "$OUT/model_backend_parity.json" \
+        > "$OUT/model_backend_parity.txt" 2>&1
+      echo "non-finite cases: $(grep -c NON-FINITE "$OUT/model_backend_parity.txt")"; tail -n 2 "$OUT/model_backend_parity.txt" ;;
+    fa4)
+      timeout 240 python -m benchmarks.flash_attention4 --out "$OUT/fa4.json" 2>&1 | tee "$OUT/fa4.txt" | tail -n 12 ;;
+    tests)
+      timeout 180 python -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_fa4_kernel.py \
+        "tests/test_mmdit.py::test_model_backends_match_math_on_gpu" > "$OUT/gpu_tests.txt" 2>&1
+      tail -n 3 "$OUT/gpu_tests.txt" ;;
+    step)
+      timeout 420 python -m benchmarks.padded_text_step --rounds 3 \
+        --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-fa4,diffusers-128 \
+        --out "$OUT/padded_text_step_fa4.json" 2>&1 | tail -n 12 ;;
+    *) echo "unknown part $part (parity fa4 tests step)" >&2; exit 2 ;;
+  esac
+done
