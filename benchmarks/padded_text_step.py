@@ -28,6 +28,9 @@ has no text mask: it attends to every padded token, as Flux training does):
   ours-padded-bound-graph-ckpt-fa4  the trainer's step with the attention backend "fa4": FlashAttention 4 as the
                        zero-key kernel (fa4_kernel.py); only where flash-attn-4 imports (the reason is printed and
                        kept under ``fa4_missing`` otherwise; benchmarks/fa4_wheels.sh installs it)
+  ours-padded-bound-graph-ckpt-cudagraphs  the trainer's step with each compiled block graph replayed as a CUDA graph
+                       (Inductor's ``triton.cudagraphs``, cudagraph trees; a third model, built only when asked
+                       for; CUDA only): the profiled step spends ~18 of its 164 ms between kernels (2666 launches)
   (every other ours-* variant runs the model's default, the recompute inside the graph since 2026-11-27)
   ours-unpadded-128    compiled, 128 text columns and no mask: the mask-free step at the trimmed shape
   ours-unpadded-70     compiled, 70 text columns and no mask: the mean valid length of the padded batches
@@ -68,11 +71,13 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-bound-graph-ckpt-master", "ours-padded-bound-graph-ckpt-fa4", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
+VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-bound-graph-ckpt-master", "ours-padded-bound-graph-ckpt-fa4", "ours-padded-bound-graph-ckpt-cudagraphs", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
             "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
             "diffusers-128")  # fmt: skip
 PER_ROW_VARIANTS = ("ours-padded-rows",)  # one SDPA call per row: a cuDNN plan per prompt length
-CUDA_ONLY_VARIANTS = ("ours-padded-flex",)  # torch has no flex_attention backward on CPU: --tiny leaves it out
+# torch has no flex_attention backward on CPU, and CUDA graphs need CUDA: --tiny leaves them out
+CUDA_ONLY_VARIANTS = ("ours-padded-flex", "ours-padded-bound-graph-ckpt-cudagraphs")
+OPT_IN_VARIANTS = ("ours-padded-bound-graph-ckpt-cudagraphs",)  # run only when named in --variants (a third model)
 
 
 def our_config(shape):
@@ -171,6 +176,15 @@ def attention_backend(model, backend):
     return context
 
 
+@contextlib.contextmanager
+def cudagraph_step():
+    """A new training iteration for the cudagraph trees (the last step's graph outputs may be overwritten)."""
+    import torch
+
+    torch.compiler.cudagraph_mark_step_begin()
+    yield
+
+
 def chained(*contexts):
     """One step context made of several."""
 
@@ -209,14 +223,21 @@ def build(shape, device, dtype, args):
     batch, n_txt = shape["batch"], shape["text_tokens"]
     video = t * h * w
 
-    def our_model(compiled):
+    def our_model(compiled, inductor_options=None):
         with torch.device(device):
             model = MMDiT(**our_config(shape))
         randomize_(model)
         model.to(device=device, dtype=dtype).train()
         model.set_grad_ckpt(shape["depth_double"], shape["depth_single"])
-        model.set_compile_blocks(compiled)
+        model.set_compile_blocks(compiled, inductor_options)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    wanted = args.variants.split(",") if args.variants else [v for v in VARIANTS if v not in OPT_IN_VARIANTS]
+    if torch.device(device).type != "cuda":
+        wanted = [name for name in wanted if name not in CUDA_ONLY_VARIANTS]
+    if not args.tiny and not fa4_kernel.available():  # on the CPU smoke run "fa4" falls back to SDPA
+        print(f"ours-padded-bound-graph-ckpt-fa4 skipped: {fa4_kernel.unavailable_reason()}", flush=True)
+        wanted = [name for name in wanted if not name.endswith("-fa4")]
 
     # two models: toggling compile_blocks on one would make Dynamo recompile at every switch (a new backend)
     ours, ours_opt = our_model(device.type == "cuda" or args.tiny_compile)
@@ -344,12 +365,19 @@ def build(shape, device, dtype, args):
                 flash,
             ),  # fmt: skip
         ]
-    wanted = args.variants.split(",") if args.variants else VARIANTS
-    if torch.device(device).type != "cuda":
-        wanted = [name for name in wanted if name not in CUDA_ONLY_VARIANTS]
-    if not args.tiny and not fa4_kernel.available():  # on the CPU smoke run "fa4" falls back to SDPA
-        print(f"ours-padded-bound-graph-ckpt-fa4 skipped: {fa4_kernel.unavailable_reason()}", flush=True)
-        wanted = [name for name in wanted if not name.endswith("-fa4")]
+    if "ours-padded-bound-graph-ckpt-cudagraphs" in wanted:  # its own model: other Inductor options, other graphs
+        graphed, graphed_opt = our_model(True, {"triton.cudagraphs": True})
+        variants.append(
+            Variant(
+                "ours-padded-bound-graph-ckpt-cudagraphs",
+                graphed,
+                graphed_opt,
+                bounded,
+                run_ours,
+                None,
+                chained(checkpoint_in_graph(graphed, True), cudagraph_step),
+            )
+        )
     return [v for v in variants if v.name in wanted]
 
 
@@ -455,6 +483,7 @@ def run(args):
                  ("diffusers-128", "ours-padded-bound"), ("diffusers-128", "ours-padded-bound-graph-ckpt"),
                  ("ours-padded-bound-graph-ckpt", "ours-padded-bound"),
                  ("ours-padded-bound-graph-ckpt-fa4", "ours-padded-bound-graph-ckpt"), ("diffusers-128", "ours-padded-bound-graph-ckpt-fa4"),
+                 ("ours-padded-bound-graph-ckpt-cudagraphs", "ours-padded-bound-graph-ckpt"), ("diffusers-128", "ours-padded-bound-graph-ckpt-cudagraphs"),
                  ("ours-padded-packed", "ours-padded"),
                  ("ours-padded-packed-128", "ours-padded"), ("ours-padded-dense-32", "ours-padded"),
                  ("ours-padded", "ours-masked"), ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# FlashAttention 4 against cuDNN on one GPU, after three calls to one warm machine (the wheels cannot travel together:
-# .whl 42 MB, .fa4/a 47 MB, .fa4/b 52 MB, 64 MiB a call):
+# Levers on the real configuration's training step, on one GPU: FlashAttention 4 against cuDNN (the attention call
+# and the step), the compiled blocks as CUDA graphs, and first the model backend parity check. FA4's wheels and ours
+# cannot travel together (.whl 42 MB, .fa4/a 47 MB, .fa4/b 52 MB, 64 MiB a call), so calls to one warm machine:
 #   call 1, carry [".fa4/a"]: bash benchmarks/fa4_wheels.sh stash /tmp/fa4
 #   call 2, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile --target .pysite .whl/*.whl
-#   call 3, carry [".fa4/b"]: bash benchmarks/fa4_wheels.sh install /tmp/fa4 && bash benchmarks/gpu_fa4.sh parity fa4 tests
-#   call 4 (no carry):         bash benchmarks/gpu_fa4.sh step
-# (a call has 600 s: the first three parts are capped at 120 + 240 + 180 s, the step at 420 s; no argument runs all)
+#   call 3, carry [".fa4/b"]: bash benchmarks/fa4_wheels.sh install /tmp/fa4 && bash benchmarks/gpu_step_levers.sh parity fa4 tests
+#   call 4 (no carry):         bash benchmarks/gpu_step_levers.sh step
+#   call 5 (no carry):         bash benchmarks/gpu_step_levers.sh cudagraphs
+# (a call has 600 s: the first three parts are capped at 120 + 240 + 180 s, step and cudagraphs at 420 s each; no
+# argument runs parity fa4 tests step)
 # Writes to $OUT: fa4.json (forward + backward of one attention call: FA4 dense / varlen vs cuDNN / flash SDPA, errors
 # against fp64), gpu_tests.txt (the FA4 zero-key GPU test and the model backend tests, with tracebacks) and
 # padded_text_step_fa4.json (the trainer's step with the "fa4" backend vs cuDNN vs diffusers' Flux, interleaved),
 # and first model_backend_parity.json (a tiny MMDiT's backends against fp32 math: why the model backend test failed
-# for cuDNN on 2026-11-28).
+# for cuDNN on 2026-11-28). cudagraphs: padded_text_step_cudagraphs.json, the trainer's step with its compiled block
+# graphs replayed as CUDA graphs (the profiled step spends ~18 of 164 ms between kernels) vs without vs diffusers.
 set -uo pipefail
 : "${OUT:?set OUT}"
 export PYTHONPATH="$(cat /tmp/fa4/pythonpath):$PWD/.pysite:$PWD" PYTHONUNBUFFERED=1
@@ -32,6 +36,10 @@ for part in "${parts[@]}"; do
       timeout 420 python -m benchmarks.padded_text_step --rounds 3 \
         --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-fa4,diffusers-128 \
         --out "$OUT/padded_text_step_fa4.json" 2>&1 | tail -n 12 ;;
-    *) echo "unknown part $part (parity fa4 tests step)" >&2; exit 2 ;;
+    cudagraphs)
+      timeout 420 python -m benchmarks.padded_text_step --rounds 3 \
+        --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-cudagraphs,diffusers-128 \
+        --out "$OUT/padded_text_step_cudagraphs.json" 2>&1 | tail -n 12 ;;
+    *) echo "unknown part $part (parity fa4 tests step cudagraphs)" >&2; exit 2 ;;
   esac
 done
