@@ -10,9 +10,10 @@
 # RENOISE (default "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default
 # 160, switch_prob 0) from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf),
 # each evaluated.
-# EXTRA: the runs' flags (seeds, minutes; --validation-every N adds the students' per-window curve). TRAINER=0 skips the trainer timing (the GPU tests still run, with the
-# two-GPU NCCL EMA test where two GPUs are visible); SWITCH=0 skips the Self-Forcing switch stages (its evaluation
-# then comes with the LONG=1 exit-context one); LONG_GPUS="0 1" runs the two LongRollout lanes side by side.
+# EXTRA: the runs' flags (seeds, minutes; --validation-every N adds the students' per-window curve). TRAINER=0
+# skips the trainer timing (the GPU tests still run, with the two-GPU NCCL EMA test where two GPUs are visible);
+# SWITCH=0 skips the Self-Forcing switch stages (its evaluation then comes with the LONG=1 exit-context one, or
+# alone without LONG); LONG_GPUS="0 1" runs the two LongRollout lanes side by side.
 set -uo pipefail
 source "$(dirname "$0")/gpu_chain.sh"
 chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \

@@ -143,12 +143,11 @@ def stage_config(args, stage: str) -> Path:
 def training_summary(run_dir: Path) -> dict:
     """Steps, median step time and the last logged value of each loss of a stage's metrics.jsonl."""
     path = Path(run_dir) / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    rows = [row for row in rows if "step_time" in row]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = [row for row in records if "step_time" in row]
     times = sorted(row["step_time"] for row in rows)
     losses = {k: v for row in rows for k, v in row.items() if k.endswith("loss")}  # the last value of each
     # --validation-every: the worst window's scores at each validation step (val/*_window_min)
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     curve = [
         dict(
             step=row["step"], **{k[4:]: v for k, v in row.items() if k.startswith("val/") and k.endswith("_window_min")}
@@ -947,6 +946,6 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    from opensora.training.distributed import release_process_group
+    from opensora.parallel.process_group import release_process_group
 
     release_process_group(succeeded=True)  # the in-process stages' group, freed before the interpreter is torn down

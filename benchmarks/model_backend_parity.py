@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import OUT
+from benchmarks.common import OUT, randomize_
 
 TEXT_DIM, POOLED_DIM = 24, 16
 
@@ -30,10 +30,7 @@ def tiny_model(padded_text_attention: str, grad_ckpt: int, device):
     kwargs.pop("type")
     kwargs.update(text_dim=TEXT_DIM, pooled_dim=POOLED_DIM, grad_ckpt_double=grad_ckpt)
     model = MMDiT(**kwargs, padded_text_attention=padded_text_attention)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # every parameter random (zero-initialised ones too), as the test's perturb()
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    randomize_(model, std=0.3)  # on the CPU, seed 0: the same weights as the test's perturb()
     return model.to(device).train()
 
 
