@@ -7,14 +7,18 @@
 #   call 3, carry [".fa4/b"]: bash benchmarks/fa4_wheels.sh install /tmp/fa4 && bash benchmarks/gpu_step_levers.sh parity fa4 tests
 #   call 4 (no carry):         bash benchmarks/gpu_step_levers.sh step
 #   call 5 (no carry):         bash benchmarks/gpu_step_levers.sh cudagraphs
+#   without FA4, after call 2:  bash benchmarks/gpu_step_levers.sh cudnn     (rm -rf .pysite/bitsandbytes* first for
+#                               the LoRA GPU tests: the device wheels' stub lacks bitsandbytes.nn, which peft probes)
 # (a call has 600 s: the first three parts are capped at 120 + 240 + 180 s, step and cudagraphs at 420 s each; no
 # argument runs parity fa4 tests step)
 # Writes to $OUT: fa4.json (forward + backward of one attention call: FA4 dense / varlen vs cuDNN / flash SDPA, errors
 # against fp64), gpu_tests.txt (the FA4 zero-key GPU test and the model backend tests, with tracebacks) and
 # padded_text_step_fa4.json (the trainer's step with the "fa4" backend vs cuDNN vs diffusers' Flux, interleaved),
-# and first model_backend_parity.json (a tiny MMDiT's backends against fp32 math: why the model backend test failed
-# for cuDNN on 2026-11-28). cudagraphs: padded_text_step_cudagraphs.json, the trainer's step with its compiled block
-# graphs replayed as CUDA graphs (the profiled step spends ~18 of 164 ms between kernels) vs without vs diffusers.
+# and first model_backend_parity.json (a tiny MMDiT's backends against fp32 math). cudagraphs:
+# padded_text_step_cudagraphs.json, the trainer's step with its compiled block graphs replayed as CUDA graphs vs
+# without vs diffusers. cudnn (needs no FA4): cudnn_backward_layout.json (the cuDNN backward-graph cache collision
+# behind the model backend test's failure) and cudnn_gpu_tests.txt (that test and the zero-key / plain cuDNN
+# order test, with tracebacks).
 set -uo pipefail
 : "${OUT:?set OUT}"
 export PYTHONPATH="$(cat /tmp/fa4/pythonpath):$PWD/.pysite:$PWD" PYTHONUNBUFFERED=1
@@ -36,10 +40,17 @@ for part in "${parts[@]}"; do
       timeout 420 python -m benchmarks.padded_text_step --rounds 3 \
         --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-fa4,diffusers-128 \
         --out "$OUT/padded_text_step_fa4.json" 2>&1 | tail -n 12 ;;
+    cudnn)
+      timeout 120 python -m benchmarks.cudnn_backward_layout --out "$OUT/cudnn_backward_layout.json" 2>&1 \
+        | grep -E "^tokens|^cache|^\{|Error" | cut -c1-400
+      timeout 240 python -m pytest -q -p no:cacheprovider -m gpu --tb=short "tests/test_mmdit.py::test_model_backends_match_math_on_gpu" \
+        "tests/test_text_padding_gpu.py::test_zero_key_and_plain_cudnn_backwards_at_one_shape_in_one_process_are_both_right" \
+        > "$OUT/cudnn_gpu_tests.txt" 2>&1
+      tail -n 3 "$OUT/cudnn_gpu_tests.txt" ;;
     cudagraphs)
       timeout 420 python -m benchmarks.padded_text_step --rounds 3 \
         --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-cudagraphs,diffusers-128 \
         --out "$OUT/padded_text_step_cudagraphs.json" 2>&1 | tail -n 12 ;;
-    *) echo "unknown part $part (parity fa4 tests step cudagraphs)" >&2; exit 2 ;;
+    *) echo "unknown part $part (parity fa4 tests step cudagraphs cudnn)" >&2; exit 2 ;;
   esac
 done

@@ -116,6 +116,10 @@ def stage_config(args, stage: str) -> Path:
         lines.append(
             f"validation = dict(every={int(args.validation_every)}, motion={args.motion!r}, long_frames={long_frames})"
         )
+        if stage != "long_rollout":  # the curve streams as the evaluation does (LongRollout's config has its own)
+            lines.append(f"sink_frames = {int(args.sink_frames)}")
+            if args.window_frames is not None:
+                lines.append(f"window_frames = {int(args.window_frames)}")
     if stage == "long_rollout":  # the sampler's key and the method's copy
         lines.append(f"rope_anchor = {args.long_rope_anchor!r}")
         method["kv_rope_anchor"] = args.long_rope_anchor

@@ -325,9 +325,14 @@ def test_validation_every_gives_the_students_a_per_window_curve(tmp_path):
     from opensora.config import load_config
 
     for stage in bench.DMD_STAGES:
-        validation = load_config(str(bench.stage_config(args, stage))).validation
+        cfg = load_config(str(bench.stage_config(args, stage)))
+        validation = cfg.validation
         assert (validation.every, validation.long_frames, validation.motion) == (40, 128, "bounce")
         assert validation.score == "moving_shapes" and len(validation.prompts) == 12  # the base config's captions
+        # the curve streams as the evaluation does: its sink frames, and (no window in the config but LongRollout's)
+        # the clip's window minus a chunk, validation_windows' default
+        assert cfg.sink_frames == args.sink_frames == 2
+        assert cfg.get("window_frames") == (14 if stage == "long_rollout" else None)
     for stage in ("teacher", "ode"):
         assert "validation" not in bench.stage_config(args, stage).read_text()
     run = tmp_path / "self_forcing"

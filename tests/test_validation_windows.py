@@ -115,3 +115,31 @@ def test_bad_long_clip_settings_are_refused(validation, match):
     cfg.validation.update(validation)
     with pytest.raises(ConfigValueError, match=match):
         validation_settings(cfg)
+
+
+def test_a_causal_config_without_a_kv_window_streams_long_clips_in_the_training_clip_window(tmp_path):
+    """No ``window_frames`` in the config: the long clips roll a KV window of the validation clip's latent frames minus
+    one chunk (what the long-streaming benchmark judges), not a cache that keeps every frame."""
+    from opensora.eval.moving_shapes_windows import score_windows
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import StreamingGenerator
+
+    cfg = _config(True)
+    cfg.window_frames = None
+    validator, metrics, network, components = _validator(cfg, tmp_path)
+    record = validator.run(1)
+    report = json.loads((tmp_path / "samples/step-0000001/long/windows.json").read_text())
+    sampler = VideoSampler(network.eval(), components.vae, components.text_encoder, progress=False)
+    window = sampler.latent_size(4, 16, 16)[0] - network.causal_chunk_frames
+    assert report["kv_window_frames"] == window and window < sampler.latent_size(8, 16, 16)[0]
+    with torch.no_grad():
+        kept = {}
+        for kv in (window, None):
+            stream = StreamingGenerator(
+                sampler, step_list=[1.0, 0.5], rollout="euler", window_frames=kv, sink_frames=1, rope_anchor="window"
+            )
+            kept[kv] = stream.generate(PROMPTS, [0, 1], 8, 16, 16).numpy()
+    assert not np.array_equal(kept[window], kept[None])  # the two regimes differ on these clips
+    expected = score_windows(list(kept[window]), PROMPTS, 4, motion="wrap")
+    assert report["windows"] == json.loads(json.dumps(expected["windows"]))
+    assert np.isclose(record["val/stats_window_min"], expected["stats_window_min"])

@@ -71,6 +71,8 @@ class _DenseGrad(torch.autograd.Function):
     grad_out. Measured on H100/torch 2.11: when cuDNN attention runs in two such layouts (double blocks dense,
     single blocks strided) in one graph, its backward returns NaN grads or hits an illegal memory access (the
     same crash seen in diffusers' Flux); a dense grad_out in every layer fixes it. tests/test_mmdit.py covers it.
+    The cause: PyTorch caches cuDNN's backward graph by the q / k / v layout alone and keeps the grad_out strides it
+    was built with (``zero_key_attention.cudnn_grad_layout``, which hands the zero-key path's backward this layout).
     """
 
     @staticmethod

@@ -77,6 +77,19 @@ def _kernel_forward(kernel: str, q, k, v):
     return aten._scaled_dot_product_flash_attention(q, k, v)[:2]
 
 
+def cudnn_grad_layout(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` [B, heads, N, D] as a view of a dense [B, N, heads, D]: the layout in which every cuDNN attention
+    backward of this project gets its output gradient (SDPA's own, behind ``attention._merge_heads``, and this one).
+
+    Why one layout: PyTorch caches cuDNN's backward graph keyed by the q / k / v shapes and strides only, and the
+    graph keeps the output-gradient strides of the call that built it. A later call at the same q / k / v layout
+    whose gradient has other strides is read with the cached ones: wrong gradients, no error. On an H200 (torch
+    2.11) a tiny MMDiT gave 0.63 relative error in a weight gradient on this path after an unpadded SDPA pass at the
+    same shape had built the graph, and the right one in a fresh process (benchmarks/cudnn_backward_layout.py).
+    No copy when ``grad`` already has this layout (what ``_merge_heads``' backward hands back)."""
+    return grad.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _kernel_backward(kernel: str, grad, q, k, v, out, lse):
     """The kernel's backward from a [B, heads, N] log-sum-exp. No dropout, so the random-state arguments are unused;
     they get zero scalars (some versions read their pointers anyway)."""
@@ -90,8 +103,9 @@ def _kernel_backward(kernel: str, grad, q, k, v, out, lse):
     tokens_q, tokens_k = q.shape[2], k.shape[2]
     if kernel == "cudnn":
         return aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse.unsqueeze(-1), unused, unused, None, None, None, tokens_q, tokens_k, 0.0, False
-        )
+            cudnn_grad_layout(grad), q, k, v, out, lse.unsqueeze(-1), unused, unused, None, None, None, tokens_q,
+            tokens_k, 0.0, False,
+        )  # fmt: skip
     return aten._scaled_dot_product_flash_attention_backward(
         grad, q, k, v, out, lse, None, None, tokens_q, tokens_k, 0.0, False, unused, unused
     )
@@ -154,7 +168,7 @@ def _zero_key_attention_backward_op(
     lse: torch.Tensor,
     kernel: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _kernel_backward(kernel, grad.contiguous(), q, k, v, out, lse)
+    grads = _kernel_backward(kernel, grad if kernel == "cudnn" else grad.contiguous(), q, k, v, out, lse)
     return tuple(g.contiguous() for g in grads)
 
 
