@@ -143,3 +143,31 @@ def test_a_causal_config_without_a_kv_window_streams_long_clips_in_the_training_
     expected = score_windows(list(kept[window]), PROMPTS, 4, motion="wrap")
     assert report["windows"] == json.loads(json.dumps(expected["windows"]))
     assert np.isclose(record["val/stats_window_min"], expected["stats_window_min"])
+
+
+def test_a_causal_network_streams_its_clip_length_validation_clips_too(tmp_path):
+    """The clip-length samples of a causal network are streamed chunk by chunk (as the student trains and as
+    ``--streaming`` samples it), not denoised whole: its scores are those of the streamed clips."""
+    from opensora.eval.moving_shapes import score_rows
+    from opensora.inference.sampler import VideoSampler
+    from opensora.inference.streaming.generator import StreamingGenerator
+
+    cfg = _config(True)
+    cfg.validation.long_frames = None
+    validator, metrics, network, components = _validator(cfg, tmp_path)
+    logged = []
+    metrics.log_samples = lambda step, grid, videos, *args, **kwargs: logged.append(np.asarray(videos))
+    record = validator.run(1)
+    sampler = VideoSampler(network.eval(), components.vae, components.text_encoder, progress=False)
+    with torch.no_grad():
+        stream = StreamingGenerator(
+            sampler, step_list=[1.0, 0.5], rollout="euler", window_frames=3, sink_frames=1, rope_anchor="window"
+        )
+        streamed = stream.generate(PROMPTS, [0, 1], 4, 16, 16).numpy()
+        whole = sampler.generate(
+            PROMPTS, [0, 1], num_frames=4, height=16, width=16, step_list=[1.0, 0.5], guidance_scale=1.0
+        ).numpy()
+    assert not np.array_equal(streamed, whole)  # the two regimes differ on these clips
+    np.testing.assert_array_equal(logged[0], streamed)  # the frames validation scored and logged
+    expected = score_rows([(f"s{i}", p, v, None) for i, (p, v) in enumerate(zip(PROMPTS, streamed))])
+    assert record["val/all_acc"] == expected.all_acc

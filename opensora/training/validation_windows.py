@@ -59,24 +59,31 @@ def kv_window_frames(sampler, s: Mapping, cfg: Mapping, height: int, width: int)
     return max(int(latent_frames) - int(sampler.model.causal_chunk_frames), 1)
 
 
+def streaming_generator(sampler, s: Mapping, cfg: Mapping, height: int, width: int):
+    """The ``StreamingGenerator`` validation samples a causal network with (clip-length and long clips alike: chunk
+    by chunk, as the network is trained and used), or None for a bidirectional one."""
+    if not getattr(sampler.model, "causal_chunk_frames", 0):
+        return None
+    from opensora.inference.streaming.generator import StreamingGenerator
+
+    return StreamingGenerator(
+        sampler,
+        step_list=s["step_list"],
+        num_steps=s["num_steps"],
+        rollout=cfg.get("rollout") or "renoise",
+        guidance_scale=s["guidance_scale"],
+        window_frames=kv_window_frames(sampler, s, cfg, height, width),
+        sink_frames=int(cfg.get("sink_frames") or 0),
+        rope_anchor=cfg.get("rope_anchor") or "window",  # the sampling CLI's default
+        context_time=float(cfg.get("context_time") or 0.0),
+    )
+
+
 def sample_long_clips(sampler, s: Mapping, cfg: Mapping, prompts, seeds, height: int, width: int, started: float):
     """uint8 ``[N, long_frames, H, W, 3]`` for the prompts (fewer when ``max_seconds`` runs out between batches)."""
-    network = sampler.model
     batch = int(s["batch_size"])
-    if getattr(network, "causal_chunk_frames", 0):
-        from opensora.inference.streaming.generator import StreamingGenerator
-
-        generator = StreamingGenerator(
-            sampler,
-            step_list=s["step_list"],
-            num_steps=s["num_steps"],
-            rollout=cfg.get("rollout") or "renoise",
-            guidance_scale=s["guidance_scale"],
-            window_frames=kv_window_frames(sampler, s, cfg, height, width),
-            sink_frames=int(cfg.get("sink_frames") or 0),
-            rope_anchor=cfg.get("rope_anchor") or "window",  # the sampling CLI's default
-            context_time=float(cfg.get("context_time") or 0.0),
-        )
+    generator = streaming_generator(sampler, s, cfg, height, width)
+    if generator is not None:
 
         def generate(p, sd):
             return generator.generate(p, sd, s["long_frames"], height, width)
@@ -132,4 +139,4 @@ def long_clip_record(sampler, s: Mapping, cfg: Mapping, prompts, seeds, height, 
     return record
 
 
-__all__ = ["long_clip_settings", "kv_window_frames", "sample_long_clips", "long_clip_record"]
+__all__ = ["long_clip_settings", "kv_window_frames", "streaming_generator", "sample_long_clips", "long_clip_record"]
