@@ -8,18 +8,19 @@
 # (P30=0 skips them) -> with SCALING=1 (two GPUs), ZeRO-2 1 vs 2 GPUs at the padded-text shape -> teacher ->
 # causal ODE init -> Self-Forcing -> its prompt switch only: re-cached, old KV kept, 0 sinks, re-rendered from each of
 # RENOISE (default "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default
-# 160, switch_prob 0) from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf),
+# 160, switch_prob L_SWITCH_PROB, default 0) from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf),
 # each evaluated.
 # EXTRA: the runs' flags (seeds, minutes; --validation-every N adds the students' per-window curve). TRAINER=0
 # skips the trainer timing (the GPU tests still run, with the two-GPU NCCL EMA test where two GPUs are visible);
 # SWITCH=0 skips the Self-Forcing switch stages (its evaluation then comes with the LONG=1 exit-context one, or
-# alone without LONG); LONG_GPUS="0 1" runs the two LongRollout lanes side by side.
+# alone without LONG); LONG_GPUS="0 1" runs the two LongRollout lanes side by side; SECOND=control makes the second
+# lane the control (Self-Forcing trained on) instead of the fully denoised context.
 set -uo pipefail
 source "$(dirname "$0")/gpu_chain.sh"
 chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \
   "${2:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" "${3:-540}"
 E=${EXTRA:-"--motion wrap --seed 949494 --train-seed 4 --teacher-minutes 6.5 --ode-minutes 2.5 --student-minutes 2.5"}
-L="--student-minutes ${L_MINUTES:-9} --student-steps ${STEPS:-160} --long-init self_forcing --switch-prob 0"
+L="--student-minutes ${L_MINUTES:-9} --student-steps ${STEPS:-160} --long-init self_forcing --switch-prob ${L_SWITCH_PROB:-0}"
 switch=(--prompt-switch --switch-sink-frames 0)
 
 lone_nccl_check
@@ -46,15 +47,25 @@ fi
 if [ "${LONG:-0}" = 1 ]; then
   # exit-step context in ls, fully denoised context in lsf; with SWITCH=0 the exit lane's evaluation also scores
   # the Self-Forcing student it started from (same seeds)
+  # SECOND=control: the second lane trains the control (Self-Forcing trained on for the same minutes / steps) in
+  # OUT/lsc instead of the fully denoised context, so both run at once; the exit lane then scores itself and
+  # Self-Forcing
   read -r gpu_exit gpu_full <<< "${LONG_GPUS:-0 0}"
   score_exit=(--score long_rollout)
   [ "${SWITCH:-1}" = 0 ] && score_exit=()
-  mkdir -p "$out/lsf" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" "$out/lsf/"
+  [ "${SECOND:-full}" = control ] && score_exit=(--score long_rollout self_forcing)
+  lane2=lsf && [ "${SECOND:-full}" = control ] && lane2=lsc
+  mkdir -p "$out/$lane2" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" "$out/$lane2/"
   exit_lane() {
     stage "$gpu_exit" ls long_rollout_exit $L --long-context-steps exit --only-stage long_rollout
     stage "$gpu_exit" ls eval_exit $L --long-context-steps exit "${score_exit[@]}" "${switch[@]}"
   }
   full_lane() {
+    if [ "${SECOND:-full}" = control ]; then
+      stage "$gpu_full" lsc control $L --only-stage self_forcing_more
+      stage "$gpu_full" lsc eval_control $L --score self_forcing_more "${switch[@]}"
+      return
+    fi
     stage "$gpu_full" lsf long_rollout_full $L --long-context-steps full --only-stage long_rollout
     stage "$gpu_full" lsf eval_full $L --long-context-steps full --score long_rollout "${switch[@]}"
   }
