@@ -8,8 +8,8 @@
 # (P30=0 skips them) -> with SCALING=1 (two GPUs), ZeRO-2 1 vs 2 GPUs at the padded-text shape -> teacher ->
 # causal ODE init -> Self-Forcing -> its prompt switch only: re-cached, old KV kept, 0 sinks, re-rendered from each of
 # RENOISE (default "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default
-# 160, switch_prob L_SWITCH_PROB, default 0) from that student with the exit-step context (OUT/ls) and the fully denoised context (OUT/lsf),
-# each evaluated.
+# 160, switch_prob L_SWITCH_PROB, default 0) from that student with the exit-step context (OUT/ls) and the fully
+# denoised context (OUT/lsf), each evaluated.
 # EXTRA: the runs' flags (seeds, minutes; --validation-every N adds the students' per-window curve). TRAINER=0
 # skips the trainer timing (the GPU tests still run, with the two-GPU NCCL EMA test where two GPUs are visible);
 # SWITCH=0 skips the Self-Forcing switch stages (its evaluation then comes with the LONG=1 exit-context one, or
