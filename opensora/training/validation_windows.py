@@ -50,9 +50,9 @@ def long_clip_settings(s: dict) -> dict:
 
 
 def kv_window_frames(sampler, s: Mapping, cfg: Mapping, height: int, width: int) -> int:
-    """The long clips' KV window (latent frames, sinks included): the config's ``window_frames``, else the
-    validation clip's latent frames minus one chunk (the chunk being made then sees as many frames as the last chunk
-    of a training clip)."""
+    """The KV window a causal network streams its validation clips with (latent frames, sinks included): the
+    config's ``window_frames``, else the validation clip's latent frames minus one chunk (the chunk being made then
+    sees as many frames as the last chunk of a training clip)."""
     if cfg.get("window_frames") is not None:
         return int(cfg.get("window_frames"))
     latent_frames = sampler.latent_size(s["num_frames"], height, width)[0]
