@@ -91,8 +91,10 @@ def cudnn_grad_layout(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_backward(kernel: str, grad, q, k, v, out, lse):
-    """The kernel's backward from a [B, heads, N] log-sum-exp. No dropout, so the random-state arguments are unused;
-    they get zero scalars (some versions read their pointers anyway)."""
+    """The kernel's backward from a [B, heads, N] log-sum-exp, ``grad`` in any layout (each kernel gets the one it
+    needs). No dropout, so the random-state arguments are unused; they get zero scalars (some versions read their
+    pointers anyway)."""
+    grad = cudnn_grad_layout(grad) if kernel == "cudnn" else grad.contiguous()
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False)
     if kernel == "fa4":
@@ -103,9 +105,8 @@ def _kernel_backward(kernel: str, grad, q, k, v, out, lse):
     tokens_q, tokens_k = q.shape[2], k.shape[2]
     if kernel == "cudnn":
         return aten._scaled_dot_product_cudnn_attention_backward(
-            cudnn_grad_layout(grad), q, k, v, out, lse.unsqueeze(-1), unused, unused, None, None, None, tokens_q,
-            tokens_k, 0.0, False,
-        )  # fmt: skip
+            grad, q, k, v, out, lse.unsqueeze(-1), unused, unused, None, None, None, tokens_q, tokens_k, 0.0, False
+        )
     return aten._scaled_dot_product_flash_attention_backward(
         grad, q, k, v, out, lse, None, None, tokens_q, tokens_k, 0.0, False, unused, unused
     )
@@ -168,7 +169,7 @@ def _zero_key_attention_backward_op(
     lse: torch.Tensor,
     kernel: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _kernel_backward(kernel, grad if kernel == "cudnn" else grad.contiguous(), q, k, v, out, lse)
+    grads = _kernel_backward(kernel, grad, q, k, v, out, lse)
     return tuple(g.contiguous() for g in grads)
 
 
