@@ -262,13 +262,13 @@ class Validator:
             progress=False,
         )
         height, width = video_size_for(s["resolution"], s["aspect_ratio"])
-        self._sampler, self._size = sampler, (height, width)  # long clips (validation_windows) reuse them
-        prompts, seeds, batch = s["prompts"], s["seeds"], int(s["batch_size"])
         from opensora.training.validation_windows import streaming_generator
 
         # a causal network streams chunk by chunk, as it trains and as users sample it (--streaming); sampled whole,
         # a Self-Forcing student scored direction 0.58-0.92 where streamed it scored 1.00 (one H200 run)
         stream = streaming_generator(sampler, s, self.cfg, height, width)
+        self._sampler, self._stream, self._size = sampler, stream, (height, width)  # the long clips reuse them
+        prompts, seeds, batch = s["prompts"], s["seeds"], int(s["batch_size"])
         videos = []
         for start in range(0, len(prompts), batch):
             if start and time.monotonic() - started > float(s["max_seconds"]):
@@ -323,7 +323,7 @@ class Validator:
         if s["long_frames"]:  # per-window scores of long clips (drift past the training length)
             from opensora.training.validation_windows import long_clip_record
 
-            args = (self._sampler, s, self.cfg, prompts, seeds, *self._size, save_dir, started)
+            args = (self._sampler, self._stream, s, prompts, seeds, *self._size, save_dir, started)
             record.update(long_clip_record(*args))
         record["val/num_samples"] = len(prompts)
         record["val/seconds"] = time.monotonic() - started  # sampling, writing and scoring

@@ -79,10 +79,10 @@ def streaming_generator(sampler, s: Mapping, cfg: Mapping, height: int, width: i
     )
 
 
-def sample_long_clips(sampler, s: Mapping, cfg: Mapping, prompts, seeds, height: int, width: int, started: float):
-    """uint8 ``[N, long_frames, H, W, 3]`` for the prompts (fewer when ``max_seconds`` runs out between batches)."""
+def sample_long_clips(sampler, generator, s: Mapping, prompts, seeds, height: int, width: int, started: float):
+    """uint8 ``[N, long_frames, H, W, 3]`` for the prompts (fewer when ``max_seconds`` runs out between batches),
+    streamed through ``generator`` (``streaming_generator``'s) or, where it is None, sampled whole."""
     batch = int(s["batch_size"])
-    generator = streaming_generator(sampler, s, cfg, height, width)
     if generator is not None:
 
         def generate(p, sd):
@@ -109,16 +109,16 @@ def sample_long_clips(sampler, s: Mapping, cfg: Mapping, prompts, seeds, height:
     return torch.cat(videos).numpy()
 
 
-def long_clip_record(sampler, s: Mapping, cfg: Mapping, prompts, seeds, height, width, save_dir, started) -> Dict:
-    """Sample, save and score the long clips; returns the ``val/*_window_min`` / ``val/*_vs_first_min`` record and
-    writes ``save_dir/long/windows.json`` (every window's scores)."""
+def long_clip_record(sampler, generator, s: Mapping, prompts, seeds, height, width, save_dir, started) -> Dict:
+    """Sample (as ``sample_long_clips``), save and score the long clips; returns the ``val/*_window_min`` /
+    ``val/*_vs_first_min`` record and writes ``save_dir/long/windows.json`` (every window's scores)."""
     import json
 
     from opensora.eval.moving_shapes_windows import score_windows
     from opensora.inference.io import save_sample, write_samples_csv
     from opensora.inference.prompts import sample_stem
 
-    videos = sample_long_clips(sampler, s, cfg, prompts, seeds, height, width, started)
+    videos = sample_long_clips(sampler, generator, s, prompts, seeds, height, width, started)
     prompts = list(prompts[: len(videos)])
     out = Path(save_dir) / "long"
     rows = []
@@ -126,9 +126,7 @@ def long_clip_record(sampler, s: Mapping, cfg: Mapping, prompts, seeds, height, 
         rows.append(dict(path=save_sample(out / sample_stem(i, prompt), frames, fps=s["fps"]).name, text=prompt))
     write_samples_csv(out, rows)
     report = score_windows(list(videos), prompts, s["window_frames"], motion=s["motion"])
-    streamed = bool(getattr(sampler.model, "causal_chunk_frames", 0))
-    kv_window = kv_window_frames(sampler, s, cfg, height, width) if streamed else None
-    head = dict(long_frames=s["long_frames"], kv_window_frames=kv_window)
+    head = dict(long_frames=s["long_frames"], kv_window_frames=generator.window_frames if generator else None)
     (out / "windows.json").write_text(json.dumps(dict(head, **report), indent=1) + "\n")
     record = {}
     for name in ATTRIBUTES:
