@@ -32,13 +32,37 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def probe(tokens: int, batch: int = 2, heads: int = 2, head_dim: int = 128) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    q, k, v = (
-        torch.randn(batch, heads, tokens, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
-        for _ in range(3)
+def errors(got, want) -> dict:
+    return {axis: rel(g, w) for axis, g, w in zip("qkv", got, want)}
+
+
+def random_bf16(*shapes, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16) for shape in shapes]
+
+
+def cudnn_backward(grad, q, k, v, out, lse):
+    """PyTorch's cuDNN attention backward op, unmasked, no dropout (zero scalars for the unused random state)."""
+    unused = torch.zeros((), dtype=torch.int64, device="cuda")
+    tokens = q.shape[2]
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        grad, q, k, v, out, lse, unused, unused, None, None, None, tokens, tokens, 0.0, False
     )
-    grad = torch.randn(batch, heads, tokens, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+
+def math_backward(grad, q, k, v, out, lse=None):
+    """(dq, dk, dv) in fp32 from the backward formula, with probabilities exp(scores - lse): the given log-sum-exp
+    (is a handed-in one used as given?) or, where None, the scores' own (the true gradient)."""
+    qf, kf, vf, gf, of = (t.float() for t in (q, k, v, grad, out))
+    scale = q.shape[-1] ** -0.5
+    scores = qf @ kf.transpose(-1, -2) * scale
+    probs = torch.exp(scores - (scores.logsumexp(-1, keepdim=True) if lse is None else lse.float()))
+    ds = probs * (gf @ vf.transpose(-1, -2) - (gf * of).sum(-1, keepdim=True))
+    return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, probs.transpose(-1, -2) @ gf
+
+
+def probe(tokens: int, batch: int = 2, heads: int = 2, head_dim: int = 128) -> dict:
+    q, k, v, grad = random_bf16(*[(batch, heads, tokens, head_dim)] * 4, seed=tokens)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -46,33 +70,15 @@ def probe(tokens: int, batch: int = 2, heads: int = 2, head_dim: int = 128) -> d
         ref_out = torch.nn.functional.scaled_dot_product_attention(*leaves)
     reference = torch.autograd.grad(ref_out, leaves, grad)
     out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
-    unused = torch.zeros((), dtype=torch.int64, device="cuda")
-
-    def backward(lse_given):
-        return aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse_given, unused, unused, None, None, None, tokens, tokens, 0.0, False
-        )
-
     contiguous = lse.reshape(batch, heads, tokens).contiguous().unsqueeze(-1)
     like_forward = torch.empty_strided(lse.shape, lse.stride(), dtype=lse.dtype, device="cuda")
     like_forward.copy_(contiguous)
     row = dict(tokens=tokens, lse_shape=list(lse.shape), lse_stride=list(lse.stride()), out_error=rel(out, ref_out))
     for name, given in (("own", lse), ("contiguous", contiguous), ("like-forward", like_forward)):
-        grads = backward(given)
-        row[name] = {axis: rel(g, r) for axis, g, r in zip("qkv", grads, reference)}
+        row[name] = errors(cudnn_backward(grad, q, k, v, out, given), reference)
     # a shifted log-sum-exp (as the zero-key correction hands over): is it used? fp32 math of the same formula
-    shift = 0.25
-    shifted = (contiguous.float() + shift).to(lse.dtype)
-    got = aten._scaled_dot_product_cudnn_attention_backward(
-        grad, q, k, v, out, shifted, unused, unused, None, None, None, tokens, tokens, 0.0, False
-    )
-    qf, kf, vf, gf, of = (t.float() for t in (q, k, v, grad, out))
-    scale = head_dim**-0.5
-    probs = torch.exp(qf @ kf.transpose(-1, -2) * scale - shifted.float())
-    dp = gf @ vf.transpose(-1, -2)
-    ds = probs * (dp - (gf * of).sum(-1, keepdim=True))
-    want = (ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, probs.transpose(-1, -2) @ gf)
-    row["shifted-lse"] = {axis: rel(g, w) for axis, g, w in zip("qkv", got, want)}
+    shifted = (contiguous.float() + 0.25).to(lse.dtype)
+    row["shifted-lse"] = errors(cudnn_backward(grad, q, k, v, out, shifted), math_backward(grad, q, k, v, out, shifted))
     return row
 
 
@@ -109,7 +115,7 @@ def main(argv=None) -> list:
 
 def tiny_model_capture() -> list:
     """The tiny MMDiT's first zero-key attention call (model_backend_parity's padded case): its q / k / v through the
-    zero-key op on cuDNN and on flash against the fp32 masked math, with the padded share r per row."""
+    zero-key op on cuDNN and on flash against the fp32 masked math, with each row's padded key count."""
     from benchmarks.model_backend_parity import batch, tiny_model
     from opensora.models.mmdit import zero_key_attention as zka
     from opensora.models.mmdit.attention import attention
@@ -142,7 +148,7 @@ def tiny_model_capture() -> list:
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             out = rows.attend_heads(*leaves, kernel)
             grads = torch.autograd.grad(out, leaves, grad.to(out.dtype))
-            row[kernel] = dict(out=rel(out, ref), **{axis: rel(g, r) for axis, g, r in zip("qkv", grads, ref_grads)})
+            row[kernel] = dict(out=rel(out, ref), **errors(grads, ref_grads))
         print(json.dumps(row), flush=True)
         rows_out.append(row)
     return rows_out
@@ -155,32 +161,20 @@ def cache_collision(tokens: int = 300, batch: int = 2, heads: int = 2, head_dim:
 
     from opensora.models.mmdit.zero_key_attention import cudnn_grad_layout
 
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    q, k, v = (
-        torch.randn(batch, heads, tokens, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
-        for _ in range(3)
-    )
-    merged_grad = torch.randn(batch, tokens, heads * head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    shape = (batch, heads, tokens, head_dim)
+    q, k, v, merged_grad = random_bf16(shape, shape, shape, (batch, tokens, heads * head_dim), seed=3)
     as_merge_heads_gives = merged_grad.view(batch, tokens, heads, head_dim).transpose(1, 2)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # builds and caches the backward graph at this layout
         torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(*leaves), leaves, as_merge_heads_gives)
     out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
-    qf, kf, vf, of = (t.float() for t in (q, k, v, out))
-    probs = torch.softmax(qf @ kf.transpose(-1, -2) * head_dim**-0.5, dim=-1)
-    unused = torch.zeros((), dtype=torch.int64, device="cuda")
+    want = math_backward(as_merge_heads_gives, q, k, v, out)  # one gradient, two layouts of it below
     result = {}
     for name, grad in (
         ("contiguous", as_merge_heads_gives.contiguous()),
         ("cudnn_grad_layout", cudnn_grad_layout(as_merge_heads_gives.contiguous())),
     ):
-        got = aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse, unused, unused, None, None, None, tokens, tokens, 0.0, False
-        )
-        gf = grad.float()
-        ds = probs * (gf @ vf.transpose(-1, -2) - (gf * of).sum(-1, keepdim=True))
-        want = (ds @ kf * head_dim**-0.5, ds.transpose(-1, -2) @ qf * head_dim**-0.5, probs.transpose(-1, -2) @ gf)
-        result[name] = {axis: rel(g, w) for axis, g, w in zip("qkv", got, want)}
+        result[name] = errors(cudnn_backward(grad, q, k, v, out, lse), want)
     print(f"cache probe, tokens {tokens}: {json.dumps(result)}", flush=True)
     return result
 
