@@ -51,17 +51,18 @@ if [ "${LONG:-0}" = 1 ]; then
   # OUT/lsc instead of the fully denoised context, so both run at once; the exit lane then scores itself and
   # Self-Forcing
   read -r gpu_exit gpu_full <<< "${LONG_GPUS:-0 0}"
+  second=${SECOND:-full}
   score_exit=(--score long_rollout)
   [ "${SWITCH:-1}" = 0 ] && score_exit=()
-  [ "${SECOND:-full}" = control ] && score_exit=(--score long_rollout self_forcing)
-  lane2=lsf && [ "${SECOND:-full}" = control ] && lane2=lsc
+  [ "$second" = control ] && score_exit=(--score long_rollout self_forcing)
+  lane2=lsf && [ "$second" = control ] && lane2=lsc
   mkdir -p "$out/$lane2" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" "$out/$lane2/"
   exit_lane() {
     stage "$gpu_exit" ls long_rollout_exit $L --long-context-steps exit --only-stage long_rollout
     stage "$gpu_exit" ls eval_exit $L --long-context-steps exit "${score_exit[@]}" "${switch[@]}"
   }
   full_lane() {
-    if [ "${SECOND:-full}" = control ]; then
+    if [ "$second" = control ]; then
       stage "$gpu_full" lsc control $L --only-stage self_forcing_more
       stage "$gpu_full" lsc eval_control $L --score self_forcing_more "${switch[@]}"
       return
