@@ -152,13 +152,11 @@ def training_summary(run_dir: Path) -> dict:
     times = sorted(row["step_time"] for row in rows)
     losses = {k: v for row in rows for k, v in row.items() if k.endswith("loss")}  # the last value of each
     # --validation-every: the worst window's scores at each validation step (val/*_window_min)
-    curve = [
-        dict(
-            step=row["step"], **{k[4:]: v for k, v in row.items() if k.startswith("val/") and k.endswith("_window_min")}
-        )
-        for row in records
-        if any(k.startswith("val/") and k.endswith("_window_min") for k in row)
-    ]
+    curve = []
+    for row in records:
+        worst = {k[4:]: v for k, v in row.items() if k.startswith("val/") and k.endswith("_window_min")}
+        if worst:
+            curve.append(dict(step=row["step"], **worst))
     return dict(
         steps=len(rows),
         step_time_median=times[len(times) // 2] if times else None,
