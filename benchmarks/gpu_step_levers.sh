@@ -16,7 +16,8 @@
 # padded_text_step_fa4.json (the trainer's step with the "fa4" backend vs cuDNN vs diffusers' Flux, interleaved),
 # and first model_backend_parity.json (a tiny MMDiT's backends against fp32 math). cudagraphs:
 # padded_text_step_cudagraphs.json, the trainer's step with its compiled block graphs replayed as CUDA graphs vs
-# without vs diffusers. cudnn (needs no FA4): cudnn_backward_layout.json (the cuDNN backward-graph cache collision
+# without vs diffusers. inductor (needs no FA4): padded_text_step_inductor.json, the trainer's step with Inductor's
+# max-autotune GEMMs and with its coordinate-descent tuning vs the default vs diffusers. cudnn (needs no FA4): cudnn_backward_layout.json (the cuDNN backward-graph cache collision
 # behind the model backend test's failure) and cudnn_gpu_tests.txt (that test and the zero-key / plain cuDNN
 # order test, with tracebacks).
 set -uo pipefail
@@ -47,10 +48,14 @@ for part in "${parts[@]}"; do
         "tests/test_text_padding_gpu.py::test_zero_key_and_plain_cudnn_backwards_at_one_shape_in_one_process_are_both_right" \
         > "$OUT/cudnn_gpu_tests.txt" 2>&1
       tail -n 3 "$OUT/cudnn_gpu_tests.txt" ;;
+    inductor)  # Inductor's own levers, each a model of its own: GEMM autotuning (epilogue fusion), coordinate descent
+      timeout 540 python -m benchmarks.padded_text_step --rounds 3 \
+        --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-autotune,ours-padded-bound-graph-ckpt-coordesc,diffusers-128 \
+        --out "$OUT/padded_text_step_inductor.json" 2>&1 | tail -n 14 ;;
     cudagraphs)
       timeout 420 python -m benchmarks.padded_text_step --rounds 3 \
         --variants ours-padded-bound-graph-ckpt,ours-padded-bound-graph-ckpt-cudagraphs,diffusers-128 \
         --out "$OUT/padded_text_step_cudagraphs.json" 2>&1 | tail -n 12 ;;
-    *) echo "unknown part $part (parity fa4 tests step cudagraphs cudnn)" >&2; exit 2 ;;
+    *) echo "unknown part $part (parity fa4 tests step cudagraphs inductor cudnn)" >&2; exit 2 ;;
   esac
 done

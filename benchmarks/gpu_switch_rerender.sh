@@ -14,7 +14,8 @@
 # skips the trainer timing (the GPU tests still run, with the two-GPU NCCL EMA test where two GPUs are visible);
 # SWITCH=0 skips the Self-Forcing switch stages (its evaluation then comes with the LONG=1 exit-context one, or
 # alone without LONG); LONG_GPUS="0 1" runs the two LongRollout lanes side by side; SECOND=control makes the second
-# lane the control (Self-Forcing trained on) instead of the fully denoised context.
+# lane the control (Self-Forcing trained on) instead of the fully denoised context; EVAL_SWITCH=0 leaves the prompt
+# switch out of the evaluations.
 set -uo pipefail
 source "$(dirname "$0")/gpu_chain.sh"
 chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \
@@ -22,6 +23,7 @@ chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \
 E=${EXTRA:-"--motion wrap --seed 949494 --train-seed 4 --teacher-minutes 6.5 --ode-minutes 2.5 --student-minutes 2.5"}
 L="--student-minutes ${L_MINUTES:-9} --student-steps ${STEPS:-160} --long-init self_forcing --switch-prob ${L_SWITCH_PROB:-0}"
 switch=(--prompt-switch --switch-sink-frames 0)
+[ "${EVAL_SWITCH:-1}" = 0 ] && switch=()  # the evaluations without the prompt switch (a large --num-prompts)
 
 lone_nccl_check
 if [ "${P30:-1}" != 0 ]; then

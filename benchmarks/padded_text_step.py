@@ -31,6 +31,12 @@ has no text mask: it attends to every padded token, as Flux training does):
   ours-padded-bound-graph-ckpt-cudagraphs  the trainer's step with each compiled block graph replayed as a CUDA graph
                        (Inductor's ``triton.cudagraphs``, cudagraph trees; a third model, built only when asked
                        for; CUDA only): the profiled step spends ~18 of its 164 ms between kernels (2666 launches)
+  ours-padded-bound-graph-ckpt-autotune  the trainer's step with Inductor's max-autotune GEMMs (``max_autotune_gemm``:
+                       Triton GEMM templates benchmarked against cuBLAS, pointwise epilogues such as the single blocks'
+                       GELU fusable into the winner; a model of its own, built only when asked for; CUDA only)
+  ours-padded-bound-graph-ckpt-coordesc  the same with Inductor's coordinate-descent tuning of the pointwise and
+                       reduction kernels (``coordinate_descent_tuning``: the norms and copies, 35 of the profiled
+                       146 ms)
   (every other ours-* variant runs the model's default, the recompute inside the graph since 2026-11-27)
   ours-unpadded-128    compiled, 128 text columns and no mask: the mask-free step at the trimmed shape
   ours-unpadded-70     compiled, 70 text columns and no mask: the mean valid length of the padded batches
@@ -71,13 +77,20 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-bound-graph-ckpt-master", "ours-padded-bound-graph-ckpt-fa4", "ours-padded-bound-graph-ckpt-cudagraphs", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
+VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-bound-graph-ckpt-master", "ours-padded-bound-graph-ckpt-fa4", "ours-padded-bound-graph-ckpt-cudagraphs", "ours-padded-bound-graph-ckpt-autotune", "ours-padded-bound-graph-ckpt-coordesc", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
             "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
             "diffusers-128")  # fmt: skip
 PER_ROW_VARIANTS = ("ours-padded-rows",)  # one SDPA call per row: a cuDNN plan per prompt length
-# torch has no flex_attention backward on CPU, and CUDA graphs need CUDA: --tiny leaves them out
-CUDA_ONLY_VARIANTS = ("ours-padded-flex", "ours-padded-bound-graph-ckpt-cudagraphs")
-OPT_IN_VARIANTS = ("ours-padded-bound-graph-ckpt-cudagraphs",)  # run only when named in --variants (a third model)
+# Variants with Inductor options of their own: each needs its own model (a model's blocks compile with one set of
+# options), so each is built only when named in --variants. name -> (Inductor options, step context or None)
+OWN_MODEL_VARIANTS = {
+    "ours-padded-bound-graph-ckpt-cudagraphs": ({"triton.cudagraphs": True}, lambda: cudagraph_step()),
+    "ours-padded-bound-graph-ckpt-autotune": ({"max_autotune_gemm": True}, None),
+    "ours-padded-bound-graph-ckpt-coordesc": ({"coordinate_descent_tuning": True}, None),
+}
+# torch has no flex_attention backward on CPU, and CUDA graphs and GEMM autotuning need CUDA: --tiny leaves them out
+CUDA_ONLY_VARIANTS = ("ours-padded-flex", *OWN_MODEL_VARIANTS)
+OPT_IN_VARIANTS = tuple(OWN_MODEL_VARIANTS)  # run only when named in --variants (a model each)
 
 
 def our_config(shape):
@@ -365,19 +378,14 @@ def build(shape, device, dtype, args):
                 flash,
             ),  # fmt: skip
         ]
-    if "ours-padded-bound-graph-ckpt-cudagraphs" in wanted:  # its own model: other Inductor options, other graphs
-        graphed, graphed_opt = our_model(True, {"triton.cudagraphs": True})
-        variants.append(
-            Variant(
-                "ours-padded-bound-graph-ckpt-cudagraphs",
-                graphed,
-                graphed_opt,
-                bounded,
-                run_ours,
-                None,
-                chained(checkpoint_in_graph(graphed, True), cudagraph_step),
-            )
-        )
+    for name, (options, step_context) in OWN_MODEL_VARIANTS.items():
+        if name not in wanted:
+            continue
+        model, opt = our_model(True, options)
+        context = checkpoint_in_graph(model, True)
+        if step_context is not None:
+            context = chained(context, step_context)
+        variants.append(Variant(name, model, opt, bounded, run_ours, None, context))
     return [v for v in variants if v.name in wanted]
 
 
@@ -483,7 +491,7 @@ def run(args):
                  ("diffusers-128", "ours-padded-bound"), ("diffusers-128", "ours-padded-bound-graph-ckpt"),
                  ("ours-padded-bound-graph-ckpt", "ours-padded-bound"),
                  ("ours-padded-bound-graph-ckpt-fa4", "ours-padded-bound-graph-ckpt"), ("diffusers-128", "ours-padded-bound-graph-ckpt-fa4"),
-                 ("ours-padded-bound-graph-ckpt-cudagraphs", "ours-padded-bound-graph-ckpt"), ("diffusers-128", "ours-padded-bound-graph-ckpt-cudagraphs"),
+                 *((name, "ours-padded-bound-graph-ckpt") for name in OWN_MODEL_VARIANTS), *(("diffusers-128", name) for name in OWN_MODEL_VARIANTS),
                  ("ours-padded-packed", "ours-padded"),
                  ("ours-padded-packed-128", "ours-padded"), ("ours-padded-dense-32", "ours-padded"),
                  ("ours-padded", "ours-masked"), ("ours-padded", "ours-unpadded-70"), ("ours-masked", "ours-padded"), ("ours-eager-padded", "ours-padded")):  # fmt: skip

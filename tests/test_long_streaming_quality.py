@@ -349,3 +349,17 @@ def test_validation_every_gives_the_students_a_per_window_curve(tmp_path):
         {"step": 40, "stats_window_min": 0.25, "color_window_min": 0.9},
         {"step": 80, "stats_window_min": 0.5, "color_window_min": 1.0},
     ]
+
+
+def test_more_prompts_than_captions_repeat_the_captions_with_new_seeds(tmp_path):
+    """``--num-prompts 200``: every caption 2-3 times, each clip at its own seed, so a window's share moves 0.005 a
+    clip instead of 0.014."""
+    from opensora.datasets.moving_shapes import all_captions
+
+    bench = _benchmark()
+    args = bench.parse_args(["--out", str(tmp_path), "--num-prompts", "200", "--seed", "5"])
+    prompts, seeds, _, clip, header = bench.evaluation_inputs(args)
+    captions = all_captions()
+    assert len(prompts) == 200 and prompts[:72] == captions and prompts[72:144] == captions
+    assert seeds == list(range(5, 205)) and header["prompts"] == 200
+    assert clip[0] == 16
