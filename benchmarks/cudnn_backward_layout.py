@@ -12,7 +12,12 @@ PyTorch's cuDNN attention backward op as ``opensora/models/mmdit/zero_key_attent
    keeps the grad_out strides of the call that built it. At a fresh shape, SDPA's own backward with grad_out as
    ``_merge_heads`` hands it (a view of a dense [B, N, heads, D]) builds the graph; then the backward op with a
    contiguous [B, heads, N, D] grad_out (the zero-key path before ``cudnn_grad_layout``) and with
-   ``cudnn_grad_layout``'s, each against the fp32 formula. The first should be wrong, the second right.
+   ``cudnn_grad_layout``'s, each against the fp32 formula. (Expected: the first wrong, the second right. Measured
+   on an H200, torch 2.11: the reverse, 0.0023 then 1.41 - the op's call did not hit SDPA autograd's graph but built
+   its own with the contiguous grad_out, and the second call, at the same q / k / v, was read with those strides.
+   That is the collision itself: the output-gradient strides are not in the key, and whichever layout comes second
+   is wrong. The zero-key path is safe by always handing over one layout, the one SDPA autograd gets in the model;
+   tests/test_text_padding_gpu.py checks both orders in one process.)
 
     python -m benchmarks.cudnn_backward_layout --out F.json      # GPU, sm90+
 """

@@ -238,6 +238,23 @@ def test_compile_block_options_turn_mix_order_reductions_off_and_keep_overrides(
         assert compile_block_options({"triton.mix_order_reduction": True})["triton.mix_order_reduction"] is True
 
 
+def test_inductor_options_of_the_config_reach_every_compiled_block_and_a_typo_is_named(monkeypatch):
+    """``model = dict(compile_blocks=True, inductor_options=dict(coordinate_descent_tuning=True))``: both block kinds
+    compile with it (on top of the defaults), the in-graph checkpoint calls too, a later ``set_compile_blocks(True)``
+    keeps it, and it is not architecture; a name Inductor does not know fails at build time, named."""
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *args, **kwargs: seen.append(kwargs["options"]))
+    model = small_model(compile_blocks=True, inductor_options=dict(coordinate_descent_tuning=True))
+    assert len(seen) == 2 and all(options["coordinate_descent_tuning"] is True for options in seen)
+    assert model.compile_options["coordinate_descent_tuning"] is True  # what graph_checkpoint compiles with
+    assert "inductor_options" not in model.arch
+    seen.clear()
+    model.set_compile_blocks(True)
+    assert len(seen) == 2 and all(options["coordinate_descent_tuning"] is True for options in seen)
+    with pytest.raises(ValueError, match="'coordinate_descent' not an Inductor setting"):
+        small_model(inductor_options=dict(coordinate_descent=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attention_mode", ["op", "traced"])

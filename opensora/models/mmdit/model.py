@@ -82,6 +82,13 @@ def compile_block_options(overrides: Optional[dict] = None) -> dict:
     grads. Kept off on every version: the pass is a speed feature, and a silent wrong gradient is not worth it."""
     import torch._inductor.config as inductor_config
 
+    known = inductor_config.get_config_copy()
+    unknown = sorted(set(overrides or {}) - set(known))
+    if unknown:
+        raise ValueError(
+            f"inductor_options: {', '.join(map(repr, unknown))} not an Inductor setting of torch {torch.__version__} "
+            "(names as in torch._inductor.config, nested ones dotted: 'triton.cudagraphs')"
+        )
     options = {}
     if hasattr(inductor_config.triton, "mix_order_reduction"):
         options["triton.mix_order_reduction"] = False
@@ -119,6 +126,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         padded_text_attention: str = "zero-keys",
         text_length_multiple: int = TRAIN_TEXT_LENGTH_MULTIPLE,
         checkpoint_in_graph: bool = True,
+        inductor_options: Optional[dict] = None,
     ):
         """``causal_chunk_frames``: 0 = bidirectional attention; K > 0 = block-causal over chunks of K latent frames
         (causal.py), which also enables ``forward_chunk`` (streaming with a ``KVCache``, causal_stream.py).
@@ -139,7 +147,12 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         smaller one fewer padded tokens). ``checkpoint_in_graph`` (default True): with compiled blocks, compile each
         checkpointed block call as one graph, its recompute inside the compiled backward (graph_checkpoint.py;
         on an H200 the padded 1B step took 159.9-160.4 ms against 162.7-173.3, steadier, peak memory within 0.5%);
-        False keeps ``torch.utils.checkpoint`` around the compiled block. A training option, left out of ``arch``."""
+        False keeps ``torch.utils.checkpoint`` around the compiled block. A training option, left out of ``arch``.
+        ``inductor_options``: Inductor settings for the compiled blocks on top of ``compile_block_options``' defaults,
+        e.g. ``dict(coordinate_descent_tuning=True)``: on an H200 the padded 1B step took 154.2 ms against 160.1 (1.544x
+        diffusers' Flux step against 1.487x), for 207 s of tuning at the first step instead of 7 s (Inductor keeps
+        the tuned configs in its local cache, so a restart on the same machine pays less). ``max_autotune_gemm``
+        had not finished compiling after 540 s (benchmarks/reports/padded_text_h200_2026-11.md). Not architecture."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -198,6 +211,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         self.single_blocks = nn.ModuleList(SingleStreamBlock(**block_args) for _ in range(depth_single))
         self.final_layer = FinalLayer(hidden_size, out_channels * patch_volume)
         self.compile_blocks, self.compile_options = False, {}
+        self.inductor_options = dict(inductor_options or {})
         self.set_compile_blocks(compile_blocks)
         self.sp = None
         if padded_text_attention not in PADDED_TEXT_ATTENTION:
@@ -208,6 +222,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         self.text_length_multiple = int(self.arch.pop("text_length_multiple"))
         self.arch.pop("fp8_linears")  # not architecture: a rebuild from ``arch`` (sampling, export) needs no torchao
         self.arch.pop("checkpoint_in_graph")  # a training option (graph_checkpoint.py)
+        self.arch.pop("inductor_options")  # how to compile, not what to compute
         self.checkpoint_in_graph = bool(checkpoint_in_graph)
         if check_recipe(fp8_linears) is not None:
             convert_block_linears(self, fp8_linears)
@@ -255,7 +270,8 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         block is one graph with no graph break, at any batch size. ``nn.Module.compile`` compiles in place, so
         parameter names and state dicts are unchanged. Off by default: compiling costs tens of seconds and gains
         little on CPU. ``inductor_options`` (e.g. ``{"split_reductions": False}``) go to
-        ``torch.compile(options=...)`` on top of ``compile_block_options``' defaults, to try Inductor settings.
+        ``torch.compile(options=...)`` on top of ``compile_block_options``' defaults, to try Inductor settings;
+        ``None`` keeps the model's own (its ``inductor_options`` argument).
         """
         if enabled and getattr(self, "sp", None) is not None:
             raise ValueError("compile_blocks=True with sequence parallelism is not supported; turn one off")
@@ -263,7 +279,7 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
             if attention not in COMPILED_ATTENTION_MODES:
                 raise ValueError(f"attention must be one of {COMPILED_ATTENTION_MODES}, got {attention!r}")
             COMPILED_ATTENTION["mode"] = attention
-        options = compile_block_options(inductor_options)
+        options = compile_block_options(self.inductor_options if inductor_options is None else inductor_options)
         self.compile_options = options  # also for the checkpointed calls compiled as one graph (graph_checkpoint.py)
         for block in [*self.double_blocks, *self.single_blocks]:
             if enabled:
