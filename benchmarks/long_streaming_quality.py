@@ -323,6 +323,7 @@ def switch_runs(args, generator, prompts, seeds, clip) -> dict:
                 long_multiple=args.long_multiple,
                 sink_frames=args.switch_sink_frames,
                 renoise=args.switch_renoise,
+                workers=args.score_workers,
             )
             result[key] = dict(rope_anchor=anchor, **switch)
     return result
@@ -360,7 +361,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         **accuracy(short, prompts, args.motion),
         long=dict(
             frames=long_frames,
-            **score_windows(list(long), prompts, frames, motion=args.motion),
+            **score_windows(list(long), prompts, frames, motion=args.motion, workers=args.score_workers),
             flicker=chunk_edge_flicker(long, chunk_pixels, first_pixels),
             background_by_frame=background_by_frame(long),
         ),
@@ -374,7 +375,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
             frames=long_frames,
             seconds=variant_seconds,
             frames_per_s=len(prompts) * long_frames / variant_seconds,
-            **score_windows(list(videos), prompts, frames, motion=args.motion),
+            **score_windows(list(videos), prompts, frames, motion=args.motion, workers=args.score_workers),
             flicker=chunk_edge_flicker(videos, chunk_pixels, first_pixels),
             background_by_frame=background_by_frame(videos),
             # how far the variant moved the plain run's pixels (0: it changed nothing on these seeds)
@@ -417,7 +418,7 @@ def switched_caption(caption: str, captions, index: int) -> str:
 
 
 def evaluate_switch(
-    generator, prompts, seeds, clip, *, motion: str, long_multiple: int, sink_frames=None, renoise=()
+    generator, prompts, seeds, clip, *, motion: str, long_multiple: int, sink_frames=None, renoise=(), workers=1
 ) -> dict:
     """Every prompt switches to ``switched_caption`` at the first chunk start at or after the clip length; the video
     runs two clip lengths past the switch. Scored: the window before the switch against the old captions, the first
@@ -439,7 +440,9 @@ def evaluate_switch(
     out = dict(switch_frame=at, frames=total, window=frames, examples=[[prompts[0], new[0]]])
 
     def window(videos, start, captions_):
-        scores = score_windows(list(videos[:, start : start + frames]), captions_, frames, motion=motion)
+        scores = score_windows(
+            list(videos[:, start : start + frames]), captions_, frames, motion=motion, workers=workers
+        )
         w = scores["windows"][0]
         return {k: w[k] for k in ("color_acc", "shape_acc", "direction_acc", "stats_in_range")}
 
@@ -554,7 +557,7 @@ def evaluate(args, checkpoints: dict) -> dict:
 
     seconds, videos = timed(sample)
     teacher_scores = dict(ckpt=str(checkpoints["teacher"]), seconds=seconds, **accuracy(videos, prompts, args.motion))
-    teacher_window = score_windows(list(videos), prompts, clip[0], motion=args.motion)
+    teacher_window = score_windows(list(videos), prompts, clip[0], motion=args.motion, workers=args.score_workers)
     teacher_scores["stats_in_range"] = teacher_window["stats_window_min"]
     teacher_scores["stats_outside"] = teacher_window["windows"][0]["stats_outside"]
     report = dict(header, teacher=teacher_scores)
@@ -816,6 +819,12 @@ def parse_args(argv=None):
     parser.add_argument(
         "--num-prompts", type=int, default=72, help="clips per evaluation; past the 72 captions they repeat, new seeds"
     )
+    parser.add_argument(
+        "--score-workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="processes that score the windows (~40 ms a window: 288 clips x 8 windows take ~90 s in one)",
+    )
     parser.add_argument("--seed", type=int, default=424242, help="first sampling seed (prompt i uses seed + i)")
     parser.add_argument("--train-seed", type=int, default=0)
     parser.add_argument("--teacher-steps", type=int, default=30)
@@ -858,6 +867,7 @@ def parse_args(argv=None):
             2,
             min(args.long_multiple, 3),
         )
+        args.score_workers = 1  # four clips: a spawned process costs more than it scores
     return args
 
 

@@ -196,6 +196,27 @@ def test_a_prompt_switch_is_scored_against_the_caption_in_force():
         score_windows(switched, schedules, WINDOW, motion="bounce")
 
 
+def test_worker_processes_give_the_same_report_as_one_process():
+    """``workers=2``: the clips scored in spawned processes give the report one process gives, field for field, on
+    a mix that exercises every branch: right clips, a reversed half (direction reads), a darkened one (stats sides),
+    a prompt switch (unscored windows) and known directions."""
+    motions, videos, prompts = long_clips("wrap")
+    mid = LONG // 2
+    mixed = [videos[0], np.concatenate([videos[1][:mid], videos[1][mid - 1 :: -1][: LONG - mid]])]
+    mixed += [
+        np.clip(videos[2].astype(int) - 6, 0, 255).astype(np.uint8),
+        np.concatenate([videos[3][:mid], videos[0][mid:]]),
+    ]
+    schedules = [prompts[0], prompts[1], prompts[2], [(0, prompts[3]), (mid, prompts[0])]]
+    one = score_windows(mixed, schedules, WINDOW, stride=WINDOW // 2, motion="wrap")
+    assert one == score_windows(mixed, schedules, WINDOW, stride=WINDOW // 2, motion="wrap", workers=2)
+    assert one["direction_window_min"] < 1.0 and one["stats_window_min"] < 1.0  # the branches above were taken
+    known = [[ms.parse_caption(p)[2]] * len(window_starts(LONG, WINDOW)) for p in prompts]
+    assert score_windows(videos, prompts, WINDOW, motion="wrap", expected_directions=known) == score_windows(
+        videos, prompts, WINDOW, motion="wrap", expected_directions=known, workers=3
+    )
+
+
 def test_window_scoring_refuses_bad_input():
     _, videos, prompts = long_clips("wrap", num_frames=FRAMES)
     with pytest.raises(ValueError, match="window"):
@@ -227,8 +248,19 @@ def test_eval_tool_scores_windows_of_a_written_long_dataset(tmp_path):
     report = json.loads(out.read_text())
     assert [w["start_frame"] for w in report["windows"]] == [0, FRAMES]
     assert report["color_window_min"] == report["direction_window_min"] == report["stats_window_min"] == 1.0
+    pooled = tmp_path / "w2.json"  # the clips scored in two processes spawned by the tool: the same report
+    run = subprocess.run(
+        env_cmd + ["--motion", "wrap", "--json", str(pooled), "--no-progress", "--workers", "2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(pooled.read_text()) == report
     bad = subprocess.run(env_cmd[:-1] + ["999", "--no-progress"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "window" in bad.stderr
+    bad = subprocess.run(env_cmd + ["--workers", "0", "--no-progress"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "--workers 0" in bad.stderr
 
 
 # ---- the benchmark's own setting: 64x64, 16-frame windows of 128 frames, its prompts and seeds -----------------------

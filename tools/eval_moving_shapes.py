@@ -37,7 +37,9 @@ def evaluate_windows(args) -> dict:
     # a streamed prompt schedule ("0:A;64:B", --prompt-schedule) is scored window by window against its captions
     prompts = [parse_prompt_schedule(text) if looks_like_schedule(text) else text for _, text, _, _ in rows]
     videos = [frames for _, _, frames, _ in rows]
-    return score_windows(videos, prompts, args.window, args.stride, args.motion, stats_margin=args.stats_margin)
+    return score_windows(
+        videos, prompts, args.window, args.stride, args.motion, stats_margin=args.stats_margin, workers=args.workers
+    )
 
 
 def main(argv=None):
@@ -51,8 +53,13 @@ def main(argv=None):
     parser.add_argument("--stride", type=int, default=None, help="frames between window starts (default: --window)")
     parser.add_argument("--motion", choices=MOTIONS, default="linear", help="the motion rule of the clips")
     parser.add_argument("--stats-margin", type=float, default=STATS_MARGIN, help="relative frame-statistics margin")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="window mode: score the clips in this many processes (~40 ms a window)"
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: give 1 or more processes")
     if args.window is None:
         report = evaluate_csv(args.csv, json_out=args.json, progress=not args.no_progress)
         print(report.summary())

@@ -72,7 +72,11 @@ def downsample(frames: np.ndarray, max_side: int = ANALYSIS_SIDE) -> np.ndarray:
 def largest_components(masks: np.ndarray, wrap: bool = False) -> np.ndarray:
     """Keep only the largest 4-connected component of each mask in [T, H, W] (numpy label propagation:
     every pixel takes the smallest label among itself and its neighbours until nothing changes). ``wrap``: pixels
-    on opposite edges are neighbours (a torus)."""
+    on opposite edges are neighbours (a torus).
+
+    A label is a pixel index of the same component, never above the pixel's own, so after each round a pixel may
+    also take its label's label (pointer jumping): the same fixed point (each component labelled by its smallest
+    index) in a few rounds instead of one round per pixel of the component's longest path."""
     t, h, w = masks.shape
     big = t * h * w + 1
     labels = np.where(masks, np.arange(t * h * w).reshape(t, h, w), big)
@@ -91,6 +95,9 @@ def largest_components(masks: np.ndarray, wrap: bool = False) -> np.ndarray:
             ]
         )
         updated = np.where(masks, neighbours, big)
+        flat = updated.reshape(-1)
+        inside = flat < big
+        flat[inside] = flat[flat[inside]]  # a masked pixel's label indexes a masked pixel
         if np.array_equal(updated, labels):
             break
         labels = updated
