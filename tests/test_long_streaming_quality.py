@@ -363,3 +363,28 @@ def test_more_prompts_than_captions_repeat_the_captions_with_new_seeds(tmp_path)
     assert len(prompts) == 200 and prompts[:72] == captions and prompts[72:144] == captions
     assert seeds == list(range(5, 205)) and header["prompts"] == 200
     assert clip[0] == 16
+
+
+def test_teacher_gate_trains_a_teacher_below_it_on_and_a_repeated_call_trains_nothing_more(tmp_path, capsys):
+    """``--teacher-gate 0.99 --teacher-gate-rounds 1``: the tiny teacher (2 steps) scores far below 0.99 on the gate's
+    own seeds, so it trains one round more from its checkpoint (``--resume auto``: steps 3-4), is checked again and,
+    the rounds spent, is used as it is; the checks are kept in teacher/gate.json. The same call again finds both
+    checks and trains nothing."""
+    bench = _benchmark()
+    out = tmp_path / "run"
+    argv = ["--tiny", "--out", str(out), "--device", "cpu", "--launcher", "in-process", "--stop-after", "teacher"]
+    argv += ["--teacher-gate", "0.99", "--teacher-gate-rounds", "1", "--seed", "7"]
+    assert bench.main(argv) == {}
+    gate = json.loads((out / "teacher" / "gate.json").read_text())
+    assert gate["gate"] == 0.99 and gate["seeds"] == [7 + bench.GATE_SEED_OFFSET, 7 + bench.GATE_SEED_OFFSET + 3]
+    assert [check["step"] for check in gate["checks"]] == [2, 4]
+    assert bench.last_checkpoint(out / "teacher").name == "step-0000004"
+    assert all(min(check[k] for k in bench.GATE_KEYS) < 0.99 for check in gate["checks"])
+    printed = capsys.readouterr().out
+    assert "teacher gate at step 2" in printed and "teacher gate at step 4" in printed and "(below 0.99)" in printed
+    assert bench.main(argv) == {}  # again: both checks on record, the rounds spent
+    assert json.loads((out / "teacher" / "gate.json").read_text())["checks"] == gate["checks"]
+    assert bench.last_checkpoint(out / "teacher").name == "step-0000004" and "reusing" in capsys.readouterr().out
+    for refused in (["--teacher-gate", "0"], ["--teacher-gate", "0.9", "--teacher-ckpt", str(tmp_path)]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(refused)
