@@ -1,7 +1,8 @@
 # Sourced by the detached device chains (gpu_long_rollout_ablation.sh, gpu_switch_rerender.sh): a chain is started
 # under setsid so that it outlives the device call that starts it and no GPU waits for a call boundary.
 #   chain_modes SCRIPT MODE OUT [SEC]   start: launch "SCRIPT chain OUT" detached and exit; wait: wait up to SEC s for
-#                                       it to end, print its progress, copy logs, reports and p30/ to $OUT and exit;
+#                                       it to end, print its progress, archive logs, reports, teacher gates and p30/
+#                                       as $OUT/chain.tgz (with OUT set) and exit;
 #                                       chain: return (the caller runs its stages)
 #   note TEXT                           a timed line in OUT/progress.txt
 #   stage GPU DIR NAME FLAGS...         one long_streaming_quality run (with $E) pinned to a GPU, logged to log/NAME.txt
@@ -21,12 +22,9 @@ chain_modes() {
       for _ in $(seq "$limit"); do [ -e "$out/done" ] && break; sleep 1; done
       cat "$out/progress.txt"
       grep -h -E "trained in|reusing|Error|error:|Killed" "$out"/log/*.txt 2>/dev/null | tail -n 12
-      if [ -n "${OUT:-}" ]; then
-        mkdir -p "$OUT/log" && cp "$out"/log/*.txt "$out/progress.txt" "$OUT/log/" 2>/dev/null
-        for f in "$out"/*/report*.json; do  # the printed tables are the log/eval_*.txt and log/switch_*.txt
-          [ -e "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"
-        done
-        cp -r "$out/p30" "$OUT/" 2>/dev/null
+      if [ -n "${OUT:-}" ]; then  # one archive: a device call brings back 8 files at most
+        # the printed tables are log/eval_*.txt and log/switch_*.txt; gate.json: --teacher-gate's checks
+        (cd "$out" && tar czf "$OUT/chain.tgz" log progress.txt $(ls -d */report*.json */teacher/gate.json p30 2>/dev/null))
       fi
       [ -e "$out/done" ] && echo "chain done" || echo "chain still running"
       exit 0 ;;

@@ -4,7 +4,7 @@
 # (setsid) so that it outlives the device call that starts it and no GPU waits for a call boundary:
 #   bash benchmarks/gpu_long_rollout_ablation.sh start OUT      start the chain; returns at once
 #   bash benchmarks/gpu_long_rollout_ablation.sh wait OUT SEC   wait up to SEC s for it to end, print its progress and
-#                                                               copy logs and reports to $OUT
+#                                                               archive logs and reports as $OUT/chain.tgz
 # The stages, GPU 0 | GPU 1 (EXTRA: the chain's flags, e.g. "--motion wrap --seed 929292 --train-seed 2"):
 #   teacher                                  | padded-text GPU tests (graph-ckpt), the trainer at the padded shape
 #   causal ODE init                          | -

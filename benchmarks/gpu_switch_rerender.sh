@@ -3,7 +3,7 @@
 # prompt make a streaming student switch colour, and what does it cost at the boundary? First, alone on the machine,
 # the trainer at the padded shape against its bare step and the optimizer's GPU tests.
 #   bash benchmarks/gpu_switch_rerender.sh start OUT        start the chain; returns at once
-#   bash benchmarks/gpu_switch_rerender.sh wait OUT SEC     wait up to SEC s, print progress, copy results to $OUT
+#   bash benchmarks/gpu_switch_rerender.sh wait OUT SEC     wait up to SEC s, print progress, results in $OUT/chain.tgz
 # Stages: the trainer against its bare step (gpu_padded_text.sh trainer-vs-bare, quiet) and the optimizer GPU tests
 # (P30=0 skips them) -> with SCALING=1 (two GPUs), ZeRO-2 1 vs 2 GPUs at the padded-text shape -> teacher ->
 # causal ODE init -> Self-Forcing -> its prompt switch only: re-cached, old KV kept, 0 sinks, re-rendered from each of
