@@ -82,10 +82,12 @@ def compile_block_options(overrides: Optional[dict] = None) -> dict:
     grads. Kept off on every version: the pass is a speed feature, and a silent wrong gradient is not worth it."""
     import torch._inductor.config as inductor_config
 
+    from opensora.cli_errors import UserInputError
+
     known = inductor_config.get_config_copy()
     unknown = sorted(set(overrides or {}) - set(known))
-    if unknown:
-        raise ValueError(
+    if unknown:  # a name from the user's config: one line, exit 2 from the scripts
+        raise UserInputError(
             f"inductor_options: {', '.join(map(repr, unknown))} not an Inductor setting of torch {torch.__version__} "
             "(names as in torch._inductor.config, nested ones dotted: 'triton.cudagraphs')"
         )
