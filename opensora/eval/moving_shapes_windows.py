@@ -216,7 +216,8 @@ def score_windows(
     that clip (``scored_n``). Schedules are scored with linear or wrap motion (the bounce rule tracks one caption).
 
     ``workers`` > 1 scores the clips in that many spawned processes (the same scores: each clip is scored alone;
-    reading a window takes ~40 ms, so 288 clips of 128 frames take ~90 s in one process)."""
+    reading a window takes ~40 ms, so 288 clips of 128 frames take ~90 s in one process). Spawned workers import the
+    calling script again: a script needs the usual ``if __name__ == "__main__":`` guard."""
     if motion not in MOTIONS:
         raise ValueError(f"unknown motion {motion!r}; choose one of {list(MOTIONS)}")
     if len(videos) != len(prompts) or not len(videos):

@@ -152,8 +152,8 @@ class MMDiT(nn.Module, SequenceParallelModel, CausalStreaming):
         False keeps ``torch.utils.checkpoint`` around the compiled block. A training option, left out of ``arch``.
         ``inductor_options``: Inductor settings for the compiled blocks on top of ``compile_block_options``' defaults,
         e.g. ``dict(coordinate_descent_tuning=True)``: on an H200 the padded 1B step took 154.2 ms against 160.1 (1.544x
-        diffusers' Flux step against 1.487x), for 207 s of tuning at the first step instead of 7 s (Inductor keeps
-        the tuned configs in its local cache, so a restart on the same machine pays less). ``max_autotune_gemm``
+        diffusers' Flux step against 1.487x), for 207 s of tuning at the first step instead of 7 s (Inductor caches
+        the tuned configs locally; what a restart then pays was not measured). ``max_autotune_gemm``
         had not finished compiling after 540 s (benchmarks/reports/padded_text_h200_2026-11.md). Not architecture."""
         super().__init__()
         if hidden_size % num_heads:
