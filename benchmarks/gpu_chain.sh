@@ -29,7 +29,9 @@ chain_modes() {
       [ -e "$out/done" ] && echo "chain done" || echo "chain still running"
       exit 0 ;;
     start)
-      python3 -m pip install -q --no-index --no-deps --no-compile --target .pysite .whl/*.whl > /dev/null 2>&1
+      # once per machine: a second chain started beside a running one must not rewrite the packages it imports
+      [ -d .pysite/colossalai ] || python3 -m pip install -q --no-index --no-deps --no-compile --target .pysite \
+        .whl/*.whl > /dev/null 2>&1
       rm -f "$out/done"
       setsid nohup bash "$script" chain "$out" > "$out/log/chain.txt" 2>&1 < /dev/null &
       echo "chain started: $out"
@@ -71,7 +73,7 @@ optimizer_gpu_tests() {
 
 lone_nccl_check() {
   note "start lone NCCL check"
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -q -p no:cacheprovider -m gpu \
+  CUDA_VISIBLE_DEVICES=${CHAIN_GPU:-0} timeout 200 python -m pytest -q -p no:cacheprovider -m gpu \
     tests/test_script_teardown.py > "$out/log/lone_nccl_check.txt" 2>&1 \
     && note "end lone NCCL check: $(tail -n 1 "$out/log/lone_nccl_check.txt")" \
     || note "FAILED lone NCCL check: $(tail -n 1 "$out/log/lone_nccl_check.txt")"

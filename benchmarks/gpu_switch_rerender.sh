@@ -15,11 +15,13 @@
 # SWITCH=0 skips the Self-Forcing switch stages (its evaluation then comes with the LONG=1 exit-context one, or
 # alone without LONG); LONG_GPUS="0 1" runs the two LongRollout lanes side by side; SECOND=control makes the second
 # lane the control (Self-Forcing trained on) instead of the fully denoised context; EVAL_SWITCH=0 leaves the prompt
-# switch out of the evaluations.
+# switch out of the evaluations; CHAIN_GPU=1 runs the chain's one-GPU stages on GPU 1 (default 0), so two chains
+# with their own OUT and seeds can share a two-GPU machine.
 set -uo pipefail
 source "$(dirname "$0")/gpu_chain.sh"
 chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \
   "${2:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" "${3:-540}"
+g=${CHAIN_GPU:-0}  # the GPU of every one-GPU stage: two chains (fresh seeds each) can run at once on GPUs 0 and 1
 E=${EXTRA:-"--motion wrap --seed 949494 --train-seed 4 --teacher-minutes 6.5 --ode-minutes 2.5 --student-minutes 2.5"}
 L="--student-minutes ${L_MINUTES:-9} --student-steps ${STEPS:-160} --long-init self_forcing --switch-prob ${L_SWITCH_PROB:-0}"
 switch=(--prompt-switch --switch-sink-frames 0)
@@ -27,7 +29,7 @@ switch=(--prompt-switch --switch-sink-frames 0)
 
 lone_nccl_check
 if [ "${P30:-1}" != 0 ]; then
-  [ "${TRAINER:-1}" != 0 ] && TRAINER_S=200 padded 0 trainer_vs_bare_quiet trainer-vs-bare
+  [ "${TRAINER:-1}" != 0 ] && TRAINER_S=200 padded "$g" trainer_vs_bare_quiet trainer-vs-bare
   optimizer_gpu_tests
 fi
 if [ "${SCALING:-0}" = 1 ]; then  # both GPUs: ZeRO-2 1 vs 2 GPUs at the real configuration, 2 interleaved rounds
@@ -36,15 +38,15 @@ if [ "${SCALING:-0}" = 1 ]; then  # both GPUs: ZeRO-2 1 vs 2 GPUs at the real co
     --config configs/diffusion/train/mmdit_1b_padded_text_shape.py --out "$out/p30/scaling" > "$out/log/scaling.txt" 2>&1
   note "end scaling: $(grep "efficiency median" "$out/log/scaling.txt" | tail -n 1)"
 fi
-stage 0 ls teacher --only-stage teacher
-stage 0 ls ode --only-stage ode
-stage 0 ls self_forcing --only-stage self_forcing
+stage "$g" ls teacher --only-stage teacher
+stage "$g" ls ode --only-stage ode
+stage "$g" ls self_forcing --only-stage self_forcing
 if [ "${SWITCH:-1}" != 0 ]; then
-  stage 0 ls switch_sf --students self_forcing --switch-only --switch-renoise ${RENOISE:-0.5 0.75 1.0} \
+  stage "$g" ls switch_sf --students self_forcing --switch-only --switch-renoise ${RENOISE:-0.5 0.75 1.0} \
     --switch-sink-frames 0
-  stage 0 ls eval_sf --students self_forcing "${switch[@]}"
+  stage "$g" ls eval_sf --students self_forcing "${switch[@]}"
 elif [ "${LONG:-0}" != 1 ]; then  # no switch, no LongRollout: Self-Forcing's own evaluation
-  stage 0 ls eval_sf --students self_forcing
+  stage "$g" ls eval_sf --students self_forcing
 fi
 if [ "${LONG:-0}" = 1 ]; then
   # exit-step context in ls, fully denoised context in lsf; with SWITCH=0 the exit lane's evaluation also scores
@@ -52,7 +54,7 @@ if [ "${LONG:-0}" = 1 ]; then
   # SECOND=control: the second lane trains the control (Self-Forcing trained on for the same minutes / steps) in
   # OUT/lsc instead of the fully denoised context, so both run at once; the exit lane then scores itself and
   # Self-Forcing
-  read -r gpu_exit gpu_full <<< "${LONG_GPUS:-0 0}"
+  read -r gpu_exit gpu_full <<< "${LONG_GPUS:-$g $g}"
   second=${SECOND:-full}
   score_exit=(--score long_rollout)
   [ "${SWITCH:-1}" = 0 ] && score_exit=()
