@@ -24,7 +24,7 @@ chain_modes() {
       grep -h -E "trained in|reusing|Error|error:|Killed" "$out"/log/*.txt 2>/dev/null | tail -n 12
       if [ -n "${OUT:-}" ]; then  # one archive: a device call brings back 8 files at most
         # the printed tables are log/eval_*.txt and log/switch_*.txt; gate.json: --teacher-gate's checks
-        (cd "$out" && tar czf "$OUT/chain.tgz" log progress.txt $(ls -d */report*.json */teacher/gate.json p30 2>/dev/null))
+        mkdir -p "$OUT" && (cd "$out" && tar czf "$OUT/chain.tgz" log progress.txt $(ls -d */report*.json */teacher/gate.json p30 2>/dev/null))
       fi
       [ -e "$out/done" ] && echo "chain done" || echo "chain still running"
       exit 0 ;;
