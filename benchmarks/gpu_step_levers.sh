@@ -17,9 +17,9 @@
 # and first model_backend_parity.json (a tiny MMDiT's backends against fp32 math). cudagraphs:
 # padded_text_step_cudagraphs.json, the trainer's step with its compiled block graphs replayed as CUDA graphs vs
 # without vs diffusers. inductor (needs no FA4): padded_text_step_inductor.json, the trainer's step with Inductor's
-# max-autotune GEMMs and with its coordinate-descent tuning vs the default vs diffusers. cudnn (needs no FA4): cudnn_backward_layout.json (the cuDNN backward-graph cache collision
-# behind the model backend test's failure) and cudnn_gpu_tests.txt (that test and the zero-key / plain cuDNN
-# order test, with tracebacks).
+# max-autotune GEMMs and with its coordinate-descent tuning vs the default vs diffusers. cudnn (needs no FA4):
+# cudnn_backward_layout.json (the cuDNN backward-graph cache collision behind the model backend test's failure) and
+# cudnn_gpu_tests.txt (that test and the zero-key / plain cuDNN order test, with tracebacks).
 set -uo pipefail
 : "${OUT:?set OUT}"
 export PYTHONPATH="$(cat /tmp/fa4/pythonpath):$PWD/.pysite:$PWD" PYTHONUNBUFFERED=1

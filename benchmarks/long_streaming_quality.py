@@ -168,10 +168,6 @@ def training_summary(run_dir: Path) -> dict:
     )
 
 
-def checkpoint_step(path: Path) -> int:
-    return int(Path(path).name.split("-")[-1])
-
-
 def last_checkpoint(run_dir: Path):
     found = sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []
     return found[-1] if found else None
@@ -187,6 +183,8 @@ def train(args, stage: str, minutes: float, inits: dict, steps: Optional[int] = 
         print(f"== {stage}: reusing {done}")
         return done
     if resume:
+        from opensora.training.run_dir import checkpoint_step
+
         budget = ["--resume", "auto", "--max-steps"]
         budget += (
             [str(checkpoint_step(done) + args.tiny_steps)] if args.tiny else ["1000000", "--max-minutes", str(minutes)]
@@ -535,14 +533,12 @@ def evaluation_inputs(args):
     """(prompts, seeds, the teacher's config, clip (frames, height, width), the report's header) of every
     evaluation: ``--num-prompts`` held captions, prompt i at seed ``--seed`` + i. Past the 72 captions the list
     starts again (with new seeds): a window's share of 72 clips moves 0.014 a clip, too coarse for a 95% criterion."""
-    from opensora.config import load_config
     from opensora.datasets.moving_shapes import all_captions
 
     captions = all_captions()
     prompts = [captions[i % len(captions)] for i in range(args.num_prompts)]
     seeds = [args.seed + i for i in range(len(prompts))]
-    cfg = load_config(str(stage_config(args, "teacher")))
-    clip = (int(cfg.dataset.num_frames), int(cfg.dataset.height), int(cfg.dataset.width))
+    cfg, clip = teacher_config_and_clip(args)
     header = dict(
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         motion=args.motion,
@@ -555,19 +551,32 @@ def evaluation_inputs(args):
     return prompts, seeds, cfg, clip, header
 
 
-def evaluate(args, checkpoints: dict) -> dict:
-    from opensora.eval.moving_shapes_windows import score_windows
+def teacher_config_and_clip(args):
+    """The teacher stage's config and its clip (frames, height, width): what the students are judged against."""
+    from opensora.config import load_config
+
+    cfg = load_config(str(stage_config(args, "teacher")))
+    return cfg, (int(cfg.dataset.num_frames), int(cfg.dataset.height), int(cfg.dataset.width))
+
+
+def sample_teacher(args, cfg, ckpt, prompts, seeds, clip):
+    """(seconds, uint8 clips [N, T, H, W, 3]): the teacher's EMA weights at ``ckpt``, ``--teacher-steps`` with CFG
+    ``--teacher-guidance``; the seconds count the sampling, not the loading."""
     from opensora.inference.sampler import VideoSampler
 
-    prompts, seeds, cfg, clip, header = evaluation_inputs(args)
-    teacher = VideoSampler.from_config(cfg, checkpoints["teacher"], role="model", device=args.device, progress=False)
-
-    def sample():
-        return teacher.generate(
+    teacher = VideoSampler.from_config(cfg, ckpt, role="model", device=args.device, progress=False)
+    return timed(
+        lambda: teacher.generate(
             prompts, seeds, *clip, num_steps=args.teacher_steps, guidance_scale=args.teacher_guidance, batch_size=16
         ).numpy()
+    )
 
-    seconds, videos = timed(sample)
+
+def evaluate(args, checkpoints: dict) -> dict:
+    from opensora.eval.moving_shapes_windows import score_windows
+
+    prompts, seeds, cfg, clip, header = evaluation_inputs(args)
+    seconds, videos = sample_teacher(args, cfg, checkpoints["teacher"], prompts, seeds, clip)
     teacher_scores = dict(ckpt=str(checkpoints["teacher"]), seconds=seconds, **accuracy(videos, prompts, args.motion))
     teacher_window = score_windows(list(videos), prompts, clip[0], motion=args.motion, workers=args.score_workers)
     teacher_scores["stats_in_range"] = teacher_window["stats_window_min"]
@@ -956,12 +965,10 @@ def gate_teacher(args, ckpt: Path) -> Path:
     ``--teacher-gate-rounds`` extra rounds are spent. A teacher that has not learnt the motion yet (chain 9: direction
     0.615 after 5.5 minutes) makes every student below it copy its mistakes. Each check is kept in
     ``teacher/gate.json`` (the report shows it); a teacher that stays below ACC is used anyway, and said so."""
-    from opensora.config import load_config
     from opensora.datasets.moving_shapes import all_captions
-    from opensora.inference.sampler import VideoSampler
+    from opensora.training.run_dir import checkpoint_step
 
-    cfg = load_config(str(stage_config(args, "teacher")))
-    clip = (int(cfg.dataset.num_frames), int(cfg.dataset.height), int(cfg.dataset.width))
+    cfg, clip = teacher_config_and_clip(args)
     prompts = all_captions()[: args.num_prompts]
     seeds = [args.seed + GATE_SEED_OFFSET + i for i in range(len(prompts))]
     record = Path(args.out) / "teacher" / "gate.json"
@@ -970,11 +977,7 @@ def gate_teacher(args, ckpt: Path) -> Path:
         if checks and checks[-1]["step"] == checkpoint_step(ckpt):  # checked already (a repeated call, a copied run)
             scores = checks[-1]
         else:
-            sampler = VideoSampler.from_config(cfg, ckpt, role="model", device=args.device, progress=False)
-            videos = sampler.generate(
-                prompts, seeds, *clip, num_steps=args.teacher_steps, guidance_scale=args.teacher_guidance, batch_size=16
-            ).numpy()
-            del sampler
+            _, videos = sample_teacher(args, cfg, ckpt, prompts, seeds, clip)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # the trainer's next round gets the card back
             acc = accuracy(videos, prompts, args.motion)

@@ -77,10 +77,6 @@ REAL = dict(grid=(9, 16, 16), batch=4, text_tokens=512, valid=(20, 120), depth_d
 TINY = dict(grid=(2, 4, 4), batch=2, text_tokens=40, valid=(3, 9), depth_double=1, depth_single=1,
             hidden=64, heads=2, text_dim=32, pooled_dim=16, axes=(8, 12, 12))  # fmt: skip
 
-VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-bound-graph-ckpt-master", "ours-padded-bound-graph-ckpt-fa4", "ours-padded-bound-graph-ckpt-cudagraphs", "ours-padded-bound-graph-ckpt-autotune", "ours-padded-bound-graph-ckpt-coordesc", "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
-            "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
-            "diffusers-128")  # fmt: skip
-PER_ROW_VARIANTS = ("ours-padded-rows",)  # one SDPA call per row: a cuDNN plan per prompt length
 # Variants with Inductor options of their own: each needs its own model (a model's blocks compile with one set of
 # options), so each is built only when named in --variants. name -> (Inductor options, step context or None)
 OWN_MODEL_VARIANTS = {
@@ -88,6 +84,10 @@ OWN_MODEL_VARIANTS = {
     "ours-padded-bound-graph-ckpt-autotune": ({"max_autotune_gemm": True}, None),
     "ours-padded-bound-graph-ckpt-coordesc": ({"coordinate_descent_tuning": True}, None),
 }
+VARIANTS = ("ours-padded", "ours-padded-bound", "ours-padded-bound-graph-ckpt", "ours-padded-bound-graph-ckpt-master", "ours-padded-bound-graph-ckpt-fa4", *OWN_MODEL_VARIANTS, "ours-padded-dense", "ours-padded-flex", "ours-padded-bias-channel", "ours-padded-zero-keys", "ours-padded-packed", "ours-padded-packed-128", "ours-padded-rows", "ours-padded-dense-32",
+            "ours-unpadded-128", "ours-unpadded-70", "ours-masked", "ours-eager-padded", "diffusers-512",
+            "diffusers-128")  # fmt: skip
+PER_ROW_VARIANTS = ("ours-padded-rows",)  # one SDPA call per row: a cuDNN plan per prompt length
 # torch has no flex_attention backward on CPU, and CUDA graphs and GEMM autotuning need CUDA: --tiny leaves them out
 CUDA_ONLY_VARIANTS = ("ours-padded-flex", *OWN_MODEL_VARIANTS)
 OPT_IN_VARIANTS = tuple(OWN_MODEL_VARIANTS)  # run only when named in --variants (a model each)
