@@ -116,9 +116,12 @@ def stage_config(args, stage: str) -> Path:
 
         frames = 8 if args.tiny else int(load_config(str(ROOT / CONFIGS[stage])).dataset.num_frames)
         long_frames = frames * int(args.long_multiple)
-        lines.append(
-            f"validation = dict(every={int(args.validation_every)}, motion={args.motion!r}, long_frames={long_frames})"
-        )
+        validation = dict(every=int(args.validation_every), motion=args.motion, long_frames=long_frames)
+        if args.validation_prompts is not None:
+            validation.update(prompts=validation_prompts(args.validation_prompts), batch_size=args.validation_prompts)
+        if args.student_checkpoint == "best":
+            validation["best_metric"] = args.best_metric
+        lines.append(f"validation = dict({', '.join(f'{k}={v!r}' for k, v in validation.items())})")
         if stage != "long_rollout":  # the curve streams as the evaluation does (LongRollout's config has its own)
             lines.append(f"sink_frames = {int(args.sink_frames)}")
             if args.window_frames is not None:
@@ -145,6 +148,50 @@ def stage_config(args, stage: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def validation_prompts(count: int) -> list:
+    """``count`` of the 72 captions, evenly spread (every colour, shape and direction where count allows)."""
+    from opensora.datasets.moving_shapes import all_captions
+
+    captions = all_captions()
+    return [captions[i * len(captions) // count] for i in range(count)]
+
+
+def checkpoint_every(args, stage: str) -> int:
+    """The stage's ``--ckpt-every``: at every validation where the best checkpoint is kept, else the final one only."""
+    chooses = stage in DMD_STAGES and args.student_checkpoint == "best" and args.validation_every
+    return int(args.validation_every) if chooses else 0
+
+
+def chosen_checkpoint(args, stage: str, last):
+    """The checkpoint of ``stage`` that is scored and built on: its best by the validations
+    (``--student-checkpoint best``, ``RUN/best``) where the run kept one, else ``last``."""
+    from opensora.best_checkpoint import best_checkpoint_of, read_best
+
+    run_dir = Path(args.out) / stage
+    record = read_best(run_dir)
+    if stage not in DMD_STAGES or args.student_checkpoint != "best" or record is None or record["best"] is None:
+        return last
+    return best_checkpoint_of(run_dir)
+
+
+def selection_record(run_dir: Path, ckpt) -> Optional[dict]:
+    """Which step was scored, against the last one, and by which validation score (None without best.json)."""
+    from opensora.best_checkpoint import read_best
+    from opensora.training.run_dir import checkpoint_step
+
+    record = read_best(run_dir)
+    last = last_checkpoint(run_dir)
+    if record is None or record["best"] is None or last is None:
+        return None
+    return dict(
+        metric=record["metric"],
+        step=checkpoint_step(ckpt),
+        last_step=checkpoint_step(last),
+        best=record["best"],
+        history=record["history"],
+    )
 
 
 def training_summary(run_dir: Path) -> dict:
@@ -205,7 +252,7 @@ def train(args, stage: str, minutes: float, inits: dict, steps: Optional[int] = 
         "--outputs",
         str(run_dir),
         "--ckpt-every",
-        "0",
+        str(checkpoint_every(args, stage)),
         *budget,
     ]
     for role, path in inits.items():
@@ -360,6 +407,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
     first_pixels = vae.get_video_size((chunk, 4, 4))[0]
     result = dict(
         ckpt=str(ckpt),
+        selection=selection_record(Path(args.out) / name, ckpt),
         training=training_summary(Path(args.out) / name),
         window_frames=window,
         sink_frames=args.sink_frames,
@@ -645,6 +693,10 @@ def print_report(report: dict) -> None:
         if curve:  # --validation-every: the worst window's frame statistics (and colour) as the student trained
             points = ", ".join(f"{v['step']}: {v.get('stats_window_min', float('nan')):.2f}" for v in curve)
             print(f"  validation, worst window's stats in range by step: {points}")
+        chosen = s.get("selection")
+        if chosen:
+            history = ", ".join(f"{e['step']}: {e['value']:.2f}" for e in chosen["history"])
+            print(f"  scored step {chosen['step']} of {chosen['last_step']}, best by {chosen['metric']} ({history})")
         print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}, RoPE anchor {s.get('rope_anchor')}:")
         print_windows(s["long"]["windows"])
         print_background(s["long"]["background_by_frame"], report["clip"][0])
@@ -851,6 +903,27 @@ def parse_args(argv=None):
         "training.validation_window_min",
     )
     parser.add_argument(
+        "--validation-prompts",
+        type=int,
+        default=None,
+        help="validate on N of the 72 captions (spread over them; one batch) instead of the config's 12: a finer "
+        "curve for --student-checkpoint best to choose by (at most 64)",
+    )
+    parser.add_argument(
+        "--student-checkpoint",
+        choices=("last", "best"),
+        default="last",
+        help="which checkpoint of each DMD student is scored (and, with --long-init self_forcing, started from): its "
+        "last, or its best by --best-metric at the validations (needs --validation-every; a checkpoint is saved at "
+        "each validation step, the best one is kept)",
+    )
+    parser.add_argument(
+        "--best-metric",
+        default="val/all_window_min",
+        help="the validation score --student-checkpoint best chooses by (default: the lowest of the worst window's "
+        "colour, shape, direction and frame-statistics scores)",
+    )
+    parser.add_argument(
         "--num-prompts", type=int, default=72, help="clips per evaluation; past the 72 captions they repeat, new seeds"
     )
     parser.add_argument(
@@ -883,6 +956,10 @@ def parse_args(argv=None):
         args.rope_anchor = "both"
     if args.only_stage in ("long_rollout", CONTROL) and args.students == "self_forcing":
         parser.error(f"--students self_forcing trains no {args.only_stage} stage")
+    if args.student_checkpoint == "best" and not args.validation_every:
+        parser.error("--student-checkpoint best chooses by the validations: add --validation-every N")
+    if args.validation_prompts is not None and not 1 <= args.validation_prompts <= 64:
+        parser.error(f"--validation-prompts {args.validation_prompts}: between 1 and 64 (validation.max_prompts)")
     if args.teacher_gate is not None and args.teacher_ckpt:
         parser.error("--teacher-gate trains the teacher on: it does not combine with --teacher-ckpt")
     if args.teacher_gate is not None and not 0 < args.teacher_gate <= 1:
@@ -947,13 +1024,13 @@ def train_or_reuse(args, stage: str, minutes: float, inits: dict, steps: Optiona
         if done is None:
             print(f"--only-stage {args.only_stage}: stage {stage} has no checkpoint in {args.out}; train it first")
             raise SystemExit(2)
-        return done
+        return chosen_checkpoint(args, stage, done)
     path = train(args, stage, minutes, inits, steps)
     if stage == "teacher" and args.teacher_gate is not None:
         path = gate_teacher(args, path)
     if args.only_stage == stage:
         raise StageDone
-    return path
+    return chosen_checkpoint(args, stage, path)
 
 
 GATE_SEED_OFFSET = 10**6  # the gate's seeds lie apart from the evaluation's: the teacher is not picked on them
@@ -1002,7 +1079,7 @@ GATE_KEYS = ("color_acc", "shape_acc", "direction_acc")
 def trained_students(args) -> dict:
     """The students' final checkpoints in ``--out`` (``--switch-only``: nothing trains); exit 2 when none is there."""
     names = ("self_forcing",) if args.students == "self_forcing" else DMD_STAGES
-    found = {name: last_checkpoint(Path(args.out) / name) for name in names}
+    found = {name: chosen_checkpoint(args, name, last_checkpoint(Path(args.out) / name)) for name in names}
     found = {name: path for name, path in found.items() if path is not None and (not args.score or name in args.score)}
     if not found:
         print(f"--switch-only: no trained student in {args.out}; train them first")

@@ -80,8 +80,13 @@ def is_run_dir(path: str | Path) -> bool:
 
 def newest_checkpoint_of(path: str | Path) -> Path:
     """``path`` itself, or, for a run directory, its newest complete checkpoint: what the sampler, the converter
-    and ``init_from`` read when given a run. A run without one is a ``FileNotFoundError`` naming what is there."""
+    and ``init_from`` read when given a run. A run without one is a ``FileNotFoundError`` naming what is there.
+    ``RUN/best`` is the run's best checkpoint by its validation metric (``opensora.best_checkpoint``)."""
+    from opensora.best_checkpoint import BEST_NAME, best_checkpoint_of
+
     path = Path(path)
+    if path.name == BEST_NAME and not path.exists() and is_run_dir(path.parent):
+        return best_checkpoint_of(path.parent)
     if not (path.is_dir() and is_run_dir(path)):
         return path
     latest = find_latest_checkpoint(path)

@@ -351,6 +351,58 @@ def test_validation_every_gives_the_students_a_per_window_curve(tmp_path):
     ]
 
 
+def test_student_checkpoint_best_scores_and_builds_on_each_students_best_validation_step(tmp_path, monkeypatch):
+    """``--student-checkpoint best``: the DMD stages save a checkpoint at every validation and keep their best by
+    ``--best-metric`` (here the recorded Self-Forcing run's best.json names step 50 of 100); LongRollout and the
+    control start from it and the evaluation scores it; the teacher and the causal init still save once."""
+    from opensora.best_checkpoint import note_value
+    from opensora.config import load_config
+
+    bench = _benchmark()
+    flags = ["--out", str(tmp_path), "--validation-every", "50", "--validation-prompts", "24"]
+    flags += ["--student-checkpoint", "best", "--long-init", "self_forcing"]
+    args = bench.parse_args(flags)
+    cfg = load_config(str(bench.stage_config(args, "self_forcing")))
+    assert cfg.validation.best_metric == "val/all_window_min" and cfg.validation.batch_size == 24
+    assert len(set(cfg.validation.prompts)) == 24
+    assert {p.split()[1] for p in cfg.validation.prompts} >= {"red", "green", "blue", "cyan", "magenta", "yellow"}
+    assert (
+        "best_metric"
+        not in load_config(str(bench.stage_config(bench.parse_args(flags[:6]), "self_forcing"))).validation
+    )
+
+    calls = _record_trainings(bench, tmp_path, monkeypatch)
+    real_record = bench.subprocess.run
+
+    def record_with_best(command, **kwargs):
+        real_record(command, **kwargs)
+        run = Path(command[command.index("--outputs") + 1])
+        if run.name == "self_forcing":  # validated at 50 (0.8) and 100 (0.4): the best is step 50
+            for step in (50, 100):
+                (run / "checkpoints" / f"step-{step:07d}").mkdir(parents=True)
+                (run / "checkpoints" / f"step-{step:07d}" / "meta.json").write_text(json.dumps(dict(step=step)))
+            note_value(run, "val/all_window_min", 50, 0.8)
+            note_value(run, "val/all_window_min", 100, 0.4)
+
+    monkeypatch.setattr(bench.subprocess, "run", record_with_best)
+    evaluated = _record_evaluation(bench, monkeypatch)
+    bench.main(flags)
+    commands = dict(calls)
+    every = {stage: command[command.index("--ckpt-every") + 1] for stage, command in commands.items()}
+    assert every == dict(teacher="0", ode="0", self_forcing="50", long_rollout="50", **{bench.CONTROL: "50"})
+    best = tmp_path / "self_forcing" / "checkpoints" / "step-0000050"
+    for stage in ("long_rollout", bench.CONTROL):
+        command = commands[stage]
+        assert command[command.index("--models.student.init_from.path") + 1] == str(best)
+    assert evaluated["self_forcing"] == best
+    # no best.json (LongRollout's recorded run kept none): its last checkpoint
+    assert evaluated["long_rollout"] == tmp_path / "long_rollout" / "checkpoints" / "step-0000001"
+    assert bench.selection_record(tmp_path / "self_forcing", best)["step"] == 50
+    assert bench.selection_record(tmp_path / "self_forcing", best)["last_step"] == 100
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", str(tmp_path), "--student-checkpoint", "best"])  # nothing to choose by
+
+
 def test_more_prompts_than_captions_repeat_the_captions_with_new_seeds(tmp_path):
     """``--num-prompts 200``: every caption 2-3 times, each clip at its own seed, so a window's share moves 0.005 a
     clip instead of 0.014."""

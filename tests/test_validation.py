@@ -29,23 +29,29 @@ def split_records(outputs: Path):
     return train, val
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Three one-rank runs to step 4 with a checkpoint at step 2: validation every 2 steps, none, and the first
-    resumed from its step-2 checkpoint (validation on)."""
+def tiny_demo_config(root: Path, num_prompts: int, **values):
+    """(the demo config on 8 written 4-frame 32x32 clips with ``values`` on top, ``num_prompts`` of their captions)."""
     from opensora.datasets.moving_shapes import write_dataset
 
-    root = tmp_path_factory.mktemp("validation")
     data = write_dataset(root / "data", num=8, seed=0, height=32, width=32, num_frames=4, progress=False)
-    prompts = [row["text"] for row in csv.DictReader(open(data))][:3]
-    plain = write_config(
+    prompts = [row["text"] for row in csv.DictReader(open(data))][:num_prompts]
+    config = write_config(
         root / "plain.py",
         DEMO_CONFIG,
         dataset=dict(data_path=str(data)),
         bucket_config={"_delete_": True, "32x32": {4: (1.0, 2)}},
         num_workers=0,
-        warmup_steps=5,
+        **values,
     )
+    return config, prompts
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three one-rank runs to step 4 with a checkpoint at step 2: validation every 2 steps, none, and the first
+    resumed from its step-2 checkpoint (validation on)."""
+    root = tmp_path_factory.mktemp("validation")
+    plain, prompts = tiny_demo_config(root, 3, warmup_steps=5)
     validated = write_config(
         root / "val.py", plain, validation=dict(every=2, prompts=prompts, num_steps=3, score="moving_shapes")
     )

@@ -47,6 +47,7 @@ from typing import Any, Mapping
 
 import torch
 
+from opensora.best_checkpoint import best_step
 from opensora.checkpoint_layout import (
     ADAPTER_FILE,
     COMPLETE_MARKER,
@@ -90,10 +91,12 @@ def _sizes_match(path: Path) -> bool:
 def prune_checkpoints(outputs: str | Path, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints; returns the deleted paths. A damaged checkpoint
     (its files differ in size from its manifest) neither counts as kept nor is deleted: it stays for its owner to
-    inspect, and the intact older ones it would have pushed out stay too."""
+    inspect, and the intact older ones it would have pushed out stay too. The run's best checkpoint by its
+    validation metric (``opensora.best_checkpoint``) is kept as well, outside the count."""
     if keep_last is None or keep_last <= 0:
         return []
-    intact = [path for _, path in list_checkpoints(outputs) if _sizes_match(path)]
+    best = best_step(outputs)
+    intact = [path for step, path in list_checkpoints(outputs) if step != best and _sizes_match(path)]
     doomed = intact[:-keep_last]
     for path in doomed:
         # Rename first so a crash mid-delete never leaves a half-deleted dir that still looks complete.

@@ -213,6 +213,8 @@ class Trainer:
             save_config(self.cfg, self.outputs)
         self._records_started = True
         self.metrics.truncate_after(self.step)
+        if self.validator is not None:
+            self.validator.forget_after(self.step)
 
     def save(self) -> Path:
         trainer_state = dict(step=self.step, nonfinite_total=self.nonfinite_total)

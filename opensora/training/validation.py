@@ -141,7 +141,43 @@ def validation_settings(cfg: Mapping) -> Optional[Dict[str, Any]]:
     s["num_frames"] = int(s["num_frames"])
     from opensora.training.validation_windows import long_clip_settings
 
-    return long_clip_settings(s)
+    return best_metric_settings(long_clip_settings(s), cfg)
+
+
+def scored_metrics(s: Mapping) -> List[str]:
+    """The scores a validation with resolved settings ``s`` logs (what ``best_metric`` may name)."""
+    if s["score"] != "moving_shapes":
+        return []
+    names = [f"val/{a}_acc" for a in ("color", "shape", "direction", "all")]
+    if s["long_frames"] is not None:
+        from opensora.training.validation_windows import ATTRIBUTES
+
+        names += [f"val/{a}_{kind}" for kind in ("window_min", "vs_first_min") for a in ATTRIBUTES]
+        names.append("val/all_window_min")
+    return names
+
+
+def best_metric_settings(s: dict, cfg: Mapping) -> dict:
+    """Check ``best_metric``: a score this validation logs, at steps that have a checkpoint to keep."""
+    if s["best_metric"] is None:
+        return s
+    names = scored_metrics(s)
+    if s["best_metric"] not in names:
+        near = difflib.get_close_matches(str(s["best_metric"]), names, n=1)
+        hint = f"; did you mean {near[0]!r}" if near else ""
+        listed = names or "none: set validation.score='moving_shapes'"
+        raise ConfigValueError(
+            f"validation.best_metric {s['best_metric']!r} is not a score this validation logs{hint} (scores: {listed})"
+        )
+    from opensora.training.defaults import TRAINER_DEFAULTS
+
+    ckpt_every = int(cfg.get("ckpt_every", TRAINER_DEFAULTS["ckpt_every"]) or 0)
+    if ckpt_every <= 0 or s["every"] % ckpt_every:
+        raise ConfigValueError(
+            f"validation.best_metric keeps the checkpoint of the best validation step: validation.every "
+            f"({s['every']}) must be a multiple of ckpt_every ({ckpt_every}); set ckpt_every={s['every']}"
+        )
+    return s
 
 
 def frame_grid(videos: np.ndarray, frames: int = GRID_FRAMES) -> np.ndarray:
@@ -339,4 +375,23 @@ class Validator:
         (save_dir / "validation.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
         self.metrics.log(step, record, prefix="")
         self.metrics.log_samples(step, frame_grid(videos), videos, paths, prompts, fps=s["fps"])
+        self._note_best(step, record)
         return record
+
+    # ---- the best checkpoint (``validation.best_metric``) ---------------------------------------------------------
+    def _note_best(self, step: int, record: Mapping[str, float]) -> None:
+        metric = self.settings["best_metric"]
+        value = record.get(metric) if metric is not None else None
+        if value is None or not np.isfinite(value):  # off, or not scored this time (out of time, no windows)
+            return
+        from opensora.best_checkpoint import note_value
+
+        best = note_value(self.outputs, metric, step, value)["best"]
+        logger.info("best checkpoint by %s: step %d (%.4f)", metric, best["step"], best["value"])
+
+    def forget_after(self, step: int) -> None:
+        """On (re)start at ``step`` (rank 0): the best-checkpoint record forgets the steps that are trained again."""
+        if self.is_main and self.settings["best_metric"] is not None:
+            from opensora.best_checkpoint import forget_after
+
+            forget_after(self.outputs, step)

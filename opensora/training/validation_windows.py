@@ -10,8 +10,9 @@ streaming benchmarks and ``benchmarks/long_streaming_quality.py`` judge: a cache
 further back than any training clip, which scored direction 0.58 where the judged window scored 1.00 on one H200
 run), a bidirectional one samples the whole clip -- scores them per window of ``window_frames`` pixel frames
 (default: the validation clip length) with ``opensora.eval.moving_shapes_windows`` under the ``motion`` rule, and logs
-``val/{color,shape,direction,stats}_window_min`` (the worst window) and ``val/*_vs_first_min`` (the worst window
-over the first). The long samples go to ``samples/step-N/long/`` with their ``samples.csv``
+``val/{color,shape,direction,stats}_window_min`` (the worst window), ``val/*_vs_first_min`` (the worst window
+over the first) and ``val/all_window_min`` (the lowest of the four window minima). The long samples go to
+``samples/step-N/long/`` with their ``samples.csv``
 (``tools/eval_moving_shapes.py CSV --window W --motion M`` re-scores them).
 
 The long clips share validation's ``max_seconds``: a batch of them starts only while time is left, except the first,
@@ -133,6 +134,9 @@ def long_clip_record(sampler, generator, s: Mapping, prompts, seeds, height, wid
         for kind in ("window_min", "vs_first_min"):
             value = report[f"{name}_{kind}"]
             record[f"val/{name}_{kind}"] = float("nan") if value is None else float(value)
+    # the worst attribute in the worst window: one number a best checkpoint can be chosen by (all are shares of clips)
+    scored = [report[f"{name}_window_min"] for name in ATTRIBUTES if report[f"{name}_window_min"] is not None]
+    record["val/all_window_min"] = float(min(scored)) if scored else float("nan")
     record["val/long_samples"] = len(videos)
     return record
 
