@@ -48,19 +48,19 @@ def best_run(tmp_path_factory):
     """A run to step 8, a checkpoint and a validation every 2 steps, keep_last=1, ``best_metric="val/all_acc"``
     with the validation's all_acc set to 0.2, 0.9, 0.4, 0.6 at steps 2, 4, 6, 8 (the scorer runs for real; only
     that one number is replaced): the best step is 4."""
-    from opensora.eval import moving_shapes
+    from opensora.eval import moving_shapes_windows
 
     root = tmp_path_factory.mktemp("best")
     validation = dict(every=2, num_steps=2, score="moving_shapes", best_metric="val/all_acc")
     plain, prompts = tiny_demo_config(root, 2, keep_last=1)
     config = write_config(root / "val.py", plain, validation=dict(validation, prompts=prompts))
-    real, values = moving_shapes.score_rows, iter([0.2, 0.9, 0.4, 0.6, 0.5, 0.3])
+    real, values = moving_shapes_windows.score_rows, iter([0.2, 0.9, 0.4, 0.6, 0.5, 0.3])
 
     def scored(*args, **kwargs):
         return dataclasses.replace(real(*args, **kwargs), all_acc=next(values))
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(moving_shapes, "score_rows", scored)
+    patch.setattr(moving_shapes_windows, "score_rows", scored)  # what validation's score_clips calls
     try:
         outputs = root / "run"
         build_trainer(config, outputs, "--max-steps", "8", "--ckpt-every", "2").train()

@@ -117,6 +117,29 @@ def test_bad_long_clip_settings_are_refused(validation, match):
         validation_settings(cfg)
 
 
+def test_clip_length_scores_follow_the_datasets_motion_rule():
+    """A wrap run's validation reads its clip-length samples on the torus, as the evaluation does: a ground-truth
+    wrap clip whose shape crosses the edge inside the clip is read right under the wrap rule, and the validation's
+    motion comes from the dataset when the validation names none."""
+    from opensora.datasets.moving_shapes import ShapeMotion, caption, render_video
+    from opensora.eval.moving_shapes_windows import score_clips
+    from opensora.training.validation import validation_settings
+
+    cfg = _config(False)
+    cfg.validation.pop("motion")
+    cfg.dataset = dict(motion="wrap")
+    assert validation_settings(cfg)["motion"] == "wrap"
+    cfg.dataset = dict()
+    assert validation_settings(cfg)["motion"] == "linear"
+    # a red square crossing the right edge at frame 3 of 8 (wrap motion renders it back in from the left)
+    motion = ShapeMotion("red", "square", "right", 12, 54, 32, 28.0, 0.0, "wrap", 8, 64, 64)  # 4 px a frame
+    clip = render_video(motion, 64, 64, 8)
+    prompt = caption("red", "square", "right")
+    assert score_clips([clip], [prompt], "wrap").direction_acc == 1.0
+    assert score_clips([clip], [prompt], "linear").rows[0]["pred"]["direction"] == "left"  # the old reading
+    assert score_clips([clip], [prompt], "wrap", names=["clip.mp4"]).rows[0]["path"] == "clip.mp4"
+
+
 def test_a_causal_config_without_a_kv_window_streams_long_clips_in_the_training_clip_window(tmp_path):
     """No ``window_frames`` in the config: the long clips roll a KV window of the validation clip's latent frames minus
     one chunk (what the long-streaming benchmark judges), not a cache that keeps every frame."""

@@ -42,11 +42,12 @@ from opensora.datasets.moving_shapes import (
     OPPOSITE,
     SIZE_RANGE,
     ShapeMotion,
+    caption,
     majority_direction,
     parse_caption,
     render_video,
 )
-from opensora.eval.moving_shapes import downsample, find_foreground, mask_centroids, read_shape
+from opensora.eval.moving_shapes import downsample, find_foreground, mask_centroids, read_shape, score_rows
 
 STATS_MARGIN = 0.05  # relative widening of the per-caption shape statistics' range (sub-pixel coverage, rounding)
 # grey levels the background may move: a sampler's colour bias and video coding move a flat background by a level
@@ -149,6 +150,23 @@ def expected_window_directions(
         return [direction] * len(starts)
     steps = bounce_step_directions(frames, direction)
     return [majority_direction(steps[s : s + window - 1]) for s in starts]
+
+
+def score_clips(videos, prompts: Sequence[str], motion: str, names: Optional[Sequence[str]] = None):
+    """``opensora.eval.moving_shapes.score_rows`` of clips under the ``motion`` rule (an ``EvalReport``): ``wrap``
+    clips are read on the torus (a shape that crosses an edge inside the clip keeps its direction); a ``bounce`` clip
+    may turn at a wall, so its direction is the bounce rule's over the clip (``expected_window_directions``; the
+    caption's direction is dropped, so not scored, when the clip has no majority direction). ``names``: the rows'
+    names (default ``s0``, ``s1``, ...)."""
+    if motion == "bounce":
+        rewritten = []
+        for video, prompt in zip(videos, prompts):
+            color, shape, direction = parse_caption(prompt)
+            expected = expected_window_directions(video, direction, motion, [0], len(video))[0]
+            rewritten.append(caption(color, shape, expected))
+        prompts = rewritten
+    names = list(names) if names is not None else [f"s{i}" for i in range(len(prompts))]
+    return score_rows([(n, t, v, None) for n, t, v in zip(names, prompts, videos)], wrap=motion == "wrap")
 
 
 DIRECTION_RELATIONS = ("match", "reverse", "sideways", "static")
@@ -369,6 +387,7 @@ __all__ = [
     "window_starts",
     "bounce_step_directions",
     "expected_window_directions",
+    "score_clips",
     "caption_of_window",
     "score_windows",
     "summarise_windows",

@@ -50,7 +50,7 @@ VALIDATION_DEFAULTS = dict(
     fps=8,
     long_frames=None,  # also sample this many frames and log per-window scores (``validation_windows``)
     window_frames=None,  # frames per scored window of a long clip; None: num_frames
-    motion="linear",  # the MovingShapes motion rule the long clips are scored by: linear, bounce or wrap
+    motion=None,  # the MovingShapes motion rule clips are scored by (linear, bounce, wrap); None: the dataset's
     # a logged score (higher is better, e.g. "val/all_acc", "val/stats_window_min"): the run notes it in best.json
     # and keeps that step's checkpoint (``opensora.best_checkpoint``; ``every`` a multiple of ``ckpt_every``)
     best_metric=None,

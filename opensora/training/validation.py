@@ -16,14 +16,18 @@ Every ``every`` optimizer steps rank 0
   writes it: ``tools/eval_moving_shapes.py`` reads it) and ``validation.json`` (settings, time, scores);
 * logs a frame grid (one row per sample) and, where tensorboard can encode video (moviepy), the videos to
   tensorboard; the grid and the mp4s to wandb when it is enabled;
-* with ``score="moving_shapes"`` scores the uint8 frames in memory with ``opensora.eval.moving_shapes`` (before mp4
-  compression, so numbers can differ slightly from scoring the files) and logs ``val/color_acc``,
+* with ``score="moving_shapes"`` scores the uint8 frames in memory with ``opensora.eval.moving_shapes`` under the
+  ``motion`` rule (the validation's, else the dataset's: a wrap clip is read on the torus, as the benchmarks read it;
+  ``moving_shapes_windows.score_clips``), before mp4 compression, so numbers can differ slightly from scoring the
+  files, and logs ``val/color_acc``,
   ``val/shape_acc``, ``val/direction_acc``, ``val/all_acc`` (with ``long_frames``: long clips scored per window,
   ``val/*_window_min``, see ``opensora.training.validation_windows``); always ``val/seconds`` and ``val/num_samples``
-  (``metrics.jsonl``: a separate record with the same ``step``; tensorboard tags ``val/...``).
+  (``metrics.jsonl``: a separate record with the same ``step``; tensorboard tags ``val/...``);
+* with ``best_metric`` (a score it logs) notes that score in ``{outputs}/best.json``, which names the best step's
+  checkpoint (the trainer's own, saved just before; ``opensora.best_checkpoint``).
 
 No effect on training: the live network is only read, every RNG stream (python, numpy, torch CPU, the current CUDA
-device) is saved before and restored after, and nothing is checkpointed, so losses are bit-identical with and
+device) is saved before and restored after, and validation saves no checkpoint itself, so losses are bit-identical with and
 without validation and resume stays exact (``tests/test_validation.py``). A validation that fails (e.g. out of
 memory) is logged with its traceback and skipped; training goes on.
 
@@ -139,8 +143,13 @@ def validation_settings(cfg: Mapping) -> Optional[Dict[str, Any]]:
         s["resolution"] = s["resolution"] or first_res
         s["num_frames"] = s["num_frames"] or first_frames
     s["num_frames"] = int(s["num_frames"])
+    # the motion rule clips are scored by: the validation's, else the dataset's (a wrap or bounce dataset)
+    s["motion"] = s["motion"] or (cfg.get("dataset") or {}).get("motion") or "linear"
+    from opensora.datasets.moving_shapes import MOTIONS
     from opensora.training.validation_windows import long_clip_settings
 
+    if s["motion"] not in MOTIONS:
+        raise ConfigValueError(f"validation.motion must be one of {list(MOTIONS)}, got {s['motion']!r}")
     return best_metric_settings(long_clip_settings(s), cfg)
 
 
@@ -351,10 +360,10 @@ class Validator:
         write_samples_csv(save_dir, rows)
         record: Dict[str, float] = {}
         report = None
-        if s["score"] == "moving_shapes":
-            from opensora.eval.moving_shapes import score_rows
+        if s["score"] == "moving_shapes":  # under the run's motion rule (a wrap clip may cross an edge)
+            from opensora.eval.moving_shapes_windows import score_clips
 
-            report = score_rows([(row["path"], row["text"], frames, None) for row, frames in zip(rows, videos)])
+            report = score_clips(videos, [row["text"] for row in rows], s["motion"], [row["path"] for row in rows])
             record.update({f"val/{a}_acc": getattr(report, f"{a}_acc") for a in ("color", "shape", "direction", "all")})
         if s["long_frames"]:  # per-window scores of long clips (drift past the training length)
             from opensora.training.validation_windows import long_clip_record
