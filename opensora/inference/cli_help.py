@@ -9,7 +9,8 @@ shows nothing it learnt.
 from typing import Mapping
 
 INFERENCE_HELP = {
-    "ckpt": "checkpoint dir, .safetensors, or a training run dir (its newest complete checkpoint)",
+    "ckpt": "checkpoint dir, .safetensors, a training run dir (its newest complete checkpoint), or RUN/best (the "
+    "run's best checkpoint by its validation.best_metric)",
     "prompt": "a prompt; repeat --prompt for several (one --prompt with '|' is split there, for old scripts)",
     "prompt_file": ".txt (one prompt per line) or .csv with a text/prompt/caption column",
     "save_dir": "samples are added after those already there; --overwrite starts the directory over",
