@@ -173,7 +173,11 @@ def chosen_checkpoint(args, stage: str, last):
     record = read_best(run_dir)
     if stage not in DMD_STAGES or args.student_checkpoint != "best" or record is None or record["best"] is None:
         return last
-    return best_checkpoint_of(run_dir)
+    try:
+        return best_checkpoint_of(run_dir)
+    except FileNotFoundError as missing:  # e.g. a run killed between its last validation and its final save
+        print(f"   {stage}: {missing}; using its last checkpoint", flush=True)
+        return last
 
 
 def selection_record(run_dir: Path, ckpt) -> Optional[dict]:

@@ -399,6 +399,10 @@ def test_student_checkpoint_best_scores_and_builds_on_each_students_best_validat
     assert evaluated["long_rollout"] == tmp_path / "long_rollout" / "checkpoints" / "step-0000001"
     assert bench.selection_record(tmp_path / "self_forcing", best)["step"] == 50
     assert bench.selection_record(tmp_path / "self_forcing", best)["last_step"] == 100
+    # a best.json that names a checkpoint that is not there (a run killed before its final save): the last one
+    note_value(tmp_path / "long_rollout", "val/all_window_min", 7, 0.9)
+    last = tmp_path / "long_rollout" / "checkpoints" / "step-0000001"
+    assert bench.chosen_checkpoint(args, "long_rollout", last) == last
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", str(tmp_path), "--student-checkpoint", "best"])  # nothing to choose by
 
