@@ -151,11 +151,28 @@ def stage_config(args, stage: str) -> Path:
 
 
 def validation_prompts(count: int) -> list:
-    """``count`` of the 72 captions, evenly spread (every colour, shape and direction where count allows)."""
-    from opensora.datasets.moving_shapes import all_captions
+    """``count`` different captions of the 72, chosen one at a time as the caption whose colour, shape and direction
+    are the least used so far (each count scaled by how many values its attribute has): every colour, shape and
+    direction as evenly as ``count`` allows (the captions' own order, colour first, would give 6 clips of one
+    shape and one direction)."""
+    from collections import Counter
+
+    from opensora.datasets.moving_shapes import all_captions, parse_caption
 
     captions = all_captions()
-    return [captions[i * len(captions) // count] for i in range(count)]
+    parts = [parse_caption(c) for c in captions]
+    sizes = [len({p[i] for p in parts}) for i in range(3)]
+    used, chosen = [Counter() for _ in range(3)], []
+
+    def load(j):  # the most used of its attributes first, then the others
+        return sorted((used[i][parts[j][i]] * sizes[i] for i in range(3)), reverse=True)
+
+    for _ in range(count):
+        pick = min((j for j in range(len(captions)) if j not in chosen), key=lambda j: (load(j), j))
+        chosen.append(pick)
+        for i in range(3):
+            used[i][parts[pick][i]] += 1
+    return [captions[j] for j in chosen]
 
 
 def checkpoint_every(args, stage: str) -> int:
@@ -228,14 +245,23 @@ def train(args, stage: str, minutes: float, inits: dict, steps: Optional[int] = 
     """Run one stage with the project's trainer (torchrun, one process) unless its final checkpoint exists: for
     ``minutes``, or for ``steps`` steps when given (``minutes`` then caps it). ``resume``: train the finished stage
     on from its last checkpoint (``--resume auto``) for ``minutes`` more (``--tiny``: ``--tiny-steps`` more)."""
+    from opensora.training.run_dir import checkpoint_step
+
     run_dir = Path(args.out) / stage
     done = last_checkpoint(run_dir)
-    if done is not None and not resume:
+    max_steps = args.tiny_steps if args.tiny else steps
+    if done is not None and not resume and max_steps is not None and (checkpoint_step(done) or 0) >= max_steps:
+        (run_dir / FINISHED).write_text(FINISHED_TEXT)  # killed after its last step was saved: it is final
+    if done is not None and not resume and stage_finished(args, stage):
         print(f"== {stage}: reusing {done}")
         return done
-    if resume:
-        from opensora.training.run_dir import checkpoint_step
-
+    # checkpoints of a stage that did not finish (killed between its validation checkpoints): train on from them
+    unfinished = done is not None and not resume
+    if unfinished:
+        print(f"== {stage}: {done} is not its final checkpoint (the stage did not finish): training on from it")
+        budget = ["--resume", "auto", "--max-steps", str(max_steps or 1000000)]
+        budget += [] if args.tiny else ["--max-minutes", str(minutes)]
+    elif resume:
         budget = ["--resume", "auto", "--max-steps"]
         budget += (
             [str(checkpoint_step(done) + args.tiny_steps)] if args.tiny else ["1000000", "--max-minutes", str(minutes)]
@@ -259,7 +285,7 @@ def train(args, stage: str, minutes: float, inits: dict, steps: Optional[int] = 
         str(checkpoint_every(args, stage)),
         *budget,
     ]
-    for role, path in inits.items():
+    for role, path in inits.items():  # (a resumed run still builds its frozen roles from them)
         command += [f"--models.{role}.init_from.path", str(path)]
     print(f"== {stage}: {' '.join(command[5:])}", flush=True)
     started = time.monotonic()
@@ -271,7 +297,18 @@ def train(args, stage: str, minutes: float, inits: dict, steps: Optional[int] = 
         env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # this checkout
         subprocess.run(command, check=True, cwd=ROOT, env=env)
     print(f"   {stage} trained in {time.monotonic() - started:.0f} s", flush=True)
+    (run_dir / FINISHED).write_text(FINISHED_TEXT)
     return last_checkpoint(run_dir)
+
+
+FINISHED = "stage_finished"  # written when a stage's training returns: what a later call may reuse
+FINISHED_TEXT = "the stage's training ended; its last checkpoint is final\n"
+
+
+def stage_finished(args, stage: str) -> bool:
+    """Whether a stage's checkpoints are final: its training returned (``FINISHED``), or it saves only at the end
+    (``--ckpt-every 0``: any checkpoint is the final one; run directories from before the marker)."""
+    return (Path(args.out) / stage / FINISHED).is_file() or checkpoint_every(args, stage) == 0
 
 
 # ---- scoring ----------------------------------------------------------------------------------------------------

@@ -4,14 +4,16 @@ With ``validation.best_metric`` set (a logged validation value, higher is better
 rank 0 notes that value after every validation at step ``s``, whose checkpoint the trainer saved just before it
 (``validation.every`` must be a multiple of ``ckpt_every``). ``best.json`` keeps every noted value and the best step
 (the last of equal values: scores are shares of a few dozen clips, so ties are common, and the later step has trained
-more). Why: a distilled student's quality is not
-monotone in its steps (a Self-Forcing student on one H200 scored 0.08, 0.33, 0.75, 0.42 at steps 200-800 on the
-worst window's frame statistics), so the last checkpoint is not the one to ship.
+more). Why: a distilled student's quality is not monotone in its steps (a Self-Forcing student on one H200 scored
+0.08, 0.33, 0.75, 0.42 at steps 200-800 on the worst window's frame statistics), so the last checkpoint is not the
+one to ship.
 
 * checkpoint pruning (``keep_last``) spares the best checkpoint;
-* a resumed run forgets the values past the step it resumed from (those steps are trained again);
-* ``RUN/best`` names the best checkpoint wherever a checkpoint is read (``inference.py --ckpt``, ``init_from.path``,
-  the converter), through ``checkpoint_layout.newest_checkpoint_of``.
+* a resumed run forgets the values past the step it resumed from (those steps are trained again; the trainer does
+  this on rank 0 whatever its config says), and a validation cut short by ``max_seconds`` is no candidate;
+* ``RUN/best`` names the best checkpoint wherever weights are read (``inference.py --ckpt``, ``init_from.path``, the
+  converter), through ``checkpoint_layout.newest_checkpoint_of``; ``--load`` still takes a step directory;
+* a history noted under another metric is replaced (a run that changes ``best_metric`` starts a new record).
 
 Pure filesystem work, no torch: sampling reads it without the training stack.
 """

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train import build_trainer  # noqa: E402
@@ -47,14 +48,15 @@ def test_run_best_names_what_is_missing(tmp_path):
 def best_run(tmp_path_factory):
     """A run to step 8, a checkpoint and a validation every 2 steps, keep_last=1, ``best_metric="val/all_acc"``
     with the validation's all_acc set to 0.2, 0.9, 0.4, 0.6 at steps 2, 4, 6, 8 (the scorer runs for real; only
-    that one number is replaced): the best step is 4."""
+    that one number is replaced): the best step is 4. Then resumed from step 4 with 0.95 and 0.3: the best is the
+    new step 6."""
     from opensora.eval import moving_shapes_windows
 
     root = tmp_path_factory.mktemp("best")
     validation = dict(every=2, num_steps=2, score="moving_shapes", best_metric="val/all_acc")
     plain, prompts = tiny_demo_config(root, 2, keep_last=1)
     config = write_config(root / "val.py", plain, validation=dict(validation, prompts=prompts))
-    real, values = moving_shapes_windows.score_rows, iter([0.2, 0.9, 0.4, 0.6, 0.5, 0.3])
+    real, values = moving_shapes_windows.score_rows, iter([0.2, 0.9, 0.4, 0.6, 0.95, 0.3])
 
     def scored(*args, **kwargs):
         return dataclasses.replace(real(*args, **kwargs), all_acc=next(values))
@@ -66,14 +68,25 @@ def best_run(tmp_path_factory):
         build_trainer(config, outputs, "--max-steps", "8", "--ckpt-every", "2").train()
         kept = sorted(p.name for p in (outputs / "checkpoints").glob("step-*"))
         record = read_best(outputs)
-        # resumed from step 4 (the best): steps 6 and 8 are trained and validated again (0.5, 0.3)
+        best_before = newest_checkpoint_of(outputs / "best")
+        # resumed from step 4: steps 6 and 8 are trained and validated again (0.95, 0.3), the old run's step-0000008
+        # still on disk when the new step 6 is saved (pruning must not take the new step 6 for the older one)
         resumed = build_trainer(config, outputs, "--max-steps", "8", "--ckpt-every", "2")
         resumed.resume(load=str(outputs / "checkpoints" / "step-0000004"))
         after_resume = read_best(outputs)
         resumed.train()
     finally:
         patch.undo()
-    return dict(config=config, outputs=outputs, kept=kept, record=record, after_resume=after_resume)
+    kept_after = sorted(p.name for p in (outputs / "checkpoints").glob("step-*"))
+    return dict(
+        config=config,
+        outputs=outputs,
+        kept=kept,
+        record=record,
+        best_before=best_before,
+        after_resume=after_resume,
+        kept_after=kept_after,
+    )
 
 
 def test_the_best_validation_step_is_recorded_and_its_checkpoint_outlives_keep_last(best_run):
@@ -88,16 +101,38 @@ def test_run_slash_best_loads_the_best_checkpoints_weights(best_run):
     from opensora.convert.weights import load_role_weights
 
     outputs = best_run["outputs"]
-    assert newest_checkpoint_of(outputs / "best") == outputs / "checkpoints" / "step-0000004"
-    best = load_role_weights(outputs / "best", role="model", ema=True)
-    assert best.step == 4
+    assert best_run["best_before"] == outputs / "checkpoints" / "step-0000004"
+    best = load_role_weights(outputs / "best", role="model", ema=True)  # after the resume: step 6 (0.95)
+    saved = load_role_weights(outputs / "checkpoints" / "step-0000006", role="model", ema=True)
+    assert best.step == 6 and all(torch.equal(best.state_dict[k], v) for k, v in saved.state_dict.items())
+    last = load_role_weights(outputs / "checkpoints" / "step-0000008", role="model", ema=True)
+    assert not all(torch.equal(best.state_dict[k], v) for k, v in last.state_dict.items())  # not the newest
 
 
 def test_a_resumed_run_forgets_the_steps_it_trains_again(best_run):
+    from opensora.convert.weights import load_role_weights
+
     assert [e["step"] for e in best_run["after_resume"]["history"]] == [2, 4]
-    final = json.loads((best_run["outputs"] / BEST_FILE).read_text())
-    assert [(e["step"], e["value"]) for e in final["history"]] == [(2, 0.2), (4, 0.9), (6, 0.5), (8, 0.3)]
-    assert final["best"]["step"] == 4
+    outputs = best_run["outputs"]
+    final = json.loads((outputs / BEST_FILE).read_text())
+    assert [(e["step"], e["value"]) for e in final["history"]] == [(2, 0.2), (4, 0.9), (6, 0.95), (8, 0.3)]
+    assert final["best"]["step"] == 6
+    assert load_role_weights(outputs / "best", role="model").step == 6  # saved by the resumed run, not pruned
+    # the old course's step 8 went first when the new step 6 was saved; then keep_last=1 plus the best
+    assert best_run["kept_after"] == ["step-0000006", "step-0000008"]
+
+
+def test_a_cut_short_or_unscored_validation_is_no_best_candidate(tmp_path):
+    from types import SimpleNamespace
+
+    from opensora.training.validation import Validator
+
+    validator = SimpleNamespace(settings=dict(best_metric="val/all_acc", prompts=["a", "b", "c"]), outputs=tmp_path)
+    Validator._note_best(validator, 2, {"val/all_acc": 0.5, "val/num_samples": 3})
+    Validator._note_best(validator, 4, {"val/all_acc": 0.9, "val/num_samples": 2})  # max_seconds cut it short
+    Validator._note_best(validator, 6, {"val/all_acc": 0.9, "val/num_samples": 3, "val/long_samples": 1})
+    Validator._note_best(validator, 8, {"val/all_acc": float("nan"), "val/num_samples": 3})
+    assert read_best(tmp_path)["history"] == [dict(step=2, value=0.5)]
 
 
 def test_best_metric_must_be_a_logged_score_at_checkpointed_steps(best_run):
@@ -116,4 +151,7 @@ def test_best_metric_must_be_a_logged_score_at_checkpointed_steps(best_run):
     cfg.validation.best_metric = "val/all_acc"
     cfg.ckpt_every = 3
     with pytest.raises(ConfigValueError, match="multiple of ckpt_every.*set ckpt_every=2"):
+        validation_settings(cfg)
+    cfg.ckpt_every, cfg.save_at_end = 2, False
+    with pytest.raises(ConfigValueError, match="save_at_end=False"):
         validation_settings(cfg)

@@ -364,8 +364,21 @@ def test_student_checkpoint_best_scores_and_builds_on_each_students_best_validat
     args = bench.parse_args(flags)
     cfg = load_config(str(bench.stage_config(args, "self_forcing")))
     assert cfg.validation.best_metric == "val/all_window_min" and cfg.validation.batch_size == 24
+    from opensora.training.validation import validation_settings
+
+    cfg.ckpt_every = bench.checkpoint_every(args, "self_forcing")  # what the stage's --ckpt-every sets
+    assert validation_settings(cfg)["best_metric"] == "val/all_window_min"  # the trainer accepts the stage config
     assert len(set(cfg.validation.prompts)) == 24
-    assert {p.split()[1] for p in cfg.validation.prompts} >= {"red", "green", "blue", "cyan", "magenta", "yellow"}
+    from collections import Counter
+
+    from opensora.datasets.moving_shapes import parse_caption
+
+    for count in (6, 12, 24, 36, 64):  # as even as the count allows, every caption once
+        prompts = bench.validation_prompts(count)
+        assert len(set(prompts)) == count
+        for i, values in enumerate((6, 3, 4)):
+            uses = Counter(parse_caption(p)[i] for p in prompts)
+            assert len(uses) == min(values, count) and max(uses.values()) - min(uses.values()) <= 1
     assert (
         "best_metric"
         not in load_config(str(bench.stage_config(bench.parse_args(flags[:6]), "self_forcing"))).validation
@@ -399,6 +412,14 @@ def test_student_checkpoint_best_scores_and_builds_on_each_students_best_validat
     assert evaluated["long_rollout"] == tmp_path / "long_rollout" / "checkpoints" / "step-0000001"
     assert bench.selection_record(tmp_path / "self_forcing", best)["step"] == 50
     assert bench.selection_record(tmp_path / "self_forcing", best)["last_step"] == 100
+    # a stage killed between its validation checkpoints (no finished marker) trains on from them on the next call;
+    # a finished one is reused
+    (tmp_path / "self_forcing" / bench.FINISHED).unlink()
+    calls.clear()
+    monkeypatch.setattr(bench.subprocess, "run", lambda command, **_: calls.append(("self_forcing", command)))
+    bench.main([*flags, "--stop-after", "self_forcing"])
+    assert [stage for stage, _ in calls] == ["self_forcing"] and "--resume" in calls[0][1]
+    assert (tmp_path / "self_forcing" / bench.FINISHED).is_file()
     # a best.json that names a checkpoint that is not there (a run killed before its final save): the last one
     note_value(tmp_path / "long_rollout", "val/all_window_min", 7, 0.9)
     last = tmp_path / "long_rollout" / "checkpoints" / "step-0000001"

@@ -88,15 +88,19 @@ def _sizes_match(path: Path) -> bool:
         return False
 
 
-def prune_checkpoints(outputs: str | Path, keep_last: int) -> list[Path]:
+def prune_checkpoints(outputs: str | Path, keep_last: int, spare: Path | None = None) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints; returns the deleted paths. A damaged checkpoint
     (its files differ in size from its manifest) neither counts as kept nor is deleted: it stays for its owner to
     inspect, and the intact older ones it would have pushed out stay too. The run's best checkpoint by its
-    validation metric (``opensora.best_checkpoint``) is kept as well, outside the count."""
+    validation metric (``opensora.best_checkpoint``) is kept as well, outside the count. ``spare``, the checkpoint
+    just saved, counts as the newest whatever its step: a run resumed from an earlier step leaves later checkpoints
+    of its old course on disk, and those go first."""
     if keep_last is None or keep_last <= 0:
         return []
     best = best_step(outputs)
     intact = [path for step, path in list_checkpoints(outputs) if step != best and _sizes_match(path)]
+    if spare is not None and Path(spare) in intact:
+        intact = [path for path in intact if path != Path(spare)] + [Path(spare)]
     doomed = intact[:-keep_last]
     for path in doomed:
         # Rename first so a crash mid-delete never leaves a half-deleted dir that still looks complete.
@@ -357,7 +361,7 @@ def save_checkpoint(
         except OSError as failed:
             error = failed
         else:
-            prune_checkpoints(outputs, keep_last)
+            prune_checkpoints(outputs, keep_last, spare=final)
     if any_rank_failed(error):  # a collective: also the barrier that ends the save on every rank
         raise save_failure(tmp, final, error or OSError("rank 0 failed to finish the checkpoint")) from error
     return final

@@ -24,6 +24,7 @@ import torch
 from mmengine.config import Config
 from tqdm import tqdm
 
+from opensora.best_checkpoint import forget_after
 from opensora.cli_errors import UserInputError
 from opensora.config import ConfigValueError, save_config
 from opensora.datasets.dataloader import build_dataloader
@@ -213,8 +214,8 @@ class Trainer:
             save_config(self.cfg, self.outputs)
         self._records_started = True
         self.metrics.truncate_after(self.step)
-        if self.validator is not None:
-            self.validator.forget_after(self.step)
+        if self.is_main:  # the best-checkpoint record (validation.best_metric) forgets the steps trained again
+            forget_after(self.outputs, self.step)
 
     def save(self) -> Path:
         trainer_state = dict(step=self.step, nonfinite_total=self.nonfinite_total)

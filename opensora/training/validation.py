@@ -180,6 +180,10 @@ def best_metric_settings(s: dict, cfg: Mapping) -> dict:
         )
     from opensora.training.defaults import TRAINER_DEFAULTS
 
+    if not cfg.get("save_at_end", TRAINER_DEFAULTS["save_at_end"]):
+        raise ConfigValueError(
+            "validation.best_metric keeps the best step's checkpoint; save_at_end=False saves none at the last step"
+        )
     ckpt_every = int(cfg.get("ckpt_every", TRAINER_DEFAULTS["ckpt_every"]) or 0)
     if ckpt_every <= 0 or s["every"] % ckpt_every:
         raise ConfigValueError(
@@ -391,16 +395,14 @@ class Validator:
     def _note_best(self, step: int, record: Mapping[str, float]) -> None:
         metric = self.settings["best_metric"]
         value = record.get(metric) if metric is not None else None
-        if value is None or not np.isfinite(value):  # off, or not scored this time (out of time, no windows)
+        if value is None or not np.isfinite(value):  # off, or not scored this time (no windows)
+            return
+        wanted = len(self.settings["prompts"])
+        cut = record.get("val/num_samples", wanted) < wanted or record.get("val/long_samples", wanted) < wanted
+        if cut:  # max_seconds cut it short: a score over other (fewer) prompts does not compete with full ones
+            logger.warning("validation at step %d sampled fewer prompts than listed: not a best candidate", step)
             return
         from opensora.best_checkpoint import note_value
 
         best = note_value(self.outputs, metric, step, value)["best"]
         logger.info("best checkpoint by %s: step %d (%.4f)", metric, best["step"], best["value"])
-
-    def forget_after(self, step: int) -> None:
-        """On (re)start at ``step`` (rank 0): the best-checkpoint record forgets the steps that are trained again."""
-        if self.is_main and self.settings["best_metric"] is not None:
-            from opensora.best_checkpoint import forget_after
-
-            forget_after(self.outputs, step)
