@@ -184,15 +184,13 @@ def checkpoint_every(args, stage: str) -> int:
 def chosen_checkpoint(args, stage: str, last):
     """The checkpoint of ``stage`` that is scored and built on: its best by the validations
     (``--student-checkpoint best``, ``RUN/best``) where the run kept one, else ``last``."""
-    from opensora.best_checkpoint import best_checkpoint_of, read_best
+    from opensora.best_checkpoint import best_checkpoint_of
 
-    run_dir = Path(args.out) / stage
-    record = read_best(run_dir)
-    if stage not in DMD_STAGES or args.student_checkpoint != "best" or record is None or record["best"] is None:
+    if stage not in DMD_STAGES or args.student_checkpoint != "best" or last is None:
         return last
     try:
-        return best_checkpoint_of(run_dir)
-    except FileNotFoundError as missing:  # e.g. a run killed between its last validation and its final save
+        return best_checkpoint_of(Path(args.out) / stage)
+    except FileNotFoundError as missing:  # no validation noted a score, or a run killed before its final save
         print(f"   {stage}: {missing}; using its last checkpoint", flush=True)
         return last
 

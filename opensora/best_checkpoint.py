@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from opensora.checkpoint_layout import checkpoint_dir
+
 BEST_FILE = "best.json"
 BEST_NAME = "best"  # RUN/best: the best checkpoint of RUN
 
@@ -46,18 +48,17 @@ def _with_best(metric: str, history: list) -> dict:
     for entry in history:  # oldest first: a later step that ties the best replaces it
         if best is None or entry["value"] >= best["value"]:
             best = entry
-    if best is not None:
-        best = dict(best, checkpoint=f"checkpoints/step-{best['step']:07d}")
+    if best is not None:  # the checkpoint's path inside the run, as the trainer names it
+        best = dict(best, checkpoint=checkpoint_dir("", best["step"]).as_posix())
     return dict(metric=metric, best=best, history=history)
 
 
 def note_value(outputs, metric: str, step: int, value: float) -> dict:
     """Record ``metric`` = ``value`` at ``step`` (replacing an earlier value at that step) and return the record."""
     old = read_best(outputs)
-    history = (
-        [e for e in (old or {}).get("history", []) if e["step"] != step] if old and old["metric"] == metric else []
-    )
-    history = sorted(history + [dict(step=int(step), value=float(value))], key=lambda e: e["step"])
+    noted = old["history"] if old is not None and old["metric"] == metric else []  # another metric: a new record
+    history = [e for e in noted if e["step"] != step] + [dict(step=int(step), value=float(value))]
+    history.sort(key=lambda e: e["step"])
     record = _with_best(metric, history)
     _write(outputs, record)
     return record

@@ -76,6 +76,9 @@ def test_long_clips_are_sampled_scored_per_window_and_logged(causal, tmp_path):
     assert record is not None and set(WINDOW_KEYS) <= set(record) and record["val/long_samples"] == 2
     assert all(math.isnan(record[k]) or 0.0 <= record[k] <= 1.0 for k in WINDOW_KEYS if "window_min" in k)
     assert metrics.records and set(WINDOW_KEYS) <= set(metrics.records[-1][1])
+    from opensora.training.validation import scored_metrics
+
+    assert set(scored_metrics(validator.settings)) <= set(record)  # every name best_metric may take is logged
     out = tmp_path / "samples/step-0000001/long"
     report = json.loads((out / "windows.json").read_text())
     assert report["long_frames"] == 8 and report["motion"] == "wrap"

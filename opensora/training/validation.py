@@ -58,6 +58,7 @@ from opensora.training.rng import get_rng_state, set_rng_state
 logger = logging.getLogger(__name__)
 
 SCORERS = (None, "moving_shapes")
+CLIP_SCORES = ("color", "shape", "direction", "all")  # val/{name}_acc of the clip-length samples
 GRID_FRAMES = 8  # frames per sample in the logged grid (evenly spaced)
 
 
@@ -157,11 +158,11 @@ def scored_metrics(s: Mapping) -> List[str]:
     """The scores a validation with resolved settings ``s`` logs (what ``best_metric`` may name)."""
     if s["score"] != "moving_shapes":
         return []
-    names = [f"val/{a}_acc" for a in ("color", "shape", "direction", "all")]
+    names = [f"val/{a}_acc" for a in CLIP_SCORES]
     if s["long_frames"] is not None:
-        from opensora.training.validation_windows import ATTRIBUTES
+        from opensora.training.validation_windows import ATTRIBUTES, WINDOW_KINDS
 
-        names += [f"val/{a}_{kind}" for kind in ("window_min", "vs_first_min") for a in ATTRIBUTES]
+        names += [f"val/{a}_{kind}" for kind in WINDOW_KINDS for a in ATTRIBUTES]
         names.append("val/all_window_min")
     return names
 
@@ -368,7 +369,7 @@ class Validator:
             from opensora.eval.moving_shapes_windows import score_clips
 
             report = score_clips(videos, [row["text"] for row in rows], s["motion"], [row["path"] for row in rows])
-            record.update({f"val/{a}_acc": getattr(report, f"{a}_acc") for a in ("color", "shape", "direction", "all")})
+            record.update({f"val/{a}_acc": getattr(report, f"{a}_acc") for a in CLIP_SCORES})
         if s["long_frames"]:  # per-window scores of long clips (drift past the training length)
             from opensora.training.validation_windows import long_clip_record
 

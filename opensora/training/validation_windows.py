@@ -29,6 +29,7 @@ import torch
 from opensora.config import ConfigValueError
 
 ATTRIBUTES = ("color", "shape", "direction", "stats")
+WINDOW_KINDS = ("window_min", "vs_first_min")  # val/{attribute}_{kind}
 
 
 def long_clip_settings(s: dict) -> dict:
@@ -127,7 +128,7 @@ def long_clip_record(sampler, generator, s: Mapping, prompts, seeds, height, wid
     (out / "windows.json").write_text(json.dumps(dict(head, **report), indent=1) + "\n")
     record = {}
     for name in ATTRIBUTES:
-        for kind in ("window_min", "vs_first_min"):
+        for kind in WINDOW_KINDS:
             value = report[f"{name}_{kind}"]
             record[f"val/{name}_{kind}"] = float("nan") if value is None else float(value)
     # the worst attribute in the worst window: one number a best checkpoint can be chosen by (all are shares of clips)
