@@ -23,8 +23,6 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from opensora.checkpoint_layout import checkpoint_dir
-
 BEST_FILE = "best.json"
 BEST_NAME = "best"  # RUN/best: the best checkpoint of RUN
 
@@ -48,8 +46,9 @@ def _with_best(metric: str, history: list) -> dict:
     for entry in history:  # oldest first: a later step that ties the best replaces it
         if best is None or entry["value"] >= best["value"]:
             best = entry
-    if best is not None:  # the checkpoint's path inside the run, as the trainer names it
-        best = dict(best, checkpoint=checkpoint_dir("", best["step"]).as_posix())
+    if best is not None:  # the path inside the run, as checkpoint_layout.checkpoint_dir names it (which imports
+        # this module to resolve RUN/best, so the name is spelt here; tests/test_best_checkpoint.py checks both agree)
+        best = dict(best, checkpoint=f"checkpoints/step-{best['step']:07d}")
     return dict(metric=metric, best=best, history=history)
 
 

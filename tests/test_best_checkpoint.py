@@ -22,6 +22,9 @@ def test_note_value_keeps_the_last_of_equal_values_and_replaces_a_repeated_step(
     note_value(tmp_path, "val/all_acc", 2, 0.5)
     note_value(tmp_path, "val/all_acc", 4, 0.4)
     assert read_best(tmp_path)["best"] == dict(step=2, value=0.5, checkpoint="checkpoints/step-0000002")
+    from opensora.checkpoint_layout import checkpoint_dir
+
+    assert tmp_path / read_best(tmp_path)["best"]["checkpoint"] == checkpoint_dir(tmp_path, 2)  # the trainer's name
     note_value(tmp_path, "val/all_acc", 6, 0.5)  # a tie: the later, more trained step
     assert read_best(tmp_path)["best"]["step"] == 6
     note_value(tmp_path, "val/all_acc", 6, 0.1)  # step 6 validated again (a resumed run): its new value counts
