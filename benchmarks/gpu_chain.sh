@@ -23,8 +23,9 @@ chain_modes() {
       cat "$out/progress.txt"
       grep -h -E "trained in|reusing|Error|error:|Killed" "$out"/log/*.txt 2>/dev/null | tail -n 12
       if [ -n "${OUT:-}" ]; then  # one archive: a device call brings back 8 files at most
-        # the printed tables are log/eval_*.txt and log/switch_*.txt; gate.json: --teacher-gate's checks
-        mkdir -p "$OUT" && (cd "$out" && tar czf "$OUT/chain.tgz" log progress.txt $(ls -d */report*.json */teacher/gate.json p30 2>/dev/null))
+        # the printed tables are log/eval_*.txt and log/switch_*.txt; gate.json: --teacher-gate's checks; best.json: a
+        # student's validation scores by step (--student-checkpoint best)
+        mkdir -p "$OUT" && (cd "$out" && tar czf "$OUT/chain.tgz" log progress.txt $(ls -d */report*.json */teacher/gate.json */*/best.json p30 2>/dev/null))
       fi
       [ -e "$out/done" ] && echo "chain done" || echo "chain still running"
       exit 0 ;;
