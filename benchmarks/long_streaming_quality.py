@@ -328,10 +328,13 @@ def accuracy(videos, prompts, motion) -> dict:
     (``score_clips``: a bounce clip may turn at a wall inside the clip -- ground truth reads the caption's direction in
     about 3 clips of 4 at 64x64x16 -- so its direction is the bounce rule's over the clip)."""
     from opensora.eval.moving_shapes_windows import score_clips
+    from opensora.eval.resampled_criteria import hit_string
 
     report = score_clips(videos, prompts, motion)
     scores = {f"{a}_acc": getattr(report, f"{a}_acc") for a in ("color", "shape", "direction", "all")}
-    return dict(scores, confusions=confusions(report.rows))
+    # per clip (one character: resampled_criteria's hit strings), so a verdict's stability can be measured
+    hits = {a: [hit_string([row["correct"][a]]) for row in report.rows] for a in ("color", "shape", "direction")}
+    return dict(scores, confusions=confusions(report.rows), clip_hits=hits)
 
 
 def confusions(rows) -> dict:
@@ -490,6 +493,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         k: (result[k] / teacher[k] if teacher[k] else None) for k in ("color_acc", "shape_acc", "direction_acc")
     }
     result["criteria"] = criteria(result, teacher)
+    result["criteria_resampled"] = resampled_criteria(result, teacher, args.resample_draws, args.seed)
     return result
 
 
@@ -607,6 +611,28 @@ def criteria(student: dict, teacher: dict) -> dict:
     return out
 
 
+def resampled_criteria(student: dict, teacher: dict, draws: int, seed: int) -> dict:
+    """``criteria``' share-of-clips lines judged again on ``draws`` paired resamples of the prompts
+    (``resampled_criterion``): per line the verdict, the share of resamples that pass and the worst window's ratio
+    with its 90% interval. A pass share near 1 (or 0) says the verdict belongs to the models, near 0.5 to the draw."""
+    from opensora.eval.resampled_criteria import hits_array, resampled_criterion
+
+    def judged(values, reference, fraction):
+        return resampled_criterion(hits_array(values), hits_array(reference), fraction, draws=draws, seed=seed)
+
+    long = student["long"]["clip_hits"]
+    out = {}
+    for attribute in ("color", "shape", "direction"):  # every window against the student's own first
+        first = [hits[:1] for hits in long[attribute]]
+        out[f"{attribute}_every_window_ge_95pct_of_first"] = judged(long[attribute], first, 0.95)
+    out["stats_every_window_ge_95pct_of_teacher"] = judged(long["stats"], teacher["stats_hits"], 0.95)
+    for attribute in ("color", "shape", "direction"):  # the clip length against the teacher's clips
+        out[f"{attribute}_acc_ge_98pct_of_teacher"] = judged(
+            student["clip_hits"][attribute], teacher["clip_hits"][attribute], 0.98
+        )
+    return out
+
+
 def evaluation_inputs(args):
     """(prompts, seeds, the teacher's config, clip (frames, height, width), the report's header) of every
     evaluation: ``--num-prompts`` held captions, prompt i at seed ``--seed`` + i. Past the 72 captions the list
@@ -659,6 +685,7 @@ def evaluate(args, checkpoints: dict) -> dict:
     teacher_window = score_windows(list(videos), prompts, clip[0], motion=args.motion, workers=args.score_workers)
     teacher_scores["stats_in_range"] = teacher_window["stats_window_min"]
     teacher_scores["stats_outside"] = teacher_window["windows"][0]["stats_outside"]
+    teacher_scores["stats_hits"] = teacher_window["clip_hits"]["stats"]
     gate = Path(args.out) / "teacher" / "gate.json"
     if gate.is_file():  # --teacher-gate: the checks that decided how long the teacher trained
         teacher_scores["gate"] = json.loads(gate.read_text())
@@ -731,6 +758,7 @@ def print_report(report: dict) -> None:
         print_windows(s["long"]["windows"])
         print_background(s["long"]["background_by_frame"], report["clip"][0])
         print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
+        print_resampled(s.get("criteria_resampled"))
         for key, anchor in (("long_sinks", s.get("rope_anchor", "absolute")), ("long_sinks_rope_window", "window")):
             if key in s:
                 r = s[key]
@@ -757,6 +785,20 @@ def print_report(report: dict) -> None:
                 f" (absolute {s['long_frames_per_s']:.1f})"
             )
         print_switch_lines(s)
+
+
+def print_resampled(lines: Optional[dict]) -> None:
+    """Per criterion: its verdict, how often it repeats over resampled prompts, the worst ratio and its interval."""
+    if not lines:
+        return
+    first = next(iter(lines.values()))
+    print(f"  the criteria over {first['draws']} paired resamples of the prompts (pass share; worst ratio, interval):")
+    for name, r in lines.items():
+        interval = r["worst_ratio_interval"]
+        spread = f"[{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "-"
+        ratio = "-" if r["worst_ratio"] is None else f"{r['worst_ratio']:.3f}"
+        share = "-" if r["pass_share"] is None else f"{r['pass_share']:.2f}"
+        print(f"    {name:<44} {str(r['observed']):<5} passes in {share}; {ratio} {spread}")
 
 
 def print_switch_lines(s: dict) -> None:
@@ -963,6 +1005,12 @@ def parse_args(argv=None):
         help="processes that score the windows (~40 ms a window: 288 clips x 8 windows take ~90 s in one)",
     )
     parser.add_argument("--seed", type=int, default=424242, help="first sampling seed (prompt i uses seed + i)")
+    parser.add_argument(
+        "--resample-draws",
+        type=int,
+        default=2000,
+        help="paired resamples of the prompts each criterion is judged again on (how stable a verdict is)",
+    )
     parser.add_argument("--train-seed", type=int, default=0)
     parser.add_argument("--teacher-steps", type=int, default=30)
     parser.add_argument("--teacher-guidance", type=float, default=4.0)
@@ -990,6 +1038,8 @@ def parse_args(argv=None):
         parser.error("--student-checkpoint best chooses by the validations: add --validation-every N")
     if args.validation_prompts is not None and not 1 <= args.validation_prompts <= 64:
         parser.error(f"--validation-prompts {args.validation_prompts}: between 1 and 64 (validation.max_prompts)")
+    if args.resample_draws < 1:
+        parser.error(f"--resample-draws {args.resample_draws}: at least 1")
     if args.teacher_gate is not None and args.teacher_ckpt:
         parser.error("--teacher-gate trains the teacher on: it does not combine with --teacher-ckpt")
     if args.teacher_gate is not None and not 0 < args.teacher_gate <= 1:

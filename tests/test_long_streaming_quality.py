@@ -44,6 +44,15 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
         assert long["frames"] == 24 and [w["start_frame"] for w in long["windows"]] == [0, 8, 16]
         assert long["window"] == 8 and student["window_frames"] == 6 and student["sink_frames"] == 2
         assert set(student["criteria"]) >= {"flicker_le_1.1", "stats_every_window_ge_95pct_of_teacher"}
+        # each share-of-clips line judged again over resampled prompts: on the clips as they are, the same verdict
+        resampled = student["criteria_resampled"]
+        assert set(resampled) == set(student["criteria"]) - {"flicker_le_1.1"} - {
+            k for k in student["criteria"] if k.startswith("switch")
+        }
+        for name, line in resampled.items():
+            assert line["observed"] == student["criteria"][name], name
+            assert line["draws"] == 2000 and (line["pass_share"] is None or 0 <= line["pass_share"] <= 1)
+        assert len(long["clip_hits"]["stats"]) == 4 and len(student["clip_hits"]["shape"]) == 4
         anchored = student["long_rope_window"]  # the same seeds with the text and sinks at the window's start
         assert anchored["frames"] == 24 and [w["start_frame"] for w in anchored["windows"]] == [0, 8, 16]
         assert anchored["windows"][0] == long["windows"][0]  # the first window streams before the cache rolls
@@ -171,7 +180,12 @@ def test_teacher_row_scores_ground_truth_clips_of_the_benchmark_as_one(motion):
         for i, p in enumerate(prompts)
     ]
     scores = _benchmark().accuracy(videos, prompts, motion)
+    hits = scores.pop("clip_hits")  # one hit string per clip, for the resampled criteria
     assert scores == dict(color_acc=1.0, shape_acc=1.0, direction_acc=1.0, all_acc=1.0, confusions={})
+    # no miss; a bounce clip without a majority direction is not scored for direction ("."), as in the accuracy
+    assert all("0" not in "".join(h) and "1" in "".join(h) for h in hits.values())
+    assert set(hits) == {"color", "shape", "direction"}
+    assert len(hits["color"]) == len(prompts)
     if motion == "bounce":  # a clip that turns back is wrong when it is read against its caption alone
         from opensora.eval.moving_shapes import score_rows
 

@@ -48,6 +48,7 @@ from opensora.datasets.moving_shapes import (
     render_video,
 )
 from opensora.eval.moving_shapes import downsample, find_foreground, mask_centroids, read_shape, score_rows
+from opensora.eval.resampled_criteria import hit_string
 
 STATS_MARGIN = 0.05  # relative widening of the per-caption shape statistics' range (sub-pixel coverage, rounding)
 # grey levels the background may move: a sampler's colour bias and video coding move a flat background by a level
@@ -304,6 +305,12 @@ def score_windows(
         stats_margin=float(stats_margin),
         windows=windows,
         **summarise_windows(windows),
+        # per clip, one character per window (resampled_criteria: "1" hit, "0" miss, "." not scored): how stable a
+        # verdict on these shares is when the clips are drawn again
+        clip_hits={
+            name: [hit_string([None if np.isnan(h) else bool(h) for h in row]) for row in table]
+            for name, table in hits.items()
+        },
     )
 
 

@@ -1,0 +1,104 @@
+"""How often a "share of clips >= fraction x a reference share" verdict repeats when the prompts are drawn again.
+
+A criterion such as "in every window the share of clips in range is >= 95% of the teacher's share" compares shares of
+a few hundred clips: one clip moves a share of 288 by 0.0035, and the standard error of a share near 0.5 is 0.03, more
+than the 5% margin. So a verdict is reported with how stable it is: the clips are resampled with replacement (paired:
+a student's clip and the teacher's clip of the same prompt and seed are drawn together), the criterion is judged again
+on every draw, and the share of draws that pass says whether the verdict is a property of the models or of the draw.
+
+Per-clip hits travel as strings, one character per window: ``"1"`` a hit, ``"0"`` a miss, ``"."`` not scored (a
+prompt switch inside the window, or no direction to score), so a report keeps them compactly.
+"""
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+HIT, MISS, UNSCORED = "1", "0", "."
+
+
+def hit_string(hits: Sequence[Optional[bool]]) -> str:
+    """One clip's hits over its windows as a string (None: not scored)."""
+    return "".join(UNSCORED if h is None else (HIT if h else MISS) for h in hits)
+
+
+def hits_array(strings: Sequence[str]) -> np.ndarray:
+    """[clips, windows] float array of hit strings: 1.0 / 0.0, NaN where not scored."""
+    if not len(strings):
+        raise ValueError("need at least one clip's hits")
+    widths = {len(s) for s in strings}
+    if len(widths) != 1:
+        raise ValueError(f"every clip needs the same number of windows, got {sorted(widths)}")
+    table = {HIT: 1.0, MISS: 0.0, UNSCORED: np.nan}
+    try:
+        return np.array([[table[c] for c in s] for s in strings], dtype=np.float64)
+    except KeyError as bad:
+        raise ValueError(f"hit strings hold {HIT!r}, {MISS!r} or {UNSCORED!r}, got {bad.args[0]!r}") from None
+
+
+def _shares(hits: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """[draws, windows] share of hits among the scored clips of each resampled set (NaN where none is scored)."""
+    picked = hits[draws]  # [draws, clips, windows]
+    scored = ~np.isnan(picked)
+    counts = scored.sum(axis=1)
+    total = np.where(scored, picked, 0.0).sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, total / np.maximum(counts, 1), np.nan)
+
+
+def _judge(values: np.ndarray, reference: np.ndarray, fraction: float):
+    """Per set: (pass, worst window's ratio) of "every window's share >= fraction x the reference's share"; values
+    [sets, windows], reference [sets]. Unscored windows are skipped; a set with no scored window, or whose reference
+    share is 0 (or unscored: no ratio to judge), is not judged (NaN), as the benchmark's own criteria leave it None."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        worst = np.min(np.where(np.isnan(values), np.inf, values), axis=1)
+        judged = np.isfinite(worst) & (reference > 0)
+        ratio = np.where(judged, worst / np.where(judged, reference, 1.0), np.nan)
+    return np.where(judged, (ratio >= fraction).astype(np.float64), np.nan), ratio
+
+
+def resampled_criterion(
+    values: np.ndarray,
+    reference: np.ndarray,
+    fraction: float,
+    draws: int = 2000,
+    seed: int = 0,
+    level: float = 0.9,
+) -> dict:
+    """Judge "every window's share of hits in ``values`` [clips, windows] >= ``fraction`` x the share of hits in
+    ``reference`` [clips, R]" on the clips as they are and on ``draws`` paired resamples of them (the same clip rows
+    from both: row i of each is the same prompt and seed).
+
+    Returns ``observed`` (the verdict on the clips as they are; None where the reference's share is 0),
+    ``pass_share`` (the share of the judged resamples that pass),
+    ``worst_ratio`` (the worst window's share over the reference's), its ``level`` interval over the resamples
+    (``worst_ratio_interval``), and ``draws``, ``seed``, ``level``, ``fraction``."""
+    values = np.asarray(values, dtype=np.float64)
+    reference = np.asarray(reference, dtype=np.float64)
+    if values.ndim != 2 or reference.ndim != 2 or len(values) != len(reference) or not len(values):
+        raise ValueError(
+            f"need values [clips, windows] and reference [clips, R] with the same clips, got {values.shape} and "
+            f"{reference.shape}"
+        )
+    if draws < 1 or not 0 < level < 1:
+        raise ValueError(f"need draws >= 1 and 0 < level < 1, got draws={draws}, level={level}")
+    every = np.arange(len(values))[None]
+    observed, ratio = _judge(_shares(values, every), np.nanmean(_shares(reference, every), axis=1), fraction)
+    rows = np.random.default_rng(seed).integers(0, len(values), size=(draws, len(values)))
+    passed, ratios = _judge(_shares(values, rows), np.nanmean(_shares(reference, rows), axis=1), fraction)
+    judged = ~np.isnan(passed)
+    tail = (1 - level) / 2
+    interval = [float(q) for q in np.quantile(ratios[judged], [tail, 1 - tail])] if judged.any() else None
+    return dict(
+        fraction=float(fraction),
+        observed=None if np.isnan(observed[0]) else bool(observed[0]),
+        worst_ratio=None if np.isnan(ratio[0]) else float(ratio[0]),
+        pass_share=float(passed[judged].mean()) if judged.any() else None,
+        worst_ratio_interval=interval,
+        level=float(level),
+        draws=int(draws),
+        seed=int(seed),
+    )
+
+
+__all__ = ["hit_string", "hits_array", "resampled_criterion"]

@@ -1,0 +1,85 @@
+"""opensora.eval.resampled_criteria: a share-of-clips verdict judged again over paired resamples of the clips,
+against closed forms (the binomial tail of a resampled share) and the pairing a shared prompt and seed implies."""
+
+import math
+
+import numpy as np
+import pytest
+
+from opensora.datasets import moving_shapes as ms
+from opensora.eval.moving_shapes_windows import score_windows
+from opensora.eval.resampled_criteria import hit_string, hits_array, resampled_criterion
+
+
+def test_hit_strings_round_trip_and_reject_ragged_or_unknown_marks():
+    assert hit_string([True, False, None]) == "10."
+    table = hits_array(["10.", "011"])
+    assert table.shape == (2, 3) and np.isnan(table[0, 2]) and table[1].tolist() == [0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="same number of windows"):
+        hits_array(["10", "101"])
+    with pytest.raises(ValueError, match="'x'"):
+        hits_array(["1x"])
+    with pytest.raises(ValueError, match="at least one"):
+        hits_array([])
+
+
+def _binomial_tail(n: int, p: float, k: int) -> float:
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
+def test_pass_share_of_one_window_against_a_sure_reference_is_the_binomial_tail():
+    """A reference every clip hits (share 1) and one window with 90 hits of 100: a resample passes ">= 0.9" when it
+    draws >= 90 hits, so the pass share is P(Binomial(100, 0.9) >= 90) = 0.583."""
+    values = np.array([[1.0]] * 90 + [[0.0]] * 10)
+    line = resampled_criterion(values, np.ones((100, 1)), 0.9, draws=8000, seed=3)
+    assert line["observed"] is True and line["worst_ratio"] == pytest.approx(0.9)
+    assert line["pass_share"] == pytest.approx(_binomial_tail(100, 0.9, 90), abs=0.02)
+    low, high = line["worst_ratio_interval"]  # the 90% interval of a binomial share: 0.9 -+ 1.645 x 0.03
+    assert low == pytest.approx(0.85, abs=0.011) and high == pytest.approx(0.95, abs=0.011)
+
+
+def test_paired_resampling_keeps_a_student_equal_to_its_teacher_clip_for_clip_at_ratio_one():
+    """Row i of both tables is the same prompt and seed: a student that hits exactly where the teacher does keeps the
+    ratio at 1 in every resample (drawn apart, the two shares would jitter and fail a 0.95 margin about a third of
+    the time at 60 of 120)."""
+    rng = np.random.default_rng(0)
+    teacher = (rng.random((120, 1)) < 0.5).astype(float)
+    student = np.repeat(teacher, 4, axis=1)  # four windows, each the teacher's clips
+    line = resampled_criterion(student, teacher, 0.95, draws=500)
+    assert line["observed"] is True and line["pass_share"] == 1.0 and line["worst_ratio_interval"] == [1.0, 1.0]
+
+
+def test_the_worst_window_decides_and_unscored_windows_are_skipped():
+    values = np.ones((50, 3))
+    values[:25, 2] = 0.0  # the last window holds half
+    values[:, 1] = np.nan  # nothing scored in the middle window
+    line = resampled_criterion(values, np.ones((50, 1)), 0.95, draws=200)
+    assert line["observed"] is False and line["worst_ratio"] == pytest.approx(0.5) and line["pass_share"] == 0.0
+    clear = resampled_criterion(values[:, :2], np.ones((50, 1)), 0.95, draws=200)  # NaN window only: judged on 0
+    assert clear["observed"] is True and clear["pass_share"] == 1.0
+    with pytest.raises(ValueError, match="same clips"):
+        resampled_criterion(values, np.ones((49, 1)), 0.95)
+    with pytest.raises(ValueError, match="draws"):
+        resampled_criterion(values, np.ones((50, 1)), 0.95, draws=0)
+
+
+def test_score_windows_clip_hits_give_each_windows_shares():
+    """The per-clip hit strings of rendered wrap clips, one character a window, average to the windows' shares."""
+    combos = [("red", "square", "right"), ("blue", "circle", "down"), ("cyan", "triangle", "left")] * 2
+    motions = [
+        ms.sample_motion(np.random.default_rng(40 + i), *combo, 32, 32, motion="wrap", reference_frames=16)
+        for i, combo in enumerate(combos)
+    ]
+    videos = [ms.render_video(m, 32, 32, 32) for m in motions]
+    videos[3] = (videos[3] // 3).astype(np.uint8)  # one clip far too dark: its statistics leave the range
+    report = score_windows(videos, [ms.caption(*c) for c in combos], 16, motion="wrap")
+    for name, key in (("color", "color_acc"), ("shape", "shape_acc"), ("stats", "stats_in_range")):
+        table = hits_array(report["clip_hits"][name])
+        assert table.shape == (6, 2)
+        assert table.mean(axis=0).tolist() == pytest.approx([w[key] for w in report["windows"]])
+    assert report["clip_hits"]["stats"][3] == "00" and report["clip_hits"]["stats"][0] == "11"
+
+
+def test_a_reference_no_clip_hits_leaves_the_criterion_unjudged_as_the_benchmark_does():
+    line = resampled_criterion(np.ones((20, 2)), np.zeros((20, 1)), 0.95, draws=100)
+    assert line["observed"] is None and line["pass_share"] is None and line["worst_ratio_interval"] is None
