@@ -15,7 +15,8 @@
 # SWITCH=0 skips the Self-Forcing switch stages (its evaluation then comes with the LONG=1 exit-context one, or
 # alone without LONG); LONG_GPUS="0 1" runs the two LongRollout lanes side by side; SECOND=control makes the second
 # lane the control (Self-Forcing trained on) instead of the fully denoised context; EVAL_SWITCH=0 leaves the prompt
-# switch out of the evaluations; CHAIN_GPU=1 runs the chain's one-GPU stages on GPU 1 (default 0), so two chains
+# switch out of the evaluations; EVAL_RENOISE="1.0" adds the re-rendered switch to them (a criteria line per time,
+# beside the re-cache's); CHAIN_GPU=1 runs the chain's one-GPU stages on GPU 1 (default 0), so two chains
 # with their own OUT and seeds can share a two-GPU machine.
 set -uo pipefail
 source "$(dirname "$0")/gpu_chain.sh"
@@ -25,6 +26,7 @@ g=${CHAIN_GPU:-0}  # the GPU of every one-GPU stage: two chains (fresh seeds eac
 E=${EXTRA:-"--motion wrap --seed 949494 --train-seed 4 --teacher-minutes 6.5 --ode-minutes 2.5 --student-minutes 2.5"}
 L="--student-minutes ${L_MINUTES:-9} --student-steps ${STEPS:-160} --long-init self_forcing --switch-prob ${L_SWITCH_PROB:-0}"
 switch=(--prompt-switch --switch-sink-frames 0)
+[ -n "${EVAL_RENOISE:-}" ] && switch+=(--switch-renoise $EVAL_RENOISE)  # and re-rendered, each its own criterion
 [ "${EVAL_SWITCH:-1}" = 0 ] && switch=()  # the evaluations without the prompt switch (a large --num-prompts)
 
 lone_nccl_check

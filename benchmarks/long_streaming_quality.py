@@ -606,6 +606,9 @@ def criteria(student: dict, teacher: dict) -> dict:
         out[f"{key}_ge_98pct_of_teacher"] = None if ratio is None else ratio >= 0.98
     if "switch" in student:
         out["switch_new_prompt_ge_90pct_within_one_window"] = student["switch"]["recache"]["new_prompt_ge_90pct"]
+        for key, run in student["switch"].items():  # --switch-renoise: the kept window re-rendered, each a verdict
+            if key.startswith("renoise_"):
+                out[f"switch_{key}_new_prompt_ge_90pct_within_one_window"] = run["new_prompt_ge_90pct"]
     if "switch_rope_window" in student:
         out["switch_rope_window_ge_90pct"] = student["switch_rope_window"]["recache"]["new_prompt_ge_90pct"]
     return out

@@ -479,3 +479,18 @@ def test_teacher_gate_trains_a_teacher_below_it_on_and_a_repeated_call_trains_no
     for refused in (["--teacher-gate", "0"], ["--teacher-gate", "0.9", "--teacher-ckpt", str(tmp_path)]):
         with pytest.raises(SystemExit):
             bench.parse_args(refused)
+
+
+def test_criteria_give_each_re_rendered_switch_its_own_verdict_beside_the_re_cache():
+    """``--switch-renoise T``: the re-rendered switch (the one users pick for a prompt change) is judged by its own
+    line, not only the re-cache's (which never met it on the GPU)."""
+    long = dict(color_vs_first_min=1.0, shape_vs_first_min=0.96, direction_vs_first_min=0.9, stats_window_min=0.4)
+    long["flicker"] = dict(edge_over_inside=1.05)
+    switch = dict(recache=dict(new_prompt_ge_90pct=False), keep_old_kv=dict(new_prompt_ge_90pct=False))
+    switch["renoise_1.0"] = dict(new_prompt_ge_90pct=True)
+    student = dict(long=long, over_teacher=dict(color_acc=1.0, shape_acc=0.97), switch=switch)
+    out = _benchmark().criteria(student, dict(stats_in_range=0.42))
+    assert out["switch_new_prompt_ge_90pct_within_one_window"] is False
+    assert out["switch_renoise_1.0_new_prompt_ge_90pct_within_one_window"] is True
+    assert out["direction_every_window_ge_95pct_of_first"] is False and out["shape_acc_ge_98pct_of_teacher"] is False
+    assert out["stats_every_window_ge_95pct_of_teacher"] is True and out["flicker_le_1.1"] is True
