@@ -102,6 +102,14 @@ def stage_config(args, stage: str) -> Path:
         f"seed = {int(args.train_seed)}",
     ]
     method = {}  # the stage's method overrides, one dict (a second assignment would replace the first)
+    roles = {}  # per role, its overrides as "key=value" texts: one models = dict(...) line, for the same reason
+    if stage in DMD_STAGES and args.adam_beta1 is not None:  # the student's and the critic's, as Self-Forcing's beta1 0
+        from opensora.config import load_config
+
+        base = load_config(str(ROOT / CONFIGS[stage])).models
+        for role in ("student", "critic"):
+            betas = (float(args.adam_beta1), float(base[role].optimizer.betas[1]))
+            roles.setdefault(role, []).append(f"optimizer=dict(betas={betas!r})")
     if stage in DMD_STAGES and args.real_guidance is not None:
         method["real_guidance_scale"] = float(args.real_guidance)
     if stage == "long_rollout" and args.switch_prob is not None:
@@ -134,14 +142,16 @@ def stage_config(args, stage: str) -> Path:
         if stage == "teacher":
             lines.append(f"model = {TINY_MODEL}")
         else:
-            roles = ("student", "teacher") if stage == "ode" else ("student", "teacher", "critic")
-            tiny_roles = ", ".join(f"{r}=dict(model={TINY_MODEL}, precision='fp32')" for r in roles)
-            lines.append(f"models = dict({tiny_roles})")
+            for role in ("student", "teacher") if stage == "ode" else ("student", "teacher", "critic"):
+                roles.setdefault(role, []).extend([f"model={TINY_MODEL}", "precision='fp32'"])
             if stage == "ode":
                 method.update(teacher_num_steps=4, num_cached_pairs=8)
             if stage == "long_rollout":
                 lines.append("window_frames = 6")
                 method.update(kv_window_frames=6, rollout_multiple=3)
+    if roles:
+        entries = [f"{role}=dict({', '.join(parts)})" for role, parts in roles.items()]
+        lines.append(f"models = dict({', '.join(entries)})")
     if method:
         lines.append(f"method = dict({', '.join(f'{k}={v!r}' for k, v in method.items())})")
     path = Path(args.out) / "configs" / f"{stage}.py"
@@ -184,10 +194,14 @@ def checkpoint_every(args, stage: str) -> int:
 def chosen_checkpoint(args, stage: str, last):
     """The checkpoint of ``stage`` that is scored and built on: its best by the validations
     (``--student-checkpoint best``, ``RUN/best``) where the run kept one, else ``last``."""
-    from opensora.best_checkpoint import best_checkpoint_of
+    from opensora.best_checkpoint import best_checkpoint_of, read_best
 
     if stage not in DMD_STAGES or args.student_checkpoint != "best" or last is None:
         return last
+    noted = read_best(Path(args.out) / stage) or {}
+    if noted.get("metric") not in (None, args.best_metric):  # a stage reused from a run with another --best-metric
+        print(f"   {stage}: its best checkpoint was chosen by {noted['metric']} as it trained, not by --best-metric "
+              f"{args.best_metric} (train the stage again to choose by that)", flush=True)  # fmt: skip
     try:
         return best_checkpoint_of(Path(args.out) / stage)
     except FileNotFoundError as missing:  # no validation noted a score, or a run killed before its final save
@@ -293,7 +307,7 @@ def train(args, stage: str, minutes: float, inits: dict, steps: Optional[int] = 
         train_main(command[7:])
     else:
         env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # this checkout
-        subprocess.run(command, check=True, cwd=ROOT, env=env)
+        subprocess.run(command, check=True, env=env)  # in the caller's directory: a relative --out means the same
     print(f"   {stage} trained in {time.monotonic() - started:.0f} s", flush=True)
     (run_dir / FINISHED).write_text(FINISHED_TEXT)
     return last_checkpoint(run_dir)
@@ -891,6 +905,13 @@ def parse_args(argv=None):
         "Self-Forcing's rule) or run every step (the sampler's context)",
     )
     parser.add_argument(
+        "--adam-beta1",
+        type=float,
+        default=None,
+        help="Adam beta1 of the student and the critic in Self-Forcing, LongRollout and the control (configs: 0.9; "
+        "Self-Forcing's public recipe uses 0: no momentum in the two-player update)",
+    )
+    parser.add_argument(
         "--real-guidance",
         type=float,
         default=None,
@@ -1041,6 +1062,8 @@ def parse_args(argv=None):
         parser.error("--student-checkpoint best chooses by the validations: add --validation-every N")
     if args.validation_prompts is not None and not 1 <= args.validation_prompts <= 64:
         parser.error(f"--validation-prompts {args.validation_prompts}: between 1 and 64 (validation.max_prompts)")
+    if args.adam_beta1 is not None and not 0 <= args.adam_beta1 < 1:
+        parser.error(f"--adam-beta1 {args.adam_beta1}: in [0, 1)")
     if args.resample_draws < 1:
         parser.error(f"--resample-draws {args.resample_draws}: at least 1")
     if args.teacher_gate is not None and args.teacher_ckpt:

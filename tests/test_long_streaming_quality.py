@@ -365,7 +365,7 @@ def test_validation_every_gives_the_students_a_per_window_curve(tmp_path):
     ]
 
 
-def test_student_checkpoint_best_scores_and_builds_on_each_students_best_validation_step(tmp_path, monkeypatch):
+def test_student_checkpoint_best_scores_and_builds_on_each_students_best_validation_step(tmp_path, monkeypatch, capsys):
     """``--student-checkpoint best``: the DMD stages save a checkpoint at every validation and keep their best by
     ``--best-metric`` (here the recorded Self-Forcing run's best.json names step 50 of 100); LongRollout and the
     control start from it and the evaluation scores it; the teacher and the causal init still save once."""
@@ -438,6 +438,12 @@ def test_student_checkpoint_best_scores_and_builds_on_each_students_best_validat
     note_value(tmp_path / "long_rollout", "val/all_window_min", 7, 0.9)
     last = tmp_path / "long_rollout" / "checkpoints" / "step-0000001"
     assert bench.chosen_checkpoint(args, "long_rollout", last) == last
+    # a stage reused from a run that chose by another metric: its choice stands, and the run says so
+    other = bench.parse_args([*flags, "--best-metric", "val/stats_window_min"])
+    capsys.readouterr()
+    assert bench.chosen_checkpoint(other, "self_forcing", tmp_path / "self_forcing" / "checkpoints") == best
+    said = capsys.readouterr().out
+    assert "chosen by val/all_window_min as it trained, not by --best-metric val/stats_window_min" in said
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", str(tmp_path), "--student-checkpoint", "best"])  # nothing to choose by
 
@@ -494,3 +500,39 @@ def test_criteria_give_each_re_rendered_switch_its_own_verdict_beside_the_re_cac
     assert out["switch_renoise_1.0_new_prompt_ge_90pct_within_one_window"] is True
     assert out["direction_every_window_ge_95pct_of_first"] is False and out["shape_acc_ge_98pct_of_teacher"] is False
     assert out["stats_every_window_ge_95pct_of_teacher"] is True and out["flicker_le_1.1"] is True
+
+
+def test_adam_beta1_sets_the_dmd_students_and_critics_momentum_only(tmp_path):
+    """``--adam-beta1 0`` (Self-Forcing's public recipe): the student's and the critic's Adam beta1 in every DMD stage,
+    beta2 and the learning rates kept from the config; the teacher and the causal init untouched; with ``--tiny`` the
+    tiny networks and the betas land in one ``models`` dict (a second assignment would drop the first)."""
+    bench = _benchmark()
+    from opensora.config import load_config
+
+    args = bench.parse_args(["--out", str(tmp_path), "--adam-beta1", "0"])
+    plain = load_config(str(bench.stage_config(bench.parse_args(["--out", str(tmp_path / "p")]), "self_forcing")))
+    for stage in bench.DMD_STAGES:
+        models = load_config(str(bench.stage_config(args, stage))).models
+        for role in ("student", "critic"):
+            assert tuple(models[role].optimizer.betas) == (0.0, 0.999)
+            assert models[role].optimizer.lr == plain.models[role].optimizer.lr
+    assert tuple(plain.models.student.optimizer.betas) == (0.9, 0.999)
+    for stage in ("teacher", "ode"):
+        assert "betas" not in bench.stage_config(args, stage).read_text()
+    tiny = bench.parse_args(["--tiny", "--out", str(tmp_path / "t"), "--adam-beta1", "0.5"])
+    cfg = load_config(str(bench.stage_config(tiny, "self_forcing")))
+    assert cfg.models.student.model.hidden_size == 32 and cfg.models.critic.precision == "fp32"
+    assert tuple(cfg.models.critic.optimizer.betas) == (0.5, 0.999) and cfg.models.teacher.model.hidden_size == 32
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--adam-beta1", "1.0"])
+
+
+def test_a_relative_out_means_the_same_directory_to_the_trainer_it_launches(tmp_path, monkeypatch):
+    """Run from outside the repository with ``--out run`` (relative) and the torchrun launcher: the stage trains into
+    ``./run/teacher`` of the caller's directory, where the benchmark then finds it (the trainer used to run in the
+    repository root and wrote elsewhere)."""
+    bench = _benchmark()
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--tiny", "--out", "run", "--device", "cpu", "--stop-after", "teacher"]) == {}
+    assert bench.last_checkpoint(tmp_path / "run" / "teacher") is not None
+    assert not (bench.ROOT / "run").exists()
