@@ -606,18 +606,22 @@ def boundary_change(videos, at: int, frames: int) -> dict:
 
 def criteria(student: dict, teacher: dict) -> dict:
     """The measurement's pass/fail lines for one student (None where a number is missing)."""
+    from opensora.eval.resampled_criteria import at_least  # ties by one rule here and in the resampled lines
+
     long = student["long"]
     out = {}
     for attribute in ("color", "shape", "direction"):
         value = long[f"{attribute}_vs_first_min"]
-        out[f"{attribute}_every_window_ge_95pct_of_first"] = None if value is None else value >= 0.95
+        out[f"{attribute}_every_window_ge_95pct_of_first"] = None if value is None else at_least(value, 0.95)
     share = teacher["stats_in_range"]
     worst = long["stats_window_min"]
-    out["stats_every_window_ge_95pct_of_teacher"] = None if worst is None or not share else worst >= 0.95 * share
+    out["stats_every_window_ge_95pct_of_teacher"] = (
+        None if worst is None or not share else at_least(worst / share, 0.95)
+    )
     flicker = long["flicker"]["edge_over_inside"]
     out["flicker_le_1.1"] = None if flicker is None else flicker <= 1.1
     for key, ratio in student["over_teacher"].items():
-        out[f"{key}_ge_98pct_of_teacher"] = None if ratio is None else ratio >= 0.98
+        out[f"{key}_ge_98pct_of_teacher"] = None if ratio is None else at_least(ratio, 0.98)
     if "switch" in student:
         out["switch_new_prompt_ge_90pct_within_one_window"] = student["switch"]["recache"]["new_prompt_ge_90pct"]
         for key, run in student["switch"].items():  # --switch-renoise: the kept window re-rendered, each a verdict

@@ -8,7 +8,7 @@ import pytest
 
 from opensora.datasets import moving_shapes as ms
 from opensora.eval.moving_shapes_windows import score_windows
-from opensora.eval.resampled_criteria import hit_string, hits_array, resampled_criterion
+from opensora.eval.resampled_criteria import at_least, hit_string, hits_array, resampled_criterion
 
 
 def test_hit_strings_round_trip_and_reject_ragged_or_unknown_marks():
@@ -83,3 +83,11 @@ def test_score_windows_clip_hits_give_each_windows_shares():
 def test_a_reference_no_clip_hits_leaves_the_criterion_unjudged_as_the_benchmark_does():
     line = resampled_criterion(np.ones((20, 2)), np.zeros((20, 1)), 0.95, draws=100)
     assert line["observed"] is None and line["pass_share"] is None and line["worst_ratio_interval"] is None
+
+
+def test_a_share_exactly_at_the_fraction_meets_it_whatever_the_division_rounds_to():
+    """114 of 288 against 120 of 288 is exactly 95%: it passes here and in the benchmark's own criteria alike."""
+    values = np.array([[1.0]] * 114 + [[0.0]] * 174)
+    reference = np.array([[1.0]] * 120 + [[0.0]] * 168)
+    assert resampled_criterion(values, reference, 0.95, draws=10)["observed"] is True
+    assert at_least((114 / 288) / (120 / 288), 0.95) and not at_least(113 / 120, 0.95)

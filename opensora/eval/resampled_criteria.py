@@ -15,6 +15,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 HIT, MISS, UNSCORED = "1", "0", "."
+# a ratio this close below the fraction still meets it: a share exactly at 95% of another (114 of 288 against 120)
+# must not pass or fail by the floating-point rounding of the division
+TIE = 1e-9
+DRAWS_PER_BLOCK = 256  # resamples judged at once (1152 clips x 8 windows x 256 draws: 19 MB a table)
 
 
 def hit_string(hits: Sequence[Optional[bool]]) -> str:
@@ -36,14 +40,25 @@ def hits_array(strings: Sequence[str]) -> np.ndarray:
         raise ValueError(f"hit strings hold {HIT!r}, {MISS!r} or {UNSCORED!r}, got {bad.args[0]!r}") from None
 
 
-def _shares(hits: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """[draws, windows] share of hits among the scored clips of each resampled set (NaN where none is scored)."""
-    picked = hits[draws]  # [draws, clips, windows]
+def at_least(ratio, fraction: float):
+    """Whether ``ratio`` (a share over a reference share) meets ``fraction``, exact ties included (``TIE``)."""
+    return ratio >= fraction - TIE
+
+
+def _shares(picked: np.ndarray) -> np.ndarray:
+    """[draws, windows] share of hits among the scored clips of resampled hits [draws, clips, windows] (NaN where no
+    clip is scored)."""
     scored = ~np.isnan(picked)
     counts = scored.sum(axis=1)
     total = np.where(scored, picked, 0.0).sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, total / np.maximum(counts, 1), np.nan)
+    return np.where(counts > 0, total / np.maximum(counts, 1), np.nan)
+
+
+def _window_and_reference_shares(values: np.ndarray, reference: np.ndarray, rows: np.ndarray):
+    """For clip rows [draws, clips]: each window's share of ``values`` [draws, windows] and the reference's share
+    over all its scored entries [draws] (its windows pooled)."""
+    pooled = reference[rows].reshape(len(rows), -1, 1)
+    return _shares(values[rows]), _shares(pooled)[:, 0]
 
 
 def _judge(values: np.ndarray, reference: np.ndarray, fraction: float):
@@ -54,7 +69,7 @@ def _judge(values: np.ndarray, reference: np.ndarray, fraction: float):
         worst = np.min(np.where(np.isnan(values), np.inf, values), axis=1)
         judged = np.isfinite(worst) & (reference > 0)
         ratio = np.where(judged, worst / np.where(judged, reference, 1.0), np.nan)
-    return np.where(judged, (ratio >= fraction).astype(np.float64), np.nan), ratio
+    return np.where(judged, at_least(ratio, fraction).astype(np.float64), np.nan), ratio
 
 
 def resampled_criterion(
@@ -66,8 +81,8 @@ def resampled_criterion(
     level: float = 0.9,
 ) -> dict:
     """Judge "every window's share of hits in ``values`` [clips, windows] >= ``fraction`` x the share of hits in
-    ``reference`` [clips, R]" on the clips as they are and on ``draws`` paired resamples of them (the same clip rows
-    from both: row i of each is the same prompt and seed).
+    ``reference`` [clips, R] (all its scored entries)" on the clips as they are and on ``draws`` paired resamples of
+    them (the same clip rows from both: row i of each is the same prompt and seed).
 
     Returns ``observed`` (the verdict on the clips as they are; None where the reference's share is 0),
     ``pass_share`` (the share of the judged resamples that pass),
@@ -82,10 +97,13 @@ def resampled_criterion(
         )
     if draws < 1 or not 0 < level < 1:
         raise ValueError(f"need draws >= 1 and 0 < level < 1, got draws={draws}, level={level}")
-    every = np.arange(len(values))[None]
-    observed, ratio = _judge(_shares(values, every), np.nanmean(_shares(reference, every), axis=1), fraction)
+    observed, ratio = _judge(*_window_and_reference_shares(values, reference, np.arange(len(values))[None]), fraction)
     rows = np.random.default_rng(seed).integers(0, len(values), size=(draws, len(values)))
-    passed, ratios = _judge(_shares(values, rows), np.nanmean(_shares(reference, rows), axis=1), fraction)
+    passed, ratios = np.empty(draws), np.empty(draws)
+    for start in range(0, draws, DRAWS_PER_BLOCK):  # [block, clips, windows] at a time: bounded memory
+        block = rows[start : start + DRAWS_PER_BLOCK]
+        judged_block = _judge(*_window_and_reference_shares(values, reference, block), fraction)
+        passed[start : start + len(block)], ratios[start : start + len(block)] = judged_block
     judged = ~np.isnan(passed)
     tail = (1 - level) / 2
     interval = [float(q) for q in np.quantile(ratios[judged], [tail, 1 - tail])] if judged.any() else None
@@ -101,4 +119,4 @@ def resampled_criterion(
     )
 
 
-__all__ = ["hit_string", "hits_array", "resampled_criterion"]
+__all__ = ["at_least", "hit_string", "hits_array", "resampled_criterion"]
