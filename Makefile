@@ -32,6 +32,9 @@ demo-stream: venv
 test: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	# yapf (imported by mmengine) writes its grammar pickles on the first import of a fresh venv, not atomically: one
+	# process writes them before two workers import it at once (the other read a half-written file: EOFError)
+	$(PY) -c "import mmengine"
 	# two workers, whole files each (module fixtures stay in one process): ~19 instead of ~26 min on 2 cores
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 

@@ -9,6 +9,9 @@
 # --num-prompts); PAIR: the second student's own flags, e.g. PAIR="--adam-beta1 0"; EVAL_SWITCH=1 adds the prompt
 # switch to both evaluations, EVAL_RENOISE="1.0" its re-rendered variant (a criteria line each).
 set -uo pipefail
+if [ "${1:-}" = start ]; then  # checked here: the detached chain could only log it, and wait would sit out its SEC
+  : "${EXTRA:?set EXTRA: the flags of every run}" "${PAIR:?set PAIR: the flags of the second student}"
+fi
 source "$(dirname "$0")/gpu_chain.sh"
 chain_modes "$0" "${1:?usage: gpu_student_pair.sh start|wait OUT [SEC]}" \
   "${2:?usage: gpu_student_pair.sh start|wait OUT [SEC]}" "${3:-540}"

@@ -86,8 +86,8 @@ CONFIGS = dict(
 DMD_STAGES = ("self_forcing", "long_rollout", CONTROL)
 # --tiny: every stage on CPU in seconds (16x16 clips of 8 frames, a 2-block MMDiT, a few steps)
 TINY_MODEL = "dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6))"
+TINY_DATASET = dict(num=72, height=16, width=16, num_frames=8)  # merged into the stage's one dataset line
 TINY_DATA = (
-    "dataset = dict(num=72, height=16, width=16, num_frames=8)\n"
     "bucket_config = dict(_delete_=True, **{'16x16': {8: (1.0, 2)}})\n"
     "num_workers = 0\nprecision = 'fp32'\ntensorboard = False\n"
 )
@@ -96,9 +96,10 @@ TINY_DATA = (
 # ---- stages -----------------------------------------------------------------------------------------------------
 def stage_config(args, stage: str) -> Path:
     """The stage's config: the project's GPU config with the motion rule (and, with --tiny, tiny sizes) on top."""
+    dataset = dict(motion=args.motion, **(TINY_DATASET if args.tiny else {}))  # one line: a second would replace it
     lines = [
         f"_base_ = [{str(ROOT / CONFIGS[stage])!r}]",
-        f"dataset = dict(motion={args.motion!r})",
+        f"dataset = dict({', '.join(f'{k}={v!r}' for k, v in dataset.items())})",
         f"seed = {int(args.train_seed)}",
     ]
     method = {}  # the stage's method overrides, one dict (a second assignment would replace the first)
@@ -636,6 +637,8 @@ def resampled_criteria(student: dict, teacher: dict, draws: int, seed: int) -> d
     """``criteria``' share-of-clips lines judged again on ``draws`` paired resamples of the prompts
     (``resampled_criterion``): per line the verdict, the share of resamples that pass and the worst window's ratio
     with its 90% interval. A pass share near 1 (or 0) says the verdict belongs to the models, near 0.5 to the draw."""
+    import numpy as np
+
     from opensora.eval.resampled_criteria import hits_array, resampled_criterion
 
     def judged(values, reference, fraction):
@@ -643,8 +646,10 @@ def resampled_criteria(student: dict, teacher: dict, draws: int, seed: int) -> d
 
     long = student["long"]["clip_hits"]
     out = {}
-    for attribute in ("color", "shape", "direction"):  # every window against the student's own first
-        first = [hits[:1] for hits in long[attribute]]
+    for attribute in ("color", "shape", "direction"):  # every window against the student's own first scored one
+        scored = hits_array(long[attribute])
+        k = next((k for k in range(scored.shape[1]) if not np.isnan(scored[:, k]).all()), 0)
+        first = [hits[k : k + 1] for hits in long[attribute]]
         out[f"{attribute}_every_window_ge_95pct_of_first"] = judged(long[attribute], first, 0.95)
     out["stats_every_window_ge_95pct_of_teacher"] = judged(long["stats"], teacher["stats_hits"], 0.95)
     for attribute in ("color", "shape", "direction"):  # the clip length against the teacher's clips

@@ -536,3 +536,27 @@ def test_a_relative_out_means_the_same_directory_to_the_trainer_it_launches(tmp_
     assert bench.main(["--tiny", "--out", "run", "--device", "cpu", "--stop-after", "teacher"]) == {}
     assert bench.last_checkpoint(tmp_path / "run" / "teacher") is not None
     assert not (bench.ROOT / "run").exists()
+
+
+def test_tiny_stages_keep_the_motion_rule_and_the_tiny_clip_in_one_dataset_line(tmp_path):
+    """``--tiny --motion bounce``: every stage's config trains bounce clips at the tiny size (two ``dataset = ...``
+    lines in one config file would leave only the second)."""
+    from opensora.config import load_config
+
+    bench = _benchmark()
+    args = bench.parse_args(["--tiny", "--out", str(tmp_path), "--motion", "bounce"])
+    for stage in bench.STAGES:
+        dataset = load_config(str(bench.stage_config(args, stage))).dataset
+        assert (dataset.motion, dataset.height, dataset.num_frames, dataset.num) == ("bounce", 16, 8, 72), stage
+
+
+def test_resampled_window_lines_start_from_the_first_window_with_scored_clips():
+    """A first window with nothing scored (every clip's direction unscored there) is skipped, as ``summarise_windows``
+    skips it: the reference is the first scored window."""
+    long = dict(clip_hits=dict(color=["111"] * 4, shape=["111"] * 4, stats=["111"] * 4, direction=[".11", ".10"] * 2))
+    student = dict(long=long, clip_hits=dict(color=["1"] * 4, shape=["1"] * 4, direction=["1"] * 4))
+    teacher = dict(stats_hits=["1"] * 4, clip_hits=dict(color=["1"] * 4, shape=["1"] * 4, direction=["1"] * 4))
+    lines = _benchmark().resampled_criteria(student, teacher, draws=50, seed=0)
+    direction = lines["direction_every_window_ge_95pct_of_first"]
+    assert direction["observed"] is False and direction["worst_ratio"] == pytest.approx(0.5)  # 2 of 4 against 4 of 4
+    assert lines["color_every_window_ge_95pct_of_first"]["observed"] is True
