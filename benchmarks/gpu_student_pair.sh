@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_student_pair.sh wait OUT SEC     wait up to SEC s, print progress, results in $OUT/chain.tgz
 # EXTRA: every run's flags (seeds, minutes, --teacher-gate, --validation-every N --student-checkpoint best,
 # --num-prompts); PAIR: the second student's own flags, e.g. PAIR="--adam-beta1 0"; EVAL_SWITCH=1 adds the prompt
-# switch to both evaluations, EVAL_RENOISE="1.0" its re-rendered variant (a criteria line each).
+# switch to both evaluations, EVAL_RENOISE="1.0" its re-rendered variant (a criteria line each); PAIR_GPUS="0 0" puts
+# both lanes on one GPU (default "0 1"; the teacher and the causal init train on the first).
 set -uo pipefail
 if [ "${1:-}" = start ]; then  # checked here: the detached chain could only log it, and wait would sit out its SEC
   : "${EXTRA:?set EXTRA: the flags of every run}" "${PAIR:?set PAIR: the flags of the second student}"
@@ -24,8 +25,9 @@ if [ "${EVAL_SWITCH:-0}" = 1 ]; then
 fi
 
 lone_nccl_check
-stage 0 a teacher --only-stage teacher
-stage 0 a ode --only-stage ode
+read -r gpu_a gpu_b <<< "${PAIR_GPUS:-0 1}"
+stage "$gpu_a" a teacher --only-stage teacher
+stage "$gpu_a" a ode --only-stage ode
 mkdir -p "$out/b" && cp -r "$out/a/teacher" "$out/a/ode" "$out/b/"  # the second lane reuses both
 lane() {  # GPU DIR NAME FLAGS...: train the student, then evaluate it (the teacher sampled again, same seeds)
   local gpu=$1 dir=$2 name=$3
@@ -33,8 +35,8 @@ lane() {  # GPU DIR NAME FLAGS...: train the student, then evaluate it (the teac
   stage "$gpu" "$dir" "self_forcing_$name" --only-stage self_forcing "$@"
   stage "$gpu" "$dir" "eval_$name" --students self_forcing "${switch[@]}" "$@"
 }
-lane 0 a plain &
-lane 1 b pair "${pair[@]}" &
+lane "$gpu_a" a plain &
+lane "$gpu_b" b pair "${pair[@]}" &
 wait
 note "chain done"
 touch "$out/done"
