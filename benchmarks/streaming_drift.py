@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
             f"stats {s['stats_in_range']:.3f}\n  background by frame: {levels}"
         )
         if "switch" in row:
-            from benchmarks.long_streaming_quality import print_switch_lines
+            from benchmarks.long_streaming_report import print_switch_lines
 
             print_switch_lines({"switch": dict(row["switch"], rope_anchor="absolute")})
     if args.out:

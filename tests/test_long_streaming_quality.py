@@ -208,7 +208,9 @@ def test_wrong_reads_name_the_caption_value_and_what_the_clip_shows():
     scores = bench.accuracy(videos, captions, "wrap")
     assert scores["confusions"] == {"color": {"green->red": 2}, "direction": {"right->left": 1}}
     assert scores["color_acc"] == pytest.approx(1 / 3) and scores["direction_acc"] == pytest.approx(2 / 3)
-    assert bench.confusions_text(scores) == "colour green->red 2; direction right->left 1"
+    from benchmarks.long_streaming_report import confusions_text
+
+    assert confusions_text(scores) == "colour green->red 2; direction right->left 1"
 
 
 def _record_trainings(bench, tmp_path, monkeypatch) -> list:
@@ -230,7 +232,7 @@ def _record_evaluation(bench, monkeypatch) -> dict:
     """The checkpoints handed to the evaluation, recorded instead of streamed and scored."""
     evaluated = {}
     monkeypatch.setattr(bench, "evaluate", lambda args, checkpoints: evaluated.update(checkpoints) or {})
-    monkeypatch.setattr(bench, "print_report", lambda report: None)
+    monkeypatch.setattr(bench, "print_report", lambda report, students: None)
     return evaluated
 
 
@@ -495,7 +497,9 @@ def test_criteria_give_each_re_rendered_switch_its_own_verdict_beside_the_re_cac
     switch = dict(recache=dict(new_prompt_ge_90pct=False), keep_old_kv=dict(new_prompt_ge_90pct=False))
     switch["renoise_1.0"] = dict(new_prompt_ge_90pct=True)
     student = dict(long=long, over_teacher=dict(color_acc=1.0, shape_acc=0.97), switch=switch)
-    out = _benchmark().criteria(student, dict(stats_in_range=0.42))
+    from benchmarks.long_streaming_report import criteria
+
+    out = criteria(student, dict(stats_in_range=0.42))
     assert out["switch_new_prompt_ge_90pct_within_one_window"] is False
     assert out["switch_renoise_1.0_new_prompt_ge_90pct_within_one_window"] is True
     assert out["direction_every_window_ge_95pct_of_first"] is False and out["shape_acc_ge_98pct_of_teacher"] is False
@@ -556,7 +560,9 @@ def test_resampled_window_lines_start_from_the_first_window_with_scored_clips():
     long = dict(clip_hits=dict(color=["111"] * 4, shape=["111"] * 4, stats=["111"] * 4, direction=[".11", ".10"] * 2))
     student = dict(long=long, clip_hits=dict(color=["1"] * 4, shape=["1"] * 4, direction=["1"] * 4))
     teacher = dict(stats_hits=["1"] * 4, clip_hits=dict(color=["1"] * 4, shape=["1"] * 4, direction=["1"] * 4))
-    lines = _benchmark().resampled_criteria(student, teacher, draws=50, seed=0)
+    from benchmarks.long_streaming_report import resampled_criteria
+
+    lines = resampled_criteria(student, teacher, draws=50, seed=0)
     direction = lines["direction_every_window_ge_95pct_of_first"]
     assert direction["observed"] is False and direction["worst_ratio"] == pytest.approx(0.5)  # 2 of 4 against 4 of 4
     assert lines["color_every_window_ge_95pct_of_first"]["observed"] is True

@@ -1,0 +1,200 @@
+"""What ``long_streaming_quality`` prints and judges: the pass/fail criteria of a student's report, the same criteria
+over paired resamples of the prompts (``opensora.eval.resampled_criteria``), and the printed tables (teacher, gate
+checks, students, windows, prompt switches). Pure functions of the report dicts; no model, no GPU."""
+
+from typing import Optional
+
+GATE_KEYS = ("color_acc", "shape_acc", "direction_acc")  # what --teacher-gate checks, in this order
+
+
+def confusions_text(scores: dict) -> str:
+    """ "colour blue->cyan 3, red->None 1; direction left->None 2" (most frequent first), or "" when none is wrong."""
+    short = dict(color="colour")
+    parts = [
+        f"{short.get(a, a)} " + ", ".join(f"{k} {n}" for k, n in counts.items())
+        for a, counts in scores.get("confusions", {}).items()
+    ]
+    return "; ".join(parts)
+
+
+def criteria(student: dict, teacher: dict) -> dict:
+    """The measurement's pass/fail lines for one student (None where a number is missing)."""
+    from opensora.eval.resampled_criteria import at_least  # ties by one rule here and in the resampled lines
+
+    long = student["long"]
+    out = {}
+    for attribute in ("color", "shape", "direction"):
+        value = long[f"{attribute}_vs_first_min"]
+        out[f"{attribute}_every_window_ge_95pct_of_first"] = None if value is None else at_least(value, 0.95)
+    share = teacher["stats_in_range"]
+    worst = long["stats_window_min"]
+    out["stats_every_window_ge_95pct_of_teacher"] = (
+        None if worst is None or not share else at_least(worst / share, 0.95)
+    )
+    flicker = long["flicker"]["edge_over_inside"]
+    out["flicker_le_1.1"] = None if flicker is None else flicker <= 1.1
+    for key, ratio in student["over_teacher"].items():
+        out[f"{key}_ge_98pct_of_teacher"] = None if ratio is None else at_least(ratio, 0.98)
+    if "switch" in student:
+        out["switch_new_prompt_ge_90pct_within_one_window"] = student["switch"]["recache"]["new_prompt_ge_90pct"]
+        for key, run in student["switch"].items():  # --switch-renoise: the kept window re-rendered, each a verdict
+            if key.startswith("renoise_"):
+                out[f"switch_{key}_new_prompt_ge_90pct_within_one_window"] = run["new_prompt_ge_90pct"]
+    if "switch_rope_window" in student:
+        out["switch_rope_window_ge_90pct"] = student["switch_rope_window"]["recache"]["new_prompt_ge_90pct"]
+    return out
+
+
+def resampled_criteria(student: dict, teacher: dict, draws: int, seed: int) -> dict:
+    """``criteria``' share-of-clips lines judged again on ``draws`` paired resamples of the prompts
+    (``resampled_criterion``): per line the verdict, the share of resamples that pass and the worst window's ratio
+    with its 90% interval. A pass share near 1 (or 0) says the verdict belongs to the models, near 0.5 to the draw."""
+    import numpy as np
+
+    from opensora.eval.resampled_criteria import hits_array, resampled_criterion
+
+    def judged(values, reference, fraction):
+        return resampled_criterion(hits_array(values), hits_array(reference), fraction, draws=draws, seed=seed)
+
+    long = student["long"]["clip_hits"]
+    out = {}
+    for attribute in ("color", "shape", "direction"):  # every window against the student's own first scored one
+        scored = hits_array(long[attribute])
+        k = next((k for k in range(scored.shape[1]) if not np.isnan(scored[:, k]).all()), 0)
+        first = [hits[k : k + 1] for hits in long[attribute]]
+        out[f"{attribute}_every_window_ge_95pct_of_first"] = judged(long[attribute], first, 0.95)
+    out["stats_every_window_ge_95pct_of_teacher"] = judged(long["stats"], teacher["stats_hits"], 0.95)
+    for attribute in ("color", "shape", "direction"):  # the clip length against the teacher's clips
+        out[f"{attribute}_acc_ge_98pct_of_teacher"] = judged(
+            student["clip_hits"][attribute], teacher["clip_hits"][attribute], 0.98
+        )
+    return out
+
+
+def print_windows(windows) -> None:
+    for w in windows:
+        direction = "  -  " if w["direction_acc"] is None else f"{w['direction_acc']:.3f}"
+        reads = "/".join(str(n) for n in w.get("direction_reads", {}).values())  # match/reverse/sideways/static
+        print(
+            f"    from {w['start_frame']:>4}: colour {w['color_acc']:.3f} shape {w['shape_acc']:.3f} "
+            f"direction {direction} ({reads}) stats {w['stats_in_range']:.3f} ({outside_text(w)}) "
+            f"background {w['background']:.1f}"
+        )
+
+
+def outside_text(scores: dict) -> str:
+    """Which frame statistics leave their caption's range, as clips below/above: "mean 3/40 std 0/12 bg 0/0"."""
+    short = dict(shape_mean="mean", std="std", background="bg")
+    return " ".join(f"{short[k]} {lo}/{hi}" for k, (lo, hi) in scores.get("stats_outside", {}).items())
+
+
+def print_background(levels, clip_frames: int) -> None:
+    """The background level per frame over the first two clip lengths (where the window first rolls)."""
+    shown = " ".join(f"{v:.1f}" for v in levels[: 2 * clip_frames])
+    print(f"    background by frame, 0-{min(len(levels), 2 * clip_frames) - 1}: {shown}")
+
+
+def print_report(report: dict, students) -> None:
+    """The report's tables: the teacher (with its gate checks), then each of ``students`` (names in ``report``)."""
+    print(
+        f"\nMovingShapes ({report['motion']}) on {report['device']}: {report['prompts']} prompts, clip {report['clip']}"
+    )
+    t = report["teacher"]
+    print(
+        f"teacher          colour {t['color_acc']:.3f} shape {t['shape_acc']:.3f} direction {t['direction_acc']:.3f}"
+        f" stats in range {t['stats_in_range']:.3f} ({outside_text(t)})"
+    )
+    if confusions_text(t):
+        print(f"  wrong reads: {confusions_text(t)}")
+    for check in t.get("gate", {}).get("checks", []):
+        print(f"  gate {t['gate']['gate']} at step {check['step']}: " + " ".join(f"{check[k]:.3f}" for k in GATE_KEYS))
+    for name in students:
+        s = report[name]
+        print(
+            f"{name:<16} colour {s['color_acc']:.3f} shape {s['shape_acc']:.3f} direction {s['direction_acc']:.3f}"
+            f"  {s['frames_per_s']:.1f} frames/s; trained {s['training']['steps']} steps"
+        )
+        if confusions_text(s):
+            print(f"  wrong reads at the clip length: {confusions_text(s)}")
+        curve = s["training"].get("validation_window_min") or []
+        if curve:  # --validation-every: the worst window's frame statistics (and colour) as the student trained
+            points = ", ".join(f"{v['step']}: {v.get('stats_window_min', float('nan')):.2f}" for v in curve)
+            print(f"  validation, worst window's stats in range by step: {points}")
+        chosen = s.get("selection")
+        if chosen:
+            history = ", ".join(f"{e['step']}: {e['value']:.2f}" for e in chosen["history"])
+            print(f"  scored step {chosen['step']} of {chosen['last_step']}, best by {chosen['metric']} ({history})")
+        print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}, RoPE anchor {s.get('rope_anchor')}:")
+        print_windows(s["long"]["windows"])
+        print_background(s["long"]["background_by_frame"], report["clip"][0])
+        print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
+        print_resampled(s.get("criteria_resampled"))
+        for key, anchor in (("long_sinks", s.get("rope_anchor", "absolute")), ("long_sinks_rope_window", "window")):
+            if key in s:
+                r = s[key]
+                print(f"  --sink-frames {r['sink_frames']} (RoPE anchor {anchor}), same seeds, windows:")
+                print_windows(r["windows"])
+                print_background(r["background_by_frame"], report["clip"][0])
+        if "long_kv_recache" in s:
+            r = s["long_kv_recache"]
+            print(
+                f"  --kv-recache shift: worst window colour {r['color_window_min']:.3f} shape {r['shape_window_min']:.3f}"
+                f" direction {r['direction_window_min']} stats {r['stats_window_min']:.3f};"
+                f" flicker {r['flicker']['edge_over_inside']}; {r['frames_per_s']:.1f} frames/s"
+                f" (plain {s['long_frames_per_s']:.1f})"
+            )
+        if "long_rope_window" in s:
+            r = s["long_rope_window"]
+            print("  --rope-anchor window, same seeds, windows:")
+            print_windows(r["windows"])
+            print_background(r["background_by_frame"], report["clip"][0])
+            print(
+                f"  --rope-anchor window: worst window colour {r['color_window_min']:.3f} shape "
+                f"{r['shape_window_min']:.3f} direction {r['direction_window_min']} stats {r['stats_window_min']:.3f};"
+                f" flicker {r['flicker']['edge_over_inside']}; {r['frames_per_s']:.1f} frames/s"
+                f" (absolute {s['long_frames_per_s']:.1f})"
+            )
+        print_switch_lines(s)
+
+
+def print_resampled(lines: Optional[dict]) -> None:
+    """Per criterion: its verdict, how often it repeats over resampled prompts, the worst ratio and its interval."""
+    if not lines:
+        return
+    first = next(iter(lines.values()))
+    print(f"  the criteria over {first['draws']} paired resamples of the prompts (pass share; worst ratio, interval):")
+    for name, r in lines.items():
+        interval = r["worst_ratio_interval"]
+        spread = f"[{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "-"
+        ratio = "-" if r["worst_ratio"] is None else f"{r['worst_ratio']:.3f}"
+        share = "-" if r["pass_share"] is None else f"{r['pass_share']:.2f}"
+        print(f"    {name:<44} {str(r['observed']):<5} passes in {share}; {ratio} {spread}")
+
+
+def print_switch_lines(s: dict) -> None:
+    """The prompt-switch lines of one student's report (every run: re-cache, old keys/values, sinks, re-render)."""
+    for key in ("switch", "switch_rope_window"):
+        if key not in s:
+            continue
+        w = s[key]
+        print(f"  prompt switch, RoPE anchor {w['rope_anchor']}:")
+        for name in [n for n, run in w.items() if isinstance(run, dict) and "after" in run]:
+            after, second = w[name]["after"], w[name]["after_second"]
+            old, jump = w[name]["after_reads_old"], w[name].get("boundary_change", {}).get("ratio")
+            print(
+                f"  switch at frame {w['switch_frame']} ({name}, {w[name]['sink_frames']} sinks): next window "
+                f"colour {after['color_acc']:.3f} shape {after['shape_acc']:.3f} direction "
+                f"{after['direction_acc']}; >= 90%: {w[name]['new_prompt_ge_90pct']}; reads the old caption's "
+                f"colour {old['color_share']:.3f} shape {old['shape_share']:.3f} direction "
+                f"{old['direction_share']:.3f}; second window colour {second['color_acc']:.3f}; boundary change "
+                + ("-" if jump is None else f"{jump:.2f}")
+                + "x the in-window change"
+            )
+
+
+def print_switches(report: dict, students) -> None:
+    """``--switch-only``'s report: the switch lines of each of ``students``."""
+    print(f"\nMovingShapes ({report['motion']}) prompt switch on {report['device']}: {report['prompts']} prompts")
+    for name in students:
+        print(name)
+        print_switch_lines(report[name])
