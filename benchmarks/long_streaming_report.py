@@ -54,19 +54,19 @@ def resampled_criteria(student: dict, teacher: dict, draws: int, seed: int) -> d
     from opensora.eval.resampled_criteria import hits_array, resampled_criterion
 
     def judged(values, reference, fraction):
-        return resampled_criterion(hits_array(values), hits_array(reference), fraction, draws=draws, seed=seed)
+        return resampled_criterion(values, reference, fraction, draws=draws, seed=seed)
 
-    long = student["long"]["clip_hits"]
+    long = {name: hits_array(hits) for name, hits in student["long"]["clip_hits"].items()}
     out = {}
     for attribute in ("color", "shape", "direction"):  # every window against the student's own first scored one
-        scored = hits_array(long[attribute])
-        k = next((k for k in range(scored.shape[1]) if not np.isnan(scored[:, k]).all()), 0)
-        first = [hits[k : k + 1] for hits in long[attribute]]
-        out[f"{attribute}_every_window_ge_95pct_of_first"] = judged(long[attribute], first, 0.95)
-    out["stats_every_window_ge_95pct_of_teacher"] = judged(long["stats"], teacher["stats_hits"], 0.95)
+        table = long[attribute]
+        scored = np.flatnonzero(~np.isnan(table).all(axis=0))
+        k = int(scored[0]) if len(scored) else 0
+        out[f"{attribute}_every_window_ge_95pct_of_first"] = judged(table, table[:, k : k + 1], 0.95)
+    out["stats_every_window_ge_95pct_of_teacher"] = judged(long["stats"], hits_array(teacher["stats_hits"]), 0.95)
     for attribute in ("color", "shape", "direction"):  # the clip length against the teacher's clips
         out[f"{attribute}_acc_ge_98pct_of_teacher"] = judged(
-            student["clip_hits"][attribute], teacher["clip_hits"][attribute], 0.98
+            hits_array(student["clip_hits"][attribute]), hits_array(teacher["clip_hits"][attribute]), 0.98
         )
     return out
 

@@ -27,9 +27,9 @@ Every ``every`` optimizer steps rank 0
   checkpoint (the trainer's own, saved just before; ``opensora.best_checkpoint``).
 
 No effect on training: the live network is only read, every RNG stream (python, numpy, torch CPU, the current CUDA
-device) is saved before and restored after, and validation saves no checkpoint itself, so losses are bit-identical with and
-without validation and resume stays exact (``tests/test_validation.py``). A validation that fails (e.g. out of
-memory) is logged with its traceback and skipped; training goes on.
+device) is saved before and restored after, and validation saves no checkpoint itself, so losses are bit-identical
+with and without validation and resume stays exact (``tests/test_validation.py``). A validation that fails (e.g. out
+of memory) is logged with its traceback and skipped; training goes on.
 
 Other ranks skip validation and block in the next step's first collective until rank 0 catches up; there is no
 barrier. (Where the role's EMA is sharded over the ranks, every rank first takes part in gathering it to rank 0.)
