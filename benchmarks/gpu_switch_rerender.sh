@@ -12,12 +12,12 @@
 # denoised context (OUT/lsf), each evaluated.
 # EXTRA: the runs' flags (seeds, minutes; --validation-every N adds the students' per-window curve). TRAINER=0
 # skips the trainer timing (the GPU tests still run, with the two-GPU NCCL EMA test where two GPUs are visible);
-# SWITCH=0 skips the Self-Forcing switch stages (its evaluation then comes with the LONG=1 exit-context one, or
-# alone without LONG); LONG_GPUS="0 1" runs the two LongRollout lanes side by side; SECOND=control makes the second
-# lane the control (Self-Forcing trained on) instead of the fully denoised context; EVAL_SWITCH=0 leaves the prompt
-# switch out of the evaluations; EVAL_RENOISE="1.0" adds the re-rendered switch to them (a criteria line per time,
-# beside the re-cache's); CHAIN_GPU=1 runs the chain's one-GPU stages on GPU 1 (default 0), so two chains
-# with their own OUT and seeds can share a two-GPU machine.
+# SWITCH=0 skips the Self-Forcing switch sweep (its evaluation then comes with the LONG=1 exit-context one, or
+# alone without LONG, with the switch as EVAL_SWITCH says); LONG_GPUS="0 1" runs the two LongRollout lanes side by
+# side; SECOND=control makes the second lane the control (Self-Forcing trained on) instead of the fully denoised
+# context; EVAL_SWITCH=0 leaves the prompt switch out of the evaluations; EVAL_RENOISE="1.0" adds the re-rendered
+# switch to them (a criteria line per time, beside the re-cache's); CHAIN_GPU=1 runs the chain's one-GPU stages on
+# GPU 1 (default 0), so two chains with their own OUT and seeds can share a two-GPU machine.
 set -uo pipefail
 source "$(dirname "$0")/gpu_chain.sh"
 chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \
@@ -47,8 +47,8 @@ if [ "${SWITCH:-1}" != 0 ]; then
   stage "$g" ls switch_sf --students self_forcing --switch-only --switch-renoise ${RENOISE:-0.5 0.75 1.0} \
     --switch-sink-frames 0
   stage "$g" ls eval_sf --students self_forcing "${switch[@]}"
-elif [ "${LONG:-0}" != 1 ]; then  # no switch, no LongRollout: Self-Forcing's own evaluation
-  stage "$g" ls eval_sf --students self_forcing
+elif [ "${LONG:-0}" != 1 ]; then  # no switch sweep, no LongRollout: Self-Forcing's own evaluation (EVAL_SWITCH's)
+  stage "$g" ls eval_sf --students self_forcing "${switch[@]}"
 fi
 if [ "${LONG:-0}" = 1 ]; then
   # exit-step context in ls, fully denoised context in lsf; with SWITCH=0 the exit lane's evaluation also scores
