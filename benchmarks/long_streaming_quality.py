@@ -72,6 +72,7 @@ import torch
 from benchmarks.long_streaming_report import (
     GATE_KEYS,
     criteria,
+    misses_by_caption,
     print_report,
     print_switches,
     resampled_criteria,
@@ -471,6 +472,9 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
             background_by_frame=background_by_frame(long),
         ),
     )
+    result["long"]["misses_by_caption"] = misses_by_caption(result["long"]["clip_hits"], prompts)
+    if args.save_long_clips:
+        save_long_clips(Path(args.out) / name / "long_clips", long[: args.save_long_clips], prompts)
 
     def variant(**settings) -> dict:
         """The long run again (same seeds) with the generator's attributes set to ``settings``, scored the same way."""
@@ -509,6 +513,19 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
     result["criteria"] = criteria(result, teacher)
     result["criteria_resampled"] = resampled_criteria(result, teacher, args.resample_draws, args.seed)
     return result
+
+
+def save_long_clips(directory: Path, videos, prompts) -> None:
+    """The first long clips as mp4 with their ``samples.csv``: what a drift looks like, small enough to come back with
+    a chain's archive. ``tools/eval_moving_shapes.py DIR/samples.csv --window 16 --motion M`` scores them again
+    (from crf-18 video, so a read may differ from the raw frames' one)."""
+    from opensora.inference.io import save_sample, write_samples_csv
+    from opensora.inference.prompts import sample_stem
+
+    rows = []
+    for i, (prompt, frames) in enumerate(zip(prompts, videos)):
+        rows.append(dict(path=save_sample(directory / sample_stem(i, prompt), frames).name, text=prompt))
+    write_samples_csv(directory, rows)
 
 
 def switched_caption(caption: str, captions, index: int) -> str:
@@ -650,6 +667,7 @@ def sample_teacher(args, cfg, ckpt, prompts, seeds, clip):
 def evaluate(args, checkpoints: dict) -> dict:
     from opensora.eval.moving_shapes_windows import score_windows
 
+    started = time.monotonic()
     prompts, seeds, cfg, clip, header = evaluation_inputs(args)
     seconds, videos = sample_teacher(args, cfg, checkpoints["teacher"], prompts, seeds, clip)
     teacher_scores = dict(ckpt=str(checkpoints["teacher"]), seconds=seconds, **accuracy(videos, prompts, args.motion))
@@ -661,10 +679,13 @@ def evaluate(args, checkpoints: dict) -> dict:
     if gate.is_file():  # --teacher-gate: the checks that decided how long the teacher trained
         teacher_scores["gate"] = json.loads(gate.read_text())
     report = dict(header, teacher=teacher_scores)
+    teacher_scores["eval_seconds"] = time.monotonic() - started
     for name in student_names(checkpoints):
         if args.score and name not in args.score:
             continue
+        started = time.monotonic()
         report[name] = evaluate_student(args, name, checkpoints[name], prompts, seeds, clip, teacher_scores)
+        report[name]["eval_seconds"] = time.monotonic() - started  # sampling, scoring, switches: a call's plan
     return report
 
 
@@ -854,6 +875,12 @@ def parse_args(argv=None):
         default=min(8, os.cpu_count() or 1),
         help="processes that score the windows (~40 ms a window: 288 clips x 8 windows take ~90 s in one)",
     )
+    parser.add_argument(
+        "--save-long-clips",
+        type=int,
+        default=24,
+        help="each student's first N long clips as mp4 in OUT/STUDENT/long_clips (0: none); 24 hold every direction",
+    )
     parser.add_argument("--seed", type=int, default=424242, help="first sampling seed (prompt i uses seed + i)")
     parser.add_argument(
         "--resample-draws",
@@ -892,6 +919,8 @@ def parse_args(argv=None):
         parser.error(f"--adam-beta1 {args.adam_beta1}: in [0, 1)")
     if args.resample_draws < 1:
         parser.error(f"--resample-draws {args.resample_draws}: at least 1")
+    if args.save_long_clips < 0:
+        parser.error(f"--save-long-clips {args.save_long_clips}: a number of clips, 0 or more")
     if args.teacher_gate is not None and args.teacher_ckpt:
         parser.error("--teacher-gate trains the teacher on: it does not combine with --teacher-ckpt")
     if args.teacher_gate is not None and not 0 < args.teacher_gate <= 1:

@@ -5,13 +5,13 @@ checks, students, windows, prompt switches). Pure functions of the report dicts;
 from typing import Optional
 
 GATE_KEYS = ("color_acc", "shape_acc", "direction_acc")  # what --teacher-gate checks, in this order
+SHORT = dict(color="colour")  # the printed name of an attribute where it differs from its key
 
 
 def confusions_text(scores: dict) -> str:
     """ "colour blue->cyan 3, red->None 1; direction left->None 2" (most frequent first), or "" when none is wrong."""
-    short = dict(color="colour")
     parts = [
-        f"{short.get(a, a)} " + ", ".join(f"{k} {n}" for k, n in counts.items())
+        f"{SHORT.get(a, a)} " + ", ".join(f"{k} {n}" for k, n in counts.items())
         for a, counts in scores.get("confusions", {}).items()
     ]
     return "; ".join(parts)
@@ -71,6 +71,25 @@ def resampled_criteria(student: dict, teacher: dict, draws: int, seed: int) -> d
     return out
 
 
+def misses_by_caption(clip_hits: dict, prompts) -> dict:
+    """Misses in the windows past the first, by the caption's own value of each attribute, most first:
+    ``{"direction": {"left": 707, "up": 79, ...}, ...}`` (an attribute without a miss is left out). It says whether a
+    drift is one caption's (a direction that stops wrapping) or spread over all of them. ``clip_hits``: the per-clip
+    hit strings of ``score_windows``; ``prompts``: its captions (a switched prompt's schedule is not counted)."""
+    from opensora.datasets.moving_shapes import parse_caption
+
+    out = {}
+    for index, attribute in enumerate(("color", "shape", "direction")):
+        counts: dict = {}
+        for prompt, hits in zip(prompts, clip_hits.get(attribute, [])):
+            value = parse_caption(prompt)[index] if isinstance(prompt, str) else None
+            if value is not None and hits[1:].count("0"):
+                counts[value] = counts.get(value, 0) + hits[1:].count("0")
+        if counts:
+            out[attribute] = dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+    return out
+
+
 def print_windows(windows) -> None:
     for w in windows:
         direction = "  -  " if w["direction_acc"] is None else f"{w['direction_acc']:.3f}"
@@ -117,18 +136,28 @@ def print_report(report: dict, students) -> None:
         if confusions_text(s):
             print(f"  wrong reads at the clip length: {confusions_text(s)}")
         curve = s["training"].get("validation_window_min") or []
-        if curve:  # --validation-every: the worst window's frame statistics (and colour) as the student trained
-            points = ", ".join(f"{v['step']}: {v.get('stats_window_min', float('nan')):.2f}" for v in curve)
-            print(f"  validation, worst window's stats in range by step: {points}")
+        if curve:  # --validation-every: each attribute's worst window as the student trained
+            keys = [f"{a}_window_min" for a in ("color", "shape", "direction", "stats")]
+            points = ", ".join(
+                f"{v['step']}: " + "/".join(f"{v.get(k, float('nan')):.2f}" for k in keys) for v in curve
+            )
+            print(f"  validation, worst window's colour/shape/direction/stats by step: {points}")
         chosen = s.get("selection")
         if chosen:
             history = ", ".join(f"{e['step']}: {e['value']:.2f}" for e in chosen["history"])
             print(f"  scored step {chosen['step']} of {chosen['last_step']}, best by {chosen['metric']} ({history})")
         print(f"  {s['long']['frames']} frames, windows of {s['long']['window']}, RoPE anchor {s.get('rope_anchor')}:")
         print_windows(s["long"]["windows"])
+        misses = s["long"].get("misses_by_caption")
+        if misses:
+            parts = [f"{SHORT.get(a, a)} " + ", ".join(f"{v} {n}" for v, n in c.items()) for a, c in misses.items()]
+            print(f"    misses past the first window, by the caption's value: {'; '.join(parts)}")
         print_background(s["long"]["background_by_frame"], report["clip"][0])
         print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
         print_resampled(s.get("criteria_resampled"))
+        if "eval_seconds" in s:
+            print(f"  evaluated in {s['eval_seconds']:.0f} s (sampling, scoring, switches; the teacher's: "
+                  f"{t.get('eval_seconds', float('nan')):.0f} s)")  # fmt: skip
         for key, anchor in (("long_sinks", s.get("rope_anchor", "absolute")), ("long_sinks_rope_window", "window")):
             if key in s:
                 r = s[key]
@@ -181,10 +210,11 @@ def print_switch_lines(s: dict) -> None:
         for name in [n for n, run in w.items() if isinstance(run, dict) and "after" in run]:
             after, second = w[name]["after"], w[name]["after_second"]
             old, jump = w[name]["after_reads_old"], w[name].get("boundary_change", {}).get("ratio")
+            direction = "-" if after["direction_acc"] is None else f"{after['direction_acc']:.3f}"
             print(
                 f"  switch at frame {w['switch_frame']} ({name}, {w[name]['sink_frames']} sinks): next window "
                 f"colour {after['color_acc']:.3f} shape {after['shape_acc']:.3f} direction "
-                f"{after['direction_acc']}; >= 90%: {w[name]['new_prompt_ge_90pct']}; reads the old caption's "
+                f"{direction}; >= 90%: {w[name]['new_prompt_ge_90pct']}; reads the old caption's "
                 f"colour {old['color_share']:.3f} shape {old['shape_share']:.3f} direction "
                 f"{old['direction_share']:.3f}; second window colour {second['color_acc']:.3f}; boundary change "
                 + ("-" if jump is None else f"{jump:.2f}")

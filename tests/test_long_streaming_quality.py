@@ -82,6 +82,16 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
         anchored_switch = student["switch_rope_window"]
         assert anchored_switch["rope_anchor"] == "window" and anchored_switch["switch_frame"] == 8
         assert "switch_rope_window_ge_90pct" in student["criteria"]
+        assert student["eval_seconds"] > 0 and isinstance(long["misses_by_caption"], dict)
+    assert report["teacher"]["eval_seconds"] > 0
+    import av
+
+    for name in ("self_forcing", "long_rollout"):  # the first long clips come back as video with their captions
+        clips = out / name / "long_clips"
+        rows = (clips / "samples.csv").read_text().splitlines()
+        assert len(rows) == 5 and rows[0] == "path,text" and len(list(clips.glob("*.mp4"))) == 4
+        with av.open(str(clips / rows[1].split(",")[0])) as container:
+            assert sum(1 for _ in container.decode(video=0)) == report[name]["long"]["frames"]
     # the long-rollout student trained with the rolling cache and sinks of its config
     config = (out / "configs/long_rollout.py").read_text()
     assert "LongRollout" not in config and "long_rollout_gpu.py" in config and "motion='wrap'" in config
@@ -566,3 +576,29 @@ def test_resampled_window_lines_start_from_the_first_window_with_scored_clips():
     direction = lines["direction_every_window_ge_95pct_of_first"]
     assert direction["observed"] is False and direction["worst_ratio"] == pytest.approx(0.5)  # 2 of 4 against 4 of 4
     assert lines["color_every_window_ge_95pct_of_first"]["observed"] is True
+
+
+def test_misses_by_caption_name_the_caption_whose_shape_stops_past_the_first_window():
+    """Ground-truth wrap clips of 64 frames, the 'left' ones frozen from frame 16 on (a shape that stops at the edge):
+    the scorer's misses past the first window all land on 'left', and a clip that misses only its first window
+    counts nothing."""
+    import numpy as np
+
+    from benchmarks.long_streaming_report import misses_by_caption
+    from opensora.datasets.moving_shapes import parse_caption, render_video, sample_motion
+    from opensora.eval.moving_shapes_windows import score_windows
+
+    prompts = ["a red circle moving left", "a blue square moving right", "a green circle moving up",
+               "a cyan square moving left", "a yellow triangle moving down"]  # fmt: skip
+    videos = []
+    for i, prompt in enumerate(prompts):
+        color, shape, direction = parse_caption(prompt)
+        motion = sample_motion(np.random.default_rng(i), color, shape, direction, 64, 64, motion="wrap")
+        video = render_video(motion, 64, 64, 64)
+        if direction == "left":
+            video[16:] = video[16]
+        videos.append(video)
+    report = score_windows(videos, prompts, 16, motion="wrap")
+    misses = misses_by_caption(report["clip_hits"], prompts)
+    assert misses == {"direction": {"left": 6}}  # 2 clips x 3 windows past the first, read as static
+    assert misses_by_caption(dict(direction=["0111", "1111"]), prompts[:2]) == {}
