@@ -263,6 +263,35 @@ def test_eval_tool_scores_windows_of_a_written_long_dataset(tmp_path):
     assert bad.returncode == 2 and "--workers 0" in bad.stderr
 
 
+def test_eval_tool_track_shows_where_a_shape_stops(tmp_path):
+    """--track prints each clip's windows: a 'left' clip frozen from frame 16 reads left, then static with no travel
+    from the same start in every later window; a 'right' clip moves right by the same travel in each window."""
+    from opensora.inference.io import save_sample, write_samples_csv
+
+    prompts = ["a red circle moving left", "a blue square moving right"]
+    rows = []
+    for i, prompt in enumerate(prompts):
+        video = ms.render_from_attributes(*ms.parse_caption(prompt), 64, 64, 48, 7 + i, motion="wrap",
+                                          reference_frames=FRAMES)  # fmt: skip
+        if "left" in prompt:
+            video[16:] = video[16]
+        rows.append(dict(path=save_sample(tmp_path / f"{i}", video).name, text=prompt))
+    write_samples_csv(tmp_path, rows)
+    cmd = [sys.executable, str(REPO / "tools/eval_moving_shapes.py"), str(tmp_path / "samples.csv"), "--no-progress"]
+    run = subprocess.run(
+        cmd + ["--window", "16", "--motion", "wrap", "--track"], capture_output=True, text=True, cwd=REPO
+    )
+    assert run.returncode == 0, run.stderr
+    left, right = [line for line in run.stdout.splitlines() if line.startswith(("0.mp4", "1.mp4"))]
+    cells = [cell.split() for cell in left.split(": ", 1)[1].split(" | ")]
+    assert [c[:2] for c in cells] == [["0", "left"], ["16", "static"], ["32", "static"]]
+    travel = [abs(float(v.strip("(),"))) for v in cells[1][2:4]]
+    assert cells[1][4:] == cells[2][4:] and max(travel) < 0.5  # stopped where it stands
+    assert [cell.split()[1] for cell in right.split(": ", 1)[1].split(" | ")] == ["right"] * 3
+    bad = subprocess.run(cmd + ["--track"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "--track" in bad.stderr
+
+
 # ---- the benchmark's own setting: 64x64, 16-frame windows of 128 frames, its prompts and seeds -----------------------
 BENCH_SIZE, BENCH_LONG = 64, 128
 BENCH_PROMPTS = ms.all_captions()[::9]  # 8 of benchmarks/long_streaming_quality.py's 72: every colour/shape/direction

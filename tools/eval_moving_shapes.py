@@ -4,6 +4,8 @@
     python tools/eval_moving_shapes.py SAMPLES.csv --json scores.json
     # long clips, window by window (16 frames each; wrap / bounce: the motion rule the clips follow)
     python tools/eval_moving_shapes.py SAMPLES.csv --window 16 --motion wrap --json windows.json
+    # and what each window of each clip reads: direction, fitted travel and where the shape starts (a drift's shape)
+    python tools/eval_moving_shapes.py SAMPLES.csv --window 16 --motion wrap --track
 
 The csv needs columns ``path`` and ``text``; a relative path is taken relative to the csv's directory.
 Videos that cannot be decoded are reported and counted as wrong (the window mode refuses them instead: its windows
@@ -42,6 +44,24 @@ def evaluate_windows(args) -> dict:
     )
 
 
+def track_lines(rows, window: int, stride, motion: str) -> list:
+    """One line per clip: each window's direction read, its fitted travel (x, y) and the centre it starts from, in
+    the evaluator's analysis pixels (x right, y down): a shape that stops at an edge, turns or vanishes shows here."""
+    from opensora.eval.moving_shapes import read_shape
+    from opensora.eval.moving_shapes_windows import window_starts
+
+    lines = []
+    for path, text, frames, _ in rows:
+        cells = []
+        for start in window_starts(len(frames), window, stride):
+            r = read_shape(frames[start : start + window], wrap=motion == "wrap")
+            travel = "-" if r.travel_xy is None else "({:+.1f}, {:+.1f})".format(*r.travel_xy)
+            where = "" if r.start_xy is None else " @({:.0f}, {:.0f})".format(*r.start_xy)
+            cells.append(f"{start} {r.direction} {travel}{where}")
+        lines.append(f"{Path(path).name} [{text}]: " + " | ".join(cells))
+    return lines
+
+
 def main(argv=None):
     from opensora.datasets.moving_shapes import MOTIONS
     from opensora.eval.moving_shapes_windows import STATS_MARGIN
@@ -56,8 +76,13 @@ def main(argv=None):
     parser.add_argument(
         "--workers", type=int, default=1, help="window mode: score the clips in this many processes (~40 ms a window)"
     )
+    parser.add_argument(
+        "--track", action="store_true", help="window mode: print each clip's per-window direction, travel and start"
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.track and args.window is None:
+        parser.error("--track reads windows: give --window")
     if args.workers < 1:
         parser.error(f"--workers {args.workers}: give 1 or more processes")
     if args.window is None:
@@ -67,6 +92,9 @@ def main(argv=None):
             print(f"  failed to decode: {path}", file=sys.stderr)
     else:
         report = evaluate_windows(args)
+        if args.track:
+            rows = list(load_rows(args.csv, progress=False))
+            print("\n".join(track_lines(rows, args.window, args.stride, args.motion)))
         print(f"{len(report['windows'])} windows of {args.window} frames ({args.motion} motion)")
         for w in report["windows"]:
             print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in w.items()))

@@ -303,6 +303,7 @@ class ShapeReading:
     mean_rgb: Optional[List[float]] = None
     shape_residuals: Optional[Dict[str, float]] = None
     travel_xy: Optional[List[float]] = None  # fitted travel over the clip, in analysis pixels (see downsample)
+    start_xy: Optional[List[float]] = None  # the centre in the first frame the shape is found in, analysis pixels
     error: Optional[str] = None
 
     def attributes(self) -> Dict[str, str]:
@@ -331,6 +332,7 @@ def read_shape(frames: np.ndarray, wrap: bool = False) -> ShapeReading:
     ids = np.nonzero(fg.valid)[0]
     if len(ids) >= 2:
         cy, cx = mask_centroids(fg.masks[ids], wrap).T
+        reading.start_xy = [round(float(cx[0]), 2), round(float(cy[0]), 2)]
         if wrap:  # a track across an edge continues past it instead of jumping back by a canvas
             cy, cx = np.unwrap(cy, period=h), np.unwrap(cx, period=w)
         travel_x = theil_sen_slope(ids.astype(float), cx) * (t - 1)
