@@ -15,9 +15,10 @@
 # SWITCH=0 skips the Self-Forcing switch sweep (its evaluation then comes with the LONG=1 exit-context one, or
 # alone without LONG, with the switch as EVAL_SWITCH says); LONG_GPUS="0 1" runs the two LongRollout lanes side by
 # side; SECOND=control makes the second lane the control (Self-Forcing trained on) instead of the fully denoised
-# context; EVAL_SWITCH=0 leaves the prompt switch out of the evaluations; EVAL_RENOISE="1.0" adds the re-rendered
-# switch to them (a criteria line per time, beside the re-cache's); CHAIN_GPU=1 runs the chain's one-GPU stages on
-# GPU 1 (default 0), so two chains with their own OUT and seeds can share a two-GPU machine.
+# context, SECOND=none leaves the second lane out; EVAL_SWITCH=0 leaves the prompt switch out of the evaluations;
+# EVAL_RENOISE="1.0" adds the re-rendered switch to them (a criteria line per time, beside the re-cache's);
+# CHAIN_GPU=1 runs the chain's one-GPU stages on GPU 1 (default 0), so two chains with their own OUT and seeds can
+# share a two-GPU machine.
 set -uo pipefail
 source "$(dirname "$0")/gpu_chain.sh"
 chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \
@@ -55,19 +56,22 @@ if [ "${LONG:-0}" = 1 ]; then
   # the Self-Forcing student it started from (same seeds)
   # SECOND=control: the second lane trains the control (Self-Forcing trained on for the same minutes / steps) in
   # OUT/lsc instead of the fully denoised context, so both run at once; the exit lane then scores itself and
-  # Self-Forcing
+  # Self-Forcing. SECOND=none: the exit lane alone (one GPU, one session's time). Scoring named students keeps the
+  # exit lane's evaluation from training the control itself.
   read -r gpu_exit gpu_full <<< "${LONG_GPUS:-$g $g}"
   second=${SECOND:-full}
+  case $second in full | control | none) ;; *) note "SECOND=$second: full, control or none"; exit 2 ;; esac
   score_exit=(--score long_rollout)
-  [ "${SWITCH:-1}" = 0 ] && score_exit=()
-  [ "$second" = control ] && score_exit=(--score long_rollout self_forcing)
+  [ "${SWITCH:-1}" = 0 ] || [ "$second" = control ] && score_exit=(--score long_rollout self_forcing)
   lane2=lsf && [ "$second" = control ] && lane2=lsc
-  mkdir -p "$out/$lane2" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" "$out/$lane2/"
+  [ "$second" != none ] && mkdir -p "$out/$lane2" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" \
+    "$out/$lane2/"
   exit_lane() {
     stage "$gpu_exit" ls long_rollout_exit $L --long-context-steps exit --only-stage long_rollout
     stage "$gpu_exit" ls eval_exit $L --long-context-steps exit "${score_exit[@]}" "${switch[@]}"
   }
   full_lane() {
+    [ "$second" = none ] && return
     if [ "$second" = control ]; then
       stage "$gpu_full" lsc control $L --only-stage self_forcing_more
       stage "$gpu_full" lsc eval_control $L --score self_forcing_more "${switch[@]}"
