@@ -20,6 +20,10 @@
 # CHAIN_GPU=1 runs the chain's one-GPU stages on GPU 1 (default 0), so two chains with their own OUT and seeds can
 # share a two-GPU machine.
 set -uo pipefail
+case ${SECOND:-full} in  # checked before the chain detaches: it could only log it, and a wait would sit out its SEC
+  full | control | none) ;;
+  *) echo "SECOND=$SECOND: choose full, control or none" >&2; exit 2 ;;
+esac
 source "$(dirname "$0")/gpu_chain.sh"
 chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \
   "${2:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" "${3:-540}"
@@ -60,7 +64,6 @@ if [ "${LONG:-0}" = 1 ]; then
   # exit lane's evaluation from training the control itself.
   read -r gpu_exit gpu_full <<< "${LONG_GPUS:-$g $g}"
   second=${SECOND:-full}
-  case $second in full | control | none) ;; *) note "SECOND=$second: full, control or none"; exit 2 ;; esac
   score_exit=(--score long_rollout)
   [ "${SWITCH:-1}" = 0 ] || [ "$second" = control ] && score_exit=(--score long_rollout self_forcing)
   lane2=lsf && [ "$second" = control ] && lane2=lsc
