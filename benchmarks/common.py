@@ -1,5 +1,5 @@
 """Helpers shared by the benchmark modules: the 1B benchmark shape and its model config, random weights, CUDA-event
-timing, the host-sync count and the MovingShapes held-caption set-up."""
+timing, wall-clock timing between device syncs, the host-sync count and the MovingShapes held-caption set-up."""
 
 import statistics
 import warnings
@@ -87,6 +87,22 @@ def cuda_times_ms(fn, warmup, iters) -> list:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def timed(fn):
+    """(seconds, result) of one call of ``fn``, wall clock between two device syncs: a whole sampling run, with its
+    host work, where CUDA events around one kernel stream would not hold all of it."""
+    import time
+
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - started, out
 
 
 def cuda_time_ms(fn, warmup, iters):

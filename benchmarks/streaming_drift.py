@@ -28,7 +28,7 @@ from pathlib import Path
 def stream_run(run_dir, cfg, prompts, seeds, frames, size, window, sinks, device, switch=None) -> dict:
     """Stream one run's newest student and score it (accuracy over the first clip, background per frame).
     ``window``: latent frames, None (every frame) or "clip" (the clip's latent frames minus one chunk). ``switch``:
-    the re-render times of ``long_streaming_quality.evaluate_switch`` (a list, maybe empty; None: no switch)."""
+    the re-render times of ``long_streaming_switch.evaluate_switch`` (a list, maybe empty; None: no switch)."""
     import torch
 
     from benchmarks.streaming import clip_window
@@ -65,7 +65,7 @@ def stream_run(run_dir, cfg, prompts, seeds, frames, size, window, sinks, device
         background_by_frame=background_by_frame(list(videos)),
     )
     if switch is not None:
-        from benchmarks.long_streaming_quality import evaluate_switch
+        from benchmarks.long_streaming_switch import evaluate_switch
 
         long_multiple = max(frames // clip, 2)
         row["switch"] = evaluate_switch(

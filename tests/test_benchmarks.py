@@ -292,7 +292,15 @@ def test_max_tokens_smoke_on_cpu(tmp_path):
 BENCHMARK_MODULES = sorted(
     p.stem
     for p in (ROOT / "benchmarks").glob("*.py")
-    if p.stem not in ("__init__", "common", "long_streaming_report", "offload_stores", "pipeline_real_vae")
+    if p.stem
+    not in (
+        "__init__",
+        "common",
+        "long_streaming_report",
+        "long_streaming_switch",
+        "offload_stores",
+        "pipeline_real_vae",
+    )
 )  # helper modules: no CLI
 
 
