@@ -35,13 +35,8 @@ def criteria(student: dict, teacher: dict) -> dict:
     out["flicker_le_1.1"] = None if flicker is None else flicker <= 1.1
     for key, ratio in student["over_teacher"].items():
         out[f"{key}_ge_98pct_of_teacher"] = None if ratio is None else at_least(ratio, 0.98)
-    if "switch" in student:
-        out["switch_new_prompt_ge_90pct_within_one_window"] = student["switch"]["recache"]["new_prompt_ge_90pct"]
-        for key, run in student["switch"].items():  # --switch-renoise: the kept window re-rendered, each a verdict
-            if key.startswith("renoise_"):
-                out[f"switch_{key}_new_prompt_ge_90pct_within_one_window"] = run["new_prompt_ge_90pct"]
-    if "switch_rope_window" in student:
-        out["switch_rope_window_ge_90pct"] = student["switch_rope_window"]["recache"]["new_prompt_ge_90pct"]
+    for name, run in switch_criteria_runs(student):  # --switch-renoise: the kept window re-rendered, each a verdict
+        out[name] = run["new_prompt_ge_90pct"]
     return out
 
 
@@ -68,7 +63,26 @@ def resampled_criteria(student: dict, teacher: dict, draws: int, seed: int) -> d
         out[f"{attribute}_acc_ge_98pct_of_teacher"] = judged(
             hits_array(student["clip_hits"][attribute]), hits_array(teacher["clip_hits"][attribute]), 0.98
         )
+    for name, run in switch_criteria_runs(student):  # the new caption's colour, shape and direction each >= 90%
+        hits = run.get("after_clip_hits")
+        if hits:  # three columns against a sure reference: every column's share >= 0.9
+            table = np.hstack([hits_array(hits[a]) for a in ("color", "shape", "direction")])
+            out[name] = judged(table, np.ones((len(table), 1)), 0.9)
     return out
+
+
+def switch_criteria_runs(student: dict) -> list:
+    """(criterion name, switch run) of each prompt-switch line ``criteria`` judges: the re-cache, every re-render
+    (``--switch-renoise``) and the re-cache under the window anchor."""
+    runs = []
+    if "switch" in student:
+        runs.append(("switch_new_prompt_ge_90pct_within_one_window", student["switch"]["recache"]))
+        for key, run in student["switch"].items():
+            if key.startswith("renoise_"):
+                runs.append((f"switch_{key}_new_prompt_ge_90pct_within_one_window", run))
+    if "switch_rope_window" in student:
+        runs.append(("switch_rope_window_ge_90pct", student["switch_rope_window"]["recache"]))
+    return runs
 
 
 def misses_by_caption(clip_hits: dict, prompts) -> dict:

@@ -46,9 +46,7 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
         assert set(student["criteria"]) >= {"flicker_le_1.1", "stats_every_window_ge_95pct_of_teacher"}
         # each share-of-clips line judged again over resampled prompts: on the clips as they are, the same verdict
         resampled = student["criteria_resampled"]
-        assert set(resampled) == set(student["criteria"]) - {"flicker_le_1.1"} - {
-            k for k in student["criteria"] if k.startswith("switch")
-        }
+        assert set(resampled) == set(student["criteria"]) - {"flicker_le_1.1"}  # every share line, switches too
         for name, line in resampled.items():
             assert line["observed"] == student["criteria"][name], name
             assert line["draws"] == 2000 and (line["pass_share"] is None or 0 <= line["pass_share"] <= 1)
@@ -602,3 +600,31 @@ def test_misses_by_caption_name_the_caption_whose_shape_stops_past_the_first_win
     misses = misses_by_caption(report["clip_hits"], prompts)
     assert misses == {"direction": {"left": 6}}  # 2 clips x 3 windows past the first, read as static
     assert misses_by_caption(dict(direction=["0111", "1111"]), prompts[:2]) == {}
+
+
+def test_switch_line_is_judged_again_over_resampled_prompts_against_its_absolute_goal():
+    """The switch criterion (the new caption's colour, shape and direction each >= 90% in the window after it) gets a
+    pass share like the share lines: 90 of 100 direction hits sits exactly at the goal, so it passes on the clips as
+    they are and in P(Bin(100, 0.9) >= 90) = 0.583 of the resamples; a run without per-clip hits gets no line."""
+    from benchmarks.long_streaming_report import resampled_criteria
+
+    hits = dict(color=["1"] * 100, shape=["1"] * 100, direction=["1"] * 90 + ["0"] * 10)
+    recache = dict(new_prompt_ge_90pct=True, after_clip_hits=hits)
+    long = dict(clip_hits=dict(color=["11"] * 100, shape=["11"] * 100, stats=["11"] * 100, direction=["11"] * 100))
+    sure = dict(color=["1"] * 100, shape=["1"] * 100, direction=["1"] * 100)
+    student = dict(
+        long=long, clip_hits=sure, switch={"recache": recache, "renoise_1.0": dict(new_prompt_ge_90pct=None)}
+    )
+    teacher = dict(stats_hits=["1"] * 100, clip_hits=sure)
+    lines = resampled_criteria(student, teacher, draws=2000, seed=3)
+    line = lines["switch_new_prompt_ge_90pct_within_one_window"]
+    assert line["observed"] is True and line["worst_ratio"] == pytest.approx(0.9)
+    assert line["pass_share"] == pytest.approx(0.583, abs=0.03)
+    assert "switch_renoise_1.0_new_prompt_ge_90pct_within_one_window" not in lines  # no hits: not judged again
+    student["switch"]["recache"]["after_clip_hits"]["direction"] = ["1"] * 89 + ["0"] * 11
+    assert (
+        resampled_criteria(student, teacher, draws=200, seed=3)["switch_new_prompt_ge_90pct_within_one_window"][
+            "observed"
+        ]
+        is False
+    )
