@@ -389,6 +389,7 @@ def student_generator(args, name, ckpt, clip):
 def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
     """Stream the student at the training length (accuracy, speed) and at the long length (windows, flicker)."""
     from opensora.eval.moving_shapes_windows import background_by_frame, chunk_edge_flicker, score_windows
+    from opensora.inference.io import save_samples
 
     generator = student_generator(args, name, ckpt, clip)
     sampler, window = generator.sampler, generator.window_frames
@@ -425,8 +426,9 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         ),
     )
     result["long"]["misses_by_caption"] = misses_by_caption(result["long"]["clip_hits"], prompts)
-    if args.save_long_clips:
-        save_long_clips(Path(args.out) / name / "long_clips", long[: args.save_long_clips], prompts)
+    if args.save_long_clips:  # what a drift looks like, small enough to come back with a chain's archive (mp4:
+        # tools/eval_moving_shapes.py --window 16 scores them again, from crf-18 video)
+        save_samples(Path(args.out) / name / "long_clips", prompts, long[: args.save_long_clips])
 
     def variant(**settings) -> dict:
         """The long run again (same seeds) with the generator's attributes set to ``settings``, scored the same way."""
@@ -465,19 +467,6 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
     result["criteria"] = criteria(result, teacher)
     result["criteria_resampled"] = resampled_criteria(result, teacher, args.resample_draws, args.seed)
     return result
-
-
-def save_long_clips(directory: Path, videos, prompts) -> None:
-    """The first long clips as mp4 with their ``samples.csv``: what a drift looks like, small enough to come back with
-    a chain's archive. ``tools/eval_moving_shapes.py DIR/samples.csv --window 16 --motion M`` scores them again
-    (from crf-18 video, so a read may differ from the raw frames' one)."""
-    from opensora.inference.io import save_sample, write_samples_csv
-    from opensora.inference.prompts import sample_stem
-
-    rows = []
-    for i, (prompt, frames) in enumerate(zip(prompts, videos)):
-        rows.append(dict(path=save_sample(directory / sample_stem(i, prompt), frames).name, text=prompt))
-    write_samples_csv(directory, rows)
 
 
 def evaluation_inputs(args):

@@ -6,7 +6,7 @@ import os
 import tempfile
 from io import StringIO
 from pathlib import Path
-from typing import Iterable, Mapping, Tuple
+from typing import Iterable, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -77,3 +77,16 @@ def write_samples_csv(save_dir, rows: Iterable[Mapping]) -> Path:
         writer.writerow({"path": str(row["path"]), "text": row["text"]})
     _atomic_write_text(path, buffer.getvalue())
     return path
+
+
+def save_samples(save_dir, prompts, videos, fps: float = 8.0) -> List[Path]:
+    """Each of ``videos`` as ``save_dir/{index}_{slug}`` (``save_sample``) and their ``samples.csv`` (prompt per
+    clip, re-scorable by ``tools/eval_moving_shapes.py``); returns the written paths in order."""
+    from opensora.inference.prompts import sample_stem
+
+    paths = [
+        save_sample(Path(save_dir) / sample_stem(i, p), frames, fps=fps)
+        for i, (p, frames) in enumerate(zip(prompts, videos))
+    ]
+    write_samples_csv(save_dir, [dict(path=path.name, text=p) for path, p in zip(paths, prompts)])
+    return paths

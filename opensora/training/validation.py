@@ -352,17 +352,12 @@ class Validator:
     def _write_and_log(
         self, step: int, videos: np.ndarray, prompts: List[str], seeds: List[int], started: float
     ) -> dict:
-        from opensora.inference.io import save_sample, write_samples_csv
-        from opensora.inference.prompts import sample_stem
+        from opensora.inference.io import save_samples
 
         s = self.settings
         save_dir = self.outputs / "samples" / f"step-{step:07d}"
-        rows, paths = [], []
-        for i, (prompt, frames) in enumerate(zip(prompts, videos)):
-            path = save_sample(save_dir / sample_stem(i, prompt), frames, fps=s["fps"])
-            rows.append(dict(path=path.name, text=prompt))
-            paths.append(path)
-        write_samples_csv(save_dir, rows)
+        paths = save_samples(save_dir, prompts, videos, fps=s["fps"])
+        rows = [dict(path=path.name, text=prompt) for path, prompt in zip(paths, prompts)]
         record: Dict[str, float] = {}
         report = None
         if s["score"] == "moving_shapes":  # under the run's motion rule (a wrap clip may cross an edge)

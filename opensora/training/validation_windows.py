@@ -113,16 +113,12 @@ def long_clip_record(sampler, generator, s: Mapping, prompts, seeds, height, wid
     import json
 
     from opensora.eval.moving_shapes_windows import score_windows
-    from opensora.inference.io import save_sample, write_samples_csv
-    from opensora.inference.prompts import sample_stem
+    from opensora.inference.io import save_samples
 
     videos = sample_long_clips(sampler, generator, s, prompts, seeds, height, width, started)
     prompts = list(prompts[: len(videos)])
     out = Path(save_dir) / "long"
-    rows = []
-    for i, (prompt, frames) in enumerate(zip(prompts, videos)):
-        rows.append(dict(path=save_sample(out / sample_stem(i, prompt), frames, fps=s["fps"]).name, text=prompt))
-    write_samples_csv(out, rows)
+    save_samples(out, prompts, videos, fps=s["fps"])
     report = score_windows(list(videos), prompts, s["window_frames"], motion=s["motion"])
     head = dict(long_frames=s["long_frames"], kv_window_frames=generator.window_frames if generator else None)
     (out / "windows.json").write_text(json.dumps(dict(head, **report), indent=1) + "\n")
