@@ -22,12 +22,12 @@ from pathlib import Path
 from opensora.eval.moving_shapes import evaluate_csv, load_rows
 
 
-def evaluate_windows(args) -> dict:
+def evaluate_windows(args, rows) -> dict:
+    """Window scores of the decoded ``rows`` (``load_rows``)."""
     from opensora.cli_errors import UserInputError
     from opensora.eval.moving_shapes_windows import score_windows
     from opensora.inference.streaming.prompt_schedule import looks_like_schedule, parse_prompt_schedule
 
-    rows = list(load_rows(args.csv, progress=not args.no_progress))
     broken = [path for path, _, _, error in rows if error is not None]
     if not rows or broken:
         raise UserInputError(f"{args.csv}: {'no videos' if not rows else f'cannot decode {broken}'}; fix the csv")
@@ -91,9 +91,9 @@ def main(argv=None):
         for path in report.failed:
             print(f"  failed to decode: {path}", file=sys.stderr)
     else:
-        report = evaluate_windows(args)
+        rows = list(load_rows(args.csv, progress=not args.no_progress))  # decoded once, for the scores and --track
+        report = evaluate_windows(args, rows)
         if args.track:
-            rows = list(load_rows(args.csv, progress=False))
             print("\n".join(track_lines(rows, args.window, args.stride, args.motion)))
         print(f"{len(report['windows'])} windows of {args.window} frames ({args.motion} motion)")
         for w in report["windows"]:
