@@ -80,15 +80,14 @@ def evaluate_switch(
     switches = [(starts[at], new)]
     out = dict(switch_frame=at, frames=total, window=frames, examples=[[prompts[0], new[0]]])
 
-    def window(videos, start, captions_, hits=None):
-        """The window's shares; ``hits``, a dict: filled with its per-clip colour / shape / direction hits."""
+    def window(videos, start, captions_):
+        """The window's shares and its per-clip colour / shape / direction hits."""
         scores = score_windows(
             list(videos[:, start : start + frames]), captions_, frames, motion=motion, workers=workers
         )
-        if hits is not None:
-            hits.update({a: scores["clip_hits"][a] for a in ("color", "shape", "direction")})
         w = scores["windows"][0]
-        return {k: w[k] for k in ("color_acc", "shape_acc", "direction_acc", "stats_in_range")}
+        shares = {k: w[k] for k in ("color_acc", "shape_acc", "direction_acc", "stats_in_range")}
+        return shares, {a: scores["clip_hits"][a] for a in ("color", "shape", "direction")}
 
     def reads_old(videos, start):
         """Share of clips whose window reads the OLD caption's colour / shape / direction: a low new-caption
@@ -111,8 +110,7 @@ def evaluate_switch(
             seconds, videos = timed(
                 lambda: generator.generate(prompts, seeds, total, height, width, switches=switches).numpy()
             )
-        after_hits = {}
-        after = window(videos, at, new, after_hits)
+        after, after_hits = window(videos, at, new)
         accuracies = [after[k] for k in ("color_acc", "shape_acc", "direction_acc")]
         out[name] = dict(
             sink_frames=sinks,
@@ -121,10 +119,10 @@ def evaluate_switch(
             # a jump at the switch: the mean frame change across it over the mean change between frames of the
             # windows around it (about 1 for a seamless switch)
             boundary_change=boundary_change(videos, at, frames),
-            before=window(videos, at - frames, prompts) if at >= frames else None,
+            before=window(videos, at - frames, prompts)[0] if at >= frames else None,
             after=after,
             after_clip_hits=after_hits,  # what the criterion's resampled pass share is drawn from
-            after_second=window(videos, at + frames, new),
+            after_second=window(videos, at + frames, new)[0],
             after_reads_old=reads_old(videos, at),
             new_prompt_ge_90pct=None if None in accuracies else bool(at_least(min(accuracies), 0.9)),
         )
