@@ -158,3 +158,41 @@ def test_best_metric_must_be_a_logged_score_at_checkpointed_steps(best_run):
     cfg.ckpt_every, cfg.save_at_end = 2, False
     with pytest.raises(ConfigValueError, match="save_at_end=False"):
         validation_settings(cfg)
+
+
+def test_a_run_ending_between_validations_validates_its_last_step_and_may_pick_it(tmp_path):
+    """A run stopped at step 5 with a validation every 2 steps (as ``max_minutes`` stops one anywhere): ``at_end``
+    validates step 5 after its checkpoint is saved, so best.json weighs the checkpoint the run ends on (here the best,
+    0.8 against 0.2 and 0.5) and ``RUN/best`` loads it. With ``at_end=False`` steps 2 and 4 alone are validated. A
+    LongRollout stage of 120 steps under ``every=150`` was never validated before this, so its best was unknown."""
+    from opensora.convert.weights import load_role_weights
+    from opensora.eval import moving_shapes_windows
+
+    validation = dict(every=2, num_steps=2, score="moving_shapes", best_metric="val/all_acc")
+    plain, prompts = tiny_demo_config(tmp_path, 2, keep_last=1)
+    real, values = moving_shapes_windows.score_rows, iter([0.2, 0.5, 0.8, 0.2, 0.5])
+
+    def scored(*args, **kwargs):
+        return dataclasses.replace(real(*args, **kwargs), all_acc=next(values))
+
+    runs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moving_shapes_windows, "score_rows", scored)
+        for name, at_end in (("at_end", True), ("off", False)):
+            config = write_config(
+                tmp_path / f"{name}.py", plain, validation=dict(validation, prompts=prompts, at_end=at_end)
+            )
+            runs[name] = tmp_path / name
+            build_trainer(config, runs[name], "--max-steps", "5", "--ckpt-every", "2").train()
+    record = read_best(runs["at_end"])
+    assert [(e["step"], e["value"]) for e in record["history"]] == [(2, 0.2), (4, 0.5), (5, 0.8)]
+    assert record["best"] == dict(step=5, value=0.8, checkpoint="checkpoints/step-0000005")
+    assert load_role_weights(runs["at_end"] / "best", role="model").step == 5
+    assert sorted(p.name for p in (runs["at_end"] / "samples").iterdir()) == [
+        "step-0000002",
+        "step-0000004",
+        "step-0000005",
+    ]
+    assert [e["step"] for e in read_best(runs["off"])["history"]] == [2, 4]
+    assert read_best(runs["off"])["best"]["step"] == 4
+    assert sorted(p.name for p in (runs["off"] / "checkpoints").glob("step-*")) == ["step-0000004", "step-0000005"]

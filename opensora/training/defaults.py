@@ -54,4 +54,7 @@ VALIDATION_DEFAULTS = dict(
     # a logged score (higher is better, e.g. "val/all_acc", "val/stats_window_min"): the run notes it in best.json
     # and keeps that step's checkpoint (``opensora.best_checkpoint``; ``every`` a multiple of ``ckpt_every``)
     best_metric=None,
+    # also validate the run's last step when ``every`` does not divide it (a run stopped by max_minutes or max_steps),
+    # after its checkpoint is saved: best.json then weighs the checkpoint the run ends on. Not after a preemption
+    at_end=True,
 )

@@ -308,6 +308,7 @@ class Trainer:
     def _loop(self, progress) -> None:
         batches = self._batches()
         started = time.monotonic()
+        first_step = self.step  # a resumed run that trains no step validates nothing at its end
         self._pending = None  # the previous step's metrics, still on the device
         self.out_of_time = False
         queued = None  # the last step queued whose verdict is not read yet (deferred check only)
@@ -351,6 +352,9 @@ class Trainer:
         saved_now = self.last_checkpoint is not None and self.last_checkpoint.name == f"step-{self.step:07d}"
         if (self.setting("save_at_end") or self.preempted) and not saved_now:
             self.save()
+        if self.step > first_step and not self.preempted and self.validator is not None:
+            if self.validator.due_at_end(self.step):  # after the save: best.json may name this step's checkpoint
+                self.validator.run(self.step)
         self.metrics.close()
         barrier()
 

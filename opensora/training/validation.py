@@ -24,7 +24,11 @@ Every ``every`` optimizer steps rank 0
   ``val/*_window_min``, see ``opensora.training.validation_windows``); always ``val/seconds`` and ``val/num_samples``
   (``metrics.jsonl``: a separate record with the same ``step``; tensorboard tags ``val/...``);
 * with ``best_metric`` (a score it logs) notes that score in ``{outputs}/best.json``, which names the best step's
-  checkpoint (the trainer's own, saved just before; ``opensora.best_checkpoint``).
+  checkpoint (the trainer's own, saved just before; ``opensora.best_checkpoint``);
+* with ``at_end`` (default) also validates the step a run ends on when ``every`` does not divide it (``max_minutes``
+  or ``max_steps`` reached), after the checkpoint saved there, so the best checkpoint is chosen among every
+  checkpointed validation, the last included (a time-limited run shorter than ``every`` is validated once). Not
+  after a preemption, which must exit quickly.
 
 No effect on training: the live network is only read, every RNG stream (python, numpy, torch CPU, the current CUDA
 device) is saved before and restored after, and validation saves no checkpoint itself, so losses are bit-identical
@@ -238,6 +242,10 @@ class Validator:
 
     def due(self, step: int) -> bool:
         return (self.is_main or self._gathers()) and step % self.every == 0
+
+    def due_at_end(self, step: int) -> bool:
+        """Whether the run's last step (``step``, checkpointed) still needs its validation (``at_end``)."""
+        return bool(self.settings["at_end"]) and step % self.every != 0 and (self.is_main or self._gathers())
 
     def run(self, step: int) -> Optional[dict]:
         """Sample, write, score and log for ``step``; returns the logged record (None off rank 0). A sharded EMA is
