@@ -39,6 +39,12 @@ RUNS = {
         "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3], rollout_multiple=3, kv_window_frames=3, "
         "kv_sink_frames=1, switch_prob=0.5)",
     ),
+    "long_rollout_critic_windows": (  # the critic learns from 3 windows of each rollout
+        "configs/distill/long_rollout_demo.py",
+        ("student", "teacher", "critic"),
+        "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3], rollout_multiple=3, kv_window_frames=3, "
+        "kv_sink_frames=1, switch_prob=0.0, critic_windows=3)",
+    ),
 }
 
 
@@ -96,6 +102,7 @@ def test_resume_is_bit_identical_on_two_ranks(run):
         "causvid",
         "self_forcing",
         "long_rollout",
+        "long_rollout_critic_windows",
     ):  # two-time-scale rule inside the real trainer: the student steps at 0, 2, 4
         assert [("grad_norm/student" in row) for row in full] == [True, False] * 3
         assert all("critic_loss" in row for row in full)

@@ -122,6 +122,81 @@ def test_trains_a_few_steps_with_finite_losses_on_the_two_time_scale_rule():
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_critic_windows_are_cut_from_the_one_rollout_and_only_the_judged_one_keeps_a_graph():
+    """critic_windows=3, the judged window ending at chunk 6 and two more at 4 and 9: one rollout to chunk 9 (not
+    three), graphs on the judged window's chunks 2-5 only, the other windows the same rollout's chunks 0-3 and 5-8,
+    detached. Chunks before the judged window keep the context's exit step where ``context_steps="full"``."""
+    from test_methods_framework import tiny_batch
+
+    for context_steps in ("exit", "full"):
+        method, _, spy = make_long_rollout(critic_windows=3, context_steps=context_steps)
+        ends = iter([6, 4, 9])
+        method.draw_exit_step = lambda: 1
+        method.draw_window_end = lambda clip_chunks: next(ends)
+        batch = method.adapter.prepare_batch(tiny_batch(2))
+        judged, _ = method.generate(batch, with_grad=True)
+        assert judged.shape == batch.latent_shape and judged.requires_grad
+        assert max(call["start"] for call in spy.calls) == 8  # chunk 8 is the furthest window's last
+        exits = {call["start"]: call for call in spy.calls if not call["store"] and call["t"] == pytest.approx(0.6)}
+        full = {call["start"] for call in spy.calls if not call["store"] and call["t"] == pytest.approx(0.3)}
+        assert full == (set(range(2)) if context_steps == "full" else set())  # before the judged window only
+        chunks = [exits[c]["output"] if c in exits else None for c in range(9)]
+        assert [exits[c]["graph"] for c in sorted(exits)] == [2 <= c < 6 for c in sorted(exits)]
+        torch.testing.assert_close(judged, torch.cat(chunks[2:6], dim=2))
+        assert len(method.extra_windows) == 2 and not any(w.requires_grad for w in method.extra_windows)
+        torch.testing.assert_close(method.extra_windows[1], torch.cat(chunks[5:9], dim=2))
+        if context_steps == "exit":
+            torch.testing.assert_close(method.extra_windows[0], torch.cat(chunks[0:4], dim=2))
+        assert method.last_window == (2, 9) and method.last_critic_windows == [2, 0, 5]
+
+
+def test_the_critic_judges_every_window_under_its_own_samples_prompt():
+    """The stacked critic loss is the mean of each window's loss with the batch's prompts in order (two different
+    prompts: a wrong row order would pair a window with the other sample's prompt)."""
+    import torch.nn.functional as F
+    from test_methods_framework import tiny_batch
+
+    method, _, _ = make_long_rollout(critic_windows=3)
+    batch = method.adapter.prepare_batch(tiny_batch(2))
+    repeated = method.adapter.repeat_batch(batch, 3)
+    assert repeated.latent_shape == (6, *batch.latent_shape[1:])
+    for key, value in batch.text.items():
+        torch.testing.assert_close(repeated.text[key], torch.cat([value] * 3))
+    assert not torch.equal(batch.text["text_emb"][0], batch.text["text_emb"][1])
+    judged = torch.randn(batch.latent_shape)
+    method.extra_windows = [torch.randn(batch.latent_shape) for _ in range(2)]
+    windows = [judged, *method.extra_windows]
+    torch.manual_seed(5)
+    stacked = method.critic_loss(judged, batch)
+    assert method.extra_windows == []  # used once
+    torch.manual_seed(5)
+    t = method.sample_timesteps(repeated)
+    noise = torch.randn(6, *batch.latent_shape[1:])
+    each = []
+    for k, x0 in enumerate(windows):
+        rows = slice(2 * k, 2 * k + 2)
+        noisy = method.adapter.add_noise(x0, noise[rows], t[rows])
+        velocity = method.adapter.predict_velocity(method.critic, noisy, t[rows], batch, conditional=True)
+        each.append(F.mse_loss(velocity, method.adapter.velocity_target(x0, noise[rows])))
+    torch.testing.assert_close(stacked, torch.stack(each).mean())
+
+
+def test_critic_windows_train_with_finite_losses_and_count_their_passes():
+    from test_methods_framework import tiny_batch, trainer_like_step
+
+    flops = {}
+    for windows in (1, 3):
+        method, roles, _ = make_long_rollout(student_update_every=2, critic_windows=windows, window="last")
+        method.draw_exit_step = lambda: 1  # the same passes in both runs (the extra window draws move the RNG)
+        torch.manual_seed(0)
+        for iteration in range(2):
+            loss_map, outputs, _ = trainer_like_step(method, roles, tiny_batch(2), iteration)
+            assert all(torch.isfinite(v) for v in loss_map.values())
+        flops[windows] = outputs["flops"]
+    pass_flops = method.adapter.forward_flops(method.critic, method._last_batch)
+    assert flops[3] == pytest.approx(flops[1] + 6 * pass_flops)  # window="last": the same rollout either way
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
@@ -131,6 +206,8 @@ def test_trains_a_few_steps_with_finite_losses_on_the_two_time_scale_rule():
         (dict(switch_prob=1.5), "switch_prob"),
         (dict(kv_rope_anchor="middle"), "kv_rope_anchor"),
         (dict(context_steps="some"), "context_steps"),
+        (dict(critic_windows=0), "critic_windows"),
+        (dict(critic_windows=2, switch_prob=0.25), "critic_windows > 1 does not combine with switch_prob"),
     ],
 )
 def test_bad_settings_are_refused(bad, match):

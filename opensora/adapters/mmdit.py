@@ -95,6 +95,14 @@ class MMDiTAdapter:
         text = {key: value.roll(shift, dims=0) for key, value in batch.text.items()}
         return replace(batch, text=text)
 
+    def repeat_batch(self, batch: PreparedBatch, times: int) -> PreparedBatch:
+        """``batch`` ``times`` over along the sample axis: row ``k * B + i`` is sample ``i`` (its prompt), for ``times``
+        clips per sample judged in one call (e.g. several windows of one rollout, concatenated copy by copy)."""
+        size = batch.batch_size * int(times)
+        text = {key: value.repeat(int(times), *([1] * (value.dim() - 1))) for key, value in batch.text.items()}
+        null_text = {key: value[:1].expand(size, *value.shape[1:]) for key, value in batch.null_text.items()}
+        return replace(batch, latent_shape=(size, *batch.latent_shape[1:]), text=text, null_text=null_text)
+
     def noise(self, batch: PreparedBatch) -> torch.Tensor:
         return torch.randn(batch.latent_shape, device=self.components.device, dtype=torch.float32)
 

@@ -27,6 +27,15 @@ For one iteration, with the clip of ``T`` latent frames (the batch's) in chunks 
    prompt from the chunk after the switch, where otherwise it copies its context (the old prompt's colour). Needs
    a batch of 2 or more and a window that starts after the first chunk; drawn every iteration, used where it fits.
 
+``critic_windows`` (default 1): the critic learns from this many windows of each rollout -- the judged one and
+``critic_windows - 1`` more, drawn as the judged one is, cut from the same rollout (which then runs to the furthest
+window's end) and detached -- in one critic pass on the windows stacked along the batch. The rollout, not the
+critic, is what costs here (about 16 clip-lengths of chunk passes an iteration at ``rollout_multiple=8``, against
+about 3 clip-length passes of the critic's forward and backward), so more windows give the critic more samples of
+the student's long-range distribution for little time; the student's gradient still comes from the judged window
+alone. Windows of one rollout share their noise stream and context, so they are correlated samples. Not with
+``switch_prob`` (a window across the switch has no one prompt).
+
 ``context_steps``: the chunks before the judged window stop at the iteration's exit step, as every Self-Forcing chunk
 does (``"exit"``, the default); or they run the whole step list (``"full"``), so the window's context is what the
 streaming sampler would have cached (the same frames for the same noise), not up to ``rollout_multiple - 1`` clip
@@ -67,9 +76,19 @@ class LongRollout(SelfForcing):
         kv_sink_frames: Optional[int] = None,
         switch_prob: float = 0.0,
         context_steps: str = "exit",
+        critic_windows: int = 1,
         **self_forcing_kwargs,
     ):
         super().__init__(roles, components, **self_forcing_kwargs)
+        if int(critic_windows) != critic_windows or critic_windows < 1:
+            raise ValueError(f"LongRollout: critic_windows must be a whole number >= 1, got {critic_windows}")
+        if critic_windows > 1 and switch_prob > 0:
+            raise ValueError(
+                "LongRollout: critic_windows > 1 does not combine with switch_prob > 0 (a window across the prompt "
+                "switch has no one prompt); set one of them back to its default"
+            )
+        self.critic_windows = int(critic_windows)
+        self.extra_windows = []  # this iteration's detached windows for the critic beside the judged one
         if not 0.0 <= float(switch_prob) <= 1.0:
             raise ValueError(f"LongRollout: switch_prob must be in [0, 1], got {switch_prob}")
         self.switch_prob = float(switch_prob)
@@ -92,6 +111,7 @@ class LongRollout(SelfForcing):
         self.kv_window_frames = None if kv_window_frames is None else int(kv_window_frames)  # None: clip - K
         self.kv_sink_frames = sinks
         self.last_window = (0, 0)  # (first latent frame of the judged window, latent frames rolled out)
+        self.last_critic_windows = []  # the first latent frame of each window the critic learnt from
 
     # ---- the rollout ----------------------------------------------------------------------------------------
     def cache_window(self, batch) -> int:
@@ -120,7 +140,9 @@ class LongRollout(SelfForcing):
         exit_index = self.draw_exit_step()
         end = self.draw_window_end(clip_chunks)
         start = end - clip_chunks
-        long_shape = (*batch.latent_shape[:2], end * chunk, *batch.latent_shape[3:])
+        extra_ends = [self.draw_window_end(clip_chunks) for _ in range(self.critic_windows - 1)]
+        furthest, first = max([end, *extra_ends]), min([end, *extra_ends]) - clip_chunks
+        long_shape = (*batch.latent_shape[:2], furthest * chunk, *batch.latent_shape[3:])
         noise = self.adapter.noise(dataclasses.replace(batch, latent_shape=long_shape))
         graded = range(start, end)
         if self.grad_frames is not None:  # Self-Forcing's grad_frames, counted from the window's end
@@ -132,18 +154,33 @@ class LongRollout(SelfForcing):
                 self.switched = self.adapter.roll_prompts(batch)
                 switch = (start, self.switched)
         context_exit = self.num_student_steps - 1 if self.context_steps == "full" else None
-        x0 = self.rollout_chunks(
+        video = self.rollout_chunks(
             noise,
             batch,
             exit_index,
             with_grad,
             graded=graded,
-            keep_from=start,
+            keep_from=first,
             switch=switch,
             context_exit_index=context_exit,
+            window_from=start,
         )
-        self.last_window = (start * chunk, end * chunk)
-        return x0, exit_index
+
+        def window(window_end: int) -> torch.Tensor:
+            return video[:, :, (window_end - clip_chunks - first) * chunk : (window_end - first) * chunk]
+
+        self.extra_windows = [window(e).detach() for e in extra_ends]
+        self.last_window = (start * chunk, furthest * chunk)
+        self.last_critic_windows = [(e - clip_chunks) * chunk for e in [end, *extra_ends]]
+        return window(end), exit_index
+
+    def critic_loss(self, x0, batch):
+        """DMD2's critic loss on the judged window and this iteration's other windows, stacked along the batch."""
+        extra, self.extra_windows = self.extra_windows, []
+        if not extra:
+            return super().critic_loss(x0, batch)
+        windows = torch.cat([x0.detach(), *extra], dim=0)
+        return super().critic_loss(windows, self.adapter.repeat_batch(batch, len(extra) + 1))
 
     def judged_batch(self, prepared):
         return self.switched if self.switched is not None else prepared
@@ -152,4 +189,6 @@ class LongRollout(SelfForcing):
         loss_map, outputs = super().single_train_step(batch, iteration)
         outputs["window_start_frame"], outputs["rollout_frames"] = self.last_window
         outputs["prompt_switch"] = int(self.switched is not None)
+        # the critic's forward and backward (about 3 passes) on each window beyond the judged one
+        outputs["flops"] += 3 * (self.critic_windows - 1) * self.adapter.forward_flops(self.critic, self._last_batch)
         return loss_map, outputs
