@@ -128,6 +128,8 @@ def stage_config(args, stage: str) -> Path:
         method["switch_prob"] = float(args.switch_prob)
     if stage == "long_rollout" and args.long_context_steps is not None:
         method["context_steps"] = args.long_context_steps
+    if stage == "long_rollout" and args.long_critic_windows is not None:
+        method["critic_windows"] = int(args.long_critic_windows)
     if stage == "long_rollout" and args.long_sink_frames is not None:  # the sampler's key and the method's copy
         lines.append(f"sink_frames = {int(args.long_sink_frames)}")
         method["kv_sink_frames"] = int(args.long_sink_frames)
@@ -208,6 +210,8 @@ def chosen_checkpoint(args, stage: str, last):
     (``--student-checkpoint best``, ``RUN/best``) where the run kept one, else ``last``."""
     from opensora.best_checkpoint import best_checkpoint_of, read_best
 
+    if stage == "teacher":
+        return gated_teacher(Path(args.out) / "teacher", last)
     if stage not in DMD_STAGES or args.student_checkpoint != "best" or last is None:
         return last
     noted = read_best(Path(args.out) / stage) or {}
@@ -219,6 +223,31 @@ def chosen_checkpoint(args, stage: str, last):
     except FileNotFoundError as missing:  # no validation noted a score, or a run killed before its final save
         print(f"   {stage}: {missing}; using its last checkpoint", flush=True)
         return last
+
+
+def gated_teacher(run_dir: Path, last):
+    """The teacher the students build on after ``--teacher-gate``: ``last`` where the gate passed it or never checked
+    it; where the extra rounds ran out below the gate, the check with the highest worst attribute (the later of equal
+    ones) whose checkpoint is still on disk. A round more can score lower than the one before (chain F: direction
+    0.875, then 0.847 on the 72 gate captions), and the students should not inherit the worse teacher."""
+    from opensora.checkpoint_layout import checkpoint_dir
+    from opensora.training.run_dir import checkpoint_step
+
+    record = run_dir / "gate.json"
+    if last is None or not record.is_file():
+        return last
+    gate = json.loads(record.read_text())
+    checks = gate["checks"]
+    if not checks or checks[-1]["step"] != checkpoint_step(last):  # the gate has not judged the last checkpoint
+        return last
+    if all(checks[-1][k] >= gate["gate"] for k in GATE_KEYS):
+        return last
+    kept = [c for c in checks if checkpoint_dir(run_dir, c["step"]).is_dir()]
+    best = max(kept, key=lambda c: (min(c[k] for k in GATE_KEYS), c["step"]))
+    if best["step"] != checks[-1]["step"]:
+        print(f"   teacher gate: none passed; using step {best['step']}, the best check "
+              f"({min(best[k] for k in GATE_KEYS):.3f} at worst), not the last", flush=True)  # fmt: skip
+    return checkpoint_dir(run_dir, best["step"])
 
 
 def selection_record(run_dir: Path, ckpt) -> Optional[dict]:
@@ -600,6 +629,13 @@ def parse_args(argv=None):
         "Self-Forcing's rule) or run every step (the sampler's context)",
     )
     parser.add_argument(
+        "--long-critic-windows",
+        type=int,
+        default=None,
+        help="windows of each long rollout the long-rollout student's critic learns from (config default 1; more "
+        "need --switch-prob 0)",
+    )
+    parser.add_argument(
         "--adam-beta1",
         type=float,
         default=None,
@@ -850,7 +886,8 @@ def gate_teacher(args, ckpt: Path) -> Path:
     train the teacher on, ``--teacher-gate-minutes`` at a time, until colour, shape and direction all reach ACC or
     ``--teacher-gate-rounds`` extra rounds are spent. A teacher that has not learnt the motion yet (chain 9: direction
     0.615 after 5.5 minutes) makes every student below it copy its mistakes. Each check is kept in
-    ``teacher/gate.json`` (the report shows it); a teacher that stays below ACC is used anyway, and said so."""
+    ``teacher/gate.json`` (the report shows it); a teacher that stays below ACC is used anyway, and said so: its best
+    check (``gated_teacher``)."""
     from opensora.datasets.moving_shapes import all_captions
     from opensora.training.run_dir import checkpoint_step
 

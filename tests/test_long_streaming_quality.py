@@ -5,6 +5,7 @@ this process (--launcher in-process: the same trainer command without torchrun, 
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -304,8 +305,8 @@ def test_self_forcing_only_trains_no_long_rollout_student_and_scores_self_forcin
 
 def test_real_guidance_sets_the_dmd_stages_real_score_scale_only(tmp_path):
     """``--real-guidance 2``: Self-Forcing, LongRollout and the control train with that CFG scale on DMD's real score;
-    the teacher and the causal init are untouched; the configs build with it. ``--long-context-steps full`` reaches
-    the long-rollout stage's method."""
+    the teacher and the causal init are untouched; the configs build with it. ``--long-context-steps full`` and
+    ``--long-critic-windows 4`` reach the long-rollout stage's method."""
     bench = _benchmark()
     args = bench.parse_args(["--out", str(tmp_path), "--real-guidance", "2"])
     from opensora.config import load_config
@@ -319,6 +320,10 @@ def test_real_guidance_sets_the_dmd_stages_real_score_scale_only(tmp_path):
     assert load_config(str(bench.stage_config(plain, "long_rollout"))).method.get("context_steps", "exit") == "exit"
     full = bench.parse_args(["--out", str(tmp_path / "full"), "--long-context-steps", "full"])
     assert load_config(str(bench.stage_config(full, "long_rollout"))).method.context_steps == "full"
+    assert "critic_windows" not in bench.stage_config(plain, "long_rollout").read_text()
+    windows = bench.parse_args(["--out", str(tmp_path / "w"), "--long-critic-windows", "4", "--switch-prob", "0"])
+    assert load_config(str(bench.stage_config(windows, "long_rollout"))).method.critic_windows == 4
+    assert "critic_windows" not in bench.stage_config(windows, "self_forcing").read_text()
 
 
 def test_long_rollout_can_train_without_sinks_at_the_window_anchor(tmp_path):
@@ -495,6 +500,32 @@ def test_teacher_gate_trains_a_teacher_below_it_on_and_a_repeated_call_trains_no
     for refused in (["--teacher-gate", "0"], ["--teacher-gate", "0.9", "--teacher-ckpt", str(tmp_path)]):
         with pytest.raises(SystemExit):
             bench.parse_args(refused)
+
+
+def test_a_teacher_below_the_gate_is_its_best_check_not_its_last(tmp_path, capsys):
+    """Chain F's gate: 1.000 / 0.972 / 0.875 at step 4006, then 0.847 after a round more. The students build on the
+    best check whose checkpoint is still there; a passed last check, a last checkpoint the gate never judged, or no
+    gate at all leave the last checkpoint."""
+    bench = _benchmark()
+    run = tmp_path / "teacher"
+    ckpts = {step: run / "checkpoints" / f"step-{step:07d}" for step in (2, 4, 6)}
+    for step, path in ckpts.items():
+        path.mkdir(parents=True)
+        (path / "meta.json").write_text(json.dumps(dict(step=step)))  # where a checkpoint records its step
+    assert bench.gated_teacher(run, ckpts[4]) == ckpts[4]  # no gate.json
+    check = lambda step, direction: dict(step=step, color_acc=1.0, shape_acc=0.972, direction_acc=direction)  # noqa: E731
+    gate = dict(gate=0.95, checks=[check(2, 0.875), check(4, 0.847)])
+    (run / "gate.json").write_text(json.dumps(gate))
+    assert bench.gated_teacher(run, ckpts[4]) == ckpts[2]
+    assert "using step 2, the best check (0.875 at worst), not the last" in capsys.readouterr().out
+    assert bench.gated_teacher(run, ckpts[6]) == ckpts[6]  # trained on past the gate's checks: not its call
+    args = bench.parse_args(["--tiny", "--out", str(tmp_path)])
+    assert bench.chosen_checkpoint(args, "teacher", ckpts[4]) == ckpts[2]  # what a later call's reuse builds on
+    shutil.rmtree(ckpts[2])  # pruned (keep_last): the best still on disk
+    assert bench.gated_teacher(run, ckpts[4]) == ckpts[4]
+    gate["checks"][-1] = check(4, 0.96)  # passed at the last check
+    (run / "gate.json").write_text(json.dumps(gate))
+    assert bench.gated_teacher(run, ckpts[4]) == ckpts[4]
 
 
 def test_criteria_give_each_re_rendered_switch_its_own_verdict_beside_the_re_cache():
