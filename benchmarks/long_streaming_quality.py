@@ -130,6 +130,8 @@ def stage_config(args, stage: str) -> Path:
         method["context_steps"] = args.long_context_steps
     if stage == "long_rollout" and args.long_critic_windows is not None:
         method["critic_windows"] = int(args.long_critic_windows)
+    if stage == "long_rollout" and args.long_update_every is not None:
+        method["student_update_every"] = int(args.long_update_every)
     if stage == "long_rollout" and args.long_sink_frames is not None:  # the sampler's key and the method's copy
         lines.append(f"sink_frames = {int(args.long_sink_frames)}")
         method["kv_sink_frames"] = int(args.long_sink_frames)
@@ -634,6 +636,13 @@ def parse_args(argv=None):
         default=None,
         help="windows of each long rollout the long-rollout student's critic learns from (config default 1; more "
         "need --switch-prob 0)",
+    )
+    parser.add_argument(
+        "--long-update-every",
+        type=int,
+        default=None,
+        help="the long-rollout student updates every N-th iteration, the critic every one (config default 5); with "
+        "--long-critic-windows K the critic sees K * N windows per student update",
     )
     parser.add_argument(
         "--adam-beta1",

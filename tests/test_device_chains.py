@@ -23,7 +23,7 @@ def chain_env(**settings) -> dict:
 def test_long_rollout_exit_lane_alone_scores_both_students_and_archives_their_clips(tmp_path):
     out, back = tmp_path / "chain", tmp_path / "back"
     env = chain_env(SECOND="none", SWITCH="0", P30="0", LONG="1", EVAL_SWITCH="0", L_MINUTES="4", STEPS="1000",
-                    L_CRITIC_WINDOWS="3", EXTRA=TINY)  # fmt: skip
+                    L_CRITIC_WINDOWS="3", L_UPDATE_EVERY="2", EXTRA=TINY)  # fmt: skip
     script = "benchmarks/gpu_switch_rerender.sh"
     run = subprocess.run(["bash", script, "chain", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -31,7 +31,8 @@ def test_long_rollout_exit_lane_alone_scores_both_students_and_archives_their_cl
     assert "FAILED" not in progress and progress.rstrip().endswith("chain done"), progress
     stages = [line.split("start ")[1].split(" (")[0] for line in progress.splitlines() if ": start " in line]
     assert stages == ["lone NCCL check", "teacher", "ode", "self_forcing", "long_rollout_exit", "eval_exit"]
-    assert "critic_windows=3" in (out / "ls/configs/long_rollout.py").read_text()  # L_CRITIC_WINDOWS reached it
+    long_config = (out / "ls/configs/long_rollout.py").read_text()  # L_CRITIC_WINDOWS and L_UPDATE_EVERY reach it
+    assert "critic_windows=3" in long_config and "student_update_every=2" in long_config
     report = json.loads((out / "ls/report.json").read_text())
     # both students scored by name: the evaluation neither trains nor scores the control
     assert "self_forcing" in report and "long_rollout" in report and "self_forcing_more" not in report

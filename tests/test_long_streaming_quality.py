@@ -306,7 +306,7 @@ def test_self_forcing_only_trains_no_long_rollout_student_and_scores_self_forcin
 def test_real_guidance_sets_the_dmd_stages_real_score_scale_only(tmp_path):
     """``--real-guidance 2``: Self-Forcing, LongRollout and the control train with that CFG scale on DMD's real score;
     the teacher and the causal init are untouched; the configs build with it. ``--long-context-steps full`` and
-    ``--long-critic-windows 4`` reach the long-rollout stage's method."""
+    ``--long-critic-windows 4 --long-update-every 2`` reach the long-rollout stage's method."""
     bench = _benchmark()
     args = bench.parse_args(["--out", str(tmp_path), "--real-guidance", "2"])
     from opensora.config import load_config
@@ -321,8 +321,10 @@ def test_real_guidance_sets_the_dmd_stages_real_score_scale_only(tmp_path):
     full = bench.parse_args(["--out", str(tmp_path / "full"), "--long-context-steps", "full"])
     assert load_config(str(bench.stage_config(full, "long_rollout"))).method.context_steps == "full"
     assert "critic_windows" not in bench.stage_config(plain, "long_rollout").read_text()
-    windows = bench.parse_args(["--out", str(tmp_path / "w"), "--long-critic-windows", "4", "--switch-prob", "0"])
-    assert load_config(str(bench.stage_config(windows, "long_rollout"))).method.critic_windows == 4
+    flags = ["--long-critic-windows", "4", "--switch-prob", "0", "--long-update-every", "2"]
+    windows = bench.parse_args(["--out", str(tmp_path / "w"), *flags])
+    method = load_config(str(bench.stage_config(windows, "long_rollout"))).method
+    assert method.critic_windows == 4 and method.student_update_every == 2
     assert "critic_windows" not in bench.stage_config(windows, "self_forcing").read_text()
 
 
