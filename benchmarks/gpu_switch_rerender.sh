@@ -25,6 +25,9 @@ case ${SECOND:-full} in  # checked before the chain detaches: it could only log 
   full | control | none) ;;
   *) echo "SECOND=$SECOND: choose full, control or none" >&2; exit 2 ;;
 esac
+if [ "${LONG:-0}" = 1 ] && [ "${SECOND:-full}" = full ] && [ "${L_CRITIC_WINDOWS:-1}" != 1 ]; then
+  echo "L_CRITIC_WINDOWS=$L_CRITIC_WINDOWS needs the exit-step context: set SECOND=control or none" >&2; exit 2
+fi
 source "$(dirname "$0")/gpu_chain.sh"
 chain_modes "$0" "${1:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" \
   "${2:?usage: gpu_switch_rerender.sh start|wait OUT [SEC]}" "${3:-540}"

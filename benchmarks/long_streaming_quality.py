@@ -228,10 +228,9 @@ def chosen_checkpoint(args, stage: str, last):
 
 
 def gated_teacher(run_dir: Path, last):
-    """The teacher the students build on after ``--teacher-gate``: ``last`` where the gate passed it or never checked
-    it; where the extra rounds ran out below the gate, the check with the highest worst attribute (the later of equal
-    ones) whose checkpoint is still on disk. A round more can score lower than the one before (chain F: direction
-    0.875, then 0.847 on the 72 gate captions), and the students should not inherit the worse teacher."""
+    """The teacher the students build on: the checkpoint ``--teacher-gate`` chose when it stopped (``gate.json``'s
+    ``chosen``, ``gate_teacher``), else ``last`` (no gate, a run from before the gate chose, or a teacher trained on
+    past the gate's checks)."""
     from opensora.checkpoint_layout import checkpoint_dir
     from opensora.training.run_dir import checkpoint_step
 
@@ -239,17 +238,33 @@ def gated_teacher(run_dir: Path, last):
     if last is None or not record.is_file():
         return last
     gate = json.loads(record.read_text())
-    checks = gate["checks"]
-    if not checks or checks[-1]["step"] != checkpoint_step(last):  # the gate has not judged the last checkpoint
+    if gate.get("chosen") is None or checkpoint_step(last) not in [c["step"] for c in gate["checks"]]:
         return last
-    if all(checks[-1][k] >= gate["gate"] for k in GATE_KEYS):
+    chosen = checkpoint_dir(run_dir, gate["chosen"])
+    if not chosen.is_dir():
+        print(f"   teacher gate: its chosen step {gate['chosen']} is gone; using {last.name}", flush=True)
         return last
-    kept = [c for c in checks if checkpoint_dir(run_dir, c["step"]).is_dir()]
-    best = max(kept, key=lambda c: (min(c[k] for k in GATE_KEYS), c["step"]))
-    if best["step"] != checks[-1]["step"]:
-        print(f"   teacher gate: none passed; using step {best['step']}, the best check "
-              f"({min(best[k] for k in GATE_KEYS):.3f} at worst), not the last", flush=True)  # fmt: skip
-    return checkpoint_dir(run_dir, best["step"])
+    return chosen
+
+
+def best_gate_check(checks: list, threshold: float, run_dir: Path) -> dict:
+    """The check the students build on: the last where it passed; where the rounds ran out below the gate, the one
+    with the highest worst attribute (the later of equal ones) whose checkpoint is still on disk. A round more can
+    score lower than the one before (chain F: direction 0.875, then 0.847 on the 72 gate captions)."""
+    from opensora.checkpoint_layout import checkpoint_dir
+
+    if all(checks[-1][k] >= threshold for k in GATE_KEYS):
+        return checks[-1]
+    worst = lambda c: min(c[k] for k in GATE_KEYS)  # noqa: E731
+    best = max(checks, key=lambda c: (worst(c), c["step"]))
+    kept = [c for c in checks if checkpoint_dir(run_dir, c["step"]).is_dir()] or checks[-1:]
+    chosen = max(kept, key=lambda c: (worst(c), c["step"]))
+    if chosen is not best:
+        print(f"   teacher gate: the best check (step {best['step']}) was pruned (keep_last)", flush=True)
+    if chosen is not checks[-1]:
+        print(f"   teacher gate: none passed; using step {chosen['step']}, the best check ({worst(chosen):.3f} at "
+              "worst), not the last", flush=True)  # fmt: skip
+    return chosen
 
 
 def selection_record(run_dir: Path, ckpt) -> Optional[dict]:
@@ -814,6 +829,14 @@ def parse_args(argv=None):
         parser.error(f"--resample-draws {args.resample_draws}: at least 1")
     if args.save_long_clips < 0:
         parser.error(f"--save-long-clips {args.save_long_clips}: a number of clips, 0 or more")
+    if args.long_critic_windows is not None and args.long_critic_windows < 1:
+        parser.error(f"--long-critic-windows {args.long_critic_windows}: at least 1")
+    if (args.long_critic_windows or 1) > 1 and (args.switch_prob is None or args.switch_prob > 0):
+        parser.error("--long-critic-windows > 1 needs --switch-prob 0 (the long-rollout config switches prompts)")
+    if (args.long_critic_windows or 1) > 1 and args.long_context_steps == "full":
+        parser.error("--long-critic-windows > 1 needs the exit-step context, not --long-context-steps full")
+    if args.long_update_every is not None and args.long_update_every < 1:
+        parser.error(f"--long-update-every {args.long_update_every}: at least 1")
     if args.teacher_gate is not None and args.teacher_ckpt:
         parser.error("--teacher-gate trains the teacher on: it does not combine with --teacher-ckpt")
     if args.teacher_gate is not None and not 0 < args.teacher_gate <= 1:
@@ -895,8 +918,8 @@ def gate_teacher(args, ckpt: Path) -> Path:
     train the teacher on, ``--teacher-gate-minutes`` at a time, until colour, shape and direction all reach ACC or
     ``--teacher-gate-rounds`` extra rounds are spent. A teacher that has not learnt the motion yet (chain 9: direction
     0.615 after 5.5 minutes) makes every student below it copy its mistakes. Each check is kept in
-    ``teacher/gate.json`` (the report shows it); a teacher that stays below ACC is used anyway, and said so: its best
-    check (``gated_teacher``)."""
+    ``teacher/gate.json`` (the report shows it), with the step it chose: a teacher that stays below ACC is used anyway,
+    and said so, at its best check (``best_gate_check``)."""
     from opensora.datasets.moving_shapes import all_captions
     from opensora.training.run_dir import checkpoint_step
 
@@ -919,12 +942,16 @@ def gate_teacher(args, ckpt: Path) -> Path:
         passed = all(scores[k] >= args.teacher_gate for k in GATE_KEYS)
         print(f"   teacher gate at step {scores['step']}: " + " ".join(f"{k} {scores[k]:.3f}" for k in GATE_KEYS)
               + (" (passed)" if passed else f" (below {args.teacher_gate})"), flush=True)  # fmt: skip
-        if passed or len(checks) - 1 >= args.teacher_gate_rounds:  # the first check came before any extra round
-            return ckpt
-        more = train(args, "teacher", args.teacher_gate_minutes, {}, resume=True)
-        if more == ckpt:  # no step was trained: stop rather than check the same weights again
-            print("   teacher gate: the extra round trained no step; using the teacher as it is", flush=True)
-            return ckpt
+        more = None
+        if not passed and len(checks) - 1 < args.teacher_gate_rounds:  # the first check came before any extra round
+            more = train(args, "teacher", args.teacher_gate_minutes, {}, resume=True)
+            if more == ckpt:  # no step was trained: stop rather than check the same weights again
+                print("   teacher gate: the extra round trained no step", flush=True)
+        if more is None or more == ckpt:  # the gate stops here and chooses (gated_teacher reuses the choice)
+            chosen = best_gate_check(checks, args.teacher_gate, record.parent)
+            gate = dict(gate=args.teacher_gate, seeds=[seeds[0], seeds[-1]], checks=checks, chosen=chosen["step"])
+            record.write_text(json.dumps(gate))
+            return gated_teacher(record.parent, ckpt)
         ckpt = more
 
 

@@ -140,7 +140,9 @@ def print_report(report: dict, students) -> None:
     if confusions_text(t):
         print(f"  wrong reads: {confusions_text(t)}")
     for check in t.get("gate", {}).get("checks", []):
-        print(f"  gate {t['gate']['gate']} at step {check['step']}: " + " ".join(f"{check[k]:.3f}" for k in GATE_KEYS))
+        chosen = " (the students' teacher)" if check["step"] == t["gate"].get("chosen") else ""
+        print(f"  gate {t['gate']['gate']} at step {check['step']}: " + " ".join(f"{check[k]:.3f}" for k in GATE_KEYS)
+              + chosen)  # fmt: skip
     for name in students:
         s = report[name]
         print(

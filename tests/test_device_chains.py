@@ -51,10 +51,11 @@ def test_long_rollout_exit_lane_alone_scores_both_students_and_archives_their_cl
 
 def test_an_unknown_second_lane_is_refused_before_the_chain_starts(tmp_path):
     out = tmp_path / "chain"
-    env = chain_env(SECOND="fuLL", LONG="1", EXTRA=TINY)
-    run = subprocess.run(["bash", "benchmarks/gpu_switch_rerender.sh", "start", str(out)], cwd=REPO, env=env,
-                         capture_output=True, text=True)  # fmt: skip
-    assert run.returncode == 2 and "SECOND=fuLL" in run.stderr and not out.exists()
+    for settings, named in ((dict(SECOND="fuLL"), "SECOND=fuLL"), (dict(L_CRITIC_WINDOWS="4"), "L_CRITIC_WINDOWS=4")):
+        env = chain_env(LONG="1", EXTRA=TINY, **settings)  # the second: the fully denoised lane cannot take windows
+        run = subprocess.run(["bash", "benchmarks/gpu_switch_rerender.sh", "start", str(out)], cwd=REPO, env=env,
+                             capture_output=True, text=True)  # fmt: skip
+        assert run.returncode == 2 and named in run.stderr and not out.exists()
 
 
 def test_student_pair_trains_two_students_on_one_teacher_with_the_pair_flags_on_the_second_only(tmp_path):

@@ -125,29 +125,26 @@ def test_trains_a_few_steps_with_finite_losses_on_the_two_time_scale_rule():
 def test_critic_windows_are_cut_from_the_one_rollout_and_only_the_judged_one_keeps_a_graph():
     """critic_windows=3, the judged window ending at chunk 6 and two more at 4 and 9: one rollout to chunk 9 (not
     three), graphs on the judged window's chunks 2-5 only, the other windows the same rollout's chunks 0-3 and 5-8,
-    detached. Chunks before the judged window keep the context's exit step where ``context_steps="full"``."""
+    detached."""
     from test_methods_framework import tiny_batch
 
-    for context_steps in ("exit", "full"):
-        method, _, spy = make_long_rollout(critic_windows=3, context_steps=context_steps)
-        ends = iter([6, 4, 9])
-        method.draw_exit_step = lambda: 1
-        method.draw_window_end = lambda clip_chunks: next(ends)
-        batch = method.adapter.prepare_batch(tiny_batch(2))
-        judged, _ = method.generate(batch, with_grad=True)
-        assert judged.shape == batch.latent_shape and judged.requires_grad
-        assert max(call["start"] for call in spy.calls) == 8  # chunk 8 is the furthest window's last
-        exits = {call["start"]: call for call in spy.calls if not call["store"] and call["t"] == pytest.approx(0.6)}
-        full = {call["start"] for call in spy.calls if not call["store"] and call["t"] == pytest.approx(0.3)}
-        assert full == (set(range(2)) if context_steps == "full" else set())  # before the judged window only
-        chunks = [exits[c]["output"] if c in exits else None for c in range(9)]
-        assert [exits[c]["graph"] for c in sorted(exits)] == [2 <= c < 6 for c in sorted(exits)]
-        torch.testing.assert_close(judged, torch.cat(chunks[2:6], dim=2))
-        assert len(method.extra_windows) == 2 and not any(w.requires_grad for w in method.extra_windows)
-        torch.testing.assert_close(method.extra_windows[1], torch.cat(chunks[5:9], dim=2))
-        if context_steps == "exit":
-            torch.testing.assert_close(method.extra_windows[0], torch.cat(chunks[0:4], dim=2))
-        assert method.last_window == (2, 9) and method.last_critic_windows == [2, 0, 5]
+    method, _, spy = make_long_rollout(critic_windows=3)
+    ends = iter([6, 4, 9])
+    method.draw_exit_step = lambda: 1
+    method.draw_window_end = lambda clip_chunks: next(ends)
+    batch = method.adapter.prepare_batch(tiny_batch(2))
+    judged, _ = method.generate(batch, with_grad=True)
+    assert judged.shape == batch.latent_shape and judged.requires_grad
+    assert max(call["start"] for call in spy.calls) == 8  # chunk 8 is the furthest window's last
+    exits = {call["start"]: call for call in spy.calls if not call["store"] and call["t"] == pytest.approx(0.6)}
+    assert sorted(exits) == list(range(9))  # every chunk stops at the iteration's exit step (t = 0.6)
+    chunks = [exits[c]["output"] for c in range(9)]
+    assert [exits[c]["graph"] for c in range(9)] == [2 <= c < 6 for c in range(9)]
+    torch.testing.assert_close(judged, torch.cat(chunks[2:6], dim=2))
+    assert len(method.extra_windows) == 2 and not any(w.requires_grad for w in method.extra_windows)
+    torch.testing.assert_close(method.extra_windows[0], torch.cat(chunks[0:4], dim=2))
+    torch.testing.assert_close(method.extra_windows[1], torch.cat(chunks[5:9], dim=2))
+    assert method.last_window == (2, 9) and method.last_critic_windows == [2, 0, 5]
 
 
 def test_the_critic_judges_every_window_under_its_own_samples_prompt():
@@ -186,15 +183,16 @@ def test_critic_windows_train_with_finite_losses_and_count_their_passes():
 
     flops = {}
     for windows in (1, 3):
-        method, roles, _ = make_long_rollout(student_update_every=2, critic_windows=windows, window="last")
+        method, roles, _ = make_long_rollout(student_update_every=2, critic_windows=windows)
         method.draw_exit_step = lambda: 1  # the same passes in both runs (the extra window draws move the RNG)
+        method.draw_window_end = lambda clip_chunks: 3 * clip_chunks  # every window the last: the same rollout
         torch.manual_seed(0)
         for iteration in range(2):
             loss_map, outputs, _ = trainer_like_step(method, roles, tiny_batch(2), iteration)
             assert all(torch.isfinite(v) for v in loss_map.values())
         flops[windows] = outputs["flops"]
     pass_flops = method.adapter.forward_flops(method.critic, method._last_batch)
-    assert flops[3] == pytest.approx(flops[1] + 6 * pass_flops)  # window="last": the same rollout either way
+    assert flops[3] == pytest.approx(flops[1] + 6 * pass_flops)  # the same rollout either way: 2 more critic passes
 
 
 @pytest.mark.parametrize(
@@ -208,6 +206,8 @@ def test_critic_windows_train_with_finite_losses_and_count_their_passes():
         (dict(context_steps="some"), "context_steps"),
         (dict(critic_windows=0), "critic_windows"),
         (dict(critic_windows=2, switch_prob=0.25), "critic_windows > 1 does not combine with switch_prob"),
+        (dict(critic_windows=2, context_steps="full"), "critic_windows > 1 does not combine with context_steps"),
+        (dict(critic_windows=2, window="last"), "critic_windows > 1 does not combine with window='last'"),
     ],
 )
 def test_bad_settings_are_refused(bad, match):

@@ -326,6 +326,10 @@ def test_real_guidance_sets_the_dmd_stages_real_score_scale_only(tmp_path):
     method = load_config(str(bench.stage_config(windows, "long_rollout"))).method
     assert method.critic_windows == 4 and method.student_update_every == 2
     assert "critic_windows" not in bench.stage_config(windows, "self_forcing").read_text()
+    for refused in (["--long-critic-windows", "2"], ["--long-critic-windows", "2", "--switch-prob", "0",
+                    "--long-context-steps", "full"], ["--long-critic-windows", "0"], ["--long-update-every", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit):  # before any stage trains, not when the long-rollout stage builds
+            bench.parse_args(["--out", str(tmp_path / "r"), *refused])
 
 
 def test_long_rollout_can_train_without_sinks_at_the_window_anchor(tmp_path):
@@ -494,6 +498,8 @@ def test_teacher_gate_trains_a_teacher_below_it_on_and_a_repeated_call_trains_no
     assert [check["step"] for check in gate["checks"]] == [2, 4]
     assert bench.last_checkpoint(out / "teacher").name == "step-0000004"
     assert all(min(check[k] for k in bench.GATE_KEYS) < 0.99 for check in gate["checks"])
+    best = max(gate["checks"], key=lambda c: (min(c[k] for k in bench.GATE_KEYS), c["step"]))
+    assert gate["chosen"] == best["step"]  # below the gate after its rounds: the best check, recorded
     printed = capsys.readouterr().out
     assert "teacher gate at step 2" in printed and "teacher gate at step 4" in printed and "(below 0.99)" in printed
     assert bench.main(argv) == {}  # again: both checks on record, the rounds spent
@@ -505,9 +511,10 @@ def test_teacher_gate_trains_a_teacher_below_it_on_and_a_repeated_call_trains_no
 
 
 def test_a_teacher_below_the_gate_is_its_best_check_not_its_last(tmp_path, capsys):
-    """Chain F's gate: 1.000 / 0.972 / 0.875 at step 4006, then 0.847 after a round more. The students build on the
-    best check whose checkpoint is still there; a passed last check, a last checkpoint the gate never judged, or no
-    gate at all leave the last checkpoint."""
+    """Chain F's gate: 1.000 / 0.972 / 0.875 at step 4006, then 0.847 after a round more. The gate chooses the best
+    check whose checkpoint is still there (a passed last check: the last) and records it; the students and a later
+    call's reuse build on the recorded choice. No gate, no recorded choice (a run from before) or a last checkpoint
+    the gate never judged leave the last checkpoint."""
     bench = _benchmark()
     run = tmp_path / "teacher"
     ckpts = {step: run / "checkpoints" / f"step-{step:07d}" for step in (2, 4, 6)}
@@ -516,18 +523,21 @@ def test_a_teacher_below_the_gate_is_its_best_check_not_its_last(tmp_path, capsy
         (path / "meta.json").write_text(json.dumps(dict(step=step)))  # where a checkpoint records its step
     assert bench.gated_teacher(run, ckpts[4]) == ckpts[4]  # no gate.json
     check = lambda step, direction: dict(step=step, color_acc=1.0, shape_acc=0.972, direction_acc=direction)  # noqa: E731
-    gate = dict(gate=0.95, checks=[check(2, 0.875), check(4, 0.847)])
-    (run / "gate.json").write_text(json.dumps(gate))
-    assert bench.gated_teacher(run, ckpts[4]) == ckpts[2]
+    checks = [check(2, 0.875), check(4, 0.847)]
+    (run / "gate.json").write_text(json.dumps(dict(gate=0.95, checks=checks)))
+    assert bench.gated_teacher(run, ckpts[4]) == ckpts[4]  # no choice recorded: a run from before the gate chose
+    assert bench.best_gate_check(checks, 0.95, run)["step"] == 2
     assert "using step 2, the best check (0.875 at worst), not the last" in capsys.readouterr().out
-    assert bench.gated_teacher(run, ckpts[6]) == ckpts[6]  # trained on past the gate's checks: not its call
+    assert bench.best_gate_check(checks, 0.84, run)["step"] == 4  # the last passed a lower gate
+    (run / "gate.json").write_text(json.dumps(dict(gate=0.95, checks=checks, chosen=2)))
+    assert bench.gated_teacher(run, ckpts[4]) == ckpts[2]
     args = bench.parse_args(["--tiny", "--out", str(tmp_path)])
     assert bench.chosen_checkpoint(args, "teacher", ckpts[4]) == ckpts[2]  # what a later call's reuse builds on
-    shutil.rmtree(ckpts[2])  # pruned (keep_last): the best still on disk
-    assert bench.gated_teacher(run, ckpts[4]) == ckpts[4]
-    gate["checks"][-1] = check(4, 0.96)  # passed at the last check
-    (run / "gate.json").write_text(json.dumps(gate))
-    assert bench.gated_teacher(run, ckpts[4]) == ckpts[4]
+    assert bench.gated_teacher(run, ckpts[6]) == ckpts[6]  # trained on past the gate's checks: not its call
+    shutil.rmtree(ckpts[2])  # pruned (keep_last)
+    assert bench.gated_teacher(run, ckpts[4]) == ckpts[4] and "is gone" in capsys.readouterr().out
+    assert bench.best_gate_check(checks, 0.95, run)["step"] == 4  # the best still on disk, and it says why
+    assert "was pruned" in capsys.readouterr().out
 
 
 def test_criteria_give_each_re_rendered_switch_its_own_verdict_beside_the_re_cache():

@@ -33,8 +33,9 @@ window's end) and detached -- in one critic pass on the windows stacked along th
 critic, is what costs here (about 16 clip-lengths of chunk passes an iteration at ``rollout_multiple=8``, against
 about 3 clip-length passes of the critic's forward and backward), so more windows give the critic more samples of
 the student's long-range distribution for little time; the student's gradient still comes from the judged window
-alone. Windows of one rollout share their noise stream and context, so they are correlated samples. Not with
-``switch_prob`` (a window across the switch has no one prompt).
+alone. Windows of one rollout share their noise stream and context, so they are correlated samples. Only with
+``window="uniform"``, ``context_steps="exit"`` and no ``switch_prob``: otherwise the other windows would not be drawn
+as the judged one is.
 
 ``context_steps``: the chunks before the judged window stop at the iteration's exit step, as every Self-Forcing chunk
 does (``"exit"``, the default); or they run the whole step list (``"full"``), so the window's context is what the
@@ -82,11 +83,17 @@ class LongRollout(SelfForcing):
         super().__init__(roles, components, **self_forcing_kwargs)
         if int(critic_windows) != critic_windows or critic_windows < 1:
             raise ValueError(f"LongRollout: critic_windows must be a whole number >= 1, got {critic_windows}")
-        if critic_windows > 1 and switch_prob > 0:
-            raise ValueError(
-                "LongRollout: critic_windows > 1 does not combine with switch_prob > 0 (a window across the prompt "
-                "switch has no one prompt); set one of them back to its default"
-            )
+        clashes = [  # (setting, its value, whether it clashes with more windows, why)
+            ("switch_prob", switch_prob, switch_prob > 0, "a window across the prompt switch has no one prompt"),
+            ("context_steps", context_steps, context_steps == "full", "the windows would mix fully denoised chunks"),
+            ("window", window, window == "last", "every window would be the last one: the same samples again"),
+        ]
+        for key, value, clash, why in clashes:
+            if critic_windows > 1 and clash:
+                raise ValueError(
+                    f"LongRollout: critic_windows > 1 does not combine with {key}={value!r} ({why}); "
+                    f"set critic_windows=1 or {key} back to its default"
+                )
         self.critic_windows = int(critic_windows)
         self.extra_windows = []  # this iteration's detached windows for the critic beside the judged one
         if not 0.0 <= float(switch_prob) <= 1.0:
@@ -162,8 +169,7 @@ class LongRollout(SelfForcing):
             graded=graded,
             keep_from=first,
             switch=switch,
-            context_exit_index=context_exit,
-            window_from=start,
+            context_exit_index=context_exit,  # (only with one critic window, where first == start)
         )
 
         def window(window_end: int) -> torch.Tensor:

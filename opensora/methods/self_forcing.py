@@ -97,7 +97,6 @@ class SelfForcing(CausVid):
         keep_from: int = 0,
         switch: Optional[Tuple[int, object]] = None,
         context_exit_index: Optional[int] = None,
-        window_from: Optional[int] = None,
     ) -> torch.Tensor:
         """The autoregressive rollout described in the module docstring; returns the video's x0 [B, C, T, H, W].
         With ``exit_index`` the last step it is exactly what the streaming sampler generates from ``noise``.
@@ -108,8 +107,7 @@ class SelfForcing(CausVid):
         prompt switch at that chunk (> 0): from it on the passes take ``batch``'s text, and the previous chunk's
         refill becomes a re-cache of every kept frame under the new text (the streaming sampler's
         ``switch_recache``, LongLive's re-cache on a prompt switch). ``context_exit_index``: the exit step of the
-        chunks before ``keep_from`` (default ``exit_index``; the last step: the sampler's own chunks), or before
-        ``window_from`` where given (chunks kept from ``keep_from`` on may lie before the judged window)."""
+        chunks before ``keep_from`` (default ``exit_index``; the last step: the sampler's own chunks)."""
         from opensora.inference.streaming.recache import WindowLatents, plan_recache, run_recache
 
         switch_chunk, switch_batch = switch if switch is not None else (None, None)
@@ -121,9 +119,8 @@ class SelfForcing(CausVid):
         count = num_chunks(frames, chunk)
         graded = range(self.first_graded_chunk(frames), count) if graded is None else graded
         b = noise.shape[0]
-        context_until = keep_from if window_from is None else window_from
         exits = [
-            exit_index if c >= context_until or context_exit_index is None else context_exit_index for c in range(count)
+            exit_index if c >= keep_from or context_exit_index is None else context_exit_index for c in range(count)
         ]
         t_exits = {e: self.step_times[e].to(noise.device).expand(b) for e in set(exits)}  # made once, as before
         t_context = torch.full((b,), self.context_noise, device=noise.device)
