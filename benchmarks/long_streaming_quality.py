@@ -135,12 +135,12 @@ def stage_config(args, stage: str) -> Path:
     if stage == "long_rollout" and args.long_sink_frames is not None:  # the sampler's key and the method's copy
         lines.append(f"sink_frames = {int(args.long_sink_frames)}")
         method["kv_sink_frames"] = int(args.long_sink_frames)
-    if stage in DMD_STAGES and args.validation_every:  # the per-window curve while the student trains
+    if stage in DMD_STAGES and validation_every(args, stage):  # the per-window curve while the student trains
         from opensora.config import load_config
 
         frames = 8 if args.tiny else int(load_config(str(ROOT / CONFIGS[stage])).dataset.num_frames)
         long_frames = frames * int(args.long_multiple)
-        validation = dict(every=int(args.validation_every), motion=args.motion, long_frames=long_frames)
+        validation = dict(every=validation_every(args, stage), motion=args.motion, long_frames=long_frames)
         if args.validation_prompts is not None:
             validation.update(prompts=validation_prompts(args.validation_prompts), batch_size=args.validation_prompts)
         if args.student_checkpoint == "best":
@@ -203,8 +203,17 @@ def validation_prompts(count: int) -> list:
 
 def checkpoint_every(args, stage: str) -> int:
     """The stage's ``--ckpt-every``: at every validation where the best checkpoint is kept, else the final one only."""
-    chooses = stage in DMD_STAGES and args.student_checkpoint == "best" and args.validation_every
-    return int(args.validation_every) if chooses else 0
+    chooses = stage in DMD_STAGES and args.student_checkpoint == "best" and validation_every(args, stage)
+    return validation_every(args, stage) if chooses else 0
+
+
+def validation_every(args, stage: str) -> int:
+    """The stage's validation interval: ``--long-validation-every`` for LongRollout (its iterations are 2.5x
+    Self-Forcing's, so a few minutes make a hundred or two), else ``--validation-every`` (0: none). Validations take
+    their time out of a stage's minutes, so the control keeps Self-Forcing's interval."""
+    if stage == "long_rollout" and args.long_validation_every is not None:
+        return int(args.long_validation_every)
+    return int(args.validation_every or 0)
 
 
 def chosen_checkpoint(args, stage: str, last):
@@ -653,6 +662,12 @@ def parse_args(argv=None):
         "need --switch-prob 0)",
     )
     parser.add_argument(
+        "--long-validation-every",
+        type=int,
+        default=None,
+        help="LongRollout's validation interval (default --validation-every; its runs are a few hundred iterations)",
+    )
+    parser.add_argument(
         "--long-update-every",
         type=int,
         default=None,
@@ -835,6 +850,8 @@ def parse_args(argv=None):
         parser.error("--long-critic-windows > 1 needs --switch-prob 0 (the long-rollout config switches prompts)")
     if (args.long_critic_windows or 1) > 1 and args.long_context_steps == "full":
         parser.error("--long-critic-windows > 1 needs the exit-step context, not --long-context-steps full")
+    if args.long_validation_every is not None and (args.long_validation_every < 1 or not args.validation_every):
+        parser.error("--long-validation-every N: N >= 1, beside --validation-every (the Self-Forcing student's)")
     if args.long_update_every is not None and args.long_update_every < 1:
         parser.error(f"--long-update-every {args.long_update_every}: at least 1")
     if args.teacher_gate is not None and args.teacher_ckpt:

@@ -354,7 +354,7 @@ def test_long_rollout_can_train_without_sinks_at_the_window_anchor(tmp_path):
 def test_validation_every_gives_the_students_a_per_window_curve(tmp_path):
     """``--validation-every 40``: the DMD students (not the teacher or the causal init) validate every 40 steps at
     8x the 16-frame clip under the run's motion rule; the report's training summary keeps each validation's
-    worst-window scores."""
+    worst-window scores. ``--long-validation-every`` sets LongRollout's own interval."""
     bench = _benchmark()
     args = bench.parse_args(["--out", str(tmp_path), "--validation-every", "40", "--motion", "bounce"])
     from opensora.config import load_config
@@ -370,6 +370,15 @@ def test_validation_every_gives_the_students_a_per_window_curve(tmp_path):
         assert cfg.get("window_frames") == (14 if stage == "long_rollout" else None)
     for stage in ("teacher", "ode"):
         assert "validation" not in bench.stage_config(args, stage).read_text()
+    # --long-validation-every: LongRollout, a few hundred iterations, validates oftener, with a checkpoint at each
+    # validation where the best is kept; the control keeps Self-Forcing's interval (validations cost it minutes)
+    flags = ["--validation-every", "150", "--long-validation-every", "30", "--student-checkpoint", "best"]
+    longer = bench.parse_args(["--out", str(tmp_path / "l"), *flags])
+    for stage, every in (("self_forcing", 150), ("long_rollout", 30), (bench.CONTROL, 150)):
+        assert load_config(str(bench.stage_config(longer, stage))).validation.every == every
+        assert bench.checkpoint_every(longer, stage) == every
+    with pytest.raises(SystemExit):  # nothing for it to go beside
+        bench.parse_args(["--out", str(tmp_path / "r"), "--long-validation-every", "30"])
     run = tmp_path / "self_forcing"
     run.mkdir()
     rows = [
