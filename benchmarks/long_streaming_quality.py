@@ -256,18 +256,23 @@ def gated_teacher(run_dir: Path, last):
     return chosen
 
 
+def gate_passed(check: dict, threshold: float) -> bool:
+    return all(check[k] >= threshold for k in GATE_KEYS)
+
+
 def best_gate_check(checks: list, threshold: float, run_dir: Path) -> dict:
     """The check the students build on: the last where it passed; where the rounds ran out below the gate, the one
     with the highest worst attribute (the later of equal ones) whose checkpoint is still on disk. A round more can
     score lower than the one before (chain F: direction 0.875, then 0.847 on the 72 gate captions)."""
     from opensora.checkpoint_layout import checkpoint_dir
 
-    if all(checks[-1][k] >= threshold for k in GATE_KEYS):
+    if gate_passed(checks[-1], threshold):
         return checks[-1]
     worst = lambda c: min(c[k] for k in GATE_KEYS)  # noqa: E731
-    best = max(checks, key=lambda c: (worst(c), c["step"]))
+    rank = lambda c: (worst(c), c["step"])  # noqa: E731
+    best = max(checks, key=rank)
     kept = [c for c in checks if checkpoint_dir(run_dir, c["step"]).is_dir()] or checks[-1:]
-    chosen = max(kept, key=lambda c: (worst(c), c["step"]))
+    chosen = max(kept, key=rank)
     if chosen is not best:
         print(f"   teacher gate: the best check (step {best['step']}) was pruned (keep_last)", flush=True)
     if chosen is not checks[-1]:
@@ -945,6 +950,12 @@ def gate_teacher(args, ckpt: Path) -> Path:
     seeds = [args.seed + GATE_SEED_OFFSET + i for i in range(len(prompts))]
     record = Path(args.out) / "teacher" / "gate.json"
     checks = json.loads(record.read_text())["checks"] if record.is_file() else []
+
+    def write(**chosen):  # the checks so far, and the step chosen once the gate stops
+        record.write_text(
+            json.dumps(dict(gate=args.teacher_gate, seeds=[seeds[0], seeds[-1]], checks=checks, **chosen))
+        )
+
     while True:
         if checks and checks[-1]["step"] == checkpoint_step(ckpt):  # checked already (a repeated call, a copied run)
             scores = checks[-1]
@@ -955,8 +966,8 @@ def gate_teacher(args, ckpt: Path) -> Path:
             acc = accuracy(videos, prompts, args.motion)
             scores = dict(ckpt=str(ckpt), step=checkpoint_step(ckpt), **{k: acc[k] for k in GATE_KEYS})
             checks.append(scores)
-            record.write_text(json.dumps(dict(gate=args.teacher_gate, seeds=[seeds[0], seeds[-1]], checks=checks)))
-        passed = all(scores[k] >= args.teacher_gate for k in GATE_KEYS)
+            write()
+        passed = gate_passed(scores, args.teacher_gate)
         print(f"   teacher gate at step {scores['step']}: " + " ".join(f"{k} {scores[k]:.3f}" for k in GATE_KEYS)
               + (" (passed)" if passed else f" (below {args.teacher_gate})"), flush=True)  # fmt: skip
         more = None
@@ -965,9 +976,7 @@ def gate_teacher(args, ckpt: Path) -> Path:
             if more == ckpt:  # no step was trained: stop rather than check the same weights again
                 print("   teacher gate: the extra round trained no step", flush=True)
         if more is None or more == ckpt:  # the gate stops here and chooses (gated_teacher reuses the choice)
-            chosen = best_gate_check(checks, args.teacher_gate, record.parent)
-            gate = dict(gate=args.teacher_gate, seeds=[seeds[0], seeds[-1]], checks=checks, chosen=chosen["step"])
-            record.write_text(json.dumps(gate))
+            write(chosen=best_gate_check(checks, args.teacher_gate, record.parent)["step"])
             return gated_teacher(record.parent, ckpt)
         ckpt = more
 
