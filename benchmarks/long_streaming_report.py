@@ -10,11 +10,14 @@ SHORT = dict(color="colour")  # the printed name of an attribute where it differ
 
 def confusions_text(scores: dict) -> str:
     """ "colour blue->cyan 3, red->None 1; direction left->None 2" (most frequent first), or "" when none is wrong."""
-    parts = [
-        f"{SHORT.get(a, a)} " + ", ".join(f"{k} {n}" for k, n in counts.items())
-        for a, counts in scores.get("confusions", {}).items()
-    ]
-    return "; ".join(parts)
+    return counts_text(scores.get("confusions", {}))
+
+
+def counts_text(by_attribute: dict) -> str:
+    """``{attribute: {value: count}}`` as "colour blue 3, red 1; direction left 2" (in the dicts' order)."""
+    return "; ".join(
+        f"{SHORT.get(a, a)} " + ", ".join(f"{k} {n}" for k, n in c.items()) for a, c in by_attribute.items()
+    )
 
 
 def criteria(student: dict, teacher: dict) -> dict:
@@ -97,8 +100,9 @@ def misses_by_caption(clip_hits: dict, prompts) -> dict:
         counts: dict = {}
         for prompt, hits in zip(prompts, clip_hits.get(attribute, [])):
             value = parse_caption(prompt)[index] if isinstance(prompt, str) else None
-            if value is not None and hits[1:].count("0"):
-                counts[value] = counts.get(value, 0) + hits[1:].count("0")
+            missed = hits[1:].count("0")
+            if value is not None and missed:
+                counts[value] = counts.get(value, 0) + missed
         if counts:
             out[attribute] = dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
     return out
@@ -166,8 +170,7 @@ def print_report(report: dict, students) -> None:
         print_windows(s["long"]["windows"])
         misses = s["long"].get("misses_by_caption")
         if misses:
-            parts = [f"{SHORT.get(a, a)} " + ", ".join(f"{v} {n}" for v, n in c.items()) for a, c in misses.items()]
-            print(f"    misses past the first window, by the caption's value: {'; '.join(parts)}")
+            print(f"    misses past the first window, by the caption's value: {counts_text(misses)}")
         print_background(s["long"]["background_by_frame"], report["clip"][0])
         print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
         print_resampled(s.get("criteria_resampled"))
