@@ -16,7 +16,8 @@
 # SWITCH=0 skips the Self-Forcing switch sweep (its evaluation then comes with the LONG=1 exit-context one, or
 # alone without LONG, with the switch as EVAL_SWITCH says); LONG_GPUS="0 1" runs the two LongRollout lanes side by
 # side; SECOND=control makes the second lane the control (Self-Forcing trained on) instead of the fully denoised
-# context, SECOND=none leaves the second lane out; EVAL_SWITCH=0 leaves the prompt switch out of the evaluations;
+# context: it trains at the same time as LongRollout, on one GPU too, and one evaluation scores both and Self-Forcing;
+# SECOND=none leaves the second lane out; EVAL_SWITCH=0 leaves the prompt switch out of the evaluations;
 # EVAL_RENOISE="1.0" adds the re-rendered switch to them (a criteria line per time, beside the re-cache's);
 # CHAIN_GPU=1 runs the chain's one-GPU stages on GPU 1 (default 0), so two chains with their own OUT and seeds can
 # share a two-GPU machine.
@@ -62,11 +63,12 @@ elif [ "${LONG:-0}" != 1 ]; then  # no switch sweep, no LongRollout: Self-Forcin
 fi
 if [ "${LONG:-0}" = 1 ]; then
   # exit-step context in ls, fully denoised context in lsf; with SWITCH=0 the exit lane's evaluation also scores
-  # the Self-Forcing student it started from (same seeds)
-  # SECOND=control: the second lane trains the control (Self-Forcing trained on for the same minutes / steps) in
-  # OUT/lsc instead of the fully denoised context, so both run at once; the exit lane then scores itself and
-  # Self-Forcing. SECOND=none: the exit lane alone (one GPU, one session's time). Scoring named students keeps the
-  # exit lane's evaluation from training the control itself.
+  # the Self-Forcing student it started from (same seeds). SECOND=none: the exit lane alone.
+  # SECOND=control: the control (Self-Forcing trained on for the same minutes / steps) trains in OUT/lsc at the
+  # same time as LongRollout, also when both lanes share one GPU (they then share it for the same minutes; each
+  # lane's step count is in its log), and one evaluation, alone on the GPU, scores LongRollout, Self-Forcing and the
+  # control on the same clips (the teacher once; the streaming speeds untouched by the other lane). Scoring named
+  # students keeps the evaluation from training the control itself.
   read -r gpu_exit gpu_full <<< "${LONG_GPUS:-$g $g}"
   second=${SECOND:-full}
   score_exit=(--score long_rollout)
@@ -74,24 +76,24 @@ if [ "${LONG:-0}" = 1 ]; then
   lane2=lsf && [ "$second" = control ] && lane2=lsc
   [ "$second" != none ] && mkdir -p "$out/$lane2" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" \
     "$out/$lane2/"
-  exit_lane() {
-    stage "$gpu_exit" ls long_rollout_exit $L --long-context-steps exit --only-stage long_rollout
-    stage "$gpu_exit" ls eval_exit $L --long-context-steps exit "${score_exit[@]}" "${switch[@]}"
-  }
-  full_lane() {
-    [ "$second" = none ] && return
-    if [ "$second" = control ]; then
-      stage "$gpu_full" lsc control $L --only-stage self_forcing_more
-      stage "$gpu_full" lsc eval_control $L --score self_forcing_more "${switch[@]}"
-      return
-    fi
-    stage "$gpu_full" lsf long_rollout_full $L --long-context-steps full --only-stage long_rollout
-    stage "$gpu_full" lsf eval_full $L --long-context-steps full --score long_rollout "${switch[@]}"
-  }
-  if [ "$gpu_exit" != "$gpu_full" ]; then
-    exit_lane & full_lane & wait
+  train_exit() { stage "$gpu_exit" ls long_rollout_exit $L --long-context-steps exit --only-stage long_rollout; }
+  eval_exit() { stage "$gpu_exit" ls eval_exit $L --long-context-steps exit "${score_exit[@]}" "${switch[@]}"; }
+  if [ "$second" = control ]; then
+    train_exit & stage "$gpu_full" lsc control $L --only-stage self_forcing_more & wait
+    # the control's run beside LongRollout's: the evaluation reuses its finished stage and best checkpoint
+    cp -r "$out/lsc/self_forcing_more" "$out/ls/" && score_exit+=(self_forcing_more)
+    eval_exit
   else
-    exit_lane; full_lane
+    full_lane() {
+      [ "$second" = none ] && return
+      stage "$gpu_full" lsf long_rollout_full $L --long-context-steps full --only-stage long_rollout
+      stage "$gpu_full" lsf eval_full $L --long-context-steps full --score long_rollout "${switch[@]}"
+    }
+    if [ "$gpu_exit" != "$gpu_full" ]; then
+      (train_exit; eval_exit) & full_lane & wait
+    else
+      train_exit; eval_exit; full_lane
+    fi
   fi
 fi
 note "chain done"
