@@ -446,8 +446,10 @@ def student_generator(args, name, ckpt, clip):
     )
 
 
-def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
-    """Stream the student at the training length (accuracy, speed) and at the long length (windows, flicker)."""
+def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher, teacher_videos=None) -> dict:
+    """Stream the student at the training length (accuracy, speed, flicker) and at the long length (windows,
+    flicker by window). ``teacher_videos`` (its clips of the same prompts and seeds): the teacher's frame steps at
+    the student's chunk edges, the flicker of a model that has no chunks."""
     from opensora.eval.moving_shapes_windows import background_by_frame, chunk_edge_flicker, score_windows
     from opensora.inference.io import save_samples
 
@@ -478,14 +480,17 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher) -> dict:
         long_seconds=long_seconds,
         long_frames_per_s=len(prompts) * long_frames / long_seconds,
         **accuracy(short, prompts, args.motion),
+        flicker=chunk_edge_flicker(short, chunk_pixels, first_pixels),
         long=dict(
             frames=long_frames,
             **score_windows(list(long), prompts, frames, motion=args.motion, workers=args.score_workers),
-            flicker=chunk_edge_flicker(long, chunk_pixels, first_pixels),
+            flicker=chunk_edge_flicker(long, chunk_pixels, first_pixels, window=frames),
             background_by_frame=background_by_frame(long),
         ),
     )
     result["long"]["misses_by_caption"] = misses_by_caption(result["long"]["clip_hits"], prompts)
+    if teacher_videos is not None:
+        result["flicker_teacher_same_edges"] = chunk_edge_flicker(teacher_videos, chunk_pixels, first_pixels)
     if args.save_long_clips:  # what a drift looks like, small enough to come back with a chain's archive (mp4:
         # tools/eval_moving_shapes.py --window 16 scores them again, from crf-18 video)
         save_samples(Path(args.out) / name / "long_clips", prompts, long[: args.save_long_clips])
@@ -592,7 +597,7 @@ def evaluate(args, checkpoints: dict) -> dict:
         if args.score and name not in args.score:
             continue
         started = time.monotonic()
-        report[name] = evaluate_student(args, name, checkpoints[name], prompts, seeds, clip, teacher_scores)
+        report[name] = evaluate_student(args, name, checkpoints[name], prompts, seeds, clip, teacher_scores, videos)
         report[name]["eval_seconds"] = time.monotonic() - started  # sampling, scoring, switches: a call's plan
     return report
 

@@ -20,6 +20,26 @@ def counts_text(by_attribute: dict) -> str:
     )
 
 
+def flicker_text(student: dict) -> str:
+    """The long run's chunk-edge flicker (the criterion's number), by window where measured, at the clip length,
+    and the teacher's frame steps at the same edges (reports from before these keep the one number)."""
+    flicker = student["long"]["flicker"]
+    text = f"{flicker['edge_over_inside']}"
+
+    def ratio(entry):
+        value = (entry or {}).get("edge_over_inside") if isinstance(entry, dict) else entry
+        return "-" if value is None else f"{value:.2f}"
+
+    parts = []
+    if flicker.get("by_window"):
+        parts.append("by window " + ", ".join(ratio(r) for r in flicker["by_window"]))
+    if "flicker" in student:
+        parts.append(f"at the clip length {ratio(student['flicker'])}")
+    if "flicker_teacher_same_edges" in student:
+        parts.append(f"the teacher at the same edges {ratio(student['flicker_teacher_same_edges'])}")
+    return text + (f" ({'; '.join(parts)})" if parts else "")
+
+
 def criteria(student: dict, teacher: dict) -> dict:
     """The measurement's pass/fail lines for one student (None where a number is missing)."""
     from opensora.eval.resampled_criteria import at_least  # ties by one rule here and in the resampled lines
@@ -172,7 +192,7 @@ def print_report(report: dict, students) -> None:
         if misses:
             print(f"    misses past the first window, by the caption's value: {counts_text(misses)}")
         print_background(s["long"]["background_by_frame"], report["clip"][0])
-        print(f"  flicker {s['long']['flicker']['edge_over_inside']}; criteria: {s['criteria']}")
+        print(f"  flicker {flicker_text(s)}; criteria: {s['criteria']}")
         print_resampled(s.get("criteria_resampled"))
         if "eval_seconds" in s:
             print(f"  evaluated in {s['eval_seconds']:.0f} s (sampling, scoring, switches; the teacher's: "

@@ -45,6 +45,9 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
         assert long["frames"] == 24 and [w["start_frame"] for w in long["windows"]] == [0, 8, 16]
         assert long["window"] == 8 and student["window_frames"] == 6 and student["sink_frames"] == 2
         assert set(student["criteria"]) >= {"flicker_le_1.1", "stats_every_window_ge_95pct_of_teacher"}
+        # the seams by window, at the clip length, and the teacher's frame steps at the same edges
+        assert len(long["flicker"]["by_window"]) == 3 and student["flicker"]["edge_over_inside"] is not None
+        assert student["flicker_teacher_same_edges"]["edge_over_inside"] is not None
         # each share-of-clips line judged again over resampled prompts: on the clips as they are, the same verdict
         resampled = student["criteria_resampled"]
         assert set(resampled) == set(student["criteria"]) - {"flicker_le_1.1"}  # every share line, switches too
@@ -564,6 +567,18 @@ def test_criteria_give_each_re_rendered_switch_its_own_verdict_beside_the_re_cac
     assert out["switch_renoise_1.0_new_prompt_ge_90pct_within_one_window"] is True
     assert out["direction_every_window_ge_95pct_of_first"] is False and out["shape_acc_ge_98pct_of_teacher"] is False
     assert out["stats_every_window_ge_95pct_of_teacher"] is True and out["flicker_le_1.1"] is True
+
+
+def test_flicker_line_shows_the_windows_the_clip_length_and_the_teacher_and_reads_older_reports():
+    from benchmarks.long_streaming_report import flicker_text
+
+    old = dict(long=dict(flicker=dict(edge_over_inside=1.13)))  # a report from before the windows
+    assert flicker_text(old) == "1.13"
+    new = dict(long=dict(flicker=dict(edge_over_inside=1.13, by_window=[1.41, 1.1, None])))
+    new.update(flicker=dict(edge_over_inside=1.38), flicker_teacher_same_edges=dict(edge_over_inside=0.99))
+    assert flicker_text(new) == (
+        "1.13 (by window 1.41, 1.10, -; at the clip length 1.38; the teacher at the same edges 0.99)"
+    )
 
 
 def test_adam_beta1_sets_the_dmd_students_and_critics_momentum_only(tmp_path):

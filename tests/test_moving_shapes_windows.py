@@ -13,6 +13,7 @@ from opensora.datasets import moving_shapes as ms
 from opensora.eval.moving_shapes_windows import (
     background_by_frame,
     bounce_step_directions,
+    chunk_edge_flicker,
     score_windows,
     stats_in_range,
     window_starts,
@@ -173,6 +174,22 @@ def test_background_by_frame_is_the_rendered_level_and_shows_where_a_darkening_s
     darker = [np.concatenate([v[:20], (v[20:].astype(int) - 10).clip(0, 255).astype(np.uint8)]) for v in videos]
     shifted = background_by_frame(darker)
     assert shifted[:20] == levels[:20] and shifted[20:] == [float(ms.BACKGROUND[0]) - 10] * (LONG - 20)
+
+
+def test_chunk_edge_flicker_finds_seams_in_the_window_where_they_are():
+    _, videos, _ = long_clips("wrap")
+    smooth = np.stack(videos)  # rendered motion has no chunks: its steps at any 2-frame edges match the rest
+    flicker = chunk_edge_flicker(smooth, 2, 2, window=WINDOW)
+    assert 0.85 < flicker["edge_over_inside"] < 1.15 and len(flicker["by_window"]) == LONG // WINDOW
+    assert all(0.8 < r < 1.25 for r in flicker["by_window"]), flicker
+    # a stream that moves half a step inside each 2-frame chunk and a step and a half across its edge, in the first
+    # window only: that window's seams show (about 3x), the later ones do not, the whole run's ratio lies between
+    stutter = smooth.astype(np.float32)
+    stutter[:, 1:WINDOW:2] = (stutter[:, 0:WINDOW:2] + stutter[:, 1:WINDOW:2]) / 2
+    seams = chunk_edge_flicker(stutter.round().astype(np.uint8), 2, 2, window=WINDOW)
+    assert seams["by_window"][0] > 2.0 and all(0.8 < r < 1.25 for r in seams["by_window"][1:]), seams
+    assert flicker["edge_over_inside"] < seams["edge_over_inside"] < seams["by_window"][0]
+    assert "by_window" not in chunk_edge_flicker(smooth, 2, 2)  # one number unless windows are asked for
 
 
 def test_a_prompt_switch_is_scored_against_the_caption_in_force():

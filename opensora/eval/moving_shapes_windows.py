@@ -368,20 +368,32 @@ def background_by_frame(videos: Sequence[np.ndarray]) -> List[float]:
 
 
 # ---- flicker at chunk edges ----------------------------------------------------------------------------------------
-def chunk_edge_flicker(videos: np.ndarray, chunk_pixel_frames: int, first_chunk_pixel_frames: int) -> dict:
+def chunk_edge_flicker(
+    videos: np.ndarray, chunk_pixel_frames: int, first_chunk_pixel_frames: int, window: Optional[int] = None
+) -> dict:
     """Mean |frame[f+1] - frame[f]| across chunk edges vs inside chunks of streamed uint8 videos [B, T, H, W, 3]:
     ``edge_over_inside`` near 1 means the chunk seams do not show (a causal VAE's first chunk is shorter, hence
-    ``first_chunk_pixel_frames``)."""
+    ``first_chunk_pixel_frames``). ``window``: also the ratio within each window of that many frames
+    (``by_window``, from frame 0; a frame step counts in the window of its first frame), which shows where along a
+    long stream the seams show."""
     diffs = np.abs(np.diff(np.asarray(videos, dtype=np.float32), axis=1)).mean(axis=(0, 2, 3, 4))  # [T-1]
-    edges = set(range(first_chunk_pixel_frames - 1, diffs.shape[0], chunk_pixel_frames))
-    at_edge = [d for i, d in enumerate(diffs) if i in edges]
-    inside = [d for i, d in enumerate(diffs) if i not in edges]
-    ratio = float(np.mean(at_edge) / np.mean(inside)) if at_edge and inside and np.mean(inside) > 0 else None
-    return dict(
-        edge_diff=float(np.mean(at_edge)) if at_edge else None,
-        inside_diff=float(np.mean(inside)) if inside else None,
-        edge_over_inside=ratio,
+    is_edge = np.zeros(diffs.shape[0], dtype=bool)
+    is_edge[first_chunk_pixel_frames - 1 :: chunk_pixel_frames] = True
+
+    def ratio(d: np.ndarray, edge: np.ndarray) -> Optional[float]:
+        if not edge.any() or edge.all() or d[~edge].mean() <= 0:
+            return None
+        return float(d[edge].mean() / d[~edge].mean())
+
+    out = dict(
+        edge_diff=float(diffs[is_edge].mean()) if is_edge.any() else None,
+        inside_diff=float(diffs[~is_edge].mean()) if not is_edge.all() else None,
+        edge_over_inside=ratio(diffs, is_edge),
     )
+    if window:
+        spans = [slice(start, start + window) for start in range(0, diffs.shape[0], window)]
+        out["by_window"] = [ratio(diffs[span], is_edge[span]) for span in spans]
+    return out
 
 
 __all__ = [
