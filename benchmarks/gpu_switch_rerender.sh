@@ -67,27 +67,41 @@ if [ "${LONG:-0}" = 1 ]; then
   # SECOND=control: the control (Self-Forcing trained on for the same minutes / steps) trains in OUT/lsc at the
   # same time as LongRollout, also when both lanes share one GPU (they then share it for the same minutes; each
   # lane's step count is in its log), and one evaluation, alone on the GPU, scores LongRollout, Self-Forcing and the
-  # control on the same clips (the teacher once; the streaming speeds untouched by the other lane). Scoring named
-  # students keeps the evaluation from training the control itself.
+  # control on the same clips (the teacher once; the streaming speeds untouched by the other lane).
+  # An evaluation scores named students whose training finished: one that failed is left out and said so, never
+  # trained by the evaluation (alone on the GPU, for minutes the call does not have).
   read -r gpu_exit gpu_full <<< "${LONG_GPUS:-$g $g}"
   second=${SECOND:-full}
-  score_exit=(--score long_rollout)
-  [ "${SWITCH:-1}" = 0 ] || [ "$second" = control ] && score_exit=(--score long_rollout self_forcing)
+  exit_scores=(long_rollout)
+  [ "${SWITCH:-1}" = 0 ] || [ "$second" = control ] && exit_scores+=(self_forcing)
   lane2=lsf && [ "$second" = control ] && lane2=lsc
   [ "$second" != none ] && mkdir -p "$out/$lane2" && cp -r "$out/ls/teacher" "$out/ls/ode" "$out/ls/self_forcing" \
     "$out/$lane2/"
+  finished() { [ -e "$out/$1/stage_finished" ] || { note "$1 did not finish: left out of the evaluation"; false; }; }
+  evaluate() {  # evaluate GPU DIR NAME FLAGS... -- STUDENTS...: the finished ones, if any
+    local gpu=$1 dir=$2 name=$3 flags=() names=()
+    shift 3
+    while [ "$1" != -- ]; do flags+=("$1"); shift; done
+    shift
+    for student in "$@"; do finished "$dir/$student" && names+=("$student"); done
+    [ ${#names[@]} -gt 0 ] && stage "$gpu" "$dir" "$name" "${flags[@]}" --score "${names[@]}" "${switch[@]}"
+  }
   train_exit() { stage "$gpu_exit" ls long_rollout_exit $L --long-context-steps exit --only-stage long_rollout; }
-  eval_exit() { stage "$gpu_exit" ls eval_exit $L --long-context-steps exit "${score_exit[@]}" "${switch[@]}"; }
+  eval_exit() { evaluate "$gpu_exit" ls eval_exit $L --long-context-steps exit -- "${exit_scores[@]}"; }
   if [ "$second" = control ]; then
     train_exit & stage "$gpu_full" lsc control $L --only-stage self_forcing_more & wait
-    # the control's run beside LongRollout's: the evaluation reuses its finished stage and best checkpoint
-    cp -r "$out/lsc/self_forcing_more" "$out/ls/" && score_exit+=(self_forcing_more)
+    # the control's run beside LongRollout's (a fresh copy: a re-run must not nest it in an old one); the evaluation
+    # reuses its finished stage and best checkpoint
+    if finished lsc/self_forcing_more; then
+      rm -rf "$out/ls/self_forcing_more" && cp -r "$out/lsc/self_forcing_more" "$out/ls/" \
+        && exit_scores+=(self_forcing_more)
+    fi
     eval_exit
   else
     full_lane() {
       [ "$second" = none ] && return
       stage "$gpu_full" lsf long_rollout_full $L --long-context-steps full --only-stage long_rollout
-      stage "$gpu_full" lsf eval_full $L --long-context-steps full --score long_rollout "${switch[@]}"
+      evaluate "$gpu_full" lsf eval_full $L --long-context-steps full -- long_rollout
     }
     if [ "$gpu_exit" != "$gpu_full" ]; then
       (train_exit; eval_exit) & full_lane & wait

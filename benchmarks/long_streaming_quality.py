@@ -906,7 +906,10 @@ def train_all(args) -> Optional[dict]:
         start = checkpoints["self_forcing"] if name == "long_rollout" and args.long_init == "self_forcing" else None
         inits = dict(student=start or checkpoints["ode"], teacher=teacher, critic=teacher)
         steps = args.student_steps if name == "long_rollout" else None
-        if not (name == "long_rollout" and args.only_stage == CONTROL):  # the control starts from Self-Forcing
+        # LongRollout is not needed by the control (it starts from Self-Forcing) nor by an evaluation that does not
+        # score it (a chain leaves out a student whose training failed: the evaluation must not train it instead)
+        unneeded = args.only_stage == CONTROL or (args.score and name not in args.score)
+        if not (name == "long_rollout" and unneeded):
             checkpoints[name] = train_or_reuse(args, name, args.student_minutes, inits, steps)
         # the control, unless only other students are scored (an evaluation need not train it)
         if name == "long_rollout" and args.long_init == "self_forcing" and (not args.score or CONTROL in args.score):

@@ -24,7 +24,7 @@ def flicker_text(student: dict) -> str:
     """The long run's chunk-edge flicker (the criterion's number), by window where measured, at the clip length,
     and the teacher's frame steps at the same edges (reports from before these keep the one number)."""
     flicker = student["long"]["flicker"]
-    text = f"{flicker['edge_over_inside']}"
+    text = "-" if flicker["edge_over_inside"] is None else f"{flicker['edge_over_inside']:.3f}"
 
     def ratio(entry):
         value = (entry or {}).get("edge_over_inside") if isinstance(entry, dict) else entry

@@ -23,20 +23,21 @@ def chain_env(**settings) -> dict:
     return env
 
 
-def run_chain(script: str, out: Path, **settings) -> str:
-    """A detached device chain run in the foreground with --tiny stages; its progress.txt."""
+def run_chain(script: str, out: Path, allow_failed: bool = False, **settings) -> str:
+    """A detached device chain run in the foreground with --tiny stages; its progress.txt (every stage passed unless
+    ``allow_failed``)."""
     run = subprocess.run(["bash", script, "chain", str(out)], cwd=REPO, env=chain_env(**settings), capture_output=True,
                          text=True)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     progress = (out / "progress.txt").read_text()
-    assert "FAILED" not in progress and progress.rstrip().endswith("chain done"), progress
+    assert (allow_failed or "FAILED" not in progress) and progress.rstrip().endswith("chain done"), progress
     return progress
 
 
-def run_exit_lane_chain(out: Path, **settings) -> list:
+def run_exit_lane_chain(out: Path, allow_failed: bool = False, **settings) -> list:
     """The one-GPU LongRollout chain (no switch sweep); its progress events in order."""
-    progress = run_chain(SWITCH_CHAIN, out, SWITCH="0", P30="0", LONG="1", EVAL_SWITCH="0", L_MINUTES="4",
-                         STEPS="1000", EXTRA=TINY, **settings)  # fmt: skip
+    progress = run_chain(SWITCH_CHAIN, out, allow_failed, SWITCH="0", P30="0", LONG="1", EVAL_SWITCH="0",
+                         L_MINUTES="4", STEPS="1000", EXTRA=TINY, **settings)  # fmt: skip
     return [line.split(": ", 1)[1].split(" (")[0] for line in progress.splitlines()]
 
 
@@ -80,9 +81,26 @@ def test_control_trains_beside_long_rollout_on_one_gpu_and_one_evaluation_scores
     report = json.loads((out / "ls/report.json").read_text())
     assert {"teacher", "self_forcing", "long_rollout", "self_forcing_more"} <= set(report)
     assert not (out / "lsc/report.json").exists()  # no second evaluation
+    evaluation = (out / "log/eval_exit.txt").read_text()  # the control's copied run is reused, never retrained
+    assert "== self_forcing_more: reusing" in evaluation and "self_forcing_more trained in" not in evaluation
     names = archived_names(SWITCH_CHAIN, out, tmp_path / "back")
     for student in ("self_forcing", "long_rollout", "self_forcing_more"):
         assert any(n.startswith(f"ls/{student}/long_clips/") and n.endswith(".mp4") for n in names), student
+
+
+def test_an_evaluation_leaves_out_the_students_whose_training_failed_instead_of_training_them(tmp_path):
+    out = tmp_path / "chain"
+    for lane, student in (("ls", "long_rollout"), ("lsc", "self_forcing_more")):  # a file where each run would write
+        (out / lane).mkdir(parents=True)
+        (out / lane / student).write_text("not a run directory: this student's training fails\n")
+    events = run_exit_lane_chain(out, allow_failed=True, SECOND="control", L_CRITIC_WINDOWS="2", L_UPDATE_EVERY="2")
+    assert "FAILED long_rollout_exit" in events and "FAILED control" in events
+    assert "ls/long_rollout did not finish: left out of the evaluation" in events
+    assert "lsc/self_forcing_more did not finish: left out of the evaluation" in events
+    report = json.loads((out / "ls/report.json").read_text())  # Self-Forcing is still scored
+    assert "self_forcing" in report and "long_rollout" not in report and "self_forcing_more" not in report
+    assert "trained in" not in (out / "log/eval_exit.txt").read_text()  # the evaluation trained nothing
+    assert (out / "ls/self_forcing_more").exists() is False and (out / "ls/long_rollout").is_file()
 
 
 def test_an_unknown_second_lane_is_refused_before_the_chain_starts(tmp_path):

@@ -573,11 +573,11 @@ def test_flicker_line_shows_the_windows_the_clip_length_and_the_teacher_and_read
     from benchmarks.long_streaming_report import flicker_text
 
     old = dict(long=dict(flicker=dict(edge_over_inside=1.13)))  # a report from before the windows
-    assert flicker_text(old) == "1.13"
+    assert flicker_text(old) == "1.130"
     new = dict(long=dict(flicker=dict(edge_over_inside=1.13, by_window=[1.41, 1.1, None])))
     new.update(flicker=dict(edge_over_inside=1.38), flicker_teacher_same_edges=dict(edge_over_inside=0.99))
     assert flicker_text(new) == (
-        "1.13 (by window 1.41, 1.10, -; at the clip length 1.38; the teacher at the same edges 0.99)"
+        "1.130 (by window 1.41, 1.10, -; at the clip length 1.38; the teacher at the same edges 0.99)"
     )
 
 

@@ -190,6 +190,13 @@ def test_chunk_edge_flicker_finds_seams_in_the_window_where_they_are():
     assert seams["by_window"][0] > 2.0 and all(0.8 < r < 1.25 for r in seams["by_window"][1:]), seams
     assert flicker["edge_over_inside"] < seams["edge_over_inside"] < seams["by_window"][0]
     assert "by_window" not in chunk_edge_flicker(smooth, 2, 2)  # one number unless windows are asked for
+    # by hand: 9 frames, chunks of 2 after a first chunk of 1 (edges at steps 0, 2, 4, 6), windows of 4 frames; a
+    # step belongs to the window of its first frame, so step 3 (frames 3 -> 4, inside a chunk) is window 0's
+    steps = np.array([2.0, 1.0, 2.0, 4.0, 6.0, 3.0, 2.0, 1.0])
+    frames = np.concatenate([[0.0], np.cumsum(steps)])[None, :, None, None, None] * np.ones((1, 1, 1, 1, 3))
+    by_hand = chunk_edge_flicker(frames, 2, 1, window=4)
+    assert by_hand["by_window"] == pytest.approx([(2 + 2) / 2 / ((1 + 4) / 2), (6 + 2) / 2 / ((3 + 1) / 2)])
+    assert by_hand["edge_over_inside"] == pytest.approx((2 + 2 + 6 + 2) / 4 / ((1 + 4 + 3 + 1) / 4))
 
 
 def test_a_prompt_switch_is_scored_against_the_caption_in_force():
