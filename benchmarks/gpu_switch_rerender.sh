@@ -9,7 +9,8 @@
 # causal ODE init -> Self-Forcing -> its prompt switch only: re-cached, old KV kept, 0 sinks, re-rendered from each of
 # RENOISE (default "0.5 0.75 1.0") -> its full evaluation with the switch -> with LONG=1, LongRollout (STEPS, default
 # 160, switch_prob L_SWITCH_PROB, default 0, critic windows per rollout L_CRITIC_WINDOWS, default 1, a student
-# update every L_UPDATE_EVERY iterations, default 5) from that student with the exit-step context (OUT/ls) and the
+# update every L_UPDATE_EVERY iterations, default 5; the share of windows drawn as the clip's first
+# L_FIRST_WINDOW_SHARE, default 0) from that student with the exit-step context (OUT/ls) and the
 # fully denoised context (OUT/lsf), each evaluated.
 # EXTRA: the runs' flags (seeds, minutes; --validation-every N adds the students' per-window curve). TRAINER=0
 # skips the trainer timing (the GPU tests still run, with the two-GPU NCCL EMA test where two GPUs are visible);
@@ -36,6 +37,7 @@ g=${CHAIN_GPU:-0}  # the GPU of every one-GPU stage: two chains (fresh seeds eac
 E=${EXTRA:-"--motion wrap --seed 949494 --train-seed 4 --teacher-minutes 6.5 --ode-minutes 2.5 --student-minutes 2.5"}
 L="--student-minutes ${L_MINUTES:-9} --student-steps ${STEPS:-160} --long-init self_forcing --switch-prob ${L_SWITCH_PROB:-0}${L_CRITIC_WINDOWS:+ --long-critic-windows $L_CRITIC_WINDOWS}"
 L+="${L_UPDATE_EVERY:+ --long-update-every $L_UPDATE_EVERY}"
+L+="${L_FIRST_WINDOW_SHARE:+ --long-first-window-share $L_FIRST_WINDOW_SHARE}"
 switch=(--prompt-switch --switch-sink-frames 0)
 [ -n "${EVAL_RENOISE:-}" ] && switch+=(--switch-renoise $EVAL_RENOISE)  # and re-rendered, each its own criterion
 [ "${EVAL_SWITCH:-1}" = 0 ] && switch=()  # the evaluations without the prompt switch (a large --num-prompts)

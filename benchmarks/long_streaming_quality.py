@@ -132,6 +132,8 @@ def stage_config(args, stage: str) -> Path:
         method["critic_windows"] = int(args.long_critic_windows)
     if stage == "long_rollout" and args.long_update_every is not None:
         method["student_update_every"] = int(args.long_update_every)
+    if stage == "long_rollout" and args.long_first_window_share is not None:
+        method["first_window_share"] = float(args.long_first_window_share)
     if stage == "long_rollout" and args.long_sink_frames is not None:  # the sampler's key and the method's copy
         lines.append(f"sink_frames = {int(args.long_sink_frames)}")
         method["kv_sink_frames"] = int(args.long_sink_frames)
@@ -685,6 +687,13 @@ def parse_args(argv=None):
         "--long-critic-windows K the critic sees K * N windows per student update",
     )
     parser.add_argument(
+        "--long-first-window-share",
+        type=float,
+        default=None,
+        help="the share of the long-rollout student's windows drawn as the clip's first (config default 0: uniform "
+        "over the rollout, the first once in (multiple - 1) * chunks + 1)",
+    )
+    parser.add_argument(
         "--adam-beta1",
         type=float,
         default=None,
@@ -864,6 +873,8 @@ def parse_args(argv=None):
         parser.error("--long-validation-every N: N >= 1, beside --validation-every (the Self-Forcing student's)")
     if args.long_update_every is not None and args.long_update_every < 1:
         parser.error(f"--long-update-every {args.long_update_every}: at least 1")
+    if args.long_first_window_share is not None and not 0 <= args.long_first_window_share <= 1:
+        parser.error(f"--long-first-window-share {args.long_first_window_share}: a share in [0, 1]")
     if args.teacher_gate is not None and args.teacher_ckpt:
         parser.error("--teacher-gate trains the teacher on: it does not combine with --teacher-ckpt")
     if args.teacher_gate is not None and not 0 < args.teacher_gate <= 1:

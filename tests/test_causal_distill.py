@@ -39,11 +39,11 @@ RUNS = {
         "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3], rollout_multiple=3, kv_window_frames=3, "
         "kv_sink_frames=1, switch_prob=0.5)",
     ),
-    "long_rollout_critic_windows": (  # the critic learns from 3 windows of each rollout
+    "long_rollout_critic_windows": (  # the critic learns from 3 windows of each rollout, half of them the first
         "configs/distill/long_rollout_demo.py",
         ("student", "teacher", "critic"),
         "dict(student_update_every=2, step_list=[1.0, 0.6, 0.3], rollout_multiple=3, kv_window_frames=3, "
-        "kv_sink_frames=1, switch_prob=0.0, critic_windows=3)",
+        "kv_sink_frames=1, switch_prob=0.0, critic_windows=3, first_window_share=0.5)",
     ),
 }
 

@@ -52,11 +52,14 @@ def archived_names(script: str, out: Path, back: Path) -> list:
 
 def test_long_rollout_exit_lane_alone_scores_both_students_and_archives_their_clips(tmp_path):
     out = tmp_path / "chain"
-    events = run_exit_lane_chain(out, SECOND="none", L_CRITIC_WINDOWS="3", L_UPDATE_EVERY="2")
+    events = run_exit_lane_chain(
+        out, SECOND="none", L_CRITIC_WINDOWS="3", L_UPDATE_EVERY="2", L_FIRST_WINDOW_SHARE="0.25"
+    )
     stages = [e.split("start ")[1] for e in events if e.startswith("start ")]
     assert stages == ["lone NCCL check", "teacher", "ode", "self_forcing", "long_rollout_exit", "eval_exit"]
-    long_config = (out / "ls/configs/long_rollout.py").read_text()  # L_CRITIC_WINDOWS and L_UPDATE_EVERY reach it
+    long_config = (out / "ls/configs/long_rollout.py").read_text()  # the L_* settings reach it
     assert "critic_windows=3" in long_config and "student_update_every=2" in long_config
+    assert "first_window_share=0.25" in long_config
     report = json.loads((out / "ls/report.json").read_text())
     # both students scored by name: the evaluation neither trains nor scores the control
     assert "self_forcing" in report and "long_rollout" in report and "self_forcing_more" not in report

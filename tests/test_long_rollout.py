@@ -106,6 +106,26 @@ def test_window_draws_cover_the_rollout_and_last_takes_the_end():
     assert {last.draw_window_end(CLIP) for _ in range(5)} == {3 * CLIP}
 
 
+def test_a_first_window_share_draws_the_clips_first_window_that_often_and_zero_keeps_the_rng_stream():
+    from test_methods_framework import tiny_batch
+
+    always, _, _ = make_long_rollout(first_window_share=1.0)
+    assert {always.draw_window_end(CLIP) for _ in range(20)} == {CLIP}
+    always.draw_exit_step = lambda: 1
+    always.generate(always.adapter.prepare_batch(tiny_batch(1)), with_grad=False)
+    assert always.last_window == (0, CLIP)  # the clip's own rollout: nothing past it runs
+    half, _, _ = make_long_rollout(first_window_share=0.5)
+    torch.manual_seed(0)
+    ends = [half.draw_window_end(CLIP) for _ in range(400)]
+    share = ends.count(CLIP) / len(ends)  # 0.5 + 0.5 / 9 expected: a uniform draw lands there too
+    assert 0.45 < share < 0.67 and set(ends) == set(range(CLIP, 3 * CLIP + 1)), share
+    plain, zero = make_long_rollout()[0], make_long_rollout(first_window_share=0.0)[0]
+    torch.manual_seed(1)
+    drawn, after = [plain.draw_window_end(CLIP) for _ in range(30)], torch.rand(3)
+    torch.manual_seed(1)  # a share of 0 draws nothing more: the same windows, the generator left where it was
+    assert [zero.draw_window_end(CLIP) for _ in range(30)] == drawn and torch.equal(torch.rand(3), after)
+
+
 def test_trains_a_few_steps_with_finite_losses_on_the_two_time_scale_rule():
     from test_methods_framework import tiny_batch, trainer_like_step
 
@@ -205,6 +225,7 @@ def test_critic_windows_train_with_finite_losses_and_count_their_passes():
         (dict(kv_rope_anchor="middle"), "kv_rope_anchor"),
         (dict(context_steps="some"), "context_steps"),
         (dict(critic_windows=0), "critic_windows"),
+        (dict(first_window_share=-0.1), "first_window_share"),
         (dict(critic_windows=2, switch_prob=0.25), "critic_windows > 1 does not combine with switch_prob"),
         (dict(critic_windows=2, context_steps="full"), "critic_windows > 1 does not combine with context_steps"),
         (dict(critic_windows=2, window="last"), "critic_windows > 1 does not combine with window='last'"),

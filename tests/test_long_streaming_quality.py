@@ -325,12 +325,13 @@ def test_real_guidance_sets_the_dmd_stages_real_score_scale_only(tmp_path):
     assert load_config(str(bench.stage_config(full, "long_rollout"))).method.context_steps == "full"
     assert "critic_windows" not in bench.stage_config(plain, "long_rollout").read_text()
     flags = ["--long-critic-windows", "4", "--switch-prob", "0", "--long-update-every", "2"]
-    windows = bench.parse_args(["--out", str(tmp_path / "w"), *flags])
+    windows = bench.parse_args(["--out", str(tmp_path / "w"), *flags, "--long-first-window-share", "0.25"])
     method = load_config(str(bench.stage_config(windows, "long_rollout"))).method
-    assert method.critic_windows == 4 and method.student_update_every == 2
+    assert method.critic_windows == 4 and method.student_update_every == 2 and method.first_window_share == 0.25
     assert "critic_windows" not in bench.stage_config(windows, "self_forcing").read_text()
     for refused in (["--long-critic-windows", "2"], ["--long-critic-windows", "2", "--switch-prob", "0",
-                    "--long-context-steps", "full"], ["--long-critic-windows", "0"], ["--long-update-every", "0"]):  # fmt: skip
+                    "--long-context-steps", "full"], ["--long-critic-windows", "0"], ["--long-update-every", "0"],
+                    ["--long-first-window-share", "1.5"]):  # fmt: skip
         with pytest.raises(SystemExit):  # before any stage trains, not when the long-rollout stage builds
             bench.parse_args(["--out", str(tmp_path / "r"), *refused])
 

@@ -37,6 +37,13 @@ alone. Windows of one rollout share their noise stream and context, so they are 
 ``window="uniform"``, ``context_steps="exit"`` and no ``switch_prob``: otherwise the other windows would not be drawn
 as the judged one is.
 
+``first_window_share`` (default 0): the share of drawn windows that are the clip's first instead (``e = W``: the
+rollout is then Self-Forcing's at the clip length, and cheap). A uniform draw judges the first window once in
+``(rollout_multiple - 1) * W + 1`` draws (1 in 57 at 8x a clip of 8 chunks), so the clip length, the regime the
+student is most often used in, otherwise loses its own training signal as the long windows reshape the student.
+Every window is drawn this way, the critic's extra ones too; the extra draw is made only where the share is above 0
+(the default's RNG stream is unchanged).
+
 ``context_steps``: the chunks before the judged window stop at the iteration's exit step, as every Self-Forcing chunk
 does (``"exit"``, the default); or they run the whole step list (``"full"``), so the window's context is what the
 streaming sampler would have cached (the same frames for the same noise), not up to ``rollout_multiple - 1`` clip
@@ -62,7 +69,7 @@ from opensora.registry import METHODS
 
 WINDOWS = ("uniform", "last")
 CONTEXT_STEPS = ("exit", "full")  # the chunks before the judged window: Self-Forcing's exit step, or every step
-SWITCH_DRAWS = 1 << 20  # resolution of the switch_prob draw
+SWITCH_DRAWS = 1 << 20  # resolution of the switch_prob and first_window_share draws
 
 
 @METHODS.register_module()
@@ -78,6 +85,7 @@ class LongRollout(SelfForcing):
         switch_prob: float = 0.0,
         context_steps: str = "exit",
         critic_windows: int = 1,
+        first_window_share: float = 0.0,
         **self_forcing_kwargs,
     ):
         super().__init__(roles, components, **self_forcing_kwargs)
@@ -99,6 +107,9 @@ class LongRollout(SelfForcing):
         if not 0.0 <= float(switch_prob) <= 1.0:
             raise ValueError(f"LongRollout: switch_prob must be in [0, 1], got {switch_prob}")
         self.switch_prob = float(switch_prob)
+        if not 0.0 <= float(first_window_share) <= 1.0:
+            raise ValueError(f"LongRollout: first_window_share must be in [0, 1], got {first_window_share}")
+        self.first_window_share = float(first_window_share)
         if context_steps not in CONTEXT_STEPS:
             raise ValueError(f"LongRollout: context_steps must be one of {CONTEXT_STEPS}, got {context_steps!r}")
         self.context_steps = context_steps
@@ -133,9 +144,14 @@ class LongRollout(SelfForcing):
         return window
 
     def draw_window_end(self, clip_chunks: int) -> int:
-        """The chunk after the judged window: in ``[W, rollout_multiple * W]``, the same on every rank."""
+        """The chunk after a window: in ``[W, rollout_multiple * W]``, the same on every rank; ``W`` (the clip's
+        first window) at least ``first_window_share`` of the time."""
         longest = self.rollout_multiple * clip_chunks
         drawn = shared_randint(longest - clip_chunks + 1, self.components.device)  # drawn in both modes (RNG)
+        if self.first_window_share > 0:
+            first = shared_randint(SWITCH_DRAWS, self.components.device) < self.first_window_share * SWITCH_DRAWS
+            if first:
+                return clip_chunks
         return longest if self.window == "last" else clip_chunks + drawn
 
     def generate(self, batch, with_grad: bool) -> Tuple[torch.Tensor, int]:
