@@ -272,6 +272,13 @@ def test_eval_tool_scores_windows_of_a_written_long_dataset(tmp_path):
     report = json.loads(out.read_text())
     assert [w["start_frame"] for w in report["windows"]] == [0, FRAMES]
     assert report["color_window_min"] == report["direction_window_min"] == report["stats_window_min"] == 1.0
+    assert "flicker" not in report
+    chunked = tmp_path / "w3.json"  # rendered motion has no chunk seams: its 2-frame edges step like the rest
+    run = subprocess.run(env_cmd + ["--motion", "wrap", "--json", str(chunked), "--no-progress", "--chunk-frames", "2"],
+                         capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    assert run.returncode == 0 and "chunk-edge flicker" in run.stdout, run.stderr
+    flicker = json.loads(chunked.read_text())["flicker"]
+    assert len(flicker["by_window"]) == 2 and 0.7 < flicker["edge_over_inside"] < 1.3, flicker
     pooled = tmp_path / "w2.json"  # the clips scored in two processes spawned by the tool: the same report
     run = subprocess.run(
         env_cmd + ["--motion", "wrap", "--json", str(pooled), "--no-progress", "--workers", "2"],
@@ -283,6 +290,9 @@ def test_eval_tool_scores_windows_of_a_written_long_dataset(tmp_path):
     assert json.loads(pooled.read_text()) == report
     bad = subprocess.run(env_cmd[:-1] + ["999", "--no-progress"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "window" in bad.stderr
+    no_window = env_cmd[:-2] + ["--chunk-frames", "2", "--no-progress"]  # the flicker is reported by window
+    bad = subprocess.run(no_window, capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "--chunk-frames" in bad.stderr
     bad = subprocess.run(env_cmd + ["--workers", "0", "--no-progress"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "--workers 0" in bad.stderr
 

@@ -6,6 +6,8 @@
     python tools/eval_moving_shapes.py SAMPLES.csv --window 16 --motion wrap --json windows.json
     # and what each window of each clip reads: direction, fitted travel and where the shape starts (a drift's shape)
     python tools/eval_moving_shapes.py SAMPLES.csv --window 16 --motion wrap --track
+    # streamed clips: the frame step across chunk edges over the step inside chunks, overall and by window
+    python tools/eval_moving_shapes.py SAMPLES.csv --window 16 --motion wrap --chunk-frames 2
 
 The csv needs columns ``path`` and ``text``; a relative path is taken relative to the csv's directory.
 Videos that cannot be decoded are reported and counted as wrong (the window mode refuses them instead: its windows
@@ -62,6 +64,17 @@ def track_lines(rows, window: int, stride, motion: str) -> list:
     return lines
 
 
+def flicker_of(args, rows) -> dict:
+    """The frame step across the clips' chunk edges over the step inside chunks, overall and by window."""
+    import numpy as np
+
+    from opensora.eval.moving_shapes_windows import chunk_edge_flicker
+
+    videos = np.stack([frames for _, _, frames, _ in rows])
+    first = args.first_chunk_frames or args.chunk_frames
+    return chunk_edge_flicker(videos, args.chunk_frames, first, window=args.window)
+
+
 def main(argv=None):
     from opensora.datasets.moving_shapes import MOTIONS
     from opensora.eval.moving_shapes_windows import STATS_MARGIN
@@ -79,12 +92,28 @@ def main(argv=None):
     parser.add_argument(
         "--track", action="store_true", help="window mode: print each clip's per-window direction, travel and start"
     )
+    parser.add_argument(
+        "--chunk-frames",
+        type=int,
+        default=None,
+        help="window mode, streamed clips: their chunk in pixel frames; reports the chunk-edge flicker by window",
+    )
+    parser.add_argument(
+        "--first-chunk-frames",
+        type=int,
+        default=None,
+        help="the first chunk's pixel frames (a causal VAE's is shorter)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.track and args.window is None:
         parser.error("--track reads windows: give --window")
     if args.workers < 1:
         parser.error(f"--workers {args.workers}: give 1 or more processes")
+    if args.chunk_frames is not None and (args.window is None or args.chunk_frames < 1):
+        parser.error("--chunk-frames N: N >= 1, with --window (the flicker is reported by window)")
+    if args.first_chunk_frames is not None and (args.chunk_frames is None or args.first_chunk_frames < 1):
+        parser.error("--first-chunk-frames M: M >= 1, with --chunk-frames")
     if args.window is None:
         report = evaluate_csv(args.csv, json_out=args.json, progress=not args.no_progress)
         print(report.summary())
@@ -93,12 +122,18 @@ def main(argv=None):
     else:
         rows = list(load_rows(args.csv, progress=not args.no_progress))  # decoded once, for the scores and --track
         report = evaluate_windows(args, rows)
+        if args.chunk_frames:
+            report["flicker"] = flicker_of(args, rows)
         if args.track:
             print("\n".join(track_lines(rows, args.window, args.stride, args.motion)))
         print(f"{len(report['windows'])} windows of {args.window} frames ({args.motion} motion)")
         for w in report["windows"]:
             print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in w.items()))
         print("  " + "  ".join(f"{k} {v:.3f}" for k, v in report.items() if k.endswith("_min") and v is not None))
+        if "flicker" in report:
+            by_window = ", ".join("-" if r is None else f"{r:.2f}" for r in report["flicker"]["by_window"])
+            overall = report["flicker"]["edge_over_inside"]
+            print(f"  chunk-edge flicker {'-' if overall is None else f'{overall:.3f}'} (by window {by_window})")
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
