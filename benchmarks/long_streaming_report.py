@@ -26,17 +26,17 @@ def flicker_text(student: dict) -> str:
     flicker = student["long"]["flicker"]
     text = "-" if flicker["edge_over_inside"] is None else f"{flicker['edge_over_inside']:.3f}"
 
-    def ratio(entry):
-        value = (entry or {}).get("edge_over_inside") if isinstance(entry, dict) else entry
+    def ratio(value):
         return "-" if value is None else f"{value:.2f}"
 
     parts = []
     if flicker.get("by_window"):
         parts.append("by window " + ", ".join(ratio(r) for r in flicker["by_window"]))
     if "flicker" in student:
-        parts.append(f"at the clip length {ratio(student['flicker'])}")
+        parts.append(f"at the clip length {ratio(student['flicker']['edge_over_inside'])}")
     if "flicker_teacher_same_edges" in student:
-        parts.append(f"the teacher at the same edges {ratio(student['flicker_teacher_same_edges'])}")
+        teacher = student["flicker_teacher_same_edges"]["edge_over_inside"]
+        parts.append(f"the teacher at the same edges {ratio(teacher)}")
     return text + (f" ({'; '.join(parts)})" if parts else "")
 
 

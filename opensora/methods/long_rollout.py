@@ -69,7 +69,7 @@ from opensora.registry import METHODS
 
 WINDOWS = ("uniform", "last")
 CONTEXT_STEPS = ("exit", "full")  # the chunks before the judged window: Self-Forcing's exit step, or every step
-SWITCH_DRAWS = 1 << 20  # resolution of the switch_prob and first_window_share draws
+CHANCE_DRAWS = 1 << 20  # resolution of the switch_prob and first_window_share draws
 
 
 @METHODS.register_module()
@@ -143,15 +143,18 @@ class LongRollout(SelfForcing):
             )
         return window
 
+    def shared_chance(self, probability: float) -> bool:
+        """True with ``probability``, the same on every rank (one ``shared_randint`` draw, so RNG streams advance
+        alike)."""
+        return shared_randint(CHANCE_DRAWS, self.components.device) < probability * CHANCE_DRAWS
+
     def draw_window_end(self, clip_chunks: int) -> int:
         """The chunk after a window: in ``[W, rollout_multiple * W]``, the same on every rank; ``W`` (the clip's
         first window) at least ``first_window_share`` of the time."""
         longest = self.rollout_multiple * clip_chunks
         drawn = shared_randint(longest - clip_chunks + 1, self.components.device)  # drawn in both modes (RNG)
-        if self.first_window_share > 0:
-            first = shared_randint(SWITCH_DRAWS, self.components.device) < self.first_window_share * SWITCH_DRAWS
-            if first:
-                return clip_chunks
+        if self.first_window_share > 0 and self.shared_chance(self.first_window_share):
+            return clip_chunks
         return longest if self.window == "last" else clip_chunks + drawn
 
     def generate(self, batch, with_grad: bool) -> Tuple[torch.Tensor, int]:
@@ -172,7 +175,7 @@ class LongRollout(SelfForcing):
             graded = range(max(start, end - -(-self.grad_frames // chunk)), end)
         self.switched, switch = None, None
         if self.switch_prob > 0:  # drawn on every iteration (RNG alike on every rank), used where a switch fits
-            drawn = shared_randint(SWITCH_DRAWS, self.components.device) < self.switch_prob * SWITCH_DRAWS
+            drawn = self.shared_chance(self.switch_prob)
             if drawn and start >= 1 and batch.batch_size >= 2:
                 self.switched = self.adapter.roll_prompts(batch)
                 switch = (start, self.switched)

@@ -240,12 +240,16 @@ class Validator:
         """Whether the role's EMA is sharded over the ranks, so that every rank takes part in each validation."""
         return bool(getattr(self.role.ema, "collective", False))
 
+    def _takes_part(self) -> bool:
+        """Rank 0 validates; the other ranks join only to gather a sharded EMA."""
+        return self.is_main or self._gathers()
+
     def due(self, step: int) -> bool:
-        return (self.is_main or self._gathers()) and step % self.every == 0
+        return self._takes_part() and step % self.every == 0
 
     def due_at_end(self, step: int) -> bool:
         """Whether the run's last step (``step``, checkpointed) still needs its validation (``at_end``)."""
-        return bool(self.settings["at_end"]) and step % self.every != 0 and (self.is_main or self._gathers())
+        return bool(self.settings["at_end"]) and step % self.every != 0 and self._takes_part()
 
     def run(self, step: int) -> Optional[dict]:
         """Sample, write, score and log for ``step``; returns the logged record (None off rank 0). A sharded EMA is
