@@ -18,7 +18,8 @@
 # alone without LONG, with the switch as EVAL_SWITCH says); LONG_GPUS="0 1" runs the two LongRollout lanes side by
 # side; SECOND=control makes the second lane the control (Self-Forcing trained on) instead of the fully denoised
 # context: it trains at the same time as LongRollout, on one GPU too, and one evaluation scores both and Self-Forcing;
-# SECOND=none leaves the second lane out; EVAL_SWITCH=0 leaves the prompt switch out of the evaluations;
+# SECOND=none leaves the second lane out; EVAL_SWITCH=0 leaves the prompt switch out of the evaluations,
+# EVAL_SWITCH=criterion keeps only its judged runs (no old-keys/values or 0-sink comparison);
 # EVAL_RENOISE="1.0" adds the re-rendered switch to them (a criteria line per time, beside the re-cache's);
 # CHAIN_GPU=1 runs the chain's one-GPU stages on GPU 1 (default 0), so two chains with their own OUT and seeds can
 # share a two-GPU machine.
@@ -26,6 +27,10 @@ set -uo pipefail
 case ${SECOND:-full} in  # checked before the chain detaches: it could only log it, and a wait would sit out its SEC
   full | control | none) ;;
   *) echo "SECOND=$SECOND: choose full, control or none" >&2; exit 2 ;;
+esac
+case ${EVAL_SWITCH:-1} in
+  0 | 1 | criterion) ;;
+  *) echo "EVAL_SWITCH=$EVAL_SWITCH: choose 1, 0 or criterion" >&2; exit 2 ;;
 esac
 if [ "${LONG:-0}" = 1 ] && [ "${SECOND:-full}" = full ] && [ "${L_CRITIC_WINDOWS:-1}" != 1 ]; then
   echo "L_CRITIC_WINDOWS=$L_CRITIC_WINDOWS needs the exit-step context: set SECOND=control or none" >&2; exit 2
@@ -41,6 +46,10 @@ L+="${L_FIRST_WINDOW_SHARE:+ --long-first-window-share $L_FIRST_WINDOW_SHARE}"
 switch=(--prompt-switch --switch-sink-frames 0)
 [ -n "${EVAL_RENOISE:-}" ] && switch+=(--switch-renoise $EVAL_RENOISE)  # and re-rendered, each its own criterion
 [ "${EVAL_SWITCH:-1}" = 0 ] && switch=()  # the evaluations without the prompt switch (a large --num-prompts)
+# only the switch runs a criterion judges (the re-cache, each re-render): about half the switch's time, for a call
+# that scores three students
+[ "${EVAL_SWITCH:-1}" = criterion ] && switch=(--prompt-switch --switch-criterion-only)
+[ "${EVAL_SWITCH:-1}" = criterion ] && [ -n "${EVAL_RENOISE:-}" ] && switch+=(--switch-renoise $EVAL_RENOISE)
 
 lone_nccl_check
 if [ "${P30:-1}" != 0 ]; then

@@ -76,6 +76,7 @@ from benchmarks.long_streaming_report import (
     print_report,
     print_switches,
     resampled_criteria,
+    student_differences,
 )
 from benchmarks.long_streaming_switch import settings_of, switch_runs
 
@@ -601,6 +602,9 @@ def evaluate(args, checkpoints: dict) -> dict:
         started = time.monotonic()
         report[name] = evaluate_student(args, name, checkpoints[name], prompts, seeds, clip, teacher_scores, videos)
         report[name]["eval_seconds"] = time.monotonic() - started  # sampling, scoring, switches: a call's plan
+    differences = student_differences(report, args.resample_draws, args.seed)
+    if differences:
+        report["differences"] = differences
     return report
 
 
@@ -751,6 +755,12 @@ def parse_args(argv=None):
         "--prompt-switch", action="store_true", help="score a prompt switch mid-stream (report key switch)"
     )
     parser.add_argument(
+        "--switch-criterion-only",
+        action="store_true",
+        help="with --prompt-switch, stream only the switch runs a criterion judges (the re-cache and each "
+        "--switch-renoise), not the old keys/values kept: about half the switch's time",
+    )
+    parser.add_argument(
         "--switch-sink-frames",
         type=int,
         default=None,
@@ -889,6 +899,8 @@ def parse_args(argv=None):
         args.prompt_switch = True
     if args.switch_renoise is not None and not args.prompt_switch:
         parser.error("--switch-renoise varies the prompt switch: add --prompt-switch")
+    if args.switch_criterion_only and not args.prompt_switch:
+        parser.error("--switch-criterion-only trims the prompt switch: add --prompt-switch")
     if args.switch_sink_frames is not None and not args.prompt_switch:
         parser.error("--switch-sink-frames varies the prompt switch: add --prompt-switch")
     if args.tiny:

@@ -1,7 +1,14 @@
 """What ``long_streaming_quality`` prints and judges: the pass/fail criteria of a student's report, the same criteria
 over paired resamples of the prompts (``opensora.eval.resampled_criteria``), and the printed tables (teacher, gate
-checks, students, windows, prompt switches). Pure functions of the report dicts; no model, no GPU."""
+checks, students, windows, prompt switches, LongRollout against the other students). Pure functions of the report
+dicts; no model, no GPU.
 
+    python -m benchmarks.long_streaming_report REPORT.json   # print a saved report again, with the differences
+"""
+
+import argparse
+import json
+import sys
 from typing import Optional
 
 GATE_KEYS = ("color_acc", "shape_acc", "direction_acc")  # what --teacher-gate checks, in this order
@@ -92,6 +99,51 @@ def resampled_criteria(student: dict, teacher: dict, draws: int, seed: int) -> d
             table = np.hstack([hits_array(hits[a]) for a in ("color", "shape", "direction")])
             out[name] = judged(table, np.ones((len(table), 1)), 0.9)
     return out
+
+
+ATTRIBUTES = ("color", "shape", "direction", "stats")  # what each long window scores per clip
+
+
+def student_differences(report: dict, draws: int, seed: int) -> dict:
+    """LongRollout minus each other student scored on the same clips (Self-Forcing, its start; the control, trained
+    on as long), per attribute, in the first window (the clip length) and in the windows after it, each a share of
+    clips with its interval over paired resamples of the prompts (``paired_difference``). What the issue's "compare
+    with the plain student on the same seeds" asks as a number with its noise, not as two shares side by side.
+    {} where LongRollout or per-clip hits (reports from before they were kept) are missing."""
+    from opensora.eval.resampled_criteria import hits_array, paired_difference
+
+    def hits(name):
+        return {a: hits_array(h) for a, h in report[name]["long"].get("clip_hits", {}).items()}
+
+    if "long_rollout" not in report or not hits("long_rollout"):
+        return {}
+    first, out = hits("long_rollout"), {}
+    for other in ("self_forcing", "self_forcing_more"):
+        if other not in report or not hits(other):
+            continue
+        second, lines = hits(other), {}
+        for attribute in ATTRIBUTES:
+            a, b = first[attribute], second[attribute]
+            for part, columns in (("first_window", slice(0, 1)), ("after_first_window", slice(1, None))):
+                lines[f"{attribute}_{part}"] = paired_difference(a[:, columns], b[:, columns], draws, seed)
+        out[f"long_rollout - {other}"] = lines
+    return out
+
+
+def print_differences(differences: Optional[dict]) -> None:
+    """Per pair of students and line: both shares, the difference with its interval, how often the first is ahead."""
+    for pair, lines in (differences or {}).items():
+        draws = next(iter(lines.values()))["draws"]
+        print(f"{pair}, the same clips over {draws} paired resamples (shares; difference [90%]; ahead in):")
+        for name, d in lines.items():
+            if d["difference"] is None:
+                print(f"    {name:<30} -")
+                continue
+            low, high = d["interval"]
+            print(
+                f"    {name:<30} {d['first']:.3f} - {d['second']:.3f} = {d['difference']:+.3f} [{low:+.3f}, "
+                f"{high:+.3f}]; ahead in {d['ahead_share']:.2f}, behind in {d['behind_share']:.2f}"
+            )
 
 
 def switch_criteria_runs(student: dict) -> list:
@@ -223,6 +275,7 @@ def print_report(report: dict, students) -> None:
                 f" (absolute {s['long_frames_per_s']:.1f})"
             )
         print_switch_lines(s)
+    print_differences(report.get("differences"))
 
 
 def print_resampled(lines: Optional[dict]) -> None:
@@ -267,3 +320,30 @@ def print_switches(report: dict, students) -> None:
     for name in students:
         print(name)
         print_switch_lines(report[name])
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description="Print a saved long_streaming_quality report.json again, with "
+                                     "LongRollout's paired differences from the other students (computed if absent).")  # fmt: skip
+    parser.add_argument("report", help="a report.json that long_streaming_quality wrote")
+    parser.add_argument("--draws", type=int, default=2000, help="paired resamples of the prompts")
+    parser.add_argument("--seed", type=int, default=0, help="the resamples' seed")
+    args = parser.parse_args(argv)
+    try:
+        report = json.loads(open(args.report).read())
+        students = [n for n in ("self_forcing", "long_rollout", "self_forcing_more") if n in report]
+        report["teacher"], report["motion"]
+    except (OSError, ValueError, KeyError, TypeError) as bad:
+        print(f"{args.report}: not a long_streaming_quality report.json ({bad}); pass the report.json of a run",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    if args.draws < 1:
+        parser.error(f"--draws {args.draws}: at least 1")
+    if "differences" not in report:
+        report["differences"] = student_differences(report, args.draws, args.seed)
+    print_report(report, students)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -41,6 +41,7 @@ def switch_runs(args, generator, prompts, seeds, clip) -> dict:
                 sink_frames=args.switch_sink_frames,
                 renoise=args.switch_renoise,
                 workers=args.score_workers,
+                compare=not args.switch_criterion_only,
             )
             result[key] = dict(rope_anchor=anchor, **switch)
     return result
@@ -59,16 +60,27 @@ def switched_caption(caption: str, captions, index: int) -> str:
 
 
 def evaluate_switch(
-    generator, prompts, seeds, clip, *, motion: str, long_multiple: int, sink_frames=None, renoise=(), workers=1
+    generator,
+    prompts,
+    seeds,
+    clip,
+    *,
+    motion: str,
+    long_multiple: int,
+    sink_frames=None,
+    renoise=(),
+    workers=1,
+    compare=True,
 ) -> dict:
     """Every prompt switches to ``switched_caption`` at the first chunk start at or after the clip length; the video
     runs two clip lengths past the switch. Scored: the window before the switch against the old captions, the first
     and the second window after it against the new ones (the first is the criterion: >= 90% in colour, shape and
     direction), with the re-cache under the new prompt (LongLive) and without it (the old prompt's keys/values kept);
     ``after_reads_old``: how many clips still show the old caption's colour, shape, direction in the first window.
-    ``sink_frames``: the re-cached switch again with this many sinks; ``renoise``: re-render times, a run each."""
+    ``sink_frames``: the re-cached switch again with this many sinks; ``renoise``: re-render times, a run each.
+    ``compare=False`` streams only the runs a criterion judges (the re-cache and each re-render), not the old
+    keys/values kept (a comparison measured on earlier runs), when a call has no time for it."""
     from opensora.datasets.moving_shapes import all_captions, parse_caption
-    from opensora.eval.moving_shapes import read_shape
     from opensora.eval.moving_shapes_windows import score_windows
 
     frames, height, width = clip
@@ -92,7 +104,7 @@ def evaluate_switch(
     def reads_old(videos, start):
         """Share of clips whose window reads the OLD caption's colour / shape / direction: a low new-caption
         accuracy with these near 1 is a stream that keeps its context's content, not a wrongly scored window."""
-        readings = [read_shape(v[start : start + frames], motion == "wrap") for v in videos]
+        readings = read_shapes([v[start : start + frames] for v in videos], motion == "wrap", workers)
         olds = [parse_caption(p) for p in prompts]
         return {
             f"{a}_share": sum(getattr(r, a) == o[k] for r, o in zip(readings, olds)) / len(readings)
@@ -100,7 +112,7 @@ def evaluate_switch(
         }
 
     plain_sinks = generator.sink_frames
-    runs = [("recache", True, plain_sinks, None), ("keep_old_kv", False, plain_sinks, None)]
+    runs = [("recache", True, plain_sinks, None)] + [("keep_old_kv", False, plain_sinks, None)] * bool(compare)
     if sink_frames is not None:  # does a sink frame, made under the old prompt, carry its colour on?
         runs.append((f"recache_sinks_{sink_frames}", True, sink_frames, None))
     for start in renoise or ():  # the kept window re-rendered under the new prompt from ``start``
@@ -127,6 +139,22 @@ def evaluate_switch(
             new_prompt_ge_90pct=None if None in accuracies else bool(at_least(min(accuracies), 0.9)),
         )
     return out
+
+
+def read_shapes(windows, wrap: bool, workers: int = 1) -> list:
+    """``read_shape`` of each window (uint8 [T, H, W, 3]), in ``workers`` spawned processes when there are several
+    (~40 ms a window: 288 clips took 11 s in one process, as long as a switch run's sampling)."""
+    from opensora.eval.moving_shapes import read_shape
+
+    if workers <= 1 or len(windows) <= 1:
+        return [read_shape(w, wrap) for w in windows]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(min(workers, len(windows)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(
+            pool.map(read_shape, windows, [wrap] * len(windows), chunksize=max(1, len(windows) // (4 * workers)))
+        )
 
 
 def boundary_change(videos, at: int, frames: int) -> dict:

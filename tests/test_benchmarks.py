@@ -296,7 +296,6 @@ BENCHMARK_MODULES = sorted(
     not in (
         "__init__",
         "common",
-        "long_streaming_report",
         "long_streaming_switch",
         "offload_stores",
         "pipeline_real_vae",

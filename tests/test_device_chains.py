@@ -36,8 +36,9 @@ def run_chain(script: str, out: Path, allow_failed: bool = False, **settings) ->
 
 def run_exit_lane_chain(out: Path, allow_failed: bool = False, **settings) -> list:
     """The one-GPU LongRollout chain (no switch sweep); its progress events in order."""
-    progress = run_chain(SWITCH_CHAIN, out, allow_failed, SWITCH="0", P30="0", LONG="1", EVAL_SWITCH="0",
-                         L_MINUTES="4", STEPS="1000", EXTRA=TINY, **settings)  # fmt: skip
+    settings = dict(dict(SWITCH="0", P30="0", LONG="1", EVAL_SWITCH="0", L_MINUTES="4", STEPS="1000", EXTRA=TINY),
+                    **settings)  # fmt: skip
+    progress = run_chain(SWITCH_CHAIN, out, allow_failed, **settings)
     return [line.split(": ", 1)[1].split(" (")[0] for line in progress.splitlines()]
 
 
@@ -73,7 +74,8 @@ def test_long_rollout_exit_lane_alone_scores_both_students_and_archives_their_cl
 
 def test_control_trains_beside_long_rollout_on_one_gpu_and_one_evaluation_scores_all_three(tmp_path):
     out = tmp_path / "chain"
-    events = run_exit_lane_chain(out, SECOND="control", L_CRITIC_WINDOWS="2", L_UPDATE_EVERY="2")
+    events = run_exit_lane_chain(out, SECOND="control", L_CRITIC_WINDOWS="2", L_UPDATE_EVERY="2",
+                                 EVAL_SWITCH="criterion", EVAL_RENOISE="1.0")  # fmt: skip
     # both lanes start before either ends (one GPU, the same minutes), and the one evaluation comes after both
     starts = [events.index("start long_rollout_exit"), events.index("start control")]
     ends = [events.index("end long_rollout_exit"), events.index("end control")]
@@ -84,6 +86,12 @@ def test_control_trains_beside_long_rollout_on_one_gpu_and_one_evaluation_scores
     report = json.loads((out / "ls/report.json").read_text())
     assert {"teacher", "self_forcing", "long_rollout", "self_forcing_more"} <= set(report)
     assert not (out / "lsc/report.json").exists()  # no second evaluation
+    assert set(report["differences"]) == {"long_rollout - self_forcing", "long_rollout - self_forcing_more"}
+    for student in ("self_forcing", "long_rollout", "self_forcing_more"):  # EVAL_SWITCH=criterion: the judged runs
+        switch = report[student]["switch"]
+        assert "recache" in switch and "renoise_1.0" in switch and "keep_old_kv" not in switch
+        assert not any(k.startswith("recache_sinks") for k in switch)
+        assert "switch_renoise_1.0_new_prompt_ge_90pct_within_one_window" in report[student]["criteria"]
     evaluation = (out / "log/eval_exit.txt").read_text()  # the control's copied run is reused, never retrained
     assert "== self_forcing_more: reusing" in evaluation and "self_forcing_more trained in" not in evaluation
     names = archived_names(SWITCH_CHAIN, out, tmp_path / "back")
@@ -108,7 +116,9 @@ def test_an_evaluation_leaves_out_the_students_whose_training_failed_instead_of_
 
 def test_an_unknown_second_lane_is_refused_before_the_chain_starts(tmp_path):
     out = tmp_path / "chain"
-    for settings, named in ((dict(SECOND="fuLL"), "SECOND=fuLL"), (dict(L_CRITIC_WINDOWS="4"), "L_CRITIC_WINDOWS=4")):
+    refused = ((dict(SECOND="fuLL"), "SECOND=fuLL"), (dict(L_CRITIC_WINDOWS="4"), "L_CRITIC_WINDOWS=4"),
+               (dict(EVAL_SWITCH="yes"), "EVAL_SWITCH=yes"))  # fmt: skip
+    for settings, named in refused:
         env = chain_env(LONG="1", EXTRA=TINY, **settings)  # the second: the fully denoised lane cannot take windows
         run = subprocess.run(["bash", SWITCH_CHAIN, "start", str(out)], cwd=REPO, env=env,
                              capture_output=True, text=True)  # fmt: skip

@@ -153,6 +153,30 @@ def test_long_tuning_after_self_forcing_is_compared_with_as_much_more_self_forci
         ) in init
         command = next(line for line in printed.splitlines() if line.startswith(f"== {name}: "))
         assert f"--models.student.init_from.path {start} " in command
+    # LongRollout against each other student on the same clips: the shares are the windows' own accuracies
+    assert set(report["differences"]) == {"long_rollout - self_forcing", f"long_rollout - {bench.CONTROL}"}
+    for other in ("self_forcing", bench.CONTROL):
+        lines = report["differences"][f"long_rollout - {other}"]
+        assert len(lines) == 8 and lines["color_first_window"]["draws"] == 2000
+        for name, student in (("first", "long_rollout"), ("second", other)):
+            windows = report[student]["long"]["windows"]
+            assert lines["color_first_window"][name] == pytest.approx(windows[0]["color_acc"])
+            later = sum(w["color_acc"] for w in windows[1:]) / len(windows[1:])
+            assert lines["color_after_first_window"][name] == pytest.approx(later)
+        assert f"long_rollout - {other}, the same clips over 2000 paired resamples" in printed
+    # and a saved report printed again: the same differences, and a file that is no report is refused with exit 2
+    from benchmarks.long_streaming_report import main as reprint
+
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({k: v for k, v in report.items() if k != "differences"}))
+    seed = report["differences"]["long_rollout - self_forcing"]["color_first_window"]["seed"]  # the run's --seed
+    again = reprint([str(saved), "--seed", str(seed)])
+    assert json.loads(json.dumps(again["differences"])) == json.loads(json.dumps(report["differences"]))
+    assert "long_rollout - self_forcing, the same clips" in capsys.readouterr().out
+    saved.write_text("{}")
+    with pytest.raises(SystemExit) as refused:
+        reprint([str(saved)])
+    assert refused.value.code == 2 and "not a long_streaming_quality report" in capsys.readouterr().err
     # benchmarks.streaming_drift on these runs: per-frame background over 2x the clip, accuracy over the first clip
     from benchmarks.streaming_drift import main as drift
 
@@ -696,3 +720,39 @@ def test_switch_line_is_judged_again_over_resampled_prompts_against_its_absolute
         ]
         is False
     )
+
+
+def test_differences_split_the_first_window_from_the_later_ones_and_skip_reports_without_per_clip_hits():
+    """LongRollout hits direction in every window of 4 clips; Self-Forcing misses the first window of 2 and a later
+    window of 1 (3 scored later windows each): +0.5 in the first window, +1/12 after it."""
+    from benchmarks.long_streaming_report import student_differences
+
+    def student(direction):
+        return dict(long=dict(clip_hits=dict(color=["1111"] * 4, shape=["1111"] * 4, stats=["1111"] * 4,
+                                             direction=direction)))  # fmt: skip
+
+    report = dict(long_rollout=student(["1111"] * 4), self_forcing=student(["0111", "0111", "1101", "1111"]))
+    lines = student_differences(report, draws=300, seed=1)["long_rollout - self_forcing"]
+    assert lines["direction_first_window"]["difference"] == pytest.approx(0.5)
+    assert lines["direction_after_first_window"]["difference"] == pytest.approx(1 / 12)
+    assert lines["color_first_window"]["difference"] == 0.0 and lines["stats_after_first_window"]["scored"] == 12
+    assert student_differences(dict(self_forcing=report["self_forcing"]), draws=10, seed=0) == {}  # no LongRollout
+    report["self_forcing"]["long"].pop("clip_hits")  # a report from before per-clip hits were kept
+    assert student_differences(report, draws=10, seed=0) == {}
+
+
+def test_shapes_read_in_worker_processes_are_the_ones_read_in_one():
+    """The prompt switch's "reads the old caption" check reads its windows in the score workers: the same readings."""
+    import numpy as np
+
+    from benchmarks.long_streaming_switch import read_shapes
+    from opensora.datasets.moving_shapes import parse_caption, render_video, sample_motion
+    from opensora.eval.moving_shapes import read_shape
+
+    windows = []
+    for i, prompt in enumerate(["a red circle moving left", "a blue square moving up", "a green triangle moving down"]):
+        motion = sample_motion(np.random.default_rng(i), *parse_caption(prompt), 64, 64, motion="wrap")
+        windows.append(render_video(motion, 64, 64, 16))
+    alone = [read_shape(w, True) for w in windows]
+    assert read_shapes(windows, True, workers=2) == alone == read_shapes(windows, True)
+    assert [(r.color, r.direction) for r in alone] == [("red", "left"), ("blue", "up"), ("green", "down")]

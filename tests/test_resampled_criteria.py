@@ -8,7 +8,7 @@ import pytest
 
 from opensora.datasets import moving_shapes as ms
 from opensora.eval.moving_shapes_windows import score_windows
-from opensora.eval.resampled_criteria import at_least, hit_string, hits_array, resampled_criterion
+from opensora.eval.resampled_criteria import at_least, hit_string, hits_array, paired_difference, resampled_criterion
 
 
 def test_hit_strings_round_trip_and_reject_ragged_or_unknown_marks():
@@ -97,3 +97,51 @@ def test_a_share_exactly_at_the_fraction_meets_it_whatever_the_division_rounds_t
     reference = np.array([[1.0]] * 340 + [[0.0]] * 812)
     assert resampled_criterion(values, reference, 0.95, draws=10)["observed"] is True
     assert at_least((323 / 1152) / (340 / 1152), 0.95) and not at_least((322 / 1152) / (340 / 1152), 0.95)
+
+
+def _pairs(both_hit: int, first_only: int, second_only: int, neither: int):
+    """Two students' one-window hit tables over the same clips, from the four counts of a paired 2x2 table."""
+    rows = [(1, 1)] * both_hit + [(1, 0)] * first_only + [(0, 1)] * second_only + [(0, 0)] * neither
+    table = np.array(rows, dtype=np.float64)
+    return table[:, :1], table[:, 1:]
+
+
+def test_paired_difference_has_the_spread_of_the_per_clip_differences_not_of_two_independent_shares():
+    """200 clips: both hit 140, only the first 40, neither 20. The per-clip difference is 1 on 40 clips and 0 on the
+    rest, so the difference is 0.2 with standard error sqrt((0.2 - 0.2^2) / 200) = 0.0283 and a 90% interval of
+    0.2 -+ 0.0465; two independent shares (0.9, 0.7) would give 0.0387 and -+ 0.0637."""
+    first, second = _pairs(140, 40, 0, 20)
+    line = paired_difference(first, second, draws=8000, seed=5)
+    assert line["first"] == pytest.approx(0.9) and line["second"] == pytest.approx(0.7)
+    assert line["difference"] == pytest.approx(0.2) and line["scored"] == 200
+    low, high = line["interval"]
+    half = 1.645 * math.sqrt((0.2 - 0.2**2) / 200)
+    assert low == pytest.approx(0.2 - half, abs=0.006) and high == pytest.approx(0.2 + half, abs=0.006)
+    assert line["ahead_share"] == 1.0 and line["behind_share"] == 0.0  # never a draw without one "only first" clip
+
+
+def test_paired_difference_of_a_student_with_itself_is_zero_in_every_draw_and_swapping_negates_it():
+    first, second = _pairs(100, 30, 10, 60)
+    same = paired_difference(first, first, draws=500)
+    assert same["difference"] == 0.0 and same["interval"] == [0.0, 0.0]
+    assert same["ahead_share"] == 0.0 and same["behind_share"] == 0.0  # ties are neither
+    forward, backward = paired_difference(first, second, seed=2), paired_difference(second, first, seed=2)
+    assert backward["difference"] == pytest.approx(-forward["difference"]) == pytest.approx(-0.1)
+    assert backward["ahead_share"] == forward["behind_share"] and backward["behind_share"] == forward["ahead_share"]
+    assert backward["interval"] == pytest.approx([-forward["interval"][1], -forward["interval"][0]])
+
+
+def test_paired_difference_pools_windows_and_keeps_only_entries_both_students_scored():
+    """A window one student has no direction for (unscored) leaves that entry out of both shares; windows pool."""
+    first = hits_array(["1.1", "011"])
+    second = hits_array(["010", "0.1"])
+    line = paired_difference(first, second, draws=200)
+    # both scored: windows 0 and 2 of each row; first hits 1, 1 and 0, 1, second 0, 0 and 0, 1
+    assert line["scored"] == 4
+    assert line["first"] == pytest.approx(3 / 4) and line["second"] == pytest.approx(1 / 4)
+    nothing = paired_difference(hits_array(["."]), hits_array(["1"]))
+    assert nothing["difference"] is None and nothing["interval"] is None and nothing["scored"] == 0
+    with pytest.raises(ValueError, match="one shape"):
+        paired_difference(np.ones((3, 2)), np.ones((3, 1)))
+    with pytest.raises(ValueError, match="draws >= 1"):
+        paired_difference(np.ones((3, 1)), np.ones((3, 1)), draws=0)
