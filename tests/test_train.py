@@ -460,8 +460,14 @@ def _accumulation_run(workdir, name, batch_size, grad_accum, steps=3):
         dataset=dict(data_path=str(workdir["subset"])),  # 4 clips: one window always sees all of them
         bucket_config={"_delete_": True, "32x32": {4: (1.0, batch_size)}},
         grad_accum=grad_accum,
+        # Adam's eps at the default 1e-15 makes its first update sign(g) * lr for every element whose gradient is
+        # above 1e-15, so an element whose true gradient is zero moves by +-lr on the sign of its fp32 rounding
+        # noise, which the two batchings sum in different orders (and different CPUs in different orders again).
+        # At 1e-6 the update of such an element is g / eps: continuous in g, so the weights compare at a tolerance.
+        optimizer=dict(eps=1e-6),
     )
     trainer = build_trainer(config, workdir["root"] / name, "--max-steps", str(steps), "--tensorboard", "false")
+    assert {g["eps"] for g in trainer.roles["model"].optimizer.param_groups} == {1e-6}
     trainer.method.single_train_step = _deterministic_flow_matching_step(trainer.method)
     trainer.train()
     weights = {k: v.detach().clone() for k, v in trainer.roles["model"].unwrap().state_dict().items()}
@@ -481,10 +487,9 @@ def test_gradient_accumulation_matches_the_large_batch(workdir):
         assert a["samples_per_s"] * a["step_time"] == pytest.approx(4.0)  # two micro-batches of 2 per step
     # constant_with_warmup over 5 optimizer steps of lr 1e-3: the scheduler stepped once per window
     assert [r["lr"] for r in split] == pytest.approx([1e-3 * (k + 1) / 5 for k in (1, 2, 3)])
-    # Weights: Adam divides each moment by its root-second moment, which amplifies the fp32 reduction-order
-    # difference of the two batchings for elements whose gradient is near zero (seen: 1 of 49k elements off by
-    # 1.4e-6 after 3 steps). atol 1e-5 is ~2% of one step's update (lr <= 6e-4); a wrong accumulation (a missed
-    # micro-batch, a wrong scale) moves every weight by O(lr) and the grad norms above by far more than 1e-4.
+    # Weights: the two batchings differ only by fp32 summation order (Adam's eps above keeps a zero-gradient
+    # element from turning that into +-lr). atol 1e-5 is ~2% of one step's update (lr <= 6e-4); a missed micro-batch
+    # moves the weights by O(lr), and a wrong scale moves the grad norms above by far more than 1e-4.
     for name, value in whole_weights.items():
         torch.testing.assert_close(split_weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
