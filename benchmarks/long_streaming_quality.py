@@ -399,14 +399,14 @@ def stage_finished(args, stage: str) -> bool:
 
 
 # ---- scoring ----------------------------------------------------------------------------------------------------
-def accuracy(videos, prompts, motion) -> dict:
+def accuracy(videos, prompts, motion, workers: int = 1) -> dict:
     """Colour, shape, direction and all-three accuracy of clips of the training length under the motion rule
     (``score_clips``: a bounce clip may turn at a wall inside the clip -- ground truth reads the caption's direction in
     about 3 clips of 4 at 64x64x16 -- so its direction is the bounce rule's over the clip)."""
     from opensora.eval.moving_shapes_windows import score_clips
     from opensora.eval.resampled_criteria import hit_string
 
-    report = score_clips(videos, prompts, motion)
+    report = score_clips(videos, prompts, motion, workers=workers)
     scores = {f"{a}_acc": getattr(report, f"{a}_acc") for a in ("color", "shape", "direction", "all")}
     # per clip (one character: resampled_criteria's hit strings), so a verdict's stability can be measured
     hits = {a: [hit_string([row["correct"][a]]) for row in report.rows] for a in ("color", "shape", "direction")}
@@ -482,7 +482,7 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher, teacher_vi
         frames_per_s=len(prompts) * frames / seconds,
         long_seconds=long_seconds,
         long_frames_per_s=len(prompts) * long_frames / long_seconds,
-        **accuracy(short, prompts, args.motion),
+        **accuracy(short, prompts, args.motion, args.score_workers),
         flicker=chunk_edge_flicker(short, chunk_pixels, first_pixels),
         long=dict(
             frames=long_frames,
@@ -586,7 +586,9 @@ def evaluate(args, checkpoints: dict) -> dict:
     started = time.monotonic()
     prompts, seeds, cfg, clip, header = evaluation_inputs(args)
     seconds, videos = sample_teacher(args, cfg, checkpoints["teacher"], prompts, seeds, clip)
-    teacher_scores = dict(ckpt=str(checkpoints["teacher"]), seconds=seconds, **accuracy(videos, prompts, args.motion))
+    teacher_scores = dict(
+        ckpt=str(checkpoints["teacher"]), seconds=seconds, **accuracy(videos, prompts, args.motion, args.score_workers)
+    )
     teacher_window = score_windows(list(videos), prompts, clip[0], motion=args.motion, workers=args.score_workers)
     teacher_scores["stats_in_range"] = teacher_window["stats_window_min"]
     teacher_scores["stats_outside"] = teacher_window["windows"][0]["stats_outside"]
@@ -994,7 +996,7 @@ def gate_teacher(args, ckpt: Path) -> Path:
             _, videos = sample_teacher(args, cfg, ckpt, prompts, seeds, clip)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # the trainer's next round gets the card back
-            acc = accuracy(videos, prompts, args.motion)
+            acc = accuracy(videos, prompts, args.motion, args.score_workers)
             scores = dict(ckpt=str(ckpt), step=checkpoint_step(ckpt), **{k: acc[k] for k in GATE_KEYS})
             checks.append(scores)
             write()

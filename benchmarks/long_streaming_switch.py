@@ -81,6 +81,7 @@ def evaluate_switch(
     ``compare=False`` streams only the runs a criterion judges (the re-cache and each re-render), not the old
     keys/values kept (a comparison measured on earlier runs), when a call has no time for it."""
     from opensora.datasets.moving_shapes import all_captions, parse_caption
+    from opensora.eval.moving_shapes import read_shapes
     from opensora.eval.moving_shapes_windows import score_windows
 
     frames, height, width = clip
@@ -139,22 +140,6 @@ def evaluate_switch(
             new_prompt_ge_90pct=None if None in accuracies else bool(at_least(min(accuracies), 0.9)),
         )
     return out
-
-
-def read_shapes(windows, wrap: bool, workers: int = 1) -> list:
-    """``read_shape`` of each window (uint8 [T, H, W, 3]), in ``workers`` spawned processes when there are several
-    (~40 ms a window: 288 clips took 11 s in one process, as long as a switch run's sampling)."""
-    from opensora.eval.moving_shapes import read_shape
-
-    if workers <= 1 or len(windows) <= 1:
-        return [read_shape(w, wrap) for w in windows]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(min(workers, len(windows)), mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(
-            pool.map(read_shape, windows, [wrap] * len(windows), chunksize=max(1, len(windows) // (4 * workers)))
-        )
 
 
 def boundary_change(videos, at: int, frames: int) -> dict:

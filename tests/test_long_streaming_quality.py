@@ -742,12 +742,12 @@ def test_differences_split_the_first_window_from_the_later_ones_and_skip_reports
 
 
 def test_shapes_read_in_worker_processes_are_the_ones_read_in_one():
-    """The prompt switch's "reads the old caption" check reads its windows in the score workers: the same readings."""
+    """The evaluation reads its clips in the score workers (the clip-length accuracy, the prompt switch's "reads
+    the old caption"): the same readings and rows as one process, and a malformed clip is an error, not a crash."""
     import numpy as np
 
-    from benchmarks.long_streaming_switch import read_shapes
     from opensora.datasets.moving_shapes import parse_caption, render_video, sample_motion
-    from opensora.eval.moving_shapes import read_shape
+    from opensora.eval.moving_shapes import read_shape, read_shapes, score_rows
 
     windows = []
     for i, prompt in enumerate(["a red circle moving left", "a blue square moving up", "a green triangle moving down"]):
@@ -756,3 +756,10 @@ def test_shapes_read_in_worker_processes_are_the_ones_read_in_one():
     alone = [read_shape(w, True) for w in windows]
     assert read_shapes(windows, True, workers=2) == alone == read_shapes(windows, True)
     assert [(r.color, r.direction) for r in alone] == [("red", "left"), ("blue", "up"), ("green", "down")]
+    broken = read_shapes([windows[0], np.zeros((4, 8, 8)), windows[1]], True, workers=2)
+    assert broken[0] == alone[0] and broken[2] == alone[1] and broken[1].error.startswith("ValueError")
+    captions = ["a red circle moving left", "a blue square moving up", "a green triangle moving down"]
+    items = [(f"s{i}", t, w, None) for i, (t, w) in enumerate(zip(captions, windows))]
+    items.append(("gone.mp4", captions[0], None, "FileNotFoundError: gone.mp4"))
+    one, pooled = score_rows(items, wrap=True), score_rows(items, wrap=True, workers=2)
+    assert one == pooled and one.failed == ["gone.mp4"] and one.color_acc == 0.75 and one.rows[3]["error"]

@@ -153,12 +153,12 @@ def expected_window_directions(
     return [majority_direction(steps[s : s + window - 1]) for s in starts]
 
 
-def score_clips(videos, prompts: Sequence[str], motion: str, names: Optional[Sequence[str]] = None):
+def score_clips(videos, prompts: Sequence[str], motion: str, names: Optional[Sequence[str]] = None, workers: int = 1):
     """``opensora.eval.moving_shapes.score_rows`` of clips under the ``motion`` rule (an ``EvalReport``): ``wrap``
     clips are read on the torus (a shape that crosses an edge inside the clip keeps its direction); a ``bounce`` clip
     may turn at a wall, so its direction is the bounce rule's over the clip (``expected_window_directions``; the
     caption's direction is dropped, so not scored, when the clip has no majority direction). ``names``: the rows'
-    names (default ``s0``, ``s1``, ...)."""
+    names (default ``s0``, ``s1``, ...); ``workers``: processes that read the clips."""
     if motion == "bounce":
         rewritten = []
         for video, prompt in zip(videos, prompts):
@@ -167,7 +167,8 @@ def score_clips(videos, prompts: Sequence[str], motion: str, names: Optional[Seq
             rewritten.append(caption(color, shape, expected))
         prompts = rewritten
     names = list(names) if names is not None else [f"s{i}" for i in range(len(prompts))]
-    return score_rows([(n, t, v, None) for n, t, v in zip(names, prompts, videos)], wrap=motion == "wrap")
+    items = [(n, t, v, None) for n, t, v in zip(names, prompts, videos)]
+    return score_rows(items, wrap=motion == "wrap", workers=workers)
 
 
 DIRECTION_RELATIONS = ("match", "reverse", "sideways", "static")

@@ -131,8 +131,8 @@ def paired_difference(
 
     Returns ``first`` and ``second`` (the shares), ``difference`` (first - second), its ``level`` interval over the
     resamples (``interval``), ``ahead_share`` / ``behind_share`` (the share of resamples where the difference is > 0 /
-    < 0; ties are neither), ``scored`` (entries both scored) and ``draws``, ``seed``, ``level``. A row scored in one
-    table but not the other counts in neither, so both shares are over the same entries; with no such entry every
+    < 0; ties are neither), ``scored`` (entries both scored) and ``draws``, ``seed``, ``level``. An entry scored in
+    one table but not the other counts in neither, so both shares are over the same entries; with no such entry every
     number is None."""
     first = np.asarray(first, dtype=np.float64)
     second = np.asarray(second, dtype=np.float64)
