@@ -160,6 +160,22 @@ def test_two_rank_gloo_run_with_validation_finishes(runs):
     assert sorted(p.name for p in (outputs / "samples").iterdir()) == ["step-0000002", "step-0000004"]
 
 
+def test_two_rank_run_ending_between_validations_validates_its_last_step_from_the_sharded_ema(runs):
+    """``at_end`` on 2 ZeRO ranks, where the EMA is sharded: both ranks gather it for the last step's validation
+    after the final save (one rank alone would hang the other), and the run ends."""
+    from opensora.config import load_config
+
+    plugin = load_config(runs["validated"]).plugin  # LowLevelZero on 2 ranks: sharded_ema_fits shards the EMA
+    assert plugin.type == "LowLevelZeroPlugin" and not plugin.get("cpu_offload")
+    outputs = runs["root"] / "two_ranks_at_end"
+    launch("torchrun", runs["validated"], outputs, "--max-steps", "5")
+    train, val = split_records(outputs)
+    assert sorted(train) == [1, 2, 3, 4, 5] and sorted(val) == [2, 4, 5]
+    assert sorted(p.name for p in (outputs / "samples").iterdir()) == ["step-0000002", "step-0000004", "step-0000005"]
+    assert 0.0 <= val[5]["val/color_acc"] <= 1.0 and (outputs / "checkpoints" / "step-0000005").is_dir()
+    assert json.loads((outputs / "samples" / "step-0000005" / "validation.json").read_text())["ema"]
+
+
 def test_distillation_run_validates_the_student_on_its_step_list(tmp_path):
     """DMD2 (student, critic, frozen teacher): the student's EMA is sampled on method.step_list without CFG."""
     from test_dmd2 import _write_run_config
