@@ -176,6 +176,23 @@ def test_background_by_frame_is_the_rendered_level_and_shows_where_a_darkening_s
     assert shifted[:20] == levels[:20] and shifted[20:] == [float(ms.BACKGROUND[0]) - 10] * (LONG - 20)
 
 
+def test_background_and_frame_steps_of_uint8_clips_match_numpys_median_and_float_means():
+    """The histogram median and the integer frame steps (the fast paths for uint8 clips) give what ``np.median`` and
+    float means give, on noise and on frames of an odd and an even pixel count; float clips take the plain path."""
+    rng = np.random.default_rng(3)
+    for height, width in ((4, 4), (5, 7)):
+        videos = rng.integers(0, 256, size=(3, 6, height, width, 3), dtype=np.uint8)
+        grey = videos.astype(np.float64).mean(axis=-1).reshape(3, 6, -1)
+        assert background_by_frame(videos) == pytest.approx(np.median(grey, axis=-1).mean(axis=0), abs=1e-9)
+        assert background_by_frame(list(videos.astype(np.float32))) == pytest.approx(background_by_frame(videos))
+        steps = np.abs(np.diff(videos.astype(np.float64), axis=1)).mean(axis=(0, 2, 3, 4))
+        is_edge = np.zeros(5, dtype=bool)
+        is_edge[1::2] = True
+        flicker = chunk_edge_flicker(videos, 2, 2)
+        assert flicker["edge_over_inside"] == pytest.approx(steps[is_edge].mean() / steps[~is_edge].mean(), rel=1e-12)
+        assert chunk_edge_flicker(videos.astype(np.float32), 2, 2) == pytest.approx(flicker, rel=1e-9)
+
+
 def test_chunk_edge_flicker_finds_seams_in_the_window_where_they_are():
     _, videos, _ = long_clips("wrap")
     smooth = np.stack(videos)  # rendered motion has no chunks: its steps at any 2-frame edges match the rest
