@@ -604,7 +604,11 @@ def evaluate(args, checkpoints: dict) -> dict:
         started = time.monotonic()
         report[name] = evaluate_student(args, name, checkpoints[name], prompts, seeds, clip, teacher_scores, videos)
         report[name]["eval_seconds"] = time.monotonic() - started  # sampling, scoring, switches: a call's plan
-    differences = student_differences(report, args.resample_draws, args.seed)
+    try:  # pure arithmetic on the scores above: a failure here must not lose the sampled evaluation
+        differences = student_differences(report, args.resample_draws, args.seed)
+    except Exception as failed:
+        print(f"   the students' differences failed ({type(failed).__name__}: {failed}); report written without")
+        differences = None
     if differences:
         report["differences"] = differences
     return report
@@ -903,6 +907,8 @@ def parse_args(argv=None):
         parser.error("--switch-renoise varies the prompt switch: add --prompt-switch")
     if args.switch_criterion_only and not args.prompt_switch:
         parser.error("--switch-criterion-only trims the prompt switch: add --prompt-switch")
+    if args.switch_criterion_only and args.switch_sink_frames is not None:
+        parser.error("--switch-sink-frames adds a switch run no criterion judges: drop it or --switch-criterion-only")
     if args.switch_sink_frames is not None and not args.prompt_switch:
         parser.error("--switch-sink-frames varies the prompt switch: add --prompt-switch")
     if args.tiny:

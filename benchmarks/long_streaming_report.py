@@ -139,10 +139,12 @@ def print_differences(differences: Optional[dict]) -> None:
             if d["difference"] is None:
                 print(f"    {name:<30} -")
                 continue
-            low, high = d["interval"]
+            spread = "[-]" if d["interval"] is None else "[{:+.3f}, {:+.3f}]".format(*d["interval"])
+            ahead = "-" if d["ahead_share"] is None else f"{d['ahead_share']:.2f}"
+            behind = "-" if d["behind_share"] is None else f"{d['behind_share']:.2f}"
             print(
-                f"    {name:<30} {d['first']:.3f} - {d['second']:.3f} = {d['difference']:+.3f} [{low:+.3f}, "
-                f"{high:+.3f}]; ahead in {d['ahead_share']:.2f}, behind in {d['behind_share']:.2f}"
+                f"    {name:<30} {d['first']:.3f} - {d['second']:.3f} = {d['difference']:+.3f} {spread}; "
+                f"ahead in {ahead}, behind in {behind}"
             )
 
 
@@ -326,8 +328,9 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description="Print a saved long_streaming_quality report.json again, with "
                                      "LongRollout's paired differences from the other students (computed if absent).")  # fmt: skip
     parser.add_argument("report", help="a report.json that long_streaming_quality wrote")
-    parser.add_argument("--draws", type=int, default=2000, help="paired resamples of the prompts")
-    parser.add_argument("--seed", type=int, default=0, help="the resamples' seed")
+    parser.add_argument("--draws", type=int, default=None, help="paired resamples of the prompts (default 2000; "
+                        "given, the differences are computed again even where the report holds them)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=None, help="the resamples' seed (default 0; given: as --draws)")
     args = parser.parse_args(argv)
     try:
         report = json.loads(open(args.report).read())
@@ -337,11 +340,17 @@ def main(argv=None) -> dict:
         print(f"{args.report}: not a long_streaming_quality report.json ({bad}); pass the report.json of a run",
               file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
-    if args.draws < 1:
+    if args.draws is not None and args.draws < 1:
         parser.error(f"--draws {args.draws}: at least 1")
-    if "differences" not in report:
-        report["differences"] = student_differences(report, args.draws, args.seed)
-    print_report(report, students)
+    if "differences" not in report or args.draws is not None or args.seed is not None:
+        report["differences"] = student_differences(report, args.draws or 2000, args.seed or 0)
+    try:
+        print_report(report, students)
+    except KeyError as missing:  # a report written before a key the tables print now
+        print(f"{args.report}: this report lacks {missing}, which the tables print now (a report from an older "
+              f"version); its differences: {'none (no per-clip hits)' if not report['differences'] else 'above'}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     return report
 
 

@@ -173,6 +173,23 @@ def test_long_tuning_after_self_forcing_is_compared_with_as_much_more_self_forci
     again = reprint([str(saved), "--seed", str(seed)])
     assert json.loads(json.dumps(again["differences"])) == json.loads(json.dumps(report["differences"]))
     assert "long_rollout - self_forcing, the same clips" in capsys.readouterr().out
+    kept = json.loads(json.dumps(report))  # a report that holds differences keeps them unless --draws / --seed
+    kept["differences"]["long_rollout - self_forcing"]["color_first_window"]["seed"] = -1
+    saved.write_text(json.dumps(kept))
+    assert reprint([str(saved)])["differences"] == kept["differences"]
+    assert (
+        reprint([str(saved), "--draws", "50"])["differences"]["long_rollout - self_forcing"]["color_first_window"][
+            "draws"
+        ]
+        == 50
+    )
+    older = json.loads(json.dumps(report))  # a report from before a key the tables print: one line, exit 2
+    older["self_forcing"]["long"].pop("background_by_frame")
+    saved.write_text(json.dumps(older))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        reprint([str(saved)])
+    assert refused.value.code == 2 and "lacks 'background_by_frame'" in capsys.readouterr().err
     saved.write_text("{}")
     with pytest.raises(SystemExit) as refused:
         reprint([str(saved)])
@@ -720,6 +737,20 @@ def test_switch_line_is_judged_again_over_resampled_prompts_against_its_absolute
         ]
         is False
     )
+
+
+def test_a_difference_without_an_interval_prints_dashes_and_criterion_only_refuses_an_unjudged_switch_run(capsys):
+    """A difference whose resamples all drew unscored clips has no interval: the line says so instead of failing;
+    and --switch-criterion-only with --switch-sink-frames (a run no criterion judges) is refused at the command line."""
+    from benchmarks.long_streaming_report import print_differences
+
+    line = dict(draws=1, first=1.0, second=0.0, difference=1.0, interval=None, ahead_share=None, behind_share=None)
+    print_differences({"long_rollout - self_forcing": {"direction_first_window": line}})
+    assert "1.000 - 0.000 = +1.000 [-]; ahead in -, behind in -" in capsys.readouterr().out
+    bench = _benchmark()
+    with pytest.raises(SystemExit) as refused:
+        bench.parse_args(["--prompt-switch", "--switch-criterion-only", "--switch-sink-frames", "0"])
+    assert refused.value.code == 2 and "no criterion judges" in capsys.readouterr().err
 
 
 def test_differences_split_the_first_window_from_the_later_ones_and_skip_reports_without_per_clip_hits():
