@@ -43,13 +43,15 @@ E=${EXTRA:-"--motion wrap --seed 949494 --train-seed 4 --teacher-minutes 6.5 --o
 L="--student-minutes ${L_MINUTES:-9} --student-steps ${STEPS:-160} --long-init self_forcing --switch-prob ${L_SWITCH_PROB:-0}${L_CRITIC_WINDOWS:+ --long-critic-windows $L_CRITIC_WINDOWS}"
 L+="${L_UPDATE_EVERY:+ --long-update-every $L_UPDATE_EVERY}"
 L+="${L_FIRST_WINDOW_SHARE:+ --long-first-window-share $L_FIRST_WINDOW_SHARE}"
-switch=(--prompt-switch --switch-sink-frames 0)
-[ -n "${EVAL_RENOISE:-}" ] && switch+=(--switch-renoise $EVAL_RENOISE)  # and re-rendered, each its own criterion
-[ "${EVAL_SWITCH:-1}" = 0 ] && switch=()  # the evaluations without the prompt switch (a large --num-prompts)
-# only the switch runs a criterion judges (the re-cache, each re-render): about half the switch's time, for a call
-# that scores three students
-[ "${EVAL_SWITCH:-1}" = criterion ] && switch=(--prompt-switch --switch-criterion-only)
-[ "${EVAL_SWITCH:-1}" = criterion ] && [ -n "${EVAL_RENOISE:-}" ] && switch+=(--switch-renoise $EVAL_RENOISE)
+case ${EVAL_SWITCH:-1} in
+  1) switch=(--prompt-switch --switch-sink-frames 0) ;;
+  # only the switch runs a criterion judges (the re-cache, each re-render): about half the switch's time, for a call
+  # that scores three students
+  criterion) switch=(--prompt-switch --switch-criterion-only) ;;
+  0) switch=() ;;  # the evaluations without the prompt switch (a large --num-prompts)
+esac
+# and re-rendered, each its own criterion
+[ ${#switch[@]} -gt 0 ] && [ -n "${EVAL_RENOISE:-}" ] && switch+=(--switch-renoise $EVAL_RENOISE)
 
 lone_nccl_check
 if [ "${P30:-1}" != 0 ]; then

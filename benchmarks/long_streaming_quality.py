@@ -70,23 +70,25 @@ import torch
 
 from benchmarks.common import timed
 from benchmarks.long_streaming_report import (
+    CONTROL,
     GATE_KEYS,
+    STUDENTS,
     criteria,
     misses_by_caption,
     print_report,
     print_switches,
     resampled_criteria,
     student_differences,
+    student_names,
 )
 from benchmarks.long_streaming_switch import settings_of, switch_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
 STAGES = ("teacher", "ode", "self_forcing", "long_rollout")
-# with --long-init self_forcing, the control: Self-Forcing trained on from its own student for the long-rollout
-# student's minutes (a fresh critic from the teacher, as the long-rollout run gets), so the gain of the method is
-# measured against as much more Self-Forcing, not against less training
-CONTROL = "self_forcing_more"
+# with --long-init self_forcing, the control (CONTROL): Self-Forcing trained on from its own student for the
+# long-rollout student's minutes (a fresh critic from the teacher, as the long-rollout run gets), so the gain of the
+# method is measured against as much more Self-Forcing, not against less training
 CONFIGS = dict(
     teacher="configs/diffusion/train/moving_shapes_gpu.py",
     ode="configs/distill/causal_ode_gpu.py",
@@ -95,7 +97,7 @@ CONFIGS = dict(
     self_forcing_more="configs/distill/self_forcing_gpu.py",
 )
 # the streamed students, which are also the stages that train with DMD's guided real score
-DMD_STAGES = ("self_forcing", "long_rollout", CONTROL)
+DMD_STAGES = STUDENTS
 # --tiny: every stage on CPU in seconds (16x16 clips of 8 frames, a 2-block MMDiT, a few steps)
 TINY_MODEL = "dict(hidden_size=32, num_heads=2, depth_double=1, depth_single=1, axes_dims=(4, 6, 6))"
 TINY_DATASET = dict(num=72, height=16, width=16, num_frames=8)  # merged into the stage's one dataset line
@@ -612,11 +614,6 @@ def evaluate(args, checkpoints: dict) -> dict:
     if differences:
         report["differences"] = differences
     return report
-
-
-def student_names(checkpoints_or_report) -> list:
-    """The streamed students present: Self-Forcing, long-rollout and (with --long-init self_forcing) the control."""
-    return [n for n in DMD_STAGES if n in checkpoints_or_report]
 
 
 def parse_args(argv=None):

@@ -12,6 +12,8 @@ import sys
 from typing import Optional
 
 GATE_KEYS = ("color_acc", "shape_acc", "direction_acc")  # what --teacher-gate checks, in this order
+CONTROL = "self_forcing_more"  # Self-Forcing trained on for LongRollout's minutes (long_streaming_quality's control)
+STUDENTS = ("self_forcing", "long_rollout", CONTROL)  # the streamed students a report may hold, in printed order
 SHORT = dict(color="colour")  # the printed name of an attribute where it differs from its key
 
 
@@ -118,7 +120,7 @@ def student_differences(report: dict, draws: int, seed: int) -> dict:
     if "long_rollout" not in report or not hits("long_rollout"):
         return {}
     first, out = hits("long_rollout"), {}
-    for other in ("self_forcing", "self_forcing_more"):
+    for other in (name for name in STUDENTS if name != "long_rollout"):
         if other not in report or not hits(other):
             continue
         second, lines = hits(other), {}
@@ -146,6 +148,11 @@ def print_differences(differences: Optional[dict]) -> None:
                 f"    {name:<30} {d['first']:.3f} - {d['second']:.3f} = {d['difference']:+.3f} {spread}; "
                 f"ahead in {ahead}, behind in {behind}"
             )
+
+
+def student_names(checkpoints_or_report) -> list:
+    """The streamed students present: Self-Forcing, long-rollout and (with --long-init self_forcing) the control."""
+    return [n for n in STUDENTS if n in checkpoints_or_report]
 
 
 def switch_criteria_runs(student: dict) -> list:
@@ -334,7 +341,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     try:
         report = json.loads(open(args.report).read())
-        students = [n for n in ("self_forcing", "long_rollout", "self_forcing_more") if n in report]
+        students = student_names(report)
         report["teacher"], report["motion"]
     except (OSError, ValueError, KeyError, TypeError) as bad:
         print(f"{args.report}: not a long_streaming_quality report.json ({bad}); pass the report.json of a run",

@@ -342,8 +342,23 @@ def read_shape(frames: np.ndarray, wrap: bool = False) -> ShapeReading:
     return reading
 
 
-def _read_or_error(frames, wrap: bool) -> ShapeReading:
-    """``read_shape``, with a malformed array read as an error (a wrong answer, not a crash)."""
+def map_in_processes(function, jobs: Sequence, workers: int = 1) -> list:
+    """``[function(job) for job in jobs]``, in ``workers`` spawned processes when there are several (not forked: the
+    caller may hold CUDA or threads). Spawned workers import the calling script again: a script needs the usual
+    ``if __name__ == "__main__":`` guard, and ``function`` must be a module-level function."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [function(job) for job in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(function, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+
+
+def _read_or_error(job: Tuple[np.ndarray, bool]) -> ShapeReading:
+    """``read_shape`` of one (frames, wrap) job, with a malformed array read as an error (a wrong answer, not a
+    crash)."""
+    frames, wrap = job
     try:
         return read_shape(frames, wrap)
     except Exception as exc:
@@ -352,16 +367,9 @@ def _read_or_error(frames, wrap: bool) -> ShapeReading:
 
 def read_shapes(clips: Sequence[np.ndarray], wrap: bool = False, workers: int = 1) -> List[ShapeReading]:
     """``read_shape`` of each clip, a malformed one read as an error; ``workers`` > 1 reads them in that many spawned
-    processes (the same readings: each clip is read alone; ~40 ms a 16-frame clip at 64x64, so 288 clips take ~11 s
-    in one process). Spawned workers import the calling script again: a script needs the ``__main__`` guard."""
-    if workers <= 1 or len(clips) <= 1:
-        return [_read_or_error(c, wrap) for c in clips]
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    chunks = max(1, len(clips) // (4 * workers))
-    with ProcessPoolExecutor(min(workers, len(clips)), mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_read_or_error, clips, [wrap] * len(clips), chunksize=chunks))
+    processes (``map_in_processes``; the same readings: each clip is read alone; ~40 ms a 16-frame clip at 64x64, so
+    288 clips take ~11 s in one process)."""
+    return map_in_processes(_read_or_error, [(clip, wrap) for clip in clips], workers)
 
 
 # ----------------------------------------------------------------------------------------------- datasets
@@ -467,6 +475,7 @@ __all__ = [
     "EvalReport",
     "read_shape",
     "read_shapes",
+    "map_in_processes",
     "score_rows",
     "evaluate_csv",
     "foreground_masks",

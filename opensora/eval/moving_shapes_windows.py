@@ -47,7 +47,14 @@ from opensora.datasets.moving_shapes import (
     parse_caption,
     render_video,
 )
-from opensora.eval.moving_shapes import downsample, find_foreground, mask_centroids, read_shape, score_rows
+from opensora.eval.moving_shapes import (
+    downsample,
+    find_foreground,
+    map_in_processes,
+    mask_centroids,
+    read_shape,
+    score_rows,
+)
 from opensora.eval.resampled_criteria import hit_string
 
 STATS_MARGIN = 0.05  # relative widening of the per-caption shape statistics' range (sub-pixel coverage, rounding)
@@ -250,14 +257,7 @@ def score_windows(
             raise ValueError(f"video {i} has {len(video)} frames, video 0 has {len(videos[0])}")
     known = [None] * len(videos) if expected_directions is None else list(expected_directions)
     jobs = [(v, p, starts, window, motion, e, stats_margin) for v, p, e in zip(videos, prompts, known)]
-    if workers > 1 and len(jobs) > 1:  # spawned (not forked): the caller may hold CUDA or threads
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            clips = list(pool.map(_score_clip, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
-    else:
-        clips = [_score_clip(job) for job in jobs]
+    clips = map_in_processes(_score_clip, jobs, workers)
     hits = {a: np.full((len(videos), len(starts)), np.nan) for a in ("color", "shape", "stats", "direction")}
     reads = [dict.fromkeys(DIRECTION_RELATIONS, 0) for _ in starts]
     outside = [{name: [0, 0] for name in STATISTICS} for _ in starts]
