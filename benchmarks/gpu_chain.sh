@@ -21,11 +21,13 @@ chain_modes() {
       local limit=${4:-540}
       for _ in $(seq "$limit"); do [ -e "$out/done" ] && break; sleep 1; done
       cat "$out/progress.txt"
-      grep -h -E "trained in|reusing|Error|error:|Killed" "$out"/log/*.txt 2>/dev/null | tail -n 12
+      grep -h -E "trained in|reusing|   evaluated |Error|error:|Killed" "$out"/log/*.txt 2>/dev/null | tail -n 12
       if [ -n "${OUT:-}" ]; then  # one archive: a device call brings back 8 files at most
-        # the printed tables are log/eval_*.txt and log/switch_*.txt; gate.json: --teacher-gate's checks; best.json: a
-        # student's validation scores by step (--student-checkpoint best); long_clips: its first long clips as mp4
-        mkdir -p "$OUT" && (cd "$out" && tar czf "$OUT/chain.tgz" log progress.txt $(ls -d */report*.json */teacher/gate.json */*/best.json */*/long_clips p30 2>/dev/null))
+        # the printed tables are log/eval_*.txt and log/switch_*.txt (report.json is rewritten as each student's part
+        # ends: a cut evaluation's has "pending"); gate.json: --teacher-gate's checks; best.json: a student's
+        # validation scores by step (--student-checkpoint best); metrics.jsonl: every logged step and validation
+        # window (the training curves); long_clips: its first long clips as mp4
+        mkdir -p "$OUT" && (cd "$out" && tar czf "$OUT/chain.tgz" log progress.txt $(ls -d */report*.json */teacher/gate.json */*/best.json */*/metrics.jsonl */*/long_clips p30 2>/dev/null))
       fi
       [ -e "$out/done" ] && echo "chain done" || echo "chain still running"
       exit 0 ;;

@@ -32,8 +32,9 @@ The teacher learns clips of the ``--motion`` rule (default ``wrap``: the shape c
 opposite one, so every window of a long clip has the caption's direction; ``bounce`` reverses at the walls), so the
 continuation past the training length is defined and the teacher knows it. Both students sample with the same
 rolling cache (``--window-frames``, ``--sink-frames``). Written to ``--out``: ``report.json`` (every number, the
-criteria below as pass/fail, and each again over paired resamples of the prompts) and the stage run directories
-(checkpoints, metrics.jsonl). The criteria and the printed tables live in ``benchmarks/long_streaming_report.py``.
+criteria below as pass/fail, and each again over paired resamples of the prompts; rewritten as each student's part
+of the evaluation ends, its ``pending`` naming the parts still to come, so a cut call keeps what was scored) and the
+stage run directories (checkpoints, metrics.jsonl). The criteria and the printed tables live in ``benchmarks/long_streaming_report.py``.
 
 Criteria (each student): every window keeps >= 95% of the first window's colour, shape and direction accuracy;
 every window's share of clips with frame statistics in range >= 95% of the teacher's share at the training length;
@@ -80,6 +81,7 @@ from benchmarks.long_streaming_report import (
     resampled_criteria,
     student_differences,
     student_names,
+    switch_criteria_runs,
 )
 from benchmarks.long_streaming_switch import settings_of, switch_runs
 
@@ -529,14 +531,26 @@ def evaluate_student(args, name, ckpt, prompts, seeds, clip, teacher, teacher_vi
         if args.kv_recache == "shift":
             result["long"] = recache  # the long criteria judge the re-cached run
         result["long_kv_recache"] = recache
-    if args.prompt_switch:  # under the anchor the long criteria judge; with "both" under the window anchor too
-        result.update(switch_runs(args, generator, prompts, seeds, clip))
-    result["over_teacher"] = {
-        k: (result[k] / teacher[k] if teacher[k] else None) for k in ("color_acc", "shape_acc", "direction_acc")
+    return judged(args, result, teacher)
+
+
+def judged(args, student: dict, teacher: dict) -> dict:
+    """``student`` with its ratios to the teacher and its criteria, plain and resampled (set again once its prompt
+    switch is in: the switch adds criteria lines)."""
+    student["over_teacher"] = {
+        k: (student[k] / teacher[k] if teacher[k] else None) for k in ("color_acc", "shape_acc", "direction_acc")
     }
-    result["criteria"] = criteria(result, teacher)
-    result["criteria_resampled"] = resampled_criteria(result, teacher, args.resample_draws, args.seed)
-    return result
+    student["criteria"] = criteria(student, teacher)
+    student["criteria_resampled"] = resampled_criteria(student, teacher, args.resample_draws, args.seed)
+    return student
+
+
+def add_switch(args, name, ckpt, student: dict, prompts, seeds, clip, teacher: dict) -> dict:
+    """The student's prompt switch (``switch_runs``: under the anchor the long criteria judge; with ``--rope-anchor
+    both`` under the window anchor too), added to its evaluation and judged with it."""
+    generator = student_generator(args, name, ckpt, clip)
+    student.update(switch_runs(args, generator, prompts, seeds, clip))
+    return judged(args, student, teacher)
 
 
 def evaluation_inputs(args):
@@ -582,7 +596,9 @@ def sample_teacher(args, cfg, ckpt, prompts, seeds, clip):
     )
 
 
-def evaluate(args, checkpoints: dict) -> dict:
+def evaluate(args, checkpoints: dict, save=lambda report: None) -> dict:
+    """The teacher and each student on the same prompts and seeds. ``save(report)`` after the teacher and after each
+    part, with ``report["pending"]`` naming the parts still to come: a call cut mid-evaluation keeps what was done."""
     from opensora.eval.moving_shapes_windows import score_windows
 
     started = time.monotonic()
@@ -598,14 +614,25 @@ def evaluate(args, checkpoints: dict) -> dict:
     gate = Path(args.out) / "teacher" / "gate.json"
     if gate.is_file():  # --teacher-gate: the checks that decided how long the teacher trained
         teacher_scores["gate"] = json.loads(gate.read_text())
-    report = dict(header, teacher=teacher_scores)
+    names = [name for name in student_names(checkpoints) if not args.score or name in args.score]
+    # every student's own evaluation first, then the switches: a call cut short loses the switch lines, not a student
+    parts = [(name, "student") for name in names] + [(name, "switch") for name in names if args.prompt_switch]
+    report = dict(header, teacher=teacher_scores, pending=[pending_text(part) for part in parts])
     teacher_scores["eval_seconds"] = time.monotonic() - started
-    for name in student_names(checkpoints):
-        if args.score and name not in args.score:
-            continue
+    save(report)
+    for index, (name, part) in enumerate(parts):
         started = time.monotonic()
-        report[name] = evaluate_student(args, name, checkpoints[name], prompts, seeds, clip, teacher_scores, videos)
-        report[name]["eval_seconds"] = time.monotonic() - started  # sampling, scoring, switches: a call's plan
+        if part == "student":
+            report[name] = evaluate_student(args, name, checkpoints[name], prompts, seeds, clip, teacher_scores, videos)
+            report[name]["eval_seconds"] = 0.0
+        else:
+            add_switch(args, name, checkpoints[name], report[name], prompts, seeds, clip, teacher_scores)
+        report[name]["eval_seconds"] += time.monotonic() - started  # sampling, scoring, switches: a call's plan
+        report["pending"] = [pending_text(p) for p in parts[index + 1 :]]
+        print(f"   evaluated {pending_text((name, part))} in {time.monotonic() - started:.0f} s: "
+              f"{evaluated_line(report[name], part)}", flush=True)  # fmt: skip
+        save(report)
+    del report["pending"]  # a complete report has none (a partial one names what it lacks)
     try:  # pure arithmetic on the scores above: a failure here must not lose the sampled evaluation
         differences = student_differences(report, args.resample_draws, args.seed)
     except Exception as failed:
@@ -614,6 +641,35 @@ def evaluate(args, checkpoints: dict) -> dict:
     if differences:
         report["differences"] = differences
     return report
+
+
+def pending_text(part) -> str:
+    """A part of the evaluation as the report's ``pending`` names it: "long_rollout", "long_rollout switch"."""
+    name, kind = part
+    return name if kind == "student" else f"{name} {kind}"
+
+
+def evaluated_line(student: dict, part: str) -> str:
+    """One line for the log as each part ends (the report may never be written when a call is cut)."""
+    if part == "switch":
+        runs = switch_criteria_runs(student)
+        return ", ".join(f"{name} {run['new_prompt_ge_90pct']}" for name, run in runs) or "no judged switch run"
+    long = student["long"]
+
+    def number(value, digits=3):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    worst = "/".join(number(long[f"{a}_window_min"]) for a in ("color", "shape", "direction", "stats"))
+    clip_length = "/".join(number(student[f"{a}_acc"]) for a in ("color", "shape", "direction"))
+    flicker = number(long["flicker"]["edge_over_inside"], 2)
+    return f"clip length {clip_length}, worst window {worst} (colour/shape/direction/stats), flicker {flicker}"
+
+
+def write_report(path: Path, report: dict) -> None:
+    """``report`` as JSON at ``path``, replaced whole (a reader never sees half a report)."""
+    from opensora.latent_cache.store import write_atomic
+
+    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1) + "\n"))
 
 
 def parse_args(argv=None):
@@ -1054,8 +1110,8 @@ def main(argv=None) -> dict:
         return {}
     if checkpoints is None:  # --stop-after
         return {}
-    report = evaluate(args, checkpoints)
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    report = evaluate(args, checkpoints, save=lambda partial: write_report(out / "report.json", partial))
+    write_report(out / "report.json", report)
     print_report(report, student_names(report))
     print(f"report: {out / 'report.json'}")
     return report

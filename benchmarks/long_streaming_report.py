@@ -217,6 +217,8 @@ def print_report(report: dict, students) -> None:
     print(
         f"\nMovingShapes ({report['motion']}) on {report['device']}: {report['prompts']} prompts, clip {report['clip']}"
     )
+    if report.get("pending"):  # written while the evaluation ran, which stopped before these parts
+        print(f"partial report: the evaluation stopped before {', '.join(report['pending'])}")
     t = report["teacher"]
     print(
         f"teacher          colour {t['color_acc']:.3f} shape {t['shape_acc']:.3f} direction {t['direction_acc']:.3f}"

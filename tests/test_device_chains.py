@@ -69,6 +69,7 @@ def test_long_rollout_exit_lane_alone_scores_both_students_and_archives_their_cl
     assert "ls/report.json" in names and "ls/teacher/gate.json" in names and "ls/self_forcing/best.json" in names
     for student in ("self_forcing", "long_rollout"):
         assert f"ls/{student}/long_clips/samples.csv" in names
+        assert f"ls/{student}/metrics.jsonl" in names  # the training and validation curves, kept if the report is cut
         assert any(n.startswith(f"ls/{student}/long_clips/") and n.endswith(".mp4") for n in names)
 
 
@@ -85,6 +86,7 @@ def test_control_trains_beside_long_rollout_on_one_gpu_and_one_evaluation_scores
     assert "critic_windows" not in (out / "lsc/configs/self_forcing_more.py").read_text()  # the control is plain
     report = json.loads((out / "ls/report.json").read_text())
     assert {"teacher", "self_forcing", "long_rollout", "self_forcing_more"} <= set(report)
+    assert "pending" not in report  # the evaluation ended: nothing left to name
     assert not (out / "lsc/report.json").exists()  # no second evaluation
     assert set(report["differences"]) == {"long_rollout - self_forcing", "long_rollout - self_forcing_more"}
     for student in ("self_forcing", "long_rollout", "self_forcing_more"):  # EVAL_SWITCH=criterion: the judged runs

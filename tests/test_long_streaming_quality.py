@@ -26,7 +26,7 @@ def _benchmark():
     return module
 
 
-def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_path, capsys):
+def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_path, capsys, monkeypatch):
     bench = _benchmark()
     out = tmp_path / "run"
     # the streaming options' variants, scored the same way
@@ -35,6 +35,10 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
     report = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--launcher", "in-process", *flags])
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
     assert report["motion"] == "wrap" and report["clip"] == [8, 16, 16] and report["prompts"] == 4
+    printed = capsys.readouterr().out  # each part of the evaluation in the log as it ends, switches last
+    ends = [line.split(" in ")[0].strip() for line in printed.splitlines() if line.startswith("   evaluated ")]
+    assert ends == ["evaluated self_forcing", "evaluated long_rollout", "evaluated self_forcing switch",
+                    "evaluated long_rollout switch"]  # fmt: skip
     stages = {name: bench.last_checkpoint(out / name) for name in bench.STAGES}
     assert all(stages.values())
     for name in ("self_forcing", "long_rollout"):
@@ -107,6 +111,31 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
     scored = bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--score", "long_rollout"])
     assert "self_forcing" not in scored and scored["long_rollout"]["ckpt"] == str(stages["long_rollout"])
     assert scored["teacher"]["ckpt"] == str(stages["teacher"])
+    assert "pending" not in scored  # a complete report names nothing it lacks
+    # a call cut during the switches (the students' own evaluations come first) leaves report.json with both
+    # students on disk and names the parts it lacks; the report CLI prints it as partial
+    from benchmarks.long_streaming_report import main as reprint
+
+    def cut(args, name, *rest):
+        raise KeyboardInterrupt(name)  # as a call's time limit would stop it
+
+    monkeypatch.setattr(bench, "add_switch", cut)
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--prompt-switch", "--score", "self_forcing",
+                    "long_rollout"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "evaluated self_forcing in" in printed and "evaluated long_rollout in" in printed  # each as it ends
+    partial = json.loads((out / "report.json").read_text())
+    assert partial["pending"] == ["self_forcing switch", "long_rollout switch"]
+    assert bench.student_names(partial) == ["self_forcing", "long_rollout"] and "differences" not in partial
+    assert not any("switch" in key for name in ("self_forcing", "long_rollout") for key in partial[name]["criteria"])
+    assert partial["long_rollout"]["criteria"] == scored["long_rollout"]["criteria"]  # the same seeds, the same verdict
+    reprinted = reprint([str(out / "report.json")])
+    assert set(reprinted["differences"]) == {"long_rollout - self_forcing"}
+    printed = capsys.readouterr().out
+    assert "partial report: the evaluation stopped before self_forcing switch, long_rollout switch" in printed
+    monkeypatch.undo()
     # --switch-only: the prompt switch alone from the trained students (nothing trains, no teacher sampling), with
     # the kept window re-rendered under the new prompt from 0.5 and from 1.0
     stamps = {name: path.stat().st_mtime_ns for name, path in stages.items()}
@@ -284,7 +313,7 @@ def _record_trainings(bench, tmp_path, monkeypatch) -> list:
 def _record_evaluation(bench, monkeypatch) -> dict:
     """The checkpoints handed to the evaluation, recorded instead of streamed and scored."""
     evaluated = {}
-    monkeypatch.setattr(bench, "evaluate", lambda args, checkpoints: evaluated.update(checkpoints) or {})
+    monkeypatch.setattr(bench, "evaluate", lambda args, checkpoints, save=None: evaluated.update(checkpoints) or {})
     monkeypatch.setattr(bench, "print_report", lambda report, students: None)
     return evaluated
 
