@@ -84,6 +84,7 @@ from benchmarks.long_streaming_report import (
     switch_criteria_runs,
 )
 from benchmarks.long_streaming_switch import settings_of, switch_runs
+from opensora.eval.moving_shapes import kept_process_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -1099,7 +1100,8 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.switch_only:
-        report = evaluate_switch_only(args)
+        with kept_process_pool(args.score_workers):
+            report = evaluate_switch_only(args)
         (out / "report_switch.json").write_text(json.dumps(report, indent=1) + "\n")
         print_switches(report, student_names(report))
         print(f"report: {out / 'report_switch.json'}")
@@ -1110,7 +1112,8 @@ def main(argv=None) -> dict:
         return {}
     if checkpoints is None:  # --stop-after
         return {}
-    report = evaluate(args, checkpoints, save=lambda partial: write_report(out / "report.json", partial))
+    with kept_process_pool(args.score_workers):  # one pool of score workers for the dozen scorings that follow
+        report = evaluate(args, checkpoints, save=lambda partial: write_report(out / "report.json", partial))
     write_report(out / "report.json", report)
     print_report(report, student_names(report))
     print(f"report: {out / 'report.json'}")

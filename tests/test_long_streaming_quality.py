@@ -823,3 +823,24 @@ def test_shapes_read_in_worker_processes_are_the_ones_read_in_one():
     items.append(("gone.mp4", captions[0], None, "FileNotFoundError: gone.mp4"))
     one, pooled = score_rows(items, wrap=True), score_rows(items, wrap=True, workers=2)
     assert one == pooled and one.failed == ["gone.mp4"] and one.color_acc == 0.75 and one.rows[3]["error"]
+    # inside kept_process_pool every scoring reuses one pool of workers (a pool costs ~2 s to start), with the same
+    # readings; the block's end shuts it down, and outside it each call starts its own again
+    from opensora.eval import moving_shapes
+
+    with moving_shapes.kept_process_pool(2):
+        pool = moving_shapes._KEPT_POOLS[2]
+        assert read_shapes(windows, True, workers=2) == alone
+        workers = set(pool._processes)
+        assert score_rows(items, wrap=True, workers=2) == one and read_shapes(windows, True, workers=2) == alone
+        assert set(pool._processes) == workers and len(workers) == 2  # the same two processes each time
+        with moving_shapes.kept_process_pool(2):  # a block inside another of its size uses the outer pool
+            assert moving_shapes._KEPT_POOLS[2] is pool
+        import os
+        from concurrent.futures.process import BrokenProcessPool
+
+        with pytest.raises(BrokenProcessPool):  # a worker dies (as killed): that call fails, the next gets a new pool
+            moving_shapes.map_in_processes(os._exit, [3, 3], workers=2)
+        assert moving_shapes._KEPT_POOLS[2] is not pool and read_shapes(windows, True, workers=2) == alone
+        pool = moving_shapes._KEPT_POOLS[2]
+    assert 2 not in moving_shapes._KEPT_POOLS and not pool._processes  # shut down with its block
+    assert read_shapes(windows, True, workers=2) == alone

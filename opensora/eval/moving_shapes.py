@@ -24,6 +24,7 @@ fit, so a shape split across an edge is one shape moving on. Per-window scoring 
 """
 
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -345,14 +346,49 @@ def read_shape(frames: np.ndarray, wrap: bool = False) -> ShapeReading:
 def map_in_processes(function, jobs: Sequence, workers: int = 1) -> list:
     """``[function(job) for job in jobs]``, in ``workers`` spawned processes when there are several (not forked: the
     caller may hold CUDA or threads). Spawned workers import the calling script again: a script needs the usual
-    ``if __name__ == "__main__":`` guard, and ``function`` must be a module-level function."""
+    ``if __name__ == "__main__":`` guard, and ``function`` must be a module-level function. Inside
+    ``kept_process_pool(workers)`` every call reuses one pool; outside, each call starts its own."""
     if workers <= 1 or len(jobs) <= 1:
         return [function(job) for job in jobs]
+    chunksize = max(1, len(jobs) // (4 * workers))
+    kept = _KEPT_POOLS.get(workers)
+    if kept is None:
+        with _spawned_pool(min(workers, len(jobs))) as pool:
+            return list(pool.map(function, jobs, chunksize=chunksize))
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        return list(kept.map(function, jobs, chunksize=chunksize))
+    except BrokenProcessPool:  # a worker died (killed, out of memory): the block's next call gets a fresh pool
+        _KEPT_POOLS[workers] = _spawned_pool(workers)
+        kept.shutdown(wait=False, cancel_futures=True)
+        raise
+
+
+_KEPT_POOLS: dict = {}  # workers -> the pool ``kept_process_pool`` holds open
+
+
+def _spawned_pool(workers: int):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(function, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+@contextmanager
+def kept_process_pool(workers: int):
+    """One pool of ``workers`` spawned processes for every ``map_in_processes(..., workers)`` inside the block, shut
+    down when it ends. A pool costs about 2 s to start (each worker imports the calling script, torch with it), and
+    an evaluation that scores a few hundred clips a dozen times would pay that each time. A block inside another of
+    the same size uses the outer pool."""
+    if workers <= 1 or workers in _KEPT_POOLS:
+        yield
+        return
+    _KEPT_POOLS[workers] = _spawned_pool(workers)
+    try:
+        yield
+    finally:
+        _KEPT_POOLS.pop(workers).shutdown(cancel_futures=True)
 
 
 def _read_or_error(job: Tuple[np.ndarray, bool]) -> ShapeReading:
@@ -475,6 +511,7 @@ __all__ = [
     "EvalReport",
     "read_shape",
     "read_shapes",
+    "kept_process_pool",
     "map_in_processes",
     "score_rows",
     "evaluate_csv",
