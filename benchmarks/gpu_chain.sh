@@ -23,10 +23,11 @@ chain_modes() {
       cat "$out/progress.txt"
       grep -h -E "trained in|reusing|   evaluated |Error|error:|Killed" "$out"/log/*.txt 2>/dev/null | tail -n 12
       if [ -n "${OUT:-}" ]; then  # one archive: a device call brings back 8 files at most
-        # the printed tables are log/eval_*.txt and log/switch_*.txt (report.json is rewritten as each student's part
-        # ends: a cut evaluation's has "pending"); gate.json: --teacher-gate's checks; best.json: a student's
-        # validation scores by step (--student-checkpoint best); metrics.jsonl: every logged step and validation
-        # window (the training curves); long_clips: its first long clips as mp4
+        # the printed tables are log/eval_*.txt and log/switch_*.txt (report.partial.json: an evaluation still
+        # running or cut, rewritten as each student's part ends, its "pending" naming the rest); gate.json:
+        # --teacher-gate's checks; best.json: a student's validation scores by step (--student-checkpoint best);
+        # metrics.jsonl: every logged step and validation window (the training curves); long_clips: its first long
+        # clips as mp4
         mkdir -p "$OUT" && (cd "$out" && tar czf "$OUT/chain.tgz" log progress.txt $(ls -d */report*.json */teacher/gate.json */*/best.json */*/metrics.jsonl */*/long_clips p30 2>/dev/null))
       fi
       [ -e "$out/done" ] && echo "chain done" || echo "chain still running"

@@ -32,9 +32,10 @@ The teacher learns clips of the ``--motion`` rule (default ``wrap``: the shape c
 opposite one, so every window of a long clip has the caption's direction; ``bounce`` reverses at the walls), so the
 continuation past the training length is defined and the teacher knows it. Both students sample with the same
 rolling cache (``--window-frames``, ``--sink-frames``). Written to ``--out``: ``report.json`` (every number, the
-criteria below as pass/fail, and each again over paired resamples of the prompts; rewritten as each student's part
-of the evaluation ends, its ``pending`` naming the parts still to come, so a cut call keeps what was scored) and the
-stage run directories (checkpoints, metrics.jsonl). The criteria and the printed tables live in ``benchmarks/long_streaming_report.py``.
+criteria below as pass/fail, and each again over paired resamples of the prompts), ``report.partial.json`` while
+the evaluation runs (rewritten as each student's part ends, its ``pending`` naming the parts still to come: a cut
+call keeps what was scored, and an earlier complete report.json stays as it was) and the stage run directories
+(checkpoints, metrics.jsonl). The criteria and the printed tables live in ``benchmarks/long_streaming_report.py``.
 
 Criteria (each student): every window keeps >= 95% of the first window's colour, shape and direction accuracy;
 every window's share of clips with frame statistics in range >= 95% of the teacher's share at the training length;
@@ -550,6 +551,8 @@ def add_switch(args, name, ckpt, student: dict, prompts, seeds, clip, teacher: d
     """The student's prompt switch (``switch_runs``: under the anchor the long criteria judge; with ``--rope-anchor
     both`` under the window anchor too), added to its evaluation and judged with it."""
     generator = student_generator(args, name, ckpt, clip)
+    frames, height, width = clip
+    generator.generate(prompts, seeds, frames, height, width)  # warm-up: the switch runs' seconds as a warm stream's
     student.update(switch_runs(args, generator, prompts, seeds, clip))
     return judged(args, student, teacher)
 
@@ -572,6 +575,8 @@ def evaluation_inputs(args):
         clip=list(clip),
         long_multiple=args.long_multiple,
         long_init=args.long_init,
+        resample_draws=args.resample_draws,  # the differences of a partial report are drawn as a complete one's
+        resample_seed=args.seed,
     )
     return prompts, seeds, cfg, clip, header
 
@@ -630,9 +635,9 @@ def evaluate(args, checkpoints: dict, save=lambda report: None) -> dict:
             add_switch(args, name, checkpoints[name], report[name], prompts, seeds, clip, teacher_scores)
         report[name]["eval_seconds"] += time.monotonic() - started  # sampling, scoring, switches: a call's plan
         report["pending"] = [pending_text(p) for p in parts[index + 1 :]]
+        save(report)
         print(f"   evaluated {pending_text((name, part))} in {time.monotonic() - started:.0f} s: "
               f"{evaluated_line(report[name], part)}", flush=True)  # fmt: skip
-        save(report)
     del report["pending"]  # a complete report has none (a partial one names what it lacks)
     try:  # pure arithmetic on the scores above: a failure here must not lose the sampled evaluation
         differences = student_differences(report, args.resample_draws, args.seed)
@@ -666,11 +671,18 @@ def evaluated_line(student: dict, part: str) -> str:
     return f"clip length {clip_length}, worst window {worst} (colour/shape/direction/stats), flicker {flicker}"
 
 
-def write_report(path: Path, report: dict) -> None:
-    """``report`` as JSON at ``path``, replaced whole (a reader never sees half a report)."""
+def write_report(path: Path, report: dict, partial: bool = False) -> None:
+    """``report`` as JSON at ``path``, replaced whole (a reader never sees half a report). ``partial``: at
+    ``NAME.partial.json`` beside it instead (the evaluation is still running), which the complete report removes."""
     from opensora.latent_cache.store import write_atomic
 
-    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1) + "\n"))
+    path = Path(path)
+    partial_path = path.with_suffix(".partial.json")
+    write_atomic(
+        partial_path if partial else path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
+    )
+    if not partial:
+        partial_path.unlink(missing_ok=True)
 
 
 def parse_args(argv=None):
@@ -1085,13 +1097,18 @@ def trained_students(args) -> dict:
     return found
 
 
-def evaluate_switch_only(args) -> dict:
+def evaluate_switch_only(args, save=lambda report: None) -> dict:
     """``--switch-only``: each trained student's prompt switch (``switch_runs``), built as ``evaluate_student``
     builds it, and nothing else."""
     prompts, seeds, _, clip, report = evaluation_inputs(args)
-    for name, ckpt in trained_students(args).items():
+    students = trained_students(args)
+    report["pending"] = list(students)
+    for name, ckpt in students.items():
         generator = student_generator(args, name, ckpt, clip)
         report[name] = dict(ckpt=str(ckpt), **switch_runs(args, generator, prompts, seeds, clip))
+        report["pending"].remove(name)
+        save(report)
+    del report["pending"]
     return report
 
 
@@ -1101,8 +1118,9 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if args.switch_only:
         with kept_process_pool(args.score_workers):
-            report = evaluate_switch_only(args)
-        (out / "report_switch.json").write_text(json.dumps(report, indent=1) + "\n")
+            report = evaluate_switch_only(args, save=lambda partial: write_report(out / "report_switch.json", partial,
+                                                                                  partial=True))  # fmt: skip
+        write_report(out / "report_switch.json", report)
         print_switches(report, student_names(report))
         print(f"report: {out / 'report_switch.json'}")
         return report
@@ -1113,7 +1131,7 @@ def main(argv=None) -> dict:
     if checkpoints is None:  # --stop-after
         return {}
     with kept_process_pool(args.score_workers):  # one pool of score workers for the dozen scorings that follow
-        report = evaluate(args, checkpoints, save=lambda partial: write_report(out / "report.json", partial))
+        report = evaluate(args, checkpoints, save=lambda partial: write_report(out / "report.json", partial, True))
     write_report(out / "report.json", report)
     print_report(report, student_names(report))
     print(f"report: {out / 'report.json'}")

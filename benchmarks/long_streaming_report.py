@@ -337,9 +337,11 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description="Print a saved long_streaming_quality report.json again, with "
                                      "LongRollout's paired differences from the other students (computed if absent).")  # fmt: skip
     parser.add_argument("report", help="a report.json that long_streaming_quality wrote")
-    parser.add_argument("--draws", type=int, default=None, help="paired resamples of the prompts (default 2000; "
-                        "given, the differences are computed again even where the report holds them)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=None, help="the resamples' seed (default 0; given: as --draws)")
+    parser.add_argument("--draws", type=int, default=None, help="paired resamples of the prompts (default: the "
+                        "run's, else 2000; given, the differences are computed again even where the report holds "
+                        "them)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=None, help="the resamples' seed (default: the run's, as it drew "
+                        "its criteria; given: as --draws)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         report = json.loads(open(args.report).read())
@@ -351,8 +353,10 @@ def main(argv=None) -> dict:
         raise SystemExit(2)
     if args.draws is not None and args.draws < 1:
         parser.error(f"--draws {args.draws}: at least 1")
-    if "differences" not in report or args.draws is not None or args.seed is not None:
-        report["differences"] = student_differences(report, args.draws or 2000, args.seed or 0)
+    if "differences" not in report or args.draws is not None or args.seed is not None:  # as the run draws them
+        draws = args.draws if args.draws is not None else report.get("resample_draws", 2000)
+        seed = args.seed if args.seed is not None else report.get("resample_seed", report.get("seeds", [0])[0])
+        report["differences"] = student_differences(report, draws, seed)
     try:
         print_report(report, students)
     except KeyError as missing:  # a report written before a key the tables print now

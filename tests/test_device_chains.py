@@ -86,7 +86,7 @@ def test_control_trains_beside_long_rollout_on_one_gpu_and_one_evaluation_scores
     assert "critic_windows" not in (out / "lsc/configs/self_forcing_more.py").read_text()  # the control is plain
     report = json.loads((out / "ls/report.json").read_text())
     assert {"teacher", "self_forcing", "long_rollout", "self_forcing_more"} <= set(report)
-    assert "pending" not in report  # the evaluation ended: nothing left to name
+    assert "pending" not in report and not (out / "ls/report.partial.json").exists()  # the evaluation ended
     assert not (out / "lsc/report.json").exists()  # no second evaluation
     assert set(report["differences"]) == {"long_rollout - self_forcing", "long_rollout - self_forcing_more"}
     for student in ("self_forcing", "long_rollout", "self_forcing_more"):  # EVAL_SWITCH=criterion: the judged runs

@@ -112,12 +112,18 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
     assert "self_forcing" not in scored and scored["long_rollout"]["ckpt"] == str(stages["long_rollout"])
     assert scored["teacher"]["ckpt"] == str(stages["teacher"])
     assert "pending" not in scored  # a complete report names nothing it lacks
-    # a call cut during the switches (the students' own evaluations come first) leaves report.json with both
-    # students on disk and names the parts it lacks; the report CLI prints it as partial
+    # a call cut between two switches (the students' own evaluations come first) leaves report.partial.json with both
+    # students and the first one's switch, naming the part it lacks; the complete report.json of the call before
+    # stays as it was; the report CLI prints the partial one as such
     from benchmarks.long_streaming_report import main as reprint
+    from benchmarks.long_streaming_report import student_differences
+
+    add_switch = bench.add_switch
 
     def cut(args, name, *rest):
-        raise KeyboardInterrupt(name)  # as a call's time limit would stop it
+        if name == "long_rollout":
+            raise KeyboardInterrupt(name)  # as a call's time limit would stop it
+        return add_switch(args, name, *rest)
 
     monkeypatch.setattr(bench, "add_switch", cut)
     capsys.readouterr()
@@ -125,16 +131,22 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
         bench.main(["--tiny", "--out", str(out), "--device", "cpu", "--prompt-switch", "--score", "self_forcing",
                     "long_rollout"])  # fmt: skip
     printed = capsys.readouterr().out
-    assert "evaluated self_forcing in" in printed and "evaluated long_rollout in" in printed  # each as it ends
-    partial = json.loads((out / "report.json").read_text())
-    assert partial["pending"] == ["self_forcing switch", "long_rollout switch"]
+    assert "evaluated self_forcing in" in printed and "evaluated self_forcing switch in" in printed  # each as it ends
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(scored))
+    partial = json.loads((out / "report.partial.json").read_text())
+    assert partial["pending"] == ["long_rollout switch"]
     assert bench.student_names(partial) == ["self_forcing", "long_rollout"] and "differences" not in partial
-    assert not any("switch" in key for name in ("self_forcing", "long_rollout") for key in partial[name]["criteria"])
+    switched = partial["self_forcing"]  # its switch judged with it, plain and over resamples
+    assert "switch_new_prompt_ge_90pct_within_one_window" in switched["criteria"]
+    assert "switch_new_prompt_ge_90pct_within_one_window" in switched["criteria_resampled"]
+    assert "switch" not in partial["long_rollout"]
+    assert not any("switch" in key for key in partial["long_rollout"]["criteria"])
     assert partial["long_rollout"]["criteria"] == scored["long_rollout"]["criteria"]  # the same seeds, the same verdict
-    reprinted = reprint([str(out / "report.json")])
+    reprinted = reprint([str(out / "report.partial.json")])  # drawn as the run draws its criteria
+    assert reprinted["differences"] == student_differences(partial, 2000, partial["seeds"][0])
     assert set(reprinted["differences"]) == {"long_rollout - self_forcing"}
     printed = capsys.readouterr().out
-    assert "partial report: the evaluation stopped before self_forcing switch, long_rollout switch" in printed
+    assert "partial report: the evaluation stopped before long_rollout switch" in printed
     monkeypatch.undo()
     # --switch-only: the prompt switch alone from the trained students (nothing trains, no teacher sampling), with
     # the kept window re-rendered under the new prompt from 0.5 and from 1.0
@@ -145,6 +157,7 @@ def test_tiny_chain_trains_every_stage_and_scores_both_students_per_window(tmp_p
     printed = capsys.readouterr().out
     assert "==" not in printed and "renoise_0.5" in printed and "boundary change" in printed
     assert json.loads((out / "report_switch.json").read_text()) == json.loads(json.dumps(only))
+    assert not (out / "report_switch.partial.json").exists()  # removed once the complete report is written
     assert "teacher" not in only and bench.student_names(only) == ["long_rollout"]
     assert {name: path.stat().st_mtime_ns for name, path in stages.items()} == stamps
     assert all(bench.last_checkpoint(out / name) == path for name, path in stages.items())
@@ -844,3 +857,40 @@ def test_shapes_read_in_worker_processes_are_the_ones_read_in_one():
         pool = moving_shapes._KEPT_POOLS[2]
     assert 2 not in moving_shapes._KEPT_POOLS and not pool._processes  # shut down with its block
     assert read_shapes(windows, True, workers=2) == alone
+
+
+def test_kept_pool_workers_exit_when_their_parent_is_killed(tmp_path):
+    """kill -9 of a process inside ``kept_process_pool`` (as a time limit does) must not leave its idle workers
+    waiting forever under init, holding its stdout: each exits once its parent is gone."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "killed_parent.py"
+    script.write_text(
+        "import os, signal\n"
+        "from opensora.eval import moving_shapes\n"
+        "if __name__ == '__main__':\n"
+        "    with moving_shapes.kept_process_pool(2):\n"
+        "        moving_shapes.map_in_processes(abs, [-1, -2, -3, -4], workers=2)\n"
+        "        print(*moving_shapes._KEPT_POOLS[2]._processes, flush=True)\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the workers share the pipe of stdout: without their watch, this call would wait until the timeout
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == -9, run.stderr[-2000:]
+    workers = [int(pid) for pid in run.stdout.split()]
+    assert len(workers) == 2
+
+    def alive(pid):  # a zombie (exited, not yet reaped by whoever adopted it) is gone
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in workers)

@@ -370,9 +370,26 @@ _KEPT_POOLS: dict = {}  # workers -> the pool ``kept_process_pool`` holds open
 
 def _spawned_pool(workers: int):
     import multiprocessing
+    import os
     from concurrent.futures import ProcessPoolExecutor
 
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    context = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(workers, mp_context=context, initializer=_exit_with_parent, initargs=(os.getpid(),))
+
+
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """A pool worker's watch: exit once ``parent`` is gone. An idle worker holds both ends of its call queue, so a
+    killed parent (kill -9, a time limit) would otherwise leave it waiting forever with the parent's stdout open."""
+    import os
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 @contextmanager
