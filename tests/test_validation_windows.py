@@ -66,13 +66,17 @@ def _validator(cfg, outputs):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["streamed", "whole_clip"])
-def test_long_clips_are_sampled_scored_per_window_and_logged(causal, tmp_path):
+def test_long_clips_are_sampled_scored_per_window_and_logged(causal, tmp_path, caplog):
     from opensora.eval.moving_shapes_windows import score_windows
     from opensora.inference.sampler import VideoSampler
 
     cfg = _config(causal)
     validator, metrics, network, components = _validator(cfg, tmp_path)
-    record = validator.run(1)
+    with caplog.at_level("INFO", logger="opensora.training.validation"):
+        record = validator.run(1)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("validation at step 1:"))
+    for key in ("val/all_window_min", "val/direction_window_min", "val/stats_window_min"):  # in the log line too
+        assert f"{key} " in line, line
     assert record is not None and set(WINDOW_KEYS) <= set(record) and record["val/long_samples"] == 2
     assert all(math.isnan(record[k]) or 0.0 <= record[k] <= 1.0 for k in WINDOW_KEYS if "window_min" in k)
     assert metrics.records and set(WINDOW_KEYS) <= set(metrics.records[-1][1])

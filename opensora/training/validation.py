@@ -280,7 +280,8 @@ class Validator:
             step,
             len(prompts),
             record["val/seconds"],
-            "".join(f", {k} {v:.3f}" for k, v in record.items() if k.endswith("_acc")),
+            # the long clips' worst windows too: a log is sometimes all a cut run brings back
+            "".join(f", {k} {v:.3f}" for k, v in record.items() if k.endswith(("_acc", "_window_min"))),
         )
         return record
 
