@@ -1131,7 +1131,9 @@ def main(argv=None) -> dict:
     if checkpoints is None:  # --stop-after
         return {}
     with kept_process_pool(args.score_workers):  # one pool of score workers for the dozen scorings that follow
-        report = evaluate(args, checkpoints, save=lambda partial: write_report(out / "report.json", partial, True))
+        report = evaluate(
+            args, checkpoints, save=lambda partial: write_report(out / "report.json", partial, partial=True)
+        )
     write_report(out / "report.json", report)
     print_report(report, student_names(report))
     print(f"report: {out / 'report.json'}")
