@@ -547,13 +547,19 @@ def judged(args, student: dict, teacher: dict) -> dict:
     return student
 
 
-def add_switch(args, name, ckpt, student: dict, prompts, seeds, clip, teacher: dict) -> dict:
+def student_switch(args, name, ckpt, prompts, seeds, clip) -> dict:
     """The student's prompt switch (``switch_runs``: under the anchor the long criteria judge; with ``--rope-anchor
-    both`` under the window anchor too), added to its evaluation and judged with it."""
+    both`` under the window anchor too), from a fresh generator warmed by one stream at the clip length, so the
+    switch's seconds are a warm stream's."""
     generator = student_generator(args, name, ckpt, clip)
     frames, height, width = clip
-    generator.generate(prompts, seeds, frames, height, width)  # warm-up: the switch runs' seconds as a warm stream's
-    student.update(switch_runs(args, generator, prompts, seeds, clip))
+    generator.generate(prompts, seeds, frames, height, width)
+    return switch_runs(args, generator, prompts, seeds, clip)
+
+
+def add_switch(args, name, ckpt, student: dict, prompts, seeds, clip, teacher: dict) -> dict:
+    """The student's prompt switch added to its evaluation, and its criteria judged again with it."""
+    student.update(student_switch(args, name, ckpt, prompts, seeds, clip))
     return judged(args, student, teacher)
 
 
@@ -1098,14 +1104,12 @@ def trained_students(args) -> dict:
 
 
 def evaluate_switch_only(args, save=lambda report: None) -> dict:
-    """``--switch-only``: each trained student's prompt switch (``switch_runs``), built as ``evaluate_student``
-    builds it, and nothing else."""
+    """``--switch-only``: each trained student's prompt switch (``student_switch``), and nothing else."""
     prompts, seeds, _, clip, report = evaluation_inputs(args)
     students = trained_students(args)
     report["pending"] = list(students)
     for name, ckpt in students.items():
-        generator = student_generator(args, name, ckpt, clip)
-        report[name] = dict(ckpt=str(ckpt), **switch_runs(args, generator, prompts, seeds, clip))
+        report[name] = dict(ckpt=str(ckpt), **student_switch(args, name, ckpt, prompts, seeds, clip))
         report["pending"].remove(name)
         save(report)
     del report["pending"]
