@@ -715,6 +715,15 @@ def parse_args(argv=None):
         "them): equal steps rather than equal minutes (LongRollout's step is ~3.8x Self-Forcing's)",
     )
     parser.add_argument(
+        "--stage-steps",
+        nargs="+",
+        default=[],
+        metavar="STAGE=N",
+        help="train these stages N steps each, their minutes only a cap (e.g. teacher=4200 ode=880 self_forcing=400): "
+        "a chain stopped by steps repeats its budgets where one stopped by the clock does not (the teacher gate's "
+        f"extra rounds still run by minutes); stages: {', '.join(STAGES + (CONTROL,))}",
+    )
+    parser.add_argument(
         "--long-init",
         choices=("ode", "self_forcing"),
         default="ode",
@@ -947,6 +956,7 @@ def parse_args(argv=None):
         parser.error(f"--validation-prompts {args.validation_prompts}: between 1 and 64 (validation.max_prompts)")
     if args.adam_beta1 is not None and not 0 <= args.adam_beta1 < 1:
         parser.error(f"--adam-beta1 {args.adam_beta1}: in [0, 1)")
+    args.stage_steps = stage_steps(parser, args.stage_steps, args.student_steps)
     if args.resample_draws < 1:
         parser.error(f"--resample-draws {args.resample_draws}: at least 1")
     if args.save_long_clips < 0:
@@ -993,31 +1003,50 @@ def parse_args(argv=None):
     return args
 
 
+def stage_steps(parser, given: list, student_steps: Optional[int]) -> dict:
+    """``--stage-steps STAGE=N ...`` as ``{stage: N}``, with ``--student-steps`` for LongRollout and the control."""
+    steps = {}
+    for item in given:
+        stage, _, count = item.partition("=")
+        if stage not in STAGES + (CONTROL,) or not count.isdigit() or int(count) < 1:
+            parser.error(f"--stage-steps {item}: STAGE=N with N >= 1, STAGE one of {', '.join(STAGES + (CONTROL,))}")
+        steps[stage] = int(count)
+    for stage in ("long_rollout", CONTROL):
+        if student_steps is not None and stage in steps:
+            parser.error(f"--stage-steps {stage}=... and --student-steps both set its steps: keep one")
+        if student_steps is not None:
+            steps[stage] = student_steps
+    return steps
+
+
 def train_all(args) -> Optional[dict]:
     """Every stage's checkpoint, training what is missing; None after ``--stop-after``."""
     checkpoints = {"teacher": Path(args.teacher_ckpt) if args.teacher_ckpt else None}
     if checkpoints["teacher"] is None:
-        checkpoints["teacher"] = train_or_reuse(args, "teacher", args.teacher_minutes, {})
+        checkpoints["teacher"] = train_or_reuse(
+            args, "teacher", args.teacher_minutes, {}, args.stage_steps.get("teacher")
+        )
     if args.stop_after == "teacher":
         return None
     teacher = checkpoints["teacher"]
-    checkpoints["ode"] = train_or_reuse(args, "ode", args.ode_minutes, dict(student=teacher, teacher=teacher))
+    ode_inits = dict(student=teacher, teacher=teacher)
+    checkpoints["ode"] = train_or_reuse(args, "ode", args.ode_minutes, ode_inits, args.stage_steps.get("ode"))
     if args.stop_after == "ode":
         return None
     for name in ("self_forcing", "long_rollout")[: 1 if args.students == "self_forcing" else 2]:
         # the same teacher and budget; the same init by default
         start = checkpoints["self_forcing"] if name == "long_rollout" and args.long_init == "self_forcing" else None
         inits = dict(student=start or checkpoints["ode"], teacher=teacher, critic=teacher)
-        steps = args.student_steps if name == "long_rollout" else None
         # LongRollout is not needed by the control (it starts from Self-Forcing) nor by an evaluation that does not
         # score it (a chain leaves out a student whose training failed: the evaluation must not train it instead)
         unneeded = args.only_stage == CONTROL or (args.score and name not in args.score)
         if not (name == "long_rollout" and unneeded):
-            checkpoints[name] = train_or_reuse(args, name, args.student_minutes, inits, steps)
+            checkpoints[name] = train_or_reuse(args, name, args.student_minutes, inits, args.stage_steps.get(name))
         # the control, unless only other students are scored (an evaluation need not train it)
         if name == "long_rollout" and args.long_init == "self_forcing" and (not args.score or CONTROL in args.score):
             more = dict(student=checkpoints["self_forcing"], teacher=teacher, critic=teacher)
-            checkpoints[CONTROL] = train_or_reuse(args, CONTROL, args.student_minutes, more, args.student_steps)
+            steps = args.stage_steps.get(CONTROL)
+            checkpoints[CONTROL] = train_or_reuse(args, CONTROL, args.student_minutes, more, steps)
         if args.stop_after == name:
             return None
     return checkpoints

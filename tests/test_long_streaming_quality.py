@@ -348,6 +348,40 @@ def test_student_steps_give_long_rollout_and_the_control_equal_steps(tmp_path, m
     assert budget("self_forcing") == ("1000000", "8.0") and budget("ode")[0] == "1000000"
 
 
+def test_stage_steps_stop_each_named_stage_by_steps_with_its_minutes_as_a_cap(tmp_path, monkeypatch):
+    """``--stage-steps STAGE=N``: each named stage trains N steps, its minutes only a cap; unnamed stages keep
+    their minutes; ``--student-steps`` still sets LongRollout's and the control's."""
+    bench = _benchmark()
+    calls = _record_trainings(bench, tmp_path, monkeypatch)
+    flags = ["--out", str(tmp_path), "--long-init", "self_forcing", "--teacher-minutes", "6", "--ode-minutes", "2"]
+    flags += ["--stage-steps", "teacher=4200", "ode=880", "self_forcing=400", "--student-steps", "80"]
+    assert bench.main([*flags, "--stop-after", "long_rollout"]) == {}
+    commands = dict(calls)
+
+    def budget(stage):
+        command = commands[stage]
+        return command[command.index("--max-steps") + 1], command[command.index("--max-minutes") + 1]
+
+    assert budget("teacher") == ("4200", "6.0") and budget("ode") == ("880", "2.0")
+    assert budget("self_forcing") == ("400", "2.5")
+    assert budget("long_rollout") == budget(bench.CONTROL) == ("80", "2.5")
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--stage-steps", "critic=10"], "--stage-steps critic=10: STAGE=N with N >= 1"),
+        (["--stage-steps", "teacher=0"], "--stage-steps teacher=0: STAGE=N with N >= 1"),
+        (["--stage-steps", "ode"], "--stage-steps ode: STAGE=N with N >= 1"),
+        (["--stage-steps", "self_forcing_more=9", "--student-steps", "8"], "--student-steps both set its steps"),
+    ],
+)
+def test_bad_stage_steps_are_refused_with_exit_code_2(tmp_path, capsys, bad, message):
+    with pytest.raises(SystemExit) as stopped:
+        _benchmark().parse_args(["--out", str(tmp_path), *bad])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_only_stage_trains_one_stage_from_trained_inputs_so_two_can_run_at_once(tmp_path, monkeypatch, capsys):
     """``--only-stage``: long_rollout and its control each train alone from the same trained stages (two GPUs at
     once); a missing input stops with exit code 2 instead of training it; the evaluation then reuses both."""
