@@ -29,6 +29,7 @@ time spent waiting for each batch. Storage at 480x832 x 129 is computed from the
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -361,9 +362,12 @@ def main(argv=None) -> None:
     csv = write_data(work, args.tiny)
     cache = work / "cache"
     results = dict(device=device, date=time.strftime("%Y-%m-%d"), tiny=args.tiny, warmup=args.warmup, iters=args.iters)
-    results["precompute"] = run_mode("precompute", args, work, csv, cache)
-    results["from_cache"] = run_mode("from_cache", args, work, csv, cache)
-    results["on_the_fly"] = run_mode("on_the_fly", args, work, csv, cache)
+    try:
+        results["precompute"] = run_mode("precompute", args, work, csv, cache)
+        results["from_cache"] = run_mode("from_cache", args, work, csv, cache)
+        results["on_the_fly"] = run_mode("on_the_fly", args, work, csv, cache)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the synthetic clips and their cache: measured, then not kept
     results["speedup_from_cache"] = results["from_cache"]["samples_per_s"] / results["on_the_fly"]["samples_per_s"]
     results["storage"] = storage_table(results["precompute"], args.tiny)
     tag = "cpu" if device == "cpu" else device.split()[-1].lower().replace("-", "")

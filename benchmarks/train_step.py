@@ -36,6 +36,7 @@ import datetime
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -525,6 +526,7 @@ def run_trainer(name, ckpt, args):
     profile_file = outputs / "profile" / "rank0.json"
     if args.profile_steps and profile_file.exists():
         result["profile_summary"] = json.loads(profile_file.read_text())
+    shutil.rmtree(outputs, ignore_errors=True)  # the run's checkpoints and logs: the result holds what is kept
     return result
 
 
