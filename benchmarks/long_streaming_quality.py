@@ -93,6 +93,7 @@ STAGES = ("teacher", "ode", "self_forcing", "long_rollout")
 # with --long-init self_forcing, the control (CONTROL): Self-Forcing trained on from its own student for the
 # long-rollout student's minutes (a fresh critic from the teacher, as the long-rollout run gets), so the gain of the
 # method is measured against as much more Self-Forcing, not against less training
+TRAINED_STAGES = (*STAGES, CONTROL)
 CONFIGS = dict(
     teacher="configs/diffusion/train/moving_shapes_gpu.py",
     ode="configs/distill/causal_ode_gpu.py",
@@ -639,10 +640,11 @@ def evaluate(args, checkpoints: dict, save=lambda report: None) -> dict:
             report[name]["eval_seconds"] = 0.0
         else:
             add_switch(args, name, checkpoints[name], report[name], prompts, seeds, clip, teacher_scores)
-        report[name]["eval_seconds"] += time.monotonic() - started  # sampling, scoring, switches: a call's plan
+        seconds = time.monotonic() - started
+        report[name]["eval_seconds"] += seconds  # sampling, scoring, switches: a call's plan
         report["pending"] = [pending_text(p) for p in parts[index + 1 :]]
         save(report)
-        print(f"   evaluated {pending_text((name, part))} in {time.monotonic() - started:.0f} s: "
+        print(f"   evaluated {pending_text((name, part))} in {seconds:.0f} s: "
               f"{evaluated_line(report[name], part)}", flush=True)  # fmt: skip
     del report["pending"]  # a complete report has none (a partial one names what it lacks)
     try:  # pure arithmetic on the scores above: a failure here must not lose the sampled evaluation
@@ -721,7 +723,7 @@ def parse_args(argv=None):
         metavar="STAGE=N",
         help="train these stages N steps each, their minutes only a cap (e.g. teacher=4200 ode=880 self_forcing=400): "
         "a chain stopped by steps repeats its budgets where one stopped by the clock does not (the teacher gate's "
-        f"extra rounds still run by minutes); stages: {', '.join(STAGES + (CONTROL,))}",
+        f"extra rounds still run by minutes); stages: {', '.join(TRAINED_STAGES)}",
     )
     parser.add_argument(
         "--long-init",
@@ -741,7 +743,7 @@ def parse_args(argv=None):
     parser.add_argument("--stop-after", choices=STAGES, default=None, help="end after this stage (calls under 10 min)")
     parser.add_argument(
         "--only-stage",
-        choices=(*STAGES, CONTROL),
+        choices=TRAINED_STAGES,
         default=None,
         help="train this stage alone and end; the stages it starts from must be trained already (two stages that "
         "need the same inputs, e.g. long_rollout and self_forcing_more, can then train at once on two GPUs)",
@@ -1008,13 +1010,13 @@ def stage_steps(parser, given: list, student_steps: Optional[int]) -> dict:
     steps = {}
     for item in given:
         stage, _, count = item.partition("=")
-        if stage not in STAGES + (CONTROL,) or not count.isdigit() or int(count) < 1:
-            parser.error(f"--stage-steps {item}: STAGE=N with N >= 1, STAGE one of {', '.join(STAGES + (CONTROL,))}")
+        if stage not in TRAINED_STAGES or not count.isdigit() or int(count) < 1:
+            parser.error(f"--stage-steps {item}: STAGE=N with N >= 1, STAGE one of {', '.join(TRAINED_STAGES)}")
         steps[stage] = int(count)
-    for stage in ("long_rollout", CONTROL):
-        if student_steps is not None and stage in steps:
-            parser.error(f"--stage-steps {stage}=... and --student-steps both set its steps: keep one")
-        if student_steps is not None:
+    if student_steps is not None:
+        for stage in ("long_rollout", CONTROL):
+            if stage in steps:
+                parser.error(f"--stage-steps {stage}=... and --student-steps both set its steps: keep one")
             steps[stage] = student_steps
     return steps
 
